@@ -1,0 +1,20 @@
+"""Single-device attention math: blocks with LSE, merging, and the float64 reference.
+
+Nothing here talks between ranks (no torch.distributed); ringctx.parallel builds on it.
+"""
+
+from .kernels import BACKENDS, attention_block, attention_with_cache, resolve_backend
+from .merge import PartialAccumulator, merge_partials, sanitize_lse
+from .reference import causal_mask, reference_attention
+
+__all__ = [
+    "BACKENDS",
+    "PartialAccumulator",
+    "attention_block",
+    "attention_with_cache",
+    "causal_mask",
+    "merge_partials",
+    "reference_attention",
+    "resolve_backend",
+    "sanitize_lse",
+]

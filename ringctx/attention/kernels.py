@@ -1,0 +1,173 @@
+"""Single-device attention blocks: the compute step of every ring algorithm.
+
+Ring attention only ever needs two kinds of block (DESIGN.md):
+
+    full      every query sees every key (a KV block from earlier in the sequence, or the cache)
+    diagonal  T == S and query i sees keys 0..i (a chunk against itself)
+
+Which kind applies is decided by the caller from global positions and sequence ids, never by a
+kernel's alignment rule for unequal lengths (PyTorch aligns causal masks top-left, flash-attn
+bottom-right): `causal=True` is therefore only accepted for square blocks.
+
+Backends:
+    "torch"       PyTorch's fused flash op for the tensor's device (CPU: the AMX/AVX-512 op; CUDA:
+                  the flash SDPA op, with KV heads expanded since it has no native GQA)
+    "flash-attn"  Dao-AILab flash-attn (CUDA), if installed: native GQA, token-major layout
+    "triton"      ringctx's own Triton kernel (CUDA; TRITON_INTERPRET=1 on CPU for tests)
+    "reference"   float64 reference (tests)
+    "auto"        flash-attn on CUDA when installed, else "torch"
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .merge import PartialAccumulator, sanitize_lse
+from .reference import reference_attention
+
+BACKENDS = ("auto", "torch", "flash-attn", "triton", "reference")
+
+
+@functools.lru_cache(maxsize=1)
+def flash_attn_available() -> bool:
+    """True when the optional flash-attn package imports (it needs CUDA)."""
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA build raising at import
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map "auto" to a concrete backend for `device`; reject unknown names."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "flash-attn" if device.type == "cuda" and flash_attn_available() else "torch"
+    if backend == "flash-attn" and not flash_attn_available():
+        raise ValueError("attention backend 'flash-attn' requested but flash-attn is not installed "
+                         "(pip install 'ringctx[flash]' on a CUDA machine), or use backend 'torch'")
+    return backend
+
+
+def attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block of queries against one block of keys, with its log-sum-exp.
+
+    Args:
+        q: [T, Hq, D].
+        k, v: [S, Hkv, D], Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv).
+        causal: False: a full block. True: a square diagonal block (T == S), query i sees 0..i.
+        softmax_scale: defaults to 1/sqrt(D).
+        backend: see the module docstring.
+
+    Returns:
+        out [T, Hq, D] in q's dtype and lse [Hq, T] float32 (natural log). With S == 0 every row
+        sees no key: out = 0, lse = -inf.
+
+    Example:
+        >>> q = torch.randn(6, 4, 32); k = v = torch.randn(6, 2, 32)
+        >>> out, lse = attention_block(q, k, v, causal=True)
+        >>> out.shape, lse.shape, lse.dtype
+        (torch.Size([6, 4, 32]), torch.Size([4, 6]), torch.float32)
+    """
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    if causal and T != S:
+        raise ValueError(f"a causal (diagonal) block must be square, got {T} queries and {S} keys; "
+                         "split unequal blocks into full and diagonal parts by global position")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if T == 0 or S == 0:  # the fused ops divide by zero (SIGFPE) on empty blocks
+        return (torch.zeros_like(q),
+                torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device))
+    backend = resolve_backend(backend, q.device)
+    if backend == "reference":
+        visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
+        out, lse = reference_attention(q, k, v, visible.tril() if causal else visible, scale)
+        return out.to(q.dtype), lse.float()
+    if backend == "flash-attn":
+        return _flash_attn_block(q, k, v, causal, scale)
+    if backend == "triton":
+        from .triton_attn import triton_attention_block
+
+        return triton_attention_block(q, k, v, causal=causal, softmax_scale=scale)
+    if q.device.type == "cuda":
+        return _torch_cuda_block(q, k, v, causal, scale)
+    return _torch_cpu_block(q, k, v, causal, scale)
+
+
+def _torch_cpu_block(q, k, v, causal, scale):
+    # The op wants [B, H, S, D]; a transposed view of our token-major tensors costs nothing, and
+    # it returns out whose memory is token-major, so the transpose back is free too.
+    qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb, kb, vb, 0.0, causal, scale=scale)[:2]
+    return out[0].transpose(0, 1), lse[0]
+
+
+def _torch_cuda_block(q, k, v, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # PyTorch's CUDA flash op has no native GQA
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        qb, kb, vb, 0.0, causal, False, scale=scale)[:2]
+    return out[0].transpose(0, 1), sanitize_lse(lse[0, :, : q.shape[0]])
+
+
+def _flash_attn_block(q, k, v, causal, scale):
+    from flash_attn import flash_attn_func
+
+    out, lse, _ = flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                  softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return out[0], sanitize_lse(lse[0, :, : q.shape[0]])
+
+
+def attention_with_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cached_k: torch.Tensor | None = None,
+    cached_v: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of T new tokens of one sequence over its P cached tokens and causally itself.
+
+    New token i (global position P + i) sees every cached token and new tokens 0..i: a full block
+    against the cache merged with a diagonal block against the new keys.
+
+    Args:
+        q: [T, Hq, D]; k, v: [T, Hkv, D] the new tokens' keys and values.
+        cached_k, cached_v: [P, Hkv, D] or None (P = 0).
+
+    Returns:
+        out [T, Hq, D] in q's dtype, lse [Hq, T] float32.
+
+    Example:
+        >>> q = torch.randn(2, 4, 16); k = v = torch.randn(2, 2, 16); ck = cv = torch.randn(5, 2, 16)
+        >>> out, lse = attention_with_cache(q, k, v, ck, cv)
+        >>> out.shape
+        torch.Size([2, 4, 16])
+    """
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"attention_with_cache: {q.shape[0]} queries but {k.shape[0]} new keys")
+    diagonal = attention_block(q, k, v, causal=True, softmax_scale=softmax_scale, backend=backend)
+    if cached_k is None or cached_k.shape[0] == 0:
+        return diagonal
+    acc = PartialAccumulator(q.shape[0], q.shape[1], q.shape[2], device=q.device)
+    acc.add(*attention_block(q, cached_k, cached_v, softmax_scale=softmax_scale, backend=backend))
+    acc.add(*diagonal)
+    return acc.result(q.dtype)

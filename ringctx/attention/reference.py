@@ -1,0 +1,72 @@
+"""Float64 reference attention: the ground truth every fast path is tested against.
+
+Slow and memory-hungry on purpose (it materializes the [Hq, T, S] score matrix), so keep inputs
+small. It follows the same conventions as every other attention call in ringctx:
+
+    q [T, Hq, D], k and v [S, Hkv, D]  ->  out [T, Hq, D] float64, lse [Hq, T] float64
+
+`visible[t, s]` says whether query t may see key s; a query that sees no key gets out = 0 and
+lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention in float64 with an explicit boolean visibility mask.
+
+    Args:
+        q: [T, Hq, D] queries.
+        k, v: [S, Hkv, D] keys and values; query head h reads KV head h // (Hq // Hkv).
+        visible: [T, S] bool, True where query t may attend to key s; None means all visible.
+        softmax_scale: defaults to 1/sqrt(D).
+
+    Returns:
+        (out [T, Hq, D] float64, lse [Hq, T] float64, natural log).
+
+    Example:
+        >>> q = torch.randn(3, 4, 8); k = v = torch.randn(3, 2, 8)
+        >>> causal = torch.ones(3, 3, dtype=torch.bool).tril()
+        >>> out, lse = reference_attention(q, k, v, causal)
+        >>> out.shape, lse.shape
+        (torch.Size([3, 4, 8]), torch.Size([4, 3]))
+    """
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    group = Hq // Hkv
+    q64 = q.double().transpose(0, 1)  # [Hq, T, D]
+    k64 = k.double().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+    v64 = v.double().transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.einsum("htd,hsd->hts", q64, k64) * scale
+    if visible is not None:
+        scores = scores.masked_fill(~visible.to(scores.device).unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, T]; -inf for rows with no visible key
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    probs = torch.where(finite.unsqueeze(-1), probs, torch.zeros_like(probs))
+    out = torch.einsum("hts,hsd->htd", probs, v64).transpose(0, 1).contiguous()
+    return out, lse
+
+
+def causal_mask(
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    q_seq_ids: torch.Tensor | None = None,
+    k_seq_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[T, S] bool mask: query sees key iff same sequence and key position <= query position."""
+    visible = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    if q_seq_ids is not None and k_seq_ids is not None:
+        visible &= q_seq_ids.unsqueeze(1) == k_seq_ids.unsqueeze(0)
+    return visible

@@ -1,0 +1,81 @@
+"""Point-to-point ring shifts and all-to-all, with a byte counter.
+
+Everything that moves tensors between ranks for ring attention goes through here, so the bytes
+each rank sends can be counted per step (tests check them against the paper's formulas; the
+planner and the CLI report them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommEvent:
+    """One communication a rank took part in."""
+
+    kind: str
+    """"ring-kv" (pass-KV shift), "ring-q" (pass-Q shift), "all2all" (pass-Q partials), "check"."""
+    step: int
+    """Ring step (0-based) or 0 for collectives."""
+    bytes_sent: int
+    """Bytes this rank sent to other ranks (excluding anything it kept for itself)."""
+
+
+@dataclass
+class CommStats:
+    """Per-rank record of communication, appended to by ring_attention when passed in."""
+
+    events: list[CommEvent] = field(default_factory=list)
+    """Every communication, in order."""
+
+    def record(self, kind: str, step: int, nbytes: int) -> None:
+        self.events.append(CommEvent(kind, step, nbytes))
+
+    def bytes_sent(self, kind: str | None = None) -> int:
+        """Total bytes sent, optionally only of one kind."""
+        return sum(e.bytes_sent for e in self.events if kind is None or e.kind == kind)
+
+    def per_step(self, kind: str) -> list[int]:
+        """Bytes sent at each event of `kind`, in order."""
+        return [e.bytes_sent for e in self.events if e.kind == kind]
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Ring:
+    """This rank's place in a ring over `group`: sends go to rank+1, receives come from rank-1."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.send_peer = (self.rank + 1) % self.world_size  # ranks within `group`
+        self.recv_peer = (self.rank - 1) % self.world_size
+
+    def start_shift(self, send: torch.Tensor, recv: torch.Tensor) -> list[dist.Work]:
+        """Post the send of `send` to the next rank and the receive into `recv` from the previous.
+
+        Returns the pending works; compute on other buffers, then `wait` them. Both tensors must
+        keep their storage untouched until then (double buffering).
+        """
+        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=self.send_peer),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.recv_peer)]
+        return dist.batch_isend_irecv(ops)
+
+
+def wait_all(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+def all_to_all_equal(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-to-all of equal slices: send[j] goes to rank j; returns recv with recv[j] from rank j."""
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv

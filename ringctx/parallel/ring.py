@@ -1,0 +1,266 @@
+"""Ring attention over torch.distributed: pass-KV (paper Algorithm 2) and pass-Q (Algorithm 3).
+
+Every rank calls `ring_attention` with its own shard of the new tokens (q, k, v from
+`ShardLayout.shard`) and of the cache (cached_k/v from `ShardLayout.shard_cached`). Each new token
+of sequence s sees every cached token of s and the new tokens of s at positions <= its own.
+
+pass-KV: queries stay; each rank's KV message (its cached + new rows, Hkv heads, padded to the
+    largest rank's size) travels N-1 steps around the ring. While step i's block is computed,
+    step i+1's message is already in flight (double buffering). Partials are merged as they come.
+pass-Q: KV stays; each rank's queries travel around the ring instead, every rank computes the
+    visiting queries against its own KV, and one all-to-all returns the partial (out, lse) of
+    every query to the rank that owns it, where they are merged.
+
+Which blocks are computed, skipped, full or diagonal comes from `ShardLayout.block_tasks`, i.e.
+from global positions and sequence ids. Positions and sequence ids of travelling queries are not
+sent: every rank holds the same layout (checked before any communication), so the receiver
+derives them from the source rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..attention import PartialAccumulator, attention_block
+from .comm import CommStats, Ring, all_to_all_equal, nbytes, wait_all
+from .layout import ShardLayout
+
+STRATEGIES = ("pass-kv", "pass-q")
+_CHECK_BYTES = 512  # per-rank slot of the cross-rank input check: status byte + UTF-8 text
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: ShardLayout,
+    *,
+    cached_k: torch.Tensor | None = None,
+    cached_v: torch.Tensor | None = None,
+    strategy: str = "pass-kv",
+    group: dist.ProcessGroup | None = None,
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    stats: CommStats | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact causal attention of the layout's new tokens, computed cooperatively by all ranks.
+
+    Call on every rank of `group` (default: the world; no process group is needed when the
+    layout has one rank).
+
+    Args:
+        q: [T_r, Hq, D] this rank's new-token queries, `layout.shard(q_all, rank)`.
+        k, v: [T_r, Hkv, D] this rank's new-token keys and values (Hkv heads, never expanded).
+        layout: the same ShardLayout on every rank.
+        cached_k, cached_v: [P_r, Hkv, D] this rank's cached keys/values,
+            `layout.shard_cached(...)`; None when this rank holds no cached tokens.
+        strategy: "pass-kv" or "pass-q"; both give the same result to rounding.
+        softmax_scale: defaults to 1/sqrt(D).
+        backend: attention backend for the local blocks (see ringctx.attention).
+        stats: if given, every communication is recorded there (bytes per step).
+
+    Returns:
+        out [T_r, Hq, D] in q's dtype and lse [Hq, T_r] float32 for this rank's rows.
+
+    Raises:
+        ValueError on every rank, before any ring communication, when any rank's inputs disagree
+        with the layout or with the other ranks (shapes, dtypes, heads, layout, strategy).
+
+    Example (one process; with N ranks each passes its own shards):
+        >>> layout = ShardLayout.balanced([7], world_size=1, cached_lens=[3])
+        >>> q = torch.randn(7, 4, 16); k = v = torch.randn(7, 2, 16); ck = cv = torch.randn(3, 2, 16)
+        >>> out, lse = ring_attention(q, k, v, layout, cached_k=ck, cached_v=cv)
+        >>> out.shape, lse.shape
+        (torch.Size([7, 4, 16]), torch.Size([4, 7]))
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    world = dist.get_world_size(group) if distributed else 1
+    problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, distributed)
+    if world > 1:
+        _agree_across_ranks(problem, _signature(q, k, layout, strategy, softmax_scale), group, rank, world, stats)
+    elif problem:
+        raise ValueError(problem)
+
+    if cached_k is None:
+        cached_k = cached_v = k[:0]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    run = _RingRun(q, k, v, cached_k, cached_v, layout, rank, world, group, scale, backend, stats)
+    if layout.total_new == 0:
+        return run.empty_result()
+    return run.pass_kv() if strategy == "pass-kv" else run.pass_q()
+
+
+class _RingRun:
+    """One ring_attention call on one rank: the inputs, already validated, and the two loops."""
+
+    def __init__(self, q, k, v, cached_k, cached_v, layout, rank, world, group, scale, backend, stats):
+        self.q, self.k, self.v, self.cached_k, self.cached_v = q, k, v, cached_k, cached_v
+        self.layout, self.rank, self.world, self.group = layout, rank, world, group
+        self.scale, self.backend, self.stats = scale, backend, stats
+        self.rows, self.heads, self.head_dim = q.shape
+        self.ring = Ring(group) if world > 1 else None
+
+    def empty_result(self):
+        return self.q.new_zeros(self.q.shape), torch.full((self.heads, 0), float("-inf"), device=self.q.device)
+
+    def kv_message(self, rows: int) -> torch.Tensor:
+        """This rank's [2, rows, Hkv, D] message: K and V of its cached + new tokens, in message order."""
+        buf = self.k.new_empty((2, rows, *self.k.shape[1:]))
+        for source, src, dst, n in self.layout.kv_message_segments(self.rank):
+            sk, sv = (self.k, self.v) if source == "new" else (self.cached_k, self.cached_v)
+            buf[0, dst:dst + n] = sk[src:src + n]
+            buf[1, dst:dst + n] = sv[src:src + n]
+        return buf
+
+    def attend(self, acc: PartialAccumulator, queries: torch.Tensor, kv: torch.Tensor, q_rank: int, kv_rank: int):
+        """Accumulate q_rank's queries against kv_rank's message, block by block (masked blocks skipped)."""
+        for t in self.layout.block_tasks(q_rank, kv_rank):
+            out, lse = attention_block(queries[t.q_start:t.q_end], kv[0, t.k_start:t.k_end], kv[1, t.k_start:t.k_end],
+                                       causal=t.causal, softmax_scale=self.scale, backend=self.backend)
+            acc.add(out, lse, t.q_start)
+
+    def record(self, kind: str, step: int, n: int) -> None:
+        if self.stats is not None:
+            self.stats.record(kind, step, n)
+
+    def pass_kv(self):
+        acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
+        current = self.kv_message(self.layout.kv_message_rows)
+        incoming = torch.empty_like(current) if self.world > 1 else None
+        for step in range(self.world):
+            works = []
+            if step < self.world - 1:  # post the next block's transfer before computing this one
+                works = self.ring.start_shift(current, incoming)
+                self.record("ring-kv", step, nbytes(current))
+            self.attend(acc, self.q, current, self.rank, (self.rank - step) % self.world)
+            wait_all(works)
+            current, incoming = incoming, current
+        return acc.result(self.q.dtype)
+
+    def pass_q(self):
+        layout, world = self.layout, self.world
+        own_kv = self.kv_message(layout.num_new(self.rank) + layout.num_cached(self.rank))
+        if world == 1:
+            acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
+            self.attend(acc, self.q, own_kv, 0, 0)
+            return acc.result(self.q.dtype)
+
+        q_rows = layout.q_message_rows
+        current = self.q.new_zeros((q_rows, self.heads, self.head_dim))
+        current[:self.rows] = self.q
+        incoming = torch.empty_like(current)
+        # partial_*[j]: rank j's queries against this rank's KV, merged in float32.
+        partial_out = torch.zeros(world, q_rows, self.heads, self.head_dim, dtype=torch.float32, device=self.q.device)
+        partial_lse = torch.full((world, self.heads, q_rows), float("-inf"), device=self.q.device)
+        for step in range(world):
+            works = []
+            if step < world - 1:
+                works = self.ring.start_shift(current, incoming)
+                self.record("ring-q", step, nbytes(current))
+            owner = (self.rank - step) % world
+            self.attend(PartialAccumulator.over(partial_out[owner], partial_lse[owner]), current, own_kv, owner, self.rank)
+            wait_all(works)
+            current, incoming = incoming, current
+
+        # One all-to-all returns every partial to the owner of its queries (on the critical path).
+        # Outputs travel in the input dtype (paper: (D+1)*T*e bytes), LSE in float32.
+        send_out = partial_out.to(self.q.dtype)
+        received_out = all_to_all_equal(send_out, self.group)
+        received_lse = all_to_all_equal(partial_lse, self.group)
+        self.record("all2all", 0, (world - 1) * (nbytes(send_out[0]) + nbytes(partial_lse[0])))
+        acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
+        for j in range(world):
+            acc.add(received_out[j, :self.rows], received_lse[j, :, :self.rows])
+        return acc.result(self.q.dtype)
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, distributed) -> str | None:
+    """What is wrong with this rank's inputs, or None. Never raises: every rank must reach the check."""
+    if strategy not in STRATEGIES:
+        return f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
+    if not isinstance(layout, ShardLayout):
+        return f"layout must be a ShardLayout, got {type(layout).__name__}"
+    if layout.world_size != world:
+        return f"the layout is for {layout.world_size} ranks but the group has {world}"
+    tensors = {"q": q, "k": k, "v": v}
+    if cached_k is not None or cached_v is not None:
+        if cached_k is None or cached_v is None:
+            return "give both cached_k and cached_v, or neither"
+        tensors.update(cached_k=cached_k, cached_v=cached_v)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dim() != 3:
+            return f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}"
+        if not t.is_floating_point():
+            return f"{name} must be a floating-point tensor, got {t.dtype}"
+        if t.dtype != q.dtype:
+            return f"{name} has dtype {t.dtype} but q has {q.dtype}; cast all inputs to one dtype"
+        if t.device != q.device:
+            return f"{name} is on {t.device} but q is on {q.device}"
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    if v.shape != k.shape:
+        return f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}"
+    if k.shape[2] != d:
+        return f"q has head_dim {d} but k has {k.shape[2]}"
+    if hkv == 0 or hq % hkv:
+        return f"q has {hq} heads, not a multiple of k's {hkv} heads (GQA needs Hq = g * Hkv)"
+    if q.shape[0] != layout.num_new(rank) or k.shape[0] != q.shape[0]:
+        return (f"rank {rank} was given {q.shape[0]} query rows and {k.shape[0]} key rows but the layout "
+                f"places {layout.num_new(rank)} new tokens on it; pass layout.shard(x, {rank})")
+    cached_rows = 0 if cached_k is None else cached_k.shape[0]
+    if cached_rows != layout.num_cached(rank):
+        return (f"rank {rank} was given {cached_rows} cached rows but the layout places "
+                f"{layout.num_cached(rank)} cached tokens on it; pass layout.shard_cached(x, {rank})")
+    if cached_k is not None and (cached_k.shape[1:] != k.shape[1:] or cached_v.shape != cached_k.shape):
+        return f"cached_k/v have shape {tuple(cached_k.shape)}/{tuple(cached_v.shape)}, expected [P, {hkv}, {d}]"
+    if distributed and world > 1:
+        backend = dist.get_backend(group)
+        if backend == "gloo" and q.device.type != "cpu":
+            return f"the gloo process group needs CPU tensors, got {q.device}"
+        if backend == "nccl" and q.device.type != "cuda":
+            return f"the nccl process group needs CUDA tensors, got {q.device}"
+    return None
+
+
+def _signature(q, k, layout, strategy, scale) -> str:
+    """What every rank must agree on; compared as text so a mismatch can be shown."""
+    try:
+        return (f"layout={layout.fingerprint()} {layout!r} heads={q.shape[1]}/{k.shape[1]} "
+                f"head_dim={q.shape[2]} dtype={q.dtype} strategy={strategy} scale={scale}")
+    except Exception as exc:  # malformed inputs: _local_problem reports them
+        return f"unavailable ({type(exc).__name__})"
+
+
+def _agree_across_ranks(problem, signature, group, rank, world, stats) -> None:
+    """All-gather each rank's status and signature; raise the same ValueError on every rank if any differ."""
+    text = (problem or signature).encode()[: _CHECK_BYTES - 1]
+    slot = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
+    slot[0] = 0 if problem else 1
+    slot[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    gathered = torch.empty(world * _CHECK_BYTES, dtype=torch.uint8, device=device)
+    # all_gather_single is the current name (torch >= 2.12); older releases call it all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, slot.to(device), group=group)
+    if stats is not None:
+        stats.record("check", 0, (world - 1) * _CHECK_BYTES)
+    gathered = gathered.cpu().view(world, _CHECK_BYTES)
+    decoded = [bytes(gathered[r, 1:].tolist()).rstrip(b"\0").decode(errors="replace") for r in range(world)]
+    bad = [r for r in range(world) if gathered[r, 0] == 0]
+    if bad:
+        r = bad[0]
+        raise ValueError(f"ring_attention: invalid input on rank {r}: {decoded[r]}")
+    mismatched = [r for r in range(world) if decoded[r] != decoded[0]]
+    if mismatched:
+        r = mismatched[0]
+        raise ValueError(f"ring_attention: ranks disagree: rank 0 has [{decoded[0]}] but rank {r} has "
+                         f"[{decoded[r]}]; every rank must pass the same layout, heads, dtype and strategy")
