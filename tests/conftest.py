@@ -1,6 +1,6 @@
 import pytest
 
-from tests.distributed.pool import RankPool
+from ringctx.parallel.launch import RankPool
 
 _pools: dict[int, RankPool] = {}
 
@@ -11,7 +11,7 @@ def rank_pool():
 
     def get(world_size: int) -> RankPool:
         if world_size not in _pools:
-            _pools[world_size] = RankPool(world_size)
+            _pools[world_size] = RankPool(world_size, backend="gloo")
         return _pools[world_size]
 
     yield get
