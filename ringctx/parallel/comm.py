@@ -79,3 +79,38 @@ def all_to_all_equal(send: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv
+
+
+_CHECK_BYTES = 512  # per-rank slot of a cross-rank check: status byte + UTF-8 text
+
+
+def agree_across_ranks(what: str, problem: str | None, signature: str, group: dist.ProcessGroup | None = None,
+                       stats: CommStats | None = None) -> None:
+    """Make every rank raise the same ValueError if any rank has a problem or the signatures differ.
+
+    Each rank contributes its local problem (or None) and a signature text (what all ranks must
+    agree on); one small all-gather shares them. Call it before communication that would hang or
+    produce garbage on mismatched inputs: every rank reaches it, so nobody is left waiting.
+    """
+    world = dist.get_world_size(group)
+    text = (problem or signature).encode()[: _CHECK_BYTES - 1]
+    slot = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
+    slot[0] = 0 if problem else 1
+    slot[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    gathered = torch.empty(world * _CHECK_BYTES, dtype=torch.uint8, device=device)
+    # all_gather_single is the current name (torch >= 2.12); older releases call it all_gather_into_tensor.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, slot.to(device), group=group)
+    if stats is not None:
+        stats.record("check", 0, (world - 1) * _CHECK_BYTES)
+    gathered = gathered.cpu().view(world, _CHECK_BYTES)
+    decoded = [bytes(gathered[r, 1:].tolist()).rstrip(b"\0").decode(errors="replace") for r in range(world)]
+    bad = [r for r in range(world) if gathered[r, 0] == 0]
+    if bad:
+        r = bad[0]
+        raise ValueError(f"{what}: invalid input on rank {r}: {decoded[r]}")
+    mismatched = [r for r in range(world) if decoded[r] != decoded[0]]
+    if mismatched:
+        r = mismatched[0]
+        raise ValueError(f"{what}: ranks disagree: rank 0 has [{decoded[0]}] but rank {r} has [{decoded[r]}]")

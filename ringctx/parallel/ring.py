@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from ..attention import PartialAccumulator, attention_block
-from .comm import CommStats, Ring, all_to_all_equal, nbytes, wait_all
+from ..telemetry import span
+from .comm import CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, wait_all
 from .layout import ShardLayout
 
 STRATEGIES = ("pass-kv", "pass-q")
-_CHECK_BYTES = 512  # per-rank slot of the cross-rank input check: status byte + UTF-8 text
 
 
 def ring_attention(
@@ -81,7 +81,7 @@ def ring_attention(
     world = dist.get_world_size(group) if distributed else 1
     problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, distributed)
     if world > 1:
-        _agree_across_ranks(problem, _signature(q, k, layout, strategy, softmax_scale), group, rank, world, stats)
+        agree_across_ranks("ring_attention", problem, _signature(q, k, layout, strategy, softmax_scale), group, stats)
     elif problem:
         raise ValueError(problem)
 
@@ -118,10 +118,12 @@ class _RingRun:
 
     def attend(self, acc: PartialAccumulator, queries: torch.Tensor, kv: torch.Tensor, q_rank: int, kv_rank: int):
         """Accumulate q_rank's queries against kv_rank's message, block by block (masked blocks skipped)."""
-        for t in self.layout.block_tasks(q_rank, kv_rank):
-            out, lse = attention_block(queries[t.q_start:t.q_end], kv[0, t.k_start:t.k_end], kv[1, t.k_start:t.k_end],
-                                       causal=t.causal, softmax_scale=self.scale, backend=self.backend)
-            acc.add(out, lse, t.q_start)
+        with span("attention", "compute", q_rank=q_rank, kv_rank=kv_rank):
+            for t in self.layout.block_tasks(q_rank, kv_rank):
+                out, lse = attention_block(queries[t.q_start:t.q_end], kv[0, t.k_start:t.k_end],
+                                           kv[1, t.k_start:t.k_end], causal=t.causal, softmax_scale=self.scale,
+                                           backend=self.backend)
+                acc.add(out, lse, t.q_start)
 
     def record(self, kind: str, step: int, n: int) -> None:
         if self.stats is not None:
@@ -137,7 +139,8 @@ class _RingRun:
                 works = self.ring.start_shift(current, incoming)
                 self.record("ring-kv", step, nbytes(current))
             self.attend(acc, self.q, current, self.rank, (self.rank - step) % self.world)
-            wait_all(works)
+            with span("wait kv", "comm", step=step):
+                wait_all(works)
             current, incoming = incoming, current
         return acc.result(self.q.dtype)
 
@@ -163,14 +166,16 @@ class _RingRun:
                 self.record("ring-q", step, nbytes(current))
             owner = (self.rank - step) % world
             self.attend(PartialAccumulator.over(partial_out[owner], partial_lse[owner]), current, own_kv, owner, self.rank)
-            wait_all(works)
+            with span("wait q", "comm", step=step):
+                wait_all(works)
             current, incoming = incoming, current
 
         # One all-to-all returns every partial to the owner of its queries (on the critical path).
         # Outputs travel in the input dtype (paper: (D+1)*T*e bytes), LSE in float32.
         send_out = partial_out.to(self.q.dtype)
-        received_out = all_to_all_equal(send_out, self.group)
-        received_lse = all_to_all_equal(partial_lse, self.group)
+        with span("all2all", "comm"):
+            received_out = all_to_all_equal(send_out, self.group)
+            received_lse = all_to_all_equal(partial_lse, self.group)
         self.record("all2all", 0, (world - 1) * (nbytes(send_out[0]) + nbytes(partial_lse[0])))
         acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
         for j in range(world):
@@ -238,29 +243,3 @@ def _signature(q, k, layout, strategy, scale) -> str:
                 f"head_dim={q.shape[2]} dtype={q.dtype} strategy={strategy} scale={scale}")
     except Exception as exc:  # malformed inputs: _local_problem reports them
         return f"unavailable ({type(exc).__name__})"
-
-
-def _agree_across_ranks(problem, signature, group, rank, world, stats) -> None:
-    """All-gather each rank's status and signature; raise the same ValueError on every rank if any differ."""
-    text = (problem or signature).encode()[: _CHECK_BYTES - 1]
-    slot = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
-    slot[0] = 0 if problem else 1
-    slot[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    gathered = torch.empty(world * _CHECK_BYTES, dtype=torch.uint8, device=device)
-    # all_gather_single is the current name (torch >= 2.12); older releases call it all_gather_into_tensor.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, slot.to(device), group=group)
-    if stats is not None:
-        stats.record("check", 0, (world - 1) * _CHECK_BYTES)
-    gathered = gathered.cpu().view(world, _CHECK_BYTES)
-    decoded = [bytes(gathered[r, 1:].tolist()).rstrip(b"\0").decode(errors="replace") for r in range(world)]
-    bad = [r for r in range(world) if gathered[r, 0] == 0]
-    if bad:
-        r = bad[0]
-        raise ValueError(f"ring_attention: invalid input on rank {r}: {decoded[r]}")
-    mismatched = [r for r in range(world) if decoded[r] != decoded[0]]
-    if mismatched:
-        r = mismatched[0]
-        raise ValueError(f"ring_attention: ranks disagree: rank 0 has [{decoded[0]}] but rank {r} has "
-                         f"[{decoded[r]}]; every rank must pass the same layout, heads, dtype and strategy")

@@ -132,6 +132,7 @@ def test_bad_input_raises_on_every_rank_without_hanging(rank_pool, what, needle)
     for rank, msg in enumerate(messages):
         assert msg is not None, f"rank {rank} raised nothing for {what}"
         assert needle in msg, msg
+        assert msg.startswith("ring_attention: ")
     # The group is still usable afterwards: nothing is left half-sent.
     spec = dict(SPECS["odd-7-gqa3-d80"], dtype="float32", strategy="pass-kv", seed=1)
     out, _, _, _ = run_ring(pool, 2, spec)

@@ -1,0 +1,332 @@
+"""Planning a (chunked) context-parallel prefill: strategy per chunk, predicted times, memory.
+
+`plan_prefill` splits a prompt of `tokens` new tokens (after `cached` tokens already in the KV
+cache) into chunks of `chunk_tokens`; chunk k has T_k new tokens over P_k = cached + T_0 + ... +
+T_(k-1) cached ones. For every chunk it asks `choose_strategy` for pass-KV or pass-Q and the cost
+model for the predicted time of both; the time to first token is the sum of the chosen times plus
+the LM head on the last token. Memory is estimated per rank (per GPU under TP) and compared with
+the hardware profile.
+
+    >>> from ringctx.config import get_preset
+    >>> plan = plan_prefill(get_preset("llama3-8b"), 4, "h100-rdma", tokens=131072, chunk_tokens=32768)
+    >>> [e.strategy for e in plan.entries]
+    ['pass-kv', 'pass-kv', 'pass-kv', 'pass-kv']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from ringctx.config import ModelConfig, get_preset
+from ringctx.parallel.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
+from ringctx.parallel.strategy import (
+    LSE_BYTES, PASS_KV, PASS_Q, RULES, STRATEGIES, StrategyChoice, StrategyCost, all2all_bytes_per_rank,
+    cached_rows_per_rank, choose_strategy, local_heads, predict_costs, tokens_per_rank,
+)
+
+MEMORY_USABLE_FRACTION = 0.9
+"""Share of a rank's memory a plan may fill; the rest absorbs allocator fragmentation, the CUDA
+context or Python runtime, and temporaries the estimate leaves out."""
+
+MIN_DEFAULT_CHUNK_TOKENS = 256
+"""Smallest chunk `default_chunk_tokens` proposes: below it, per-message latency and kernel
+launches dominate and pass-KV's transfer cannot hide under compute (Eq. 2)."""
+
+HIDDEN_BUFFERS = 4
+"""Residual-stream-sized buffers alive in one layer: residual, normed input, attention output, MLP
+output."""
+
+
+# ----------------------------------------------------------------------------- memory formulas
+
+
+def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str) -> int:
+    """Weights on one GPU: n_params * e_w / TP (every CP rank holds a full TP shard of the model;
+    embeddings and LM head are taken as vocab-parallel, so they split too)."""
+    return -(-model.n_params * element_bytes(weight_dtype) // tp_size)
+
+
+def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int, dtype: str) -> int:
+    """KV shard on one GPU: rows * 2 * n_layers * NKV_local * DH * e.
+
+    With tp_size = 1 this is rows * model.kv_bytes_per_token(e). The planner takes rows =
+    ceil(cached/N) + the sum over chunks of tokens_per_rank(T_k, N) (the fullest rank of each
+    chunk's balanced sharding), which is (cached+tokens)/N when 2N divides every chunk and N the cache.
+    """
+    _, kv_heads = local_heads(model, tp_size)
+    return rows_per_rank * 2 * model.n_layers * kv_heads * model.head_dim * element_bytes(dtype)
+
+
+def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, chunk_tokens: int,
+                              max_cached_per_rank: int, strategy: str, dtype: str) -> int:
+    """Working set of one layer for one chunk on one GPU (layers run one after the other in
+    inference, so only one layer's activations are alive). With t = tokens_per_rank(chunk, N)
+    (about chunk/N) and e = bytes per element:
+
+      hidden      4 * t * dim * e                      (HIDDEN_BUFFERS residual-sized buffers)
+      qkv         t * (NH + 2*NKV)_local * DH * e
+      mlp         3 * t * ffn/TP * e                   (gate, up, their product)
+      accumulator t * NH_local * (DH + 1) * 4           (float32 output and LSE of the merge)
+      ring        pass-KV: 2 * (max_i P_i + t) * 2 * NKV_local * DH * e   (send and receive buffer)
+                  pass-Q : 2 * t * NH_local * DH * e  +  2 * All2All bytes  (Q in flight, partials
+                           held for and received from the N-1 other ranks); 0 when N = 1
+      logits      vocab * 4                            (float32, last token only)
+    """
+    heads, kv_heads = local_heads(model, tp_size)
+    e, DH, t = element_bytes(dtype), model.head_dim, tokens_per_rank(chunk_tokens, cp_size)
+    hidden = HIDDEN_BUFFERS * t * model.dim * e
+    qkv = t * (heads + 2 * kv_heads) * DH * e
+    mlp = 3 * t * (model.ffn_dim // tp_size) * e
+    accumulator = t * heads * (DH + 1) * LSE_BYTES
+    if cp_size == 1:
+        ring = 0
+    elif strategy == PASS_KV:
+        ring = 2 * (max_cached_per_rank + t) * 2 * kv_heads * DH * e
+    elif strategy == PASS_Q:
+        ring = 2 * t * heads * DH * e + 2 * all2all_bytes_per_rank(chunk_tokens, cp_size, heads, DH, e)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return hidden + qkv + mlp + accumulator + ring + model.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak memory of one rank (one GPU under TP) during the prefill."""
+
+    weights_bytes: int
+    """Model weights: n_params * e_w / TP."""
+    kv_cache_bytes: int
+    """KV-cache shard after the prefill: (cached + tokens)/N rows of all layers."""
+    activation_bytes: int
+    """Largest one-layer working set over the chunks (chunk activations and ring buffers)."""
+    capacity_bytes: float
+    """Memory of one rank in the hardware profile."""
+    usable_bytes: float
+    """capacity * MEMORY_USABLE_FRACTION: what the plan may fill."""
+
+    @property
+    def total_bytes(self) -> int:
+        """weights + KV cache + activations."""
+        return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether total_bytes <= usable_bytes."""
+        return self.total_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk of the prefill: its tokens, the chosen strategy and the predicted times."""
+
+    index: int
+    """Position of the chunk, 0 first."""
+    new_tokens: int
+    """T_k: tokens of this chunk."""
+    cached_tokens: int
+    """P_k: cached + the tokens of earlier chunks."""
+    max_cached_per_rank: int
+    """max_i P_i: cache rows of the fullest rank when the chunk starts (pads pass-KV messages)."""
+    choice: StrategyChoice
+    """What choose_strategy decided and why."""
+    costs: dict[str, StrategyCost]
+    """Cost-model prediction of both strategies for this chunk."""
+    activation_bytes: int
+    """One-layer working set of this chunk with the chosen strategy."""
+
+    @property
+    def strategy(self) -> str:
+        """The chosen strategy, "pass-kv" or "pass-q"."""
+        return self.choice.strategy
+
+    @property
+    def predicted_ms(self) -> dict[str, float]:
+        """Predicted time of the whole chunk (all layers) with each strategy, in ms."""
+        return {s: self.costs[s].total_s * 1e3 for s in STRATEGIES}
+
+    @property
+    def chosen_ms(self) -> float:
+        """Predicted time of the chunk with the chosen strategy, in ms."""
+        return self.predicted_ms[self.strategy]
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index, "new_tokens": self.new_tokens, "cached_tokens": self.cached_tokens,
+            "max_cached_per_rank": self.max_cached_per_rank, "strategy": self.strategy,
+            "reason": self.choice.reason, "predicted_ms": self.predicted_ms, "chosen_ms": self.chosen_ms,
+            "exposed_comm_ms": {s: self.costs[s].exposed_comm_s * self.costs[s].n_layers * 1e3 for s in STRATEGIES},
+            "activation_bytes": self.activation_bytes, "choice": self.choice.to_dict(),
+            "costs": {s: self.costs[s].to_dict() for s in STRATEGIES},
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The plan of one (chunked) prefill on a CP group."""
+
+    model: ModelConfig
+    """The model planned for."""
+    hardware: HardwareProfile
+    """The hardware profile the numbers come from."""
+    cp_size: int
+    """N: ranks of the CP ring."""
+    tp_size: int
+    """Tensor-parallel degree inside each CP rank (per-GPU numbers divide by it)."""
+    dtype: str
+    """Dtype of activations, attention and KV cache."""
+    weight_dtype: str
+    """Dtype of the weights (the paper runs FP8 FFN weights for 405B)."""
+    rule: str
+    """Strategy rule: "alg1", "alg5", "empirical" or "cost"."""
+    tokens: int
+    """New tokens of the prompt."""
+    cached: int
+    """Tokens already in the KV cache before the prompt."""
+    chunk_tokens: int
+    """Tokens per chunk (the last may be shorter); equals tokens for an unchunked prefill."""
+    entries: tuple[ChunkPlan, ...]
+    """One entry per chunk, in order."""
+    lm_head_ms: float
+    """The LM head on the last token."""
+    memory: MemoryEstimate
+    """Peak memory per rank."""
+
+    @property
+    def ttft_ms(self) -> float:
+        """Predicted time to first token: the chunks' chosen times + the LM head."""
+        return sum(e.chosen_ms for e in self.entries) + self.lm_head_ms
+
+    @property
+    def best_ttft_ms(self) -> float:
+        """TTFT if every chunk ran the strategy the cost model predicts faster (rule check)."""
+        return sum(min(e.predicted_ms.values()) for e in self.entries) + self.lm_head_ms
+
+    @property
+    def fits(self) -> bool:
+        """Whether the memory estimate fits the profile's usable memory."""
+        return self.memory.fits
+
+    def to_dict(self) -> dict:
+        hw = self.hardware
+        return {
+            "model": self.model.name, "model_fingerprint": self.model.fingerprint(),
+            "hardware": hw.name, "hardware_calibrated": hw.calibrated, "hardware_source": hw.source_path,
+            "cp_size": self.cp_size, "tp_size": self.tp_size, "dtype": self.dtype,
+            "weight_dtype": self.weight_dtype, "rule": self.rule, "tokens": self.tokens, "cached": self.cached,
+            "chunk_tokens": self.chunk_tokens, "entries": [e.to_dict() for e in self.entries],
+            "lm_head_ms": self.lm_head_ms, "ttft_ms": self.ttft_ms, "best_ttft_ms": self.best_ttft_ms,
+            "memory": self.memory.to_dict(), "fits": self.fits,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+def split_chunks(tokens: int, chunk_tokens: int) -> list[int]:
+    """Chunk lengths: full chunks of chunk_tokens, then the remainder (if any)."""
+    full, rest = divmod(tokens, chunk_tokens)
+    return [chunk_tokens] * full + ([rest] if rest else [])
+
+
+def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str", tokens: int,
+                 cached: int = 0, chunk_tokens: int | None = None, tp_size: int = 1, dtype: str = "bfloat16",
+                 rule: str = "alg5", *, weight_dtype: str | None = None) -> Plan:
+    """Plan the prefill of `tokens` new tokens after `cached` cached ones on `cp_size` ranks.
+
+    `chunk_tokens` None (or >= tokens) plans a single (partial) prefill; otherwise the prompt runs
+    in chunks of that size. `model` is a ModelConfig or preset name, `hardware` a profile, a
+    built-in profile name or a JSON path. `weight_dtype` defaults to `dtype`.
+    """
+    model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, chunk_tokens,
+                                               tp_size, dtype, rule, weight_dtype)
+    chunk = tokens if chunk_tokens is None else min(chunk_tokens, tokens)
+    entries, rows, seen = [], cached_rows_per_rank(cached, cp_size), cached
+    for index, new in enumerate(split_chunks(tokens, chunk)):
+        choice = choose_strategy(new, seen, model, cp_size, hw, rule, dtype=dtype, tp_size=tp_size,
+                                 max_cached_per_rank=rows)
+        costs = predict_costs(new, seen, model, cp_size, hw, tp_size=tp_size, dtype=dtype,
+                              weight_dtype=weight_dtype, max_cached_per_rank=rows)
+        activation = activation_bytes_per_rank(model, cp_size, tp_size, new, rows, choice.strategy, dtype)
+        entries.append(ChunkPlan(index, new, seen, rows, choice, costs, activation))
+        seen, rows = seen + new, rows + tokens_per_rank(new, cp_size)
+    memory = MemoryEstimate(
+        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype),
+        kv_cache_bytes=kv_cache_bytes_per_rank(model, rows, tp_size, dtype),
+        activation_bytes=max(e.activation_bytes for e in entries),
+        capacity_bytes=hw.memory_bytes, usable_bytes=hw.memory_bytes * MEMORY_USABLE_FRACTION,
+    )
+    return Plan(model=model, hardware=hw, cp_size=cp_size, tp_size=tp_size, dtype=dtype, weight_dtype=weight_dtype,
+                rule=rule, tokens=tokens, cached=cached, chunk_tokens=chunk, entries=tuple(entries),
+                lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype) * 1e3, memory=memory)
+
+
+def lm_head_seconds(model: ModelConfig, hardware: HardwareProfile, tp_size: int, weight_dtype: str) -> float:
+    """Logits of the last token: 2 * dim * vocab / TP FLOPs at the linear layers' FLOP/s."""
+    return 2 * model.dim * model.vocab_size / tp_size / hardware.linear_flops(weight_dtype)
+
+
+def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, dtype, rule, weight_dtype):
+    """Check every planner input before any arithmetic; returns (model, profile, dtype, weight_dtype)."""
+    model = get_preset(model) if isinstance(model, str) else model
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"model must be a ModelConfig or a preset name, got {type(model).__name__}")
+    checks = (("tokens", tokens, 1), ("cached", cached, 0), ("cp_size", cp_size, 1), ("tp_size", tp_size, 1))
+    if chunk_tokens is not None:
+        checks += (("chunk_tokens", chunk_tokens, 1),)
+    for name, value, least in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    local_heads(model, tp_size)  # raises when tp_size does not split the heads / MLP
+    if rule not in RULES:
+        raise ValueError(f"unknown strategy rule {rule!r}; use one of {', '.join(RULES)}")
+    hw = load_profile(hardware)
+    dtype, weight_dtype = canonical_dtype(dtype), canonical_dtype(weight_dtype or dtype)
+    hw.peak(dtype), hw.peak(weight_dtype)  # raise when the profile lacks the dtype
+    return model, hw, dtype, weight_dtype
+
+
+# ----------------------------------------------------------------------------- default chunk size
+
+
+def default_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str",
+                         tokens: int, cached: int = 0, tp_size: int = 1, dtype: str = "bfloat16",
+                         *, weight_dtype: str | None = None) -> int:
+    """The chunk size to prefill `tokens` tokens with when the user gives none.
+
+    Rule: chunks only save memory (every chunk after the first adds ring steps and, once the
+    cached part dominates, pushes to pass-Q), so take the whole prompt when it fits, else the
+    largest power of two that fits. "Fits" means weights + the KV cache of all cached + tokens
+    + the one-layer working set of a chunk (the larger of pass-KV's and pass-Q's, with the ring
+    buffers sized for the full cache) <= MEMORY_USABLE_FRACTION of the profile's memory per rank.
+    A ValueError when not even MIN_DEFAULT_CHUNK_TOKENS fits (more CP ranks or TP are needed).
+    """
+    model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, None, tp_size, dtype,
+                                               "alg5", weight_dtype)
+    rows = cached_rows_per_rank(cached, cp_size) + tokens_per_rank(tokens, cp_size)
+    fixed = weight_bytes_per_rank(model, tp_size, weight_dtype) + kv_cache_bytes_per_rank(model, rows, tp_size, dtype)
+    usable = hw.memory_bytes * MEMORY_USABLE_FRACTION
+
+    def fits(chunk: int) -> bool:
+        working = max(activation_bytes_per_rank(model, cp_size, tp_size, chunk, rows, s, dtype) for s in STRATEGIES)
+        return fixed + working <= usable
+
+    if fits(tokens):
+        return tokens
+    chunk = 1 << (tokens.bit_length() - 1)  # largest power of two <= tokens
+    while chunk >= MIN_DEFAULT_CHUNK_TOKENS:
+        if fits(chunk):
+            return chunk
+        chunk //= 2
+    raise ValueError(
+        f"{model.name} with {cached + tokens} tokens does not fit {hw.name!r} at cp_size={cp_size}, "
+        f"tp_size={tp_size}: weights + KV cache take {fixed / 1e9:.3g} GB of {usable / 1e9:.3g} GB usable per rank "
+        f"even with {MIN_DEFAULT_CHUNK_TOKENS}-token chunks; use more CP ranks, a larger TP size or a smaller dtype"
+    )

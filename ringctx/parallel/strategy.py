@@ -1,0 +1,548 @@
+"""Choosing ring pass-KV or pass-Q (paper Eq. 1-3, Algorithms 1 and 5), and the cost model.
+
+Notation (paper): T new tokens, P cached tokens, N = cp_size ranks, NH query heads, NKV KV heads,
+DH head dim, D = NH*DH, e bytes per element, C achieved FLOP/s per rank, BW achieved bytes/s per
+rank. Miss rate m = T/(T+P).
+
+Rules of `choose_strategy`:
+- ``alg1``  (Algorithm 1): pass-KV if T >= N*C*NKV*e/(2*NH*BW) (Eq. 2) or m >= 2*NKV/NH (Eq. 1).
+- ``alg5``  (Algorithm 5, the default): pass-KV if T >= N*C*NKV*e/(2*NH*BW)
+            or m >= 2*NKV/NH - 4*T*BW/(N*C*e)  (the All2All of pass-Q counted).
+- ``empirical``: pass-KV if h = a*ln T + b*ln m + c > 0, coefficients from the hardware profile.
+- ``cost``: the strategy with the smaller predicted attention time of the cost model below.
+
+The cost model (`predict_strategy_cost`) prices one prefill chunk per layer and per ring step:
+SendRecv of a message (latency + bytes/BW) overlapped with the attention of the block at hand,
+the un-overlapped All2All of pass-Q, and the linear layers. It agrees with Algorithm 5 where
+Algorithm 5 was derived (pass-Q's ring hidden, Eq. 3). Where nothing hides, pass-Q's All2All
+returns as many bytes as its ring carried, so the model's crossover falls to m ~ NKV/NH while
+Algorithms 1 and 5 keep 2*NKV/NH: between the two the "cost" rule picks pass-KV, they pass-Q.
+
+`fit_empirical_rule` fits h(T, P) by logistic regression to labelled (T, P) samples: to
+Algorithm 5's decisions for the built-in defaults, to measured winners during calibration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ringctx.config import ModelConfig, get_preset
+from ringctx.parallel.hardware import (
+    EmpiricalRuleCoefficients, HardwareProfile, canonical_dtype, element_bytes, load_profile,
+)
+
+PASS_KV = "pass-kv"
+PASS_Q = "pass-q"
+STRATEGIES = (PASS_KV, PASS_Q)
+"""The two ring strategies, as spelled everywhere (plans, telemetry, ring_attention)."""
+
+RULES = ("alg1", "alg5", "empirical", "cost")
+"""Names accepted by `choose_strategy(rule=...)`."""
+
+LSE_BYTES = 4
+"""Bytes of one log-sum-exp value: partial LSEs travel as float32 (docs/CONTRACTS.md)."""
+
+
+# ----------------------------------------------------------------------------- threshold formulas
+
+
+def miss_rate(new_tokens: int, cached_tokens: int) -> float:
+    """KV-cache miss rate m = T/(T+P)."""
+    return new_tokens / (new_tokens + cached_tokens)
+
+
+def message_size_threshold(n_heads: int, n_kv_heads: int) -> float:
+    """Eq. 1: pass-Q sends fewer bytes than pass-KV iff m = T/(T+P) <= 2*NKV/NH.
+
+    Per step pass-KV sends K and V of (T+P)/N tokens at NKV heads, 2*(T+P)/N*NKV*DH*e bytes, and
+    pass-Q sends Q of T/N tokens at NH heads, T/N*NH*DH*e bytes.
+    """
+    return 2 * n_kv_heads / n_heads
+
+
+def pass_kv_compute_threshold(cp_size: int, flops: float, n_heads: int, n_kv_heads: int,
+                              elem_bytes: int, bandwidth: float) -> float:
+    """Eq. 2: pass-KV's SendRecv hides under attention compute iff T >= N*C*NKV*e/(2*NH*BW).
+
+    From 4*(T/N)*((T+P)/N)*D/C >= 2*((T+P)/N)*D*(NKV/NH)*e/BW (compute per step >= KV transfer).
+    """
+    return cp_size * flops * n_kv_heads * elem_bytes / (2 * n_heads * bandwidth)
+
+
+def pass_q_context_threshold(cp_size: int, flops: float, elem_bytes: int, bandwidth: float) -> float:
+    """Eq. 3: pass-Q's ring SendRecv hides under compute iff T+P >= N*e*C/(4*BW).
+
+    From 4*(T/N)*((T+P)/N)*D/C >= (T/N)*D*e/BW.
+    """
+    return cp_size * elem_bytes * flops / (4 * bandwidth)
+
+
+def alg5_miss_rate_threshold(new_tokens: int, cp_size: int, flops: float, n_heads: int,
+                             n_kv_heads: int, elem_bytes: int, bandwidth: float) -> float:
+    """Algorithm 5's miss-rate threshold: 2*NKV/NH - 4*T*BW/(N*C*e), below Algorithm 1's 2*NKV/NH.
+
+    Equivalent to "pass-KV's exposed KV transfer costs no more than pass-Q's All2All (~T*D*e/BW)":
+    2*(T+P)*D*(NKV/NH)*e/BW <= T*D*e/BW + 4*T*(T+P)*D/(N*C).
+    """
+    return message_size_threshold(n_heads, n_kv_heads) - 4 * new_tokens * bandwidth / (cp_size * flops * elem_bytes)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """Which ring strategy to run for one (chunk of a) prefill, why, and the numbers behind it."""
+
+    strategy: str
+    """"pass-kv" or "pass-q"."""
+    rule: str
+    """The rule that decided: "alg1", "alg5", "empirical" or "cost"."""
+    reason: str
+    """A sentence naming the condition that fired, with its numbers."""
+    new_tokens: int
+    """T: tokens of this prefill (chunk) whose KV is new."""
+    cached_tokens: int
+    """P: tokens already in the KV cache that the new tokens attend to."""
+    cp_size: int
+    """N: ranks in the ring."""
+    miss_rate: float
+    """m = T/(T+P)."""
+    message_size_threshold: float
+    """Eq. 1: 2*NKV/NH; pass-Q's message is smaller when m is below it."""
+    compute_threshold_tokens: float
+    """Eq. 2: N*C*NKV*e/(2*NH*BW); pass-KV's transfer hides under compute when T is at least this."""
+    alg5_miss_rate_threshold: float
+    """Algorithm 5: 2*NKV/NH - 4*T*BW/(N*C*e)."""
+    pass_q_context_threshold_tokens: float
+    """Eq. 3: N*e*C/(4*BW); pass-Q's ring transfer hides under compute when T+P is at least this."""
+    empirical_score: float | None
+    """h(T, P) of the empirical rule when that rule decided, else None."""
+    achieved_flops: float
+    """C: achieved FLOP/s per rank used in the formulas."""
+    bandwidth_bytes_per_s: float
+    """BW: achieved bytes/s per rank used in the formulas."""
+    element_bytes: int
+    """e: bytes per element of the attention dtype."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | str", cp_size: int,
+                    hardware: "HardwareProfile | str", rule: str = "alg5", *, dtype: str = "bfloat16",
+                    tp_size: int = 1, max_cached_per_rank: int | None = None) -> StrategyChoice:
+    """Pick pass-KV or pass-Q for T = `new_tokens` new and P = `cached_tokens` cached tokens.
+
+    `model` is a ModelConfig or preset name; `hardware` a profile or a profile name/path, giving
+    C = peak_flops[dtype] * achieved_fraction and BW = bandwidth_bytes_per_s. The thresholds do not
+    depend on TP (heads and FLOP/s per GPU scale alike); `tp_size` and `max_cached_per_rank` only
+    matter to the "cost" rule (see `predict_strategy_cost`). With N = 1 there is no ring; the rule
+    still runs and its reason says the choice has no effect.
+    """
+    model = get_preset(model) if isinstance(model, str) else model
+    hardware = load_profile(hardware)
+    validate_ring_inputs(new_tokens, cached_tokens, cp_size)
+    local_heads(model, tp_size)  # a clear error for a TP size that cannot split the heads
+    if rule not in RULES:
+        raise ValueError(f"unknown strategy rule {rule!r}; use one of {', '.join(RULES)}")
+    dtype = canonical_dtype(dtype)
+    numbers = _threshold_numbers(new_tokens, cached_tokens, model, cp_size, hardware, dtype)
+    if rule == "alg1":
+        strategy, reason = _decide_alg1(numbers)
+    elif rule == "alg5":
+        strategy, reason = _decide_alg5(numbers)
+    elif rule == "empirical":
+        strategy, reason, score = _decide_empirical(numbers, model, hardware, dtype)
+        numbers = dataclasses.replace(numbers, empirical_score=score)
+    else:
+        costs = predict_costs(new_tokens, cached_tokens, model, cp_size, hardware, tp_size=tp_size,
+                              dtype=dtype, max_cached_per_rank=max_cached_per_rank)
+        strategy, reason = _decide_cost(costs)
+    if cp_size == 1:
+        reason += " (cp_size=1: no ring, both strategies run the same local attention)"
+    return dataclasses.replace(numbers, strategy=strategy, rule=rule, reason=reason)
+
+
+def validate_ring_inputs(new_tokens: int, cached_tokens: int, cp_size: int) -> None:
+    """ValueError unless T >= 1, P >= 0 and N >= 1 are integers."""
+    for name, value, least in (("new_tokens (T)", new_tokens, 1), ("cached_tokens (P)", cached_tokens, 0),
+                               ("cp_size (N)", cp_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def _threshold_numbers(T: int, P: int, model: ModelConfig, N: int, hw: HardwareProfile, dtype: str) -> StrategyChoice:
+    """Every number of Eq. 1-3 and Algorithm 5 for this case (strategy/rule/reason blank)."""
+    C, BW, e = hw.achieved_flops(dtype), hw.bandwidth_bytes_per_s, element_bytes(dtype)
+    NH, NKV = model.n_heads, model.n_kv_heads
+    return StrategyChoice(
+        strategy="", rule="", reason="", new_tokens=T, cached_tokens=P, cp_size=N,
+        miss_rate=miss_rate(T, P),
+        message_size_threshold=message_size_threshold(NH, NKV),
+        compute_threshold_tokens=pass_kv_compute_threshold(N, C, NH, NKV, e, BW),
+        alg5_miss_rate_threshold=alg5_miss_rate_threshold(T, N, C, NH, NKV, e, BW),
+        pass_q_context_threshold_tokens=pass_q_context_threshold(N, C, e, BW),
+        empirical_score=None, achieved_flops=C, bandwidth_bytes_per_s=BW, element_bytes=e,
+    )
+
+
+def _compute_clause(n: StrategyChoice, op: str) -> str:
+    return (f"T={n.new_tokens} {op} {n.compute_threshold_tokens:.0f} tokens "
+            f"(Eq. 2, N*C*NKV*e/(2*NH*BW) with N={n.cp_size}, C={n.achieved_flops:.3g} FLOP/s, "
+            f"BW={n.bandwidth_bytes_per_s:.3g} B/s, e={n.element_bytes})")
+
+
+def _decide_alg1(n: StrategyChoice) -> tuple[str, str]:
+    if n.new_tokens >= n.compute_threshold_tokens:
+        return PASS_KV, f"alg1: pass-KV because {_compute_clause(n, '>=')}: the KV SendRecv hides under attention"
+    if n.miss_rate >= n.message_size_threshold:
+        return PASS_KV, (f"alg1: pass-KV because miss rate T/(T+P)={n.miss_rate:.4g} >= "
+                         f"{n.message_size_threshold:.4g} (Eq. 1, 2*NKV/NH): KV messages are the smaller ones")
+    return PASS_Q, (f"alg1: pass-Q because {_compute_clause(n, '<')} and miss rate T/(T+P)={n.miss_rate:.4g} < "
+                    f"{n.message_size_threshold:.4g} (Eq. 1, 2*NKV/NH): Q messages are smaller")
+
+
+def _decide_alg5(n: StrategyChoice) -> tuple[str, str]:
+    if n.new_tokens >= n.compute_threshold_tokens:
+        return PASS_KV, f"alg5: pass-KV because {_compute_clause(n, '>=')}: the KV SendRecv hides under attention"
+    threshold = (f"{n.alg5_miss_rate_threshold:.4g} (Alg. 5, 2*NKV/NH - 4*T*BW/(N*C*e) = "
+                 f"{n.message_size_threshold:.4g} - {n.message_size_threshold - n.alg5_miss_rate_threshold:.4g})")
+    if n.miss_rate >= n.alg5_miss_rate_threshold:
+        return PASS_KV, (f"alg5: pass-KV because miss rate T/(T+P)={n.miss_rate:.4g} >= {threshold}: "
+                         f"its exposed KV transfer costs less than pass-Q's All2All")
+    return PASS_Q, (f"alg5: pass-Q because {_compute_clause(n, '<')} and miss rate T/(T+P)={n.miss_rate:.4g} < "
+                    f"{threshold}")
+
+
+def _decide_empirical(n: StrategyChoice, model: ModelConfig, hw: HardwareProfile, dtype: str):
+    coeffs = hw.empirical_rule_for(model.n_heads, model.n_kv_heads, n.cp_size, dtype)
+    origin = f"{coeffs.source} coefficients of profile {hw.name!r}" if coeffs else None
+    if coeffs is None:
+        coeffs = fit_empirical_rule_to_alg5(model, n.cp_size, hw, dtype)
+        origin = (f"profile {hw.name!r} has no coefficients for NKV/NH={model.n_kv_heads}/{model.n_heads}, "
+                  f"N={n.cp_size}, {dtype}: fitted to alg5 now")
+    h = coeffs.score(n.new_tokens, n.cached_tokens)
+    formula = (f"h = {coeffs.a:.4g}*ln({n.new_tokens}) + {coeffs.b:.4g}*ln({n.miss_rate:.4g}) + {coeffs.c:.4g} "
+               f"= {h:.4g}")
+    strategy = PASS_KV if h > 0 else PASS_Q
+    verdict = "pass-KV because" if h > 0 else "pass-Q because"
+    return strategy, f"empirical: {verdict} {formula} {'>' if h > 0 else '<='} 0 ({origin})", h
+
+
+def _decide_cost(costs: dict[str, "StrategyCost"]) -> tuple[str, str]:
+    kv, q = costs[PASS_KV], costs[PASS_Q]
+    strategy = PASS_KV if kv.attention_s <= q.attention_s else PASS_Q
+    winner = "pass-KV" if strategy == PASS_KV else "pass-Q"
+    return strategy, (f"cost: {winner} predicted faster, attention per layer {kv.attention_s * 1e3:.4g} ms "
+                      f"(pass-KV, exposed comm {kv.exposed_comm_s * 1e3:.4g} ms) vs {q.attention_s * 1e3:.4g} ms "
+                      f"(pass-Q, exposed comm incl. All2All {q.exposed_comm_s * 1e3:.4g} ms)")
+
+
+# ----------------------------------------------------------------------------- cost model: formulas
+
+
+def tokens_per_rank(tokens: int, cp_size: int) -> int:
+    """New-token rows of the fullest rank under load-balanced sharding (ring messages pad to it).
+
+    The T tokens are cut into 2N chunks of c = ceil(T/(2N)) (the last ones short or empty) and
+    rank i holds chunks i and 2N-1-i (ShardLayout.balanced). This is ceil(T/N) when 2N divides T,
+    the paper's figure, and at most one row more otherwise.
+    """
+    chunk = -(-tokens // (2 * cp_size))
+
+    def chunk_len(j: int) -> int:
+        return max(0, min(chunk, tokens - j * chunk))
+
+    return max(chunk_len(i) + chunk_len(2 * cp_size - 1 - i) for i in range(cp_size))
+
+
+def local_heads(model: ModelConfig, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on one GPU under tensor parallelism of `tp_size`.
+
+    Query heads are split (tp_size must divide NH); KV heads are split when tp_size divides NKV,
+    else replicated so each GPU keeps one (tp_size must then be a multiple of NKV).
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+    NH, NKV = model.n_heads, model.n_kv_heads
+    if NH % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide the {NH} query heads of {model.name}; "
+                         f"use a divisor of {NH}")
+    if NKV % tp_size and tp_size % NKV:
+        raise ValueError(f"tp_size={tp_size} neither divides nor is a multiple of the {NKV} KV heads of {model.name}")
+    if model.ffn_dim % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide ffn_dim={model.ffn_dim} of {model.name}")
+    return NH // tp_size, max(1, NKV // tp_size)
+
+
+def cached_rows_per_rank(cached_tokens: int, cp_size: int) -> int:
+    """ceil(P/N): cache rows of the fullest rank when a cache is split evenly (ShardLayout default)."""
+    return -(-cached_tokens // cp_size)
+
+
+def pass_kv_message_bytes(max_cached_per_rank: int, new_tokens: int, cp_size: int, kv_heads: int,
+                          head_dim: int, elem_bytes: int) -> int:
+    """Bytes of one pass-KV SendRecv message: 2 * (max_i(P_i) + n) * NKV * DH * e, n = tokens_per_rank(T, N).
+
+    K and V of the largest shard (messages must be equal-sized, shorter ones are padded).
+    """
+    return 2 * (max_cached_per_rank + tokens_per_rank(new_tokens, cp_size)) * kv_heads * head_dim * elem_bytes
+
+
+def pass_q_message_bytes(new_tokens: int, cp_size: int, heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes of one pass-Q SendRecv message: n * NH * DH * e, n = tokens_per_rank(T, N) (~ceil(T/N))."""
+    return tokens_per_rank(new_tokens, cp_size) * heads * head_dim * elem_bytes
+
+
+def all2all_bytes_per_rank(new_tokens: int, cp_size: int, heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Bytes one rank sends in pass-Q's All2All: (N-1) * n * NH * (DH*e + 4), n = tokens_per_rank(T, N).
+
+    Partial outputs (DH elements of e bytes) and one float32 LSE per head and token go back to the
+    N-1 ranks owning the queries: as many output bytes as the Q ring carried. The paper writes the
+    cost as (N-1)*(D+1)*T*e/BW, counting all T tokens; one rank holds only T/N of them, so per
+    rank the volume is 1/N of that, with a float32 LSE per head instead of one e-byte value.
+    """
+    return (cp_size - 1) * tokens_per_rank(new_tokens, cp_size) * heads * (head_dim * elem_bytes + LSE_BYTES)
+
+
+def attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int) -> int:
+    """Attention FLOPs of T new tokens over P cached + T new keys: 4*T*D*(P + T/2) = 2*T*D*(2P + T).
+
+    4*T*D*(T+P) (QK^T and PV, 2 FLOPs per multiply-add) with the causal new-new part halved;
+    D = heads * DH of the heads computed (local heads under TP).
+    """
+    return 2 * new_tokens * attn_dim * (2 * cached_tokens + new_tokens)
+
+
+def linear_params_per_layer(model: ModelConfig) -> int:
+    """Weights of one block's matmuls: Q,K,V,O projections and the SwiGLU MLP (gate, up, down)."""
+    qkv = model.dim * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim
+    out = model.n_heads * model.head_dim * model.dim
+    return qkv + out + 3 * model.dim * model.ffn_dim
+
+
+def linear_flops(tokens: int, model: ModelConfig, tp_size: int) -> int:
+    """FLOPs of one block's linear layers for `tokens` tokens on one GPU: 2 * tokens * params / TP."""
+    return 2 * tokens * linear_params_per_layer(model) // tp_size
+
+
+def transfer_seconds(nbytes: int, bandwidth: float, latency_s: float, messages: int = 1) -> float:
+    """Time to send `nbytes` in `messages` messages: messages * latency + bytes / BW (0 if nothing)."""
+    if nbytes == 0 and messages == 0:
+        return 0.0
+    return messages * latency_s + nbytes / bandwidth
+
+
+def ring_seconds(compute_step_s: float, comm_step_s: float, cp_size: int) -> float:
+    """Ring of N compute steps with the N-1 SendRecvs overlapped: (N-1)*max(comp, comm) + comp.
+
+    Step s computes on the block at hand while the next block is in flight; the last step only
+    computes.
+    """
+    return (cp_size - 1) * max(compute_step_s, comm_step_s) + compute_step_s
+
+
+# ----------------------------------------------------------------------------- cost model: prediction
+
+
+@dataclass(frozen=True)
+class StrategyCost:
+    """Predicted time of one strategy for one prefill (chunk), per ring step, per layer and total."""
+
+    strategy: str
+    """"pass-kv" or "pass-q"."""
+    sendrecv_bytes: int
+    """Bytes of one ring SendRecv message (per rank, per step, per layer)."""
+    sendrecv_s: float
+    """Time of one SendRecv: latency + bytes/BW."""
+    compute_s: float
+    """Attention compute of one ring step on one rank: attention FLOPs / N^2 / C_attention."""
+    all2all_bytes: int
+    """Bytes one rank sends in the All2All of pass-Q (0 for pass-KV)."""
+    all2all_s: float
+    """Time of that All2All: (N-1) * latency + bytes/BW, not overlapped."""
+    attention_s: float
+    """Attention of one layer: (N-1)*max(compute, sendrecv) + compute + All2All."""
+    exposed_comm_s: float
+    """Communication not hidden under compute, per layer: (N-1)*max(0, sendrecv - compute) + All2All."""
+    linear_s: float
+    """Linear layers (QKV/O projections, MLP) of one layer on one rank."""
+    n_layers: int
+    """Layers of the model."""
+
+    @property
+    def layer_s(self) -> float:
+        """One decoder layer: attention + linear layers."""
+        return self.attention_s + self.linear_s
+
+    @property
+    def total_s(self) -> float:
+        """The whole prefill (chunk) over all layers: n_layers * layer_s."""
+        return self.n_layers * self.layer_s
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "layer_s": self.layer_s, "total_s": self.total_s}
+
+
+def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, model: "ModelConfig | str",
+                          cp_size: int, hardware: "HardwareProfile | str", *, tp_size: int = 1,
+                          dtype: str = "bfloat16", weight_dtype: str | None = None,
+                          max_cached_per_rank: int | None = None) -> StrategyCost:
+    """Predicted time of `strategy` for T new over P cached tokens on N ranks (per GPU under TP).
+
+    Per layer and step (n = tokens_per_rank(T, N) ~ ceil(T/N), heads and KV heads per GPU under
+    TP, D = heads*DH):
+      compute  = 2*T*D*(2P+T) / N^2 / C_attn(n)            (attention_flops spread over N ranks x N steps)
+      pass-KV  : message 2*(max_i P_i + n)*NKV*DH*e        (pass_kv_message_bytes)
+      pass-Q   : message n*NH*DH*e, plus All2All (N-1)*n*NH*(DH*e+4) bytes and N-1 latencies
+      attention= (N-1)*max(compute, latency + message/BW) + compute + All2All
+      linear   = 2*n*params_per_layer/TP / C_linear
+    Balanced sharding makes the steps' work about equal, so every step costs the same here.
+    `max_cached_per_rank` (max_i P_i) defaults to ceil(P/N), the even split of a cache.
+    Not modelled: TP all-reduces, norms/RoPE/elementwise work, the merge of partial outputs,
+    kernel launch overheads.
+    """
+    model = get_preset(model) if isinstance(model, str) else model
+    hw = load_profile(hardware)
+    validate_ring_inputs(new_tokens, cached_tokens, cp_size)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    dtype = canonical_dtype(dtype)
+    weight_dtype = canonical_dtype(weight_dtype or dtype)
+    heads, kv_heads = local_heads(model, tp_size)
+    e, DH, N = element_bytes(dtype), model.head_dim, cp_size
+    n = tokens_per_rank(new_tokens, N)
+    max_p = cached_rows_per_rank(cached_tokens, N) if max_cached_per_rank is None else max_cached_per_rank
+
+    flops_per_step = attention_flops(new_tokens, cached_tokens, heads * DH) / (N * N)
+    compute = flops_per_step / hw.attention_flops_per_s(dtype, n)
+    linear = linear_flops(n, model, tp_size) / hw.linear_flops(weight_dtype)
+    if strategy == PASS_KV:
+        message, a2a_bytes, a2a_messages = pass_kv_message_bytes(max_p, new_tokens, N, kv_heads, DH, e), 0, 0
+    else:
+        message = pass_q_message_bytes(new_tokens, N, heads, DH, e)
+        a2a_bytes, a2a_messages = all2all_bytes_per_rank(new_tokens, N, heads, DH, e), N - 1
+    if N == 1:  # no ring: nothing is sent
+        message, a2a_bytes, a2a_messages = 0, 0, 0
+    sendrecv = transfer_seconds(message, hw.bandwidth_bytes_per_s, hw.latency_s, messages=int(N > 1))
+    a2a = transfer_seconds(a2a_bytes, hw.bandwidth_bytes_per_s, hw.latency_s, messages=a2a_messages)
+    return StrategyCost(
+        strategy=strategy, sendrecv_bytes=message, sendrecv_s=sendrecv, compute_s=compute,
+        all2all_bytes=a2a_bytes, all2all_s=a2a,
+        attention_s=ring_seconds(compute, sendrecv, N) + a2a,
+        exposed_comm_s=(N - 1) * max(0.0, sendrecv - compute) + a2a,
+        linear_s=linear, n_layers=model.n_layers,
+    )
+
+
+def predict_costs(new_tokens: int, cached_tokens: int, model: ModelConfig, cp_size: int,
+                  hardware: "HardwareProfile | str", **kwargs) -> dict[str, StrategyCost]:
+    """`predict_strategy_cost` for both strategies: {"pass-kv": ..., "pass-q": ...}."""
+    return {s: predict_strategy_cost(s, new_tokens, cached_tokens, model, cp_size, hardware, **kwargs)
+            for s in STRATEGIES}
+
+
+# ----------------------------------------------------------------------------- empirical rule fitting
+
+FIT_MAX_TOKENS = 2**20
+"""The fitting grid spans T and P up to 1M tokens, the context lengths ringctx plans for."""
+FIT_POINTS_PER_OCTAVE = 4
+"""Grid density: T and P take the values round(2**(k/4)), plus P = 0."""
+FIT_L2 = 1e-2
+"""Ridge penalty on a and b: keeps the logistic fit finite when the labels are almost separable."""
+
+
+def alg5_prefers_pass_kv(new_tokens, cached_tokens, cp_size: int, flops: float, n_heads: int, n_kv_heads: int,
+                         elem_bytes: int, bandwidth: float):
+    """Algorithm 5 as a predicate (works elementwise on numpy arrays of T and P)."""
+    T = np.asarray(new_tokens, dtype=np.float64)
+    m = T / (T + np.asarray(cached_tokens, dtype=np.float64))
+    t0 = pass_kv_compute_threshold(cp_size, flops, n_heads, n_kv_heads, elem_bytes, bandwidth)
+    m5 = 2 * n_kv_heads / n_heads - 4 * T * bandwidth / (cp_size * flops * elem_bytes)
+    return (T >= t0) | (m >= m5)
+
+
+def fitting_grid(max_tokens: int = FIT_MAX_TOKENS, points_per_octave: int = FIT_POINTS_PER_OCTAVE):
+    """(T, P) arrays of the grid: T, P in {round(2**(k/ppo))} up to max_tokens, and P = 0 too."""
+    steps = int(round(math.log2(max_tokens) * points_per_octave))
+    values = np.unique(np.round(2.0 ** (np.arange(steps + 1) / points_per_octave)).astype(np.int64))
+    T, P = np.meshgrid(values, np.concatenate([[0], values]), indexing="ij")
+    return T.ravel(), P.ravel()
+
+
+def fit_empirical_rule(new_tokens, cached_tokens, prefers_pass_kv,
+                       l2: float = FIT_L2) -> tuple[float, float, float, float]:
+    """Fit h = a*ln T + b*ln(T/(T+P)) + c to labels (True = pass-KV) by logistic regression.
+
+    Newton/IRLS on the mean log-loss plus l2*(a^2+b^2)/2 (the constant is not penalised).
+    Returns (a, b, c, agreement), agreement = fraction of samples where (h > 0) == label.
+    """
+    T = np.asarray(new_tokens, dtype=np.float64)
+    y = np.asarray(prefers_pass_kv, dtype=np.float64)
+    X = np.stack([np.log(T), np.log(T / (T + np.asarray(cached_tokens, dtype=np.float64))), np.ones_like(T)], axis=1)
+    ridge = np.diag([l2, l2, 0.0])
+    w = np.zeros(3)
+    for _ in range(100):
+        p = 1.0 / (1.0 + np.exp(-np.clip(X @ w, -500, 500)))
+        grad = X.T @ (p - y) / len(y) + ridge @ w
+        hess = (X * (p * (1 - p))[:, None]).T @ X / len(y) + ridge + 1e-12 * np.eye(3)
+        step = np.linalg.solve(hess, grad)
+        w -= step
+        if np.max(np.abs(step)) < 1e-10:
+            break
+    agreement = float(np.mean((X @ w > 0) == (y > 0.5)))
+    return float(w[0]), float(w[1]), float(w[2]), agreement
+
+
+@functools.lru_cache(maxsize=256)
+def _fit_alg5_cached(n_heads: int, n_kv_heads: int, cp_size: int, flops: float, elem_bytes: int,
+                     bandwidth: float) -> tuple[float, float, float, float]:
+    T, P = fitting_grid()
+    labels = alg5_prefers_pass_kv(T, P, cp_size, flops, n_heads, n_kv_heads, elem_bytes, bandwidth)
+    return fit_empirical_rule(T, P, labels)
+
+
+def fit_empirical_rule_to_alg5(model: ModelConfig, cp_size: int, hardware: "HardwareProfile | str",
+                               dtype: str = "bfloat16") -> EmpiricalRuleCoefficients:
+    """Coefficients of h fitted to Algorithm 5's decisions on `fitting_grid()` for this setting.
+
+    This is how the built-in profiles' defaults were made (source "fit-to-alg5"); calibration
+    replaces them with fits to measured winners (source "calibrated").
+    """
+    hw = load_profile(hardware)
+    dtype = canonical_dtype(dtype)
+    a, b, c, agreement = _fit_alg5_cached(model.n_heads, model.n_kv_heads, cp_size, hw.achieved_flops(dtype),
+                                          element_bytes(dtype), hw.bandwidth_bytes_per_s)
+    return EmpiricalRuleCoefficients(a=a, b=b, c=c, cp_size=cp_size, n_heads=model.n_heads,
+                                     n_kv_heads=model.n_kv_heads, dtype=dtype, source="fit-to-alg5",
+                                     agreement=agreement)
+
+
+def fit_default_rules(hardware: "HardwareProfile | str", models: "list[ModelConfig]", cp_sizes: "list[int]",
+                      dtypes: "list[str]", decimals: int = 4) -> tuple[EmpiricalRuleCoefficients, ...]:
+    """Alg5-fitted coefficients for every (model, N, dtype), rounded to `decimals` as stored in JSON.
+
+    `agreement` is recomputed for the rounded coefficients. This produced the built-in defaults
+    (h100-rdma/h100-tcp/h200: llama3-8b/70b/405b shapes, N in 2,4,8,16, bfloat16; cpu: tiny and
+    smollm2-135m shapes, N in 2,3,4, float32 and bfloat16).
+    """
+    hw = load_profile(hardware)
+    T, P = fitting_grid()
+    rules = []
+    for model in models:
+        for N in cp_sizes:
+            for dtype in dtypes:
+                fit = fit_empirical_rule_to_alg5(model, N, hw, dtype)
+                a, b, c = (round(x, decimals) for x in (fit.a, fit.b, fit.c))
+                labels = alg5_prefers_pass_kv(T, P, N, hw.achieved_flops(dtype), model.n_heads, model.n_kv_heads,
+                                              element_bytes(dtype), hw.bandwidth_bytes_per_s)
+                h = a * np.log(T) + b * np.log(T / (T + P)) + c
+                agreement = round(float(np.mean((h > 0) == labels)), decimals)
+                rules.append(dataclasses.replace(fit, a=a, b=b, c=c, agreement=agreement))
+    return tuple(rules)
