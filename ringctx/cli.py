@@ -1,11 +1,13 @@
 """The `ringctx` command line: parse options, call the Python API, render with rich.
 
-No logic lives here that the Python API lacks.
+No logic lives here that the Python API lacks. Under torchrun every rank runs the same command;
+only the decode rank prints.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -13,12 +15,242 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+err_console = Console(stderr=True)
+
+DEFAULT_PREFILL_TOKENS = 16384  # about a minute with the embedded model on a 2-core laptop CPU
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ringctx")
 def main() -> None:
     """ringctx: exact context-parallel prefill of very long prompts (ring pass-KV / pass-Q)."""
+
+
+def engine_options(f):
+    """Options shared by every command that builds an Engine."""
+    options = [
+        click.option("--model", default="smollm2-135m", show_default=True,
+                     help="Preset name, GGUF file or Hugging Face directory."),
+        click.option("--nproc", default=1, show_default=True, type=int,
+                     help="Local ranks to spawn (ignored under torchrun, which sets the world)."),
+        click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
+        click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
+        click.option("--hardware", default=None, help="Hardware profile for --strategy auto: built-in name or JSON path."),
+        click.option("--dtype", default="auto", show_default=True,
+                     help="auto (bfloat16 on GPUs and bf16-capable CPUs, else float32), bfloat16, float16, float32."),
+        click.option("--device", default=None, help="cpu or cuda (default: one GPU per rank when available)."),
+        click.option("--timeout", "timeout_s", default=300.0, show_default=True,
+                     help="Seconds before a stuck or dead rank ends the job with an error."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s):
+    from .engine import Engine
+
+    try:
+        return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
+                      hardware=hardware, timeout_s=timeout_s)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _is_printing_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"),
+                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console,
+                    transient=True)
+
+
+def _run_prefill(engine, token_ids, *, show_progress, **kwargs):
+    """engine.prefill with a rich progress bar over chunks (printing rank only)."""
+    if not show_progress:
+        return engine.prefill(token_ids, **kwargs)
+    with _progress() as progress:
+        task = progress.add_task("prefill", total=None)
+
+        def on_chunk(done, total, record):
+            progress.update(task, total=total, completed=done)
+
+        return engine.prefill(token_ids, on_chunk=on_chunk, **kwargs)
+
+
+def stats_tables(stats, title: str) -> list[Table]:
+    """The summary table and the per-chunk table of a PrefillStats."""
+    summary = Table(title=title, show_header=False)
+    summary.add_column("what", style="bold")
+    summary.add_column("value", justify="right")
+    mix = {}
+    for c in stats.chunks:
+        mix[c.strategy] = mix.get(c.strategy, 0) + 1
+    rows = [
+        ("tokens (new / cached before)", f"{stats.tokens:,} / {stats.cached:,}"),
+        ("ranks x chunk tokens", f"{stats.world_size} x {stats.chunk_tokens:,}"),
+        ("time to first token", f"{stats.ttft_s:.2f} s (hand-off {stats.handoff_s:.2f} s)"),
+        ("prefill throughput", f"{stats.tokens_per_s:,.0f} tokens/s"),
+        ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
+        ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
+        ("KV shard per rank", ", ".join(_fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)),
+        ("peak RSS per rank", ", ".join(_fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
+    ]
+    for k, v in rows:
+        summary.add_row(k, v)
+    chunks = Table(title="chunks")
+    for col in ("#", "tokens", "cached", "strategy", "seconds", "reason"):
+        chunks.add_column(col, justify="right" if col in ("#", "tokens", "cached", "seconds") else "left")
+    shown = stats.chunks if len(stats.chunks) <= 24 else stats.chunks[:12] + stats.chunks[-12:]
+    for i, c in enumerate(shown):
+        if len(stats.chunks) > 24 and i == 12:
+            chunks.add_row("...", "", "", "", "", f"({len(stats.chunks) - 24} more chunks)")
+        chunks.add_row(str(c.index), f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", c.reason)
+    return [summary, chunks]
+
+
+@main.command()
+@click.option("--tokens", default=DEFAULT_PREFILL_TOKENS, show_default=True, type=int,
+              help="Synthetic prompt length (random token ids).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the synthetic token ids.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Write a Chrome/Perfetto trace of compute and communication per rank.")
+@engine_options
+def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, strategy, hardware, dtype, device,
+            timeout_s):
+    """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
+    import torch
+
+    if tokens < 1:
+        raise click.BadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    if world > tokens:
+        raise click.BadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
+                                 param_hint="--nproc")
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s)
+    printing = _is_printing_rank()
+    try:
+        ids = torch.randint(0, engine.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+        if printing:
+            err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {model} ({engine.model.dtype}) "
+                              f"on {engine.world_size} rank(s), chunks of {engine.chunk_tokens:,} tokens[/dim]")
+        try:
+            result = _run_prefill(engine, ids, show_progress=printing, trace=bool(trace_path))
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+    finally:
+        engine.close()
+    if not printing:
+        return
+    stats = result.stats
+    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens"):
+        console.print(table)
+    if json_path:
+        _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                                "world_size": stats.world_size, **stats.to_dict()})
+    if trace_path:
+        from .telemetry import write_chrome_trace
+
+        write_chrome_trace(trace_path, result.trace_events)
+        err_console.print(f"trace written to {trace_path} (open in ui.perfetto.dev)")
+    if tokens == DEFAULT_PREFILL_TOKENS and engine.world_size == 1:
+        err_console.print("[dim]Go bigger: `ringctx prefill --tokens 1000000 --nproc N` on a machine with N GPUs or "
+                          "cores, torchrun across hosts (see README), and `ringctx plan` to size it first.[/dim]")
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--save", "save_path", required=True, type=click.Path(dir_okay=False), help="KV cache file to write.")
+@click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
+@engine_options
+def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s):
+    """Prefill a document and save its KV cache, to `ask` questions about it later."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")
+    except FileNotFoundError:
+        raise click.ClickException(f"{file}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise click.ClickException(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
+    if not text.strip():
+        raise click.ClickException(f"{file} is empty: nothing to ingest")
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s)
+    printing = _is_printing_rank()
+    try:
+        try:
+            document = engine.ingest(text, chat=not no_chat, on_chunk=None) if not printing else \
+                _ingest_with_progress(engine, text, chat=not no_chat)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        if document is not None:
+            engine.save_document(document, save_path)
+    finally:
+        engine.close()
+    if printing:
+        for table in stats_tables(document.stats, f"ringctx ingest: {file} ({document.length:,} tokens)"):
+            console.print(table)
+        err_console.print(f"saved the KV cache to {save_path}; ask with: ringctx ask {save_path} \"your question\"")
+
+
+def _ingest_with_progress(engine, text, chat):
+    with _progress() as progress:
+        task = progress.add_task("prefill", total=None)
+        return engine.ingest(text, chat=chat, on_chunk=lambda done, total, _: progress.update(task, total=total,
+                                                                                               completed=done))
+
+
+@main.command()
+@click.argument("kv_file", type=click.Path(dir_okay=False))
+@click.argument("question")
+@click.option("--model", default="smollm2-135m", show_default=True, help="The model the KV file was made with.")
+@click.option("--dtype", default=None, help="Default: the KV file's dtype.")
+@click.option("--max-new-tokens", default=256, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--seed", default=None, type=int)
+def ask(kv_file, question, model, dtype, max_new_tokens, temperature, top_p, top_k, seed):
+    """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""
+    from .engine import Engine
+    from .model.kvfile import read_kv_metadata
+
+    try:
+        meta = read_kv_metadata(kv_file)
+        engine = Engine(model, dtype=dtype or meta["dtype"])
+        document = engine.load_document(kv_file)
+        generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, seed=seed)
+        for piece in generation:
+            click.echo(piece, nl=False)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo()
+    r = generation.result
+    err_console.print(f"[dim]{document.length:,} cached tokens; first token {r.time_to_first_token_s * 1000:.0f} ms, "
+                      f"then {r.decode_ms_per_token:.1f} ms/token over {len(r.token_ids)} tokens[/dim]")
 
 
 @main.command()

@@ -41,3 +41,22 @@ def environment_report() -> dict:
         "attention_backends": attention,
         "distributed_backends": distributed,
     }
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AMX or AVX512-BF16); without it bf16 GEMMs are
+    emulated and run several times slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def preferred_dtype(device: str | None = None) -> str:
+    """The fastest exact-enough dtype here: bfloat16 on GPUs and bf16-capable CPUs, else float32."""
+    import torch
+
+    on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    return "bfloat16" if on_gpu or cpu_has_fast_bf16() else "float32"

@@ -58,15 +58,23 @@ class PartialAccumulator:
         acc_out = self.out[row_start:row_start + n]
         acc_lse = self.lse[:, row_start:row_start + n]
         lse = sanitize_lse(lse)
+        finite = torch.isfinite(lse)
+        all_finite = bool(finite.all())
+        if all_finite and bool(torch.isneginf(acc_lse).all()):
+            # First partial for these rows (the common case): a copy, no rescaling.
+            acc_out.copy_(out)
+            acc_lse.copy_(lse)
+            return
         new_lse = torch.logaddexp(acc_lse, lse)
         # Rows still without any key have new_lse = -inf; give both sides weight 0 there.
         alive = torch.isfinite(new_lse)
         shift = torch.where(alive, new_lse, torch.zeros_like(new_lse))
         w_old = torch.where(alive, torch.exp(acc_lse - shift), torch.zeros_like(shift))
         w_new = torch.where(alive, torch.exp(lse - shift), torch.zeros_like(shift))
-        # A kernel may return garbage (even NaN) in rows it marks empty: never let it through.
-        out = torch.where(torch.isfinite(lse).t().unsqueeze(-1), out.float(), 0.0)
-        acc_out.mul_(w_old.t().unsqueeze(-1)).add_(out * w_new.t().unsqueeze(-1))
+        if not all_finite:
+            # A kernel may return garbage (even NaN) in rows it marks empty: never let it through.
+            out = torch.where(finite.t().unsqueeze(-1), out.float(), 0.0)
+        acc_out.mul_(w_old.t().unsqueeze(-1)).addcmul_(out, w_new.t().unsqueeze(-1))
         acc_lse.copy_(new_lse)
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..model import KVCache, load_model
+from ..model.kvfile import load_kv_cache, save_kv_cache, weights_digest
 from ..parallel.comm import agree_across_ranks
 from ..parallel.launch import default_backend, free_port
 from .prefill import STRATEGY_CHOICES, PrefillConfig, PrefillResult, cp_prefill
@@ -66,10 +67,11 @@ class Document:
         return int(self.token_ids.numel())
 
     def save(self, path: str, model) -> None:
-        """Write the KV cache and token ids to a safetensors file (atomically)."""
-        from .kvfile import save_kv
-
-        save_kv(path, self, model)
+        """Write the KV cache, token ids and chat frame to a safetensors file (atomically)."""
+        self.cache.truncate(self.length)  # answers to earlier questions are not part of the document
+        save_kv_cache(path, self.cache, model, self.token_ids,
+                      extra={"question_prefix": self.question_prefix, "question_suffix": self.question_suffix,
+                             **self.metadata})
 
 
 class Engine:
@@ -78,7 +80,8 @@ class Engine:
     Args:
         model: preset name, GGUF path or Hugging Face directory (see ringctx.load_model).
         nproc: local ranks to spawn (this process is rank 0); ignored under torchrun.
-        dtype: weights and activations (None: the model's default).
+        dtype: weights and activations (None: the model's default; "auto": bfloat16 on GPUs and
+            bf16-capable CPUs, else float32).
         device: None: one GPU per rank when CUDA is available, else CPU.
         chunk_tokens: tokens per prefill chunk (None: `default_chunk_tokens`).
         strategy: "auto" (paper Algorithm 5 with `hardware`), "pass-kv" or "pass-q".
@@ -99,6 +102,10 @@ class Engine:
             raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if dtype == "auto":
+            from ..environment import preferred_dtype
+
+            dtype = preferred_dtype(None if device is None else str(device))
         self.model_name, self.dtype, self.strategy, self.rule = str(model), dtype, strategy, rule
         self.decode_rank, self.timeout_s, self.attn_backend = decode_rank, timeout_s, attn_backend
         self.hardware = _load_hardware(hardware)
@@ -146,7 +153,8 @@ class Engine:
                                   self.hardware))
             p.start()
             self._workers.append(p)
-        torch.set_num_threads(threads)
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # rank 0 shares the cores with its workers; restored by close()
         if backend == "nccl":
             torch.cuda.set_device(0)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=nproc,
@@ -176,6 +184,9 @@ class Engine:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        if getattr(self, "_threads_before", None):
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -261,11 +272,15 @@ class Engine:
         """The whole answer to `question` about `document` (see `generate`)."""
         return "".join(self.generate(document, question, **kwargs))
 
-    def load_document(self, path: str) -> Document:
-        """A Document saved with `Document.save`, checked against this engine's model."""
-        from .kvfile import load_kv
+    def save_document(self, document: Document, path: str) -> None:
+        """Save `document` (see Document.save) for this engine's model."""
+        document.save(path, self.model)
 
-        return load_kv(path, self.model)
+    def load_document(self, path: str) -> Document:
+        """A Document saved with `save_document`, checked against this engine's model."""
+        cache, token_ids, extra = load_kv_cache(path, self.model)
+        return Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
+                        question_suffix=extra.pop("question_suffix", ""), metadata=extra)
 
     def _tokenizer(self):
         tokenizer = self.model.tokenizer
@@ -273,14 +288,6 @@ class Engine:
             raise ValueError(f"model {self.model_name!r} has no tokenizer (random-weight preset); "
                              "pass token ids to prefill() instead of text")
         return tokenizer
-
-
-def weights_digest(model) -> str:
-    """A hash of a few weight slices: cheap, and different for different checkpoints or seeds."""
-    h = hashlib.sha256()
-    for t in (model.tok_embeddings.weight, model.layers[-1].attention.wo.weight, model.norm.weight):
-        h.update(t.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _chat_frame(tokenizer) -> tuple[str, str]:

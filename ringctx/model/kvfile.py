@@ -1,0 +1,129 @@
+"""KV cache files: a prefilled prompt saved to disk and loaded back for more questions.
+
+Format: one safetensors file (no pickle) holding
+    k.{layer}, v.{layer}   [length, Hkv, D] in the model's dtype, rows in sequence order
+    token_ids              [length] int64
+and string metadata: format version, ringctx version, model fingerprint (shapes), weights digest,
+dtype, length, a SHA-256 over all tensor bytes, and caller fields (e.g. the chat frame of a
+document). Files are written to a temporary name and renamed, so a crash never leaves half a file;
+loading checks the format, the model, the shapes and the checksum, and names the file and the
+problem in the error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+from .kvcache import KVCache
+
+FORMAT = "ringctx-kv/1"
+
+
+def weights_digest(model) -> str:
+    """A hash of a few weight slices: cheap, and different for different checkpoints or seeds."""
+    h = hashlib.sha256()
+    for t in (model.tok_embeddings.weight, model.layers[-1].attention.wo.weight, model.norm.weight):
+        h.update(t.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_kv_cache(path: str | os.PathLike, cache: KVCache, model, token_ids: torch.Tensor,
+                  extra: dict | None = None) -> None:
+    """Write the first `cache.length` rows of every layer and the token ids to `path` atomically."""
+    from safetensors.torch import save_file
+
+    from .. import __version__
+
+    length = cache.length
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()
+    if token_ids.numel() != length:
+        raise ValueError(f"save_kv_cache: the cache holds {length} tokens but {token_ids.numel()} token ids were given")
+    cache.check_model(model.config)
+    tensors = {"token_ids": token_ids}
+    for layer in range(cache.n_layers):
+        tensors[f"k.{layer}"] = cache.k[layer][:length].cpu().contiguous()
+        tensors[f"v.{layer}"] = cache.v[layer][:length].cpu().contiguous()
+    metadata = {
+        "format": FORMAT, "ringctx_version": __version__, "model": model.config.name,
+        "model_fingerprint": model.config.fingerprint(), "weights_digest": weights_digest(model),
+        "dtype": str(cache.dtype).removeprefix("torch."), "length": str(length), "n_layers": str(cache.n_layers),
+        "sha256": _checksum(tensors), "extra": json.dumps(extra or {}),
+    }
+    path = os.fspath(path)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_kv_cache(path: str | os.PathLike, model, *, room: int = 256) -> tuple[KVCache, torch.Tensor, dict]:
+    """Load a KV file saved for `model`; returns (cache with `room` free rows, token_ids, extra).
+
+    Raises ValueError naming the file when it is missing, truncated, altered, of another format,
+    or made with another model, other weights or another dtype.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"KV file {path!r} does not exist; create it with `ringctx ingest FILE --save {path}`")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
+        raise ValueError(f"KV file {path!r} is truncated or corrupt ({exc}); save it again") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"KV file {path!r} is not a ringctx KV cache (format {meta.get('format')!r}, expected {FORMAT!r})")
+    if meta["model_fingerprint"] != model.config.fingerprint() or meta["weights_digest"] != weights_digest(model):
+        raise ValueError(f"KV file {path!r} was made with model {meta.get('model')!r} "
+                         f"(fingerprint {meta['model_fingerprint']}, weights {meta['weights_digest']}), not with the "
+                         f"loaded {model.config.name!r} ({model.config.fingerprint()}, {weights_digest(model)}); "
+                         "load the model it was made with, or ingest the document again")
+    if meta["dtype"] != str(model.dtype).removeprefix("torch."):
+        raise ValueError(f"KV file {path!r} holds {meta['dtype']} K/V but the model runs in "
+                         f"{str(model.dtype).removeprefix('torch.')}; load the model with dtype={meta['dtype']!r}")
+    length, n_layers = int(meta["length"]), int(meta["n_layers"])
+    expected = {"token_ids"} | {f"{kv}.{i}" for kv in "kv" for i in range(n_layers)}
+    if set(tensors) != expected or tensors["token_ids"].numel() != length:
+        raise ValueError(f"KV file {path!r} has unexpected tensors; it was altered or written by another tool")
+    if _checksum(tensors) != meta["sha256"]:
+        raise ValueError(f"KV file {path!r} fails its checksum: its contents were altered after saving")
+    device = model.device
+    cache = KVCache.from_tensors([tensors[f"k.{i}"].to(device) for i in range(n_layers)],
+                                 [tensors[f"v.{i}"].to(device) for i in range(n_layers)],
+                                 length=length, max_tokens=length + room)
+    cache.check_model(model.config)
+    return cache, tensors["token_ids"], json.loads(meta.get("extra") or "{}")
+
+
+def read_kv_metadata(path: str | os.PathLike) -> dict:
+    """The metadata of a KV file (without loading its tensors); ValueError if unreadable."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"KV file {path!r} does not exist; create it with `ringctx ingest FILE --save {path}`")
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as exc:
+        raise ValueError(f"KV file {path!r} is truncated or corrupt ({exc}); save it again") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"KV file {path!r} is not a ringctx KV cache (format {meta.get('format')!r})")
+    return meta
