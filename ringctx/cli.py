@@ -53,8 +53,8 @@ def build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
                       hardware=hardware, timeout_s=timeout_s)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+    except (ValueError, OSError) as exc:  # bad names, paths, files: one clear line, no traceback
+        raise click.ClickException(str(exc).strip("'\"")) from None
 
 
 def _is_printing_rank() -> bool:

@@ -229,7 +229,8 @@ class Engine:
                                    STRATEGY_CHOICES.index(config.strategy), decode_room, int(trace), 0, 0])
             _send_command(header)
             dist.broadcast(token_ids, src=0)
-        return cp_prefill(self.model, token_ids, config, cache=cache, cache_token_ids=cache_token_ids,
+        group = "local" if self.mode == "single" else None  # never join a process group made by someone else
+        return cp_prefill(self.model, token_ids, config, group=group, cache=cache, cache_token_ids=cache_token_ids,
                           on_chunk=on_chunk)
 
     # ------------------------------------------------------------------ documents and questions

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
-from ..parallel.comm import agree_across_ranks, nbytes
+from ..parallel.comm import agree_across_ranks, nbytes, rank_and_world
 from ..telemetry import Tracer, peak_rss_bytes, span
 
 STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
@@ -119,12 +119,6 @@ class PrefillResult:
     """Chrome-trace events per rank (decode rank, when tracing)."""
 
 
-def _rank_world(group) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
 def _even_split(total: int, world: int, rank: int) -> tuple[int, int]:
     return rank * total // world, (rank + 1) * total // world
 
@@ -140,7 +134,7 @@ def cp_prefill(
     token_ids: torch.Tensor,
     config: PrefillConfig,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | str | None = None,
     cache: KVCache | None = None,
     cache_token_ids: torch.Tensor | None = None,
     on_chunk: Callable[[int, int, ChunkStats], None] | None = None,
@@ -151,6 +145,7 @@ def cp_prefill(
         model: a ringctx Transformer (the same weights on every rank).
         token_ids: [T] long, the new tokens, identical on every rank.
         config: chunking, strategy and hand-off options, identical on every rank.
+        group: the ranks to use; None: the world; "local": this process alone.
         cache: on the decode rank only, an existing KVCache to prefill on top of (None: a new
             prompt). Its tokens are scattered to the ranks as cached tokens first.
         cache_token_ids: the tokens `cache` holds (kept in the result's token_ids).
@@ -159,7 +154,7 @@ def cp_prefill(
     Returns:
         PrefillResult; `cache` and full stats on the decode rank.
     """
-    rank, world = _rank_world(group)
+    rank, world = rank_and_world(group)
     distributed = world > 1
     t_start = time.perf_counter()
     tracer = Tracer(rank) if config.trace else None

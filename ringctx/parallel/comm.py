@@ -44,6 +44,19 @@ class CommStats:
         return [e.bytes_sent for e in self.events if e.kind == kind]
 
 
+LOCAL = "local"
+"""Pass as `group` to compute on this process alone, even when a default process group exists."""
+
+
+def rank_and_world(group) -> tuple[int, int]:
+    """(rank, world size) in `group`; (0, 1) for LOCAL or when no process group is initialized."""
+    if isinstance(group, str) or not (dist.is_available() and dist.is_initialized()):
+        if isinstance(group, str) and group != LOCAL:
+            raise ValueError(f"group must be a ProcessGroup, None (the world) or {LOCAL!r}, got {group!r}")
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

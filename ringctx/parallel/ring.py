@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..attention import PartialAccumulator, attention_block
 from ..telemetry import span
-from .comm import CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, wait_all
+from .comm import CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, rank_and_world, wait_all
 from .layout import ShardLayout
 
 STRATEGIES = ("pass-kv", "pass-q")
@@ -48,8 +48,8 @@ def ring_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of the layout's new tokens, computed cooperatively by all ranks.
 
-    Call on every rank of `group` (default: the world; no process group is needed when the
-    layout has one rank).
+    Call on every rank of `group` (default: the world; "local" or no process group at all for a
+    one-rank layout on this process alone).
 
     Args:
         q: [T_r, Hq, D] this rank's new-token queries, `layout.shard(q_all, rank)`.
@@ -76,10 +76,8 @@ def ring_attention(
         >>> out.shape, lse.shape
         (torch.Size([7, 4, 16]), torch.Size([4, 7]))
     """
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
-    world = dist.get_world_size(group) if distributed else 1
-    problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, distributed)
+    rank, world = rank_and_world(group)
+    problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group)
     if world > 1:
         agree_across_ranks("ring_attention", problem, _signature(q, k, layout, strategy, softmax_scale), group, stats)
     elif problem:
@@ -186,7 +184,7 @@ class _RingRun:
 # ---------------------------------------------------------------------- validation
 
 
-def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, distributed) -> str | None:
+def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group) -> str | None:
     """What is wrong with this rank's inputs, or None. Never raises: every rank must reach the check."""
     if strategy not in STRATEGIES:
         return f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
@@ -227,7 +225,7 @@ def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, g
                 f"{layout.num_cached(rank)} cached tokens on it; pass layout.shard_cached(x, {rank})")
     if cached_k is not None and (cached_k.shape[1:] != k.shape[1:] or cached_v.shape != cached_k.shape):
         return f"cached_k/v have shape {tuple(cached_k.shape)}/{tuple(cached_v.shape)}, expected [P, {hkv}, {d}]"
-    if distributed and world > 1:
+    if world > 1:
         backend = dist.get_backend(group)
         if backend == "gloo" and q.device.type != "cpu":
             return f"the gloo process group needs CPU tensors, got {q.device}"

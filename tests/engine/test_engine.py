@@ -1,0 +1,120 @@
+"""The prefill engine at world sizes 1, 2 and 4 against a single-process, single-chunk forward."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ringctx.engine import Engine
+from ringctx.model import KVCache, forward_with_cache
+
+TINY_IDS = torch.randint(0, 256, (301,), generator=torch.Generator().manual_seed(0))
+
+
+def single_forward(model, ids):
+    """Reference: one process, one chunk, the model's own cache path."""
+    cache = KVCache.for_model(model.config, ids.numel(), dtype=model.dtype, device=model.device)
+    with torch.inference_mode():
+        logits = forward_with_cache(model, ids, cache)[0]
+    return logits, cache
+
+
+def assert_same_cache(cache, ref, length, atol):
+    assert cache.length == length
+    for layer in range(ref.n_layers):
+        torch.testing.assert_close(cache.k[layer][:length], ref.k[layer][:length], atol=atol, rtol=0)
+        torch.testing.assert_close(cache.v[layer][:length], ref.v[layer][:length], atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"W{w}")
+def tiny_engine(request):
+    with Engine("tiny", nproc=request.param, dtype="float32") as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("chunk_tokens", [301, 64, 37])
+@pytest.mark.parametrize("strategy", ["auto", "pass-kv", "pass-q"])
+def test_prefill_equals_single_chunk_forward(tiny_engine, chunk_tokens, strategy):
+    ref_logits, ref_cache = single_forward(tiny_engine.model, TINY_IDS)
+    result = tiny_engine.prefill(TINY_IDS, chunk_tokens=chunk_tokens, strategy=strategy)
+    torch.testing.assert_close(result.logits, ref_logits, atol=2e-5, rtol=1e-5)
+    assert_same_cache(result.cache, ref_cache, 301, atol=2e-5)
+    stats = result.stats
+    assert [c.tokens for c in stats.chunks] == [min(chunk_tokens, 301 - s) for s in range(0, 301, chunk_tokens)]
+    assert [c.cached for c in stats.chunks] == list(range(0, 301, chunk_tokens))
+    assert len(stats.bytes_sent_per_rank) == tiny_engine.world_size
+    if tiny_engine.world_size == 1:
+        assert stats.bytes_sent_per_rank == [0]
+    elif strategy != "auto":
+        assert {c.strategy for c in stats.chunks} == {strategy}
+
+
+def test_auto_uses_both_strategies_as_the_cache_grows(tiny_engine):
+    result = tiny_engine.prefill(TINY_IDS, chunk_tokens=37, strategy="auto")
+    if tiny_engine.world_size == 1:  # nothing travels: no decision to make
+        assert {c.reason for c in result.stats.chunks} == {"one rank: nothing travels"}
+        return
+    used = [c.strategy for c in result.stats.chunks]
+    assert used[0] == "pass-kv" and used[-1] == "pass-q", used
+    assert all(c.reason.startswith("alg5") for c in result.stats.chunks)
+
+
+def test_prefill_on_top_of_a_cache_and_tiny_prompts(tiny_engine):
+    first = tiny_engine.prefill(TINY_IDS[:250], chunk_tokens=100)
+    follow = tiny_engine.prefill(TINY_IDS[250:], cache=first.cache, cache_token_ids=first.token_ids, chunk_tokens=16)
+    ref_logits, ref_cache = single_forward(tiny_engine.model, TINY_IDS)
+    torch.testing.assert_close(follow.logits, ref_logits, atol=2e-5, rtol=1e-5)
+    assert_same_cache(follow.cache, ref_cache, 301, atol=2e-5)
+    assert torch.equal(follow.token_ids, TINY_IDS)
+    # Fewer tokens than 2N: some ranks hold nothing.
+    for n in (1, 3):
+        ref_logits, _ = single_forward(tiny_engine.model, TINY_IDS[:n])
+        torch.testing.assert_close(tiny_engine.prefill(TINY_IDS[:n]).logits, ref_logits, atol=2e-5, rtol=1e-5)
+
+
+def test_bad_input_is_one_clear_error_and_the_engine_survives(tiny_engine):
+    with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
+        tiny_engine.prefill([1, 2, 256])
+    with pytest.raises(ValueError, match="empty"):
+        tiny_engine.prefill([])
+    with pytest.raises(ValueError, match="unknown strategy"):
+        tiny_engine.prefill([1, 2], strategy="pass-x")
+    ref_logits, _ = single_forward(tiny_engine.model, TINY_IDS[:20])
+    torch.testing.assert_close(tiny_engine.prefill(TINY_IDS[:20]).logits, ref_logits, atol=2e-5, rtol=1e-5)
+
+
+def test_trace_has_compute_and_communication_of_every_rank(tiny_engine):
+    result = tiny_engine.prefill(TINY_IDS[:100], chunk_tokens=50, trace=True)
+    events = result.trace_events
+    assert len(events) == tiny_engine.world_size
+    kinds = {e["tid"] for rank_events in events for e in rank_events}
+    assert "compute" in kinds and (tiny_engine.world_size == 1 or "comm" in kinds)
+
+
+def test_engine_arguments_are_checked():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        Engine("tiny", strategy="ring")
+    with pytest.raises(ValueError, match="nproc"):
+        Engine("tiny", nproc=0)
+    with pytest.raises(ValueError, match="decode_rank 3"):
+        Engine("tiny", decode_rank=3)
+
+
+def test_torchrun_launch_writes_json(tmp_path):
+    out = tmp_path / "prefill.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ringctx",
+           "prefill", "--model", "tiny", "--tokens", "200", "--chunk-tokens", "64", "--dtype", "float32",
+           "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2 and data["tokens"] == 200
+    assert [c["tokens"] for c in data["chunks"]] == [64, 64, 64, 8]
+    assert all(c["strategy"] in ("pass-kv", "pass-q") and c["reason"] for c in data["chunks"])
+    assert len(data["bytes_sent_per_rank"]) == 2 and min(data["bytes_sent_per_rank"]) > 0
+    assert len(data["peak_rss_bytes_per_rank"]) == 2
+    assert data["ttft_s"] > 0 and data["tokens_per_s"] > 0

@@ -1,0 +1,126 @@
+"""The engine on the real embedded SmolLM2-135M-Instruct: W = 2 against W = 1 and transformers,
+long-document retrieval, KV files, and the CLI."""
+
+import random
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ringctx.cli import main
+from ringctx.engine import Engine
+from ringctx.model import embedded_gguf_path
+
+SECRET = "The secret code for the vault is 7492, and only Marta knows it."
+QUESTION = "What is the secret code for the vault?"
+
+
+def long_document(sentences: int = 260) -> str:
+    """Several thousand tokens of filler with one fact hidden in the middle."""
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while rivers flow past quiet hills and old towns".split()
+    text = [" ".join(rng.choice(words) for _ in range(12)).capitalize() + "." for _ in range(sentences)]
+    text.insert(sentences * 3 // 5, SECRET)
+    return " ".join(text)
+
+
+@pytest.fixture(scope="module")
+def engine1():
+    return Engine("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def engine2():
+    with Engine("smollm2-135m", nproc=2, dtype="float32", chunk_tokens=1024) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def document2(engine2):
+    return engine2.ingest(long_document())
+
+
+def test_two_ranks_equal_one_rank_and_transformers(engine1, engine2):
+    from transformers import AutoModelForCausalLM
+
+    ids = engine1.model.tokenizer(long_document(40))["input_ids"]
+    r1 = engine1.prefill(ids, chunk_tokens=len(ids))
+    r2 = engine2.prefill(ids, chunk_tokens=97)  # several chunks, both strategies possible
+    assert len(r2.stats.chunks) > 1
+    torch.testing.assert_close(r2.logits, r1.logits, atol=1e-4, rtol=1e-4)
+    for layer in (0, 29):
+        torch.testing.assert_close(r2.cache.k[layer][:len(ids)], r1.cache.k[layer][:len(ids)], atol=1e-4, rtol=0)
+    path = embedded_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1],
+                                              torch_dtype=torch.float32)
+    with torch.inference_mode():
+        hf_logits = hf(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    rel = (r2.logits - hf_logits).abs().max() / hf_logits.abs().max()
+    assert rel < 1e-4, f"relative max error {rel:.2e} against transformers"
+
+
+def test_retrieves_a_fact_hidden_in_a_long_document(engine2, document2):
+    assert document2.length > 3000
+    assert len(document2.stats.chunks) >= 3 and document2.stats.world_size == 2
+    answer = engine2.ask(document2, QUESTION, max_new_tokens=24)
+    assert "7492" in answer, answer
+
+
+def test_greedy_answer_after_two_ranks_equals_one_rank(engine1, engine2, document2):
+    document1 = engine1.ingest(long_document())
+    torch.testing.assert_close(document1.cache.k[5][:document1.length], document2.cache.k[5][:document2.length],
+                               atol=1e-4, rtol=0)
+    question = "Summarize the document in one sentence."
+    g1 = engine1.generate(document1, question, max_new_tokens=24)
+    g2 = engine2.generate(document2, question, max_new_tokens=24)
+    "".join(g1), "".join(g2)
+    assert g1.result.token_ids == g2.result.token_ids
+
+
+def test_kv_file_round_trip_and_errors(engine1, engine2, document2, tmp_path):
+    path = tmp_path / "doc.kv"
+    expected = engine2.ask(document2, QUESTION, max_new_tokens=12)
+    engine2.save_document(document2, str(path))
+    loaded = engine1.load_document(str(path))
+    assert loaded.length == document2.length and torch.equal(loaded.token_ids, document2.token_ids)
+    assert engine1.ask(loaded, QUESTION, max_new_tokens=12) == expected
+    assert engine1.ask(loaded, QUESTION, max_new_tokens=12) == expected  # questions do not see each other
+
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.kv"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        engine1.load_document(str(truncated))
+    altered = tmp_path / "altered.kv"
+    altered.write_bytes(data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
+    with pytest.raises(ValueError, match="checksum"):
+        engine1.load_document(str(altered))
+    with pytest.raises(ValueError, match="does not exist"):
+        engine1.load_document(str(tmp_path / "missing.kv"))
+    other = Engine("tiny", dtype="float32")
+    with pytest.raises(ValueError, match="made with model 'smollm2-135m'"):
+        other.load_document(str(path))
+
+
+def test_cli_ingest_and_ask(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(long_document(60))
+    kv = tmp_path / "doc.kv"
+    runner = CliRunner()
+    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float32", "--chunk-tokens", "256"])
+    assert result.exit_code == 0, result.output
+    assert "time to first token" in result.output and kv.exists()
+    result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16"])
+    assert result.exit_code == 0, result.output
+    assert "7492" in result.output
+
+
+@pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\xff\xfe\x00bad", "not UTF-8"), (None, "no such file")])
+def test_cli_ingest_bad_documents(tmp_path, content, message):
+    doc = tmp_path / "doc.txt"
+    if content is not None:
+        doc.write_bytes(content)
+    kv = tmp_path / "doc.kv"
+    result = CliRunner().invoke(main, ["ingest", str(doc), "--save", str(kv)])
+    assert result.exit_code != 0 and message in result.output
+    assert not kv.exists()
