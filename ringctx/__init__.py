@@ -1,22 +1,27 @@
 """ringctx: exact context-parallel (ring pass-KV / pass-Q) prefill of very long prompts.
 
-The public API, re-exported from the packages that implement it.
-"""
+The public API, re-exported from the packages that implement it:
 
-from .attention import attention_block, attention_with_cache, merge_partials, reference_attention
-from .config import ModelConfig, get_preset
-from .parallel import CommStats, ShardLayout, ring_attention
+    Engine, Document                        chunked CP prefill, KV hand-off, questions (ringctx.engine)
+    load_model, KVCache                     the Llama-family decoder and its decode cache (ringctx.model)
+    ring_attention, ShardLayout, CommStats  ring pass-KV / pass-Q over torch.distributed (ringctx.parallel)
+    choose_strategy, plan_prefill, load_profile   the heuristic, the cost model, hardware profiles
+    attention_block, attention_with_cache, merge_partials, reference_attention   single-device math
+"""
 
 __version__ = "0.1.0"
 
+from .attention import attention_block, attention_with_cache, merge_partials, reference_attention
+from .config import ModelConfig, get_preset
+from .engine import Document, Engine, PrefillResult, PrefillStats
+from .model import KVCache, load_model
+from .parallel import CommStats, ShardLayout, ring_attention
+from .parallel.hardware import HardwareProfile, load_profile
+from .parallel.planner import plan_prefill
+from .parallel.strategy import choose_strategy
+
 __all__ = [
-    "CommStats",
-    "ModelConfig",
-    "ShardLayout",
-    "attention_block",
-    "attention_with_cache",
-    "get_preset",
-    "merge_partials",
-    "reference_attention",
-    "ring_attention",
+    "CommStats", "Document", "Engine", "HardwareProfile", "KVCache", "ModelConfig", "PrefillResult", "PrefillStats",
+    "ShardLayout", "attention_block", "attention_with_cache", "choose_strategy", "get_preset", "load_model",
+    "load_profile", "merge_partials", "plan_prefill", "reference_attention", "ring_attention",
 ]

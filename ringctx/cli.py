@@ -39,6 +39,8 @@ def engine_options(f):
         click.option("--dtype", default="auto", show_default=True,
                      help="auto (bfloat16 on GPUs and bf16-capable CPUs, else float32), bfloat16, float16, float32."),
         click.option("--device", default=None, help="cpu or cuda (default: one GPU per rank when available)."),
+        click.option("--attn-backend", type=click.Choice(["auto", "torch", "triton", "flash-attn"]), default="auto",
+                     show_default=True, help="Local attention kernels (auto: flash-attn on CUDA when installed, else torch)."),
         click.option("--timeout", "timeout_s", default=300.0, show_default=True,
                      help="Seconds before a stuck or dead rank ends the job with an error."),
     ]
@@ -47,12 +49,12 @@ def engine_options(f):
     return f
 
 
-def build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s):
+def build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s):
     from .engine import Engine
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
-                      hardware=hardware, timeout_s=timeout_s)
+                      hardware=hardware, attn_backend=attn_backend, timeout_s=timeout_s)
     except (ValueError, OSError) as exc:  # bad names, paths, files: one clear line, no traceback
         raise click.ClickException(str(exc).strip("'\"")) from None
 
@@ -132,7 +134,7 @@ def stats_tables(stats, title: str) -> list[Table]:
               help="Write a Chrome/Perfetto trace of compute and communication per rank.")
 @engine_options
 def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, strategy, hardware, dtype, device,
-            timeout_s):
+            attn_backend, timeout_s):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
     import torch
 
@@ -142,7 +144,7 @@ def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, str
     if world > tokens:
         raise click.BadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s)
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s)
     printing = _is_printing_rank()
     try:
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
@@ -185,7 +187,8 @@ def _write_json(path: str, data: dict) -> None:
 @click.option("--save", "save_path", required=True, type=click.Path(dir_okay=False), help="KV cache file to write.")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
 @engine_options
-def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s):
+def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend,
+           timeout_s):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
     try:
         with open(file, "rb") as f:
@@ -197,7 +200,7 @@ def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardw
         raise click.ClickException(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
     if not text.strip():
         raise click.ClickException(f"{file} is empty: nothing to ingest")
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, timeout_s)
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s)
     printing = _is_printing_rank()
     try:
         try:

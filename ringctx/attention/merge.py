@@ -106,6 +106,11 @@ def merge_partials(
     """
     if not partials:
         raise ValueError("merge_partials needs at least one (out, lse) pair")
+    from .cuda_ext import try_merge_partials_cuda
+
+    merged = try_merge_partials_cuda(partials, out_dtype)  # one-pass CUDA kernel; None off-GPU
+    if merged is not None:
+        return merged
     first_out, first_lse = partials[0]
     T, H, D = first_out.shape
     for i, (out, lse) in enumerate(partials):

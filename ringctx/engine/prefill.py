@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..attention.cuda_ext import scatter_kv
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
 from ..parallel.comm import agree_across_ranks, nbytes, rank_and_world
@@ -358,7 +359,7 @@ def _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len
         mine_k = k_shard[layer][first_new_row:first_new_row + positions[rank].numel()]
         mine_v = v_shard[layer][first_new_row:first_new_row + positions[rank].numel()]
         if world == 1:
-            out.update(layer, positions[0].to(model.device), mine_k, mine_v)
+            scatter_kv(out.k[layer], out.v[layer], mine_k, mine_v, positions[0].to(model.device))
         else:
             send = mine_k.new_zeros((2, rows, cfg.n_kv_heads, cfg.head_dim))
             send[0, :mine_k.shape[0]], send[1, :mine_v.shape[0]] = mine_k, mine_v
@@ -369,7 +370,7 @@ def _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len
             else:
                 for r, part in enumerate(gathered):
                     n = positions[r].numel()
-                    out.update(layer, positions[r].to(model.device), part[0, :n], part[1, :n])
+                    scatter_kv(out.k[layer], out.v[layer], part[0, :n], part[1, :n], positions[r].to(model.device))
         k_shard[layer] = v_shard[layer] = None  # the decode rank never keeps a second copy
     if out is not None:
         out.length = cached_len + T

@@ -1,0 +1,418 @@
+"""ringctx's own Triton flash-attention forward kernel, returning (out, lse).
+
+It computes exactly the block kinds ring attention needs (DESIGN.md), in ringctx's conventions:
+
+    q [T, Hq, D], k and v [S, Hkv, D], token-major, no batch dim
+    out [T, Hq, D] in q's dtype, lse [Hq, T] float32 natural log
+    GQA: query head h reads KV head h // (Hq // Hkv); KV is never expanded (pointer math only)
+    causal=False  a full block: every query sees every key (T != S allowed)
+    causal=True   a square diagonal block: T == S, query i sees keys 0..i
+    a row that sees no key (only possible with S == 0 or a zero-length key sequence): out = 0,
+    lse = -inf, never NaN
+
+Packed variable-length sequences (`cu_seqlens_q`, `cu_seqlens_k`, cumulative lengths starting
+at 0, like flash-attn's varlen API) make one launch compute several independent blocks: queries of
+sequence b see only keys of sequence b, fully or (causal) as a square diagonal block.
+
+Inputs bf16 / fp16 / fp32, accumulation always float32; fp32 inputs use IEEE fp32 matmuls (not
+TF32), so the fp32 path is accurate to ~1e-6. Head dims up to 128 (64, 80 and 128 are tested;
+80 runs in a 128-wide tile, masked).
+
+On a GPU the kernel is autotuned over a few tile shapes per (head dim, causal, dtype) on first use
+(set RINGCTX_TRITON_AUTOTUNE=0 to take the first, heuristic config). On CPU it runs only in
+Triton's interpreter (TRITON_INTERPRET=1), which the tests use with float32 inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+
+_LOG2E = 1.4426950408889634  # scores are kept in base 2 inside the kernel: exp2 is one instruction
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 128  # the tile configs are sized (shared memory, registers) for head dims up to 128
+
+
+def triton_attention_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a query block against a key block with the Triton kernel.
+
+    Args:
+        q: [T, Hq, D] float16/bfloat16/float32 on CUDA (or CPU under TRITON_INTERPRET=1).
+        k, v: [S, Hkv, D], same dtype and device as q; Hq must be a multiple of Hkv.
+        causal: False: full block, every query sees every key. True: square diagonal block,
+            T == S (per sequence when packed) and query i sees keys 0..i of its sequence.
+        softmax_scale: multiplies q.k; defaults to 1/sqrt(D).
+        cu_seqlens_q, cu_seqlens_k: optional packed sequences, int [B + 1] cumulative lengths
+            (0, l_1, l_1 + l_2, ..., T) and (..., S). Query rows of sequence b see only key rows
+            of sequence b. Give both or neither; with causal=True they must be equal (each
+            sequence's block is square); a key length of 0 gives that sequence's queries
+            out = 0, lse = -inf. Read once on the host (one device sync if they are on GPU).
+
+    Returns:
+        out [T, Hq, D] in q's dtype (contiguous), lse [Hq, T] float32, natural log.
+
+    Example (needs a GPU, so not a doctest)::
+
+        q = torch.randn(1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k = v = torch.randn(1024, 2, 128, device="cuda", dtype=torch.bfloat16)
+        out, lse = triton_attention_block(q, k, v, causal=True)   # [1024, 8, 128], [8, 1024]
+    """
+    plan = _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    return _forward(q, k, v, plan)
+
+
+def triton_available(device: torch.device | str | None = None) -> bool:
+    """True when the Triton kernel can run on `device` (default: CUDA if present, else CPU).
+
+    CUDA needs the triton package; CPU needs it too and TRITON_INTERPRET=1 (tests only: slow).
+    """
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a triton build that fails to initialize
+        return False
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return _interpret_mode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: validation and launch planning
+# ---------------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """Everything the launch needs, validated. Plain attributes; built only by `_plan`."""
+
+    __slots__ = ("causal", "scale", "cu_q", "cu_k", "n_seqs", "max_seqlen_q", "seqlen_q", "seqlen_k")
+
+
+def _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k) -> _Plan:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"triton_attention_block: q, k, v must be [tokens, heads, head_dim], got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    T, Hq, D = q.shape
+    S, Hkv, Dk = k.shape
+    if v.shape != k.shape or Dk != D:
+        raise ValueError(f"triton_attention_block: k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                         f"[S, Hkv, {D}]")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"triton_attention_block: Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"triton_attention_block: q, k, v must share one of float16/bfloat16/float32, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"triton_attention_block: q, k, v on different devices "
+                         f"({q.device}, {k.device}, {v.device})")
+    if not 0 < D <= _MAX_HEAD_DIM:
+        raise ValueError(f"triton_attention_block: head_dim {D} not in 1..{_MAX_HEAD_DIM}")
+    if not triton_available(q.device):
+        raise RuntimeError("the Triton attention backend needs the triton package and a CUDA device "
+                           "(on CPU only the interpreter works: set TRITON_INTERPRET=1, tests only)")
+
+    p = _Plan()
+    p.causal = bool(causal)
+    p.scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("triton_attention_block: give both cu_seqlens_q and cu_seqlens_k, or neither")
+    if cu_seqlens_q is None:
+        if causal and T != S:
+            raise ValueError(f"triton_attention_block: a causal (diagonal) block must be square, got "
+                             f"{T} queries and {S} keys")
+        p.cu_q = p.cu_k = None
+        p.n_seqs, p.max_seqlen_q, p.seqlen_q, p.seqlen_k = 1, T, T, S
+        return p
+
+    cq = _cumulative_lengths(cu_seqlens_q, T, "cu_seqlens_q")
+    ck = _cumulative_lengths(cu_seqlens_k, S, "cu_seqlens_k")
+    if len(cq) != len(ck):
+        raise ValueError(f"triton_attention_block: cu_seqlens_q has {len(cq) - 1} sequences, "
+                         f"cu_seqlens_k {len(ck) - 1}")
+    if causal and cq != ck:
+        raise ValueError("triton_attention_block: causal packed blocks must be square per sequence "
+                         "(cu_seqlens_q == cu_seqlens_k)")
+    if len(cq) - 1 > 65535:
+        raise ValueError("triton_attention_block: at most 65535 packed sequences per call")
+    p.cu_q = torch.tensor(cq, dtype=torch.int32, device=q.device)
+    p.cu_k = p.cu_q if cq == ck else torch.tensor(ck, dtype=torch.int32, device=q.device)
+    p.n_seqs = len(cq) - 1
+    p.max_seqlen_q = max((b - a for a, b in zip(cq, cq[1:])), default=0)
+    p.seqlen_q, p.seqlen_k = T, S  # unused by the kernel in varlen mode
+    return p
+
+
+def _cumulative_lengths(cu, total: int, name: str) -> list[int]:
+    values = cu.tolist() if isinstance(cu, torch.Tensor) else [int(x) for x in cu]
+    if isinstance(cu, torch.Tensor) and (cu.dim() != 1 or cu.dtype.is_floating_point):
+        raise ValueError(f"triton_attention_block: {name} must be a 1-D integer tensor")
+    if len(values) < 2 or values[0] != 0 or values[-1] != total:
+        raise ValueError(f"triton_attention_block: {name} must start at 0 and end at {total}, got {values}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"triton_attention_block: {name} must be non-decreasing, got {values}")
+    if total >= 2**31:
+        raise ValueError(f"triton_attention_block: {name}: {total} rows exceed int32 offsets")
+    return values
+
+
+def _forward(q, k, v, plan: _Plan, *, config: tuple[int, int] | None = None):
+    """Launch the kernel. `config` = (BLOCK_M, BLOCK_N) pins the tiles (tests use it to cover
+    several tilings in the interpreter); None autotunes on GPU / picks 32x16 in the interpreter."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    if S == 0:  # nothing to see; the kernel would do the same, but why launch it
+        return out.zero_(), lse.fill_(float("-inf"))
+    # The kernel needs unit stride along D; heads and tokens may have any stride (views are fine).
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+
+    import triton
+
+    interp = _interpret_mode()
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs tiles of at least 16
+    args = (
+        q, k, v, out, lse,
+        plan.cu_q if plan.cu_q is not None else lse,  # dummy pointer when not varlen (never read)
+        plan.cu_k if plan.cu_k is not None else lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        T, plan.seqlen_q, plan.seqlen_k,
+        plan.scale * _LOG2E,
+        # Autotuning key only: the best tiles differ between a 512-token ring block and a
+        # 16K one, so tune per power-of-two length bucket (256 .. 16384).
+        min(max(triton.next_power_of_2(plan.max_seqlen_q), 256), 16384),
+    )
+    meta = dict(
+        GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=plan.causal, VARLEN=plan.cu_q is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit
+    )
+    grid = lambda m: (triton.cdiv(plan.max_seqlen_q, m["BLOCK_M"]), Hq, plan.n_seqs)  # noqa: E731
+    kernels = _kernels()
+    if config is not None or interp or os.environ.get("RINGCTX_TRITON_AUTOTUNE", "1") == "0":
+        if config is not None:
+            bm, bn, warps, stages = config[0], config[1], 4, 2
+        elif interp:
+            bm, bn, warps, stages = 32, 16, 4, 1  # small tiles: the interpreter is slow per element
+        else:
+            c = _gpu_configs(block_d, q.dtype)[0]
+            bm, bn, warps, stages = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+        if bm % bn:
+            raise ValueError(f"BLOCK_M={bm} must be a multiple of BLOCK_N={bn}")
+        kernels.plain[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    else:
+        kernels.tuned[grid](*args, **meta)
+    return out, lse
+
+
+def _interpret_mode() -> bool:
+    try:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
+    except Exception:  # older triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _gpu_configs(block_d: int, dtype: torch.dtype):
+    """Candidate tiles. BLOCK_M must be a multiple of BLOCK_N (the causal split relies on it).
+
+    16-bit: 128-row query tiles keep the tensor cores busy (H100/H200 class: wgmma, 8 warps);
+    fp32 with IEEE dots has no tensor-core path and far larger tiles in bytes: keep them small.
+    The first config of each list is the untuned default (RINGCTX_TRITON_AUTOTUNE=0).
+    """
+    import triton
+
+    C = triton.Config
+    if dtype == torch.float32:
+        return [C({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=2),
+                C({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
+    if block_d <= 64:
+        return [C({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+                C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+                C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=4),
+                C({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
+    return [C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+            C({"BLOCK_M": 128, "BLOCK_N": 128}, num_warps=8, num_stages=3),
+            C({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+            C({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
+
+
+class _Kernels:
+    __slots__ = ("plain", "tuned")
+
+
+_KERNELS: dict[bool, _Kernels] = {}
+
+
+def _kernels() -> _Kernels:
+    """The jitted kernel, built on first use rather than at import.
+
+    triton.jit decides at decoration time whether it compiles for the GPU or wraps the function
+    for the interpreter (TRITON_INTERPRET). Deciding lazily makes the outcome independent of
+    which module imported this one first, e.g. a test that sets TRITON_INTERPRET=1 at collection.
+    """
+    interp = _interpret_mode()
+    if interp not in _KERNELS:
+        import triton
+
+        # Lengths and the lse row stride change with every chunk: don't specialize on them
+        # (that would recompile whenever a length crosses a multiple of 16).
+        plain = triton.jit(_attn_fwd_kernel,
+                           do_not_specialize=["lse_stride_h", "seqlen_q", "seqlen_k", "seq_bucket"])
+        ks = _Kernels()
+        ks.plain = plain
+        ks.tuned = None
+        if not interp:
+            def prune(configs, named_args, **kwargs):  # noqa: ARG001 - triton's signature
+                return _gpu_configs(kwargs["BLOCK_D"], named_args["Q"].dtype)
+
+            all_configs = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages): c
+                           for d in (64, 128) for dt in (torch.float32, torch.bfloat16)
+                           for c in _gpu_configs(d, dt)}
+            ks.tuned = triton.autotune(
+                configs=list(all_configs.values()),
+                key=["HEAD_DIM", "CAUSAL", "VARLEN", "GROUP", "seq_bucket"],  # triton adds the dtypes
+                prune_configs_by={"early_config_prune": prune},
+            )(plain)
+        _KERNELS[interp] = ks
+    return _KERNELS[interp]
+
+
+# ---------------------------------------------------------------------------------------------
+# Device side
+# ---------------------------------------------------------------------------------------------
+# Written as a plain function and jitted lazily (see `_kernels`); `tl` resolves from the module
+# globals at compile time. triton is optional: without it this module still imports (annotations
+# are strings under `from __future__ import annotations`) and `triton_available()` says False.
+try:
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - ImportError or a broken install; reported by triton_available
+    tl = None
+
+
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse, CuQ, CuK,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    lse_stride_h, seqlen_q, seqlen_k,
+    qk_scale,  # softmax_scale * log2(e)
+    seq_bucket,  # unused by the code: only part of the autotuning key
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program = BLOCK_M query rows of one head of one sequence. Grid (m blocks, Hq, seqs).
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if VARLEN:
+        # 64-bit starts: row offsets times strides exceed 2^31 at million-token lengths.
+        q_start = tl.load(CuQ + seq).to(tl.int64)
+        q_len = (tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)).to(tl.int32)
+        k_start = tl.load(CuK + seq).to(tl.int64)
+        k_len = (tl.load(CuK + seq + 1) - tl.load(CuK + seq)).to(tl.int32)
+    else:
+        q_start = 0
+        q_len = seqlen_q
+        k_start = 0
+        k_len = seqlen_k
+    if CAUSAL:
+        # Causal work grows with the row block; launch the heaviest blocks first so the
+        # short ones fill the tail of the grid.
+        m_block = tl.num_programs(0) - 1 - pid_m
+    else:
+        m_block = pid_m
+    if m_block * BLOCK_M >= q_len:  # varlen: this sequence is shorter than the longest one
+        return
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < q_len
+    kv_head = head // GROUP  # GQA by pointer arithmetic: KV is never expanded
+
+    # 64-bit row offsets: T * Hq * D exceeds 2^31 elements at million-token lengths.
+    q_rows = q_start + offs_m.to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + k_start * stride_kt + kv_head * stride_kh
+    v_base = V + k_start * stride_vt + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max, base-2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Key range in two stages. Stage 0: key tiles every row of this block sees entirely (no
+    # mask work at all). Stage 1: the tiles that need a mask, i.e. the diagonal tiles of a causal
+    # block (BLOCK_M / BLOCK_N of them) or the ragged last tile of a full block.
+    if CAUSAL:
+        lo = m_block * BLOCK_M  # a multiple of BLOCK_N since BLOCK_M % BLOCK_N == 0
+        hi = tl.minimum((m_block + 1) * BLOCK_M, k_len)
+    else:
+        lo = (k_len // BLOCK_N) * BLOCK_N
+        hi = k_len
+    for stage in tl.static_range(2):
+        if stage == 0:
+            start = 0
+            end = lo
+        else:
+            start = lo
+            end = hi
+        for start_n in range(start, end, BLOCK_N):
+            cols = start_n + offs_n
+            kv_off = cols.to(tl.int64)[:, None]
+            k_ptrs = k_base + kv_off * stride_kt + offs_d[None, :]
+            v_ptrs = v_base + kv_off * stride_vt + offs_d[None, :]
+            if stage == 0:
+                if BLOCK_D == HEAD_DIM:  # whole tiles in bounds: plain (vectorized, async) loads
+                    kt = tl.load(k_ptrs)
+                    vt = tl.load(v_ptrs)
+                else:
+                    kt = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                    vt = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+                kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                vt = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale
+            if stage == 1:
+                visible = (cols < k_len)[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_m[:, None] >= cols[None, :])
+                s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if stage == 1:
+                # A row with no visible key so far has m_new = -inf; shift by 0 instead so that
+                # exp2(-inf - -inf) = NaN never happens (p and alpha come out as exact zeros).
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_use = m_new
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    empty = l_i == 0.0  # the row saw no key: out = 0, lse = -inf
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(Lse + head.to(tl.int64) * lse_stride_h + q_rows, lse, mask=m_ok)

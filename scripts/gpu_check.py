@@ -1,0 +1,581 @@
+"""One GPU check for ringctx: correctness, kernel speed, and a single-GPU million-token prefill.
+
+    python scripts/gpu_check.py --out DIR [--budget-s 420] [--dry-run]
+
+Sections (each writes into DIR/gpu_check.json as soon as it finishes, so a run cut short still
+leaves what it measured; a section that fails is recorded and the next one runs):
+
+  env         GPU, versions, datasheet peaks, measured bf16 matmul rate and copy bandwidth
+  correctness every attention backend (torch, triton, flash-attn when installed) against the
+              float64 reference: bf16/fp16 by the 2x rule (error at most 2x that of PyTorch's own
+              unsharded computation in that dtype), fp32 (Triton) within 1e-5; full and diagonal
+              blocks, GQA, head dims 64/80/128, packed sequences
+  attention   TFLOP/s of the Triton kernel, PyTorch's flash SDPA op and flash-attn (if installed),
+              causal bf16, S = 16K and 64K, head dims 64 and 128
+  build       the csrc CUDA extension (torch.utils.cpp_extension), built in a background thread
+              from the start while the sections above use the GPU; this section waits for it
+  merge       the merge kernel against float64 (2x rule against the torch float32 merge) and the
+              KV scatter kernel against index_copy_ (bit-exact); GB/s of both against the torch
+              paths, as fractions of the card's bandwidth (datasheet and measured copy)
+  prefill     chunked prefill (64K-token chunks) of SmolLM2-135M shapes, random weights, on one
+              GPU at 128K and 1M tokens with the fastest backend that passed: tokens/s, time to
+              first token, MFU, and time against what the attention FLOPs at the kernel rate
+              measured above predict (1M is skipped, and says so, if the budget cannot fit it)
+
+--dry-run runs every section on the CPU with tiny shapes (the Triton kernel in its interpreter,
+float32, the torch fallbacks of the CUDA kernels) to check the script itself; its numbers mean
+nothing. Exit status: 0 when every correctness check passed (speed targets are reported, never
+asserted), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Datasheet numbers (dense bf16 tensor FLOP/s, HBM bytes/s), matched on the device name.
+DATASHEET = [("H200", 989e12, 4.8e12), ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12),
+             ("A100-SXM4-80GB", 312e12, 2.039e12), ("A100", 312e12, 1.555e12), ("L40S", 362e12, 0.864e12)]
+
+
+class Check:
+    """Collects results by section and rewrites the JSON file after every section."""
+
+    def __init__(self, out: Path, budget_s: float, dry: bool):
+        self.out, self.dry, self.t0, self.budget = out, dry, time.monotonic(), budget_s
+        self.results: dict = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                              "dry_run": dry, "sections": {}, "failures": [], "targets": {}}
+        self.device = "cpu" if dry else "cuda"
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.t0)
+
+    def fail(self, what: str) -> None:
+        self.results["failures"].append(what)
+        print(f"  FAIL {what}", flush=True)
+
+    def section(self, name: str, fn) -> None:
+        print(f"== {name} ({self.left():.0f} s of budget left)", flush=True)
+        t = time.monotonic()
+        try:
+            data = fn(self)
+        except Exception as e:  # noqa: BLE001 - record and go on to the next section
+            data = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            self.fail(f"{name}: {type(e).__name__}: {e}")
+        data = data if isinstance(data, dict) else {"value": data}
+        data["seconds"] = round(time.monotonic() - t, 2)
+        self.results["sections"][name] = data
+        self.write()
+
+    def write(self) -> None:
+        self.results["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        (self.out / "gpu_check.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+def timed(ck: Check, fn, *, min_reps: int = 3, min_seconds: float = 0.3, max_reps: int = 100) -> float:
+    """Median seconds of fn() after two warm-up calls (CUDA events on GPU)."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    times: list[float] = []
+    start = time.monotonic()
+    while len(times) < max_reps and (len(times) < min_reps or time.monotonic() - start < min_seconds):
+        if ck.dry:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        else:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+# --- env and build ---------------------------------------------------------------------------
+
+def env_section(ck: Check) -> dict:
+    import torch
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+            "platform": platform.platform()}
+    for pkg in ("triton", "flash_attn"):
+        try:
+            info[pkg] = __import__(pkg).__version__
+        except Exception as e:  # noqa: BLE001
+            info[pkg] = f"unavailable ({type(e).__name__})"
+    if ck.dry:
+        info["gpu"] = "none (dry run)"
+        return info
+    p = torch.cuda.get_device_properties(0)
+    info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                capability=f"{p.major}.{p.minor}")
+    for key, flops, bw in DATASHEET:
+        if key in p.name:
+            info.update(datasheet_bf16_tflops=flops / 1e12, datasheet_hbm_gbs=bw / 1e9)
+            break
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    info["measured_bf16_matmul_tflops"] = round(2 * 8192**3 / timed(ck, lambda: a @ a) / 1e12, 1)
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    info["measured_copy_gbs"] = round(2 * x.numel() / timed(ck, lambda: y.copy_(x)) / 1e9, 1)  # read + write
+    del a, x, y
+    ck.results["env"] = info
+    return info
+
+
+def start_build(ck: Check) -> None:
+    """Build the csrc extension in a background thread: ninja/nvcc work on the CPUs while the
+    attention sections keep the GPU busy (the build releases the GIL while it waits)."""
+    import threading
+
+    from ringctx.attention import cuda_ext
+
+    def build():
+        t = time.monotonic()
+        cuda_ext.load_extension()
+        ck.results["build_thread_s"] = round(time.monotonic() - t, 1)
+
+    threading.Thread(target=build, name="csrc-build", daemon=True).start()
+
+
+def build_section(ck: Check) -> dict:
+    from ringctx.attention import cuda_ext
+
+    t = time.monotonic()
+    mod = cuda_ext.load_extension()  # waits for the background build, or builds now
+    res = {"loaded": mod is not None, "waited_s": round(time.monotonic() - t, 1),
+           "build_s": ck.results.get("build_thread_s"), "error": cuda_ext.extension_error(),
+           "csrc": str(cuda_ext.csrc_dir())}
+    if mod is None and not ck.dry:
+        ck.fail(f"csrc extension not available: {cuda_ext.extension_error()}")
+    return res
+
+
+# --- correctness -----------------------------------------------------------------------------
+
+def _inputs(T, S, hq, hkv, d, dtype, device, seed):
+    import torch
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(n, h, d, generator=g).to(device, dtype) for n, h in ((T, hq), (S, hkv), (S, hkv))]
+
+
+def _visible(T, S, causal, cu_q=None, cu_k=None, device="cpu"):
+    import torch
+
+    cu_q, cu_k = cu_q or [0, T], cu_k or [0, S]
+    vis = torch.zeros(T, S, dtype=torch.bool, device=device)
+    for b in range(len(cu_q) - 1):
+        blk = torch.ones(cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], dtype=torch.bool, device=device)
+        vis[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = blk.tril() if causal else blk
+    return vis
+
+
+def _torch_unsharded(q, k, v, visible):
+    """PyTorch's own computation in the input dtype: SDPA with expanded KV heads (the 2x-rule baseline)."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    ke, ve = (x.repeat_interleave(g, dim=1).transpose(0, 1) for x in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), ke, ve, attn_mask=visible)
+    return out.transpose(0, 1).nan_to_num(0.0)  # SDPA gives NaN on fully masked rows
+
+
+def correctness_section(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention import attention_block, reference_attention
+    from ringctx.attention.kernels import flash_attn_available
+    from ringctx.attention.triton_attn import triton_attention_block
+
+    dev = ck.device
+    lowp = torch.float32 if ck.dry else torch.bfloat16  # bf16 math is broken in the interpreter
+    small = 0.125 if ck.dry else 1.0
+    n = lambda x: max(4, int(x * small))  # noqa: E731
+    cases = [  # name, T, S, hq, hkv, d, causal, dtype, cu (packed sequences)
+        ("diag-d64-gqa3", n(1024), n(1024), 9, 3, 64, True, lowp, None),
+        ("full-d128-gqa4", n(512), n(1536), 16, 4, 128, False, lowp, None),
+        ("diag-d80-gqa4-odd", n(777), n(777), 8, 2, 80, True, lowp, None),
+        ("full-d64-mha-fp16", n(640), n(320), 4, 4, 64, False, torch.float32 if ck.dry else torch.float16, None),
+        ("diag-d128-fp32", n(512), n(512), 8, 2, 128, True, torch.float32, None),
+    ]
+    L = n(1400)
+    cu = [0, L // 5, L // 5, (2 * L) // 3, L]
+    cases.append(("packed-diag-d128", L, L, 8, 2, 128, True, lowp, (cu, cu)))
+    backends = ["torch", "triton"] + (["flash-attn"] if not ck.dry and flash_attn_available() else [])
+    rows = []
+    for i, (name, T, S, hq, hkv, d, causal, dtype, cu_pair) in enumerate(cases):
+        q, k, v = _inputs(T, S, hq, hkv, d, dtype, dev, seed=i)
+        vis = _visible(T, S, causal, *(cu_pair or (None, None)), device=dev)
+        ref_out, ref_lse = reference_attention(q, k, v, vis)
+        base = _torch_unsharded(q, k, v, vis)
+        base_err = (base.double() - ref_out).abs().max().item()
+        for b in backends:
+            if dtype == torch.float32 and b != "triton" and not ck.dry:
+                continue  # fp32 is a Triton-kernel feature; the CUDA flash ops take 16-bit only
+            if cu_pair is not None and b != "triton":
+                continue  # packed sequences in one launch: the Triton kernel's own API
+            row = {"case": name, "backend": b, "dtype": str(dtype).replace("torch.", ""), "T": T, "S": S}
+            try:
+                if cu_pair is not None:
+                    out, lse = triton_attention_block(q, k, v, causal=causal, cu_seqlens_q=cu_pair[0], cu_seqlens_k=cu_pair[1])
+                else:
+                    out, lse = attention_block(q, k, v, causal=causal, backend=b)
+                err = (out.double() - ref_out).abs().max().item()
+                fin = torch.isfinite(ref_lse)
+                lse_err = (lse.double()[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+                tol = 1e-5 if dtype == torch.float32 else 2 * base_err
+                lse_tol = 2e-5 if dtype == torch.float32 else 1e-4  # float32 lse from exact 16-bit products
+                ok = (err <= tol and lse_err <= lse_tol and not torch.isnan(out).any().item()
+                      and torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and out.dtype == dtype)
+                row.update(err=err, torch_err=base_err, tol=tol, lse_err=lse_err, ok=bool(ok))
+            except Exception as e:  # noqa: BLE001
+                row.update(ok=False, error=f"{type(e).__name__}: {e}")
+            rows.append(row)
+            print(f"  {name:22s} {b:10s} " + (f"err {row.get('err', float('nan')):.2e} (torch {base_err:.2e}) "
+                                               f"lse {row.get('lse_err', float('nan')):.1e} " if "err" in row else
+                                               row.get("error", "")) + ("ok" if row["ok"] else "FAIL"), flush=True)
+            if not row["ok"]:
+                ck.fail(f"correctness {name} {b}")
+    return {"attention": rows}
+
+
+def _check_merge(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention import cuda_ext, merge_partials
+
+    dev, dtype = ck.device, (torch.float32 if ck.dry else torch.bfloat16)
+    T, H, D, N = (64, 4, 64, 3) if ck.dry else (4096, 16, 128, 3)
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for _ in range(N):
+        lse = torch.randn(H, T, generator=g) * 3
+        lse[torch.rand(H, T, generator=g) < 0.1] = float("-inf")  # rows this partial saw nothing of
+        parts.append((torch.randn(T, H, D, generator=g).to(dev, dtype), lse.to(dev)))
+    lse = torch.stack([p[1].double() for p in parts])
+    total = torch.logsumexp(lse, 0)
+    w = torch.where(torch.isfinite(total), torch.exp(lse - total.nan_to_num(neginf=0.0)), 0.0).nan_to_num(0.0)
+    want = (torch.stack([p[0].double() for p in parts]) * w.transpose(1, 2)[..., None]).sum(0)
+    got = cuda_ext.try_merge_partials_cuda(parts)
+    with cuda_ext.csrc_disabled():
+        torch_out, _ = merge_partials(parts)
+    torch_err = (torch_out.double() - want).abs().max().item()
+    res = {"kernel_used": got is not None, "torch_err": torch_err}
+    if got is None:
+        if not ck.dry:
+            ck.fail(f"merge kernel unavailable: {cuda_ext.extension_error()}")
+        return res
+    err = (got[0].double() - want).abs().max().item()
+    fin = torch.isfinite(total)
+    lse_err = (got[1].double()[fin] - total[fin]).abs().max().item()
+    ok = err <= 2 * torch_err + 1e-6 and lse_err <= 1e-5 and torch.equal(torch.isinf(got[1]), torch.isinf(total))
+    res.update(err=err, lse_err=lse_err, ok=bool(ok))
+    print(f"  merge kernel err {err:.2e} (torch {torch_err:.2e}) lse {lse_err:.1e} {'ok' if ok else 'FAIL'}")
+    if not ok:
+        ck.fail("merge kernel against float64")
+    return res
+
+
+def _check_scatter(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention import cuda_ext
+
+    dev = ck.device
+    L, P, n = (3, 64, 40) if ck.dry else (30, 8192, 5000)
+    mk = lambda rows: [torch.randn(rows, 3, 64, device=dev, dtype=torch.bfloat16) for _ in range(L)]  # noqa: E731
+    kc, vc, ks, vs = mk(P), mk(P), mk(n), mk(n)
+    pos = torch.randperm(P, device=dev)[:n]
+    kc2, vc2 = [x.clone() for x in kc], [x.clone() for x in vc]
+    cuda_ext.scatter_kv(kc, vc, ks, vs, pos)
+    cuda_ext.scatter_kv_torch(kc2, vc2, ks, vs, pos)
+    ok = all(torch.equal(a, b) for a, b in zip(kc + vc, kc2 + vc2))
+    print(f"  scatter_kv {'ok' if ok else 'FAIL'} (kernel {'used' if cuda_ext.extension_available() else 'not used'})")
+    if not ok:
+        ck.fail("scatter kernel against index_copy_")
+    return {"ok": ok, "kernel_used": cuda_ext.extension_available()}
+
+
+# --- speed -----------------------------------------------------------------------------------
+
+def attention_section(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention.kernels import flash_attn_available
+    from ringctx.attention.triton_attn import triton_attention_block
+
+    shapes = [(128, 64, 4, 2)] if ck.dry else [(16384, 64, 32, 8), (16384, 128, 32, 8), (65536, 64, 32, 8),
+                                                (65536, 128, 32, 8)]
+    dtype = torch.float32 if ck.dry else torch.bfloat16
+    rows = []
+    for S, d, hq, hkv in shapes:
+        if ck.left() < 60:
+            rows.append({"S": S, "d": d, "skipped": "time budget"})
+            continue
+        q, k, v = _inputs(S, S, hq, hkv, d, dtype, ck.device, seed=S + d)
+        flops = 4 * hq * d * S * S / 2  # two matmuls over the S(S+1)/2 visible pairs (causal)
+        # SDPA's flash op has no GQA: expand KV once, outside the timed region (same FLOPs).
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k.repeat_interleave(hq // hkv, 1),
+                                                                v.repeat_interleave(hq // hkv, 1)))
+        runs = {"triton": lambda: triton_attention_block(q, k, v, causal=True)}
+        if ck.dry:
+            runs["sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        else:
+            runs["sdpa-flash"] = lambda: torch.ops.aten._scaled_dot_product_flash_attention(qb, kb, vb, 0.0, True, False)
+            if flash_attn_available():
+                from flash_attn import flash_attn_func
+
+                runs["flash-attn"] = lambda: flash_attn_func(q[None], k[None], v[None], causal=True)
+        row = {"S": S, "d": d, "hq": hq, "hkv": hkv, "dtype": str(dtype).replace("torch.", "")}
+        for name, fn in runs.items():
+            try:
+                sec = timed(ck, fn)
+                row[name] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1)}
+            except Exception as e:  # noqa: BLE001
+                row[name] = {"error": f"{type(e).__name__}: {e}"}
+        base = row.get("sdpa-flash", row.get("sdpa", {})).get("tflops")
+        if base and "tflops" in row["triton"]:
+            row["triton_vs_sdpa"] = round(row["triton"]["tflops"] / base, 3)
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
+        del q, k, v, qb, kb, vb
+    target = next((r for r in rows if r.get("S") == 16384 and r.get("d") == 128 and "triton_vs_sdpa" in r), None)
+    if target:
+        ck.results["targets"]["triton >= 0.7 x sdpa flash (S=16K, d=128, causal bf16)"] = {
+            "ratio": target["triton_vs_sdpa"], "met": target["triton_vs_sdpa"] >= 0.7}
+    return {"rows": rows}
+
+
+def merge_section(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention import cuda_ext, merge_partials
+
+    env = ck.results.get("env", {})
+    peak_bw = env.get("datasheet_hbm_gbs")
+    copy_bw = env.get("measured_copy_gbs")
+    T, H, D = (256, 4, 64) if ck.dry else (65536, 32, 128)
+    dtype = torch.float32 if ck.dry else torch.bfloat16
+    rows = []
+    for N in (2, 4, 8):
+        parts = [(torch.randn(T, H, D, device=ck.device, dtype=dtype), torch.randn(H, T, device=ck.device))
+                 for _ in range(N)]
+        nbytes = (N + 1) * (T * H * D * parts[0][0].element_size() + H * T * 4)  # read N, write 1
+        row = {"N": N, "T": T, "H": H, "D": D, "bytes": nbytes}
+        if cuda_ext.try_merge_partials_cuda(parts) is not None:
+            sec = timed(ck, lambda: cuda_ext.try_merge_partials_cuda(parts))
+            row["kernel_gbs"] = round(nbytes / sec / 1e9, 1)
+            if peak_bw:
+                row["kernel_frac_datasheet"] = round(row["kernel_gbs"] / peak_bw, 3)
+            if copy_bw:
+                row["kernel_frac_copy"] = round(row["kernel_gbs"] / copy_bw, 3)
+        with cuda_ext.csrc_disabled():
+            sec = timed(ck, lambda: merge_partials(parts))
+        row["torch_gbs"] = round(nbytes / sec / 1e9, 1)
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
+        del parts
+    fracs = [r["kernel_frac_datasheet"] for r in rows if "kernel_frac_datasheet" in r]
+    if fracs:
+        ck.results["targets"]["merge kernel >= 70% of HBM bandwidth (datasheet)"] = {
+            "fractions_by_N": fracs, "met": min(fracs) >= 0.7}
+    return {"merge": rows, "scatter": _scatter_speed(ck), "merge_check": _check_merge(ck),
+            "scatter_check": _check_scatter(ck)}
+
+
+def _scatter_speed(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention import cuda_ext
+
+    L, P, n = (3, 256, 128) if ck.dry else (30, 262144, 131072)  # SmolLM2: 30 layers, 3 KV heads x 64
+    mk = lambda rows: [torch.empty(rows, 3, 64, device=ck.device, dtype=torch.bfloat16) for _ in range(L)]  # noqa: E731
+    kc, vc, ks, vs = mk(P), mk(P), mk(n), mk(n)
+    pos = torch.randperm(P, device=ck.device)[:n]
+    nbytes = 2 * 2 * L * n * 3 * 64 * 2  # K and V, read + write
+    res = {"layers": L, "rows": n, "bytes": nbytes}
+    if cuda_ext.extension_available():
+        res["kernel_gbs"] = round(nbytes / timed(ck, lambda: cuda_ext.scatter_kv(kc, vc, ks, vs, pos, check=False)) / 1e9, 1)
+    res["torch_gbs"] = round(nbytes / timed(ck, lambda: cuda_ext.scatter_kv_torch(kc, vc, ks, vs, pos)) / 1e9, 1)
+    print("  scatter " + json.dumps(res), flush=True)
+    return res
+
+
+# --- prefill ---------------------------------------------------------------------------------
+
+class ChunkAttend:
+    """attend(layer, q, k, v) for one sequence prefilled chunk by chunk on one device.
+
+    The chunk's K/V go into preallocated [L, N, Hkv, D] buffers at its rows; its queries see the
+    rows before it as a full block and themselves as a diagonal block, merged by (out, lse).
+    """
+
+    def __init__(self, cfg, total, dtype, device, backend):
+        import torch
+
+        shape = (cfg.n_layers, total, cfg.n_kv_heads, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.start, self.backend = 0, backend
+
+    def __call__(self, layer, q, k, v):
+        from ringctx.attention import attention_block, cuda_ext, merge_partials
+
+        s, T = self.start, q.shape[0]
+        self.k[layer, s:s + T] = k
+        self.v[layer, s:s + T] = v
+        diag = attention_block(q, k, v, causal=True, backend=self.backend)
+        if s == 0:
+            return diag[0]
+        full = attention_block(q, self.k[layer, :s], self.v[layer, :s], causal=False, backend=self.backend)
+        merged = cuda_ext.try_merge_partials_cuda([full, diag]) or merge_partials([full, diag])
+        return merged[0]
+
+
+def _model(ck: Check, dtype):
+    from ringctx.config import get_preset
+    from ringctx.model.weights import empty_model, init_random
+
+    model = empty_model(get_preset("smollm2-135m"), dtype=dtype, device=ck.device)
+    init_random(model, 0)
+    return model.eval()
+
+
+def _prefill_once(model, n_tokens, chunk, backend, ck) -> dict:
+    import torch
+
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (n_tokens,), device=ck.device)
+    attend = ChunkAttend(cfg, n_tokens, model.dtype, ck.device, backend)
+    sync = (lambda: None) if ck.dry else torch.cuda.synchronize
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for s in range(0, n_tokens, chunk):
+            e = min(n_tokens, s + chunk)
+            attend.start = s
+            logits = model(ids[s:e], torch.arange(s, e, device=ck.device), attend,
+                           logits="last" if e == n_tokens else "none")
+        first = int(logits.argmax())  # the first generated token (greedy)
+    sync()
+    sec = time.perf_counter() - t0
+    del attend
+    return {"tokens": n_tokens, "chunk": chunk, "seconds": round(sec, 3), "first_token": first}
+
+
+def prefill_section(ck: Check) -> dict:
+    import torch
+
+    dtype = torch.float32 if ck.dry else torch.bfloat16
+    backend = "torch" if ck.dry else ck.results.get("prefill_backend", "auto")
+    model = _model(ck, dtype)
+    cfg = model.config
+    chunk = 128 if ck.dry else 65536
+    lengths = [256, 512] if ck.dry else [131072, 1048576]
+    env = ck.results.get("env", {})
+    peak = env.get("datasheet_bf16_tflops", 0) * 1e12
+    rate = _attention_rate(ck)  # FLOP/s of the kernel the prefill uses, measured above
+    linear_params = cfg.n_layers * (cfg.dim * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+                                    + cfg.n_heads * cfg.head_dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim)
+    res = {"backend": backend, "model": "smollm2-135m shapes, random weights", "dtype": str(dtype), "runs": []}
+    _prefill_once(model, lengths[0] // 4, chunk // 4, backend, ck)  # warm-up: compiles, autotunes
+    attn_flops_of = lambda n: cfg.n_layers * 4 * cfg.n_heads * cfg.head_dim * n * (n + 1) / 2  # noqa: E731
+    fits = lambda n: not rate or attn_flops_of(n) / rate * 1.25 + 10 <= ck.left()  # noqa: E731
+    for n in lengths:
+        if not fits(n):
+            # Too little time left for this length: record the prediction, and measure the
+            # largest power-of-two fraction that fits instead (a smaller point on the same curve).
+            res["runs"].append({"tokens": n, "skipped": f"needs ~{attn_flops_of(n) / rate * 1.25:.0f} s, "
+                                f"{ck.left():.0f} s left", "predicted_attention_s": round(attn_flops_of(n) / rate, 1)})
+            n = next((n >> i for i in range(1, 4) if n >> i > lengths[0] and fits(n >> i)), None)
+            if n is None:
+                continue
+        attn_flops = attn_flops_of(n)
+        predicted = attn_flops / rate if rate else None
+        torch.cuda.empty_cache() if not ck.dry else None
+        run = _prefill_once(model, n, chunk, backend, ck)
+        flops = attn_flops + 2 * linear_params * n
+        run.update(tokens_per_s=round(n / run["seconds"], 1), time_to_first_token_s=run["seconds"],
+                   attention_tflop=round(attn_flops / 1e12, 1), model_tflop=round(flops / 1e12, 1))
+        if peak:
+            run["mfu_datasheet"] = round(flops / run["seconds"] / peak, 3)
+        if predicted:
+            run["predicted_attention_s"] = round(predicted, 2)
+            run["vs_prediction"] = round(run["seconds"] / predicted, 3)
+        if not ck.dry:
+            run["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        res["runs"].append(run)
+        print("  " + json.dumps(run), flush=True)
+    million = next((r for r in res["runs"] if r.get("tokens") == 1048576 and "vs_prediction" in r), None)
+    if million:
+        ck.results["targets"]["1M prefill <= 1.3 x attention FLOPs / kernel rate"] = {
+            "ratio": million["vs_prediction"], "met": million["vs_prediction"] <= 1.3}
+    return res
+
+
+def _attention_rate(ck: Check) -> float | None:
+    """The prefill backend's measured causal rate at head dim 64 (the longest S measured)."""
+    rows = ck.results["sections"].get("attention", {}).get("rows", [])
+    key = {"triton": "triton", "flash-attn": "flash-attn"}.get(ck.results.get("prefill_backend"), "sdpa-flash")
+    best = [r[key]["tflops"] for r in rows if r.get("d") == 64 and "tflops" in r.get(key, {})]
+    return best[-1] * 1e12 if best else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting work after this many seconds")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check the script, not the GPU")
+    ap.add_argument("--only", nargs="*", help="run only these sections")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the Triton kernel is first built
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
+        return 2
+    ck = Check(args.out, args.budget_s, args.dry_run)
+    sections = [("env", env_section), ("correctness", correctness_section), ("attention", attention_section),
+                ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+    if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
+        start_build(ck)
+    for name, fn in sections:
+        if args.only and name not in args.only:
+            continue
+        if name == "prefill":  # the fastest backend that passed every correctness case
+            rows = ck.results["sections"].get("correctness", {}).get("attention", [])
+            good = {b for b in ("triton", "flash-attn") if any(r["backend"] == b for r in rows)
+                    and all(r["ok"] for r in rows if r["backend"] == b)}
+            ck.results["prefill_backend"] = "triton" if "triton" in good else ("flash-attn" if "flash-attn" in good else "torch")
+        ck.section(name, fn)
+    ck.write()
+    print("== targets")
+    for k, v in ck.results["targets"].items():
+        print(f"  {k}: {v}")
+    print(f"== {len(ck.results['failures'])} failure(s); results in {args.out / 'gpu_check.json'}")
+    return 1 if ck.results["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

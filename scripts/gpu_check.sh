@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU check of ringctx, in one command, in under 8 minutes on one H100/H200-class GPU:
+#
+#     bash scripts/gpu_check.sh OUT_DIR [--dry-run]
+#
+# 1. The GPU unit tests of tests/test_csrc.py and tests/test_triton_attn.py on the device (the
+#    compile-only tests are CI's job and are left out), capped at 120 s.
+# 2. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
+#    attention backend and both CUDA kernels against the float64 reference, kernel timings
+#    (TFLOP/s, GB/s), the csrc build (in the background), and a single-GPU chunked prefill of
+#    the SmolLM2-135M shapes at 128K and 1M tokens. Writes OUT_DIR/gpu_check.json.
+#
+# Everything printed also goes to OUT_DIR/gpu_check.log; pytest's output to OUT_DIR/pytest.log.
+# Exit status: non-zero when a correctness check or a test failed (speed targets are reported in
+# the JSON under "targets", never turned into failures). Needs python3 with a CUDA build of
+# torch, triton, ninja and nvcc (for the extension); flash-attn is used when installed.
+# --dry-run: the same steps on a CPU machine with tiny shapes (Triton interpreter, torch
+# fallbacks), to check the script itself; its numbers mean nothing.
+set -uo pipefail
+
+OUT="${1:?usage: bash scripts/gpu_check.sh OUT_DIR [--dry-run]}"
+DRY=()
+if [ "${2:-}" = "--dry-run" ]; then DRY=(--dry-run); export TRITON_INTERPRET=1; fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+TOTAL_S=470   # leaves a margin under 8 minutes
+START=$(date +%s)
+
+{
+  echo "== ringctx gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>&1 || true
+  git rev-parse --short HEAD 2>/dev/null || echo "(no git revision)"
+
+  # 1. GPU unit tests first, capped: they are quick, and the prefill below may use all time left.
+  xdist=()
+  "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+  echo "== GPU unit tests"
+  # One tile config per kernel variant: autotuning every test shape would take minutes.
+  RINGCTX_TRITON_AUTOTUNE=0 timeout 120 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
+    -k "not compile" tests/test_csrc.py tests/test_triton_attn.py 2>&1 | tee "$OUT/pytest.log"
+  test_rc=${PIPESTATUS[0]}
+  [ "$test_rc" -eq 124 ] && echo "pytest hit its 120 s cap"
+
+  # 2. Checks, timings and the prefill, with the time left (the script skips what cannot fit).
+  budget=$(( TOTAL_S - ($(date +%s) - START) - 15 ))
+  timeout $(( budget + 10 )) "$PY" scripts/gpu_check.py --out "$OUT" --budget-s "$budget" "${DRY[@]}"
+  check_rc=$?
+  [ "$check_rc" -eq 124 ] && echo "gpu_check.py hit its timeout (partial results are in the JSON)"
+  echo "== done in $(( $(date +%s) - START )) s: gpu_check.py rc=$check_rc, pytest rc=$test_rc"
+  [ "$check_rc" -eq 0 ] && [ "$test_rc" -eq 0 ]
+} 2>&1 | tee "$OUT/gpu_check.log"
+exit "${PIPESTATUS[0]}"
