@@ -80,24 +80,20 @@ def load_kv_cache(path: str | os.PathLike, model, *, room: int = 256) -> tuple[K
     from safetensors import safe_open
 
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"KV file {path!r} does not exist; create it with `ringctx ingest FILE --save {path}`")
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
-        raise ValueError(f"KV file {path!r} is truncated or corrupt ({exc}); save it again") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"KV file {path!r} is not a ringctx KV cache (format {meta.get('format')!r}, expected {FORMAT!r})")
+    meta = read_kv_metadata(path)  # format and header first: cheap, clear errors
+    if meta["dtype"] != str(model.dtype).removeprefix("torch."):
+        raise ValueError(f"KV file {path!r} holds {meta['dtype']} K/V but the model runs in "
+                         f"{str(model.dtype).removeprefix('torch.')}; load the model with dtype={meta['dtype']!r}")
     if meta["model_fingerprint"] != model.config.fingerprint() or meta["weights_digest"] != weights_digest(model):
         raise ValueError(f"KV file {path!r} was made with model {meta.get('model')!r} "
                          f"(fingerprint {meta['model_fingerprint']}, weights {meta['weights_digest']}), not with the "
                          f"loaded {model.config.name!r} ({model.config.fingerprint()}, {weights_digest(model)}); "
                          "load the model it was made with, or ingest the document again")
-    if meta["dtype"] != str(model.dtype).removeprefix("torch."):
-        raise ValueError(f"KV file {path!r} holds {meta['dtype']} K/V but the model runs in "
-                         f"{str(model.dtype).removeprefix('torch.')}; load the model with dtype={meta['dtype']!r}")
+    try:
+        with safe_open(path, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for truncated data
+        raise ValueError(f"KV file {path!r} is truncated or corrupt ({exc}); save it again") from None
     length, n_layers = int(meta["length"]), int(meta["n_layers"])
     expected = {"token_ids"} | {f"{kv}.{i}" for kv in "kv" for i in range(n_layers)}
     if set(tensors) != expected or tensors["token_ids"].numel() != length:
@@ -122,8 +118,8 @@ def read_kv_metadata(path: str | os.PathLike) -> dict:
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-    except Exception as exc:
+    except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
         raise ValueError(f"KV file {path!r} is truncated or corrupt ({exc}); save it again") from None
     if meta.get("format") != FORMAT:
-        raise ValueError(f"KV file {path!r} is not a ringctx KV cache (format {meta.get('format')!r})")
+        raise ValueError(f"KV file {path!r} is not a ringctx KV cache (format {meta.get('format')!r}, expected {FORMAT!r})")
     return meta

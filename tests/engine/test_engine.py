@@ -118,3 +118,19 @@ def test_torchrun_launch_writes_json(tmp_path):
     assert len(data["bytes_sent_per_rank"]) == 2 and min(data["bytes_sent_per_rank"]) > 0
     assert len(data["peak_rss_bytes_per_rank"]) == 2
     assert data["ttft_s"] > 0 and data["tokens_per_s"] > 0
+
+
+def test_kv_file_dtype_mismatch_is_named(tmp_path):
+    from ringctx.model.kvfile import load_kv_cache, save_kv_cache
+
+    engine = Engine("tiny", dtype="float32")
+    result = engine.prefill(TINY_IDS[:40])
+    path = tmp_path / "tiny.kv"
+    save_kv_cache(path, result.cache, engine.model, result.token_ids)
+    cache, ids, _ = load_kv_cache(path, engine.model)
+    assert torch.equal(ids, TINY_IDS[:40]) and torch.equal(cache.v[1][:40], result.cache.v[1][:40])
+    with pytest.raises(ValueError, match="holds float32 K/V but the model runs in bfloat16"):
+        load_kv_cache(path, Engine("tiny", dtype="bfloat16").model)
+    with pytest.raises(ValueError, match="made with model 'tiny'"):  # same shapes, other random weights
+        from ringctx.model import load_model
+        load_kv_cache(path, load_model("tiny", dtype="float32", seed=1))
