@@ -225,6 +225,10 @@ class ModelConfig:
         else:
             raise unsupported(f"rope_type={rope_type!r} (only default and llama3)")
 
+        required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        absent = [key for key in required if d.get(key) is None]
+        if absent:
+            raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
         attention_bias = bool(d.get("attention_bias", False))
         n_heads = int(d["num_attention_heads"])
         eos = _as_id_list(d.get("eos_token_id"))

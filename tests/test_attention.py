@@ -123,3 +123,20 @@ def test_accumulator_row_ranges_and_validation():
         merge_partials([(torch.zeros(2, 1, 1), torch.zeros(1, 2)), (torch.zeros(3, 1, 1), torch.zeros(1, 3))])
     with pytest.raises(ValueError, match="at least one"):
         merge_partials([])
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_query_path_matches_reference(t, dtype):
+    # Decode-sized blocks take the batched-matmul path; same conventions, same accuracy rule.
+    q, k, v = rand(t, 9, 64, seed=1, dtype=dtype), rand(700, 3, 64, seed=2, dtype=dtype), rand(700, 3, 64, seed=3, dtype=dtype)
+    out, lse = attention_block(q, k, v)
+    ref_out, ref_lse = reference_attention(q, k, v)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == (t, 9, 64)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    if dtype == torch.bfloat16:  # the 2x rule against PyTorch's own bf16 SDPA
+        qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        sdpa = F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)[0].transpose(0, 1)
+        assert (out.double() - ref_out).abs().max() <= 2 * (sdpa.double() - ref_out).abs().max()

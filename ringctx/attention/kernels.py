@@ -106,7 +106,33 @@ def attention_block(
     return _torch_cpu_block(q, k, v, causal, scale)
 
 
+SMALL_QUERY_ROWS = 8
+"""Full blocks with at most this many query rows (decode steps) skip the fused CPU op, whose
+per-call setup dominates at T = 1 (and which has no native bf16 path without AMX)."""
+
+
+def _small_query_block(q, k, v, scale):
+    """Full block for a few queries: two float32 batched matmuls, GQA without expanding KV.
+
+    Query heads are grouped by the KV head they read (h // group), so q becomes
+    [Hkv, group * T, D] and K/V stay [Hkv, S, D] views.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    qg = q.float().view(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D)
+    kt = k.float().permute(1, 2, 0)  # [Hkv, D, S]
+    vt = v.float().transpose(0, 1)  # [Hkv, S, D]
+    scores = torch.bmm(qg, kt).mul_(scale)  # [Hkv, group*T, S]
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.bmm(scores.sub_(lse.unsqueeze(-1)).exp_(), vt)  # [Hkv, group*T, D]
+    out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
+    return out.to(q.dtype), lse.view(Hkv, group, T).reshape(Hq, T)
+
+
 def _torch_cpu_block(q, k, v, causal, scale):
+    if not causal and q.shape[0] <= SMALL_QUERY_ROWS:
+        return _small_query_block(q, k, v, scale)
     # The op wants [B, H, S, D]; a transposed view of our token-major tensors costs nothing, and
     # it returns out whose memory is token-major, so the transpose back is free too.
     qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))

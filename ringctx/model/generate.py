@@ -1,0 +1,266 @@
+"""Single-host decoding: prefill into a static KV cache, then one token per step.
+
+    result = model.generate("Why is the sky blue?", chat=True, max_new_tokens=64)
+    for piece in model.stream([{"role": "user", "content": "Hi"}], temperature=0.7, seed=0):
+        print(piece, end="", flush=True)
+
+Greedy (temperature 0) or sampled (temperature, top-k, top-p, seeded) tokens; stops on an EOS id,
+a stop string, or max_new_tokens. Text is streamed as it becomes final: a stop string is never
+streamed, not even partly. Timing: time to first token (prefill + first sample) and the time of
+every next token.
+
+The loop does no per-step allocation in the cache (static buffers), and no per-layer Python work
+beyond the layer calls themselves; it runs under torch.inference_mode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from ..attention import attention_block
+from .kvcache import KVCache, forward_with_cache
+from .tokenizer import IncrementalDecoder, Prompt, encode_prompt
+
+
+@dataclass
+class GenerationResult:
+    """What `generate` returns."""
+
+    text: str
+    """Generated text (without the prompt, the EOS token or the stop string)."""
+    token_ids: list[int]
+    """Generated token ids (including a final EOS id if generation ended on one)."""
+    prompt_tokens: int
+    """Number of prompt tokens that were prefilled."""
+    finish_reason: str
+    """'eos' (an EOS id), 'stop' (a stop string) or 'length' (max_new_tokens)."""
+    time_to_first_token_s: float
+    """Seconds from the start of prefill until the first new token was known."""
+    token_times_s: list[float] = field(default_factory=list)
+    """Seconds each later token took (one decode step each)."""
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of the prefill (including the first token's sampling)."""
+        return self.prompt_tokens / self.time_to_first_token_s if self.time_to_first_token_s > 0 else 0.0
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        """Mean milliseconds per decode step after the first token (0 if there was none)."""
+        return 1000.0 * sum(self.token_times_s) / len(self.token_times_s) if self.token_times_s else 0.0
+
+
+class Sampler:
+    """Next-token choice from float32 logits [vocab]: greedy, or temperature / top-k / top-p.
+
+    The filters apply in transformers' order (temperature, top-k, top-p); a seeded generator makes
+    sampled runs reproducible.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 device: torch.device | str = "cpu"):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.generator = None
+        if temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits [vocab] float32 -> token id."""
+        if self.temperature == 0:
+            return int(torch.argmax(logits))
+        scores = logits / self.temperature
+        if 0 < self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cumulative = sorted_scores.softmax(-1).cumsum(-1)
+            # Drop a token once the ones before it already reach top_p; the best one always stays.
+            drop = (cumulative - sorted_scores.softmax(-1)) >= self.top_p
+            drop[0] = False
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        probs = scores.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class StopStrings:
+    """Finds stop strings in streamed text and holds back any tail that could start one."""
+
+    def __init__(self, stop: str | Sequence[str] | None):
+        self.stops = [stop] if isinstance(stop, str) else [s for s in (stop or ()) if s]
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        self.pending += piece
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = 0  # longest tail of pending that is a proper prefix of some stop string
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
+                if s.startswith(self.pending[-n:]):
+                    keep = n
+                    break
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class Generation:
+    """One generation as an iterator of text pieces; `.result` is set when it is exhausted."""
+
+    def __init__(self, model, prompt: Prompt, *, max_new_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
+                 chat: bool | None = None, cache: KVCache | None = None, max_tokens: int | None = None,
+                 prefill_chunk: int | None = None):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.model = model
+        self.prompt_ids = encode_prompt(model.tokenizer, prompt, chat=chat, device=model.device)
+        if self.prompt_ids.numel() == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        self.max_new_tokens = max_new_tokens
+        self.sampler = Sampler(temperature, top_k, top_p, seed, device=model.device)
+        self.stop = StopStrings(stop)
+        eos = model.config.eos_token_ids if stop_token_ids is None else stop_token_ids
+        self.stop_ids = frozenset(int(i) for i in eos)
+        if cache is None:
+            need = self.prompt_ids.numel() + max_new_tokens
+            cache = KVCache.for_model(model.config, max_tokens or need, dtype=model.dtype, device=model.device)
+        else:
+            cache.check_model(model.config)
+            if cache.dtype != model.dtype:
+                raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {model.dtype}")
+        cache.ensure_room(self.prompt_ids.numel(), "the prompt")
+        self.cache = cache
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        model, cache = self.model, self.cache
+        detok = IncrementalDecoder(model.tokenizer) if model.tokenizer is not None else None
+        new_ids: list[int] = []
+        texts: list[str] = []
+        token_times: list[float] = []
+        finish = "length"
+        # inference_mode only around compute: a generator must not leave it switched on for the
+        # caller's code while suspended at a yield.
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            # Long prompts in chunks bound the activation memory (each chunk attends to the cache).
+            chunks = self.prompt_ids.split(self.prefill_chunk or self.prompt_ids.numel())
+            for chunk in chunks[:-1]:
+                forward_with_cache(model, chunk, cache, logits="none")
+            token = self.sampler(forward_with_cache(model, chunks[-1], cache)[0])
+            step_input = torch.empty(1, dtype=torch.long, device=model.device)  # reused every step
+        ttft = time.perf_counter() - t0
+        while True:
+            new_ids.append(token)
+            if token in self.stop_ids:
+                finish = "eos"
+                break
+            if detok is not None:
+                piece, stopped = self.stop.feed(detok.push(token))
+                if piece:
+                    texts.append(piece)
+                    yield piece
+                if stopped:
+                    finish = "stop"
+                    break
+            if len(new_ids) >= self.max_new_tokens:
+                break
+            if cache.length >= cache.max_tokens:
+                break  # a caller-provided cache is full: stop like max_new_tokens
+            t = time.perf_counter()
+            with torch.inference_mode():
+                step_input.fill_(token)
+                token = self.sampler(forward_with_cache(model, step_input, cache)[0])
+            token_times.append(time.perf_counter() - t)
+        if detok is not None and finish != "stop":
+            piece, stopped = self.stop.feed(detok.flush())
+            tail = piece + ("" if stopped else self.stop.flush())
+            finish = "stop" if stopped else finish
+            if tail:
+                texts.append(tail)
+                yield tail
+        self.result = GenerationResult("".join(texts), new_ids, int(self.prompt_ids.numel()), finish, ttft,
+                                       token_times)
+
+
+def generate(model, prompt: Prompt, *, on_text: Callable[[str], None] | None = None, **kwargs) -> GenerationResult:
+    """Generate a continuation of `prompt` with `model`.
+
+    Args:
+        prompt: text, chat messages [{"role", "content"}], or token ids.
+        max_new_tokens: upper bound on new tokens (default 256).
+        temperature: 0 for greedy (default), else sampling temperature.
+        top_k: keep only the k most likely tokens (0 = off). top_p: nucleus sampling (1.0 = off).
+        seed: seed of the sampling generator (None = random).
+        stop: a stop string or strings; generation ends when one appears (it is not returned).
+        stop_token_ids: ids that end generation (default: the config's EOS ids).
+        chat: apply the chat template (default: only for message lists).
+        cache: a KVCache to prefill into; if it already holds tokens, the prompt continues that
+            sequence (a follow-up turn). Afterwards it holds the prompt and every generated token
+            but the last (which was sampled, never fed back): start a follow-up prompt with it.
+            Default: a new cache of prompt + max_new_tokens rows (or `max_tokens` rows).
+        prefill_chunk: prefill the prompt this many tokens at a time (bounds activation memory for
+            long prompts); default: all at once.
+        on_text: called with each piece of text as soon as it is final (streaming).
+
+    Returns:
+        GenerationResult with text, token ids, finish reason and timings.
+    """
+    gen = Generation(model, prompt, **kwargs)
+    for piece in gen:
+        if on_text is not None:
+            on_text(piece)
+    return gen.result
+
+
+def stream(model, prompt: Prompt, **kwargs) -> Generation:
+    """Like `generate`, but returns an iterator of text pieces; `.result` is set once exhausted."""
+    return Generation(model, prompt, **kwargs)
+
+
+def sequence_logits(model, token_ids) -> torch.Tensor:
+    """float32 logits [T, vocab] of one sequence starting at position 0 (single-device attention).
+
+    token_ids: ids (list or LongTensor [T]) or text (encoded with the model's tokenizer as is).
+    """
+    tokenizer = model.tokenizer if isinstance(token_ids, str) else None
+    ids = encode_prompt(tokenizer, token_ids, chat=False, device=model.device)
+    if ids.numel() == 0:
+        raise ValueError("logits of an empty sequence: give at least one token")
+    with torch.inference_mode():
+        positions = torch.arange(ids.numel(), device=model.device)
+        return model(ids, positions, _causal_attend, logits="all")
+
+
+def _causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal self-attention of one sequence (no cache to fill)."""
+    return attention_block(q, k, v, causal=True)[0]

