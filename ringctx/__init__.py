@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 from .attention import attention_block, attention_with_cache, merge_partials, reference_attention
 from .config import ModelConfig, get_preset
-from .engine import Document, Engine, PrefillResult, PrefillStats
+from .engine import Document, Engine, PrefillResult, PrefillStats, RankFailure
 from .model import KVCache, load_model
 from .parallel import CommStats, ShardLayout, ring_attention
 from .parallel.hardware import HardwareProfile, load_profile
@@ -22,6 +22,6 @@ from .parallel.strategy import choose_strategy
 
 __all__ = [
     "CommStats", "Document", "Engine", "HardwareProfile", "KVCache", "ModelConfig", "PrefillResult", "PrefillStats",
-    "ShardLayout", "attention_block", "attention_with_cache", "choose_strategy", "get_preset", "load_model",
+    "RankFailure", "ShardLayout", "attention_block", "attention_with_cache", "choose_strategy", "get_preset", "load_model",
     "load_profile", "merge_partials", "plan_prefill", "reference_attention", "ring_attention",
 ]

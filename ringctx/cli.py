@@ -20,7 +20,50 @@ err_console = Console(stderr=True)
 DEFAULT_PREFILL_TOKENS = 16384  # about a minute with the embedded model on a 2-core laptop CPU
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Group(click.Group):
+    """Ctrl-C ends every command with one line and exit status 130 (the engine has already stopped
+    its local ranks by then: see Engine.prefill)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                err_console.print("ringctx: interrupted; all local ranks stopped")
+            raise click.exceptions.Exit(130) from None
+
+
+class _OnePerHost:
+    """For errors every rank raises alike (bad input, start-up mismatch, memory): under torchrun only
+    local rank 0 of each host prints it, instead of every rank repeating it. The other ranks leave a
+    moment later, so that torchrun does not stop local rank 0 before it has printed."""
+
+    def show(self, file=None) -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            super().show(file)
+        else:
+            import time
+
+            time.sleep(3)
+
+
+class _AgreedError(_OnePerHost, click.ClickException):
+    pass
+
+
+class _AgreedBadParameter(_OnePerHost, click.BadParameter):
+    pass
+
+
+def _rank_error(exc: Exception) -> click.ClickException:
+    """One clear line for an error out of the engine (RankFailure lines are per rank: all print)."""
+    from .engine.failures import CLOSED, RankFailure
+
+    text = str(exc).strip("'\"").removesuffix(CLOSED)  # the CLI ends anyway: no "create a new Engine"
+    return click.ClickException(text) if isinstance(exc, RankFailure) else _AgreedError(text)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ringctx")
 def main() -> None:
     """ringctx: exact context-parallel prefill of very long prompts (ring pass-KV / pass-Q)."""
@@ -51,12 +94,13 @@ def engine_options(f):
 
 def build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s):
     from .engine import Engine
+    from .engine.failures import RankFailure
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
                       hardware=hardware, attn_backend=attn_backend, timeout_s=timeout_s)
-    except (ValueError, OSError) as exc:  # bad names, paths, files: one clear line, no traceback
-        raise click.ClickException(str(exc).strip("'\"")) from None
+    except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
+        raise _rank_error(exc) from None
 
 
 def _is_printing_rank() -> bool:
@@ -132,17 +176,23 @@ def stats_tables(stats, title: str) -> list[Table]:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Write a Chrome/Perfetto trace of compute and communication per rank.")
+@click.option("--save-logits", "logits_path", type=click.Path(dir_okay=False),
+              help="Write the last token's logits (float32) and the token ids as safetensors here.")
+@click.option("--save-kv", "kv_path", type=click.Path(dir_okay=False),
+              help="Write the KV cache the decode rank received (a ringctx KV file) here.")
 @engine_options
-def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, strategy, hardware, dtype, device,
-            attn_backend, timeout_s):
+def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, chunk_tokens, strategy, hardware,
+            dtype, device, attn_backend, timeout_s):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
     import torch
 
+    from .engine.failures import RankFailure
+
     if tokens < 1:
-        raise click.BadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
+        raise _AgreedBadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
     world = int(os.environ.get("WORLD_SIZE", nproc))
     if world > tokens:
-        raise click.BadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
+        raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s)
     printing = _is_printing_rank()
@@ -153,8 +203,8 @@ def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, str
                               f"on {engine.world_size} rank(s), chunks of {engine.chunk_tokens:,} tokens[/dim]")
         try:
             result = _run_prefill(engine, ids, show_progress=printing, trace=bool(trace_path))
-        except ValueError as exc:
-            raise click.ClickException(str(exc)) from None
+        except (ValueError, RankFailure) as exc:
+            raise _rank_error(exc) from None
     finally:
         engine.close()
     if not printing:
@@ -165,6 +215,12 @@ def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, str
     if json_path:
         _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
                                 "world_size": stats.world_size, **stats.to_dict()})
+    if logits_path:
+        _save_logits(logits_path, result)
+    if kv_path:
+        from .model.kvfile import save_kv_cache
+
+        save_kv_cache(kv_path, result.cache, engine.model, result.token_ids)
     if trace_path:
         from .telemetry import write_chrome_trace
 
@@ -173,6 +229,16 @@ def prefill(tokens, seed, json_path, trace_path, model, nproc, chunk_tokens, str
     if tokens == DEFAULT_PREFILL_TOKENS and engine.world_size == 1:
         err_console.print("[dim]Go bigger: `ringctx prefill --tokens 1000000 --nproc N` on a machine with N GPUs or "
                           "cores, torchrun across hosts (see README), and `ringctx plan` to size it first.[/dim]")
+
+
+def _save_logits(path: str, result) -> None:
+    """The last token's logits and the prompt's token ids as safetensors, written atomically."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    save_file({"logits": result.logits.detach().float().cpu().contiguous(),
+               "token_ids": result.token_ids.cpu().contiguous()}, tmp)
+    os.replace(tmp, path)
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -195,19 +261,21 @@ def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardw
             raw = f.read()
         text = raw.decode("utf-8")
     except FileNotFoundError:
-        raise click.ClickException(f"{file}: no such file") from None
+        raise _AgreedError(f"{file}: no such file") from None
     except UnicodeDecodeError as exc:
-        raise click.ClickException(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
+        raise _AgreedError(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
     if not text.strip():
-        raise click.ClickException(f"{file} is empty: nothing to ingest")
+        raise _AgreedError(f"{file} is empty: nothing to ingest")
+    from .engine.failures import RankFailure
+
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s)
     printing = _is_printing_rank()
     try:
         try:
             document = engine.ingest(text, chat=not no_chat, on_chunk=None) if not printing else \
                 _ingest_with_progress(engine, text, chat=not no_chat)
-        except ValueError as exc:
-            raise click.ClickException(str(exc)) from None
+        except (ValueError, RankFailure) as exc:
+            raise _rank_error(exc) from None
         if document is not None:
             engine.save_document(document, save_path)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import signal
 import socket
 import traceback
 
@@ -27,6 +28,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'was killed by SIGKILL', 'exited with code 1', ... for a process exit code."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
 
 
 def default_backend() -> str:
@@ -97,7 +110,7 @@ class RankPool:
                     dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                     if dead or deadline <= 0:
                         self.close()
-                        why = f"rank {dead[0]} died (exit code {self.procs[dead[0]].exitcode})" if dead else \
+                        why = f"rank {dead[0]} {describe_exit(self.procs[dead[0]].exitcode)}" if dead else \
                             f"no answer within {self.timeout:.0f}s"
                         raise RuntimeError(f"local rank pool of {self.world_size}: {why}") from None
             if ok:

@@ -101,6 +101,8 @@ def test_engine_arguments_are_checked():
         Engine("tiny", nproc=0)
     with pytest.raises(ValueError, match="decode_rank 3"):
         Engine("tiny", decode_rank=3)
+    with pytest.raises(ValueError, match="decode_rank must be 0"):
+        Engine("tiny", nproc=2, decode_rank=1)
 
 
 def test_torchrun_launch_writes_json(tmp_path):

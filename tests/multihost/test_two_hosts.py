@@ -1,0 +1,148 @@
+"""Multi-host launches across two emulated hosts (network namespaces joined by a veth pair).
+
+Every "host" runs scripts/launch_multihost.sh (torchrun) in its own namespace and its own working
+directory, with gloo bound to its veth interface, exactly as docs/MULTIHOST.md tells users to do on
+real hosts. The prefill must give the logits of one process, and the KV cache handed off across
+the hosts must reach host 0 (rank 0, the decode rank): only host 0's directory gets the outputs.
+If this machine does not allow network namespaces the tests fail and say so (they never skip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from .netns import NamespacesUnavailable, two_hosts
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "scripts" / "launch_multihost.sh"
+DOC = ROOT / "docs" / "MULTIHOST.md"
+
+# The commands of docs/MULTIHOST.md ("Try it on one machine"), with IFACE the host's interface.
+HOSTS_COMMAND = ("scripts/launch_multihost.sh --hosts 10.231.0.1,10.231.0.2 --iface IFACE -- "
+                 "prefill --model tiny --tokens 301 --chunk-tokens 64 --dtype float32 --timeout 60 "
+                 "--json out.json --save-logits logits.safetensors --save-kv kv.safetensors")
+ENDPOINT_COMMAND = ("scripts/launch_multihost.sh --rdzv-endpoint 10.231.0.1:29400 --nnodes 2 --nproc-per-host 2 "
+                    "--iface IFACE -- prefill --model tiny --tokens 301 --chunk-tokens 64 --dtype float32 "
+                    "--timeout 60 --json out.json --save-logits logits.safetensors --save-kv kv.safetensors")
+OUTPUTS = ("out.json", "logits.safetensors", "kv.safetensors")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    try:
+        with two_hosts() as pair:
+            yield pair
+    except NamespacesUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def run_on_hosts(hosts, command: str, tmp_path: Path, *, env_extra=None, timeout: float = 240):
+    """Start `command` (IFACE replaced) on both hosts at once, each in its own directory.
+
+    Returns [(returncode, stderr, directory)] in host order.
+    """
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    procs, dirs = [], []
+    for host in hosts:
+        workdir = tmp_path / f"host{host.index}"
+        workdir.mkdir()
+        argv = command.replace("IFACE", host.iface).split()
+        argv[0] = str(ROOT / argv[0])
+        procs.append(host.popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True))
+        dirs.append(workdir)
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for proc, workdir in zip(procs, dirs):
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, err, workdir))
+    finally:
+        for proc in procs:  # our own process groups, inside our own namespaces
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return results
+
+
+def one_process_reference(token_ids: torch.Tensor):
+    from ringctx.engine import Engine
+
+    engine = Engine("tiny", dtype="float32")
+    return engine.prefill(token_ids, chunk_tokens=64), engine.model
+
+
+def check_outputs(results, world_size: int) -> None:
+    from safetensors.torch import load_file
+
+    from ringctx.model.kvfile import load_kv_cache
+
+    for rc, err, _ in results:
+        assert rc == 0, err[-4000:]
+    (_, _, host0), (_, _, host1) = results
+    assert all((host0 / name).exists() for name in OUTPUTS), sorted(os.listdir(host0))
+    assert not any((host1 / name).exists() for name in OUTPUTS), "outputs are written by rank 0 on host 0 only"
+    stats = json.loads((host0 / "out.json").read_text())
+    assert stats["world_size"] == world_size and stats["tokens"] == 301
+    assert len(stats["bytes_sent_per_rank"]) == world_size and min(stats["bytes_sent_per_rank"]) > 0
+    saved = load_file(str(host0 / "logits.safetensors"))
+    ids = torch.randint(0, 256, (301,), generator=torch.Generator().manual_seed(0))  # prefill --seed 0
+    assert torch.equal(saved["token_ids"], ids)
+    reference, model = one_process_reference(ids)
+    torch.testing.assert_close(saved["logits"], reference.logits, atol=2e-5, rtol=1e-5)
+    assert int(saved["logits"].argmax()) == int(reference.logits.argmax())
+    # The KV cache rank 0 received from every rank (across the veth pair) is the one-process cache.
+    cache, cache_ids, _ = load_kv_cache(str(host0 / "kv.safetensors"), model)
+    assert cache.length == 301 and torch.equal(cache_ids, ids)
+    for layer in range(model.config.n_layers):
+        torch.testing.assert_close(cache.k[layer][:301], reference.cache.k[layer][:301], atol=2e-5, rtol=0)
+        torch.testing.assert_close(cache.v[layer][:301], reference.cache.v[layer][:301], atol=2e-5, rtol=0)
+
+
+def test_two_hosts_one_rank_each_match_one_process(hosts, tmp_path):
+    check_outputs(run_on_hosts(hosts, HOSTS_COMMAND, tmp_path), world_size=2)
+
+
+def test_two_hosts_two_ranks_each_match_one_process(hosts, tmp_path):
+    check_outputs(run_on_hosts(hosts, ENDPOINT_COMMAND, tmp_path), world_size=4)
+
+
+def test_a_rank_killed_on_host_1_stops_both_hosts_naming_it(hosts, tmp_path):
+    """RINGCTX_TEST_KILL (a test hook) SIGKILLs rank 1, on host 1, right after chunk 2 of 5."""
+    command = ENDPOINT_COMMAND.replace("--nproc-per-host 2 ", "").replace("29400", "29401")
+    command = command.replace("--tokens 301", "--tokens 320")
+    start = time.monotonic()
+    results = run_on_hosts(hosts, command, tmp_path, env_extra={"RINGCTX_TEST_KILL": "1:chunk2"}, timeout=120)
+    elapsed = time.monotonic() - start
+    (rc0, err0, host0), (rc1, err1, _) = results
+    assert rc0 != 0 and rc1 != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s: longer than --timeout"
+    # Host 0 (rank 0) names the lost rank in one line; host 1's launcher names the killed process.
+    lines = [line for line in err0.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and "rank 0 of 2 stops: prefill lost rank 1" in lines[0], err0[-3000:]
+    assert "Traceback" not in err0
+    assert re.search(r"launch_multihost: error: rank 1 .* was killed by SIGKILL", err1), err1[-3000:]
+    assert not any((host0 / name).exists() for name in OUTPUTS), "nothing is written after a failure"
+
+
+DOCS_WITH_COMMANDS = [DOC, ROOT / "README.md"]
+
+
+def shows_commands(text: str) -> bool:
+    text = re.sub(r"\s*\\\n\s*", " ", text)  # join continued lines
+    return all(c.replace("IFACE", "eth0") in text for c in (HOSTS_COMMAND, ENDPOINT_COMMAND))
+
+
+def test_docs_show_the_tested_commands():
+    for doc in DOCS_WITH_COMMANDS:
+        assert shows_commands(doc.read_text()), f"{doc} must show the commands these tests run"
