@@ -79,6 +79,8 @@ def engine_options(f):
         click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
         click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
         click.option("--hardware", default=None, help="Hardware profile for --strategy auto: built-in name or JSON path."),
+        click.option("--rule", type=click.Choice(["alg1", "alg5", "empirical", "cost"]), default="alg5", show_default=True,
+                     help="Decision rule of --strategy auto (paper Alg. 1/5, fitted h(T,P), or the cost model)."),
         click.option("--dtype", default="auto", show_default=True,
                      help="auto (bfloat16 on GPUs and bf16-capable CPUs, else float32), bfloat16, float16, float32."),
         click.option("--device", default=None, help="cpu or cuda (default: one GPU per rank when available)."),
@@ -92,13 +94,13 @@ def engine_options(f):
     return f
 
 
-def build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s):
+def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s):
     from .engine import Engine
     from .engine.failures import RankFailure
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
-                      hardware=hardware, attn_backend=attn_backend, timeout_s=timeout_s)
+                      hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s)
     except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
         raise _rank_error(exc) from None
 
@@ -181,7 +183,7 @@ def stats_tables(stats, title: str) -> list[Table]:
 @click.option("--save-kv", "kv_path", type=click.Path(dir_okay=False),
               help="Write the KV cache the decode rank received (a ringctx KV file) here.")
 @engine_options
-def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, chunk_tokens, strategy, hardware,
+def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, chunk_tokens, strategy, hardware, rule,
             dtype, device, attn_backend, timeout_s):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
     import torch
@@ -194,7 +196,7 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
     if world > tokens:
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s)
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s)
     printing = _is_printing_rank()
     try:
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
@@ -253,7 +255,7 @@ def _write_json(path: str, data: dict) -> None:
 @click.option("--save", "save_path", required=True, type=click.Path(dir_okay=False), help="KV cache file to write.")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
 @engine_options
-def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend,
+def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend,
            timeout_s):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
     try:
@@ -268,7 +270,7 @@ def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardw
         raise _AgreedError(f"{file} is empty: nothing to ingest")
     from .engine.failures import RankFailure
 
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, dtype, device, attn_backend, timeout_s)
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s)
     printing = _is_printing_rank()
     try:
         try:
@@ -345,6 +347,11 @@ def info(as_json: bool) -> None:
         table.add_row(key, str(value))
     console.print(table)
 
+
+from .cli_planning import calibrate, plan  # noqa: E402  (the planner's commands live beside this file)
+
+main.add_command(plan)
+main.add_command(calibrate)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,12 @@ def test_single_prefill_plan():
     (entry,) = plan.entries
     assert entry.strategy == PASS_KV and entry.new_tokens == 32768 and entry.cached_tokens == 0
     assert set(entry.predicted_ms) == set(STRATEGIES)
-    assert plan.ttft_ms == pytest.approx(entry.predicted_ms[PASS_KV] + plan.lm_head_ms)
+    assert plan.ttft_ms == pytest.approx(entry.predicted_ms[PASS_KV] + plan.lm_head_ms + plan.handoff_ms)
+    # hand-off: 32 layers gather 8192 rows of 2*8*128*2 bytes from each of 3 ranks at 50 GB/s
+    hw = load_profile("h100-rdma")
+    expected = 32 * (hw.latency_s + 3 * 8192 * 4096 / hw.bandwidth_bytes_per_s)
+    assert plan.handoff_ms == pytest.approx(expected * 1e3)
+    assert plan_prefill(L8, 4, "h100-rdma", tokens=32768, handoff=False).handoff_ms == 0
     assert plan_prefill(L8, 4, "h100-rdma", tokens=32768, chunk_tokens=10**6).entries == plan.entries
 
 
@@ -51,7 +56,7 @@ def test_chunked_plan_tokens_and_cache_progression():
     # rows of the fullest rank: ceil(800/4) = 200, then + 1024 per 4096-token chunk
     assert [e.max_cached_per_rank for e in plan.entries] == [200, 1224, 2248]
     assert [e.index for e in plan.entries] == [0, 1, 2]
-    assert plan.ttft_ms == pytest.approx(sum(e.chosen_ms for e in plan.entries) + plan.lm_head_ms)
+    assert plan.ttft_ms == pytest.approx(sum(e.chosen_ms for e in plan.entries) + plan.lm_head_ms + plan.handoff_ms)
 
 
 def test_entry_times_are_the_cost_model():

@@ -187,7 +187,11 @@ def cp_prefill(
 
     cfg = model.config
     dtype, device = model.dtype, model.device
-    k_shard = [torch.empty(capacity, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    # One rank with a new prompt: its shard is the whole prompt in order, so the shard buffers are
+    # allocated with decode room and become the decode cache without a copy (see _hand_off).
+    in_place = world == 1 and cached_len == 0
+    rows = capacity + (config.decode_room if in_place else 0)
+    k_shard = [torch.empty(rows, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
                for _ in range(cfg.n_layers)]
     v_shard = [torch.empty_like(k) for k in k_shard]
     if cached_len:
@@ -208,7 +212,9 @@ def cp_prefill(
                 cached = {}
                 if rows_before:
                     cached = dict(cached_k=k_shard[layer][:rows_before], cached_v=v_shard[layer][:rows_before])
+                # Inputs were agreed across ranks once for the whole prefill (above): no per-layer check.
                 out, _ = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=comm,
+                                        check_across_ranks=False,
                                         backend=config.attn_backend, **cached)
                 k_shard[layer][rows_before:rows_before + n_new] = k
                 v_shard[layer][rows_before:rows_before + n_new] = v
@@ -346,6 +352,8 @@ def _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len
     # Global position of each rank's new rows (chunk by chunk, in shard order).
     positions = [torch.cat([layout.positions(r) for layout in layouts]) for r in range(world)]
     out = None
+    if world == 1 and cached_len == 0:  # the shard is the prompt in sequence order (see cp_prefill)
+        return KVCache.from_tensors(k_shard, v_shard, length=T)
     if rank == decode:
         need = cached_len + T + config.decode_room
         if cache is None:

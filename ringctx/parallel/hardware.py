@@ -62,9 +62,10 @@ class ThroughputPoint:
     """One measured point of attention throughput (filled by calibration)."""
 
     block_tokens: int
-    """Query tokens of the attention call (one rank's block in one ring step), keys about as many."""
+    """Query rows of one attention call. Ring attention calls the kernel once per pair of
+    load-balanced chunks, so in a chunk of T tokens on N ranks a call has about T/(2N) query rows."""
     flops_per_s: float
-    """Achieved attention FLOP/s at that block size, FLOPs counted as 4*Tq*Tk*D (halved if causal)."""
+    """Achieved attention FLOP/s of such calls, FLOPs counted as 4*Tq*Tk*D (halved if causal)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,71 @@ class EmpiricalRuleCoefficients:
         return same_ratio and self.cp_size == cp_size and self.dtype == canonical_dtype(dtype)
 
 
+RING_STRATEGIES = ("pass-kv", "pass-q")
+"""Strategy names as keys of `RingCalibration.overhead_s` (the same as ringctx.parallel.strategy)."""
+
+
+@dataclass(frozen=True)
+class RingCalibration:
+    """What `ringctx calibrate` measured on a live group of `cp_size` ranks.
+
+    The communication numbers are per rank and direction, measured with every rank of the ring
+    sending at once (as ring attention does). On a CPU host the ranks share its cores, so they
+    depend on the ring size; a profile keeps one set per measured size (`HardwareProfile.ring_sizes`).
+    """
+
+    cp_size: int
+    """Ranks of the live group measured (N)."""
+    threads_per_rank: int
+    """Compute threads each rank ran with (the engine's choice for N ranks: max(1, cores // N))."""
+    compute_scale: float
+    """Compute of one rank of this ring relative to the profile's compute tables (one thread, the
+    other ranks idle): 1 thread alone = 1; about 2 for 2 threads; about 0.5 for 4 ranks taking
+    turns on 2 cores. Multiplies attention_throughput, attention_causal_throughput and
+    linear_flops_per_s."""
+    latency_s: float
+    """Fixed cost of one ring SendRecv (Ring.start_shift + wait), fitted with bandwidth_bytes_per_s."""
+    bandwidth_bytes_per_s: float
+    """Bytes/s of one ring SendRecv: time = latency_s + message bytes / bandwidth."""
+    all2all_latency_s: float
+    """Fixed cost of one all_to_all call (all peers), fitted with all2all_bandwidth_bytes_per_s."""
+    all2all_bandwidth_bytes_per_s: float
+    """Bytes/s of an all_to_all: time = all2all_latency_s + bytes one rank sends / bandwidth."""
+    comm_overlap: float
+    """Share (0..1) of a SendRecv that hides under attention compute running at the same time:
+    1 = fully hidden (the paper's assumption), 0 = the transfer adds to compute (e.g. gloo's copy
+    threads competing with compute for the same cores)."""
+    overhead_s: dict[str, float]
+    """Fixed cost of one ring_attention call per strategy beyond the modelled transfers and
+    attention (cross-rank input check, buffers, merges, Python), fitted to timed calls."""
+    attention_factor: float = 1.0
+    """How many times slower attention runs inside ring_attention than the compute tables x
+    compute_scale say (fitted to timed calls; 1 = as the tables say)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RingNumbers:
+    """The numbers the cost model uses for a ring of `cp_size` ranks (`HardwareProfile.ring`)."""
+
+    cp_size: int
+    compute_scale: float
+    """Multiplies the profile's compute (1 where it already describes one rank, e.g. a GPU)."""
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    all2all_latency_s: float | None
+    """One all_to_all call's fixed cost; None: (N-1) * latency_s (one message per peer)."""
+    all2all_bandwidth_bytes_per_s: float
+    comm_overlap: float
+    overhead_s: dict[str, float]
+    source: str
+    """Where they come from: "profile" (top-level numbers), "measured at N=..." or "scaled from N=..."."""
+    attention_factor: float = 1.0
+    """Attention inside the ring runs this many times slower than compute_scale says."""
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """Per-rank compute, bandwidth, latency and memory of one kind of machine."""
@@ -138,6 +204,21 @@ class HardwareProfile:
     """Calibrated FLOP/s of the linear layers' GEMMs per dtype; overrides peak*fraction for them."""
     empirical_rules: tuple[EmpiricalRuleCoefficients, ...] = ()
     """Coefficients of the empirical rule h(T, P), one set per (GQA ratio, N, dtype)."""
+    attention_causal_throughput: dict[str, tuple[ThroughputPoint, ...]] = field(default_factory=dict)
+    """Calibrated FLOP/s of square causal (diagonal) blocks by block size, per dtype (FLOPs halved
+    by the mask); without it causal blocks run at the attention_throughput of full ones."""
+    attention_call_overhead_s: float = 0.0
+    """Fixed cost of one attention kernel call (launch, Python); ring attention makes one call per
+    pair of chunks, so it matters for short chunks on many ranks."""
+    comm_overlap: float = 1.0
+    """Share (0..1) of a ring SendRecv that hides under compute, used where `ring_sizes` has no
+    measurement; 1 = the paper's assumption of full overlap."""
+    host_cores: int | None = None
+    """CPU profiles: cores of the host that all local ranks share; the compute tables then describe
+    one thread with the other ranks idle, and `ring(N)` scales them (and the transfers) for N ranks
+    taking turns on the cores. None: one rank per device (GPUs), nothing shared."""
+    ring_sizes: dict[int, RingCalibration] = field(default_factory=dict)
+    """Live-group measurements by ring size N (`ringctx calibrate --nproc N`); see `ring`."""
     notes: str = ""
     """Free text: caveats, how to recalibrate."""
     source_path: str | None = field(default=None, compare=False)
@@ -168,6 +249,60 @@ class HardwareProfile:
             return self.achieved_flops(dtype)
         return interpolate_throughput(points, block_tokens)
 
+    def attention_causal_flops_per_s(self, dtype: str, block_tokens: int) -> float:
+        """FLOP/s of square causal blocks of `block_tokens` rows (mask-halved FLOPs counted).
+
+        The calibrated causal table when there is one for `dtype`, else `attention_flops_per_s`.
+        """
+        points = self.attention_causal_throughput.get(canonical_dtype(dtype))
+        if not points:
+            return self.attention_flops_per_s(dtype, block_tokens)
+        return interpolate_throughput(points, block_tokens)
+
+    def ring(self, cp_size: int) -> RingNumbers:
+        """Compute scale and communication numbers for a ring of `cp_size` ranks.
+
+        - measured: `ring_sizes[cp_size]` as calibrated on a live group of that size;
+        - CPU host (`host_cores` set) with other sizes measured: the nearest measured size, with
+          compute scaled by the ideal share s(N) = max(1, cores // N) * min(1, cores / N) (the
+          engine gives N ranks max(1, cores // N) threads each; beyond one rank per core they take
+          turns) and transfers slowed by max(1, N / cores) (copies compete for the same cores);
+        - CPU host, nothing measured: s(N) on the top-level numbers;
+        - otherwise (one rank per GPU): the top-level latency, bandwidth and comm_overlap.
+        """
+        if cp_size in self.ring_sizes:
+            r = self.ring_sizes[cp_size]
+            return RingNumbers(cp_size, r.compute_scale, r.latency_s, r.bandwidth_bytes_per_s, r.all2all_latency_s,
+                               r.all2all_bandwidth_bytes_per_s, r.comm_overlap, dict(r.overhead_s),
+                               f"measured at N={cp_size}", r.attention_factor)
+        zero = {s: 0.0 for s in RING_STRATEGIES}
+        if self.host_cores is None:
+            return RingNumbers(cp_size, 1.0, self.latency_s, self.bandwidth_bytes_per_s, None,
+                               self.bandwidth_bytes_per_s, self.comm_overlap, zero, "profile")
+        cores = self.host_cores
+
+        def share(n: int) -> float:
+            return max(1, cores // n) * min(1.0, cores / n)
+
+        def slowdown(n: int) -> float:
+            return max(1.0, n / cores)
+
+        rings = [n for n in self.ring_sizes if n > 1]
+        if not rings or cp_size == 1:
+            base = self.ring_sizes.get(1)
+            scale = share(cp_size) if base is None or cp_size != 1 else base.compute_scale
+            f = slowdown(cp_size)
+            return RingNumbers(cp_size, scale, self.latency_s * f, self.bandwidth_bytes_per_s / f, None,
+                               self.bandwidth_bytes_per_s / f, self.comm_overlap, zero,
+                               "profile, scaled for the host's cores")
+        near = min(rings, key=lambda n: (abs(math.log(n / cp_size)), -n))
+        r = self.ring_sizes[near]
+        f = slowdown(cp_size) / slowdown(near)
+        return RingNumbers(
+            cp_size, r.compute_scale * share(cp_size) / share(near), r.latency_s * f, r.bandwidth_bytes_per_s / f,
+            r.all2all_latency_s * f, r.all2all_bandwidth_bytes_per_s / f, r.comm_overlap,
+            {s: v * f for s, v in r.overhead_s.items()}, f"scaled from N={near}", r.attention_factor)
+
     def linear_flops(self, dtype: str) -> float:
         """FLOP/s of the linear layers: the calibrated value, else peak * achieved_fraction."""
         name = canonical_dtype(dtype)
@@ -188,6 +323,10 @@ class HardwareProfile:
             dtype: [dataclasses.asdict(p) for p in points] for dtype, points in self.attention_throughput.items()
         }
         d["empirical_rules"] = [dataclasses.asdict(r) for r in self.empirical_rules]
+        d["attention_causal_throughput"] = {
+            dtype: [dataclasses.asdict(p) for p in points] for dtype, points in self.attention_causal_throughput.items()
+        }
+        d["ring_sizes"] = {str(n): r.to_dict() for n, r in sorted(self.ring_sizes.items())}
         return {"schema_version": SCHEMA_VERSION, **d}
 
     @classmethod
@@ -267,7 +406,10 @@ def _load_file(path: Path) -> HardwareProfile:
 _REQUIRED = ("name", "description", "calibrated", "peak_flops", "achieved_fraction",
              "bandwidth_bytes_per_s", "latency_s", "memory_bytes")
 _OPTIONAL = ("schema_version", "link_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_s",
-             "attention_throughput", "linear_flops_per_s", "empirical_rules", "notes")
+             "attention_throughput", "linear_flops_per_s", "empirical_rules", "attention_causal_throughput",
+             "attention_call_overhead_s", "comm_overlap", "host_cores", "ring_sizes", "notes")
+_RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingCalibration))
+_RING_REQUIRED = tuple(name for name in _RING_FIELDS if name != "attention_factor")
 _RULE_FIELDS = tuple(f.name for f in dataclasses.fields(EmpiricalRuleCoefficients))
 
 
@@ -310,13 +452,13 @@ def _dtype_numbers(d: dict, key: str, where: str, *, required: bool) -> dict[str
     return {_dtype_key(k, where, key): _number(table, k, where, label=f"{key}.{k}") for k in table}
 
 
-def _throughput_table(d: dict, where: str) -> dict[str, tuple[ThroughputPoint, ...]]:
-    table = d.get("attention_throughput", {})
+def _throughput_table(d: dict, where: str, key: str = "attention_throughput") -> dict[str, tuple[ThroughputPoint, ...]]:
+    table = d.get(key, {})
     if not isinstance(table, dict):
-        raise _fail(where, "attention_throughput", f"must be an object {{dtype: [points]}}, got {table!r}")
+        raise _fail(where, key, f"must be an object {{dtype: [points]}}, got {table!r}")
     out: dict[str, tuple[ThroughputPoint, ...]] = {}
     for dtype, points in table.items():
-        label = f"attention_throughput.{dtype}"
+        label = f"{key}.{dtype}"
         if not isinstance(points, list) or not points:
             raise _fail(where, label, "must be a non-empty list of {block_tokens, flops_per_s}")
         parsed = []
@@ -357,6 +499,47 @@ def _empirical_rules(d: dict, where: str) -> tuple[EmpiricalRuleCoefficients, ..
     return tuple(out)
 
 
+def _positive_int(value: Any, where: str, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _fail(where, label, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def _ring_sizes(d: dict, where: str) -> dict[int, RingCalibration]:
+    table = d.get("ring_sizes", {})
+    if not isinstance(table, dict):
+        raise _fail(where, "ring_sizes", f"must be an object {{N: measurements}}, got {table!r}")
+    out: dict[int, RingCalibration] = {}
+    for key, r in table.items():
+        label = f"ring_sizes.{key}"
+        if not isinstance(r, dict) or not set(_RING_REQUIRED) <= set(r) or not set(r) <= set(_RING_FIELDS):
+            have = sorted(r) if isinstance(r, dict) else r
+            raise _fail(where, label, f"must have the fields {list(_RING_REQUIRED)} (and optionally "
+                                      f"attention_factor), got {have!r}")
+        n = _positive_int(r["cp_size"], where, f"{label}.cp_size")
+        if str(key) != str(n):
+            raise _fail(where, label, f"is keyed {key!r} but its cp_size is {n}")
+        overhead = r["overhead_s"]
+        if not isinstance(overhead, dict) or set(overhead) != set(RING_STRATEGIES):
+            raise _fail(where, f"{label}.overhead_s", f"must be {{'pass-kv': s, 'pass-q': s}}, got {overhead!r}")
+        out[n] = RingCalibration(
+            cp_size=n, threads_per_rank=_positive_int(r["threads_per_rank"], where, f"{label}.threads_per_rank"),
+            compute_scale=_number(r, "compute_scale", where, label=f"{label}.compute_scale"),
+            latency_s=_number(r, "latency_s", where, lo_inclusive=True, label=f"{label}.latency_s"),
+            bandwidth_bytes_per_s=_number(r, "bandwidth_bytes_per_s", where, label=f"{label}.bandwidth_bytes_per_s"),
+            all2all_latency_s=_number(r, "all2all_latency_s", where, lo_inclusive=True,
+                                      label=f"{label}.all2all_latency_s"),
+            all2all_bandwidth_bytes_per_s=_number(r, "all2all_bandwidth_bytes_per_s", where,
+                                                  label=f"{label}.all2all_bandwidth_bytes_per_s"),
+            comm_overlap=_number(r, "comm_overlap", where, lo_inclusive=True, hi=1.0, label=f"{label}.comm_overlap"),
+            overhead_s={s: _number(overhead, s, where, lo_inclusive=True, label=f"{label}.overhead_s.{s}")
+                        for s in RING_STRATEGIES},
+            attention_factor=(_number(r, "attention_factor", where, label=f"{label}.attention_factor")
+                              if "attention_factor" in r else 1.0),
+        )
+    return out
+
+
 def _optional_positive(d: dict, key: str, where: str) -> float | None:
     return None if d.get(key) is None else _number(d, key, where)
 
@@ -389,5 +572,12 @@ def _parse_profile(data: Any, where: str) -> HardwareProfile:
         attention_throughput=_throughput_table(data, where),
         linear_flops_per_s=_dtype_numbers(data, "linear_flops_per_s", where, required=False),
         empirical_rules=_empirical_rules(data, where),
+        attention_causal_throughput=_throughput_table(data, where, "attention_causal_throughput"),
+        attention_call_overhead_s=(_number(data, "attention_call_overhead_s", where, lo_inclusive=True)
+                                   if "attention_call_overhead_s" in data else 0.0),
+        comm_overlap=_number(data, "comm_overlap", where, lo_inclusive=True, hi=1.0) if "comm_overlap" in data else 1.0,
+        host_cores=(None if data.get("host_cores") is None
+                    else _positive_int(data["host_cores"], where, "host_cores")),
+        ring_sizes=_ring_sizes(data, where),
         notes=_string(data, "notes", where) if "notes" in data else "",
     )

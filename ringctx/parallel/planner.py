@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 
-from ringctx.config import ModelConfig, get_preset
+from ringctx.config import PRESETS, ModelConfig, get_preset
 from ringctx.parallel.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
 from ringctx.parallel.strategy import (
     LSE_BYTES, PASS_KV, PASS_Q, RULES, STRATEGIES, StrategyChoice, StrategyCost, all2all_bytes_per_rank,
@@ -198,16 +199,20 @@ class Plan:
     """The LM head on the last token."""
     memory: MemoryEstimate
     """Peak memory per rank."""
+    handoff_ms: float = 0.0
+    """Moving KV between the ranks and the decode rank: scattering the `cached` tokens over the
+    ranks first, gathering the new tokens' KV to the decode rank after the chunks (ringctx's
+    engine does both; the paper's deployment keeps KV on the CP ranks). 0 with one rank."""
 
     @property
     def ttft_ms(self) -> float:
-        """Predicted time to first token: the chunks' chosen times + the LM head."""
-        return sum(e.chosen_ms for e in self.entries) + self.lm_head_ms
+        """Predicted time to first token: the chunks' chosen times + the LM head + the KV hand-off."""
+        return sum(e.chosen_ms for e in self.entries) + self.lm_head_ms + self.handoff_ms
 
     @property
     def best_ttft_ms(self) -> float:
         """TTFT if every chunk ran the strategy the cost model predicts faster (rule check)."""
-        return sum(min(e.predicted_ms.values()) for e in self.entries) + self.lm_head_ms
+        return sum(min(e.predicted_ms.values()) for e in self.entries) + self.lm_head_ms + self.handoff_ms
 
     @property
     def fits(self) -> bool:
@@ -222,12 +227,49 @@ class Plan:
             "cp_size": self.cp_size, "tp_size": self.tp_size, "dtype": self.dtype,
             "weight_dtype": self.weight_dtype, "rule": self.rule, "tokens": self.tokens, "cached": self.cached,
             "chunk_tokens": self.chunk_tokens, "entries": [e.to_dict() for e in self.entries],
-            "lm_head_ms": self.lm_head_ms, "ttft_ms": self.ttft_ms, "best_ttft_ms": self.best_ttft_ms,
+            "lm_head_ms": self.lm_head_ms, "handoff_ms": self.handoff_ms, "ttft_ms": self.ttft_ms, "best_ttft_ms": self.best_ttft_ms,
             "memory": self.memory.to_dict(), "fits": self.fits,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+
+def rank_memory_bytes(hardware: HardwareProfile, cp_size: int) -> float:
+    """Memory of one rank: the profile's memory_bytes, divided by N when the ranks share one host
+    (profiles with `host_cores`, where memory_bytes is the host's RAM)."""
+    return hardware.memory_bytes / (cp_size if hardware.host_cores else 1)
+
+
+def resolve_model_config(model: "ModelConfig | str | os.PathLike") -> ModelConfig:
+    """A ModelConfig from a preset name, a GGUF file, or a Hugging Face directory / config.json.
+
+    Only the configuration is read, never the weights. A ValueError names the known presets when
+    `model` is neither a preset nor an existing path.
+    """
+    if isinstance(model, ModelConfig):
+        return model
+    text = os.fspath(model)
+    if text in PRESETS:
+        return get_preset(text)
+    if not os.path.exists(text):
+        raise ValueError(f"unknown model {text!r}: not a preset ({', '.join(sorted(PRESETS))}) and no such file; "
+                         "name a preset, a .gguf file or a Hugging Face model directory")
+    if os.path.isdir(text):
+        if os.path.isfile(os.path.join(text, "config.json")):
+            return ModelConfig.from_hf_config(text)
+        ggufs = sorted(f for f in os.listdir(text) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return ModelConfig.from_gguf(os.path.join(text, ggufs[0]))
+        raise ValueError(f"{text}: a directory without config.json or a single .gguf file; not a model directory")
+    if os.path.basename(text) == "config.json":
+        return ModelConfig.from_hf_config(text)
+    with open(text, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return ModelConfig.from_gguf(text)
+    raise ValueError(f"{text}: neither a GGUF file nor a Hugging Face config.json; name a model preset, "
+                     "a .gguf file or a model directory")
 
 
 def split_chunks(tokens: int, chunk_tokens: int) -> list[int]:
@@ -238,12 +280,13 @@ def split_chunks(tokens: int, chunk_tokens: int) -> list[int]:
 
 def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str", tokens: int,
                  cached: int = 0, chunk_tokens: int | None = None, tp_size: int = 1, dtype: str = "bfloat16",
-                 rule: str = "alg5", *, weight_dtype: str | None = None) -> Plan:
+                 rule: str = "alg5", *, weight_dtype: str | None = None, handoff: bool = True) -> Plan:
     """Plan the prefill of `tokens` new tokens after `cached` cached ones on `cp_size` ranks.
 
     `chunk_tokens` None (or >= tokens) plans a single (partial) prefill; otherwise the prompt runs
     in chunks of that size. `model` is a ModelConfig or preset name, `hardware` a profile, a
-    built-in profile name or a JSON path. `weight_dtype` defaults to `dtype`.
+    built-in profile name or a JSON path. `weight_dtype` defaults to `dtype`. `handoff` counts the
+    engine's KV scatter/gather to the decode rank in the time to first token.
     """
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, chunk_tokens,
                                                tp_size, dtype, rule, weight_dtype)
@@ -261,16 +304,40 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
         weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype),
         kv_cache_bytes=kv_cache_bytes_per_rank(model, rows, tp_size, dtype),
         activation_bytes=max(e.activation_bytes for e in entries),
-        capacity_bytes=hw.memory_bytes, usable_bytes=hw.memory_bytes * MEMORY_USABLE_FRACTION,
+        capacity_bytes=rank_memory_bytes(hw, cp_size),
+        usable_bytes=rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION,
     )
+    cached_rows = cached_rows_per_rank(cached, cp_size)
+    handoff = kv_handoff_seconds(model, hw, cp_size, tp_size, dtype, rows - cached_rows, cached_rows) if handoff else 0.0
     return Plan(model=model, hardware=hw, cp_size=cp_size, tp_size=tp_size, dtype=dtype, weight_dtype=weight_dtype,
                 rule=rule, tokens=tokens, cached=cached, chunk_tokens=chunk, entries=tuple(entries),
-                lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype) * 1e3, memory=memory)
+                lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype, cp_size) * 1e3, memory=memory,
+                handoff_ms=handoff * 1e3)
 
 
-def lm_head_seconds(model: ModelConfig, hardware: HardwareProfile, tp_size: int, weight_dtype: str) -> float:
-    """Logits of the last token: 2 * dim * vocab / TP FLOPs at the linear layers' FLOP/s."""
-    return 2 * model.dim * model.vocab_size / tp_size / hardware.linear_flops(weight_dtype)
+def lm_head_seconds(model: ModelConfig, hardware: HardwareProfile, tp_size: int, weight_dtype: str,
+                    cp_size: int = 1) -> float:
+    """Logits of the last token: 2 * dim * vocab / TP FLOPs at the linear layers' FLOP/s (one rank
+    of a ring of `cp_size`, which matters where ranks share a CPU host)."""
+    scale = hardware.ring(cp_size).compute_scale
+    return 2 * model.dim * model.vocab_size / tp_size / (hardware.linear_flops(weight_dtype) * scale)
+
+
+def kv_handoff_seconds(model: ModelConfig, hardware: HardwareProfile, cp_size: int, tp_size: int, dtype: str,
+                       new_rows_per_rank: int, cached_rows_per_rank: int = 0) -> float:
+    """KV moved between the decode rank and the others, as the engine does it, layer by layer:
+    scatter the cache (`cached_rows_per_rank` rows to each of N-1 ranks), then gather the new rows
+    (`new_rows_per_rank`, the fullest rank's, from each of N-1 ranks). Each layer's collective
+    costs latency + (N-1) * message / BW with the ring numbers of `hardware.ring(N)`."""
+    if cp_size == 1:
+        return 0.0
+    ring = hardware.ring(cp_size)
+    _, kv_heads = local_heads(model, tp_size)
+    row = 2 * kv_heads * model.head_dim * element_bytes(dtype)
+    total = 0.0
+    for rows in [r for r in (cached_rows_per_rank, new_rows_per_rank) if r]:
+        total += model.n_layers * (ring.latency_s + (cp_size - 1) * rows * row / ring.bandwidth_bytes_per_s)
+    return total
 
 
 def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, dtype, rule, weight_dtype):
@@ -312,7 +379,7 @@ def default_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "Ha
                                                "alg5", weight_dtype)
     rows = cached_rows_per_rank(cached, cp_size) + tokens_per_rank(tokens, cp_size)
     fixed = weight_bytes_per_rank(model, tp_size, weight_dtype) + kv_cache_bytes_per_rank(model, rows, tp_size, dtype)
-    usable = hw.memory_bytes * MEMORY_USABLE_FRACTION
+    usable = rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION
 
     def fits(chunk: int) -> bool:
         working = max(activation_bytes_per_rank(model, cp_size, tp_size, chunk, rows, s, dtype) for s in STRATEGIES)

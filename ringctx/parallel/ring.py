@@ -45,6 +45,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     stats: CommStats | None = None,
+    check_across_ranks: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of the layout's new tokens, computed cooperatively by all ranks.
 
@@ -61,6 +62,10 @@ def ring_attention(
         softmax_scale: defaults to 1/sqrt(D).
         backend: attention backend for the local blocks (see ringctx.attention).
         stats: if given, every communication is recorded there (bytes per step).
+        check_across_ranks: compare layout, shapes, dtype and strategy across ranks first (one small
+            all-gather). Each rank's own inputs are always checked. Pass False only when the caller
+            has already agreed on everything these derive from (the prefill engine does, once per
+            prefill, instead of once per layer).
 
     Returns:
         out [T_r, Hq, D] in q's dtype and lse [Hq, T_r] float32 for this rank's rows.
@@ -78,10 +83,10 @@ def ring_attention(
     """
     rank, world = rank_and_world(group)
     problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group)
-    if world > 1:
+    if world > 1 and check_across_ranks:
         agree_across_ranks("ring_attention", problem, _signature(q, k, layout, strategy, softmax_scale), group, stats)
     elif problem:
-        raise ValueError(problem)
+        raise ValueError(f"ring_attention: {problem}")
 
     if cached_k is None:
         cached_k = cached_v = k[:0]

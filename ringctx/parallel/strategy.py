@@ -179,7 +179,7 @@ def validate_ring_inputs(new_tokens: int, cached_tokens: int, cp_size: int) -> N
 
 def _threshold_numbers(T: int, P: int, model: ModelConfig, N: int, hw: HardwareProfile, dtype: str) -> StrategyChoice:
     """Every number of Eq. 1-3 and Algorithm 5 for this case (strategy/rule/reason blank)."""
-    C, BW, e = hw.achieved_flops(dtype), hw.bandwidth_bytes_per_s, element_bytes(dtype)
+    C, BW, e = effective_attention_flops(hw, dtype, T, N), hw.ring(N).bandwidth_bytes_per_s, element_bytes(dtype)
     NH, NKV = model.n_heads, model.n_kv_heads
     return StrategyChoice(
         strategy="", rule="", reason="", new_tokens=T, cached_tokens=P, cp_size=N,
@@ -339,13 +339,68 @@ def transfer_seconds(nbytes: int, bandwidth: float, latency_s: float, messages: 
     return messages * latency_s + nbytes / bandwidth
 
 
-def ring_seconds(compute_step_s: float, comm_step_s: float, cp_size: int) -> float:
+def overlapped_seconds(compute_s: float, comm_s: float, overlap: float = 1.0) -> float:
+    """One ring step: compute + comm - overlap * min(compute, comm).
+
+    overlap = 1: max(compute, comm) (the transfer hides under compute or vice versa); overlap = 0:
+    compute + comm (e.g. CPU ranks whose transfer copies compete with compute for the cores).
+    """
+    return compute_s + comm_s - overlap * min(compute_s, comm_s)
+
+
+def ring_seconds(compute_step_s: float, comm_step_s: float, cp_size: int, overlap: float = 1.0) -> float:
     """Ring of N compute steps with the N-1 SendRecvs overlapped: (N-1)*max(comp, comm) + comp.
 
     Step s computes on the block at hand while the next block is in flight; the last step only
-    computes.
+    computes. With overlap < 1 a step costs `overlapped_seconds(comp, comm, overlap)` instead.
     """
-    return (cp_size - 1) * max(compute_step_s, comm_step_s) + compute_step_s
+    return (cp_size - 1) * overlapped_seconds(compute_step_s, comm_step_s, overlap) + compute_step_s
+
+
+def effective_attention_flops(hw: HardwareProfile, dtype: str, new_tokens: int, cp_size: int) -> float:
+    """C for the thresholds of Eq. 2/3 and Algorithms 1/5: full-block attention FLOP/s of one rank.
+
+    peak * achieved_fraction, or the calibrated table at the call size ceil(T/(2N)) rows; times
+    the ring's compute scale (1 for GPU profiles; ranks sharing a CPU host get their share) and
+    divided by its calibrated attention factor.
+    """
+    rows = max(1, -(-new_tokens // (2 * cp_size)))
+    ring = hw.ring(cp_size)
+    return hw.attention_flops_per_s(dtype, rows) * ring.compute_scale / ring.attention_factor
+
+
+def attention_seconds_per_rank(new_tokens: int, cached_tokens: int, cp_size: int, attn_dim: int,
+                               hw: HardwareProfile, dtype: str, compute_scale: float = 1.0) -> float:
+    """Attention compute of one layer on the slowest rank, summed over its N ring steps.
+
+    Follows the attention calls of `ShardLayout.block_tasks` for one sequence of T new tokens in
+    2N chunks of c = T/(2N) and P/N cached tokens per rank (D = attn_dim): rank r makes
+      its own KV:      a x cache, a x a (causal), b x [cache, a], b x b (causal)
+      each lower rank: [a, b] x [cache, a']              (one call of 2c query rows)
+      each higher rank: b x [cache, a', b'], a x cache
+    With one rank: [a, b] x cache and one diagonal block [a, b] x [a, b].
+    Each call costs attention_call_overhead_s + FLOPs / FLOP/s(query rows), with FLOPs 4*q*k*D
+    (2*c*c*D for causal blocks) and the full or causal table of the profile; summed, the FLOPs
+    are attention_flops(T, P, D) / N on every rank. Throughputs are scaled by `compute_scale`.
+    """
+    N, D = cp_size, attn_dim
+    c = new_tokens / (2 * N)
+    p = cached_tokens / N
+    rows = max(1, -(-new_tokens // (2 * N)))
+    full = hw.attention_flops_per_s(dtype, rows) * compute_scale
+    full2 = hw.attention_flops_per_s(dtype, 2 * rows) * compute_scale
+    causal = hw.attention_causal_flops_per_s(dtype, rows) * compute_scale
+    o = hw.attention_call_overhead_s
+    has_cache = 1 if cached_tokens else 0
+    if N == 1:  # chunks a and b are adjacent: [a, b] x cache, [a, b] x [a, b] (one diagonal block)
+        T = new_tokens
+        rows1 = max(1, new_tokens)
+        return (4 * T * cached_tokens * D / (hw.attention_flops_per_s(dtype, rows1) * compute_scale)
+                + 2 * T * T * D / (hw.attention_causal_flops_per_s(dtype, rows1) * compute_scale) + (1 + has_cache) * o)
+    own = (4 * c * p * D + 4 * c * (p + c) * D) / full + 2 * (2 * c * c * D) / causal + (3 + has_cache) * o
+    lower = 4 * 2 * c * (p + c) * D / full2 + o
+    higher = (4 * c * (p + 2 * c) * D + 4 * c * p * D) / full + (1 + has_cache) * o
+    return max(own + r * lower + (N - 1 - r) * higher for r in (0, N - 1))
 
 
 # ----------------------------------------------------------------------------- cost model: prediction
@@ -362,19 +417,24 @@ class StrategyCost:
     sendrecv_s: float
     """Time of one SendRecv: latency + bytes/BW."""
     compute_s: float
-    """Attention compute of one ring step on one rank: attention FLOPs / N^2 / C_attention."""
+    """Attention compute of one ring step on one rank: the slowest rank's attention calls / N
+    (attention FLOPs / N^2 / C_attention for an uncalibrated profile)."""
     all2all_bytes: int
     """Bytes one rank sends in the All2All of pass-Q (0 for pass-KV)."""
     all2all_s: float
-    """Time of that All2All: (N-1) * latency + bytes/BW, not overlapped."""
+    """Time of that All2All, not overlapped: (N-1) * latency + bytes/BW, or with calibrated
+    all_to_all numbers 2 calls (outputs, LSEs) * all2all latency + bytes / all2all bandwidth."""
     attention_s: float
-    """Attention of one layer: (N-1)*max(compute, sendrecv) + compute + All2All."""
+    """Attention of one layer: overhead + (N-1)*step(compute, sendrecv) + compute + All2All, where
+    step = max(compute, sendrecv) under full overlap (see `overlapped_seconds`)."""
     exposed_comm_s: float
-    """Communication not hidden under compute, per layer: (N-1)*max(0, sendrecv - compute) + All2All."""
+    """Communication not hidden under compute, per layer: (N-1)*(step - compute) + All2All."""
     linear_s: float
     """Linear layers (QKV/O projections, MLP) of one layer on one rank."""
     n_layers: int
     """Layers of the model."""
+    overhead_s: float = 0.0
+    """Fixed cost of one ring_attention call of this strategy (calibrated; 0 otherwise), in attention_s."""
 
     @property
     def layer_s(self) -> float:
@@ -396,17 +456,21 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
                           max_cached_per_rank: int | None = None) -> StrategyCost:
     """Predicted time of `strategy` for T new over P cached tokens on N ranks (per GPU under TP).
 
-    Per layer and step (n = tokens_per_rank(T, N) ~ ceil(T/N), heads and KV heads per GPU under
-    TP, D = heads*DH):
-      compute  = 2*T*D*(2P+T) / N^2 / C_attn(n)            (attention_flops spread over N ranks x N steps)
+    Per layer (n = tokens_per_rank(T, N) ~ ceil(T/N), heads and KV heads per GPU under TP,
+    D = heads*DH, ring numbers from `hardware.ring(N)`):
+      compute  = attention_seconds_per_rank(...) / N per step (= 2*T*D*(2P+T) / N^2 / C for an
+                 uncalibrated profile: attention FLOPs spread over N ranks x N steps)
       pass-KV  : message 2*(max_i P_i + n)*NKV*DH*e        (pass_kv_message_bytes)
-      pass-Q   : message n*NH*DH*e, plus All2All (N-1)*n*NH*(DH*e+4) bytes and N-1 latencies
-      attention= (N-1)*max(compute, latency + message/BW) + compute + All2All
+      pass-Q   : message n*NH*DH*e, plus All2All (N-1)*n*NH*(DH*e+4) bytes
+      sendrecv = latency + message/BW
+      attention= overhead + (N-1)*step(compute, sendrecv) + compute + All2All
+                 (step = max(compute, sendrecv) with full overlap, see `overlapped_seconds`)
       linear   = 2*n*params_per_layer/TP / C_linear
     Balanced sharding makes the steps' work about equal, so every step costs the same here.
     `max_cached_per_rank` (max_i P_i) defaults to ceil(P/N), the even split of a cache.
-    Not modelled: TP all-reduces, norms/RoPE/elementwise work, the merge of partial outputs,
-    kernel launch overheads.
+    Calibrated CPU profiles scale compute for N ranks sharing the host's cores (`hardware.ring`)
+    and their linear FLOP/s is measured on whole decoder blocks, so it covers norms, RoPE and
+    elementwise work too. Not modelled: TP all-reduces, kernel launch overheads on GPUs.
     """
     model = get_preset(model) if isinstance(model, str) else model
     hw = load_profile(hardware)
@@ -419,25 +483,35 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
     e, DH, N = element_bytes(dtype), model.head_dim, cp_size
     n = tokens_per_rank(new_tokens, N)
     max_p = cached_rows_per_rank(cached_tokens, N) if max_cached_per_rank is None else max_cached_per_rank
+    ring = hw.ring(N)
 
-    flops_per_step = attention_flops(new_tokens, cached_tokens, heads * DH) / (N * N)
-    compute = flops_per_step / hw.attention_flops_per_s(dtype, n)
-    linear = linear_flops(n, model, tp_size) / hw.linear_flops(weight_dtype)
+    compute = attention_seconds_per_rank(new_tokens, cached_tokens, N, heads * DH, hw, dtype,
+                                         ring.compute_scale / ring.attention_factor) / N
+    linear = linear_flops(n, model, tp_size) / (hw.linear_flops(weight_dtype) * ring.compute_scale)
     if strategy == PASS_KV:
-        message, a2a_bytes, a2a_messages = pass_kv_message_bytes(max_p, new_tokens, N, kv_heads, DH, e), 0, 0
+        message, a2a_bytes = pass_kv_message_bytes(max_p, new_tokens, N, kv_heads, DH, e), 0
     else:
         message = pass_q_message_bytes(new_tokens, N, heads, DH, e)
-        a2a_bytes, a2a_messages = all2all_bytes_per_rank(new_tokens, N, heads, DH, e), N - 1
+        a2a_bytes = all2all_bytes_per_rank(new_tokens, N, heads, DH, e)
     if N == 1:  # no ring: nothing is sent
-        message, a2a_bytes, a2a_messages = 0, 0, 0
-    sendrecv = transfer_seconds(message, hw.bandwidth_bytes_per_s, hw.latency_s, messages=int(N > 1))
-    a2a = transfer_seconds(a2a_bytes, hw.bandwidth_bytes_per_s, hw.latency_s, messages=a2a_messages)
+        return StrategyCost(strategy=strategy, sendrecv_bytes=0, sendrecv_s=0.0, compute_s=compute, all2all_bytes=0,
+                            all2all_s=0.0, attention_s=compute, exposed_comm_s=0.0, linear_s=linear,
+                            n_layers=model.n_layers)
+    sendrecv = transfer_seconds(message, ring.bandwidth_bytes_per_s, ring.latency_s)
+    a2a = 0.0
+    if strategy == PASS_Q:
+        if ring.all2all_latency_s is None:  # one message per peer
+            a2a = transfer_seconds(a2a_bytes, ring.bandwidth_bytes_per_s, ring.latency_s, messages=N - 1)
+        else:  # two all_to_all calls: partial outputs, then their LSEs
+            a2a = transfer_seconds(a2a_bytes, ring.all2all_bandwidth_bytes_per_s, ring.all2all_latency_s, messages=2)
+    overhead = ring.overhead_s.get(strategy, 0.0)
+    step = overlapped_seconds(compute, sendrecv, ring.comm_overlap)
     return StrategyCost(
         strategy=strategy, sendrecv_bytes=message, sendrecv_s=sendrecv, compute_s=compute,
         all2all_bytes=a2a_bytes, all2all_s=a2a,
-        attention_s=ring_seconds(compute, sendrecv, N) + a2a,
-        exposed_comm_s=(N - 1) * max(0.0, sendrecv - compute) + a2a,
-        linear_s=linear, n_layers=model.n_layers,
+        attention_s=overhead + ring_seconds(compute, sendrecv, N, ring.comm_overlap) + a2a,
+        exposed_comm_s=(N - 1) * (step - compute) + a2a,
+        linear_s=linear, n_layers=model.n_layers, overhead_s=overhead,
     )
 
 
