@@ -299,8 +299,8 @@ class ShardLayout:
         q_rank, b = chunk 2N-1-q_rank of the queries and a', b' those of the keys:
             kv_rank <  q_rank: [a, b] x [cached, a']            (b' is in the future of both)
             kv_rank >  q_rank: b x [cached, a', b'];  a x cached (a', b' are after a)
-            kv_rank == q_rank: a x cached, a x a' (diagonal), b x [cached, a'], b x b' (diagonal)
-        With one rank, a and b are adjacent: [a, b] x cached and [a, b] x [a', b'] (diagonal).
+            kv_rank == q_rank: [a, b] x cached, and [a, b] x [a', b'] as one diagonal block (rows
+                               and keys are the same tokens in increasing position order)
         """
         return self._cached(("tasks", q_rank, kv_rank), lambda: self._compute_tasks(q_rank, kv_rank))
 
@@ -314,14 +314,14 @@ class ShardLayout:
             ka = (kc[1], kc[1] + kp.a[1] - kp.a[0])
             kb = (ka[1], ka[1] + kp.b[1] - kp.b[0])
             q_row, k_row = qb[1], kb[1]
-            if self.world_size == 1:  # chunks 0 and 1 are adjacent: one diagonal block over all new rows
-                wanted = [((qa[0], qb[1]), kc, False), ((qa[0], qb[1]), (ka[0], kb[1]), True)]
-            elif kv_rank < q_rank:
+            if kv_rank < q_rank:
                 wanted = [((qa[0], qb[1]), (kc[0], ka[1]), False)]
             elif kv_rank > q_rank:
                 wanted = [(qb, (kc[0], kb[1]), False), (qa, kc, False)]
             else:
-                wanted = [(qa, kc, False), (qa, ka, True), (qb, (kc[0], ka[1]), False), (qb, kb, True)]
+                # The rank's own rows [a, b] are in increasing position order, as are its keys
+                # [a', b'] (the same tokens): one square causal block is exactly the mask.
+                wanted = [((qa[0], qb[1]), kc, False), ((qa[0], qb[1]), (ka[0], kb[1]), True)]
             for (q0, q1), (k0, k1), causal in wanted:
                 if q1 > q0 and k1 > k0:
                     tasks.append(BlockTask(q0, q1, k0, k1, causal))
