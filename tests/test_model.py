@@ -19,22 +19,13 @@ from ringctx.config import ModelConfig, RopeScaling, get_preset
 from ringctx.model import KVCache, forward_with_cache, load_model
 from ringctx.model.generate import Sampler, StopStrings
 from ringctx.model.weights import empty_model, init_random
+from tests.model_helpers import one_thread_for_module, rel_err
 
 TINY = get_preset("tiny")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared, busy 2-core machine, OpenMP threads that wait for each other
-    make small ops many times slower; the results do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def make_hf_model(config: ModelConfig, seed: int = 0):

@@ -20,6 +20,7 @@ import torch
 from ringctx.config import ModelConfig, RopeScaling, get_preset
 from ringctx.model import load_model
 from ringctx.model.weights_gguf import unpermute_rotary_rows
+from tests.model_helpers import one_thread_for_module, rel_err
 
 Q = gguf.GGMLQuantizationType
 
@@ -31,18 +32,8 @@ ALL_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.TQ2
              Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared, busy 2-core machine, OpenMP threads that wait for each other
-    make small ops many times slower; the results do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
 
-
-def rel_err(a, b) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def encode(w: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:

@@ -15,22 +15,13 @@ from ringctx.config import get_preset
 from ringctx.model import embedded_gguf_path, load_model, load_tokenizer
 from ringctx.model.tokenizer import _load_cached
 from ringctx.model.weights import empty_model
+from tests.model_helpers import one_thread_for_module, rel_err
 
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared, busy 2-core machine, OpenMP threads that wait for each other
-    make small ops many times slower; the results do not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
 
-
-def rel_err(a, b) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 @pytest.fixture(scope="module")
