@@ -8,8 +8,10 @@ Shapes: one sequence of S tokens, 8 query heads, 2 KV heads, head dim 64, causal
   ringctx-pass-kv / ringctx-pass-q     ring_attention at W = 2, one thread per rank
   torch-ring     PyTorch's private _templated_ring_attention (load balancing on, CPU flash op)
   lucidrains     ring_flash_attn of ring-attention-pytorch (float32 only: it fails in bf16 on CPU)
-Each W = 2 time is the slowest rank's, after a barrier; the table shows the median of --repeats
-runs and the ratio to the floor, and the largest difference of each output from the floor's.
+Each W = 2 time is the slowest rank's, after a barrier. The implementations are interleaved round
+by round (floor, then each ring, then the next round), so that a machine whose speed drifts
+affects all of them alike; the table shows the median of --repeats rounds and the ratio to the
+floor, and the largest difference of each output from the floor's.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def make_inputs(seq: int, dtype: torch.dtype):
     return [torch.randn(seq, h, D, generator=g).to(dtype) for h in (HQ, HKV, HKV)]
 
 
-def time_floor(seq: int, dtype: torch.dtype, repeats: int):
+def time_floor(seq: int, dtype: torch.dtype, repeats: int, warmup: bool = True):
     torch.set_num_threads(2)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in make_inputs(seq, dtype))
-    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # warm-up (kernel selection, AMX init)
+    if warmup:  # kernel selection, thread pool start
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -49,7 +52,7 @@ def time_floor(seq: int, dtype: torch.dtype, repeats: int):
     return times, out[0].transpose(0, 1)
 
 
-def ring_job(rank: int, world: int, seq: int, dtype_name: str, impl: str, repeats: int):
+def ring_job(rank: int, world: int, seq: int, dtype_name: str, impl: str, repeats: int, warmup: bool = True):
     """Runs on each rank: time `impl` `repeats` times; returns (times, this rank's output rows)."""
     dtype = DTYPES[dtype_name]
     q, k, v = make_inputs(seq, dtype)
@@ -83,7 +86,7 @@ def ring_job(rank: int, world: int, seq: int, dtype_name: str, impl: str, repeat
             return out
     else:
         raise ValueError(impl)
-    if impl != "lucidrains" or seq <= 8192:  # warm-up; lucidrains at 32K costs minutes per run
+    if warmup and (impl != "lucidrains" or seq <= 8192):  # lucidrains at 32K costs minutes per run
         run()
     times = []
     for _ in range(repeats):
@@ -115,23 +118,30 @@ def main(argv=None) -> int:
             if seq % (2 * WORLD):
                 raise SystemExit(f"--seqs must be multiples of {2 * WORLD} (PyTorch's balanced ring needs it)")
             for dtype_name in args.dtypes:
-                floor_times, floor_out = time_floor(seq, DTYPES[dtype_name], args.repeats)
+                impls = [i for i in args.impls
+                         if i != "lucidrains" or (dtype_name == "float32" and seq <= args.lucidrains_max_seq)]
+                floor_times, times, outs = [], {i: [] for i in impls}, {}
+                for round_index in range(args.repeats):
+                    t, floor_out = time_floor(seq, DTYPES[dtype_name], 1, warmup=round_index == 0)
+                    floor_times += t
+                    for impl in impls:
+                        if impl == "lucidrains" and round_index > 0:
+                            continue  # one run: about 2 minutes at 32K
+                        per_rank = pool.run(ring_job, seq, dtype_name, impl, 1, round_index == 0)
+                        times[impl].append(max(r[0][0] for r in per_rank))
+                        outs[impl] = per_rank
                 row = {"seq": seq, "dtype": dtype_name, "floor_s": statistics.median(floor_times),
-                       "floor_min_s": min(floor_times), "impls": {}}
+                       "floor_min_s": min(floor_times), "floor_times_s": floor_times, "impls": {}}
                 console.print(f"S={seq} {dtype_name}: floor {row['floor_s']:.3f}s")
-                for impl in args.impls:
-                    if impl == "lucidrains" and (dtype_name != "float32" or seq > args.lucidrains_max_seq):
-                        continue
-                    repeats = 1 if impl == "lucidrains" else args.repeats
-                    per_rank = pool.run(ring_job, seq, dtype_name, impl, repeats)
-                    times = [max(r[0][i] for r in per_rank) for i in range(repeats)]
+                for impl in impls:
+                    per_rank = outs[impl]
                     if impl == "lucidrains":
                         out = torch.cat([r[1] for r in per_rank])
                     else:
                         out = ShardLayout.balanced([seq], WORLD).unshard([r[1] for r in per_rank])
                     diff = (out.float() - floor_out.float()).abs().max().item()
-                    med = statistics.median(times)
-                    row["impls"][impl] = {"median_s": med, "min_s": min(times), "times_s": times,
+                    med = statistics.median(times[impl])
+                    row["impls"][impl] = {"median_s": med, "min_s": min(times[impl]), "times_s": times[impl],
                                           "ratio_to_floor": med / row["floor_s"], "max_abs_diff_vs_floor": diff}
                     console.print(f"  {impl}: {med:.3f}s ({med / row['floor_s']:.2f}x floor), max|diff| {diff:.2e}")
                 results.append(row)
