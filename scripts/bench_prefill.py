@@ -24,7 +24,6 @@ import time
 import torch
 
 import ringctx
-from ringctx.telemetry import peak_rss_bytes
 
 
 def idle_torch_rss() -> int:

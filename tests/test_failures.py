@@ -24,17 +24,12 @@ from click.testing import CliRunner
 from ringctx.cli import main
 from ringctx.engine import Engine
 from ringctx.engine.failures import RankFailure, memory_problem, process_state
+from ringctx.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = str(ROOT / "scripts" / "launch_multihost.sh")
 IDS = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
 ENV = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-
-
-def free_port() -> int:
-    from ringctx.parallel.launch import free_port as pick
-
-    return pick()
 
 
 def start(argv, **kwargs) -> subprocess.Popen:

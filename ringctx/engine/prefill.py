@@ -21,6 +21,7 @@ every new token sees), then the new tokens are prefilled and only their K/V are 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from dataclasses import asdict, dataclass, field
@@ -200,7 +201,7 @@ def cp_prefill(
     # --- chunk by chunk, layer by layer -------------------------------------------------------
     stats = PrefillStats(tokens=T, cached=cached_len, world_size=world, chunk_tokens=chunk)
     logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
-    with torch.inference_mode(), (tracer or _null()):
+    with torch.inference_mode(), (tracer or contextlib.nullcontext()):
         for index, ((s, e), layout) in enumerate(zip(chunks, layouts)):
             t0 = time.perf_counter()
             strategy, reason = _decide(e - s, cached_len + s, model, world, config)
@@ -252,14 +253,6 @@ def cp_prefill(
     trace = _gather_trace(tracer, group, world, config.decode_rank) if config.trace else None
     return PrefillResult(logits=logits, cache=out_cache if is_decode else None, stats=stats,
                          token_ids=all_ids, trace_events=trace if is_decode else None)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _local_problem(model, token_ids, config, world, rank, cache) -> str | None:
