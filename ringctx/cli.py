@@ -156,7 +156,8 @@ def stats_tables(stats, title: str) -> list[Table]:
         ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
         ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
         ("KV shard per rank", ", ".join(_fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)),
-        ("peak RSS per rank", ", ".join(_fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
+        ("peak RSS per rank (prefill)", ", ".join(_fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
+        ("peak RSS per rank (hand-off)", ", ".join(_fmt_bytes(b) for b in stats.handoff_peak_rss_bytes_per_rank)),
     ]
     for k, v in rows:
         summary.add_row(k, v)

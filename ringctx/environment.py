@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .attention.kernels import flash_attn_available
+from .cpu_features import cpu_has_fast_bf16
 
 
 def _version(package: str) -> str:
@@ -41,17 +42,6 @@ def environment_report() -> dict:
         "attention_backends": attention,
         "distributed_backends": distributed,
     }
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AMX or AVX512-BF16); without it bf16 GEMMs are
-    emulated and run several times slower than float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
 
 
 def preferred_dtype(device: str | None = None) -> str:

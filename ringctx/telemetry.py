@@ -68,3 +68,26 @@ def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-memory window: on Linux the kernel's high-water mark (VmHWM) drops to the
+    current RSS. Returns False where that is not possible (the window then spans the process)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def window_peak_rss_bytes() -> int:
+    """Peak resident memory since the last `reset_peak_rss()` (Linux VmHWM), else the process peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return peak_rss_bytes()

@@ -11,7 +11,9 @@ Shapes: one sequence of S tokens, 8 query heads, 2 KV heads, head dim 64, causal
 Each W = 2 time is the slowest rank's, after a barrier. The implementations are interleaved round
 by round (floor, then each ring, then the next round), so that a machine whose speed drifts
 affects all of them alike; the table shows the median of --repeats rounds and the ratio to the
-floor, and the largest difference of each output from the floor's.
+floor, and the largest difference of each output from the floor's. "vs torch-ring" is the median
+over rounds of (ringctx's time / PyTorch ring's time in the same round): pairing by round
+cancels most of this shared machine's drift, which is larger than the differences measured.
 """
 
 from __future__ import annotations
@@ -143,18 +145,26 @@ def main(argv=None) -> int:
                     med = statistics.median(times[impl])
                     row["impls"][impl] = {"median_s": med, "min_s": min(times[impl]), "times_s": times[impl],
                                           "ratio_to_floor": med / row["floor_s"], "max_abs_diff_vs_floor": diff}
+                    if impl.startswith("ringctx") and "torch-ring" in times:
+                        paired = [a / b for a, b in zip(times[impl], times["torch-ring"])]
+                        row["impls"][impl]["paired_ratio_to_torch_ring"] = statistics.median(paired)
+                        row["impls"][impl]["paired_ratios_to_torch_ring"] = paired
                     console.print(f"  {impl}: {med:.3f}s ({med / row['floor_s']:.2f}x floor), max|diff| {diff:.2e}")
                 results.append(row)
 
     table = Table(title=f"Causal attention, W={WORLD}, Hq={HQ}, Hkv={HKV}, D={D} (median seconds, ratio to floor)")
     impls = [i for i in args.impls if any(i in r["impls"] for r in results)]
-    for col in ["S", "dtype", "floor (SDPA, 2 threads)", *impls]:
+    paired_cols = [i for i in impls if i.startswith("ringctx") and "torch-ring" in impls]
+    for col in ["S", "dtype", "floor (SDPA, 2 threads)", *impls, *(f"{i} vs torch-ring" for i in paired_cols)]:
         table.add_column(col, justify="right")
     for r in results:
         cells = [f"{r['seq'] // 1024}K", r["dtype"], f"{r['floor_s']:.3f}"]
         for impl in impls:
             m = r["impls"].get(impl)
             cells.append(f"{m['median_s']:.3f} ({m['ratio_to_floor']:.2f}x)" if m else "-")
+        for impl in paired_cols:
+            m = r["impls"].get(impl, {})
+            cells.append(f"{m['paired_ratio_to_torch_ring']:.3f}" if "paired_ratio_to_torch_ring" in m else "-")
         table.add_row(*cells)
     console.print(table)
     if args.json_path:

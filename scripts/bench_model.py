@@ -122,7 +122,7 @@ def main() -> None:
         dtype = resolve_dtype(dtype_name)
         model = load_model(args.model, dtype=dtype, device="cpu")
         hf = None if args.no_transformers else transformers_twin(model)
-        warm = torch.randint(0, model.config.vocab_size, (64,), generator=gen)
+        warm = torch.randint(0, model.config.vocab_size, (256,), generator=gen)  # >= UPCAST_MIN_ROWS
         time_ringctx(model, warm, 2)
         if hf is not None:
             time_transformers(hf, warm, 2)

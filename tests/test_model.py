@@ -340,3 +340,38 @@ def test_prompt_longer_than_kv_cache(tiny):
         tiny.generate(list(range(10)), cache=cache, max_new_tokens=4)
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         forward_with_cache(tiny, torch.arange(9), cache)
+
+
+# ------------------------------------------------------------------------------------------------
+# Execution details that must not change results: MLP row slices, float32 math for bf16 on CPUs
+
+
+def test_mlp_row_slices_equal_one_pass():
+    from ringctx.model.transformer import MLP_ROWS_PER_SLICE, FeedForward
+
+    torch.manual_seed(0)
+    mlp = FeedForward(dataclasses.replace(TINY, dim=32, ffn_dim=48)).float()
+    x = torch.randn(2 * MLP_ROWS_PER_SLICE + 7, 32)
+    with torch.no_grad():
+        sliced, whole = mlp(x), mlp._rows(x)
+    torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("in_float32", [True, False])
+def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32):
+    """bf16 x bf16 -> bf16 with float32 accumulation, whichever way it runs: nearly every element
+    is the float64 product rounded to bf16 (the rest differ by one bf16 step)."""
+    from ringctx.cpu_features import UPCAST_MIN_ROWS
+    from ringctx.model import transformer
+
+    monkeypatch.setattr(transformer, "computes_in_float32", lambda x: in_float32)
+    torch.manual_seed(0)
+    x = torch.randn(UPCAST_MIN_ROWS + 3, 96).bfloat16()
+    w = torch.randn(80, 96).bfloat16()
+    got = transformer.linear(x, w)
+    exact = (x.double() @ w.double().T).bfloat16()
+    assert got.dtype == torch.bfloat16
+    assert (got == exact).float().mean() > 0.98
+    torch.testing.assert_close(got.float(), exact.float(), rtol=2 ** -7, atol=1e-3)
+    if in_float32:
+        assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()).bfloat16())

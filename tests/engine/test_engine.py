@@ -118,7 +118,8 @@ def test_torchrun_launch_writes_json(tmp_path):
     assert [c["tokens"] for c in data["chunks"]] == [64, 64, 64, 8]
     assert all(c["strategy"] in ("pass-kv", "pass-q") and c["reason"] for c in data["chunks"])
     assert len(data["bytes_sent_per_rank"]) == 2 and min(data["bytes_sent_per_rank"]) > 0
-    assert len(data["peak_rss_bytes_per_rank"]) == 2
+    assert len(data["peak_rss_bytes_per_rank"]) == 2 and len(data["handoff_peak_rss_bytes_per_rank"]) == 2
+    assert min(data["peak_rss_bytes_per_rank"]) > 0
     assert data["ttft_s"] > 0 and data["tokens_per_s"] > 0
 
 
