@@ -346,15 +346,28 @@ def test_prompt_longer_than_kv_cache(tiny):
 # Execution details that must not change results: MLP row slices, float32 math for bf16 on CPUs
 
 
-def test_mlp_row_slices_equal_one_pass():
-    from ringctx.model.transformer import MLP_ROWS_PER_SLICE, FeedForward
+def test_block_row_slices_equal_one_pass(monkeypatch):
+    """A block over more than ROWS_PER_SLICE tokens (projections, RoPE, MLP in row slices) gives
+    what one pass over all rows gives."""
+    from ringctx.model import transformer
 
-    torch.manual_seed(0)
-    mlp = FeedForward(dataclasses.replace(TINY, dim=32, ffn_dim=48)).float()
-    x = torch.randn(2 * MLP_ROWS_PER_SLICE + 7, 32)
-    with torch.no_grad():
-        sliced, whole = mlp(x), mlp._rows(x)
+    config = dataclasses.replace(TINY, n_layers=1, dim=32, ffn_dim=48, n_heads=4, n_kv_heads=2, head_dim=8)
+    net = empty_model(config, dtype=torch.float32, device="cpu")
+    init_random(net, seed=3)
+    T = 2 * transformer.ROWS_PER_SLICE + 7
+    ids = torch.randint(0, config.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(T) + 5
+
+    def attend(layer, q, k, v):
+        return attention_block(q, k, v, causal=True)[0]
+
+    with torch.inference_mode():
+        x, rope = net.embed(ids), net.rope(positions)
+        sliced = net.layers[0](x, rope, attend, 0)
+        monkeypatch.setattr(transformer, "ROWS_PER_SLICE", 10 * T)
+        whole = net.layers[0](x, rope, attend, 0)
     torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(sliced[-7:], torch.zeros_like(sliced[-7:]))
 
 
 @pytest.mark.parametrize("in_float32", [True, False])

@@ -43,8 +43,10 @@ class KVCache:
         if max_tokens <= 0:
             raise ValueError(f"KVCache: max_tokens must be positive, got {max_tokens}")
         shape = (max_tokens, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # empty, not zeros: rows at or past `length` are never read, and pages never written cost
+        # no memory, so a cache sized for prompt + decode room fills in as the hand-off writes it.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
 
     @classmethod

@@ -62,6 +62,10 @@ class RopeAngles(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def rows(self, start: int, stop: int) -> "RopeAngles":
+        """The angles of tokens start..stop-1."""
+        return RopeAngles(self.cos[start:stop], self.sin[start:stop])
+
 
 def apply_rotary(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
     """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + D/2)) of x [T, H, D] -> [T, H, D].
@@ -111,18 +115,21 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, :split], rope)  # one rotation for q and k heads together
         return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
 
-    def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
-        """x [T, dim] -> attention output projected back to [T, dim]."""
-        q, k, v = self.project(x, rope)
-        out = attend(layer_idx, q, k, v)
-        # Explicit width: a rank may hold zero tokens of a chunk, and reshape(0, -1) is ambiguous.
-        return linear(out.reshape(x.shape[0], self.n_heads * self.head_dim), self.wo.weight, self.wo.bias)
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, Hq * D] projected back to [T, dim]."""
+        return linear(out, self.wo.weight, self.wo.bias)
 
 
-MLP_ROWS_PER_SLICE = 2048
-"""The MLP runs over at most this many tokens at a time: its [T, 2*ffn] intermediate is the
-largest activation of a block (24 KiB per token for SmolLM2 in float32), and slices of 2K rows
-keep GEMMs just as efficient while a 16K-token chunk no longer needs ~400 MiB for it."""
+ROWS_PER_SLICE = 2048
+"""Everything in a block except attention is per token, and runs over at most this many tokens
+at a time: the temporaries of the norms, the fused projections, RoPE and the MLP ([T, 2*ffn],
+24 KiB per token for SmolLM2 in float32) then stay bounded, while 2K-row GEMMs are as efficient as
+whole-chunk ones. Only x, q, k, v and the attention output span a whole chunk."""
+
+
+def row_slices(rows: int) -> list[tuple[int, int]]:
+    """[(start, stop)] covering 0..rows-1 in slices of ROWS_PER_SLICE."""
+    return [(start, min(start + ROWS_PER_SLICE, rows)) for start in range(0, rows, ROWS_PER_SLICE)]
 
 
 class FeedForward(nn.Module):
@@ -135,16 +142,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] -> [T, dim], in row slices of MLP_ROWS_PER_SLICE (each row is independent)."""
-        T = x.shape[0]
-        if T <= MLP_ROWS_PER_SLICE:
-            return self._rows(x)
-        out = torch.empty_like(x)
-        for start in range(0, T, MLP_ROWS_PER_SLICE):
-            out[start:start + MLP_ROWS_PER_SLICE] = self._rows(x[start:start + MLP_ROWS_PER_SLICE])
-        return out
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]."""
         gate_up = linear(x, self.w13.weight)
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
         return linear(F.silu(gate) * up, self.w2.weight)
@@ -161,11 +159,34 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
-        """x [T, dim] -> [T, dim]."""
+        """x [T, dim] -> [T, dim]: h = x + wo(attend(q, k, v)) with q, k, v from norm(x); h + mlp(norm(h)).
+
+        Long inputs run everything but `attend` in row slices (see ROWS_PER_SLICE).
+        """
         # .forward directly: nn.Module.__call__'s hook machinery costs microseconds per call, and a
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
-        h = x + self.attention.forward(self.attention_norm.forward(x), rope, attend, layer_idx)
-        return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        T = x.shape[0]
+        attention = self.attention
+        if T <= ROWS_PER_SLICE:
+            q, k, v = attention.project(self.attention_norm.forward(x), rope)
+            out = attend(layer_idx, q, k, v)
+            # Explicit width: a rank may hold zero tokens of a chunk, and reshape(0, -1) is ambiguous.
+            h = x + attention.output(out.reshape(T, attention.n_heads * attention.head_dim))
+            return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+
+        q = x.new_empty(T, attention.n_heads, attention.head_dim)
+        k = x.new_empty(T, attention.n_kv_heads, attention.head_dim)
+        v = torch.empty_like(k)
+        for start, stop in row_slices(T):
+            q[start:stop], k[start:stop], v[start:stop] = attention.project(
+                self.attention_norm.forward(x[start:stop]), rope.rows(start, stop))
+        out = attend(layer_idx, q, k, v).reshape(T, attention.n_heads * attention.head_dim)
+        del q, k, v  # attend copied what it keeps
+        result = torch.empty_like(x)
+        for start, stop in row_slices(T):
+            h = x[start:stop] + attention.output(out[start:stop])
+            result[start:stop] = h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        return result
 
 
 class Transformer(nn.Module):
