@@ -70,6 +70,23 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc `malloc_trim`; a no-op elsewhere).
+
+    glibc keeps freed blocks below its mmap threshold (tens of MiB, the size of a chunk's
+    activations) resident for reuse; before a phase that needs memory of a different shape (the
+    hand-off gathers the whole KV cache on the decode rank) handing them back lowers the peak.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
+
+
 def reset_peak_rss() -> bool:
     """Start a new peak-memory window: on Linux the kernel's high-water mark (VmHWM) drops to the
     current RSS. Returns False where that is not possible (the window then spans the process)."""

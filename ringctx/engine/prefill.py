@@ -34,7 +34,7 @@ from ..attention.cuda_ext import scatter_kv
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
 from ..parallel.comm import agree_across_ranks, nbytes, rank_and_world
-from ..telemetry import Tracer, reset_peak_rss, span, window_peak_rss_bytes
+from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
 STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
 
@@ -164,6 +164,7 @@ def cp_prefill(
     rank, world = rank_and_world(group)
     distributed = world > 1
     t_start = time.perf_counter()
+    release_free_memory()
     reset_peak_rss()  # memory is reported per phase: this prefill's chunks, then the hand-off
     tracer = Tracer(rank) if config.trace else None
     comm = CommStats()
@@ -241,6 +242,7 @@ def cp_prefill(
 
         # --- hand-off ---------------------------------------------------------------------------
         prefill_peak_rss = window_peak_rss_bytes()
+        release_free_memory()  # the chunks' freed activations, before the decode rank gathers the cache
         reset_peak_rss()
         t_handoff = time.perf_counter()
         with span("hand-off", "comm"):
