@@ -125,6 +125,29 @@ def test_accumulator_row_ranges_and_validation():
         merge_partials([])
 
 
+def test_accumulator_adopts_only_owned_full_partials():
+    """owned=True lets the first full float32 partial become the state (no copy); other partials,
+    and everything merge_partials is given, are never modified."""
+    q, k, v = rand(9, 4, 16, seed=1), rand(30, 2, 16, seed=2), rand(30, 2, 16, seed=3)
+    first, second = attention_block(q, k[:12], v[:12]), attention_block(q, k[12:], v[12:])
+    kept = [t.clone() for t in (*first, *second)]
+    acc = PartialAccumulator(9, 4, 16)
+    acc.add(*first, owned=True)
+    assert acc.out is first[0]  # adopted
+    acc.add(*second)  # not owned: read only
+    out, lse = acc.result(torch.float32)
+    assert out is first[0] and torch.equal(second[0], kept[2]) and torch.equal(second[1], kept[3])
+    ref_out, ref_lse = reference_attention(q, k, v)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    a, b = attention_block(q, k[:12], v[:12]), attention_block(q, k[12:], v[12:])
+    merge_partials([a, b])
+    assert torch.equal(a[0], kept[0]) and torch.equal(b[0], kept[2])  # inputs untouched
+    partial_rows = PartialAccumulator(9, 4, 16)
+    partial_rows.add(first[0][:4].clone(), first[1][:, :4].clone(), owned=True)  # covers 4 of 9 rows
+    assert partial_rows.out.shape == (9, 4, 16) and torch.isneginf(partial_rows.lse[:, 4:]).all()
+
+
 @pytest.mark.parametrize("t", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_query_path_matches_reference(t, dtype):

@@ -38,28 +38,52 @@ class PartialAccumulator:
     """
 
     def __init__(self, rows: int, heads: int, head_dim: int, device: torch.device | str = "cpu"):
-        self.out = torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=device)
-        self.lse = torch.full((heads, rows), float("-inf"), dtype=torch.float32, device=device)
+        self.rows, self.heads, self.head_dim, self.device = rows, heads, head_dim, device
+        self._out: torch.Tensor | None = None  # allocated on first use, or adopted (see `add`)
+        self._lse: torch.Tensor | None = None
+
+    @property
+    def out(self) -> torch.Tensor:
+        """The running float32 output [T, H, D] (zeros where nothing was added yet)."""
+        if self._out is None:
+            self._out = torch.zeros(self.rows, self.heads, self.head_dim, dtype=torch.float32, device=self.device)
+        return self._out
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """The running float32 LSE [H, T] (-inf where nothing was added yet)."""
+        if self._lse is None:
+            self._lse = torch.full((self.heads, self.rows), float("-inf"), dtype=torch.float32, device=self.device)
+        return self._lse
 
     @classmethod
     def over(cls, out: torch.Tensor, lse: torch.Tensor) -> "PartialAccumulator":
         """Accumulate into existing float32 buffers: out [T, H, D] of zeros, lse [H, T] of -inf."""
         if out.dtype != torch.float32 or lse.dtype != torch.float32:
             raise ValueError("PartialAccumulator.over needs float32 buffers")
-        acc = cls.__new__(cls)
-        acc.out, acc.lse = out, lse
+        acc = cls(out.shape[0], out.shape[1], out.shape[2], device=out.device)
+        acc._out, acc._lse = out, lse
         return acc
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor, row_start: int = 0) -> None:
-        """Merge a partial covering rows [row_start, row_start + out.shape[0])."""
+    def add(self, out: torch.Tensor, lse: torch.Tensor, row_start: int = 0, *, owned: bool = False) -> None:
+        """Merge a partial covering rows [row_start, row_start + out.shape[0]).
+
+        owned=True says the caller made `out` for this call and will not use it again (a fresh
+        kernel output): a float32 first partial covering every row then becomes the running
+        state itself, with no zeros allocated and no copy (one rank, one block: nothing to merge).
+        """
         n = out.shape[0]
         if n == 0:
             return
-        acc_out = self.out[row_start:row_start + n]
-        acc_lse = self.lse[:, row_start:row_start + n]
         lse = sanitize_lse(lse)
         finite = torch.isfinite(lse)
         all_finite = bool(finite.all())
+        if (owned and self._out is None and row_start == 0 and n == self.rows and all_finite
+                and out.dtype == torch.float32):
+            self._out, self._lse = out, lse
+            return
+        acc_out = self.out[row_start:row_start + n]
+        acc_lse = self.lse[:, row_start:row_start + n]
         if all_finite and bool(torch.isneginf(acc_lse).all()):
             # First partial for these rows (the common case): a copy, no rescaling.
             acc_out.copy_(out)

@@ -119,14 +119,24 @@ class _RingRun:
             buf[1, dst:dst + n] = sv[src:src + n]
         return buf
 
-    def attend(self, acc: PartialAccumulator, queries: torch.Tensor, kv: torch.Tensor, q_rank: int, kv_rank: int):
-        """Accumulate q_rank's queries against kv_rank's message, block by block (masked blocks skipped)."""
+    def local_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of this rank's own message when it is not sent (one rank, or pass-Q's
+        resident KV): k and v themselves when the message is just the new rows, else a packed copy."""
+        rows = self.layout.num_new(self.rank) + self.layout.num_cached(self.rank)
+        if self.layout.kv_message_segments(self.rank) == (("new", 0, 0, rows),):
+            return self.k, self.v
+        message = self.kv_message(rows)
+        return message[0], message[1]
+
+    def attend(self, acc: PartialAccumulator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               q_rank: int, kv_rank: int):
+        """Accumulate q_rank's queries against kv_rank's keys/values, block by block (masked blocks skipped)."""
         with span("attention", "compute", q_rank=q_rank, kv_rank=kv_rank):
             for t in self.layout.block_tasks(q_rank, kv_rank):
-                out, lse = attention_block(queries[t.q_start:t.q_end], kv[0, t.k_start:t.k_end],
-                                           kv[1, t.k_start:t.k_end], causal=t.causal, softmax_scale=self.scale,
+                out, lse = attention_block(queries[t.q_start:t.q_end], keys[t.k_start:t.k_end],
+                                           values[t.k_start:t.k_end], causal=t.causal, softmax_scale=self.scale,
                                            backend=self.backend)
-                acc.add(out, lse, t.q_start)
+                acc.add(out, lse, t.q_start, owned=True)
 
     def record(self, kind: str, step: int, n: int) -> None:
         if self.stats is not None:
@@ -134,14 +144,17 @@ class _RingRun:
 
     def pass_kv(self):
         acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
+        if self.world == 1:  # nothing travels: attend to the local KV without packing a message
+            self.attend(acc, self.q, *self.local_kv(), 0, 0)
+            return acc.result(self.q.dtype)
         current = self.kv_message(self.layout.kv_message_rows)
-        incoming = torch.empty_like(current) if self.world > 1 else None
+        incoming = torch.empty_like(current)
         for step in range(self.world):
             works = []
             if step < self.world - 1:  # post the next block's transfer before computing this one
                 works = self.ring.start_shift(current, incoming)
                 self.record("ring-kv", step, nbytes(current))
-            self.attend(acc, self.q, current, self.rank, (self.rank - step) % self.world)
+            self.attend(acc, self.q, current[0], current[1], self.rank, (self.rank - step) % self.world)
             with span("wait kv", "comm", step=step):
                 wait_all(works)
             current, incoming = incoming, current
@@ -149,10 +162,10 @@ class _RingRun:
 
     def pass_q(self):
         layout, world = self.layout, self.world
-        own_kv = self.kv_message(layout.num_new(self.rank) + layout.num_cached(self.rank))
+        own_k, own_v = self.local_kv()
         if world == 1:
             acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
-            self.attend(acc, self.q, own_kv, 0, 0)
+            self.attend(acc, self.q, own_k, own_v, 0, 0)
             return acc.result(self.q.dtype)
 
         q_rows = layout.q_message_rows
@@ -168,7 +181,8 @@ class _RingRun:
                 works = self.ring.start_shift(current, incoming)
                 self.record("ring-q", step, nbytes(current))
             owner = (self.rank - step) % world
-            self.attend(PartialAccumulator.over(partial_out[owner], partial_lse[owner]), current, own_kv, owner, self.rank)
+            self.attend(PartialAccumulator.over(partial_out[owner], partial_lse[owner]), current, own_k, own_v,
+                        owner, self.rank)
             with span("wait q", "comm", step=step):
                 wait_all(works)
             current, incoming = incoming, current
@@ -182,7 +196,7 @@ class _RingRun:
         self.record("all2all", 0, (world - 1) * (nbytes(send_out[0]) + nbytes(partial_lse[0])))
         acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
         for j in range(world):
-            acc.add(received_out[j, :self.rows], received_lse[j, :, :self.rows])
+            acc.add(received_out[j, :self.rows], received_lse[j, :, :self.rows])  # views: not owned
         return acc.result(self.q.dtype)
 
 
