@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=220)  # logs keep every column
     results = []
     with RankPool(WORLD, backend="gloo", threads_per_rank=1, timeout=1800) as pool:
         for seq in args.seqs:

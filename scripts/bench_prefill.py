@@ -3,8 +3,9 @@
     python scripts/bench_prefill.py [--tokens 16384 65536] [--chunks 4096 16384] [--worlds 1 2]
                                     [--dtype auto] [--json out.json]
 
-For each (tokens, chunk size, W) one `ringctx prefill` runs in a fresh process group (a fresh
-`Engine`, so peak RSS is per configuration): time to first token, tokens/s, the strategy mix,
+For each (tokens, chunk size, W) one `ringctx prefill` runs in a fresh Python process (a fresh
+`Engine`; W = 1 runs inside that process, W = 2 spawns its ranks from it), so that no earlier
+configuration's memory is counted in a later one's peak RSS: time to first token, tokens/s, the strategy mix,
 bytes moved per rank, and peak RSS per rank against weights + KV shard. The memory check follows
 issue 4: peak RSS while prefilling the chunks, less the RSS of an idle process that imported
 torch, divided by (weights + KV shard), should be at most 1.3. The hand-off is reported on its
@@ -63,6 +64,16 @@ def run_one(tokens: int, chunk: int, world: int, dtype: str, repeats: int) -> di
             "kv_shard_bytes_per_rank": stats.kv_shard_bytes_per_rank, "weight_bytes": weights}
 
 
+def run_in_fresh_process(tokens: int, chunk: int, world: int, dtype: str, repeats: int) -> dict:
+    """run_one in a new interpreter (this script with --one), its row read back as JSON."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", str(tokens), str(chunk), str(world),
+           "--dtype", dtype, "--repeats", str(repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"configuration T={tokens} chunk={chunk} W={world} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
@@ -71,12 +82,16 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--one", type=int, nargs=3, metavar=("TOKENS", "CHUNK", "WORLD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:  # a child of the main run: one configuration, its row as JSON on stdout
+        print(json.dumps(run_one(*args.one, args.dtype, args.repeats)))
+        return 0
 
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=220)  # logs keep every column
     idle = idle_torch_rss()
     rows = []
     for tokens in args.tokens:
@@ -85,7 +100,7 @@ def main() -> int:
                 continue
             for world in args.worlds:
                 t0 = time.perf_counter()
-                row = run_one(tokens, chunk, world, args.dtype, args.repeats)
+                row = run_in_fresh_process(tokens, chunk, world, args.dtype, args.repeats)
                 shards = row["kv_shard_bytes_per_rank"]
                 row["memory_ratio_per_rank"] = [(rss - idle) / (row["weight_bytes"] + kv)
                                                 for rss, kv in zip(row["peak_rss_bytes_per_rank"], shards)]
