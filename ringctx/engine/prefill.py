@@ -384,6 +384,7 @@ def _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len
                     n = positions[r].numel()
                     scatter_kv(out.k[layer], out.v[layer], part[0, :n], part[1, :n], positions[r].to(model.device))
         k_shard[layer] = v_shard[layer] = None  # the decode rank never keeps a second copy
+        release_free_memory()  # and hands the freed shard pages back while the cache fills
     if out is not None:
         out.length = cached_len + T
     return out
