@@ -167,7 +167,7 @@ class Block(nn.Module):
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
         T = x.shape[0]
         attention = self.attention
-        if T <= ROWS_PER_SLICE:
+        if T <= ROWS_PER_SLICE:  # one slice: no q/k/v buffers to fill (decode steps stay lean)
             q, k, v = attention.project(self.attention_norm.forward(x), rope)
             out = attend(layer_idx, q, k, v)
             # Explicit width: a rank may hold zero tokens of a chunk, and reshape(0, -1) is ambiguous.
