@@ -167,26 +167,31 @@ class Block(nn.Module):
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
         T = x.shape[0]
         attention = self.attention
+        width = attention.n_heads * attention.head_dim  # explicit: reshape(0, -1) is ambiguous for 0 rows
         if T <= ROWS_PER_SLICE:  # one slice: no q/k/v buffers to fill (decode steps stay lean)
-            q, k, v = attention.project(self.attention_norm.forward(x), rope)
-            out = attend(layer_idx, q, k, v)
-            # Explicit width: a rank may hold zero tokens of a chunk, and reshape(0, -1) is ambiguous.
-            h = x + attention.output(out.reshape(T, attention.n_heads * attention.head_dim))
-            return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+            out = attend(layer_idx, *self._qkv(x, rope))
+            return self._after_attention(x, out.reshape(T, width))
 
         q = x.new_empty(T, attention.n_heads, attention.head_dim)
         k = x.new_empty(T, attention.n_kv_heads, attention.head_dim)
         v = torch.empty_like(k)
         for start, stop in row_slices(T):
-            q[start:stop], k[start:stop], v[start:stop] = attention.project(
-                self.attention_norm.forward(x[start:stop]), rope.rows(start, stop))
-        out = attend(layer_idx, q, k, v).reshape(T, attention.n_heads * attention.head_dim)
+            q[start:stop], k[start:stop], v[start:stop] = self._qkv(x[start:stop], rope.rows(start, stop))
+        out = attend(layer_idx, q, k, v).reshape(T, width)
         del q, k, v  # attend copied what it keeps
         result = torch.empty_like(x)
         for start, stop in row_slices(T):
-            h = x[start:stop] + attention.output(out[start:stop])
-            result[start:stop] = h + self.feed_forward.forward(self.ffn_norm.forward(h))
+            result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
+
+    def _qkv(self, x: torch.Tensor, rope: RopeAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows x [n, dim] -> q, k (after RoPE), v of those rows."""
+        return self.attention.project(self.attention_norm.forward(x), rope)
+
+    def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Rows x [n, dim] and their attention output [n, Hq * D] -> the block's output rows."""
+        h = x + self.attention.output(out)
+        return h + self.feed_forward.forward(self.ffn_norm.forward(h))
 
 
 class Transformer(nn.Module):
