@@ -346,12 +346,13 @@ def test_prompt_longer_than_kv_cache(tiny):
 # Execution details that must not change results: MLP row slices, float32 math for bf16 on CPUs
 
 
-def test_block_row_slices_equal_one_pass(monkeypatch):
+@pytest.mark.parametrize("head_dim", [8, 16])  # Hq * D == dim (results overwrite the attention output), or not
+def test_block_row_slices_equal_one_pass(monkeypatch, head_dim):
     """A block over more than ROWS_PER_SLICE tokens (projections, RoPE, MLP in row slices) gives
-    what one pass over all rows gives."""
+    what one pass over all rows gives, and leaves its input alone."""
     from ringctx.model import transformer
 
-    config = dataclasses.replace(TINY, n_layers=1, dim=32, ffn_dim=48, n_heads=4, n_kv_heads=2, head_dim=8)
+    config = dataclasses.replace(TINY, n_layers=1, dim=32, ffn_dim=48, n_heads=4, n_kv_heads=2, head_dim=head_dim)
     net = empty_model(config, dtype=torch.float32, device="cpu")
     init_random(net, seed=3)
     T = 2 * transformer.ROWS_PER_SLICE + 7
@@ -363,7 +364,9 @@ def test_block_row_slices_equal_one_pass(monkeypatch):
 
     with torch.inference_mode():
         x, rope = net.embed(ids), net.rope(positions)
+        x_before = x.clone()
         sliced = net.layers[0](x, rope, attend, 0)
+        assert torch.equal(x, x_before)
         monkeypatch.setattr(transformer, "ROWS_PER_SLICE", 10 * T)
         whole = net.layers[0](x, rope, attend, 0)
     torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)

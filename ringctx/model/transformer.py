@@ -34,7 +34,9 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D] in q's dtype.
 
 q and k arrive after RoPE at the tokens' global positions. They may be non-contiguous views of one
-fused projection; an implementation that keeps them beyond the call must copy them."""
+fused projection; an implementation that keeps them beyond the call must copy them. The returned
+tensor belongs to the caller (a block may overwrite it), so it must not be one the implementation
+keeps or a view of its inputs."""
 
 LogitsSpec = Union[str, torch.Tensor]
 """Which rows to compute logits for: "last", "all", "none" or a LongTensor of row indices."""
@@ -120,10 +122,10 @@ class Attention(nn.Module):
         return linear(out, self.wo.weight, self.wo.bias)
 
 
-ROWS_PER_SLICE = 2048
+ROWS_PER_SLICE = 1024
 """Everything in a block except attention is per token, and runs over at most this many tokens
 at a time: the temporaries of the norms, the fused projections, RoPE and the MLP ([T, 2*ffn],
-24 KiB per token for SmolLM2 in float32) then stay bounded, while 2K-row GEMMs are as efficient as
+24 KiB per token for SmolLM2 in float32) then stay bounded, while 1K-row GEMMs are as efficient as
 whole-chunk ones. Only x, q, k, v and the attention output span a whole chunk."""
 
 
@@ -145,7 +147,8 @@ class FeedForward(nn.Module):
         """x [T, dim] -> [T, dim]."""
         gate_up = linear(x, self.w13.weight)
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
-        return linear(F.silu(gate) * up, self.w2.weight)
+        # In place over the gate half: no [T, ffn] temporaries (w2 reads the strided view as is).
+        return linear(F.silu(gate, inplace=True).mul_(up), self.w2.weight)
 
 
 class Block(nn.Module):
@@ -179,7 +182,10 @@ class Block(nn.Module):
             q[start:stop], k[start:stop], v[start:stop] = self._qkv(x[start:stop], rope.rows(start, stop))
         out = attend(layer_idx, q, k, v).reshape(T, width)
         del q, k, v  # attend copied what it keeps
-        result = torch.empty_like(x)
+        # Each slice's result depends on its own rows of x and out only, so when shapes allow it the
+        # results overwrite the attention output they were computed from: one [T, dim] buffer less.
+        reusable = out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
+        result = out if reusable else torch.empty_like(x)
         for start, stop in row_slices(T):
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
