@@ -1,0 +1,202 @@
+"""A bf16 matrix-vector kernel for CPUs with AVX-512 but no bf16 arithmetic (decode steps).
+
+Why: a decode step multiplies one activation row by every weight matrix, so it should take the
+time to read the weights. On CPUs without bf16 units PyTorch's bf16 matmul emulates the bf16
+arithmetic and is bound by it: measured here, a 1-row bf16 matmul ran no faster than the float32
+one over twice the bytes (see docs/BENCHMARKS.md). csrc/cpu_kernels.c widens the weights to
+float32 in registers and accumulates in float32 (the contract of a native bf16 GEMM: bf16 in,
+float32 accumulation, one rounding to bf16 at the end).
+
+How: the C file has no PyTorch headers, so the system C compiler builds it in about a second the
+first time it is needed; the library is cached under ~/.cache/ringctx (or $RINGCTX_CACHE_DIR),
+keyed by a hash of the source and flags, written atomically, and called through ctypes (which
+releases the GIL). Without a C compiler or AVX-512, `bf16_linear` returns None and callers use
+PyTorch; `kernel_error()` says why.
+
+Environment:
+    RINGCTX_CPU_KERNELS=0   never build or use the kernel
+    RINGCTX_CACHE_DIR       where the built library is kept (default ~/.cache/ringctx)
+    CC                      the C compiler (default: cc, then gcc)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .cpu_features import cpu_has_fast_bf16
+
+MAX_ROWS = 8
+"""Most activation rows `bf16_linear` takes: it reads each weight once per call and redoes the
+widening per row, which pays for decode steps (1 row) and stops paying near a dozen rows."""
+
+_SOURCE = "cpu_kernels.c"
+_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_error: str | None = None
+_tried = False
+
+
+def _source_path() -> Path | None:
+    """csrc/cpu_kernels.c next to the package (installed) or at the repository root (checkout)."""
+    here = Path(__file__).resolve()
+    for directory in (os.environ.get("RINGCTX_CSRC_DIR"), here.parent / "csrc", here.parents[1] / "csrc"):
+        if directory and (Path(directory) / _SOURCE).is_file():
+            return Path(directory) / _SOURCE
+    return None
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("RINGCTX_CACHE_DIR"):
+        return Path(os.environ["RINGCTX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ringctx"
+
+
+def _compile(source: Path) -> Path:
+    """The built library for `source`: compiled once into the cache, atomically, then reused."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler found (install gcc, or set CC)")
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join((compiler, *_CFLAGS)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {source}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # concurrent ranks each write their own file; the last one wins
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library, _error, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if _tried:
+            return _library
+        try:
+            if os.environ.get("RINGCTX_CPU_KERNELS", "1") == "0":
+                raise RuntimeError("disabled by RINGCTX_CPU_KERNELS=0")
+            source = _source_path()
+            if source is None:
+                raise RuntimeError(f"csrc/{_SOURCE} not found (set RINGCTX_CSRC_DIR)")
+            lib = ctypes.CDLL(str(_compile(source)))
+            lib.ringctx_bf16_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+            lib.ringctx_bf16_gemv.restype = ctypes.c_int
+            ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+            lib.ringctx_decode_scores.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, f32, ptr, i32]
+            lib.ringctx_decode_scores.restype = ctypes.c_int
+            lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
+            lib.ringctx_decode_pv.restype = ctypes.c_int
+            if not lib.ringctx_bf16_gemv_supported():
+                raise RuntimeError("this CPU has no AVX-512 (F, BW and VL)")
+            _library = lib
+        except Exception as e:  # noqa: BLE001 - no compiler, compile error, unsupported CPU: use PyTorch
+            _error = f"bf16 CPU kernel unavailable: {e}"
+        _tried = True
+        return _library
+
+
+def kernel_error() -> str | None:
+    """Why `bf16_linear` is not in use (None when it is, or was not tried yet)."""
+    return _error
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] bf16, or None where the kernel does not apply.
+
+    Applies to inference on CPUs without bf16 arithmetic: x and weight bf16 on the CPU, 1 <= T <=
+    MAX_ROWS, weight contiguous, no gradient wanted. Float32 accumulation, one rounding at the end.
+    """
+    if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
+            and x.shape[1] == weight.shape[1] and weight.is_contiguous() and not cpu_has_fast_bf16()):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    rows, n_in = x.shape
+    n_out = weight.shape[0]
+    xf = x.float().contiguous()
+    y = torch.empty(rows, n_out, dtype=torch.float32)
+    status = lib.ringctx_bf16_gemv(xf.data_ptr(), rows, n_in, weight.data_ptr(), n_out, y.data_ptr(),
+                                   torch.get_num_threads())
+    if status != 0:
+        return None
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(torch.bfloat16)
+
+
+MAX_QUERY_ROWS_PER_KV_HEAD = 64
+"""Most query rows per KV head (GQA group x query tokens) the decode attention kernel takes (MAX_R)."""
+
+
+def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Full (unmasked) attention of a few queries over a token-major KV cache, or None where the
+    kernel does not apply (then the caller computes it with PyTorch).
+
+    Args:
+        q: [T, Hq, D]; k, v: [S, Hkv, D] contiguous, float32 or bf16 (all one dtype), on the CPU;
+            Hq a multiple of Hkv, D a multiple of 16 up to 256, Hq / Hkv * T <= 64.
+        scale: softmax scale.
+
+    Returns:
+        (out [T, Hq, D] in q's dtype, lse [Hq, T] float32), float32 math throughout.
+    """
+    T, Hq, D = q.shape
+    S, Hkv = k.shape[0], k.shape[1]
+    group = Hq // Hkv
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and q.device.type == k.device.type == v.device.type == "cpu" and k.shape == v.shape
+            and S > 0 and group * Hkv == Hq and D % 16 == 0 and D <= 256
+            and group * T <= MAX_QUERY_ROWS_PER_KV_HEAD and k.is_contiguous() and v.is_contiguous()):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    rows = group * T
+    bf16 = int(k.dtype == torch.bfloat16)
+    threads = torch.get_num_threads()
+    # Query rows grouped by the KV head they read (h // group), as the kernel wants: [Hkv, R, D].
+    qg = q.float().view(T, Hkv, group, D).permute(1, 2, 0, 3).contiguous()
+    scores = torch.empty(Hkv, rows, S)
+    if lib.ringctx_decode_scores(qg.data_ptr(), Hkv, rows, D, k.data_ptr(), bf16, S, scale,
+                                 scores.data_ptr(), threads) != 0:
+        return None
+    row_max = scores.amax(dim=-1, keepdim=True)
+    probs = scores.sub_(row_max).exp_()  # unnormalised
+    row_sum = probs.sum(dim=-1, keepdim=True)
+    out = torch.empty(Hkv, rows, D)
+    if lib.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), bf16, D, out.data_ptr(), threads) != 0:
+        return None
+    out.div_(row_sum)
+    lse = (row_max + row_sum.log()).view(Hkv, group, T).reshape(Hq, T)
+    out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
+    return out.to(q.dtype), lse

@@ -1,0 +1,142 @@
+"""csrc/cpu_kernels.c (decode-step kernels for AVX-512 CPUs) against float64 references.
+
+The kernels are built with the system C compiler on first use. On a CPU without AVX-512 F/BW/VL
+or without a C compiler they are unavailable by design (callers use PyTorch); these tests then
+check only that fallback.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+import torch
+
+from ringctx import cpu_kernels
+from ringctx.attention import kernels as attention_kernels
+from ringctx.cpu_features import cpu_has_fast_bf16
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+BUILDABLE = {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags() and bool(shutil.which("cc") or shutil.which("gcc"))
+needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX-512 (F, BW, VL) CPU and a C compiler")
+
+
+@needs_kernels
+def test_kernels_build_and_load_here():
+    assert cpu_kernels._load() is not None, cpu_kernels.kernel_error()
+    assert cpu_kernels.kernel_error() is None
+
+
+@needs_kernels
+@pytest.mark.skipif(cpu_has_fast_bf16(), reason="bf16_linear applies only to CPUs without bf16 units")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 33), (130, 16), (5, 1000)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
+    """Float32 accumulation, one rounding: nearly every element is the float64 product rounded to
+    bf16, the rest one bf16 step away (summation order)."""
+    g = torch.Generator().manual_seed(rows * 1000 + n_out)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    b = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
+    got = cpu_kernels.bf16_linear(x, w, b)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
+    exact = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+    rounded = exact.to(torch.bfloat16)
+    assert (got == rounded).float().mean() >= 0.99
+    step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+    assert ((got.double() - exact).abs() <= step).all()
+
+
+def test_bf16_linear_declines_what_it_does_not_cover():
+    x, w = torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()
+    assert cpu_kernels.bf16_linear(x.float(), w.float()) is None  # float32: PyTorch is at bandwidth
+    assert cpu_kernels.bf16_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).bfloat16(), w) is None
+    assert cpu_kernels.bf16_linear(x, torch.randn(32, 8).bfloat16().t()) is None  # not contiguous
+    with torch.enable_grad():
+        assert cpu_kernels.bf16_linear(x, w.clone().requires_grad_()) is None
+
+
+def _reference(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q.double(), kk) * scale
+    return torch.einsum("hts,shd->thd", torch.softmax(scores, -1), vv), torch.logsumexp(scores, -1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (3, 8, 2, 64), (1, 4, 4, 128), (2, 6, 2, 32), (5, 12, 3, 16), (1, 4, 2, 80)])
+@pytest.mark.parametrize("S", [1, 37, 1000])
+def test_small_query_attention_matches_float64(dtype, T, Hq, Hkv, D, S):
+    g = torch.Generator().manual_seed(S * 7 + D)
+    cache_k = torch.randn(S + 5, Hkv, D, generator=g).to(dtype)
+    cache_v = torch.randn(S + 5, Hkv, D, generator=g).to(dtype)
+    k, v = cache_k[:S], cache_v[:S]  # a cache's first rows, as decode reads them
+    q = torch.randn(T, Hq, D, generator=g).to(dtype)
+    scale = 1 / math.sqrt(D)
+    got = cpu_kernels.small_query_attention(q, k, v, scale)
+    assert got is not None
+    out, lse = got
+    assert out.dtype == dtype and out.shape == (T, Hq, D) and lse.shape == (Hq, T) and lse.dtype == torch.float32
+    ref_out, ref_lse = _reference(q, k, v, scale)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=0)
+    else:  # one rounding of the output: at most PyTorch's error on the same bf16 inputs, doubled
+        torch_out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(Hq // Hkv, 1).transpose(0, 1),
+            v.repeat_interleave(Hq // Hkv, 1).transpose(0, 1), scale=scale).transpose(0, 1)
+        bound = 2 * (torch_out.double() - ref_out).abs().max().item() + 1e-6
+        assert (out.double() - ref_out).abs().max().item() <= bound
+
+
+@needs_kernels
+def test_decode_attention_uses_the_kernel_and_agrees_with_the_torch_path(monkeypatch):
+    """attention_block's few-query path gives the same answer with and without the kernel."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 9, 64, generator=g), torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    with_kernel = attention_kernels.attention_block(q, k, v)
+    monkeypatch.setattr(cpu_kernels, "small_query_attention", lambda *a: None)
+    without = attention_kernels.attention_block(q, k, v)
+    torch.testing.assert_close(with_kernel[0], without[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(with_kernel[1], without[1], atol=1e-6, rtol=0)
+
+
+def test_small_query_attention_declines_unsupported_shapes():
+    q, k = torch.randn(1, 4, 72), torch.randn(10, 2, 72)  # head dim not a multiple of 16
+    assert cpu_kernels.small_query_attention(q, k, k, 0.1) is None
+    q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
+    assert cpu_kernels.small_query_attention(q, k[::2], k[::2], 0.1) is None  # strided cache rows
+    assert cpu_kernels.small_query_attention(q.half(), k.half(), k.half(), 0.1) is None
+
+
+def test_switched_off_means_pytorch(monkeypatch):
+    monkeypatch.setenv("RINGCTX_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
+    assert cpu_kernels.small_query_attention(q, k, k, 0.1) is None
+    assert "RINGCTX_CPU_KERNELS=0" in cpu_kernels.kernel_error()
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("RINGCTX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    assert cpu_kernels.bf16_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None \
+        or cpu_has_fast_bf16()
+    if not cpu_has_fast_bf16():
+        assert "no-such-compiler" in cpu_kernels.kernel_error()
