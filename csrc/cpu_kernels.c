@@ -127,12 +127,23 @@ static inline __m512 load_row(const void *base, int bf16, int64_t offset) {
     return _mm512_loadu_ps((const float *)base + offset);
 }
 
+/* Ask for the cache lines of [p, p + bytes) ahead of use: streaming K and V with the hardware
+ * prefetchers alone ran at about half the memory's speed (as the GEMV above did). */
+static inline void prefetch_span(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+#define PREFETCH_BYTES 2048 /* how far ahead of the rows in use */
+
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
                          int64_t S, float scale, float *scores, int64_t j0, int64_t j1) {
     const int64_t nv = D / 16;
+    const int64_t esize = bf16 ? 2 : 4, key_bytes = Hkv * D * esize;
+    const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes; /* in keys */
     __m512 kv[MAX_D / 16];
     for (int64_t j = j0; j < j1; ++j) {
+        if (j + ahead < j1) prefetch_span((const char *)k + (j + ahead) * key_bytes, key_bytes);
         for (int64_t h = 0; h < Hkv; ++h) {
             const int64_t row = (j * Hkv + h) * D;
             for (int64_t c = 0; c < nv; ++c) kv[c] = load_row(k, bf16, row + 16 * c);
@@ -154,8 +165,11 @@ static inline void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, co
     __m512 a[4][8];
     for (int r = 0; r < RT; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = _mm512_setzero_ps();
+    const int64_t esize = bf16 ? 2 : 4, row_bytes = D * esize;
+    const int64_t ahead = (PREFETCH_BYTES + row_bytes - 1) / row_bytes; /* in keys */
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t row = (j * Hkv + h) * D;
+        if (j + ahead < j1) prefetch_span((const char *)v + (row + ahead * Hkv * D) * esize, row_bytes);
         __m512 vv[8];
         for (int c = 0; c < NV; ++c) vv[c] = load_row(v, bf16, row + 16 * c);
         for (int r = 0; r < RT; ++r) {
@@ -175,11 +189,19 @@ static void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
         int64_t r0 = 0;
         /* Register tiles for the common head widths (64 and 128); 4 query rows at a time. */
         if (nv == 4) {
-            for (; r0 + 4 <= R; r0 += 4) pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 4, 4);
-            for (; r0 < R; ++r0) pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 1, 4);
+            for (; r0 < R; r0 += 4) {
+                switch (R - r0) {  /* constant tile heights, so each case compiles to registers */
+                    case 1: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 1, 4); break;
+                    case 2: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 2, 4); break;
+                    case 3: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 3, 4); break;
+                    default: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 4, 4);
+                }
+            }
         } else if (nv == 8) {
-            for (; r0 + 2 <= R; r0 += 2) pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 2, 8);
-            for (; r0 < R; ++r0) pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 1, 8);
+            for (; r0 < R; r0 += 2) {
+                if (R - r0 == 1) pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 1, 8);
+                else pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 2, 8);
+            }
         }
         /* Any other width: accumulate through memory (L1), row by row. */
         for (; r0 < R; ++r0) {
