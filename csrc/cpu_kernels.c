@@ -1,15 +1,15 @@
 /* ringctx's CPU kernels for decode steps, for CPUs with AVX-512 (built by ringctx/cpu_kernels.py).
  *
- * 1. bf16 weights times a few float32 activation rows, for CPUs with AVX-512 but no bf16 arithmetic.
+ * 1. Weights (bf16 bits or float32) times a few float32 activation rows.
  *
  * A decode step multiplies one activation row by every weight matrix once, so its time is the
- * time to stream the weights from memory. PyTorch's bf16 matmul on such CPUs emulates bf16 and is
- * bound by that arithmetic instead (here it ran no faster than the float32 matmul, which reads
- * twice the bytes). This kernel widens each bf16 weight to float32 in registers (a bf16 value is
- * the top half of a float32: zero-extend, shift left 16) and accumulates in float32, so it runs
- * at the memory's speed.
+ * time to stream the weights from memory. PyTorch's bf16 matmul on CPUs without bf16 units
+ * emulates bf16 and streamed the weights at half the memory's speed here (no faster than the
+ * float32 matmul, which reads twice the bytes). This kernel widens each bf16 weight to float32 in
+ * registers (a bf16 value is the top half of a float32: zero-extend, shift left 16), accumulates
+ * in float32 and prefetches the next rows, so it runs at the memory's speed.
  *
- *   y[r, o] = sum_i x[r, i] * w[o, i]      x: [rows, in] float32, w: [out, in] bf16 bits,
+ *   y[r, o] = sum_i x[r, i] * w[o, i]      x: [rows, in] float32, w: [out, in] bf16 or float32,
  *                                           y: [rows, out] float32, all row-major, contiguous
  *
  * 2. Decode attention's two products over a token-major KV cache (below).
@@ -23,7 +23,7 @@
 
 #define BLOCK 4 /* output rows per step: four independent accumulators hide the FMA latency */
 
-int ringctx_bf16_gemv_supported(void) {
+int ringctx_cpu_kernels_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
@@ -44,41 +44,57 @@ static inline __m512 load_w_tail(const uint16_t *p, __mmask16 m) {
     return widen(_mm256_maskz_loadu_epi16(m, p));
 }
 
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __m512 load_any(const void *base, int bf16, int64_t i) {
+    if (bf16) return load_w((const uint16_t *)base + i);
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static inline __m512 load_any_tail(const void *base, int bf16, int64_t i, __mmask16 m) {
+    if (bf16) return load_w_tail((const uint16_t *)base + i, m);
+    return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+}
+
 /* One block of up to BLOCK output rows [o, o + n) for every activation row. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static void gemv_block(const float *x, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
+static void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out,
                        float *y, int64_t o, int64_t n) {
-    const int64_t full = in - in % 16;
+    const int64_t full = in - in % 16, esize = bf16 ? 2 : 4, row_bytes = in * esize;
     const __mmask16 tail = (__mmask16)((1u << (in % 16)) - 1u);
     /* Software prefetch of the next block's rows while this one is summed: the hardware
      * prefetchers alone kept this at ~60% of the memory bandwidth (measured: 1.6x faster with). */
-    const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * in : 0;
+    const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * row_bytes : 0;
     /* Rows past the end of the block re-read the last real row; their sums are dropped. */
-    const uint16_t *w0 = w + o * in;
-    const uint16_t *w1 = w + (o + (n > 1 ? 1 : 0)) * in;
-    const uint16_t *w2 = w + (o + (n > 2 ? 2 : 0)) * in;
-    const uint16_t *w3 = w + (o + (n > 3 ? 3 : 0)) * in;
+    const char *w0 = (const char *)w + o * row_bytes;
+    const char *w1 = w0 + (n > 1 ? 1 : 0) * row_bytes;
+    const char *w2 = w0 + (n > 2 ? 2 : 0) * row_bytes;
+    const char *w3 = w0 + (n > 3 ? 3 : 0) * row_bytes;
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * in;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         for (int64_t i = 0; i < full; i += 16) {
             const __m512 xv = _mm512_loadu_ps(xr + i);
-            _mm_prefetch((const char *)(w0 + ahead + i), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w1 + ahead + i), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w2 + ahead + i), _MM_HINT_T0);
-            _mm_prefetch((const char *)(w3 + ahead + i), _MM_HINT_T0);
-            a0 = _mm512_fmadd_ps(load_w(w0 + i), xv, a0);
-            a1 = _mm512_fmadd_ps(load_w(w1 + i), xv, a1);
-            a2 = _mm512_fmadd_ps(load_w(w2 + i), xv, a2);
-            a3 = _mm512_fmadd_ps(load_w(w3 + i), xv, a3);
+            if (r == 0) {
+                for (int64_t b = 0; b < 16 * esize; b += 64) {
+                    _mm_prefetch(w0 + ahead + i * esize + b, _MM_HINT_T0);
+                    _mm_prefetch(w1 + ahead + i * esize + b, _MM_HINT_T0);
+                    _mm_prefetch(w2 + ahead + i * esize + b, _MM_HINT_T0);
+                    _mm_prefetch(w3 + ahead + i * esize + b, _MM_HINT_T0);
+                }
+            }
+            a0 = _mm512_fmadd_ps(load_any(w0, bf16, i), xv, a0);
+            a1 = _mm512_fmadd_ps(load_any(w1, bf16, i), xv, a1);
+            a2 = _mm512_fmadd_ps(load_any(w2, bf16, i), xv, a2);
+            a3 = _mm512_fmadd_ps(load_any(w3, bf16, i), xv, a3);
         }
         if (tail) {
             const __m512 xv = _mm512_maskz_loadu_ps(tail, xr + full);
-            a0 = _mm512_fmadd_ps(load_w_tail(w0 + full, tail), xv, a0);
-            a1 = _mm512_fmadd_ps(load_w_tail(w1 + full, tail), xv, a1);
-            a2 = _mm512_fmadd_ps(load_w_tail(w2 + full, tail), xv, a2);
-            a3 = _mm512_fmadd_ps(load_w_tail(w3 + full, tail), xv, a3);
+            a0 = _mm512_fmadd_ps(load_any_tail(w0, bf16, full, tail), xv, a0);
+            a1 = _mm512_fmadd_ps(load_any_tail(w1, bf16, full, tail), xv, a1);
+            a2 = _mm512_fmadd_ps(load_any_tail(w2, bf16, full, tail), xv, a2);
+            a3 = _mm512_fmadd_ps(load_any_tail(w3, bf16, full, tail), xv, a3);
         }
         float *yr = y + r * out + o;
         yr[0] = _mm512_reduce_add_ps(a0);
@@ -88,15 +104,16 @@ static void gemv_block(const float *x, int64_t rows, int64_t in, const uint16_t 
     }
 }
 
-/* Returns 0 on success, -1 when this CPU lacks AVX-512 (the caller then uses PyTorch). */
-int ringctx_bf16_gemv(const float *x, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
-                      float *y, int threads) {
-    if (!ringctx_bf16_gemv_supported()) return -1;
+/* y = x w^T for w float32 (w_bf16 = 0) or bf16 bits (w_bf16 = 1). Returns 0 on success, -1 when
+ * this CPU lacks AVX-512 (the caller then uses PyTorch). */
+int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_bf16, int64_t out,
+                 float *y, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
     const int64_t blocks = (out + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t o = b * BLOCK;
-        gemv_block(x, rows, in, w, out, y, o, out - o < BLOCK ? out - o : BLOCK);
+        gemv_block(x, rows, in, w, w_bf16, out, y, o, out - o < BLOCK ? out - o : BLOCK);
     }
     return 0;
 }
@@ -121,11 +138,6 @@ int ringctx_bf16_gemv(const float *x, int64_t rows, int64_t in, const uint16_t *
 #define MAX_D 256
 #define MAX_R 64
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 load_row(const void *base, int bf16, int64_t offset) {
-    if (bf16) return load_w((const uint16_t *)base + offset);
-    return _mm512_loadu_ps((const float *)base + offset);
-}
 
 /* Ask for the cache lines of [p, p + bytes) ahead of use: streaming K and V with the hardware
  * prefetchers alone ran at about half the memory's speed (as the GEMV above did). */
@@ -146,7 +158,7 @@ static void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, cons
         if (j + ahead < j1) prefetch_span((const char *)k + (j + ahead) * key_bytes, key_bytes);
         for (int64_t h = 0; h < Hkv; ++h) {
             const int64_t row = (j * Hkv + h) * D;
-            for (int64_t c = 0; c < nv; ++c) kv[c] = load_row(k, bf16, row + 16 * c);
+            for (int64_t c = 0; c < nv; ++c) kv[c] = load_any(k, bf16, row + 16 * c);
             const float *qh = q + h * R * D;
             for (int64_t r = 0; r < R; ++r) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
@@ -171,7 +183,7 @@ static inline void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, co
         const int64_t row = (j * Hkv + h) * D;
         if (j + ahead < j1) prefetch_span((const char *)v + (row + ahead * Hkv * D) * esize, row_bytes);
         __m512 vv[8];
-        for (int c = 0; c < NV; ++c) vv[c] = load_row(v, bf16, row + 16 * c);
+        for (int c = 0; c < NV; ++c) vv[c] = load_any(v, bf16, row + 16 * c);
         for (int r = 0; r < RT; ++r) {
             const __m512 w = _mm512_set1_ps(p[(h * R + r0 + r) * S + j]);
             for (int c = 0; c < NV; ++c) a[r][c] = _mm512_fmadd_ps(w, vv[c], a[r][c]);
@@ -210,7 +222,7 @@ static void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
                 const __m512 w = _mm512_set1_ps(p[(h * R + r0) * S + j]);
                 const int64_t row = (j * Hkv + h) * D;
                 for (int64_t c = 0; c < nv; ++c)
-                    _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, load_row(v, bf16, row + 16 * c),
+                    _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, load_any(v, bf16, row + 16 * c),
                                                                  _mm512_loadu_ps(a + 16 * c)));
             }
         }
@@ -222,7 +234,7 @@ static inline int64_t split(int64_t S, int t, int n) { return S * t / n; }
 
 int ringctx_decode_scores(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int k_bf16,
                           int64_t S, float scale, float *scores, int threads) {
-    if (!ringctx_bf16_gemv_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -234,7 +246,7 @@ int ringctx_decode_scores(const float *q, int64_t Hkv, int64_t R, int64_t D, con
 
 int ringctx_decode_pv(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int v_bf16, int64_t D,
                       float *out, int threads) {
-    if (!ringctx_bf16_gemv_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
     if (threads < 1) threads = 1;
     const int64_t n_out = Hkv * R * D;
     /* One partial sum per thread, added in thread order afterwards: the same bits every run. */

@@ -1,20 +1,27 @@
-"""A bf16 matrix-vector kernel for CPUs with AVX-512 but no bf16 arithmetic (decode steps).
+"""Decode-step kernels for CPUs with AVX-512 (csrc/cpu_kernels.c), with PyTorch as the fallback.
 
-Why: a decode step multiplies one activation row by every weight matrix, so it should take the
-time to read the weights. On CPUs without bf16 units PyTorch's bf16 matmul emulates the bf16
-arithmetic and is bound by it: measured here, a 1-row bf16 matmul ran no faster than the float32
-one over twice the bytes (see docs/BENCHMARKS.md). csrc/cpu_kernels.c widens the weights to
-float32 in registers and accumulates in float32 (the contract of a native bf16 GEMM: bf16 in,
-float32 accumulation, one rounding to bf16 at the end).
+A decode step should take the time to read the weights and the KV cache once. Two places where
+PyTorch on an AVX-512 CPU without bf16 units falls short of that (docs/BENCHMARKS.md):
+
+    small_linear           x [T <= 8, in] @ W^T. PyTorch's bf16 matmul emulates bf16 arithmetic and
+                           streamed the weights at half the memory's speed, no faster than float32
+                           over twice the bytes. The kernel widens bf16 weights to float32 in
+                           registers, prefetches the next rows, accumulates in float32 and rounds
+                           once (the contract of a native bf16 GEMM). The model uses it for bf16;
+                           for float32 PyTorch's GEMV is already at memory speed (measured equal).
+    small_query_attention  a few queries over a token-major [S, Hkv, D] KV cache. PyTorch's bmm
+                           walked the cache strided and, in bf16, converted it to float32 first.
+                           The kernels compute QK^T and PV reading each cache row once, in place;
+                           the softmax between them stays in PyTorch.
 
 How: the C file has no PyTorch headers, so the system C compiler builds it in about a second the
 first time it is needed; the library is cached under ~/.cache/ringctx (or $RINGCTX_CACHE_DIR),
 keyed by a hash of the source and flags, written atomically, and called through ctypes (which
-releases the GIL). Without a C compiler or AVX-512, `bf16_linear` returns None and callers use
+releases the GIL). Without a C compiler or AVX-512 both functions return None and callers use
 PyTorch; `kernel_error()` says why.
 
 Environment:
-    RINGCTX_CPU_KERNELS=0   never build or use the kernel
+    RINGCTX_CPU_KERNELS=0   never build or use the kernels
     RINGCTX_CACHE_DIR       where the built library is kept (default ~/.cache/ringctx)
     CC                      the C compiler (default: cc, then gcc)
 """
@@ -35,8 +42,9 @@ import torch
 from .cpu_features import cpu_has_fast_bf16
 
 MAX_ROWS = 8
-"""Most activation rows `bf16_linear` takes: it reads each weight once per call and redoes the
-widening per row, which pays for decode steps (1 row) and stops paying near a dozen rows."""
+"""Most activation rows `small_linear` takes (decode steps and short inputs; a bf16 matmul of 64 or
+more rows runs in float32 instead, see ringctx/cpu_features.py). Measured against PyTorch's bf16
+matmul here: 1.5-2x faster at 1, 3 and 8 rows."""
 
 _SOURCE = "cpu_kernels.c"
 _CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -101,15 +109,14 @@ def _load() -> ctypes.CDLL | None:
             if source is None:
                 raise RuntimeError(f"csrc/{_SOURCE} not found (set RINGCTX_CSRC_DIR)")
             lib = ctypes.CDLL(str(_compile(source)))
-            lib.ringctx_bf16_gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-            lib.ringctx_bf16_gemv.restype = ctypes.c_int
             ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+            lib.ringctx_gemv.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, i32]
+            lib.ringctx_gemv.restype = ctypes.c_int
             lib.ringctx_decode_scores.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, f32, ptr, i32]
             lib.ringctx_decode_scores.restype = ctypes.c_int
             lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
             lib.ringctx_decode_pv.restype = ctypes.c_int
-            if not lib.ringctx_bf16_gemv_supported():
+            if not lib.ringctx_cpu_kernels_supported():
                 raise RuntimeError("this CPU has no AVX-512 (F, BW and VL)")
             _library = lib
         except Exception as e:  # noqa: BLE001 - no compiler, compile error, unsupported CPU: use PyTorch
@@ -119,19 +126,22 @@ def _load() -> ctypes.CDLL | None:
 
 
 def kernel_error() -> str | None:
-    """Why `bf16_linear` is not in use (None when it is, or was not tried yet)."""
+    """Why the kernels are not in use (None when they are, or were not tried yet)."""
     return _error
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] bf16, or None where the kernel does not apply.
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] in x's dtype, or None where the kernel does
+    not apply (the caller then uses F.linear).
 
-    Applies to inference on CPUs without bf16 arithmetic: x and weight bf16 on the CPU, 1 <= T <=
-    MAX_ROWS, weight contiguous, no gradient wanted. Float32 accumulation, one rounding at the end.
+    Applies to inference on the CPU with 1 <= T <= MAX_ROWS rows, weight contiguous, no gradient
+    wanted, and x and weight both bf16 (on CPUs without bf16 arithmetic) or both float32.
+    Float32 accumulation, one rounding at the end.
     """
-    if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
-            and x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS
-            and x.shape[1] == weight.shape[1] and weight.is_contiguous() and not cpu_has_fast_bf16()):
+    dtype = x.dtype
+    if not (dtype == weight.dtype and (dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16()))
+            and x.device.type == weight.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and weight.is_contiguous()):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
@@ -142,13 +152,13 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n_out = weight.shape[0]
     xf = x.float().contiguous()
     y = torch.empty(rows, n_out, dtype=torch.float32)
-    status = lib.ringctx_bf16_gemv(xf.data_ptr(), rows, n_in, weight.data_ptr(), n_out, y.data_ptr(),
-                                   torch.get_num_threads())
+    status = lib.ringctx_gemv(xf.data_ptr(), rows, n_in, weight.data_ptr(), int(dtype == torch.bfloat16), n_out,
+                              y.data_ptr(), torch.get_num_threads())
     if status != 0:
         return None
     if bias is not None:
         y.add_(bias.float())
-    return y.to(torch.bfloat16)
+    return y.to(dtype)
 
 
 MAX_QUERY_ROWS_PER_KV_HEAD = 64

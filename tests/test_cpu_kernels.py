@@ -37,18 +37,29 @@ def test_kernels_build_and_load_here():
 
 
 @needs_kernels
-@pytest.mark.skipif(cpu_has_fast_bf16(), reason="bf16_linear applies only to CPUs without bf16 units")
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 33), (5, 1000)])
+def test_small_linear_float32_matches_float64(rows, n_out, n_in):
+    g = torch.Generator().manual_seed(rows + n_in)
+    x, w, b = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g)
+    got = cpu_kernels.small_linear(x, w, b)
+    assert got is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t() + b.double(), atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.skipif(cpu_has_fast_bf16(), reason="small_linear takes bf16 only on CPUs without bf16 units")
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 33), (130, 16), (5, 1000)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
+def test_small_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
     """Float32 accumulation, one rounding: nearly every element is the float64 product rounded to
     bf16, the rest one bf16 step away (summation order)."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     w = torch.randn(n_out, n_in, generator=g).bfloat16()
     b = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
-    got = cpu_kernels.bf16_linear(x, w, b)
+    got = cpu_kernels.small_linear(x, w, b)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
     exact = x.double() @ w.double().t() + (b.double() if with_bias else 0)
     rounded = exact.to(torch.bfloat16)
@@ -57,13 +68,14 @@ def test_bf16_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
     assert ((got.double() - exact).abs() <= step).all()
 
 
-def test_bf16_linear_declines_what_it_does_not_cover():
+def test_small_linear_declines_what_it_does_not_cover():
     x, w = torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()
-    assert cpu_kernels.bf16_linear(x.float(), w.float()) is None  # float32: PyTorch is at bandwidth
-    assert cpu_kernels.bf16_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).bfloat16(), w) is None
-    assert cpu_kernels.bf16_linear(x, torch.randn(32, 8).bfloat16().t()) is None  # not contiguous
+    assert cpu_kernels.small_linear(x, w.float()) is None  # mixed dtypes
+    assert cpu_kernels.small_linear(x.half(), w.half()) is None
+    assert cpu_kernels.small_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).bfloat16(), w) is None
+    assert cpu_kernels.small_linear(x, torch.randn(32, 8).bfloat16().t()) is None  # not contiguous
     with torch.enable_grad():
-        assert cpu_kernels.bf16_linear(x, w.clone().requires_grad_()) is None
+        assert cpu_kernels.small_linear(x, w.clone().requires_grad_()) is None
 
 
 def _reference(q, k, v, scale):
@@ -136,7 +148,7 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
-    assert cpu_kernels.bf16_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None \
+    assert cpu_kernels.small_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None \
         or cpu_has_fast_bf16()
     if not cpu_has_fast_bf16():
         assert "no-such-compiler" in cpu_kernels.kernel_error()

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
-from ..cpu_kernels import MAX_ROWS, bf16_linear
+from ..cpu_kernels import MAX_ROWS, small_linear
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D] in q's dtype.
@@ -52,8 +52,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """
     if x.shape[0] >= UPCAST_MIN_ROWS and computes_in_float32(x):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    if x.shape[0] <= MAX_ROWS and computes_in_float32(x):  # decode steps: a bandwidth-bound bf16 kernel
-        y = bf16_linear(x, weight, bias)
+    if x.shape[0] <= MAX_ROWS and computes_in_float32(x):
+        # Decode steps in bf16: a kernel that streams the weights at memory speed (PyTorch's
+        # emulated bf16 GEMV ran at half of it here; its float32 one is at memory speed already).
+        y = small_linear(x, weight, bias)
         if y is not None:
             return y
     return F.linear(x, weight, bias)
