@@ -125,6 +125,13 @@ def _load() -> ctypes.CDLL | None:
         return _library
 
 
+def cpu_kernels_status() -> str:
+    """One line for `ringctx info`: whether the kernels are in use here, or why not (builds them)."""
+    if _load() is not None:
+        return "available: decode attention, bf16 GEMV (AVX-512; csrc/cpu_kernels.c, built with the system C compiler)"
+    return _error or "not in use"
+
+
 def kernel_error() -> str | None:
     """Why the kernels are not in use (None when they are, or were not tried yet)."""
     return _error

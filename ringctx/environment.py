@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .attention.kernels import flash_attn_available
 from .cpu_features import cpu_has_fast_bf16
+from .cpu_kernels import cpu_kernels_status
 
 
 def _version(package: str) -> str:
@@ -41,6 +42,7 @@ def environment_report() -> dict:
         "gpus": gpus,
         "attention_backends": attention,
         "distributed_backends": distributed,
+        "cpu_decode_kernels": cpu_kernels_status(),
     }
 
 
