@@ -9,16 +9,16 @@ PyTorch on an AVX-512 CPU without bf16 units falls short of that (docs/BENCHMARK
                            registers, prefetches the next rows, accumulates in float32 and rounds
                            once (the contract of a native bf16 GEMM). The model uses it for bf16;
                            for float32 PyTorch's GEMV is already at memory speed (measured equal).
-    small_query_attention  a few queries over a token-major [S, Hkv, D] KV cache. PyTorch's bmm
-                           walked the cache strided and, in bf16, converted it to float32 first.
+    decode_scores,         a few queries over a token-major [S, Hkv, D] KV cache. PyTorch's bmm
+    decode_pv              walked the cache strided and, in bf16, converted it to float32 first.
                            The kernels compute QK^T and PV reading each cache row once, in place;
-                           the softmax between them stays in PyTorch.
+                           the softmax between them stays in PyTorch (attention/kernels.py).
 
 How: the C file has no PyTorch headers, so the system C compiler builds it in about a second the
 first time it is needed; the library is cached under ~/.cache/ringctx (or $RINGCTX_CACHE_DIR),
 keyed by a hash of the source and flags, written atomically, and called through ctypes (which
-releases the GIL). Without a C compiler or AVX-512 both functions return None and callers use
-PyTorch; `kernel_error()` says why.
+releases the GIL). Without a C compiler or AVX-512, `small_linear` returns None and
+`decode_kernels_apply` False, and callers use PyTorch; `kernel_error()` says why.
 
 Environment:
     RINGCTX_CPU_KERNELS=0   never build or use the kernels
@@ -56,12 +56,11 @@ _tried = False
 
 
 def _source_path() -> Path | None:
-    """csrc/cpu_kernels.c next to the package (installed) or at the repository root (checkout)."""
-    here = Path(__file__).resolve()
-    for directory in (os.environ.get("RINGCTX_CSRC_DIR"), here.parent / "csrc", here.parents[1] / "csrc"):
-        if directory and (Path(directory) / _SOURCE).is_file():
-            return Path(directory) / _SOURCE
-    return None
+    """csrc/cpu_kernels.c, found where the CUDA sources are looked for (see cuda_ext.csrc_dir)."""
+    from .attention.cuda_ext import csrc_dir  # at call time: ringctx.attention imports this module
+
+    directory = csrc_dir((_SOURCE,))
+    return None if directory is None else directory / _SOURCE
 
 
 def _cache_dir() -> Path:
@@ -169,51 +168,48 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 MAX_QUERY_ROWS_PER_KV_HEAD = 64
-"""Most query rows per KV head (GQA group x query tokens) the decode attention kernel takes (MAX_R)."""
+"""Most query rows per KV head (GQA group x query tokens) the decode attention kernels take (MAX_R)."""
 
 
-def small_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Full (unmasked) attention of a few queries over a token-major KV cache, or None where the
-    kernel does not apply (then the caller computes it with PyTorch).
-
-    Args:
-        q: [T, Hq, D]; k, v: [S, Hkv, D] contiguous, float32 or bf16 (all one dtype), on the CPU;
-            Hq a multiple of Hkv, D a multiple of 16 up to 256, Hq / Hkv * T <= 64.
-        scale: softmax scale.
-
-    Returns:
-        (out [T, Hq, D] in q's dtype, lse [Hq, T] float32), float32 math throughout.
-    """
+def decode_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when `decode_scores` and `decode_pv` take these inputs (and the kernels are built):
+    q [T, Hq, D], k and v [S, Hkv, D] contiguous, all float32 or all bf16, on the CPU, S >= 1,
+    D a multiple of 16 up to 256, at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head."""
     T, Hq, D = q.shape
-    S, Hkv = k.shape[0], k.shape[1]
-    group = Hq // Hkv
+    Hkv = k.shape[1]
     if not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)
             and q.device.type == k.device.type == v.device.type == "cpu" and k.shape == v.shape
-            and S > 0 and group * Hkv == Hq and D % 16 == 0 and D <= 256
-            and group * T <= MAX_QUERY_ROWS_PER_KV_HEAD and k.is_contiguous() and v.is_contiguous()):
-        return None
+            and k.shape[0] > 0 and Hq % Hkv == 0 and D % 16 == 0 and D <= 256
+            and Hq // Hkv * T <= MAX_QUERY_ROWS_PER_KV_HEAD and k.is_contiguous() and v.is_contiguous()):
+        return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
-    lib = _load()
-    if lib is None:
-        return None
-    rows = group * T
-    bf16 = int(k.dtype == torch.bfloat16)
-    threads = torch.get_num_threads()
-    # Query rows grouped by the KV head they read (h // group), as the kernel wants: [Hkv, R, D].
-    qg = q.float().view(T, Hkv, group, D).permute(1, 2, 0, 3).contiguous()
+        return False
+    return _load() is not None
+
+
+def decode_scores(qg: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """scale * Q K^T per KV head, reading the token-major cache in place (see decode_kernels_apply).
+
+    qg: [Hkv, R, D] float32 contiguous, the query rows grouped by the KV head they read;
+    k: [S, Hkv, D]. Returns float32 [Hkv, R, S], or None if the kernel refused.
+    """
+    Hkv, rows, D = qg.shape
+    S = k.shape[0]
     scores = torch.empty(Hkv, rows, S)
-    if lib.ringctx_decode_scores(qg.data_ptr(), Hkv, rows, D, k.data_ptr(), bf16, S, scale,
-                                 scores.data_ptr(), threads) != 0:
-        return None
-    row_max = scores.amax(dim=-1, keepdim=True)
-    probs = scores.sub_(row_max).exp_()  # unnormalised
-    row_sum = probs.sum(dim=-1, keepdim=True)
+    status = _library.ringctx_decode_scores(qg.data_ptr(), Hkv, rows, D, k.data_ptr(), int(k.dtype == torch.bfloat16),
+                                            S, scale, scores.data_ptr(), torch.get_num_threads())
+    return scores if status == 0 else None
+
+
+def decode_pv(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """P V per KV head, reading the token-major cache in place (see decode_kernels_apply).
+
+    probs: [Hkv, R, S] float32 contiguous; v: [S, Hkv, D]. Returns float32 [Hkv, R, D], or None if
+    the kernel refused (it allocates one partial sum per thread).
+    """
+    Hkv, rows, S = probs.shape
+    D = v.shape[2]
     out = torch.empty(Hkv, rows, D)
-    if lib.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), bf16, D, out.data_ptr(), threads) != 0:
-        return None
-    out.div_(row_sum)
-    lse = (row_max + row_sum.log()).view(Hkv, group, T).reshape(Hq, T)
-    out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
-    return out.to(q.dtype), lse
+    status = _library.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), int(v.dtype == torch.bfloat16),
+                                        D, out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None

@@ -89,16 +89,16 @@ def _reference(q, k, v, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (3, 8, 2, 64), (1, 4, 4, 128), (2, 6, 2, 32), (5, 12, 3, 16), (1, 4, 2, 80)])
 @pytest.mark.parametrize("S", [1, 37, 1000])
-def test_small_query_attention_matches_float64(dtype, T, Hq, Hkv, D, S):
+def test_decode_attention_kernels_match_float64(dtype, T, Hq, Hkv, D, S):
+    """attention_block's few-query path, through the kernels, against a float64 reference."""
     g = torch.Generator().manual_seed(S * 7 + D)
     cache_k = torch.randn(S + 5, Hkv, D, generator=g).to(dtype)
     cache_v = torch.randn(S + 5, Hkv, D, generator=g).to(dtype)
     k, v = cache_k[:S], cache_v[:S]  # a cache's first rows, as decode reads them
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
     scale = 1 / math.sqrt(D)
-    got = cpu_kernels.small_query_attention(q, k, v, scale)
-    assert got is not None
-    out, lse = got
+    assert cpu_kernels.decode_kernels_apply(q, k, v)
+    out, lse = attention_kernels._small_query_block(q, k, v, scale)
     assert out.dtype == dtype and out.shape == (T, Hq, D) and lse.shape == (Hq, T) and lse.dtype == torch.float32
     ref_out, ref_lse = _reference(q, k, v, scale)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)
@@ -113,23 +113,36 @@ def test_small_query_attention_matches_float64(dtype, T, Hq, Hkv, D, S):
 
 
 @needs_kernels
-def test_decode_attention_uses_the_kernel_and_agrees_with_the_torch_path(monkeypatch):
-    """attention_block's few-query path gives the same answer with and without the kernel."""
+def test_decode_products_against_float64():
+    """The two kernels alone: scale * Q K^T and P V per KV head over a token-major cache."""
+    g = torch.Generator().manual_seed(1)
+    qg, k, v = torch.randn(3, 4, 64, generator=g), torch.randn(50, 3, 64, generator=g), torch.randn(50, 3, 64, generator=g)
+    scores = cpu_kernels.decode_scores(qg, k, 0.25)
+    torch.testing.assert_close(scores.double(), 0.25 * torch.einsum("hrd,shd->hrs", qg.double(), k.double()),
+                               atol=1e-5, rtol=0)
+    probs = torch.rand(3, 4, 50, generator=g)
+    torch.testing.assert_close(cpu_kernels.decode_pv(probs, v).double(),
+                               torch.einsum("hrs,shd->hrd", probs.double(), v.double()), atol=1e-5, rtol=0)
+
+
+@needs_kernels
+def test_decode_attention_with_and_without_the_kernels_agree(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 9, 64, generator=g), torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
-    with_kernel = attention_kernels.attention_block(q, k, v)
-    monkeypatch.setattr(cpu_kernels, "small_query_attention", lambda *a: None)
+    with_kernels = attention_kernels.attention_block(q, k, v)
+    monkeypatch.setattr(cpu_kernels, "decode_kernels_apply", lambda *a: False)
     without = attention_kernels.attention_block(q, k, v)
-    torch.testing.assert_close(with_kernel[0], without[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(with_kernel[1], without[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(with_kernels[0], without[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(with_kernels[1], without[1], atol=1e-6, rtol=0)
 
 
-def test_small_query_attention_declines_unsupported_shapes():
+def test_decode_kernels_decline_unsupported_inputs():
     q, k = torch.randn(1, 4, 72), torch.randn(10, 2, 72)  # head dim not a multiple of 16
-    assert cpu_kernels.small_query_attention(q, k, k, 0.1) is None
+    assert not cpu_kernels.decode_kernels_apply(q, k, k)
     q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
-    assert cpu_kernels.small_query_attention(q, k[::2], k[::2], 0.1) is None  # strided cache rows
-    assert cpu_kernels.small_query_attention(q.half(), k.half(), k.half(), 0.1) is None
+    assert not cpu_kernels.decode_kernels_apply(q, k[::2], k[::2])  # strided cache rows
+    assert not cpu_kernels.decode_kernels_apply(q.half(), k.half(), k.half())
+    assert not cpu_kernels.decode_kernels_apply(torch.randn(17, 8, 64), k, k)  # 17 x 4 query rows per KV head > 64
 
 
 def test_switched_off_means_pytorch(monkeypatch):
@@ -138,7 +151,7 @@ def test_switched_off_means_pytorch(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
     q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
-    assert cpu_kernels.small_query_attention(q, k, k, 0.1) is None
+    assert not cpu_kernels.decode_kernels_apply(q, k, k)
     assert "RINGCTX_CPU_KERNELS=0" in cpu_kernels.kernel_error()
 
 

@@ -47,13 +47,13 @@ _off_in_scope = 0
 # ---------------------------------------------------------------------------------------------
 
 
-def csrc_dir() -> Path | None:
-    """Where the kernel sources are: $RINGCTX_CSRC_DIR, ringctx/csrc (an installed package),
-    or csrc/ at the repository root (a source checkout). None when none of them has them."""
+def csrc_dir(files: Sequence[str] = _SOURCES + _HEADERS) -> Path | None:
+    """Where the kernel sources `files` are: $RINGCTX_CSRC_DIR, ringctx/csrc (an installed
+    package), or csrc/ at the repository root (a source checkout). None when none has them all."""
     here = Path(__file__).resolve()
     candidates = [os.environ.get("RINGCTX_CSRC_DIR"), here.parents[1] / "csrc", here.parents[2] / "csrc"]
     for c in candidates:
-        if c and all((Path(c) / s).is_file() for s in _SOURCES + _HEADERS):
+        if c and all((Path(c) / s).is_file() for s in files):
             return Path(c)
     return None
 

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .. import cpu_kernels
 from ..cpu_features import computes_in_float32
 from .merge import PartialAccumulator, sanitize_lse
 from .reference import reference_attention
@@ -113,29 +114,30 @@ per-call setup dominates at T = 1 (and which has no native bf16 path without AMX
 
 
 def _small_query_block(q, k, v, scale):
-    """Full block for a few queries: two float32 batched matmuls, GQA without expanding KV.
+    """Full block for a few queries: QK^T, softmax, PV in float32, GQA without expanding KV.
 
-    Query heads are grouped by the KV head they read (h // group), so q becomes
-    [Hkv, group * T, D] and K/V stay [Hkv, S, D] views. The softmax is spelled out (max, exp,
-    sum) so that the normaliser and the LSE come from one pass each: a decode step runs this
-    once per layer, and torch.logsumexp plus a separate exp cost a third more here.
+    Query heads are grouped by the KV head they read (h // group), so q becomes [Hkv, group * T, D]
+    and K/V are read per KV head. The two products run in ringctx's CPU kernels where they apply
+    (they read the token-major cache in place; see ringctx/cpu_kernels.py), else as batched
+    matmuls over [Hkv, S, D] views. The softmax is spelled out (max, exp, sum) so that the
+    normaliser and the LSE come from one pass each: a decode step runs this once per layer, and
+    torch.logsumexp plus a separate exp cost a third more here.
     """
-    from ..cpu_kernels import small_query_attention
-
-    done = small_query_attention(q, k, v, scale)  # reads the cache in place, where it applies
-    if done is not None:
-        return done
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     qg = q.float().view(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D)
-    kt = k.float().permute(1, 2, 0)  # [Hkv, D, S]
-    vt = v.float().transpose(0, 1)  # [Hkv, S, D]
-    scores = torch.bmm(qg, kt).mul_(scale)  # [Hkv, group*T, S]
+    in_place = cpu_kernels.decode_kernels_apply(q, k, v)
+    scores = cpu_kernels.decode_scores(qg.contiguous(), k, scale) if in_place else None
+    if scores is None:
+        scores = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(scale)  # [Hkv, group*T, S]
     row_max = scores.amax(dim=-1, keepdim=True)
     probs = scores.sub_(row_max).exp_()  # unnormalised
     row_sum = probs.sum(dim=-1, keepdim=True)
-    out = torch.bmm(probs, vt).div_(row_sum)  # [Hkv, group*T, D]
+    out = cpu_kernels.decode_pv(probs, v) if in_place else None
+    if out is None:
+        out = torch.bmm(probs, v.float().transpose(0, 1))  # [Hkv, group*T, D]
+    out.div_(row_sum)
     lse = (row_max + row_sum.log()).view(Hkv, group, T).reshape(Hq, T)
     out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
     return out.to(q.dtype), lse
