@@ -193,11 +193,14 @@ def decode_scores(qg: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tens
     qg: [Hkv, R, D] float32 contiguous, the query rows grouped by the KV head they read;
     k: [S, Hkv, D]. Returns float32 [Hkv, R, S], or None if the kernel refused.
     """
+    lib = _load()
+    if lib is None:
+        return None
     Hkv, rows, D = qg.shape
     S = k.shape[0]
     scores = torch.empty(Hkv, rows, S)
-    status = _library.ringctx_decode_scores(qg.data_ptr(), Hkv, rows, D, k.data_ptr(), int(k.dtype == torch.bfloat16),
-                                            S, scale, scores.data_ptr(), torch.get_num_threads())
+    status = lib.ringctx_decode_scores(qg.data_ptr(), Hkv, rows, D, k.data_ptr(), int(k.dtype == torch.bfloat16),
+                                       S, scale, scores.data_ptr(), torch.get_num_threads())
     return scores if status == 0 else None
 
 
@@ -207,9 +210,12 @@ def decode_pv(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     probs: [Hkv, R, S] float32 contiguous; v: [S, Hkv, D]. Returns float32 [Hkv, R, D], or None if
     the kernel refused (it allocates one partial sum per thread).
     """
+    lib = _load()
+    if lib is None:
+        return None
     Hkv, rows, S = probs.shape
     D = v.shape[2]
     out = torch.empty(Hkv, rows, D)
-    status = _library.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), int(v.dtype == torch.bfloat16),
-                                        D, out.data_ptr(), torch.get_num_threads())
+    status = lib.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), int(v.dtype == torch.bfloat16),
+                                   D, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
