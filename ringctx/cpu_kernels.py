@@ -1,7 +1,8 @@
 """Decode-step kernels for CPUs with AVX-512 (csrc/cpu_kernels.c), with PyTorch as the fallback.
 
 A decode step should take the time to read the weights and the KV cache once. Two places where
-PyTorch on an AVX-512 CPU without bf16 units falls short of that (docs/BENCHMARKS.md):
+PyTorch on an AVX-512 CPU falls short of that (measured on one without bf16 units,
+docs/BENCHMARKS.md):
 
     small_linear           x [T <= 8, in] @ W^T. PyTorch's bf16 matmul emulates bf16 arithmetic and
                            streamed the weights at half the memory's speed, no faster than float32
