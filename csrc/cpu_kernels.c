@@ -14,14 +14,17 @@
  *
  * 2. Decode attention's two products over a token-major KV cache (below).
  *
+ * cpu_decode.c builds a whole decode step of a Llama-family model from these pieces.
+ *
  * Built by ringctx/cpu_kernels.py with the system C compiler (no PyTorch headers) and called
  * through ctypes; the caller checks shapes, dtypes and contiguity and rounds the results.
  */
-#include <immintrin.h>
 #include <omp.h>
-#include <stdint.h>
+#include <stdlib.h>
 
-#define BLOCK 4 /* output rows per step: four independent accumulators hide the FMA latency */
+#include "cpu_kernels.h"
+
+#define BLOCK GEMV_BLOCK /* output rows per step: four independent accumulators hide the FMA latency */
 
 int ringctx_cpu_kernels_supported(void) {
     __builtin_cpu_init();
@@ -29,37 +32,9 @@ int ringctx_cpu_kernels_supported(void) {
            __builtin_cpu_supports("avx512vl");
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 widen(__m256i bits) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 load_w(const uint16_t *p) {
-    return widen(_mm256_loadu_si256((const __m256i *)p));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 load_w_tail(const uint16_t *p, __mmask16 m) {
-    return widen(_mm256_maskz_loadu_epi16(m, p));
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 load_any(const void *base, int bf16, int64_t i) {
-    if (bf16) return load_w((const uint16_t *)base + i);
-    return _mm512_loadu_ps((const float *)base + i);
-}
-
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static inline __m512 load_any_tail(const void *base, int bf16, int64_t i, __mmask16 m) {
-    if (bf16) return load_w_tail((const uint16_t *)base + i, m);
-    return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-}
-
 /* One block of up to BLOCK output rows [o, o + n) for every activation row. */
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out,
-                       float *y, int64_t o, int64_t n) {
+RINGCTX_AVX512 void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out,
+                               float *y, int64_t o, int64_t n) {
     const int64_t full = in - in % 16, esize = bf16 ? 2 : 4, row_bytes = in * esize;
     const __mmask16 tail = (__mmask16)((1u << (in % 16)) - 1u);
     /* Software prefetch of the next block's rows while this one is summed: the hardware
@@ -132,56 +107,102 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
  * R is the number of query rows per KV head (GQA group size times query tokens). D must be a
  * multiple of 16 and at most MAX_D (checked by the caller).
  * ------------------------------------------------------------------------------------------ */
-#include <stdlib.h>
-#include <string.h>
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif /* how far ahead of the rows in use */
 
-#define MAX_D 256
-#define MAX_R 64
-
-
-/* Ask for the cache lines of [p, p + bytes) ahead of use: streaming K and V with the hardware
- * prefetchers alone ran at about half the memory's speed (as the GEMV above did). */
-static inline void prefetch_span(const char *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+/* Lane i of the result is the sum of the 16 lanes of a[i]: a tree of adds over shuffled pairs,
+ * 46 instructions for 16 sums (one _mm512_reduce_add_ps each takes about 8). */
+RINGCTX_AVX512 static inline __m512 sum_each_16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; ++i)  /* quarters of b[i]: a[2i] (2 partials), a[2i+1] (2 partials) */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; ++i)  /* quarter j of c[i]: 4 partial sums of a[4i + j] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* within each quarter j: 2 partials of a[j], a[4 + j] (e01) and of a[8 + j], a[12 + j] (e23) */
+    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane 4j + m: the whole sum of a[4m + j]; permute it to lane 4m + j */
+    const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, g);
 }
 
-#define PREFETCH_BYTES 2048 /* how far ahead of the rows in use */
+/* Scores of head h's R rows against 16 keys j0..j0+15, a vector store per row; NV = D / 16 is a
+ * constant at each call, so the q row and the 16 dot products stay in registers. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void scores_16(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                             float scale, float *scores, int64_t j0, int64_t h, const int NV) {
+    const int64_t D = 16 * NV;
+    for (int64_t r = 0; r < R; ++r) {
+        __m512 qv[8], dots[16];
+        for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + (h * R + r) * D + 16 * c);
+        for (int kk = 0; kk < 16; ++kk) {
+            const int64_t row = ((j0 + kk) * Hkv + h) * D;
+            __m512 acc = _mm512_mul_ps(qv[0], load_any(k, bf16, row));
+            for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[c], load_any(k, bf16, row + 16 * c), acc);
+            dots[kk] = acc;
+        }
+        _mm512_storeu_ps(scores + (h * R + r) * S + j0, _mm512_mul_ps(_mm512_set1_ps(scale), sum_each_16(dots)));
+    }
+}
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
-                         int64_t S, float scale, float *scores, int64_t j0, int64_t j1) {
+/* Scores of every head and row against one key j (any D). */
+RINGCTX_AVX512 static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
+                                    int64_t S, float scale, float *scores, int64_t j) {
     const int64_t nv = D / 16;
-    const int64_t esize = bf16 ? 2 : 4, key_bytes = Hkv * D * esize;
-    const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes; /* in keys */
     __m512 kv[MAX_D / 16];
-    for (int64_t j = j0; j < j1; ++j) {
-        if (j + ahead < j1) prefetch_span((const char *)k + (j + ahead) * key_bytes, key_bytes);
-        for (int64_t h = 0; h < Hkv; ++h) {
-            const int64_t row = (j * Hkv + h) * D;
-            for (int64_t c = 0; c < nv; ++c) kv[c] = load_any(k, bf16, row + 16 * c);
-            const float *qh = q + h * R * D;
-            for (int64_t r = 0; r < R; ++r) {
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
-                for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * c), kv[c], acc);
-                scores[(h * R + r) * S + j] = scale * _mm512_reduce_add_ps(acc);
-            }
+    for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t row = (j * Hkv + h) * D;
+        for (int64_t c = 0; c < nv; ++c) kv[c] = load_any(k, bf16, row + 16 * c);
+        const float *qh = q + h * R * D;
+        for (int64_t r = 0; r < R; ++r) {
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
+            for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * c), kv[c], acc);
+            scores[(h * R + r) * S + j] = scale * _mm512_reduce_add_ps(acc);
         }
     }
 }
 
-/* out rows [r0, r0 + RT) of head h over keys [j0, j1), with the RT x NV accumulators in registers
- * (NV = D / 16; the caller passes constants, so the loops unroll). */
+RINGCTX_AVX512 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
+                                 int64_t S, float scale, float *scores, int64_t j0, int64_t j1) {
+    const int64_t nv = D / 16;
+    const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
+    int64_t j = j0;
+    if (nv == 4 || nv == 8) {  /* the common head widths, 64 and 128: 16 keys at a time */
+        for (; j + 16 <= j1; j += 16) {
+            /* the cache lines of the block after this one */
+            if (j + 32 <= j1) prefetch_span((const char *)k + (j + 16) * key_bytes, 16 * key_bytes);
+            for (int64_t h = 0; h < Hkv; ++h) {
+                if (nv == 4) scores_16(q, Hkv, R, k, bf16, S, scale, scores, j, h, 4);
+                else scores_16(q, Hkv, R, k, bf16, S, scale, scores, j, h, 8);
+            }
+        }
+    }
+    const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes; /* in keys */
+    for (; j < j1; ++j) {
+        if (j + ahead < j1) prefetch_span((const char *)k + (j + ahead) * key_bytes, key_bytes);
+        scores_1(q, Hkv, R, D, k, bf16, S, scale, scores, j);
+    }
+}
+
+#define PV_BLOCK 32 /* keys whose V rows are read once for all heads before moving on */
+
+/* acc rows [r0, r0 + RT) of head h += p . v over keys [j0, j1), the RT x NV accumulators in
+ * registers (NV = D / 16; the caller passes constants, so the loops unroll). */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
 static inline void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
                            float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, const int RT, const int NV) {
     __m512 a[4][8];
     for (int r = 0; r < RT; ++r)
-        for (int c = 0; c < NV; ++c) a[r][c] = _mm512_setzero_ps();
-    const int64_t esize = bf16 ? 2 : 4, row_bytes = D * esize;
-    const int64_t ahead = (PREFETCH_BYTES + row_bytes - 1) / row_bytes; /* in keys */
+        for (int c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + (h * R + r0 + r) * D + 16 * c);
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t row = (j * Hkv + h) * D;
-        if (j + ahead < j1) prefetch_span((const char *)v + (row + ahead * Hkv * D) * esize, row_bytes);
         __m512 vv[8];
         for (int c = 0; c < NV; ++c) vv[c] = load_any(v, bf16, row + 16 * c);
         for (int r = 0; r < RT; ++r) {
@@ -193,9 +214,9 @@ static inline void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, co
         for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (h * R + r0 + r) * D + 16 * c, a[r][c]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
-                     float *acc, int64_t j0, int64_t j1) {
+/* acc of every head's rows += p . v over keys [j0, j1). */
+RINGCTX_AVX512 static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16,
+                                    int64_t D, float *acc, int64_t j0, int64_t j1) {
     const int64_t nv = D / 16;
     for (int64_t h = 0; h < Hkv; ++h) {
         int64_t r0 = 0;
@@ -226,6 +247,20 @@ static void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
                                                                  _mm512_loadu_ps(a + 16 * c)));
             }
         }
+    }
+}
+
+/* The cache holds a key's heads side by side, so V is walked in blocks of PV_BLOCK keys, every
+ * head of a block before the next block: each cache line comes from memory once, in order (one
+ * pass per head over the whole range ran at half the memory's speed). */
+RINGCTX_AVX512 void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
+                             float *acc, int64_t j0, int64_t j1) {
+    const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
+    memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
+    for (int64_t j = j0; j < j1; j += PV_BLOCK) {
+        const int64_t end = j + PV_BLOCK < j1 ? j + PV_BLOCK : j1;
+        if (end + PV_BLOCK <= j1) prefetch_span((const char *)v + end * key_bytes, PV_BLOCK * key_bytes);
+        pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end);
     }
 }
 

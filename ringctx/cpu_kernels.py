@@ -1,25 +1,28 @@
-"""Decode-step kernels for CPUs with AVX-512 (csrc/cpu_kernels.c), with PyTorch as the fallback.
+"""Decode-step kernels for CPUs with AVX-512 (csrc/cpu_*.c), with PyTorch as the fallback.
 
-A decode step should take the time to read the weights and the KV cache once. Two places where
-PyTorch on an AVX-512 CPU falls short of that (measured on one without bf16 units,
-docs/BENCHMARKS.md):
+A decode step should take the time to read the weights and the KV cache once. Where PyTorch on an
+AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
 
-    small_linear           x [T <= 8, in] @ W^T. PyTorch's bf16 matmul emulates bf16 arithmetic and
-                           streamed the weights at half the memory's speed, no faster than float32
-                           over twice the bytes. The kernel widens bf16 weights to float32 in
+    small_linear           x [T <= 8, in] @ W^T. PyTorch's bf16 GEMV streamed the weights at half
+                           the memory's speed, on CPUs with bf16 units (AMX) and without; its
+                           float32 one at 0.8-1x. The kernel widens bf16 weights to float32 in
                            registers, prefetches the next rows, accumulates in float32 and rounds
-                           once (the contract of a native bf16 GEMM). The model uses it for bf16;
-                           for float32 PyTorch's GEMV is already at memory speed (measured equal).
+                           once (the contract of a native bf16 GEMM).
     decode_scores,         a few queries over a token-major [S, Hkv, D] KV cache. PyTorch's bmm
     decode_pv              walked the cache strided and, in bf16, converted it to float32 first.
                            The kernels compute QK^T and PV reading each cache row once, in place;
                            the softmax between them stays in PyTorch (attention/kernels.py).
+    decode_step            a whole decode step of a Llama-family model (csrc/cpu_decode.c, driven
+                           by ringctx/model/decode_step.py): every layer in one call, so that the
+                           ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
+                           the weights, are not paid.
 
-How: the C file has no PyTorch headers, so the system C compiler builds it in about a second the
-first time it is needed; the library is cached under ~/.cache/ringctx (or $RINGCTX_CACHE_DIR),
-keyed by a hash of the source and flags, written atomically, and called through ctypes (which
-releases the GIL). Without a C compiler or AVX-512, `small_linear` returns None and
-`decode_kernels_apply` False, and callers use PyTorch; `kernel_error()` says why.
+How: the C files have no PyTorch headers, so the system C compiler builds them in about a second
+the first time they are needed; the library is cached under ~/.cache/ringctx (or
+$RINGCTX_CACHE_DIR), keyed by a hash of the sources and flags, written atomically, and called
+through ctypes (which releases the GIL). Without a C compiler or AVX-512, `small_linear` returns
+None, `decode_kernels_apply` False and `library()` None, and callers use PyTorch;
+`kernel_error()` says why.
 
 Environment:
     RINGCTX_CPU_KERNELS=0   never build or use the kernels
@@ -40,14 +43,12 @@ from pathlib import Path
 
 import torch
 
-from .cpu_features import cpu_has_fast_bf16
-
 MAX_ROWS = 8
-"""Most activation rows `small_linear` takes (decode steps and short inputs; a bf16 matmul of 64 or
-more rows runs in float32 instead, see ringctx/cpu_features.py). Measured against PyTorch's bf16
-matmul here: 1.5-2x faster at 1, 3 and 8 rows."""
+"""Most activation rows `small_linear` takes (decode steps and short inputs). Measured against
+PyTorch's bf16 matmul on a CPU without bf16 units: 1.5-2x faster at 1, 3 and 8 rows."""
 
-_SOURCE = "cpu_kernels.c"
+_SOURCES = ("cpu_kernels.c", "cpu_decode.c")
+_HEADERS = ("cpu_kernels.h",)
 _CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 _lock = threading.Lock()
@@ -56,12 +57,12 @@ _error: str | None = None
 _tried = False
 
 
-def _source_path() -> Path | None:
-    """csrc/cpu_kernels.c, found where the CUDA sources are looked for (see cuda_ext.csrc_dir)."""
+def _source_dir() -> Path | None:
+    """The directory with the C sources, found where the CUDA sources are looked for (see
+    cuda_ext.csrc_dir)."""
     from .attention.cuda_ext import csrc_dir  # at call time: ringctx.attention imports this module
 
-    directory = csrc_dir((_SOURCE,))
-    return None if directory is None else directory / _SOURCE
+    return csrc_dir(_SOURCES + _HEADERS)
 
 
 def _cache_dir() -> Path:
@@ -71,13 +72,16 @@ def _cache_dir() -> Path:
     return Path(base) / "ringctx"
 
 
-def _compile(source: Path) -> Path:
-    """The built library for `source`: compiled once into the cache, atomically, then reused."""
+def _compile(directory: Path) -> Path:
+    """The library built from the sources in `directory`: compiled once into the cache,
+    atomically, then reused."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    text = source.read_bytes()
-    key = hashlib.sha256(text + " ".join((compiler, *_CFLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join((compiler, *_CFLAGS)).encode())
+    for name in _SOURCES + _HEADERS:
+        digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+    key = digest.hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
@@ -85,9 +89,10 @@ def _compile(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_CFLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        sources = [str(directory / name) for name in _SOURCES]
+        done = subprocess.run([compiler, *_CFLAGS, *sources, "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{compiler} failed on {directory}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # concurrent ranks each write their own file; the last one wins
     finally:
         if os.path.exists(tmp):
@@ -105,10 +110,10 @@ def _load() -> ctypes.CDLL | None:
         try:
             if os.environ.get("RINGCTX_CPU_KERNELS", "1") == "0":
                 raise RuntimeError("disabled by RINGCTX_CPU_KERNELS=0")
-            source = _source_path()
-            if source is None:
-                raise RuntimeError(f"csrc/{_SOURCE} not found (set RINGCTX_CSRC_DIR)")
-            lib = ctypes.CDLL(str(_compile(source)))
+            directory = _source_dir()
+            if directory is None:
+                raise RuntimeError(f"csrc/{', '.join(_SOURCES + _HEADERS)} not found (set RINGCTX_CSRC_DIR)")
+            lib = ctypes.CDLL(str(_compile(directory)))
             ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
             lib.ringctx_gemv.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, i32]
             lib.ringctx_gemv.restype = ctypes.c_int
@@ -116,11 +121,16 @@ def _load() -> ctypes.CDLL | None:
             lib.ringctx_decode_scores.restype = ctypes.c_int
             lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
             lib.ringctx_decode_pv.restype = ctypes.c_int
+            shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
+            lib.ringctx_decode_work_floats.argtypes = [shape, i32]
+            lib.ringctx_decode_work_floats.restype = i64
+            lib.ringctx_decode_step.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32]
+            lib.ringctx_decode_step.restype = ctypes.c_int
             if not lib.ringctx_cpu_kernels_supported():
                 raise RuntimeError("this CPU has no AVX-512 (F, BW and VL)")
             _library = lib
         except Exception as e:  # noqa: BLE001 - no compiler, compile error, unsupported CPU: use PyTorch
-            _error = f"bf16 CPU kernel unavailable: {e}"
+            _error = f"CPU kernels unavailable: {e}"
         _tried = True
         return _library
 
@@ -128,7 +138,8 @@ def _load() -> ctypes.CDLL | None:
 def cpu_kernels_status() -> str:
     """One line for `ringctx info`: whether the kernels are in use here, or why not (builds them)."""
     if _load() is not None:
-        return "available: decode attention, bf16 GEMV (AVX-512; csrc/cpu_kernels.c, built with the system C compiler)"
+        return ("available: fused decode step, GEMV, decode attention (AVX-512; csrc/cpu_*.c, built with the "
+                "system C compiler)")
     return _error or "not in use"
 
 
@@ -137,16 +148,36 @@ def kernel_error() -> str | None:
     return _error
 
 
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (built on first use), or None where it is unavailable."""
+    return _load()
+
+
+class DecoderShape(ctypes.Structure):
+    """ringctx_decoder_shape of csrc/cpu_decode.c: a model's sizes for `ringctx_decode_step`."""
+
+    _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("ffn_dim", ctypes.c_int64), ("norm_eps", ctypes.c_float),
+                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
+
+
+class DecoderLayer(ctypes.Structure):
+    """ringctx_decoder_layer of csrc/cpu_decode.c: data pointers of one layer's weights and KV cache
+    (NULL for an absent bias)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache")]
+
+
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] in x's dtype, or None where the kernel does
     not apply (the caller then uses F.linear).
 
     Applies to inference on the CPU with 1 <= T <= MAX_ROWS rows, weight contiguous, no gradient
-    wanted, and x and weight both bf16 (on CPUs without bf16 arithmetic) or both float32.
-    Float32 accumulation, one rounding at the end.
+    wanted, and x and weight both bf16 or both float32. Float32 accumulation, one rounding at the end.
     """
     dtype = x.dtype
-    if not (dtype == weight.dtype and (dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16()))
+    if not (dtype == weight.dtype and dtype in (torch.float32, torch.bfloat16)
             and x.device.type == weight.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and weight.is_contiguous()):
         return None

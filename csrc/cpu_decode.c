@@ -1,0 +1,284 @@
+/* One decode step of a Llama-family decoder, every layer in one call, for CPUs with AVX-512
+ * (built with cpu_kernels.c by ringctx/cpu_kernels.py, driven by ringctx/model/decode_step.py).
+ *
+ * Why: a decode step should take the time to read the weights and the KV cache once. Run as
+ * PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
+ * their dispatch (5-60 us each on a laptop-class CPU) costs about as much as the reading itself.
+ * Here the whole step runs in one OpenMP parallel region: the matrix-vector products and the
+ * attention are split over the threads, the small per-token operations run in between, and
+ * nothing returns to Python until the last layer is done.
+ *
+ * The math is that of ringctx/model/transformer.py (which follows transformers), with the same
+ * roundings; round() is to bf16 for a bf16 model and nothing for a float32 one:
+ *
+ *   xn   = round(x * rsqrt(mean(x^2) + eps) * w_norm)     RMSNorm, float32 inside
+ *   qkv  = round(xn Wqkv^T + b)                           float32 accumulation (gemv_block)
+ *   q, k = round(round(x cos) + roll(x, D/2) sin)         rotate-half RoPE, sin = (-sin, sin)
+ *   K, V cache row `position` = k, v
+ *   o    = round(softmax(q K^T scale) V)                  over cache rows 0..position
+ *   h    = round(x + round(o Wo^T + bo))
+ *   g, u = round(round(norm(h)) W13^T)                    gate and up halves
+ *   x'   = round(h + round(round(round(silu(g)) u) W2^T))
+ *
+ * Sums run in another order than PyTorch's, so results agree to float32 rounding (a bf16 value
+ * may land one step away), not bit for bit. Attention splits the keys over the threads; each
+ * thread keeps a running max, sum and output per query row over tiles of keys (online softmax)
+ * and the threads' partials are merged by their log-sum-exp at the end.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "cpu_kernels.h"
+
+typedef struct {
+    int64_t dim, n_heads, n_kv_heads, head_dim, ffn_dim;
+    float norm_eps, softmax_scale;
+    int32_t bf16; /* 1: weights, activations and cache are bf16; 0: float32 */
+} ringctx_decoder_shape;
+
+typedef struct {
+    const void *attention_norm; /* [dim] */
+    const void *wqkv, *bqkv;    /* [(Hq + 2 Hkv) D, dim], rows q heads, k heads, v heads; bias or NULL */
+    const void *wo, *bo;        /* [dim, Hq D]; bias or NULL */
+    const void *ffn_norm;       /* [dim] */
+    const void *w13;            /* [2 ffn, dim]: the gate rows, then the up rows */
+    const void *w2;             /* [dim, ffn] */
+    void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
+} ringctx_decoder_layer;
+
+#ifndef KEY_TILE
+#define KEY_TILE 256 /* keys per online-softmax step: the tile's scores stay in L1 */
+#endif
+
+/* Where each piece of the float32 work buffer lives. */
+typedef struct {
+    float *resid, *xn, *qkv, *attn, *gate_up, *act;
+    float *threads; /* per thread: row max, row sum, rescale, output, tile output, tile scores */
+    int64_t per_thread;
+} work_layout;
+
+/* Floats before the per-thread slots, and in each slot. */
+static int64_t shared_floats(const ringctx_decoder_shape *s) {
+    return 2 * s->dim + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim + s->n_heads * s->head_dim + 3 * s->ffn_dim;
+}
+
+static int64_t thread_floats(const ringctx_decoder_shape *s) {
+    return 3 * s->n_heads + 2 * s->n_heads * s->head_dim + s->n_heads * KEY_TILE;
+}
+
+static work_layout layout_work(const ringctx_decoder_shape *s, float *base) {
+    work_layout w;
+    w.resid = base;
+    w.xn = w.resid + s->dim;
+    w.qkv = w.xn + s->dim;
+    w.attn = w.qkv + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
+    w.gate_up = w.attn + s->n_heads * s->head_dim;
+    w.act = w.gate_up + 2 * s->ffn_dim;
+    w.threads = base + shared_floats(s);
+    w.per_thread = thread_floats(s);
+    return w;
+}
+
+/* Floats of work buffer that ringctx_decode_step needs for this shape and thread count. */
+int64_t ringctx_decode_work_floats(const ringctx_decoder_shape *s, int threads) {
+    return shared_floats(s) + (threads < 1 ? 1 : threads > 256 ? 256 : threads) * thread_floats(s);
+}
+
+RINGCTX_AVX512 static inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
+
+RINGCTX_AVX512 static inline float exp1(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+
+/* out = round(x * rsqrt(mean(x^2) + eps) * w) over n elements. */
+RINGCTX_AVX512 static void rms_norm(const float *x, const void *w, int bf16, int64_t n, float eps, float *out) {
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), acc);
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < n; ++i) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; ++i) out[i] = round_to(x[i] * r * load_one(w, bf16, i), bf16);
+}
+
+/* y = round(x W^T + b), or resid = round(resid + round(x W^T + b)) when resid is given; the output
+ * rows are shared out over the threads of the enclosing parallel region. */
+static void linear(const float *x, int64_t in, const void *w, const void *b, int64_t out, int bf16, float *y,
+                   float *resid) {
+    const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
+        gemv_block(x, 1, in, w, bf16, out, y, o, n);
+        for (int64_t i = o; i < o + n; ++i) {
+            const float v = round_to(b ? y[i] + load_one(b, bf16, i) : y[i], bf16);
+            if (resid) resid[i] = round_to(resid[i] + v, bf16);
+            else y[i] = v;
+        }
+    }
+}
+
+/* RoPE on the q and k heads of qkv (in place), then the new k and v into the cache row. */
+static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, float *qkv,
+                             int64_t position, const void *cos, const void *sin) {
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, half = d / 2;
+    const int bf16 = s->bf16;
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < hq + 2 * hkv; ++h) {
+        float *x = qkv + h * d;
+        if (h < hq + hkv) {
+            float rotated[MAX_D];
+            for (int64_t i = 0; i < d; ++i) {
+                const float partner = i < half ? x[i + half] : x[i - half];
+                const float xc = round_to(x[i] * load_one(cos, bf16, i), bf16);
+                rotated[i] = round_to(xc + partner * load_one(sin, bf16, i), bf16);
+            }
+            memcpy(x, rotated, (size_t)d * sizeof(float));
+        }
+        if (h >= hq) {  /* a k head (rotated above) or a v head: into the cache */
+            const int is_v = h >= hq + hkv;
+            const int64_t kv_head = h - hq - (is_v ? hkv : 0);
+            void *cache = is_v ? layer->v_cache : layer->k_cache;
+            for (int64_t i = 0; i < d; ++i) store_one(cache, bf16, (position * hkv + kv_head) * d + i, x[i]);
+        }
+    }
+}
+
+/* One thread's share of attention: the q rows (all heads) against cache keys [j0, j1), as a
+ * running (max m, sum l, output acc) per row, tile by tile. */
+RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const float *q, const void *k_cache,
+                                       const void *v_cache, int64_t j0, int64_t j1, float *m, float *l,
+                                       float *alpha, float *acc, float *tile_out, float *scores) {
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, group = hq / hkv;
+    const int bf16 = s->bf16;
+    const int64_t row_bytes = hkv * d * (bf16 ? 2 : 4);
+    for (int64_t r = 0; r < hq; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(acc, 0, (size_t)(hq * d) * sizeof(float));
+    for (int64_t t0 = j0; t0 < j1; t0 += KEY_TILE) {
+        const int64_t n = j1 - t0 < KEY_TILE ? j1 - t0 : KEY_TILE;
+        const char *k_tile = (const char *)k_cache + t0 * row_bytes, *v_tile = (const char *)v_cache + t0 * row_bytes;
+#ifndef SKIP_SCORES
+        scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n);
+#endif
+#ifndef SKIP_SOFTMAX
+        for (int64_t r = 0; r < hq; ++r) {
+            float *sr = scores + r * KEY_TILE;
+            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            int64_t j = 0;
+            for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
+            float tile_max = hmax(vmax);
+            for (; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
+            const float m_new = m[r] > tile_max ? m[r] : tile_max;
+            alpha[r] = m[r] == -INFINITY ? 0.0f : exp1(m[r] - m_new);
+            const __m512 vm = _mm512_set1_ps(m_new);
+            __m512 vsum = _mm512_setzero_ps();
+            for (j = 0; j + 16 <= n; j += 16) {
+                const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
+                _mm512_storeu_ps(sr + j, p);
+                vsum = _mm512_add_ps(vsum, p);
+            }
+            if (j < n) {
+                const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
+                const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), vm));
+                _mm512_mask_storeu_ps(sr + j, tail, p);
+                vsum = _mm512_mask_add_ps(vsum, tail, vsum, p);
+            }
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
+            m[r] = m_new;
+        }
+#endif
+#ifndef SKIP_PV
+        pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n);
+#endif
+        for (int64_t r = 0; r < hq; ++r) {
+            const __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int64_t c = 0; c < d; c += 16) {
+                float *out = acc + r * d + c;
+                _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(out), a, _mm512_loadu_ps(tile_out + r * d + c)));
+            }
+        }
+    }
+}
+
+/* attn[r] = round(sum_t acc_t[r] e^(m_t - M) / sum_t l_t e^(m_t - M)) over the threads' partials. */
+RINGCTX_AVX512 static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, int n_threads) {
+    const int64_t hq = s->n_heads, d = s->head_dim;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < hq; ++r) {
+        float top = -INFINITY;
+        for (int t = 0; t < n_threads; ++t) {
+            const float mt = w->threads[t * w->per_thread + r];
+            top = mt > top ? mt : top;
+        }
+        float total = 0.0f, weight[256];
+        for (int t = 0; t < n_threads; ++t) {
+            const float *slot = w->threads + t * w->per_thread;
+            weight[t] = slot[r] == -INFINITY ? 0.0f : exp1(slot[r] - top);
+            total += slot[hq + r] * weight[t];
+        }
+        for (int64_t c = 0; c < d; ++c) {
+            float sum = 0.0f;
+            for (int t = 0; t < n_threads; ++t) sum += w->threads[t * w->per_thread + 3 * hq + r * d + c] * weight[t];
+            w->attn[r * d + c] = round_to(sum / total, s->bf16);
+        }
+    }
+}
+
+/* act = round(round(silu(gate)) * up) over ffn elements, shared out over the threads. */
+RINGCTX_AVX512 static void swiglu(const float *gate_up, int64_t ffn, int bf16, float *act) {
+    const int64_t chunks = (ffn + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t i0 = 16 * c, n = ffn - i0 < 16 ? ffn - i0 : 16;
+        float silu[16];
+        const __m512 g = _mm512_loadu_ps(gate_up + i0);
+        /* silu(x) = x / (1 + exp(-x)), as PyTorch computes it */
+        _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        for (int64_t i = 0; i < n; ++i) act[i0 + i] = round_to(round_to(silu[i], bf16) * gate_up[ffn + i0 + i], bf16);
+    }
+}
+
+/* Run one token through n_layers layers. x [dim] (model dtype) is the token's embedding on entry
+ * and the last layer's output (before the final norm) on return. position: the token's row in
+ * the caches (it attends to rows 0..position). cos, sin: [head_dim] rotary factors for that
+ * position in the model dtype, laid out as ringctx's RopeAngles. work: at least
+ * ringctx_decode_work_floats(shape, threads) floats.
+ * Returns 0, -1 when this CPU lacks AVX-512, -2 for an unsupported shape (the caller then runs
+ * the PyTorch path). */
+int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
+                        void *x, int64_t position, const void *cos, const void *sin, float *work, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    if (s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 || s->n_heads % s->n_kv_heads ||
+        s->n_heads / s->n_kv_heads > MAX_R)
+        return -2;
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    const int bf16 = s->bf16;
+    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, ffn = s->ffn_dim;
+    const int64_t keys = position + 1;
+    const work_layout w = layout_work(s, work);
+    for (int64_t i = 0; i < dim; ++i) w.resid[i] = load_one(x, bf16, i);
+
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *mine = w.threads + t * w.per_thread;
+        for (int64_t li = 0; li < n_layers; ++li) {
+            const ringctx_decoder_layer *layer = layers + li;
+#pragma omp single
+            rms_norm(w.resid, layer->attention_norm, bf16, dim, s->norm_eps, w.xn);
+            linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL);
+            rotate_and_store(s, layer, w.qkv, position, cos, sin);
+            attend_keys(s, w.qkv, layer->k_cache, layer->v_cache, keys * t / nt, keys * (t + 1) / nt, mine,
+                        mine + hq, mine + 2 * hq, mine + 3 * hq, mine + 3 * hq + hq * d, mine + 3 * hq + 2 * hq * d);
+#pragma omp barrier
+            merge_threads(s, &w, nt);
+            linear(w.attn, hq * d, layer->wo, layer->bo, dim, bf16, w.xn, w.resid);
+#pragma omp single
+            rms_norm(w.resid, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn);
+            linear(w.xn, dim, layer->w13, NULL, 2 * ffn, bf16, w.gate_up, NULL);
+            swiglu(w.gate_up, ffn, bf16, w.act);
+            linear(w.act, ffn, layer->w2, NULL, dim, bf16, w.xn, w.resid);
+        }
+    }
+    for (int64_t i = 0; i < dim; ++i) store_one(x, bf16, i, w.resid[i]);
+    return 0;
+}

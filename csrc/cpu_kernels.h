@@ -1,0 +1,110 @@
+/* Shared pieces of ringctx's CPU kernels (cpu_kernels.c, cpu_decode.c): AVX-512 loads of bf16 or
+ * float32 data, bf16 rounding, a vector exp, and the kernels' internal building blocks.
+ *
+ * Data is either float32 or bf16 stored as its raw 16 bits (uint16_t); a flag `bf16` says which.
+ * A bf16 value is the top half of a float32, so widening it is a zero-extend and a shift, exact.
+ */
+#ifndef RINGCTX_CPU_KERNELS_H
+#define RINGCTX_CPU_KERNELS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RINGCTX_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define RINGCTX_INTERNAL __attribute__((visibility("hidden")))
+
+#define MAX_D 256 /* widest head the attention kernels take (16 registers of 16 floats) */
+#define MAX_R 64  /* most query rows per KV head the attention kernels take */
+
+RINGCTX_AVX512 static inline __m512 widen(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* 16 values starting at element i of `base` (bf16 bits or float32), as float32. */
+RINGCTX_AVX512 static inline __m512 load_any(const void *base, int bf16, int64_t i) {
+    if (bf16) return widen(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* The first popcount(m) of them (the rest read as 0). */
+RINGCTX_AVX512 static inline __m512 load_any_tail(const void *base, int bf16, int64_t i, __mmask16 m) {
+    if (bf16) return widen(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i));
+    return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+}
+
+/* One element of `base` as float32. */
+static inline float load_one(const void *base, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)base)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to the nearest bf16 (ties to even), returned as the float32 of that value; NaN stays
+ * NaN. The same rule as PyTorch's float -> bfloat16 conversion. */
+static inline float bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to the activation dtype: bf16, or float32 (nothing to do). */
+static inline float round_to(float f, int bf16) { return bf16 ? bf16_round(f) : f; }
+
+/* Store f (already rounded when bf16) as element i of `base`. */
+static inline void store_one(void *base, int bf16, int64_t i, float f) {
+    if (!bf16) {
+        ((float *)base)[i] = f;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    ((uint16_t *)base)[i] = (uint16_t)(u >> 16);
+}
+
+/* exp(x) for 16 floats, within about 1 ulp of expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial for exp(r) (Cephes' expf coefficients), times 2^n. x = -inf gives 0. */
+RINGCTX_AVX512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Ask for the cache lines of [p, p + bytes) ahead of use: streaming weights or K/V with the
+ * hardware prefetchers alone ran at about half the memory's speed here. */
+static inline void prefetch_span(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+int ringctx_cpu_kernels_supported(void);
+
+/* y[r, o .. o+n) = x[r] . w[o .. o+n) for every activation row r (n <= 4 output rows); see
+ * ringctx_gemv in cpu_kernels.c. */
+RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out,
+                                 float *y, int64_t o, int64_t n);
+#define GEMV_BLOCK 4 /* output rows per gemv_block call */
+
+/* scores[h, r, j] = scale * q[h, r] . k[j, h] for keys j in [j0, j1); see cpu_kernels.c. */
+RINGCTX_INTERNAL void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
+                                   int64_t S, float scale, float *scores, int64_t j0, int64_t j1);
+
+/* acc[h, r] = sum_j p[h, r, j] v[j, h] over keys [j0, j1), overwriting acc; see cpu_kernels.c. */
+RINGCTX_INTERNAL void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
+                               float *acc, int64_t j0, int64_t j1);
+
+#endif

@@ -1,0 +1,124 @@
+"""One decode step: the next token of a cached sequence through the model, fused on AVX-512 CPUs.
+
+    step = DecodeStep(model, cache)     # once per generation, after the prompt is prefilled
+    logits = step(token_id)             # float32 [1, vocab]; K/V written at row cache.length,
+                                        # which then advances by one
+
+A decode step multiplies one activation row by every weight matrix and attends over the cache.
+Run as PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
+on a CPU their dispatch costs about as much as reading the weights (docs/BENCHMARKS.md). Where
+the fused kernel applies (`FusedStep.build`: a CPU model in float32 or bf16 with head_dim a
+multiple of 16, the kernels built, see ringctx/cpu_kernels.py), the step runs every layer in one
+call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
+and the output head stay in PyTorch (two calls). Everywhere else it is `forward_with_cache` on one
+token.
+
+The fused step holds the data pointers of the model's weights and the cache's buffers: build it
+after both are final (it is rebuilt for every generation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import cpu_kernels
+from .kvcache import KVCache, forward_with_cache
+
+
+class DecodeStep:
+    """step(token) -> float32 logits [1, vocab] of the next position, for one cached sequence.
+
+    Args:
+        model: a ringctx Transformer.
+        cache: the KVCache holding the sequence so far; each call appends one token.
+        fused: try the fused CPU kernel (default); False always runs `forward_with_cache`.
+    """
+
+    def __init__(self, model, cache: KVCache, *, fused: bool = True):
+        self.model, self.cache = model, cache
+        self.kernel = FusedStep.build(model, cache) if fused else None
+        self._input = torch.empty(1, dtype=torch.long, device=model.device)  # reused every step
+
+    @property
+    def is_fused(self) -> bool:
+        """True when the steps run in the fused CPU kernel."""
+        return self.kernel is not None
+
+    def __call__(self, token: int) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(token)
+        self._input.fill_(token)
+        return forward_with_cache(self.model, self._input, self.cache)
+
+
+class FusedStep:
+    """The fused kernel's view of one (model, cache) pair: shapes and per-layer data pointers."""
+
+    def __init__(self, model, cache: KVCache, lib: ctypes.CDLL):
+        config = model.config
+        self.model, self.cache, self.lib = model, cache, lib
+        self.shape = cpu_kernels.DecoderShape(
+            dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+            ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
+            softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
+        self.layers = (cpu_kernels.DecoderLayer * config.n_layers)()
+        for i, block in enumerate(model.layers):
+            attention, mlp = block.attention, block.feed_forward
+            self.layers[i] = cpu_kernels.DecoderLayer(
+                attention_norm=block.attention_norm.weight.data_ptr(),
+                wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
+                wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
+                ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
+                w2=mlp.w2.weight.data_ptr(), k_cache=cache.k[i].data_ptr(), v_cache=cache.v[i].data_ptr())
+        self.threads = 0
+        self.work = torch.empty(0)
+        self.x = torch.empty(config.dim, dtype=model.dtype)
+
+    @classmethod
+    def build(cls, model, cache: KVCache) -> "FusedStep | None":
+        """The fused step for this model and cache, or None where the kernel does not apply."""
+        config = model.config
+        if not (model.device.type == "cpu" and cache.device.type == "cpu" and cache.dtype == model.dtype
+                and model.dtype in (torch.float32, torch.bfloat16) and config.head_dim % 16 == 0
+                and config.head_dim <= 256 and config.n_heads // config.n_kv_heads <= 64):
+            return None
+        cache.check_model(config)
+        tensors = [t for block in model.layers for t in _block_tensors(block)] + list(cache.k) + list(cache.v)
+        if not all(t.is_contiguous() and t.dtype == model.dtype and t.device.type == "cpu" for t in tensors):
+            return None
+        lib = cpu_kernels.library()
+        return None if lib is None else cls(model, cache, lib)
+
+    def __call__(self, token: int) -> torch.Tensor:
+        model, cache = self.model, self.cache
+        if not 0 <= token < model.config.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size}); "
+                             "tokenize with this model's tokenizer")
+        cache.ensure_room(1)
+        position = cache.length
+        threads = torch.get_num_threads()
+        if threads != self.threads:  # the work buffer holds one slot per thread
+            self.work = torch.empty(self.lib.ringctx_decode_work_floats(ctypes.byref(self.shape), threads))
+            self.threads = threads
+        self.x.copy_(model.tok_embeddings.weight[token])
+        rope = model.rope(torch.tensor([position]))
+        status = self.lib.ringctx_decode_step(
+            ctypes.byref(self.shape), self.layers, len(self.layers), self.x.data_ptr(), position,
+            rope.cos.data_ptr(), rope.sin.data_ptr(), self.work.data_ptr(), threads)
+        if status != 0:  # build() checked everything the kernel checks
+            raise RuntimeError(f"ringctx_decode_step failed with status {status}")
+        cache.length = position + 1
+        return model.head(model.norm(self.x[None]))
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _block_tensors(block) -> list[torch.Tensor]:
+    attention, mlp = block.attention, block.feed_forward
+    tensors = [block.attention_norm.weight, attention.wqkv.weight, attention.wo.weight, block.ffn_norm.weight,
+               mlp.w13.weight, mlp.w2.weight]
+    return tensors + [b for b in (attention.wqkv.bias, attention.wo.bias) if b is not None]
