@@ -16,6 +16,8 @@ AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
                            by ringctx/model/decode_step.py): every layer in one call, so that the
                            ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
                            the weights, are not paid.
+    amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
+                           the "amx" attention backend, 1.5-1.8x PyTorch's fused CPU op there.
 
 How: the C files have no PyTorch headers, so the system C compiler builds them in about a second
 the first time they are needed; the library is cached under ~/.cache/ringctx (or
@@ -47,7 +49,7 @@ MAX_ROWS = 8
 """Most activation rows `small_linear` takes (decode steps and short inputs). Measured against
 PyTorch's bf16 matmul on a CPU without bf16 units: 1.5-2x faster at 1, 3 and 8 rows."""
 
-_SOURCES = ("cpu_kernels.c", "cpu_decode.c")
+_SOURCES = ("cpu_kernels.c", "cpu_decode.c", "cpu_attention_amx.c")
 _HEADERS = ("cpu_kernels.h",)
 _CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -90,7 +92,7 @@ def _compile(directory: Path) -> Path:
     os.close(fd)
     try:
         sources = [str(directory / name) for name in _SOURCES]
-        done = subprocess.run([compiler, *_CFLAGS, *sources, "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([compiler, *_CFLAGS, *sources, "-lm", "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed on {directory}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # concurrent ranks each write their own file; the last one wins
@@ -126,6 +128,10 @@ def _load() -> ctypes.CDLL | None:
             lib.ringctx_decode_work_floats.restype = i64
             lib.ringctx_decode_step.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32]
             lib.ringctx_decode_step.restype = ctypes.c_int
+            lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
+                                                  i32, f32, ptr, i64, i64, ptr, i32]
+            lib.ringctx_amx_attention.restype = ctypes.c_int
+            lib.ringctx_amx_available.restype = ctypes.c_int
             if not lib.ringctx_cpu_kernels_supported():
                 raise RuntimeError("this CPU has no AVX-512 (F, BW and VL)")
             _library = lib
@@ -138,8 +144,9 @@ def _load() -> ctypes.CDLL | None:
 def cpu_kernels_status() -> str:
     """One line for `ringctx info`: whether the kernels are in use here, or why not (builds them)."""
     if _load() is not None:
+        amx = "; AMX bf16 attention" if amx_available() else " (no AMX: bf16 attention uses PyTorch's op)"
         return ("available: fused decode step, GEMV, decode attention (AVX-512; csrc/cpu_*.c, built with the "
-                "system C compiler)")
+                f"system C compiler){amx}")
     return _error or "not in use"
 
 
@@ -251,3 +258,50 @@ def decode_pv(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     status = lib.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), int(v.dtype == torch.bfloat16),
                                    D, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
+
+
+AMX_HEAD_DIMS = "a multiple of 32 up to 256"
+
+
+def amx_available() -> bool:
+    """True when this CPU and OS run the AMX attention kernel (AMX-BF16 and AVX512-BF16, the tile
+    state granted by Linux) and the kernels are built."""
+    lib = _load()
+    return lib is not None and bool(lib.ringctx_amx_available())
+
+
+def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when `amx_attention` takes these inputs: q [T, Hq, D], k and v [S, Hkv, D], all bf16 on
+    the CPU with unit stride along D, T and S >= 1, Hq a multiple of Hkv, D a multiple of 32 up to
+    256, no gradient wanted, and AMX available."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"
+            and k.shape == v.shape and T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and D % 32 == 0 and D <= 256
+            and q.stride(2) == k.stride(2) == v.stride(2) == 1):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return amx_available()
+
+
+def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention with AMX (see amx_attention_applies for what it takes; causal needs T == S).
+
+    Returns out [T, Hq, D] bf16 (contiguous) and lse [Hq, T] float32, natural log, -inf and zeros
+    for rows that see no key.
+    """
+    lib = _load()
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
+    lse = torch.empty(Hq, T, dtype=torch.float32)
+    status = lib.ringctx_amx_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), T, S, Hq, Hkv, D, int(causal), scale, out.data_ptr(), out.stride(0), out.stride(1),
+        lse.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ringctx_amx_attention failed with status {status} "
+                           f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
+    return out, lse

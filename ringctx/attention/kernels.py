@@ -12,10 +12,13 @@ bottom-right): `causal=True` is therefore only accepted for square blocks.
 Backends:
     "torch"       PyTorch's fused flash op for the tensor's device (CPU: the AMX/AVX-512 op; CUDA:
                   the flash SDPA op, with KV heads expanded since it has no native GQA)
+    "amx"         ringctx's bf16 flash kernel for CPUs with AMX (csrc/cpu_attention_amx.c), 1.5-1.8x
+                  PyTorch's CPU op there; head_dim a multiple of 32
     "flash-attn"  Dao-AILab flash-attn (CUDA), if installed: native GQA, token-major layout
     "triton"      ringctx's own Triton kernel (CUDA; TRITON_INTERPRET=1 on CPU for tests)
     "reference"   float64 reference (tests)
-    "auto"        flash-attn on CUDA when installed, else "torch"
+    "auto"        flash-attn on CUDA when installed, else "torch"; on the CPU "amx" for the bf16
+                  blocks it takes, else "torch"
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ..cpu_features import computes_in_float32
 from .merge import PartialAccumulator, sanitize_lse
 from .reference import reference_attention
 
-BACKENDS = ("auto", "torch", "flash-attn", "triton", "reference")
+BACKENDS = ("auto", "torch", "amx", "flash-attn", "triton", "reference")
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,7 +47,8 @@ def flash_attn_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map "auto" to a concrete backend for `device`; reject unknown names."""
+    """Map "auto" to the device's default backend ("torch" on the CPU: `attention_block` picks "amx"
+    per block where it applies); reject unknown names and backends this machine cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -52,6 +56,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "flash-attn" and not flash_attn_available():
         raise ValueError("attention backend 'flash-attn' requested but flash-attn is not installed "
                          "(pip install 'ringctx[flash]' on a CUDA machine), or use backend 'torch'")
+    if backend == "amx" and not (device.type == "cpu" and cpu_kernels.amx_available()):
+        raise ValueError("attention backend 'amx' requested but this machine cannot run it (it needs a CPU "
+                         f"with AMX-BF16 and the CPU kernels: {cpu_kernels.kernel_error() or 'no AMX here'}); "
+                         "use backend 'torch'")
     return backend
 
 
@@ -92,7 +100,7 @@ def attention_block(
     if T == 0 or S == 0:  # the fused ops divide by zero (SIGFPE) on empty blocks
         return (torch.zeros_like(q),
                 torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device))
-    backend = resolve_backend(backend, q.device)
+    requested, backend = backend, resolve_backend(backend, q.device)
     if backend == "reference":
         visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
         out, lse = reference_attention(q, k, v, visible.tril() if causal else visible, scale)
@@ -105,6 +113,11 @@ def attention_block(
         return triton_attention_block(q, k, v, causal=causal, softmax_scale=scale)
     if q.device.type == "cuda":
         return _torch_cuda_block(q, k, v, causal, scale)
+    if backend == "amx" or (requested == "auto" and T > SMALL_QUERY_ROWS and cpu_kernels.amx_attention_applies(q, k, v)):
+        if not cpu_kernels.amx_attention_applies(q, k, v):
+            raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {cpu_kernels.AMX_HEAD_DIMS}; "
+                             f"got {q.dtype} q {tuple(q.shape)}; use backend 'torch'")
+        return cpu_kernels.amx_attention(q, k, v, causal=causal, scale=scale)
     return _torch_cpu_block(q, k, v, causal, scale)
 
 

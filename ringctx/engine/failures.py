@@ -136,6 +136,17 @@ def with_test_hook(on_chunk, rank: int):
 # ----------------------------------------------------------------------------- spawn mode
 
 
+def settled_exitcode(proc, wait_s: float = 2.0) -> int | None:
+    """The exit code of a process known to have exited. The watch thread and rank 0's own thread
+    both poll the same Process, and the one whose waitpid loses the race to reap it reads None for
+    a moment (multiprocessing swallows the ECHILD), so wait until the code is in."""
+    deadline = time.monotonic() + wait_s
+    proc.join(timeout=wait_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc.exitcode
+
+
 class ProcessWatch:
     """Rank 0's watch over its spawned workers: the first one to die is recorded (with the error
     it reported, if any) and the others are killed at once, so that a collective rank 0 waits in
@@ -161,10 +172,10 @@ class ProcessWatch:
             dead = [sentinels[s] for s in ready if s in sentinels]
             if not dead:
                 continue
-            self.procs[dead[0] - 1].join(timeout=1)
+            code = settled_exitcode(self.procs[dead[0] - 1])
             self.collect_reports()
             if self.first_death is None:
-                self.first_death = (dead[0], self.procs[dead[0] - 1].exitcode)
+                self.first_death = (dead[0], code)
             for p in self.procs:  # the group is broken: end the others so that rank 0 is released
                 if p.is_alive():
                     p.kill()
@@ -188,7 +199,7 @@ class ProcessWatch:
                 time.sleep(0.05)  # let the watch thread record it
                 if self.first_death is None:
                     dead = [r for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
-                    self.first_death = (dead[0], self.procs[dead[0] - 1].exitcode)
+                    self.first_death = (dead[0], settled_exitcode(self.procs[dead[0] - 1]))
                 break
             time.sleep(0.05)
 

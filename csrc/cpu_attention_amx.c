@@ -1,0 +1,350 @@
+/* Flash attention for bf16 on CPUs with AMX (Intel Sapphire Rapids and later), with the LSE:
+ * ringctx's "amx" attention backend (built with the other CPU kernels by ringctx/cpu_kernels.py).
+ *
+ *   out[t, h] = softmax(scale * q[t, h] . k[:, h / G]^T + mask) v[:, h / G]      G = Hq / Hkv
+ *   lse[h, t] = log of that softmax's denominator (natural log, float32; -inf for a row that sees
+ *               no key, whose output is 0)
+ *
+ * q [T, Hq, D], k and v [S, Hkv, D], out [T, Hq, D]: bf16 with any row and head strides (D
+ * contiguous); D a multiple of 32 up to 256. causal = 0: every query sees every key. causal = 1:
+ * a square block (T == S), query i sees keys 0..i.
+ *
+ * Why not PyTorch's fused CPU op: with AMX doing the products, the time goes to the softmax.
+ * That op keeps a 256-query x 512-key block of scores in L2, walks it five times and reduces
+ * every row horizontally; it measured slower than this kernel's first version, which did the
+ * same in L1. This kernel computes the scores transposed, S^T = K Q^T, so that a vector holds
+ * one key's scores for 16 queries: the running max, the exponentials and the sums of the online
+ * softmax are then plain vertical vector operations, one pass, no horizontal reductions.
+ *
+ * Per query tile (one query head, 16 queries), over blocks of 64 keys:
+ *   S^T [64 keys x 16 q]  = K [64 x D] . Q^T            tiles: A = 16 rows of K, B = Q^T (VNNI)
+ *   P^T = exp2(S^T * scale * log2 e - m)                running max m, sum l per query (vectors)
+ *   O^T [D x 16 q] = O^T * alpha + V^T [D x 64] . P^T   tiles: A = V^T, B = P^T (VNNI)
+ * The tile unit multiplies A [16 x 32 bf16] by B [32 x 16 bf16] into C [16 x 16 float32], B stored
+ * as 16 rows of 16 pairs ("VNNI": B[k][n] at row k / 2, element 2 n + k % 2). K is used as it is
+ * (rows of 32 dims are A rows), V is transposed once per KV head (packed below), Q^T and P^T are
+ * built in VNNI order per unit. Tiles 0-3 hold C, tile 4 A, tile 5 B.
+ *
+ * Numerics are those of a flash-attention kernel in bf16: scores accumulated in float32 by the
+ * tiles (TDPBF16PS), softmax in float32 (2^x to 1.5e-7), probabilities rounded to bf16 for the
+ * P V product, output accumulated in float32 and rounded once.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+
+#if defined(__has_include)
+#if __has_include(<amxtileintrin.h>) && __has_include(<cpuid.h>) && defined(__linux__)
+#define RINGCTX_HAVE_AMX 1
+#endif
+#endif
+
+#ifdef RINGCTX_HAVE_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+#define Q_TILE 16  /* queries per tile: the columns of S^T and O^T */
+#define Q_BLOCK 64 /* queries per unit of work: four tiles that share each block of K and V */
+#define K_BLOCK 64 /* keys per online-softmax step: four 16-key tiles of scores */
+
+/* AMX instructions fault until the process asks Linux for the tile state (once per process). */
+static int amx_usable(void) {
+    static int state = 0; /* 0: not checked yet, 1: usable, -1: not */
+    if (state == 0) {
+        unsigned a, b, c, d;
+        const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
+                        ringctx_cpu_kernels_supported() && __builtin_cpu_supports("avx512bf16");
+        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18) */
+        state = cpu && syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    }
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+AMX_TARGET static void release_tiles(void) { _tile_release(); }
+
+AMX_TARGET static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 6; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    /* GCC's _tile_loadconfig tells the compiler it reads only 8 bytes, so without this the stores
+     * above count as dead and are dropped (then LDTILECFG faults on the garbage). */
+    __asm__ volatile("" : : "r"(&config) : "memory");
+    _tile_loadconfig(&config);
+}
+
+/* 2^y for 16 floats y (finite, or far below 0): 2^round(y) times a degree-5 polynomial for 2^f,
+ * |f| <= 1/2 (fitted on Chebyshev nodes; relative error 1.5e-7). */
+AMX_TARGET static inline __m512 exp2_512(__m512 y) {
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, n);
+    __m512 p = _mm512_set1_ps(1.3266970636e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694405e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* K of each KV head as [keys padded to K_BLOCK][D], rows contiguous (zero past the last key):
+ * 16 of its rows, 32 dims wide, are one A tile. */
+static void pack_keys(const uint16_t *k, int64_t row_stride, int64_t head_stride, int64_t S, int64_t Hkv,
+                      int64_t D, int64_t padded, uint16_t *kp) {
+#pragma omp for schedule(static)
+    for (int64_t hj = 0; hj < Hkv * padded; ++hj) {
+        const int64_t h = hj / padded, j = hj % padded;
+        uint16_t *dst = kp + (h * padded + j) * D;
+        if (j < S) memcpy(dst, k + j * row_stride + h * head_stride, (size_t)D * 2);
+        else memset(dst, 0, (size_t)D * 2);
+    }
+}
+
+/* V^T of each KV head in blocks of 32 keys: Vt[h][chunk][d][32 keys], zero past the last key, so
+ * that 16 dims x 32 keys, one A tile, are 1 KB in a row. */
+static void pack_values(const uint16_t *v, int64_t row_stride, int64_t head_stride, int64_t S, int64_t Hkv,
+                        int64_t D, int64_t chunks, uint16_t *vt) {
+#pragma omp for schedule(static)
+    for (int64_t hc = 0; hc < Hkv * chunks; ++hc) {
+        const int64_t h = hc / chunks, c = hc % chunks;
+        uint16_t *dst = vt + hc * D * 32;
+        for (int64_t e = 0; e < 32; ++e) {
+            const int64_t key = c * 32 + e;
+            const uint16_t *row = v + key * row_stride + h * head_stride;
+            for (int64_t d = 0; d < D; ++d) dst[d * 32 + e] = key < S ? row[d] : 0;
+        }
+    }
+}
+
+/* The state of one query tile (16 queries of one head) across the key blocks. */
+typedef struct {
+    uint32_t qt[MAX_D / 2 * Q_TILE] __attribute__((aligned(64))); /* Q^T, VNNI: [D/2][16 q] words */
+    float acc[MAX_D * Q_TILE] __attribute__((aligned(64)));       /* O^T: [D][16 q] */
+    __m512 m, l;                                                  /* running max (base 2), sum */
+    int64_t r0, rows;
+} query_tile;
+
+/* Scratch of one key block, shared by the tiles in turn. */
+typedef struct {
+    float st[K_BLOCK * Q_TILE] __attribute__((aligned(64)));    /* S^T: [64 keys][16 q] */
+    uint16_t pt[K_BLOCK / 2 * 32] __attribute__((aligned(64))); /* P^T, VNNI: [32 key pairs][16 q x 2] */
+    float ob[MAX_D * Q_TILE] __attribute__((aligned(64)));      /* this block's V^T P^T: [D][16 q] */
+} block_scratch;
+
+/* One query tile against keys k0 .. k0 + 63 of its head: the online-softmax step. */
+AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t *k_head, const uint16_t *v_head,
+                                 int64_t k0, int64_t S, int64_t D, int causal, float s2) {
+    const int64_t chunks = D / 32, dim_tiles = D / 16;
+    /* S^T = K Q^T */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t dc = 0; dc < chunks; ++dc) {
+        _tile_loadd(5, t->qt + dc * 16 * Q_TILE, 64);
+        const uint16_t *kr = k_head + k0 * D + dc * 32;
+        _tile_loadd(4, kr, D * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(4, kr + 16 * D, D * 2);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(4, kr + 32 * D, D * 2);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(4, kr + 48 * D, D * 2);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, b->st, 64);
+    _tile_stored(1, b->st + 16 * Q_TILE, 64);
+    _tile_stored(2, b->st + 32 * Q_TILE, 64);
+    _tile_stored(3, b->st + 48 * Q_TILE, 64);
+
+    /* Which (key, query) pairs are visible: all of them, unless the block reaches past the last
+     * key or (causal) past the tile's first query. The max is taken over raw scores (scale > 0). */
+    const int full = k0 + K_BLOCK <= S && (!causal || k0 + K_BLOCK - 1 <= t->r0);
+    const __m512i query = _mm512_add_epi32(_mm512_set1_epi32((int)t->r0),
+                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    __mmask16 visible[K_BLOCK];
+    __m512 raw_top = _mm512_set1_ps(-INFINITY);
+    if (full) {
+        for (int j = 0; j < K_BLOCK; ++j) raw_top = _mm512_max_ps(raw_top, _mm512_load_ps(b->st + j * Q_TILE));
+    } else {
+        for (int j = 0; j < K_BLOCK; ++j) {
+            const int64_t key = k0 + j;
+            visible[j] = key >= S ? 0
+                         : causal ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)key), query, _MM_CMPINT_LE)
+                                  : 0xffff;
+            raw_top = _mm512_mask_max_ps(raw_top, visible[j], raw_top, _mm512_load_ps(b->st + j * Q_TILE));
+        }
+    }
+    /* In base 2: y = s * scale * log2 e. alpha = 2^(m_old - m_new) rescales what came before (0
+     * where nothing did); queries that have seen no key yet keep m = -inf and subtract 0 instead:
+     * their p are all masked. */
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY), vs2 = _mm512_set1_ps(s2);
+    const __m512 top = _mm512_max_ps(t->m, _mm512_mul_ps(raw_top, vs2)); /* -inf * s2 stays -inf */
+    const __mmask16 seen = _mm512_cmp_ps_mask(top, minus_inf, _CMP_NEQ_OQ);
+    const __mmask16 had = _mm512_cmp_ps_mask(t->m, minus_inf, _CMP_NEQ_OQ);
+    const __m512 alpha = _mm512_maskz_mov_ps(had, exp2_512(_mm512_maskz_sub_ps(had, t->m, top)));
+    const __m512 shift = _mm512_maskz_mov_ps(seen, top);
+    const __m512i pair_order = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,
+                                                 0x00150005, 0x00160006, 0x00170007, 0x00180008, 0x00190009,
+                                                 0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e,
+                                                 0x001f000f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < K_BLOCK / 2; ++i) {
+        __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(b->st + 2 * i * Q_TILE), vs2, shift));
+        __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(b->st + (2 * i + 1) * Q_TILE), vs2, shift));
+        if (!full) {
+            p0 = _mm512_maskz_mov_ps(visible[2 * i], p0);
+            p1 = _mm512_maskz_mov_ps(visible[2 * i + 1], p1);
+        }
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        /* VNNI row i of P^T: (key 2i, key 2i+1) for each query, as bf16 pairs */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_store_si512((__m512i *)(b->pt + i * 32), _mm512_permutexvar_epi16(pair_order, both));
+    }
+    t->l = _mm512_fmadd_ps(t->l, alpha, sum);
+    t->m = top;
+
+    /* O^T = O^T alpha + V^T P^T */
+    for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
+        const int64_t n = dim_tiles - dt0 < 4 ? dim_tiles - dt0 : 4; /* D % 32 == 0: 2 or 4 */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < 2; ++c) {
+            _tile_loadd(5, b->pt + c * 16 * 32, 64);
+            const uint16_t *vc = v_head + (k0 / 32 + c) * D * 32 + dt0 * 16 * 32;
+            _tile_loadd(4, vc, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(4, vc + 16 * 32, 64);
+            _tile_dpbf16ps(1, 4, 5);
+            if (n == 4) {
+                _tile_loadd(4, vc + 32 * 32, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(4, vc + 48 * 32, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, b->ob + dt0 * 16 * Q_TILE, 64);
+        _tile_stored(1, b->ob + (dt0 + 1) * 16 * Q_TILE, 64);
+        if (n == 4) {
+            _tile_stored(2, b->ob + (dt0 + 2) * 16 * Q_TILE, 64);
+            _tile_stored(3, b->ob + (dt0 + 3) * 16 * Q_TILE, 64);
+        }
+    }
+    for (int64_t d = 0; d < D; ++d)
+        _mm512_store_ps(t->acc + d * Q_TILE, _mm512_fmadd_ps(_mm512_load_ps(t->acc + d * Q_TILE), alpha,
+                                                             _mm512_load_ps(b->ob + d * Q_TILE)));
+}
+
+/* One unit: query head h (KV head kv), queries r0 .. r0 + Q_BLOCK - 1, as Q_BLOCK / 16 tiles that
+ * take each key block in turn while it is in L1 (per query tile, K and V came from memory once
+ * per 16 queries, and the kernel was bound by it at 16K keys). */
+AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *kp,
+                                   const uint16_t *vt, int64_t T, int64_t S, int64_t D, int causal, float scale,
+                                   int64_t padded, uint16_t *out, int64_t o_rs, int64_t o_hs, float *lse, int64_t h,
+                                   int64_t kv, int64_t r0, query_tile *tiles, block_scratch *scratch) {
+    const int64_t n_tiles = (T - r0 + Q_TILE - 1) / Q_TILE < Q_BLOCK / Q_TILE ? (T - r0 + Q_TILE - 1) / Q_TILE
+                                                                                : Q_BLOCK / Q_TILE;
+    for (int64_t i = 0; i < n_tiles; ++i) {
+        query_tile *t = tiles + i;
+        t->r0 = r0 + i * Q_TILE;
+        t->rows = T - t->r0 < Q_TILE ? T - t->r0 : Q_TILE;
+        /* Q^T in VNNI order: word (p, n) = dims 2p, 2p+1 of query n, q's rows as words, transposed */
+        for (int64_t n = 0; n < Q_TILE; ++n) {
+            const uint32_t *row = (const uint32_t *)(q + (t->r0 + n) * q_rs + h * q_hs);
+            for (int64_t p = 0; p < D / 2; ++p) t->qt[p * Q_TILE + n] = n < t->rows ? row[p] : 0;
+        }
+        memset(t->acc, 0, sizeof(float) * (size_t)(D * Q_TILE));
+        t->m = _mm512_set1_ps(-INFINITY);
+        t->l = _mm512_setzero_ps();
+    }
+    const float s2 = scale * 1.44269504088896341f; /* softmax in base 2: exp(x) = 2^(x log2 e) */
+    const uint16_t *k_head = kp + kv * padded * D, *v_head = vt + kv * padded * D;
+    const query_tile *last = tiles + n_tiles - 1;
+    const int64_t key_end = causal ? last->r0 + last->rows : S; /* causal: a query sees up to itself */
+    for (int64_t k0 = 0; k0 < key_end; k0 += K_BLOCK)
+        for (int64_t i = 0; i < n_tiles; ++i)
+            if (!causal || k0 < tiles[i].r0 + tiles[i].rows)
+                tile_step(tiles + i, scratch, k_head, v_head, k0, S, D, causal, s2);
+
+    /* out = O / l, lse = (m + log2 l) ln 2; a query that saw no key gets 0 and -inf */
+    for (int64_t i = 0; i < n_tiles; ++i) {
+        const query_tile *t = tiles + i;
+        float ls[Q_TILE], ms[Q_TILE], inv[Q_TILE];
+        _mm512_storeu_ps(ls, t->l);
+        _mm512_storeu_ps(ms, t->m);
+        for (int64_t n = 0; n < t->rows; ++n) {
+            inv[n] = ls[n] > 0.0f ? 1.0f / ls[n] : 0.0f;
+            lse[h * T + t->r0 + n] = ls[n] > 0.0f ? (ms[n] + log2f(ls[n])) * 0.69314718055994531f : -INFINITY;
+        }
+        for (int64_t d = 0; d < D; ++d)
+            for (int64_t n = 0; n < t->rows; ++n)
+                store_one(out + (t->r0 + n) * o_rs + h * o_hs, 1, d, bf16_round(t->acc[d * Q_TILE + n] * inv[n]));
+    }
+}
+
+int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
+                          int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
+                          int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, uint16_t *out, int64_t o_rs,
+                          int64_t o_hs, float *lse, int threads) {
+    if (!amx_usable()) return -1;
+    if (D % 32 || D > MAX_D || Hkv < 1 || Hq % Hkv || T < 1 || S < 1 || (causal && T != S)) return -2;
+    const int64_t padded = (S + K_BLOCK - 1) / K_BLOCK * K_BLOCK, group = Hq / Hkv;
+    const size_t packed = (size_t)(Hkv * padded * D) * 2;
+    uint16_t *kp = (uint16_t *)aligned_alloc(64, packed), *vt = (uint16_t *)aligned_alloc(64, packed);
+    if (!kp || !vt) {
+        free(kp);
+        free(vt);
+        return -3;
+    }
+    const int64_t q_blocks = (T + Q_BLOCK - 1) / Q_BLOCK, units = Hq * q_blocks;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        query_tile tiles[Q_BLOCK / Q_TILE];
+        block_scratch scratch;
+        pack_keys(k, k_rs, k_hs, S, Hkv, D, padded, kp);
+        pack_values(v, v_rs, v_hs, S, Hkv, D, padded / 32, vt); /* the loop's end is a barrier */
+        configure_tiles();
+        /* Units ordered by KV head (its K and V stay in this core's cache), then largest first
+         * (causal: later queries see more keys), handed out as threads free up. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t kv = u / (group * q_blocks), rest = u % (group * q_blocks);
+            const int64_t qb = q_blocks - 1 - rest / group, h = kv * group + rest % group;
+            attend_unit(q, q_rs, q_hs, kp, vt, T, S, D, causal, scale, padded, out, o_rs, o_hs, lse, h, kv,
+                        qb * Q_BLOCK, tiles, &scratch);
+        }
+        release_tiles();
+    }
+    free(kp);
+    free(vt);
+    return 0;
+}
+
+int ringctx_amx_available(void) { return amx_usable(); }
+
+#else /* a compiler without AMX intrinsics: the backend reports itself unavailable */
+
+int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
+                          int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
+                          int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, uint16_t *out, int64_t o_rs,
+                          int64_t o_hs, float *lse, int threads) {
+    return -1;
+}
+
+int ringctx_amx_available(void) { return 0; }
+
+#endif
