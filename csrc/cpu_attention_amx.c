@@ -10,20 +10,23 @@
  * a square block (T == S), query i sees keys 0..i.
  *
  * Why not PyTorch's fused CPU op: with AMX doing the products, the time goes to the softmax.
- * That op keeps a 256-query x 512-key block of scores in L2, walks it five times and reduces
- * every row horizontally; it measured slower than this kernel's first version, which did the
- * same in L1. This kernel computes the scores transposed, S^T = K Q^T, so that a vector holds
- * one key's scores for 16 queries: the running max, the exponentials and the sums of the online
- * softmax are then plain vertical vector operations, one pass, no horizontal reductions.
+ * Done row by row (a vector holds 16 keys of one query, as in that op), every row needs
+ * horizontal max and sum reductions and a scalar rescale: a first version of this kernel built
+ * that way, with its scores in L1, ran at 0.84-0.95x PyTorch's op. This one computes the scores
+ * transposed, S^T = K Q^T, so that a vector holds one key's scores for 16 queries: the running
+ * max, the exponentials and the sums of the online softmax are plain vertical vector
+ * operations, and it measured 1.5-1.8x PyTorch's op (docs/BENCHMARKS.md).
  *
  * Per query tile (one query head, 16 queries), over blocks of 64 keys:
  *   S^T [64 keys x 16 q]  = K [64 x D] . Q^T            tiles: A = 16 rows of K, B = Q^T (VNNI)
  *   P^T = exp2(S^T * scale * log2 e - m)                running max m, sum l per query (vectors)
  *   O^T [D x 16 q] = O^T * alpha + V^T [D x 64] . P^T   tiles: A = V^T, B = P^T (VNNI)
  * The tile unit multiplies A [16 x 32 bf16] by B [32 x 16 bf16] into C [16 x 16 float32], B stored
- * as 16 rows of 16 pairs ("VNNI": B[k][n] at row k / 2, element 2 n + k % 2). K is used as it is
- * (rows of 32 dims are A rows), V is transposed once per KV head (packed below), Q^T and P^T are
- * built in VNNI order per unit. Tiles 0-3 hold C, tile 4 A, tile 5 B.
+ * as 16 rows of 16 pairs ("VNNI": B[k][n] at row k / 2, element 2 n + k % 2). K's rows, 32 dims
+ * wide, are A rows as they are (copied once per KV head into contiguous, padded rows); V is
+ * transposed once per KV head; Q^T and P^T are built in VNNI order per tile. Tiles 0-3 hold C,
+ * tile 4 A, tile 5 B. A unit of work is four query tiles of one head that take each block of
+ * K and V in turn while it is in L1.
  *
  * Numerics are those of a flash-attention kernel in bf16: scores accumulated in float32 by the
  * tiles (TDPBF16PS), softmax in float32 (2^x to 1.5e-7), probabilities rounded to bf16 for the
@@ -49,8 +52,12 @@
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 #define Q_TILE 16  /* queries per tile: the columns of S^T and O^T */
+#ifndef Q_BLOCK
 #define Q_BLOCK 64 /* queries per unit of work: four tiles that share each block of K and V */
-#define K_BLOCK 64 /* keys per online-softmax step: four 16-key tiles of scores */
+#endif
+#ifndef K_BLOCK
+#define K_BLOCK 64 /* keys per online-softmax step, a multiple of 64 (four 16-key tiles of scores) */
+#endif
 
 /* AMX instructions fault until the process asks Linux for the tile state (once per process). */
 static int amx_usable(void) {
@@ -137,36 +144,38 @@ typedef struct {
 
 /* Scratch of one key block, shared by the tiles in turn. */
 typedef struct {
-    float st[K_BLOCK * Q_TILE] __attribute__((aligned(64)));    /* S^T: [64 keys][16 q] */
-    uint16_t pt[K_BLOCK / 2 * 32] __attribute__((aligned(64))); /* P^T, VNNI: [32 key pairs][16 q x 2] */
-    float ob[MAX_D * Q_TILE] __attribute__((aligned(64)));      /* this block's V^T P^T: [D][16 q] */
+    float st[K_BLOCK * Q_TILE] __attribute__((aligned(64)));    /* S^T: [keys][16 q] */
+    uint16_t pt[K_BLOCK / 2 * 32] __attribute__((aligned(64))); /* P^T, VNNI: [key pairs][16 q x 2] */
 } block_scratch;
 
 /* One query tile against keys k0 .. k0 + 63 of its head: the online-softmax step. */
 AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t *k_head, const uint16_t *v_head,
                                  int64_t k0, int64_t S, int64_t D, int causal, float s2) {
     const int64_t chunks = D / 32, dim_tiles = D / 16;
-    /* S^T = K Q^T */
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t dc = 0; dc < chunks; ++dc) {
-        _tile_loadd(5, t->qt + dc * 16 * Q_TILE, 64);
-        const uint16_t *kr = k_head + k0 * D + dc * 32;
-        _tile_loadd(4, kr, D * 2);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(4, kr + 16 * D, D * 2);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(4, kr + 32 * D, D * 2);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(4, kr + 48 * D, D * 2);
-        _tile_dpbf16ps(3, 4, 5);
+    /* S^T = K Q^T, 64 keys (four C tiles) at a time */
+    for (int64_t kg = 0; kg < K_BLOCK; kg += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t dc = 0; dc < chunks; ++dc) {
+            _tile_loadd(5, t->qt + dc * 16 * Q_TILE, 64);
+            const uint16_t *kr = k_head + (k0 + kg) * D + dc * 32;
+            _tile_loadd(4, kr, D * 2);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(4, kr + 16 * D, D * 2);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(4, kr + 32 * D, D * 2);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(4, kr + 48 * D, D * 2);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        float *st = b->st + kg * Q_TILE;
+        _tile_stored(0, st, 64);
+        _tile_stored(1, st + 16 * Q_TILE, 64);
+        _tile_stored(2, st + 32 * Q_TILE, 64);
+        _tile_stored(3, st + 48 * Q_TILE, 64);
     }
-    _tile_stored(0, b->st, 64);
-    _tile_stored(1, b->st + 16 * Q_TILE, 64);
-    _tile_stored(2, b->st + 32 * Q_TILE, 64);
-    _tile_stored(3, b->st + 48 * Q_TILE, 64);
 
     /* Which (key, query) pairs are visible: all of them, unless the block reaches past the last
      * key or (causal) past the tile's first query. The max is taken over raw scores (scale > 0). */
@@ -186,15 +195,26 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
             raw_top = _mm512_mask_max_ps(raw_top, visible[j], raw_top, _mm512_load_ps(b->st + j * Q_TILE));
         }
     }
-    /* In base 2: y = s * scale * log2 e. alpha = 2^(m_old - m_new) rescales what came before (0
-     * where nothing did); queries that have seen no key yet keep m = -inf and subtract 0 instead:
-     * their p are all masked. */
+    /* In base 2: y = s * scale * log2 e. The running max m moves only where a block's max exceeds
+     * it, which soon becomes rare: most blocks leave O^T alone and their P V adds straight onto it
+     * in the tiles. (Letting m lag a little behind the max would skip more rescales, but the
+     * largest p would then no longer be exactly 1 in bf16: measured twice the error.) Where m
+     * moves, alpha = 2^(m_old - m_new) rescales what came before (0 where nothing did); queries
+     * that have seen no key yet keep m = -inf and subtract 0 instead (their p are masked). */
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY), vs2 = _mm512_set1_ps(s2);
-    const __m512 top = _mm512_max_ps(t->m, _mm512_mul_ps(raw_top, vs2)); /* -inf * s2 stays -inf */
-    const __mmask16 seen = _mm512_cmp_ps_mask(top, minus_inf, _CMP_NEQ_OQ);
+    const __m512 top = _mm512_mul_ps(raw_top, vs2); /* -inf * s2 stays -inf */
     const __mmask16 had = _mm512_cmp_ps_mask(t->m, minus_inf, _CMP_NEQ_OQ);
-    const __m512 alpha = _mm512_maskz_mov_ps(had, exp2_512(_mm512_maskz_sub_ps(had, t->m, top)));
-    const __m512 shift = _mm512_maskz_mov_ps(seen, top);
+    const __mmask16 moved = _mm512_cmp_ps_mask(top, t->m, _CMP_GT_OQ);
+    if (moved) {
+        const __m512 m_new = _mm512_mask_mov_ps(t->m, moved, top);
+        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), moved,
+                                                _mm512_maskz_mov_ps(had, exp2_512(_mm512_maskz_sub_ps(had, t->m, m_new))));
+        t->l = _mm512_mul_ps(t->l, alpha);
+        for (int64_t d = 0; d < D; ++d)
+            _mm512_store_ps(t->acc + d * Q_TILE, _mm512_mul_ps(_mm512_load_ps(t->acc + d * Q_TILE), alpha));
+        t->m = m_new;
+    }
+    const __m512 shift = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t->m, minus_inf, _CMP_NEQ_OQ), t->m);
     const __m512i pair_order = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,
                                                  0x00150005, 0x00160006, 0x00170007, 0x00180008, 0x00190009,
                                                  0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e,
@@ -212,17 +232,19 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
         _mm512_store_si512((__m512i *)(b->pt + i * 32), _mm512_permutexvar_epi16(pair_order, both));
     }
-    t->l = _mm512_fmadd_ps(t->l, alpha, sum);
-    t->m = top;
+    t->l = _mm512_add_ps(t->l, sum);
 
-    /* O^T = O^T alpha + V^T P^T */
+    /* O^T += V^T P^T, four 16-dim C tiles at a time, loaded from and stored back to O^T */
     for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
         const int64_t n = dim_tiles - dt0 < 4 ? dim_tiles - dt0 : 4; /* D % 32 == 0: 2 or 4 */
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = 0; c < 2; ++c) {
+        float *o = t->acc + dt0 * 16 * Q_TILE;
+        _tile_loadd(0, o, 64);
+        _tile_loadd(1, o + 16 * Q_TILE, 64);
+        if (n == 4) {
+            _tile_loadd(2, o + 32 * Q_TILE, 64);
+            _tile_loadd(3, o + 48 * Q_TILE, 64);
+        }
+        for (int64_t c = 0; c < K_BLOCK / 32; ++c) {
             _tile_loadd(5, b->pt + c * 16 * 32, 64);
             const uint16_t *vc = v_head + (k0 / 32 + c) * D * 32 + dt0 * 16 * 32;
             _tile_loadd(4, vc, 64);
@@ -236,16 +258,13 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
                 _tile_dpbf16ps(3, 4, 5);
             }
         }
-        _tile_stored(0, b->ob + dt0 * 16 * Q_TILE, 64);
-        _tile_stored(1, b->ob + (dt0 + 1) * 16 * Q_TILE, 64);
+        _tile_stored(0, o, 64);
+        _tile_stored(1, o + 16 * Q_TILE, 64);
         if (n == 4) {
-            _tile_stored(2, b->ob + (dt0 + 2) * 16 * Q_TILE, 64);
-            _tile_stored(3, b->ob + (dt0 + 3) * 16 * Q_TILE, 64);
+            _tile_stored(2, o + 32 * Q_TILE, 64);
+            _tile_stored(3, o + 48 * Q_TILE, 64);
         }
     }
-    for (int64_t d = 0; d < D; ++d)
-        _mm512_store_ps(t->acc + d * Q_TILE, _mm512_fmadd_ps(_mm512_load_ps(t->acc + d * Q_TILE), alpha,
-                                                             _mm512_load_ps(b->ob + d * Q_TILE)));
 }
 
 /* One unit: query head h (KV head kv), queries r0 .. r0 + Q_BLOCK - 1, as Q_BLOCK / 16 tiles that

@@ -5,7 +5,9 @@ For each dtype and prompt length: prefill the prompt (logits of the last token o
 sides), then decode `--decode` greedy tokens one at a time. ringctx runs its public path
 (`model.generate`: static KV cache); transformers runs LlamaForCausalLM (sdpa attention,
 DynamicCache) in the loop its `generate` runs, built from ringctx's weights so that both compute
-the same model. Prints a table and optionally writes JSON.
+the same model. The two alternate for `--rounds` rounds, so that a shared machine whose speed
+drifts slows both alike; the table shows medians over rounds and the median of the per-round
+ratios ("paired"), which cancels most of the drift. Prints a table and optionally writes JSON.
 
     python scripts/bench_model.py                       # SmolLM2-135M, 2K and 8K, bf16 and fp32
     python scripts/bench_model.py --quick               # 256-token prompt, 8 decode steps
@@ -34,10 +36,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--quick", action="store_true", help="a 256-token prompt and 8 decode steps (a smoke run)")
     p.add_argument("--no-transformers", action="store_true", help="time ringctx only")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of ringctx and transformers")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.quick:
-        args.prefill, args.decode = [256], 8
+        args.prefill, args.decode, args.rounds = [256], 8, 1
     return args
 
 
@@ -128,17 +131,21 @@ def main() -> None:
             time_transformers(hf, warm, 2)
         for n in args.prefill:
             ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+            rounds = []
+            for _ in range(args.rounds):
+                rounds.append({"ringctx": time_ringctx(model, ids, args.decode)})
+                if hf is not None:
+                    rounds[-1]["transformers"] = time_transformers(hf, ids, args.decode)
             row = {"dtype": str(dtype).replace("torch.", ""), "prompt_tokens": n, "decode_tokens": args.decode,
-                   "ringctx": time_ringctx(model, ids, args.decode)}
-            if hf is not None:
-                row["transformers"] = time_transformers(hf, ids, args.decode)
+                   "rounds": rounds, **summarize(rounds)}
             rows.append(row)
             print_row(row)
         del model, hf
     report = {
         "model": args.model, "threads": args.threads, "torch": torch.__version__,
         "transformers": _version("transformers"), "cpu": platform.processor() or platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "results": rows,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rounds": args.rounds,
+        "cpu_flags": _cpu_features(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": rows,
     }
     print_table(report)
     if args.json:
@@ -148,11 +155,38 @@ def main() -> None:
         print(f"wrote {args.json}")
 
 
+def summarize(rounds: list[dict]) -> dict:
+    """Medians over rounds per side, and the medians of the per-round ratios ringctx / transformers."""
+    out = {}
+    for side in ("ringctx", "transformers"):
+        if side in rounds[0]:
+            out[side] = {key: statistics.median(r[side][key] for r in rounds)
+                         for key in ("prefill_s", "prefill_tokens_per_s", "decode_ms_per_token", "decode_ms_p50")
+                         if rounds[0][side][key] is not None}
+            out[side]["first_token"] = rounds[0][side]["first_token"]
+            out[side].setdefault("decode_ms_per_token", None)
+    if "transformers" in out:
+        out["paired"] = {
+            "prefill_speedup": statistics.median(r["transformers"]["prefill_s"] / r["ringctx"]["prefill_s"] for r in rounds),
+            "decode_time_ratio": statistics.median(r["ringctx"]["decode_ms_p50"] / r["transformers"]["decode_ms_p50"]
+                                                   for r in rounds) if out["ringctx"]["decode_ms_per_token"] else None,
+        }
+    return out
+
+
 def _version(package: str) -> str | None:
     try:
         return __import__(package).__version__
     except ImportError:
         return None
+
+
+def _cpu_features() -> dict:
+    from ringctx import cpu_kernels
+    from ringctx.cpu_features import cpu_has_fast_bf16
+
+    return {"native_bf16": cpu_has_fast_bf16(), "amx_attention": cpu_kernels.amx_available(),
+            "cpu_kernels": cpu_kernels.cpu_kernels_status()}
 
 
 def print_row(row: dict) -> None:
@@ -164,6 +198,10 @@ def print_row(row: dict) -> None:
         msg += f" | transformers {t['prefill_tokens_per_s']:8.0f} tok/s"
         if t["decode_ms_per_token"] is not None:
             msg += f", {t['decode_ms_per_token']:6.1f} ms/tok"
+        paired = row["paired"]
+        msg += f" | paired: prefill {paired['prefill_speedup']:.2f}x"
+        if paired["decode_time_ratio"] is not None:
+            msg += f", decode {paired['decode_time_ratio']:.2f} of the time"
     print(msg, flush=True)
 
 
@@ -172,20 +210,20 @@ def print_table(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"{report['model']}: ringctx vs transformers, {report['threads']} threads, "
-                        f"{report['cpu_capability']}")
-    for col in ("dtype", "prompt", "metric", "ringctx", "transformers", "ringctx speed-up"):
+                        f"{report['cpu_capability']} (medians of {report['rounds']} alternating rounds)")
+    for col in ("dtype", "prompt", "metric", "ringctx", "transformers", "paired ratio"):
         table.add_column(col, justify="right")
     for row in report["results"]:
-        r, t = row["ringctx"], row.get("transformers")
+        r, t, paired = row["ringctx"], row.get("transformers"), row.get("paired", {})
         prompt = f"{row['prompt_tokens']:,}"
-        speedup = f"{r['prefill_tokens_per_s'] / t['prefill_tokens_per_s']:.2f}x" if t else "-"
+        speedup = f"{paired['prefill_speedup']:.2f}x faster" if t else "-"
         table.add_row(row["dtype"], prompt, "prefill tok/s", f"{r['prefill_tokens_per_s']:,.0f}",
                       f"{t['prefill_tokens_per_s']:,.0f}" if t else "-", speedup)
         if r["decode_ms_per_token"] is not None:
-            speedup = f"{t['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x" if t else "-"
-            table.add_row(row["dtype"], prompt, f"decode ms/token ({row['decode_tokens']})",
-                          f"{r['decode_ms_per_token']:.1f}", f"{t['decode_ms_per_token']:.1f}" if t else "-", speedup)
-    Console().print(table)
+            ratio = f"{paired['decode_time_ratio']:.2f} of the time" if t else "-"
+            table.add_row(row["dtype"], prompt, f"decode ms/token, median step ({row['decode_tokens']})",
+                          f"{r['decode_ms_p50']:.1f}", f"{t['decode_ms_p50']:.1f}" if t else "-", ratio)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":
