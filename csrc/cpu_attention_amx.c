@@ -52,12 +52,10 @@
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
 #define Q_TILE 16  /* queries per tile: the columns of S^T and O^T */
-#ifndef Q_BLOCK
+/* Measured on 4K-16K blocks: 128 queries or 128-256 keys were faster on some shapes and slower on
+ * others (their scratch no longer fits L1); these were the best overall. */
 #define Q_BLOCK 64 /* queries per unit of work: four tiles that share each block of K and V */
-#endif
-#ifndef K_BLOCK
 #define K_BLOCK 64 /* keys per online-softmax step, a multiple of 64 (four 16-key tiles of scores) */
-#endif
 
 /* AMX instructions fault until the process asks Linux for the tile state (once per process). */
 static int amx_usable(void) {

@@ -46,9 +46,7 @@ typedef struct {
     void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
 } ringctx_decoder_layer;
 
-#ifndef KEY_TILE
 #define KEY_TILE 256 /* keys per online-softmax step: the tile's scores stay in L1 */
-#endif
 
 /* Where each piece of the float32 work buffer lives. */
 typedef struct {
@@ -155,10 +153,7 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
     for (int64_t t0 = j0; t0 < j1; t0 += KEY_TILE) {
         const int64_t n = j1 - t0 < KEY_TILE ? j1 - t0 : KEY_TILE;
         const char *k_tile = (const char *)k_cache + t0 * row_bytes, *v_tile = (const char *)v_cache + t0 * row_bytes;
-#ifndef SKIP_SCORES
         scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n);
-#endif
-#ifndef SKIP_SOFTMAX
         for (int64_t r = 0; r < hq; ++r) {
             float *sr = scores + r * KEY_TILE;
             __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -184,10 +179,7 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
             m[r] = m_new;
         }
-#endif
-#ifndef SKIP_PV
         pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n);
-#endif
         for (int64_t r = 0; r < hq; ++r) {
             const __m512 a = _mm512_set1_ps(alpha[r]);
             for (int64_t c = 0; c < d; c += 16) {

@@ -107,9 +107,7 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
  * R is the number of query rows per KV head (GQA group size times query tokens). D must be a
  * multiple of 16 and at most MAX_D (checked by the caller).
  * ------------------------------------------------------------------------------------------ */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
-#endif /* how far ahead of the rows in use */
+#define PREFETCH_BYTES 2048 /* how far ahead of the rows in use (one key at a time) */
 
 /* Lane i of the result is the sum of the 16 lanes of a[i]: a tree of adds over shuffled pairs,
  * 46 instructions for 16 sums (one _mm512_reduce_add_ps each takes about 8). */
