@@ -162,3 +162,15 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     assert cpu_kernels.small_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None
     assert cpu_kernels.library() is None
     assert "no-such-compiler" in cpu_kernels.kernel_error()
+
+
+def test_the_c_sources_ship_inside_the_package():
+    """ringctx/csrc links to the repository's csrc/, so that wheels (non-editable installs) carry the
+    C and CUDA sources as package data and the kernels build there too."""
+    from pathlib import Path
+
+    import ringctx
+
+    package_csrc = Path(ringctx.__file__).parent / "csrc"
+    for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
+        assert (package_csrc / name).is_file(), name
