@@ -86,17 +86,6 @@ RINGCTX_AVX512 static inline float hmax(__m512 v) { return _mm512_reduce_max_ps(
 
 RINGCTX_AVX512 static inline float exp1(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
 
-/* out = round(x * rsqrt(mean(x^2) + eps) * w) over n elements. */
-RINGCTX_AVX512 static void rms_norm(const float *x, const void *w, int bf16, int64_t n, float eps, float *out) {
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), acc);
-    float ss = _mm512_reduce_add_ps(acc);
-    for (; i < n; ++i) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (i = 0; i < n; ++i) out[i] = round_to(x[i] * r * load_one(w, bf16, i), bf16);
-}
-
 /* y = round(x W^T + b), or resid = round(resid + round(x W^T + b)) when resid is given; the output
  * rows are shared out over the threads of the enclosing parallel region. */
 static void linear(const float *x, int64_t in, const void *w, const void *b, int64_t out, int bf16, float *y,
@@ -117,20 +106,12 @@ static void linear(const float *x, int64_t in, const void *w, const void *b, int
 /* RoPE on the q and k heads of qkv (in place), then the new k and v into the cache row. */
 static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, float *qkv,
                              int64_t position, const void *cos, const void *sin) {
-    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, half = d / 2;
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
     const int bf16 = s->bf16;
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < hq + 2 * hkv; ++h) {
         float *x = qkv + h * d;
-        if (h < hq + hkv) {
-            float rotated[MAX_D];
-            for (int64_t i = 0; i < d; ++i) {
-                const float partner = i < half ? x[i + half] : x[i - half];
-                const float xc = round_to(x[i] * load_one(cos, bf16, i), bf16);
-                rotated[i] = round_to(xc + partner * load_one(sin, bf16, i), bf16);
-            }
-            memcpy(x, rotated, (size_t)d * sizeof(float));
-        }
+        if (h < hq + hkv) token_rope(x, 0, cos, sin, bf16, d);
         if (h >= hq) {  /* a k head (rotated above) or a v head: into the cache */
             const int is_v = h >= hq + hkv;
             const int64_t kv_head = h - hq - (is_v ? hkv : 0);
@@ -215,17 +196,10 @@ RINGCTX_AVX512 static void merge_threads(const ringctx_decoder_shape *s, const w
 }
 
 /* act = round(round(silu(gate)) * up) over ffn elements, shared out over the threads. */
-RINGCTX_AVX512 static void swiglu(const float *gate_up, int64_t ffn, int bf16, float *act) {
-    const int64_t chunks = (ffn + 15) / 16;
+static void swiglu(const float *gate_up, int64_t ffn, int bf16, float *act) {
 #pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t i0 = 16 * c, n = ffn - i0 < 16 ? ffn - i0 : 16;
-        float silu[16];
-        const __m512 g = _mm512_loadu_ps(gate_up + i0);
-        /* silu(x) = x / (1 + exp(-x)), as PyTorch computes it */
-        _mm512_storeu_ps(silu, _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        for (int64_t i = 0; i < n; ++i) act[i0 + i] = round_to(round_to(silu[i], bf16) * gate_up[ffn + i0 + i], bf16);
-    }
+    for (int64_t i0 = 0; i0 < ffn; i0 += 64)
+        token_swiglu(gate_up + i0, gate_up + ffn + i0, 0, bf16, ffn - i0 < 64 ? ffn - i0 : 64, act + i0, 0);
 }
 
 /* Run one token through n_layers layers. x [dim] (model dtype) is the token's embedding on entry
@@ -256,7 +230,7 @@ int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_la
         for (int64_t li = 0; li < n_layers; ++li) {
             const ringctx_decoder_layer *layer = layers + li;
 #pragma omp single
-            rms_norm(w.resid, layer->attention_norm, bf16, dim, s->norm_eps, w.xn);
+            token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
             linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL);
             rotate_and_store(s, layer, w.qkv, position, cos, sin);
             attend_keys(s, w.qkv, layer->k_cache, layer->v_cache, keys * t / nt, keys * (t + 1) / nt, mine,
@@ -265,7 +239,7 @@ int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_la
             merge_threads(s, &w, nt);
             linear(w.attn, hq * d, layer->wo, layer->bo, dim, bf16, w.xn, w.resid);
 #pragma omp single
-            rms_norm(w.resid, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn);
+            token_rms_norm(w.resid, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn, 0);
             linear(w.xn, dim, layer->w13, NULL, 2 * ffn, bf16, w.gate_up, NULL);
             swiglu(w.gate_up, ffn, bf16, w.act);
             linear(w.act, ffn, layer->w2, NULL, dim, bf16, w.xn, w.resid);

@@ -67,6 +67,28 @@ static inline void store_one(void *base, int bf16, int64_t i, float f) {
     ((uint16_t *)base)[i] = (uint16_t)(u >> 16);
 }
 
+/* 16 floats rounded to bf16 (ties to even; NaN stays NaN), or left alone for float32. */
+RINGCTX_AVX512 static inline __m512 round512(__m512 x, int bf16) {
+    if (!bf16) return x;
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(r), x);
+}
+
+/* Store the lanes of m (already rounded when bf16) at element i of `base` (bf16 bits or float32). */
+RINGCTX_AVX512 static inline void store_any(void *base, int bf16, int64_t i, __m512 v, __mmask16 m) {
+    if (bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)base + i, m,
+                                 _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+    else
+        _mm512_mask_storeu_ps((float *)base + i, m, v);
+}
+
+/* The first n lanes (n <= 16). */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
 /* exp(x) for 16 floats, within about 1 ulp of expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
  * polynomial for exp(r) (Cephes' expf coefficients), times 2^n. x = -inf gives 0. */
 RINGCTX_AVX512 static inline __m512 exp512(__m512 x) {
@@ -92,6 +114,15 @@ static inline void prefetch_span(const char *p, int64_t bytes) {
 }
 
 int ringctx_cpu_kernels_supported(void);
+
+/* The per-token operations of a decoder block on one token (cpu_token_ops.c), with the roundings
+ * of ringctx/model/transformer.py. Data is bf16 bits or float32 (the *_bf16 flags); `bf16` is the
+ * model's dtype: it says how the weights are stored and whether results round to bf16. */
+RINGCTX_INTERNAL void token_rms_norm(const void *x, int x_bf16, const void *w, int bf16, int64_t n, float eps,
+                                     void *out, int out_bf16);
+RINGCTX_INTERNAL void token_rope(void *x, int x_bf16, const void *cos, const void *sin, int bf16, int64_t d);
+RINGCTX_INTERNAL void token_swiglu(const void *gate, const void *up, int in_bf16, int bf16, int64_t n, void *out,
+                                   int out_bf16);
 
 /* y[r, o .. o+n) = x[r] . w[o .. o+n) for every activation row r (n <= 4 output rows); see
  * ringctx_gemv in cpu_kernels.c. */

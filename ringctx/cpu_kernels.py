@@ -16,6 +16,10 @@ AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
                            by ringctx/model/decode_step.py): every layer in one call, so that the
                            ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
                            the weights, are not paid.
+    rms_norm, rope_,       RMSNorm, RoPE and the SwiGLU gate over many rows (csrc/cpu_token_ops.c):
+    swiglu_                one pass per row in float32 with the PyTorch path's roundings, where
+                           PyTorch makes several elementwise passes, each converting bf16 to
+                           float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.5-1.8x PyTorch's fused CPU op there.
 
@@ -49,7 +53,7 @@ MAX_ROWS = 8
 """Most activation rows `small_linear` takes (decode steps and short inputs). Measured against
 PyTorch's bf16 matmul on a CPU without bf16 units: 1.5-2x faster at 1, 3 and 8 rows."""
 
-_SOURCES = ("cpu_kernels.c", "cpu_decode.c", "cpu_attention_amx.c")
+_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c", "cpu_attention_amx.c")
 _HEADERS = ("cpu_kernels.h",)
 _CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
@@ -132,6 +136,11 @@ def _load() -> ctypes.CDLL | None:
                                                   i32, f32, ptr, i64, i64, ptr, i32]
             lib.ringctx_amx_attention.restype = ctypes.c_int
             lib.ringctx_amx_available.restype = ctypes.c_int
+            lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
+            lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
+            lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
+            for name in ("ringctx_rms_norm_rows", "ringctx_rope_rows", "ringctx_swiglu_rows"):
+                getattr(lib, name).restype = ctypes.c_int
             if not lib.ringctx_cpu_kernels_supported():
                 raise RuntimeError("this CPU has no AVX-512 (F, BW and VL)")
             _library = lib
@@ -258,6 +267,60 @@ def decode_pv(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     status = lib.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), int(v.dtype == torch.bfloat16),
                                    D, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
+
+
+def _rows_apply(*tensors: torch.Tensor) -> bool:
+    """The row kernels take CPU tensors of one dtype, float32 or bf16, unit stride along the last
+    dim, when no gradient is wanted."""
+    dtype = tensors[0].dtype
+    if not all(t.dtype == dtype and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors):
+        return False
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """round(x * rsqrt(mean(x^2) + eps) * weight) for x [T, dim] -> new [T, dim] in x's dtype,
+    float32 inside (what F.rms_norm computes); None where the kernel does not apply."""
+    if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1] or not weight.is_contiguous() \
+            or not _rows_apply(x, weight):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    status = lib.ringctx_rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], x.shape[1], eps,
+                                       int(x.dtype == torch.bfloat16), out.data_ptr(), out.stride(0),
+                                       torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate-half RoPE of x [T, H, D] in place: x = round(round(x cos) + roll(x, D/2) sin), with cos,
+    sin [T, 1, D] contiguous (ringctx's RopeAngles). False (x untouched) where the kernel does not
+    apply."""
+    T, H, D = x.shape
+    if cos.shape != (T, 1, D) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()) \
+            or D % 2 or D > 256 or not _rows_apply(x, cos, sin):
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    return lib.ringctx_rope_rows(x.data_ptr(), T, H, D, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                 int(x.dtype == torch.bfloat16), torch.get_num_threads()) == 0
+
+
+def swiglu_(gate_up: torch.Tensor, ffn: int) -> bool:
+    """gate = round(round(silu(gate)) * up) in place over the gate half of gate_up [T, 2 ffn] (gate
+    columns first). False (untouched) where the kernel does not apply."""
+    if gate_up.dim() != 2 or gate_up.shape[1] != 2 * ffn or not _rows_apply(gate_up):
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    return lib.ringctx_swiglu_rows(gate_up.data_ptr(), gate_up.shape[0], ffn, gate_up.stride(0),
+                                   int(gate_up.dtype == torch.bfloat16), torch.get_num_threads()) == 0
 
 
 AMX_HEAD_DIMS = "a multiple of 32 up to 256"

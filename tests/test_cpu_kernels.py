@@ -174,3 +174,65 @@ def test_the_c_sources_ship_inside_the_package():
     package_csrc = Path(ringctx.__file__).parent / "csrc"
     for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
         assert (package_csrc / name).is_file(), name
+
+
+# ---------------------------------------------------------------- per-token ops over many rows
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 576), (37, 64), (300, 100), (5, 7)])
+def test_rms_norm_rows_equal_f_rms_norm(dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, 2 * dim, generator=g) * 3).to(dtype)[:, :dim]  # a strided view
+    w = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    got, want = cpu_kernels.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (dim,), w, 1e-5)
+    assert got.dtype == dtype and got.shape == (rows, dim)
+    if dtype == torch.bfloat16:  # one rounding, as F.rms_norm: equal but for the odd sum-order flip
+        assert (got == want).float().mean() >= 0.999
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+def test_rope_rows_equal_the_pytorch_formula(dtype, d):
+    from ringctx.model.transformer import RopeAngles, apply_rotary
+
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(50, 7, d, generator=g).to(dtype)
+    angles = torch.arange(50).double()[:, None] * torch.rand(d // 2, generator=g).double()
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)[:, None]
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)[:, None]
+    want = apply_rotary(qkv[:, :5], RopeAngles(cos, sin))
+    untouched = qkv[:, 5:].clone()
+    assert cpu_kernels.rope_(qkv[:, :5], cos, sin)  # in place on a view of the fused projection
+    torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(qkv[:, :5], want)  # the same two roundings
+    assert torch.equal(qkv[:, 5:], untouched)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ffn", [1536, 77])
+def test_swiglu_rows_equal_silu_times_up(dtype, ffn):
+    g = torch.Generator().manual_seed(ffn)
+    gate_up = (torch.randn(40, 2 * ffn, generator=g) * 4).to(dtype)
+    want = torch.nn.functional.silu(gate_up[:, :ffn].clone()).mul_(gate_up[:, ffn:])
+    up = gate_up[:, ffn:].clone()
+    assert cpu_kernels.swiglu_(gate_up, ffn)
+    torch.testing.assert_close(gate_up[:, :ffn], want, atol=1e-6, rtol=1e-5)
+    if dtype == torch.bfloat16:
+        assert (gate_up[:, :ffn] == want).float().mean() >= 0.999
+    assert torch.equal(gate_up[:, ffn:], up)
+
+
+def test_row_ops_decline_what_they_do_not_cover():
+    x = torch.randn(4, 8)
+    assert cpu_kernels.rms_norm(x.half(), torch.ones(8).half(), 1e-5) is None
+    assert cpu_kernels.rms_norm(x, torch.ones(8).bfloat16(), 1e-5) is None  # mixed dtypes
+    assert not cpu_kernels.swiglu_(torch.randn(4, 10), 4)  # not [T, 2 ffn]
+    assert not cpu_kernels.rope_(torch.randn(4, 2, 8), torch.randn(4, 1, 6), torch.randn(4, 1, 6))

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
+from .. import cpu_kernels
 from ..cpu_kernels import MAX_ROWS, small_linear
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -85,6 +86,14 @@ def apply_rotary(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
     return torch.addcmul(x * rope.cos, x.roll(x.shape[-1] // 2, dims=-1), rope.sin)
 
 
+def apply_rotary_(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
+    """`apply_rotary` in place (x must be a buffer the caller owns); returns x. On the CPU one pass
+    of ringctx's kernel (csrc/cpu_token_ops.c), the same roundings."""
+    if not cpu_kernels.rope_(x, rope.cos, rope.sin):
+        x.copy_(apply_rotary(x, rope))
+    return x
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, as one fused op that accumulates in float32.
 
@@ -99,8 +108,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] -> [T, dim] in x's dtype."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        """x [T, dim] -> [T, dim] in x's dtype (on the CPU in one pass of ringctx's kernel)."""
+        out = cpu_kernels.rms_norm(x, self.weight, self.eps) if x.device.type == "cpu" else None
+        return out if out is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -121,7 +131,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias).view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         split = self.n_heads + self.n_kv_heads
-        qk = apply_rotary(qkv[:, :split], rope)  # one rotation for q and k heads together
+        qk = apply_rotary_(qkv[:, :split], rope)  # one rotation for q and k heads together, in place
         return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -169,8 +179,11 @@ class FeedForward(nn.Module):
         """x [T, dim] -> [T, dim]."""
         gate_up = linear(x, self.w13.weight)
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
-        # In place over the gate half: no [T, ffn] temporaries (w2 reads the strided view as is).
-        return linear(F.silu(gate, inplace=True).mul_(up), self.w2.weight)
+        # In place over the gate half: no [T, ffn] temporaries (w2 reads the strided view as is);
+        # on the CPU one pass of ringctx's kernel instead of two PyTorch ops.
+        if not (gate_up.device.type == "cpu" and cpu_kernels.swiglu_(gate_up, self.ffn_dim)):
+            F.silu(gate, inplace=True).mul_(up)
+        return linear(gate, self.w2.weight)
 
 
 class Block(nn.Module):

@@ -1,0 +1,104 @@
+/* The per-token operations of a Llama-family block on AVX-512 CPUs: RMSNorm, rotate-half RoPE and
+ * the SwiGLU gate, one token at a time (used by the fused decode step, cpu_decode.c) and over many
+ * rows (exported for prefill, called by ringctx/model/transformer.py).
+ *
+ * Why for prefill: in PyTorch each is several elementwise ops, and in bf16 every op converts to
+ * float32 and back: an 8K-token bf16 prefill of SmolLM2 spent ~1 s of ~7 s in them (profiled).
+ * Here each is one pass per row, in float32 inside, with the roundings of the PyTorch path:
+ *
+ *   RMSNorm  out = round(x * rsqrt(mean(x^2) + eps) * w)          (F.rms_norm rounds once)
+ *   RoPE     x'  = round(round(x * cos) + roll(x, D/2) * sin)      (x * cos, then addcmul)
+ *   SwiGLU   g'  = round(round(g / (1 + exp(-g))) * u)             (F.silu, then mul_)
+ *
+ * round() is to bf16 for a bf16 model and nothing for float32. Sums and exp are not PyTorch's own,
+ * so a float32 result may differ in the last bit and a bf16 one, rarely, by one step.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "cpu_kernels.h"
+
+RINGCTX_AVX512 void token_rms_norm(const void *x, int x_bf16, const void *w, int bf16, int64_t n, float eps,
+                                   void *out, int out_bf16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = load_any_tail(x, x_bf16, i, first_lanes(n - i));
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
+    const __m512 vr = _mm512_set1_ps(r);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = first_lanes(n - i);
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_any_tail(x, x_bf16, i, m), vr), load_any_tail(w, bf16, i, m));
+        store_any(out, out_bf16, i, round512(y, bf16), m);
+    }
+}
+
+RINGCTX_AVX512 void token_rope(void *x, int x_bf16, const void *cos, const void *sin, int bf16, int64_t d) {
+    const int64_t half = d / 2;
+    float v[MAX_D], rotated[MAX_D];
+    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(v + i, load_any_tail(x, x_bf16, i, first_lanes(d - i)));
+    for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = first_lanes(d - i);
+        float partner[16];
+        for (int64_t j = 0; j < 16 && i + j < d; ++j) partner[j] = i + j < half ? v[i + j + half] : v[i + j - half];
+        const __m512 xc = round512(_mm512_mul_ps(_mm512_loadu_ps(v + i), load_any_tail(cos, bf16, i, m)), bf16);
+        const __m512 r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, partner), load_any_tail(sin, bf16, i, m), xc);
+        _mm512_mask_storeu_ps(rotated + i, m, round512(r, bf16));
+    }
+    for (int64_t i = 0; i < d; i += 16) store_any(x, x_bf16, i, _mm512_loadu_ps(rotated + i), first_lanes(d - i));
+}
+
+RINGCTX_AVX512 void token_swiglu(const void *gate, const void *up, int in_bf16, int bf16, int64_t n, void *out,
+                                 int out_bf16) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = first_lanes(n - i);
+        const __m512 g = load_any_tail(gate, in_bf16, i, m);
+        /* silu(x) = x / (1 + exp(-x)), as PyTorch computes it */
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        const __m512 y = _mm512_mul_ps(round512(silu, bf16), load_any_tail(up, in_bf16, i, m));
+        store_any(out, out_bf16, i, round512(y, bf16), m);
+    }
+}
+
+/* ---- over many rows (prefill): row r of x at x + r * x_stride elements ---------------------- */
+
+/* out[r] = RMSNorm(x[r]) for rows r < rows; x and out in the model dtype. */
+int ringctx_rms_norm_rows(const void *x, int64_t x_stride, const void *w, int64_t rows, int64_t dim, float eps,
+                          int bf16, void *out, int64_t out_stride, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    const int64_t e = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        token_rms_norm((const char *)x + r * x_stride * e, bf16, w, bf16, dim, eps, (char *)out + r * out_stride * e,
+                       bf16);
+    return 0;
+}
+
+/* RoPE in place on `heads` heads of D elements of each row: head h of row r at
+ * x + r * row_stride + h * head_stride; cos, sin: [rows, D] (RopeAngles' layout). */
+int ringctx_rope_rows(void *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride, int64_t head_stride,
+                      const void *cos, const void *sin, int bf16, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    if (d > MAX_D || d % 2) return -2;
+    const int64_t e = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+            token_rope((char *)x + (r * row_stride + h * head_stride) * e, bf16, (const char *)cos + r * d * e,
+                       (const char *)sin + r * d * e, bf16, d);
+    return 0;
+}
+
+/* gate = SwiGLU(gate, up) in place over the gate half of each row of gate_up [rows, 2 * ffn]. */
+int ringctx_swiglu_rows(void *gate_up, int64_t rows, int64_t ffn, int64_t row_stride, int bf16, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    const int64_t e = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        char *row = (char *)gate_up + r * row_stride * e;
+        token_swiglu(row, row + ffn * e, bf16, bf16, ffn, row, bf16);
+    }
+    return 0;
+}
