@@ -32,6 +32,7 @@ None, `decode_kernels_apply` False and `library()` None, and callers use PyTorch
 
 Environment:
     RINGCTX_CPU_KERNELS=0   never build or use the kernels
+    RINGCTX_AMX=0           never use the AMX attention kernel (bf16 attention then uses PyTorch's op)
     RINGCTX_CACHE_DIR       where the built library is kept (default ~/.cache/ringctx)
     CC                      the C compiler (default: cc, then gcc)
 """
@@ -153,7 +154,8 @@ def _load() -> ctypes.CDLL | None:
 def cpu_kernels_status() -> str:
     """One line for `ringctx info`: whether the kernels are in use here, or why not (builds them)."""
     if _load() is not None:
-        amx = "; AMX bf16 attention" if amx_available() else " (no AMX: bf16 attention uses PyTorch's op)"
+        reason = amx_unavailable_reason()
+        amx = "; AMX bf16 attention" if reason is None else f" (bf16 attention uses PyTorch's op: {reason})"
         return ("available: fused decode step, GEMV, decode attention (AVX-512; csrc/cpu_*.c, built with the "
                 f"system C compiler){amx}")
     return _error or "not in use"
@@ -329,8 +331,19 @@ AMX_HEAD_DIMS = "a multiple of 32 up to 256"
 def amx_available() -> bool:
     """True when this CPU and OS run the AMX attention kernel (AMX-BF16 and AVX512-BF16, the tile
     state granted by Linux) and the kernels are built."""
+    if os.environ.get("RINGCTX_AMX", "1") == "0":
+        return False
     lib = _load()
     return lib is not None and bool(lib.ringctx_amx_available())
+
+
+def amx_unavailable_reason() -> str | None:
+    """Why the AMX attention kernel is not in use here (None when it is)."""
+    if amx_available():
+        return None
+    if os.environ.get("RINGCTX_AMX", "1") == "0":
+        return "disabled by RINGCTX_AMX=0"
+    return kernel_error() or "this CPU has no AMX-BF16, or Linux did not grant the tile state"
 
 
 def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -42,7 +42,7 @@ def environment_report() -> dict:
         "gpus": gpus,
         "attention_backends": attention,
         "distributed_backends": distributed,
-        "cpu_decode_kernels": cpu_kernels_status(),
+        "cpu_kernels": cpu_kernels_status(),
     }
 
 

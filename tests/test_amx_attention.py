@@ -15,8 +15,7 @@ from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
-                               reason="needs a CPU with AMX-BF16 and the CPU kernels built "
-                                      f"({cpu_kernels.kernel_error() or 'no AMX on this CPU'})")
+                               reason=f"needs the AMX attention kernel: {cpu_kernels.amx_unavailable_reason()}")
 
 
 def rand(*shape, seed, scale=1.0):

@@ -58,7 +58,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
                          "(pip install 'ringctx[flash]' on a CUDA machine), or use backend 'torch'")
     if backend == "amx" and not (device.type == "cpu" and cpu_kernels.amx_available()):
         raise ValueError("attention backend 'amx' requested but this machine cannot run it (it needs a CPU "
-                         f"with AMX-BF16 and the CPU kernels: {cpu_kernels.kernel_error() or 'no AMX here'}); "
+                         f"with AMX-BF16 and the CPU kernels: {cpu_kernels.amx_unavailable_reason() or 'not a CPU tensor'}); "
                          "use backend 'torch'")
     return backend
 
