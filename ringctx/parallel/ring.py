@@ -12,7 +12,9 @@ pass-Q: KV stays; each rank's queries travel around the ring instead, every rank
     every query to the rank that owns it, where they are merged.
 
 Which blocks are computed, skipped, full or diagonal comes from `ShardLayout.block_tasks`, i.e.
-from global positions and sequence ids. Positions and sequence ids of travelling queries are not
+from global positions and sequence ids. Messages and the local queries are kept head-major in
+memory (each head's rows contiguous): the CPU attention kernels read them faster so, and every
+backend takes such strides. Positions and sequence ids of travelling queries are not
 sent: every rank holds the same layout (checked before any communication), so the receiver
 derives them from the source rank.
 """
