@@ -150,7 +150,7 @@ per-call weight packing they amortize). Only x, q, k, v and the attention output
 
 def rows_per_slice(dtype: torch.dtype) -> int:
     """Rows of one slice for activations of `dtype` (ROWS_PER_SLICE float32 rows' worth of bytes)."""
-    return ROWS_PER_SLICE * 4 // max(1, torch.empty(0, dtype=dtype).element_size())
+    return ROWS_PER_SLICE * 4 // dtype.itemsize
 
 
 def row_slices(rows: int, dtype: torch.dtype = torch.float32) -> list[tuple[int, int]]:
