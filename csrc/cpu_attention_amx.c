@@ -28,6 +28,16 @@
  * tile 4 A, tile 5 B. A unit of work is four query tiles of one head that take each block of
  * K and V in turn while it is in L1.
  *
+ * Each step (one query tile, one key block) is S^T on the tile unit, then the softmax on the
+ * vector units, then P V on the tile unit. Written in that order the two units took turns: a
+ * step's tile work waited for the last one's (tile registers are not renamed), and its softmax
+ * for its S^T. So each step's softmax issues the *next* step's S^T product between its runs of
+ * vector work (softmax_step), into a second S^T buffer. Measured (docs/BENCHMARKS.md): the same
+ * results bit for bit; at W = 2 on the 2-core AMX VM, ring pass-KV 0.79x / 0.67x PyTorch's ring
+ * at 8K / 32K tokens against 0.95x / 0.82x before; single calls 6-9% slower at D = 64 on an idle
+ * core, 10-30% faster when the core's other hardware thread is busy (the common case on that
+ * shared VM), 0-10% faster at D = 128.
+ *
  * Numerics are those of a flash-attention kernel in bf16: scores accumulated in float32 by the
  * tiles (TDPBF16PS), softmax in float32 (2^x to 1.5e-7), probabilities rounded to bf16 for the
  * P V product, output accumulated in float32 and rounded once.
@@ -55,7 +65,7 @@
 /* Measured on 4K-16K blocks: 128 queries or 128-256 keys were faster on some shapes and slower on
  * others (their scratch no longer fits L1); these were the best overall. */
 #define Q_BLOCK 64 /* queries per unit of work: four tiles that share each block of K and V */
-#define K_BLOCK 64 /* keys per online-softmax step, a multiple of 64 (four 16-key tiles of scores) */
+#define K_BLOCK 64 /* keys per online-softmax step: four 16-key C tiles of scores (the code assumes 64) */
 
 /* AMX instructions fault until the process asks Linux for the tile state (once per process). */
 static int amx_usable(void) {
@@ -140,41 +150,56 @@ typedef struct {
     int64_t r0, rows;
 } query_tile;
 
-/* Scratch of one key block, shared by the tiles in turn. */
+/* Scratch of the steps, shared by the tiles in turn: S^T of the current step and of the next one
+ * (written while the current one's softmax runs), and P^T of the current step. */
 typedef struct {
-    float st[K_BLOCK * Q_TILE] __attribute__((aligned(64)));    /* S^T: [keys][16 q] */
-    uint16_t pt[K_BLOCK / 2 * 32] __attribute__((aligned(64))); /* P^T, VNNI: [key pairs][16 q x 2] */
-} block_scratch;
+    float st[2][K_BLOCK * Q_TILE] __attribute__((aligned(64))); /* S^T: [keys][16 q] */
+    uint16_t pt[K_BLOCK / 2 * 32] __attribute__((aligned(64)));  /* P^T, VNNI: [key pairs][16 q x 2] */
+} step_scratch;
 
-/* One query tile against keys k0 .. k0 + 63 of its head: the online-softmax step. */
-AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t *k_head, const uint16_t *v_head,
-                                 int64_t k0, int64_t S, int64_t D, int causal, float s2) {
-    const int64_t chunks = D / 32, dim_tiles = D / 16;
-    /* S^T = K Q^T, 64 keys (four C tiles) at a time */
-    for (int64_t kg = 0; kg < K_BLOCK; kg += 64) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t dc = 0; dc < chunks; ++dc) {
-            _tile_loadd(5, t->qt + dc * 16 * Q_TILE, 64);
-            const uint16_t *kr = k_head + (k0 + kg) * D + dc * 32;
-            _tile_loadd(4, kr, D * 2);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(4, kr + 16 * D, D * 2);
-            _tile_dpbf16ps(1, 4, 5);
-            _tile_loadd(4, kr + 32 * D, D * 2);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_loadd(4, kr + 48 * D, D * 2);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-        float *st = b->st + kg * Q_TILE;
+/* S^T = K Q^T for the 64 keys at k_rows and one query tile, in D / 32 + 1 pieces: piece 0 zeroes
+ * the four C tiles (16 keys each) and adds dims 0-31, piece p < D / 32 adds dims 32p .. 32p + 31,
+ * the last piece stores S^T. The softmax of the step before issues them one by one between runs
+ * of its own vector work (softmax_step), so that the tile unit works while the vector units do. */
+AMX_TARGET static inline void scores_piece(const query_tile *t, const uint16_t *k_rows, int64_t D, int64_t piece,
+                                           float *st) {
+    if (piece == D / 32) {
         _tile_stored(0, st, 64);
         _tile_stored(1, st + 16 * Q_TILE, 64);
         _tile_stored(2, st + 32 * Q_TILE, 64);
         _tile_stored(3, st + 48 * Q_TILE, 64);
+        return;
     }
+    if (piece == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    _tile_loadd(5, t->qt + piece * 16 * Q_TILE, 64);
+    const uint16_t *kr = k_rows + piece * 32;
+    _tile_loadd(4, kr, D * 2);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(4, kr + 16 * D, D * 2);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_loadd(4, kr + 32 * D, D * 2);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(4, kr + 48 * D, D * 2);
+    _tile_dpbf16ps(3, 4, 5);
+}
 
+/* The S^T product a softmax step computes on the side for the step after it (NULL: none). */
+typedef struct {
+    const query_tile *tile;
+    const uint16_t *k_rows;
+    float *st;
+} next_scores;
+
+/* The online-softmax step of query tile t against keys k0 .. k0 + 63, whose S^T is in st: updates
+ * t's running max and sum (and rescales its O^T where the max moved) and writes P^T for pv_step,
+ * issuing `next`'s S^T product piece by piece on the way. */
+AMX_TARGET static void softmax_step(query_tile *t, const float *st, uint16_t *pt, int64_t k0, int64_t S, int64_t D,
+                                    int causal, float s2, const next_scores *next) {
     /* Which (key, query) pairs are visible: all of them, unless the block reaches past the last
      * key or (causal) past the tile's first query. The max is taken over raw scores (scale > 0). */
     const int full = k0 + K_BLOCK <= S && (!causal || k0 + K_BLOCK - 1 <= t->r0);
@@ -183,14 +208,14 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
     __mmask16 visible[K_BLOCK];
     __m512 raw_top = _mm512_set1_ps(-INFINITY);
     if (full) {
-        for (int j = 0; j < K_BLOCK; ++j) raw_top = _mm512_max_ps(raw_top, _mm512_load_ps(b->st + j * Q_TILE));
+        for (int j = 0; j < K_BLOCK; ++j) raw_top = _mm512_max_ps(raw_top, _mm512_load_ps(st + j * Q_TILE));
     } else {
         for (int j = 0; j < K_BLOCK; ++j) {
             const int64_t key = k0 + j;
             visible[j] = key >= S ? 0
                          : causal ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)key), query, _MM_CMPINT_LE)
                                   : 0xffff;
-            raw_top = _mm512_mask_max_ps(raw_top, visible[j], raw_top, _mm512_load_ps(b->st + j * Q_TILE));
+            raw_top = _mm512_mask_max_ps(raw_top, visible[j], raw_top, _mm512_load_ps(st + j * Q_TILE));
         }
     }
     /* In base 2: y = s * scale * log2 e. The running max m moves only where a block's max exceeds
@@ -217,22 +242,34 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
                                                  0x00150005, 0x00160006, 0x00170007, 0x00180008, 0x00190009,
                                                  0x001a000a, 0x001b000b, 0x001c000c, 0x001d000d, 0x001e000e,
                                                  0x001f000f);
+    /* next's products spread over the loop, one before each of D / 32 equal runs of iterations;
+     * its stores after the loop */
+    const int64_t runs = next ? D / 32 : 1;
     __m512 sum = _mm512_setzero_ps();
-    for (int i = 0; i < K_BLOCK / 2; ++i) {
-        __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(b->st + 2 * i * Q_TILE), vs2, shift));
-        __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(b->st + (2 * i + 1) * Q_TILE), vs2, shift));
-        if (!full) {
-            p0 = _mm512_maskz_mov_ps(visible[2 * i], p0);
-            p1 = _mm512_maskz_mov_ps(visible[2 * i + 1], p1);
+    for (int64_t run = 0; run < runs; ++run) {
+        if (next) scores_piece(next->tile, next->k_rows, D, run, next->st);
+        const int64_t i_end = (run + 1) * (K_BLOCK / 2) / runs;
+        for (int64_t i = run * (K_BLOCK / 2) / runs; i < i_end; ++i) {
+            __m512 p0 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(st + 2 * i * Q_TILE), vs2, shift));
+            __m512 p1 = exp2_512(_mm512_fmsub_ps(_mm512_load_ps(st + (2 * i + 1) * Q_TILE), vs2, shift));
+            if (!full) {
+                p0 = _mm512_maskz_mov_ps(visible[2 * i], p0);
+                p1 = _mm512_maskz_mov_ps(visible[2 * i + 1], p1);
+            }
+            sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+            /* VNNI row i of P^T: (key 2i, key 2i+1) for each query, as bf16 pairs */
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_store_si512((__m512i *)(pt + i * 32), _mm512_permutexvar_epi16(pair_order, both));
         }
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        /* VNNI row i of P^T: (key 2i, key 2i+1) for each query, as bf16 pairs */
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-        _mm512_store_si512((__m512i *)(b->pt + i * 32), _mm512_permutexvar_epi16(pair_order, both));
     }
+    if (next) scores_piece(next->tile, next->k_rows, D, D / 32, next->st);
     t->l = _mm512_add_ps(t->l, sum);
+}
 
-    /* O^T += V^T P^T, four 16-dim C tiles at a time, loaded from and stored back to O^T */
+/* O^T += V^T P^T for query tile t and keys k0 .. k0 + 63, four 16-dim C tiles at a time, loaded
+ * from and stored back to O^T. */
+AMX_TARGET static void pv_step(query_tile *t, const uint16_t *pt, const uint16_t *v_head, int64_t k0, int64_t D) {
+    const int64_t dim_tiles = D / 16;
     for (int64_t dt0 = 0; dt0 < dim_tiles; dt0 += 4) {
         const int64_t n = dim_tiles - dt0 < 4 ? dim_tiles - dt0 : 4; /* D % 32 == 0: 2 or 4 */
         float *o = t->acc + dt0 * 16 * Q_TILE;
@@ -243,7 +280,7 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
             _tile_loadd(3, o + 48 * Q_TILE, 64);
         }
         for (int64_t c = 0; c < K_BLOCK / 32; ++c) {
-            _tile_loadd(5, b->pt + c * 16 * 32, 64);
+            _tile_loadd(5, pt + c * 16 * 32, 64);
             const uint16_t *vc = v_head + (k0 / 32 + c) * D * 32 + dt0 * 16 * 32;
             _tile_loadd(4, vc, 64);
             _tile_dpbf16ps(0, 4, 5);
@@ -265,13 +302,22 @@ AMX_TARGET static void tile_step(query_tile *t, block_scratch *b, const uint16_t
     }
 }
 
+/* The first tile of a unit that sees key block k0 (causal: later queries see more keys, so the
+ * tiles that see it are a suffix), or n_tiles when none does. */
+static int64_t first_seeing(const query_tile *tiles, int64_t n_tiles, int64_t k0, int causal) {
+    int64_t i = 0;
+    while (causal && i < n_tiles && k0 >= tiles[i].r0 + tiles[i].rows) ++i;
+    return i;
+}
+
 /* One unit: query head h (KV head kv), queries r0 .. r0 + Q_BLOCK - 1, as Q_BLOCK / 16 tiles that
  * take each key block in turn while it is in L1 (per query tile, K and V came from memory once
- * per 16 queries, and the kernel was bound by it at 16K keys). */
+ * per 16 queries, and the kernel was bound by it at 16K keys). The steps (key block, tile) run in
+ * that order; each one's softmax computes the next one's scores on the side. */
 AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *kp,
                                    const uint16_t *vt, int64_t T, int64_t S, int64_t D, int causal, float scale,
                                    int64_t padded, uint16_t *out, int64_t o_rs, int64_t o_hs, float *lse, int64_t h,
-                                   int64_t kv, int64_t r0, query_tile *tiles, block_scratch *scratch) {
+                                   int64_t kv, int64_t r0, query_tile *tiles, step_scratch *scratch) {
     const int64_t n_tiles = (T - r0 + Q_TILE - 1) / Q_TILE < Q_BLOCK / Q_TILE ? (T - r0 + Q_TILE - 1) / Q_TILE
                                                                                 : Q_BLOCK / Q_TILE;
     for (int64_t i = 0; i < n_tiles; ++i) {
@@ -291,10 +337,22 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
     const uint16_t *k_head = kp + kv * padded * D, *v_head = vt + kv * padded * D;
     const query_tile *last = tiles + n_tiles - 1;
     const int64_t key_end = causal ? last->r0 + last->rows : S; /* causal: a query sees up to itself */
-    for (int64_t k0 = 0; k0 < key_end; k0 += K_BLOCK)
-        for (int64_t i = 0; i < n_tiles; ++i)
-            if (!causal || k0 < tiles[i].r0 + tiles[i].rows)
-                tile_step(tiles + i, scratch, k_head, v_head, k0, S, D, causal, s2);
+
+    int64_t k0 = 0, i = first_seeing(tiles, n_tiles, 0, causal), current = 0; /* the last tile sees block 0 */
+    for (int64_t piece = 0; piece <= D / 32; ++piece) scores_piece(tiles + i, k_head, D, piece, scratch->st[0]);
+    for (;;) {
+        int64_t next_k0 = k0, next_i = i + 1;
+        if (next_i == n_tiles) {
+            next_k0 = k0 + K_BLOCK;
+            next_i = first_seeing(tiles, n_tiles, next_k0, causal);
+        }
+        const int more = next_k0 < key_end;
+        const next_scores next = {tiles + next_i, k_head + next_k0 * D, scratch->st[current ^ 1]};
+        softmax_step(tiles + i, scratch->st[current], scratch->pt, k0, S, D, causal, s2, more ? &next : NULL);
+        pv_step(tiles + i, scratch->pt, v_head, k0, D);
+        if (!more) break;
+        k0 = next_k0, i = next_i, current ^= 1;
+    }
 
     /* out = O / l, lse = (m + log2 l) ln 2; a query that saw no key gets 0 and -inf */
     for (int64_t i = 0; i < n_tiles; ++i) {
@@ -311,7 +369,6 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
                 store_one(out + (t->r0 + n) * o_rs + h * o_hs, 1, d, bf16_round(t->acc[d * Q_TILE + n] * inv[n]));
     }
 }
-
 int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
                           int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
                           int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, uint16_t *out, int64_t o_rs,
@@ -331,7 +388,7 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
 #pragma omp parallel num_threads(threads)
     {
         query_tile tiles[Q_BLOCK / Q_TILE];
-        block_scratch scratch;
+        step_scratch scratch;
         pack_keys(k, k_rs, k_hs, S, Hkv, D, padded, kp);
         pack_values(v, v_rs, v_hs, S, Hkv, D, padded / 32, vt); /* the loop's end is a barrier */
         configure_tiles();
