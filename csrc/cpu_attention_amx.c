@@ -15,7 +15,8 @@
  * that way, with its scores in L1, ran at 0.84-0.95x PyTorch's op. This one computes the scores
  * transposed, S^T = K Q^T, so that a vector holds one key's scores for 16 queries: the running
  * max, the exponentials and the sums of the online softmax are plain vertical vector
- * operations, and it measured 1.5-1.8x PyTorch's op (docs/BENCHMARKS.md).
+ * operations, and it measured 1.2-1.9x PyTorch's op (scripts/bench_cpu_attention.py,
+ * docs/BENCHMARKS.md).
  *
  * Per query tile (one query head, 16 queries), over blocks of 64 keys:
  *   S^T [64 keys x 16 q]  = K [64 x D] . Q^T            tiles: A = 16 rows of K, B = Q^T (VNNI)
@@ -35,8 +36,8 @@
  * vector work (softmax_step), into a second S^T buffer. Measured (docs/BENCHMARKS.md): the same
  * results bit for bit; at W = 2 on the 2-core AMX VM, ring pass-KV 0.79x / 0.67x PyTorch's ring
  * at 8K / 32K tokens against 0.95x / 0.82x before; single calls 6-9% slower at D = 64 on an idle
- * core, 10-30% faster when the core's other hardware thread is busy (the common case on that
- * shared VM), 0-10% faster at D = 128.
+ * core, 19% faster when the core's other hardware thread is busy (the common case on that shared
+ * VM), at D = 128 as fast idle and 7-12% faster busy.
  *
  * Numerics are those of a flash-attention kernel in bf16: scores accumulated in float32 by the
  * tiles (TDPBF16PS), softmax in float32 (2^x to 1.5e-7), probabilities rounded to bf16 for the

@@ -12,8 +12,8 @@ bottom-right): `causal=True` is therefore only accepted for square blocks.
 Backends:
     "torch"       PyTorch's fused flash op for the tensor's device (CPU: the AMX/AVX-512 op; CUDA:
                   the flash SDPA op, with KV heads expanded since it has no native GQA)
-    "amx"         ringctx's bf16 flash kernel for CPUs with AMX (csrc/cpu_attention_amx.c), 1.5-1.8x
-                  PyTorch's CPU op there; head_dim a multiple of 32
+    "amx"         ringctx's bf16 flash kernel for CPUs with AMX (csrc/cpu_attention_amx.c), 1.2-1.9x
+                  PyTorch's CPU op there (scripts/bench_cpu_attention.py); head_dim a multiple of 32
     "flash-attn"  Dao-AILab flash-attn (CUDA), if installed: native GQA, token-major layout
     "triton"      ringctx's own Triton kernel (CUDA; TRITON_INTERPRET=1 on CPU for tests)
     "reference"   float64 reference (tests)
