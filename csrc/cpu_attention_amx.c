@@ -339,7 +339,7 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
     const query_tile *last = tiles + n_tiles - 1;
     const int64_t key_end = causal ? last->r0 + last->rows : S; /* causal: a query sees up to itself */
 
-    int64_t k0 = 0, i = first_seeing(tiles, n_tiles, 0, causal), current = 0; /* the last tile sees block 0 */
+    int64_t k0 = 0, i = 0, current = 0; /* every tile sees key block 0 */
     for (int64_t piece = 0; piece <= D / 32; ++piece) scores_piece(tiles + i, k_head, D, piece, scratch->st[0]);
     for (;;) {
         int64_t next_k0 = k0, next_i = i + 1;
@@ -348,7 +348,8 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
             next_i = first_seeing(tiles, n_tiles, next_k0, causal);
         }
         const int more = next_k0 < key_end;
-        const next_scores next = {tiles + next_i, k_head + next_k0 * D, scratch->st[current ^ 1]};
+        next_scores next = {NULL, NULL, NULL};
+        if (more) next = (next_scores){tiles + next_i, k_head + next_k0 * D, scratch->st[current ^ 1]};
         softmax_step(tiles + i, scratch->st[current], scratch->pt, k0, S, D, causal, s2, more ? &next : NULL);
         pv_step(tiles + i, scratch->pt, v_head, k0, D);
         if (!more) break;
