@@ -21,7 +21,7 @@ AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
                            PyTorch makes several elementwise passes, each converting bf16 to
                            float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
-                           the "amx" attention backend, 1.5-1.8x PyTorch's fused CPU op there.
+                           the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
 
 How: the C files have no PyTorch headers, so the system C compiler builds them in about a second
 the first time they are needed; the library is cached under ~/.cache/ringctx (or
