@@ -29,16 +29,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..model import KVCache, load_model
-from ..model.kvfile import load_kv_cache, save_kv_cache, weights_digest
+from ..attention.quant import check_kv_dtype
+from ..model import KVCache, Sampler, load_model
+from ..model.generate import Generation
+from ..model.kvfile import weights_digest
 from ..parallel.comm import agree_across_ranks
 from ..parallel.launch import default_backend
+from .decode import ShardedDecoder
+from .documents import load_document_slices, save_document_slices
 from .failures import (
-    CLOSED, Health, ProcessWatch, RankFailure, first_line, maybe_die, memory_problem, with_test_hook,
+    CLOSED, Health, ProcessWatch, RankFailure, available_memory, first_line, fmt_bytes, maybe_die, memory_problem,
+    with_test_hook,
 )
+from .handoff import gather_in_order
 from .prefill import STRATEGY_CHOICES, PrefillConfig, PrefillResult, cp_prefill
 
-_STOP, _PREFILL = "stop", "prefill"  # commands rank 0 sends its spawned workers (over a pipe each)
+_STOP = "stop"  # the other commands rank 0 sends its spawned workers are Engine._on_<name> methods
 
 
 def default_chunk_tokens(model, world: int) -> int:
@@ -58,10 +64,14 @@ def default_chunk_tokens(model, world: int) -> int:
 
 @dataclass
 class Document:
-    """A prefilled document ready for questions: its KV cache and what a question must append."""
+    """A prefilled document ready for questions: its KV cache and what a question must append.
+
+    With several decode ranks every one of them holds a Document of its own for the same text,
+    whose `cache` is that rank's slice of the tokens; the engine keeps them in step.
+    """
 
     cache: KVCache
-    """Decode KV cache holding the document's tokens (positions 0..length-1)."""
+    """This rank's KV cache of the document: all tokens in order (one decode rank) or a slice."""
     token_ids: torch.Tensor
     """The document's token ids."""
     question_prefix: str = ""
@@ -71,21 +81,32 @@ class Document:
     stats: object | None = None
     """PrefillStats of the ingest (None when loaded from a file)."""
     metadata: dict = field(default_factory=dict)
+    id: int = -1
+    """The engine's handle for the document on every decode rank."""
+    rows: int = -1
+    """Rows of `cache` that belong to the document (the rest are an answer's); -1: cache.length."""
+
+    def __post_init__(self):
+        if self.rows < 0:
+            self.rows = self.cache.length
 
     @property
     def length(self) -> int:
         return int(self.token_ids.numel())
 
-    def save(self, path: str, model) -> None:
-        """Write the KV cache, token ids and chat frame to a safetensors file (atomically)."""
-        self.cache.truncate(self.length)  # answers to earlier questions are not part of the document
-        save_kv_cache(path, self.cache, model, self.token_ids,
-                      extra={"question_prefix": self.question_prefix, "question_suffix": self.question_suffix,
-                             **self.metadata})
+    def rewind(self) -> KVCache:
+        """The cache cut back to the document (questions do not see each other)."""
+        self.cache.truncate(self.rows)
+        return self.cache
+
+    @property
+    def frame(self) -> dict:
+        """What a saved document keeps besides the cache: the chat frame and the metadata."""
+        return {"question_prefix": self.question_prefix, "question_suffix": self.question_suffix, **self.metadata}
 
 
 class Engine:
-    """Chunked context-parallel prefill with a KV hand-off to one decode rank.
+    """Chunked context-parallel prefill with a KV hand-off to the decode ranks of one host.
 
     Args:
         model: preset name, GGUF path or Hugging Face directory (see ringctx.load_model).
@@ -97,7 +118,13 @@ class Engine:
         strategy: "auto" (paper Algorithm 5 with `hardware`), "pass-kv" or "pass-q".
         hardware: HardwareProfile or built-in profile name or JSON path for "auto" (None: "cpu").
         rule: the decision rule of "auto": "alg1", "alg5" or "empirical".
-        decode_rank: the rank that receives the KV cache and decodes.
+        decode_rank: the first decode rank: it receives the logits, samples and streams the text.
+        decode_ranks: how many ranks (decode_rank, decode_rank + 1, ..., all on one host) keep the
+            KV cache after a prefill, each a balanced slice of the tokens, and decode together
+            (None: every rank of the decode host from decode_rank on; 1: the whole cache on one rank).
+        kv_dtype: how the KV cache is stored: "model" (the model's dtype), "bfloat16", "float16",
+            "float32", or 8 bits per value with a float32 scale per token and KV head: "fp8"
+            (float8 e4m3) or "int8".
         timeout_s: a collective that does not complete within this many seconds (a dead or stuck
             rank) ends the job with an error.
         attn_backend: attention backend of the local blocks.
@@ -112,7 +139,9 @@ class Engine:
 
     def __init__(self, model: str = "smollm2-135m", *, nproc: int = 1, dtype=None, device=None,
                  chunk_tokens: int | None = None, strategy: str = "auto", hardware=None, rule: str = "alg5",
-                 decode_rank: int = 0, timeout_s: float = 300.0, attn_backend: str = "auto"):
+                 decode_rank: int = 0, decode_ranks: int | None = None, kv_dtype: str = "model",
+                 timeout_s: float = 300.0, attn_backend: str = "auto"):
+        check_kv_dtype(kv_dtype)
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
         if not isinstance(nproc, int) or nproc < 1:
@@ -127,7 +156,11 @@ class Engine:
             dtype = preferred_dtype(None if device is None else str(device))
         self.model_name, self.dtype, self.strategy, self.rule = str(model), dtype, strategy, rule
         self.decode_rank, self.timeout_s, self.attn_backend = decode_rank, float(timeout_s), attn_backend
+        self.kv_dtype, self._chunk_tokens_asked = kv_dtype, chunk_tokens
         self.hardware = _load_hardware(hardware)
+        self._documents: dict[int, Document] = {}  # this rank's part of every live document
+        self._next_document = 0
+        self._decode_group = None
         self._workers: list = []      # spawn mode: worker processes, rank i + 1 at index i
         self._conns: list = []        # spawn mode: rank 0's end of each worker's command pipe
         self._watch: ProcessWatch | None = None
@@ -142,6 +175,10 @@ class Engine:
                 raise ValueError(f"with nproc={nproc} this process is rank 0 and the decode rank, so decode_rank "
                                  f"must be 0, got {decode_rank}; choose another decode rank under torchrun")
             _check_loadable(self.model_name, dtype)  # fail here, before any process starts
+        world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+        self.ranks_per_host = per_host
+        self.decode_ranks = resolve_decode_ranks(decode_ranks, decode_rank, world, per_host)
         try:
             if torchrun:
                 self.mode = "torchrun"
@@ -159,6 +196,7 @@ class Engine:
             self.model = load_model(model, dtype=dtype, device=self.device)
             if self.world_size > 1:
                 self._startup_check()
+                self._decode_group = _decode_group(self.decode_rank, self.decode_ranks, self.world_size)
             if self._health is not None:
                 self._health.learn_peers()  # every rank published its place before the check
         except BaseException as exc:
@@ -167,6 +205,20 @@ class Engine:
                 raise
             raise failure from exc
         self.chunk_tokens = chunk_tokens or default_chunk_tokens(self.model, self.world_size)
+
+    @classmethod
+    def _worker(cls, rank: int, world: int, model_name: str, dtype, device, settings: dict) -> "Engine":
+        """A spawned worker's engine: the group is joined; load the model and check it against the others."""
+        engine = cls.__new__(cls)
+        engine.__dict__.update(settings)
+        engine.model_name, engine.dtype, engine.mode, engine.rank, engine.world_size = \
+            model_name, dtype, "worker", rank, world
+        engine._documents, engine._next_document, engine._closed = {}, 0, None
+        engine.model = load_model(model_name, dtype=dtype, device=device)
+        agree_across_ranks("engine start-up", None, _fingerprint(engine.model))
+        engine._decode_group = _decode_group(engine.decode_rank, engine.decode_ranks, world)
+        engine.chunk_tokens = settings["chunk_tokens"] or default_chunk_tokens(engine.model, world)
+        return engine
 
     # ------------------------------------------------------------------ launching
     def _local_rank(self) -> int:
@@ -204,8 +256,7 @@ class Engine:
             parent_end, child_end = ctx.Pipe()
             p = ctx.Process(target=_worker_main, daemon=True, name=f"ringctx-rank{rank}",
                             args=(rank, nproc, store.port, backend, threads, child_end, self.model_name, self.dtype,
-                                  device, self.rule, self.decode_rank, self.timeout_s, self.attn_backend,
-                                  self.hardware))
+                                  device, self._settings()))
             p.start()
             child_end.close()
             self._workers.append(p)
@@ -305,23 +356,67 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ running on every rank
+    def _settings(self) -> dict:
+        """What a spawned worker needs to act like this engine (sent once, at start-up)."""
+        return dict(rule=self.rule, strategy=self.strategy, chunk_tokens=self._chunk_tokens_asked,
+                    decode_rank=self.decode_rank, decode_ranks=self.decode_ranks,
+                    kv_dtype=self.kv_dtype, timeout_s=self.timeout_s, attn_backend=self.attn_backend,
+                    hardware=self.hardware, ranks_per_host=self.ranks_per_host)
+
+    def _is_decode_rank(self, rank: int | None = None) -> bool:
+        rank = self.rank if rank is None else rank
+        return self.decode_rank <= rank < self.decode_rank + self.decode_ranks
+
+    def _collective(self, during: str, command: tuple | None, run, *, decode_only: bool = False):
+        """Run `run()` on this rank as its part of a job every rank (or every decode rank) takes
+        part in. Spawn mode: rank 0 first sends `command` to the workers concerned. A ValueError
+        (bad input, the same on every rank) leaves the engine usable; any other failure (a lost or
+        stuck rank, Ctrl-C) releases every rank and is raised as a RankFailure naming the rank."""
+        self._check_open()
+        try:
+            if self.mode == "spawn" and command is not None:
+                for r, conn in enumerate(self._conns, start=1):
+                    if not decode_only or self._is_decode_rank(r):
+                        conn.send(command)
+            return run()
+        except ValueError:
+            raise
+        except BaseException as exc:
+            failure = self._fail(exc, during)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _guarded(self, pieces, during: str):
+        """An iterator over `pieces` whose failures are handled like `_collective`'s."""
+        try:
+            yield from pieces
+        except ValueError:
+            raise
+        except BaseException as exc:
+            failure = self._fail(exc, during)
+            if failure is exc:
+                raise
+            raise failure from exc
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
                 chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
                 trace: bool = False, on_chunk=None) -> PrefillResult:
-        """Prefill token ids (optionally on top of `cache`) over all ranks; hand the KV cache to the decode rank.
+        """Prefill token ids (optionally on top of `cache`) over all ranks; leave the KV cache on the decode ranks.
 
         Args:
             token_ids: [T] ids (tensor or list).
-            cache: prefill on top of this KVCache (a follow-up turn); decode rank only.
+            cache: prefill on top of this whole KVCache (a follow-up turn); decode rank only.
             chunk_tokens, strategy: override the engine's defaults for this call.
-            decode_room: KV rows to reserve beyond the prompt for generation.
+            decode_room: KV rows to reserve beyond the prompt for generation (on each decode rank).
             trace: record a Chrome trace (result.trace_events).
             on_chunk: progress callback on_chunk(done, total, chunk_stats).
 
         Returns:
-            PrefillResult with .logits (float32 [vocab], last prompt token), .cache (decode rank),
-            .stats.
+            PrefillResult with .logits (float32 [vocab], last prompt token), .cache (this decode
+            rank's KV cache: the whole sequence with one decode rank, else its slice), .stats.
 
         Raises:
             ValueError: bad input or not enough memory (on every rank; the engine stays usable).
@@ -333,89 +428,233 @@ class Engine:
             >>> result.logits.shape, result.cache.length, [c.tokens for c in result.stats.chunks]
             (torch.Size([256]), 100, [32, 32, 32, 4])
         """
-        self._check_open()
-        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        return self._prefill(token_ids, cache=cache, cache_token_ids=cache_token_ids, chunk_tokens=chunk_tokens,
+                             strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk)
+
+    def _prefill_config(self, chunk_tokens, strategy, decode_room, trace) -> PrefillConfig:
         config = PrefillConfig(chunk_tokens=chunk_tokens or self.chunk_tokens, strategy=strategy or self.strategy,
                                hardware=self.hardware, rule=self.rule, decode_rank=self.decode_rank,
-                               decode_room=decode_room, attn_backend=self.attn_backend, trace=trace)
+                               decode_ranks=self.decode_ranks, decode_room=decode_room, kv_dtype=self.kv_dtype,
+                               ranks_per_host=self.ranks_per_host, attn_backend=self.attn_backend, trace=trace)
         if config.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {config.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
+        return config
+
+    def _prefill(self, token_ids, *, cache=None, cache_token_ids=None, chunk_tokens=None, strategy=None,
+                 decode_room=256, trace=False, on_chunk=None, keep: int | None = None) -> PrefillResult:
+        """`prefill`; with `keep`, every decode rank also keeps its part as document number `keep`."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        config = self._prefill_config(chunk_tokens, strategy, decode_room, trace)
+        if cache is not None and self.decode_ranks > 1:
+            raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 (this engine has "
+                             f"{self.decode_ranks}); ask about a Document instead, which stays split")
         cached = cache.length if cache is not None and self.rank == self.decode_rank else 0
+        command = ("prefill", token_ids.cpu().numpy().tobytes(), config.chunk_tokens, config.strategy, decode_room,
+                   bool(trace), cached, keep)
+
+        def run():
+            return self._run_prefill(token_ids, config, cached, keep, cache=cache, cache_token_ids=cache_token_ids,
+                                     on_chunk=on_chunk)
+
         if self.mode == "single":  # never join a process group made by someone else
-            _check_memory(self.model, token_ids, cached, config, 1, 0, local_ranks=1, local_decode=True)
-            return cp_prefill(self.model, token_ids, config, group="local", cache=cache,
-                              cache_token_ids=cache_token_ids, on_chunk=on_chunk)
-        try:
-            if self.mode == "spawn":
-                command = (_PREFILL, token_ids.cpu().numpy().tobytes(), config.chunk_tokens, config.strategy,
-                           decode_room, bool(trace), cached)
-                for conn in self._conns:
-                    conn.send(command)
-                local_ranks, local_decode = self.world_size, True
-            else:
-                local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-                local_decode = self.decode_rank // local_ranks == self.rank // local_ranks
-            _check_memory(self.model, token_ids, cached, config, self.world_size, self.rank,
-                          local_ranks=local_ranks, local_decode=local_decode)
-            return cp_prefill(self.model, token_ids, config, group=None, cache=cache, cache_token_ids=cache_token_ids,
-                              on_chunk=with_test_hook(on_chunk, self.rank))
-        except ValueError:
-            raise  # every rank raised the same error before communicating: the engine stays usable
-        except BaseException as exc:  # a lost rank, a timeout, Ctrl-C: release every rank
-            failure = self._fail(exc, "prefill")
-            if failure is exc:
-                raise
-            raise failure from exc
+            return run()
+        return self._collective("prefill", command, run)
+
+    def _on_prefill(self, ids: bytes, chunk_tokens, strategy, decode_room, trace, cached, keep) -> None:
+        """A spawned worker's part of rank 0's `_prefill` (the command's fields)."""
+        token_ids = torch.frombuffer(bytearray(ids), dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
+        self._run_prefill(token_ids, self._prefill_config(chunk_tokens, strategy, decode_room, trace), cached, keep)
+
+    def _run_prefill(self, token_ids, config, cached, keep, *, cache=None, cache_token_ids=None, on_chunk=None):
+        """This rank's part of a prefill (every rank runs it with the same arguments)."""
+        local_ranks = self.world_size if self.mode != "torchrun" else self.ranks_per_host
+        local_decode = self.mode != "torchrun" or \
+            self.decode_rank // self.ranks_per_host == self.rank // self.ranks_per_host
+        _check_memory(self.model, token_ids, cached, config, self.world_size, self.rank, local_ranks=local_ranks,
+                      local_decode=local_decode)
+        group = "local" if self.mode == "single" else None
+        result = cp_prefill(self.model, token_ids, config, group=group, cache=cache, cache_token_ids=cache_token_ids,
+                            on_chunk=with_test_hook(on_chunk, self.rank))
+        if keep is not None and result.cache is not None:
+            self._documents[keep] = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats,
+                                             id=keep)
+        return result
 
     # ------------------------------------------------------------------ documents and questions
-    def ingest(self, text: str, *, chat: bool = True, **prefill_kwargs) -> Document:
-        """Prefill a document so that questions can be asked about it.
+    def ingest(self, text, *, chat: bool = True, **prefill_kwargs) -> Document | None:
+        """Prefill a document (text, or token ids) so that questions can be asked about it.
 
         With `chat` (and a tokenizer with a chat template) the document opens a user turn; each
-        question completes that turn and the template's assistant header follows.
+        question completes that turn and the template's assistant header follows. Returns the
+        Document on the decode ranks (each holds its part), None elsewhere.
         """
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError("the document is empty: give some text to ingest")
-        tokenizer = self._tokenizer()
-        prefix, suffix = ("", "") if not chat else _chat_frame(tokenizer)
-        ids = tokenizer(prefix + text + ("\n\n" if chat else ""), add_special_tokens=False)["input_ids"]
-        result = self.prefill(ids, **prefill_kwargs)
-        if result.cache is None:  # not the decode rank
-            return None
-        return Document(cache=result.cache, token_ids=result.token_ids, question_suffix=suffix, stats=result.stats,
-                        metadata={"chat": chat})
+        if isinstance(text, str):
+            if not text.strip():
+                raise ValueError("the document is empty: give some text to ingest")
+            tokenizer = self._tokenizer()
+            prefix, suffix = ("", "") if not chat else _chat_frame(tokenizer)
+            ids = tokenizer(prefix + text + ("\n\n" if chat else ""), add_special_tokens=False)["input_ids"]
+        else:  # token ids, taken as they are
+            ids, suffix, chat = list(map(int, text)), "", False
+            if not ids:
+                raise ValueError("the document is empty: give at least one token id")
+        keep = self._new_document_id()
+        self._prefill(ids, keep=keep, **prefill_kwargs)
+        document = self._documents.get(keep)
+        if document is not None:
+            document.question_suffix, document.metadata = suffix, {"chat": chat}
+        return document
 
-    def generate(self, document: Document, prompt: str, *, max_new_tokens: int = 256, **sampling):
-        """Stream the answer to `prompt` appended to the document (decode rank only).
+    def _new_document_id(self) -> int:
+        """The next document number: every rank makes the same calls, so they count alike."""
+        self._next_document += 1
+        return self._next_document
+
+    def generate(self, document: Document, prompt, *, max_new_tokens: int = 256, **sampling):
+        """Stream the answer to `prompt` (text, or token ids) appended to the document.
 
         The document's cache is first cut back to the document, so questions do not see each
-        other. Returns the model's Generation iterator of text pieces (its `.result` holds token
-        timings once exhausted). sampling: temperature, top_k, top_p, seed, stop.
+        other. On the (first) decode rank it returns the model's Generation iterator of text
+        pieces (its `.result` holds token timings once exhausted). With several decode ranks, call
+        it on every rank (torchrun); the other decode ranks take part in every step and get an
+        empty iterator once the answer is complete. sampling: temperature, top_k, top_p, seed, stop.
         """
-        if self.rank != self.decode_rank:
-            raise RuntimeError("generate runs on the decode rank only")
-        cache = document.cache
-        cache.truncate(document.length)
-        text = document.question_prefix + prompt + document.question_suffix
-        ids = self._tokenizer()(text, add_special_tokens=False)["input_ids"]
-        need = document.length + len(ids) + max_new_tokens
+        if (isinstance(prompt, str) and not prompt.strip()) or (not isinstance(prompt, str) and len(prompt) == 0):
+            raise ValueError("the question is empty: ask something about the document")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        Sampler(**{k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p")})  # validates here
+        if not self._is_decode_rank():
+            if self.mode == "spawn" or self.decode_ranks == 1:
+                raise RuntimeError("generate runs on the decode ranks only")
+            return iter(())
+        if self.decode_ranks == 1:
+            return self._generate_here(document, prompt, max_new_tokens, sampling)
+        ids = self._question_ids(document, prompt)
+        command = ("generate", document.id, ids.numpy().tobytes(), max_new_tokens)
+        if self.rank != self.decode_rank:  # a follower (torchrun): every step, then nothing to show
+            self._collective("decode", None, lambda: self._on_generate(document.id, ids, max_new_tokens))
+            return iter(())
+        decoder = self._collective("decode", command, lambda: self._sharded_decoder(document, ids),
+                                   decode_only=True)
+        generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
+        return _Answer(generation, self._guarded(self._finish_answer(generation, document, decoder), "decode"))
+
+    def _generate_here(self, document, prompt, max_new_tokens, sampling):
+        """One decode rank: the whole cache is here; decode without any other rank."""
+        cache = document.rewind()
+        ids = self._question_ids(document, prompt)
+        need = document.rows + len(ids) + max_new_tokens
         if cache.max_tokens < need:
-            document.cache = cache = KVCache.from_tensors(cache.k, cache.v, length=document.length, max_tokens=need)
-        return self.model.stream(torch.tensor(ids), cache=cache, max_new_tokens=max_new_tokens, **sampling)
+            document.cache = cache = cache.grown(need)
+        return self.model.stream(ids, cache=cache, max_new_tokens=max_new_tokens, **sampling)
+
+    def _question_ids(self, document, prompt) -> torch.Tensor:
+        if not isinstance(prompt, str):  # token ids, taken as they are
+            return torch.as_tensor(list(map(int, prompt)), dtype=torch.long)
+        text = document.question_prefix + prompt + document.question_suffix
+        return torch.tensor(self._tokenizer()(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    def _sharded_decoder(self, document: Document, ids: torch.Tensor) -> ShardedDecoder:
+        """This decode rank's decoder of `document` (its slice cut back to the document)."""
+        config = PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=self.strategy, hardware=self.hardware,
+                               rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=64,
+                               kv_dtype=self.kv_dtype, attn_backend=self.attn_backend)
+        return ShardedDecoder(self.model, document.rewind(), document.length, self._decode_group, config)
+
+    def _finish_answer(self, generation, document, decoder):
+        yield from generation
+        document.cache = decoder.cache  # it may have grown
+
+    def _on_generate(self, document_id, ids, max_new_tokens) -> None:
+        """A decode rank that is not the leader: prefill the question with the others, follow the steps."""
+        if isinstance(ids, bytes):
+            ids = torch.frombuffer(bytearray(ids), dtype=torch.long)
+        document = self._document(document_id)
+        decoder = self._sharded_decoder(document, ids)
+        decoder.prefill(ids)
+        decoder.follow()
+        document.cache = decoder.cache
 
     def ask(self, document: Document, question: str, **kwargs) -> str:
-        """The whole answer to `question` about `document` (see `generate`)."""
+        """The whole answer to `question` about `document` (see `generate`; "" on the other ranks)."""
         return "".join(self.generate(document, question, **kwargs))
 
     def save_document(self, document: Document, path: str) -> None:
-        """Save `document` (see Document.save) for this engine's model."""
-        document.save(path, self.model)
+        """Save `document` as a directory of per-rank slices (see ringctx.engine.documents), atomically.
 
-    def load_document(self, path: str) -> Document:
-        """A Document saved with `save_document`, checked against this engine's model."""
-        cache, token_ids, extra = load_kv_cache(path, self.model)
-        return Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
-                        question_suffix=extra.pop("question_suffix", ""), metadata=extra)
+        Call on every decode rank (torchrun); a document saved by N decode ranks loads on any number."""
+        if not self._is_decode_rank():
+            return
+        self._collective("save", ("save", document.id, os.fspath(path)),
+                         lambda: self._on_save(document.id, os.fspath(path), document), decode_only=True)
+
+    def _on_save(self, document_id, path, document=None) -> None:
+        document = document or self._document(document_id)
+        save_document_slices(path, document.rewind(), document.token_ids, self.model, document.frame,
+                             group=self._decode_group, rank=self.rank - self.decode_rank, world=self.decode_ranks)
+
+    def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
+        """A Document saved with `save_document` (by any number of decode ranks), split over this
+        engine's decode ranks and checked against its model. None off the decode ranks."""
+        if not self._is_decode_rank():
+            return None
+        keep = self._new_document_id()
+        return self._collective("load", ("load", os.fspath(path), keep, decode_room),
+                                lambda: self._on_load(os.fspath(path), keep, decode_room), decode_only=True)
+
+    def _on_load(self, path, keep, decode_room) -> Document:
+        local = self.decode_ranks if self.mode != "torchrun" else min(self.decode_ranks, self.ranks_per_host)
+        cache, token_ids, extra = load_document_slices(
+            path, self.model, group=self._decode_group, rank=self.rank - self.decode_rank, world=self.decode_ranks,
+            room=decode_room, memory_check=lambda rows, per_row: _slice_memory_problem(self.model, rows, per_row, local))
+        document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
+                            question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=keep)
+        self._documents[keep] = document
+        return document
+
+    def drop_document(self, document: Document) -> None:
+        """Free `document`'s KV cache on every decode rank."""
+        if self._is_decode_rank():
+            self._collective("drop", ("drop", document.id), lambda: self._on_drop(document.id), decode_only=True)
+
+    def _on_drop(self, document_id) -> None:
+        self._documents.pop(document_id, None)
+
+    def whole_cache(self, document: Document) -> KVCache | None:
+        """The document's KV cache in sequence order, gathered on the (first) decode rank (None on
+        the others): for checks and small documents; the decode itself never gathers it."""
+        if not self._is_decode_rank():
+            return None
+        if self.decode_ranks == 1:
+            return document.rewind()
+        return self._collective("gather", ("gather", document.id), lambda: self._on_gather(document.id),
+                                decode_only=True)
+
+    def _on_gather(self, document_id) -> KVCache | None:
+        document = self._document(document_id)
+        cache, group, n = document.rewind(), self._decode_group, self.decode_ranks
+        rank = self.rank - self.decode_rank
+        counts = [torch.empty(1, dtype=torch.long) for _ in range(n)]
+        dist.all_gather(counts, torch.tensor([cache.length]), group=group)
+        longest = max(int(c) for c in counts)
+        mine = torch.zeros(longest, dtype=torch.long)
+        mine[:cache.length] = cache.row_positions()
+        everyone = [torch.empty_like(mine) for _ in range(n)]
+        dist.all_gather(everyone, mine, group=group)
+        positions = [p[:int(c)] for p, c in zip(everyone, counts)]
+        out = KVCache.for_model(self.model.config, document.length, dtype=self.model.dtype, device=self.model.device,
+                                kv_dtype=cache.kv_dtype) if rank == 0 else None
+        gather_in_order(cache, out, positions, 0, rank, n, 0, group, free=False)
+        if out is not None:
+            out.length = document.length
+        return out
+
+    def _document(self, document_id) -> Document:
+        document = self._documents.get(document_id)
+        if document is None:
+            raise ValueError(f"document {document_id} is not held by this engine (dropped, or from another engine)")
+        return document
 
     def _tokenizer(self):
         tokenizer = self.model.tokenizer
@@ -423,6 +662,65 @@ class Engine:
             raise ValueError(f"model {self.model_name!r} has no tokenizer (random-weight preset); "
                              "pass token ids to prefill() instead of text")
         return tokenizer
+
+
+class _Answer:
+    """The leader's answer iterator: text pieces, and `.result` from the Generation once done."""
+
+    def __init__(self, generation: Generation, pieces):
+        self.generation, self._pieces = generation, pieces
+
+    def __iter__(self):
+        return self._pieces
+
+    def __next__(self):
+        return next(self._pieces)
+
+    @property
+    def result(self):
+        return self.generation.result
+
+
+def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int, ranks_per_host: int) -> int:
+    """How many decode ranks: None -> the decode host's ranks from decode_rank on; checked to lie
+    on one host and within the job. A ValueError names what to change."""
+    if not 0 <= decode_rank < world:
+        raise ValueError(f"decode_rank {decode_rank} is not a rank of this {world}-rank job")
+    host_end = min(world, (decode_rank // ranks_per_host + 1) * ranks_per_host)
+    if decode_ranks is None:
+        return host_end - decode_rank
+    if not isinstance(decode_ranks, int) or decode_ranks < 1:
+        raise ValueError(f"decode_ranks must be a positive number of ranks, got {decode_ranks!r}")
+    if decode_ranks > world - decode_rank:
+        raise ValueError(f"decode_ranks={decode_ranks} asks for more ranks than this {world}-rank job has from decode "
+                         f"rank {decode_rank}; use at most {world - decode_rank} (--decode-ranks)")
+    if decode_rank + decode_ranks > host_end:
+        raise ValueError(f"decode_ranks={decode_ranks} would reach past the decode host (ranks {host_end - ranks_per_host}"
+                         f"-{host_end - 1}); the decode ranks share one host's memory: use at most "
+                         f"{host_end - decode_rank}")
+    return decode_ranks
+
+
+def _decode_group(decode_rank: int, decode_ranks: int, world: int):
+    """The decode ranks' process group (None: they are the whole world). Every rank must call it."""
+    if decode_ranks == world:
+        return None
+    return dist.new_group(list(range(decode_rank, decode_rank + decode_ranks)))
+
+
+def _slice_memory_problem(model, rows: int, bytes_per_row: int, local_ranks: int) -> str | None:
+    """A one-line problem when `rows` KV rows (on each of `local_ranks` ranks sharing this memory) do not fit."""
+    if os.environ.get("RINGCTX_MEMORY_CHECK", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from ..parallel.planner import MEMORY_USABLE_FRACTION
+
+    need = rows * bytes_per_row * local_ranks
+    free, where = available_memory(model.device)
+    if need <= free * MEMORY_USABLE_FRACTION:
+        return None
+    return (f"not enough memory to load the document: {local_ranks} decode rank(s) x {rows:,} KV rows need "
+            f"{fmt_bytes(need)} but {where} has {fmt_bytes(free)} available; use more decode ranks on a host with "
+            f"more memory (--decode-ranks), or an 8-bit KV cache (--kv-dtype fp8)")
 
 
 def _chat_frame(tokenizer) -> tuple[str, str]:
@@ -497,17 +795,17 @@ def _check_memory(model, token_ids, cached, config, world, rank, *, local_ranks,
         raise ValueError(f"prefill: {problem}")
 
 
-def _worker_main(rank, world, port, backend, threads, conn, model_name, dtype, device, rule, decode_rank, timeout_s,
-                 attn_backend, hardware) -> None:
+def _worker_main(rank, world, port, backend, threads, conn, model_name, dtype, device, settings) -> None:
     """A spawned rank: join the group, load the model, then serve rank 0's commands until stop.
 
     Commands come over a pipe from rank 0 (so an idle engine never times out, and the worker ends
-    when rank 0's process is gone); tensors travel over the process group. Ctrl-C is rank 0's to
-    handle: it ends the workers. An error is reported back over the pipe before the worker exits.
+    when rank 0's process is gone) as (name, *args), run as the Engine's `_on_<name>` method here;
+    tensors travel over the process group. Ctrl-C is rank 0's to handle: it ends the workers. An
+    error is reported back over the pipe before the worker exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=settings["timeout_s"])
     try:
         maybe_die(rank, "join")
         if backend == "nccl":
@@ -515,8 +813,7 @@ def _worker_main(rank, world, port, backend, threads, conn, model_name, dtype, d
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
         store.set(f"ringctx/joined/{rank}", "1")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        model = load_model(model_name, dtype=dtype, device=_rank_device(device, rank))
-        agree_across_ranks("engine start-up", None, _fingerprint(model))
+        engine = Engine._worker(rank, world, model_name, dtype, _rank_device(device, rank), settings)
         while True:
             try:
                 command = conn.recv()
@@ -524,14 +821,8 @@ def _worker_main(rank, world, port, backend, threads, conn, model_name, dtype, d
                 break
             if command[0] == _STOP:
                 break
-            _, ids, chunk, strategy, decode_room, trace, cached = command
-            token_ids = torch.frombuffer(bytearray(ids), dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
-            config = PrefillConfig(chunk_tokens=chunk, strategy=strategy, hardware=hardware, rule=rule,
-                                   decode_rank=decode_rank, decode_room=decode_room, attn_backend=attn_backend,
-                                   trace=trace)
             try:
-                _check_memory(model, token_ids, cached, config, world, rank, local_ranks=world, local_decode=True)
-                cp_prefill(model, token_ids, config, on_chunk=with_test_hook(None, rank))
+                getattr(engine, f"_on_{command[0]}")(*command[1:])
             except ValueError:
                 continue  # bad input: every rank raised the same error; rank 0 reports it
     except BaseException as exc:

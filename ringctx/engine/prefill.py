@@ -1,4 +1,4 @@
-"""Chunked context-parallel prefill, run on every rank, and the KV hand-off to the decode rank.
+"""Chunked context-parallel prefill, run on every rank, and the KV hand-off to the decode ranks.
 
     prompt [T] ──cut into chunks of C tokens──▶ chunk 0, chunk 1, ... chunk k
     for each chunk:
@@ -7,16 +7,20 @@
             q, k, v (RoPE at global positions) -> ring_attention(q, k, v, cached = this rank's shard)
             append this rank's k, v of the chunk to its KV shard          (the shard never leaves the rank)
         the strategy of the chunk: pass-KV or pass-Q (the paper's rule, or forced)
-    hand-off: layer by layer, every rank's shard is gathered to the decode rank and written into
-              the decode KVCache at the tokens' positions (sequence order)
+    hand-off: the decode ranks (decode_rank .. decode_rank + decode_ranks - 1, on one host) keep
+              their shards; the other ranks' rows are spread over them (engine/handoff.py), so each
+              decode rank ends with a balanced slice of the tokens. With one decode rank the rows are
+              gathered there in sequence order.
 
 Chunk k is thus a partial prefill over the k chunks before it: as the cached part grows the rule
 moves from pass-KV towards pass-Q. Peak memory per rank is weights + its KV shard + O(chunk / N)
-activations; only the decode rank ever holds the whole KV cache, after the prefill.
+activations; a decode rank ends with about 1/decode_ranks of the KV cache. Shards are stored in
+the cache's kv_dtype (8-bit caches are quantized as each chunk is appended); ring messages carry
+the model's dtype.
 
-Prefill on top of an existing cache (a follow-up question on a saved document) works the same way:
-the decode rank scatters the cache evenly over the ranks first (its rows are "cached tokens" that
-every new token sees), then the new tokens are prefilled and only their K/V are gathered back.
+Prefill on top of an existing cache (a follow-up question on a document) works the same way:
+either every rank passes its slice of a split cache (`shard`, used in place as its cached rows),
+or the decode rank passes a whole cache (`cache`), which is scattered evenly over the ranks first.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..attention.cuda_ext import scatter_kv
+from ..attention.quant import check_kv_dtype
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
 from ..parallel.comm import agree_across_ranks, nbytes, rank_and_world
+from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
 STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
@@ -52,9 +57,16 @@ class PrefillConfig:
     rule: str = "alg5"
     """Decision rule of "auto": "alg1", "alg5" or "empirical" (see ringctx.parallel.strategy)."""
     decode_rank: int = 0
-    """Rank that receives the KV cache and the logits, and decodes."""
+    """The first decode rank: it receives the logits, samples, and leads the decode."""
+    decode_ranks: int = 1
+    """How many ranks (decode_rank, decode_rank + 1, ...; one host) keep the KV cache, split by token."""
     decode_room: int = 256
-    """Extra KV rows allocated on the decode rank beyond the prompt, for generated tokens."""
+    """Extra KV rows allocated on each decode rank beyond its rows, for question and generated tokens."""
+    kv_dtype: str = "model"
+    """How the KV cache is stored: the model's dtype, another float dtype, "fp8" or "int8"."""
+    ranks_per_host: int = 0
+    """Ranks on each host (consecutive ranks share a host); 0: all ranks on one host. Only for
+    reporting the bytes that cross hosts."""
     attn_backend: str = "auto"
     """Backend of the local attention blocks (see ringctx.attention)."""
     trace: bool = False
@@ -88,7 +100,11 @@ class PrefillStats:
     ttft_s: float = 0.0
     """Wall time from the start of the prefill to logits and KV cache on the decode rank."""
     handoff_s: float = 0.0
-    """Part of ttft_s spent gathering the KV shards to the decode rank."""
+    """Part of ttft_s spent moving KV shards to the decode ranks."""
+    decode_ranks: int = 1
+    """Ranks that hold the KV cache after the prefill."""
+    kv_dtype: str = "model"
+    """Storage of the KV cache."""
     chunks: list[ChunkStats] = field(default_factory=list)
     bytes_sent_per_rank: list[int] = field(default_factory=list)
     """Bytes each rank sent (ring messages, all-to-alls, checks, hand-off)."""
@@ -99,7 +115,13 @@ class PrefillStats:
     """Peak resident memory of each rank during the hand-off, when the decode rank gathers the whole
     KV cache (weights + full cache there, weights + shard elsewhere)."""
     kv_shard_bytes_per_rank: list[int] = field(default_factory=list)
-    """Bytes of the KV shard each rank held at the end of the prefill."""
+    """Bytes of the KV shard each rank held at the end of the chunks (before the hand-off)."""
+    handoff_bytes_per_rank: list[int] = field(default_factory=list)
+    """Bytes each rank sent in the hand-off (0 on decode ranks, which keep their shards)."""
+    handoff_cross_host_bytes_per_rank: list[int] = field(default_factory=list)
+    """Part of handoff_bytes_per_rank that left the sender's host."""
+    decode_slice_rows_per_rank: list[int] = field(default_factory=list)
+    """KV rows (tokens) each rank holds for decoding after the hand-off (0 off the decode ranks)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,10 +140,11 @@ class PrefillResult:
     logits: torch.Tensor
     """float32 [vocab]: logits of the last prompt token (on every rank)."""
     cache: KVCache | None
-    """The decode KVCache in sequence order (decode rank only; None elsewhere)."""
+    """This decode rank's KV cache: the whole sequence in order with one decode rank, else this
+    rank's slice (rows in any order, `cache.positions`); None off the decode ranks."""
     stats: PrefillStats
     token_ids: torch.Tensor
-    """All tokens the cache holds (earlier ones, then this prefill's), on the decode rank."""
+    """All tokens of the sequence (earlier ones, then this prefill's), on the decode ranks."""
     trace_events: list[list[dict]] | None = None
     """Chrome-trace events per rank (decode rank, when tracing)."""
 
@@ -136,6 +159,11 @@ def _broadcast_int(value: int, src: int, group) -> int:
     return int(t.item())
 
 
+def decode_rank_list(config: PrefillConfig) -> list[int]:
+    """The group-relative ranks that keep the KV cache after the prefill."""
+    return list(range(config.decode_rank, config.decode_rank + config.decode_ranks))
+
+
 def cp_prefill(
     model,
     token_ids: torch.Tensor,
@@ -144,6 +172,7 @@ def cp_prefill(
     group: dist.ProcessGroup | str | None = None,
     cache: KVCache | None = None,
     cache_token_ids: torch.Tensor | None = None,
+    shard: KVCache | None = None,
     on_chunk: Callable[[int, int, ChunkStats], None] | None = None,
 ) -> PrefillResult:
     """Prefill `token_ids` with context parallelism over `group`; call on every rank.
@@ -153,13 +182,16 @@ def cp_prefill(
         token_ids: [T] long, the new tokens, identical on every rank.
         config: chunking, strategy and hand-off options, identical on every rank.
         group: the ranks to use; None: the world; "local": this process alone.
-        cache: on the decode rank only, an existing KVCache to prefill on top of (None: a new
-            prompt). Its tokens are scattered to the ranks as cached tokens first.
-        cache_token_ids: the tokens `cache` holds (kept in the result's token_ids).
+        cache: on the decode rank only, an existing whole KVCache to prefill on top of (None: a
+            new prompt). Its tokens are scattered to the ranks as cached tokens first.
+        cache_token_ids: the tokens `cache` (or the split cache) holds (kept in the result's token_ids).
+        shard: on every rank, this rank's slice of a cache split over all ranks of `group` (all
+            of them decode ranks): its rows are used in place as this rank's cached tokens and the
+            new rows are appended to it (it may be replaced by a larger one: use result.cache).
         on_chunk: called on every rank after each chunk as on_chunk(done, total, chunk_stats).
 
     Returns:
-        PrefillResult; `cache` and full stats on the decode rank.
+        PrefillResult; `cache` on the decode ranks, full stats on every rank.
     """
     rank, world = rank_and_world(group)
     distributed = world > 1
@@ -170,11 +202,18 @@ def cp_prefill(
     comm = CommStats()
 
     # --- agree on the inputs before any ring communication ------------------------------------
-    problem = _local_problem(model, token_ids, config, world, rank, cache)
-    cached_len = cache.length if (cache is not None and rank == config.decode_rank) else 0
+    problem = _local_problem(model, token_ids, config, world, rank, cache, shard)
+    if shard is not None:
+        held = _gather_ints([shard.length if problem is None else 0], group, world)
+        held = [h[0] for h in held]
+    else:
+        cached_len = cache.length if (cache is not None and rank == config.decode_rank) else 0
+        if distributed:
+            valid_decode_rank = config.decode_rank if 0 <= config.decode_rank < world else 0
+            cached_len = _broadcast_int(cached_len, valid_decode_rank, group)
+        held = [b - a for a, b in (_even_split(cached_len, world, r) for r in range(world))]
+    cached_len = sum(held)
     if distributed:
-        valid_decode_rank = config.decode_rank if 0 <= config.decode_rank < world else 0
-        cached_len = _broadcast_int(cached_len, valid_decode_rank, group)
         agree_across_ranks("prefill", problem, _signature(model, token_ids, config, cached_len), group, comm)
     elif problem:
         raise ValueError(f"prefill: {problem}")
@@ -184,29 +223,37 @@ def cp_prefill(
     chunks = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
 
     # --- the sharding plan: every rank computes every chunk's layout (they are tiny) ----------
-    held = [_even_split(cached_len, world, r)[1] - _even_split(cached_len, world, r)[0] for r in range(world)]
     first_new_row = held[rank]
     layouts = []
     for s, e in chunks:
         layout = ShardLayout.balanced([e - s], world, cached_counts=[[h] for h in held])
         layouts.append(layout)
         held = [h + layout.num_new(r) for r, h in enumerate(held)]
-    capacity = held[rank]
+    decoders = decode_rank_list(config)
+    spread = config.decode_ranks > 1 and shard is None and world > config.decode_ranks
+    plan = spread_plan(held, decoders) if spread else []
+    rows = held[rank] + received_rows(plan, rank)
 
     cfg = model.config
     dtype, device = model.dtype, model.device
     # One rank with a new prompt: its shard is the whole prompt in order, so the shard buffers are
-    # allocated with decode room and become the decode cache without a copy (see _hand_off).
+    # allocated with decode room and become the decode cache without a copy. Decode ranks that
+    # keep their shard (several decode ranks) get their room now too.
     in_place = world == 1 and cached_len == 0
-    rows = capacity + (config.decode_room if in_place else 0)
-    k_shard = [torch.empty(rows, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-               for _ in range(cfg.n_layers)]
-    v_shard = [torch.empty_like(k) for k in k_shard]
-    if cached_len:
-        _scatter_cache(cache, k_shard, v_shard, cached_len, rank, world, config.decode_rank, group, comm)
+    keeps_shard = in_place or (config.decode_ranks > 1 and rank in decoders)
+    if keeps_shard:
+        rows += config.decode_room
+    if shard is not None:
+        shard = shard.grown(rows)
+    else:
+        shard = KVCache.for_model(cfg, max(rows, 1), dtype=dtype, device=device, kv_dtype=config.kv_dtype,
+                                  sliced=not in_place)
+        if cached_len:
+            _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
 
     # --- chunk by chunk, layer by layer -------------------------------------------------------
-    stats = PrefillStats(tokens=T, cached=cached_len, world_size=world, chunk_tokens=chunk)
+    stats = PrefillStats(tokens=T, cached=cached_len, world_size=world, chunk_tokens=chunk,
+                         decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype)
     logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
     with torch.inference_mode(), (tracer or contextlib.nullcontext()):
         for index, ((s, e), layout) in enumerate(zip(chunks, layouts)):
@@ -216,25 +263,29 @@ def cp_prefill(
             n_new = layout.num_new(rank)
             chunk_ids = token_ids[s:e].to(device)
 
-            def attend(layer: int, q, k, v, rows_before=rows_before, n_new=n_new, layout=layout, strategy=strategy):
+            def attend(layer: int, q, k, v, rows_before=rows_before, layout=layout, strategy=strategy):
                 cached = {}
-                if rows_before:
-                    cached = dict(cached_k=k_shard[layer][:rows_before], cached_v=v_shard[layer][:rows_before])
+                if rows_before:  # views of the shard; a dequantized copy of it for 8-bit caches
+                    cached_k, cached_v = shard.read_rows(layer, 0, rows_before)
+                    cached = dict(cached_k=cached_k, cached_v=cached_v)
                 # Inputs were agreed across ranks once for the whole prefill (above): no per-layer check.
                 out, _ = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=comm,
                                         check_across_ranks=False,
                                         backend=config.attn_backend, **cached)
-                k_shard[layer][rows_before:rows_before + n_new] = k
-                v_shard[layer][rows_before:rows_before + n_new] = v
+                shard.update(layer, rows_before, k, v)
                 return out
 
             with span(f"chunk {index}", "compute", strategy=strategy):
                 x = model.embed(layout.shard(chunk_ids, rank))
-                rope = model.rope(layout.positions(rank).to(device))
+                positions = layout.positions(rank).to(device)
+                rope = model.rope(positions)
                 for layer_index, block in enumerate(model.layers):
                     x = block(x, rope, attend, layer_index)
                 if index == len(chunks) - 1:
                     logits = _last_token_logits(model, x, layout, rank, world, group, logits)
+            if shard.positions is not None:
+                shard.positions[rows_before:rows_before + n_new] = positions.cpu()
+            shard.length = rows_before + n_new
             record = ChunkStats(index, e - s, cached_len + s, strategy, reason, time.perf_counter() - t0)
             stats.chunks.append(record)
             if on_chunk is not None:
@@ -242,31 +293,31 @@ def cp_prefill(
 
         # --- hand-off ---------------------------------------------------------------------------
         prefill_peak_rss = window_peak_rss_bytes()
-        release_free_memory()  # the chunks' freed activations, before the decode rank gathers the cache
+        shard_bytes = shard.length * shard.bytes_per_token
+        release_free_memory()  # the chunks' freed activations, before the decode ranks fill their caches
         reset_peak_rss()
         t_handoff = time.perf_counter()
         with span("hand-off", "comm"):
-            out_cache = _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len, T, config,
-                                  rank, world, group, comm)
+            out_cache, moved = _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, config,
+                                         rank, world, group, comm, keeps_shard)
         stats.handoff_s = time.perf_counter() - t_handoff
     stats.ttft_s = time.perf_counter() - t_start
 
-    kv_bytes = capacity * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-    per_rank = _gather_ints([comm.bytes_sent(), prefill_peak_rss, window_peak_rss_bytes(), kv_bytes], group, world)
-    stats.bytes_sent_per_rank = [r[0] for r in per_rank]
-    stats.peak_rss_bytes_per_rank = [r[1] for r in per_rank]
-    stats.handoff_peak_rss_bytes_per_rank = [r[2] for r in per_rank]
-    stats.kv_shard_bytes_per_rank = [r[3] for r in per_rank]
-    is_decode = rank == config.decode_rank
+    slice_rows = out_cache.length if out_cache is not None else 0
+    per_rank = _gather_ints([comm.bytes_sent(), prefill_peak_rss, window_peak_rss_bytes(), shard_bytes,
+                             moved["sent"], moved["cross_host"], slice_rows], group, world)
+    (stats.bytes_sent_per_rank, stats.peak_rss_bytes_per_rank, stats.handoff_peak_rss_bytes_per_rank,
+     stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
+     stats.decode_slice_rows_per_rank) = (list(column) for column in zip(*per_rank))
     all_ids = token_ids.cpu()
-    if cache_token_ids is not None and is_decode:
+    if cache_token_ids is not None:
         all_ids = torch.cat([cache_token_ids.cpu(), all_ids])
     trace = _gather_trace(tracer, group, world, config.decode_rank) if config.trace else None
-    return PrefillResult(logits=logits, cache=out_cache if is_decode else None, stats=stats,
-                         token_ids=all_ids, trace_events=trace if is_decode else None)
+    return PrefillResult(logits=logits, cache=out_cache, stats=stats, token_ids=all_ids,
+                         trace_events=trace if rank == config.decode_rank else None)
 
 
-def _local_problem(model, token_ids, config, world, rank, cache) -> str | None:
+def _local_problem(model, token_ids, config, world, rank, cache, shard) -> str | None:
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         return "token_ids must be a 1-D tensor of token ids"
     if token_ids.dtype not in (torch.long, torch.int32, torch.int64):
@@ -279,17 +330,41 @@ def _local_problem(model, token_ids, config, world, rank, cache) -> str | None:
         return f"token id {bad} is outside the vocabulary [0, {model.config.vocab_size}); tokenize with this model"
     if not 0 <= config.decode_rank < world:
         return f"decode_rank {config.decode_rank} is not a rank of this {world}-rank group"
+    if not 1 <= config.decode_ranks <= world - config.decode_rank:
+        return (f"decode_ranks={config.decode_ranks} does not fit this {world}-rank group from decode rank "
+                f"{config.decode_rank}: use 1 to {world - config.decode_rank}")
+    try:
+        check_kv_dtype(config.kv_dtype)
+    except ValueError as exc:
+        return str(exc)
+    if shard is not None:
+        if config.decode_ranks != world:
+            return (f"a split cache is prefilled on its decode ranks only: the group has {world} ranks but "
+                    f"decode_ranks={config.decode_ranks}")
+        if cache is not None:
+            return "give either a whole cache (decode rank) or this rank's slice (shard), not both"
+        problem = _cache_problem(model, shard, config)
+        if problem:
+            return problem
     if config.chunk_tokens < 1:
         return f"chunk_tokens must be >= 1, got {config.chunk_tokens}"
     if config.strategy not in STRATEGY_CHOICES:
         return f"unknown strategy {config.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}"
     if cache is not None and rank == config.decode_rank:
-        try:
-            cache.check_model(model.config)
-        except ValueError as exc:
-            return str(exc)
-        if cache.dtype != model.dtype:
-            return f"the KV cache is {cache.dtype} but the model runs in {model.dtype}; load both in one dtype"
+        return _cache_problem(model, cache, config)
+    return None
+
+
+def _cache_problem(model, cache: KVCache, config: PrefillConfig) -> str | None:
+    try:
+        cache.check_model(model.config)
+    except ValueError as exc:
+        return str(exc)
+    if cache.dtype != model.dtype:
+        return f"the KV cache is {cache.dtype} but the model runs in {model.dtype}; load both in one dtype"
+    if cache.kv_dtype != config.kv_dtype:
+        return (f"the KV cache is stored as {cache.kv_dtype!r} but this prefill asks for kv_dtype="
+                f"{config.kv_dtype!r}; use the cache's kv_dtype")
     return None
 
 
@@ -297,7 +372,7 @@ def _signature(model, token_ids, config, cached_len) -> str:
     digest = hashlib.sha256(token_ids.cpu().numpy().tobytes()).hexdigest()[:16] if token_ids.dim() == 1 else "?"
     return (f"model={model.config.fingerprint()} dtype={model.dtype} tokens={token_ids.numel()} ids={digest} "
             f"cached={cached_len} chunk={config.chunk_tokens} strategy={config.strategy} rule={config.rule} "
-            f"decode_rank={config.decode_rank}")
+            f"decode_rank={config.decode_rank} decode_ranks={config.decode_ranks} kv_dtype={config.kv_dtype}")
 
 
 def _decide(new_tokens: int, cached_tokens: int, model, world: int, config: PrefillConfig) -> tuple[str, str]:
@@ -326,68 +401,76 @@ def _last_token_logits(model, x, layout, rank, world, group, logits):
     return logits
 
 
-def _scatter_cache(cache, k_shard, v_shard, cached_len, rank, world, decode_rank, group, comm) -> None:
-    """Split the decode rank's cache evenly (contiguous rows) over the ranks, layer by layer."""
+def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, comm) -> None:
+    """Split the decode rank's whole cache evenly (contiguous rows) over the ranks, layer by layer."""
     bounds = [_even_split(cached_len, world, r) for r in range(world)]
     rows = max(b - a for a, b in bounds)
     lo, hi = bounds[rank]
-    for layer in range(len(k_shard)):
-        if world == 1:
-            k_shard[layer][:hi - lo] = cache.k[layer][lo:hi]
-            v_shard[layer][:hi - lo] = cache.v[layer][lo:hi]
-            continue
-        recv = k_shard[layer].new_empty((2, rows, *k_shard[layer].shape[1:]))
-        pieces = None
-        if rank == decode_rank:
-            pieces = []
-            for a, b in bounds:
-                piece = recv.new_zeros(recv.shape)
-                piece[0, :b - a], piece[1, :b - a] = cache.k[layer][a:b], cache.v[layer][a:b]
-                pieces.append(piece)
-            comm.record("scatter", layer, (world - 1) * nbytes(recv))
-        dist.scatter(recv, pieces, src=dist.get_global_rank(group, decode_rank) if group else decode_rank, group=group)
-        k_shard[layer][:hi - lo], v_shard[layer][:hi - lo] = recv[0, :hi - lo], recv[1, :hi - lo]
+    src = dist.get_global_rank(group, decode_rank) if (group is not None and world > 1) else decode_rank
+    for layer in range(shard.n_layers):
+        for j, target in enumerate(shard.storage_tensors(layer)):
+            if world == 1:
+                target[:hi - lo] = cache.storage_tensors(layer)[j][lo:hi]
+                continue
+            recv = target.new_empty((rows, *target.shape[1:]))
+            pieces = None
+            if rank == decode_rank:
+                source = cache.storage_tensors(layer)[j]
+                pieces = []
+                for a, b in bounds:
+                    piece = recv.new_zeros(recv.shape)
+                    piece[:b - a] = source[a:b]
+                    pieces.append(piece.view(torch.uint8))
+                comm.record("scatter", layer, (world - 1) * nbytes(recv))
+            dist.scatter(recv.view(torch.uint8), pieces, src=src, group=group)
+            target[:hi - lo] = recv[:hi - lo]
+    if shard.positions is not None:
+        shard.positions[:hi - lo] = torch.arange(lo, hi)
+    shard.length = hi - lo
 
 
-def _hand_off(model, cache, layouts, k_shard, v_shard, first_new_row, cached_len, T, config, rank, world, group, comm):
-    """Gather every rank's new K/V rows to the decode rank, layer by layer, in sequence order."""
-    cfg = model.config
-    decode = config.decode_rank
-    # Global position of each rank's new rows (chunk by chunk, in shard order).
-    positions = [torch.cat([layout.positions(r) for layout in layouts]) for r in range(world)]
-    out = None
+def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, config, rank, world, group, comm,
+              keeps_shard):
+    """Leave the KV cache on the decode ranks: (this rank's decode cache or None, bytes moved).
+
+    Several decode ranks: they keep their shards and receive the others' rows (`spread_plan`).
+    One decode rank: every rank's new rows are gathered there in sequence order (into `cache` when
+    it was given, else a new cache), as the single-rank decode and the KV files expect.
+    """
+    none = {"sent": 0, "cross_host": 0}
     if world == 1 and cached_len == 0:  # the shard is the prompt in sequence order (see cp_prefill)
-        return KVCache.from_tensors(k_shard, v_shard, length=T)
+        return shard, none
+    if config.decode_ranks > 1:
+        per_host = config.ranks_per_host or world
+        moved = spread_shards(shard, plan, rank, group if world > 1 else None, host_of=lambda r: r // per_host,
+                              comm=comm)
+        if keeps_shard:
+            shard.length += received_rows(plan, rank)
+            for t in plan:  # every rank knows every row's position: none travel
+                if t.dst == rank:
+                    src_positions = torch.cat([layout.positions(t.src) for layout in layouts])
+                    shard.positions[t.dst_start:t.dst_start + t.n] = src_positions[t.src_start:t.src_start + t.n]
+            return shard, moved
+        return None, moved
+    decode = config.decode_rank
+    out = None
     if rank == decode:
         need = cached_len + T + config.decode_room
         if cache is None:
-            out = KVCache.for_model(cfg, need, dtype=model.dtype, device=model.device)
-        elif cache.max_tokens < cached_len + T:
-            out = KVCache.from_tensors(cache.k, cache.v, length=cached_len, max_tokens=need)
+            out = KVCache.for_model(model.config, need, dtype=model.dtype, device=model.device,
+                                    kv_dtype=config.kv_dtype)
         else:
-            out = cache
-    rows = max(p.numel() for p in positions)
-    for layer in range(cfg.n_layers):
-        mine_k = k_shard[layer][first_new_row:first_new_row + positions[rank].numel()]
-        mine_v = v_shard[layer][first_new_row:first_new_row + positions[rank].numel()]
-        if world == 1:
-            scatter_kv(out.k[layer], out.v[layer], mine_k, mine_v, positions[0].to(model.device))
-        else:
-            send = mine_k.new_zeros((2, rows, cfg.n_kv_heads, cfg.head_dim))
-            send[0, :mine_k.shape[0]], send[1, :mine_v.shape[0]] = mine_k, mine_v
-            gathered = [torch.empty_like(send) for _ in range(world)] if rank == decode else None
-            dist.gather(send, gathered, dst=dist.get_global_rank(group, decode) if group else decode, group=group)
-            if rank != decode:
-                comm.record("hand-off", layer, nbytes(send))
-            else:
-                for r, part in enumerate(gathered):
-                    n = positions[r].numel()
-                    scatter_kv(out.k[layer], out.v[layer], part[0, :n], part[1, :n], positions[r].to(model.device))
-        k_shard[layer] = v_shard[layer] = None  # the decode rank never keeps a second copy
-        release_free_memory()  # and hands the freed shard pages back while the cache fills
+            out = cache.grown(need)
+            out.length = cached_len
+    # Global position of each rank's new rows (chunk by chunk, in shard order).
+    positions = [torch.cat([layout.positions(r) for layout in layouts]) for r in range(world)]
+    sent = gather_in_order(shard, out, positions, first_new_row, rank, world, decode, group if world > 1 else None,
+                           comm)
     if out is not None:
         out.length = cached_len + T
-    return out
+    per_host = config.ranks_per_host or world
+    cross = sent if rank // per_host != decode // per_host else 0
+    return out, {"sent": sent, "cross_host": cross}
 
 
 def _gather_ints(values: list[int], group, world: int) -> list[list[int]]:

@@ -44,6 +44,8 @@ class GenerationResult:
     """Seconds from the start of prefill until the first new token was known."""
     token_times_s: list[float] = field(default_factory=list)
     """Seconds each later token took (one decode step each)."""
+    step_logits: list[torch.Tensor] | None = None
+    """With keep_logits: the float32 logits [vocab] each token was sampled from (for checks)."""
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -137,7 +139,7 @@ class Generation:
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None,
                  chat: bool | None = None, cache: KVCache | None = None, max_tokens: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, decoder=None, keep_logits: bool = False):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -152,19 +154,29 @@ class Generation:
         self.stop = StopStrings(stop)
         eos = model.config.eos_token_ids if stop_token_ids is None else stop_token_ids
         self.stop_ids = frozenset(int(i) for i in eos)
-        if cache is None:
-            need = self.prompt_ids.numel() + max_new_tokens
-            cache = KVCache.for_model(model.config, max_tokens or need, dtype=model.dtype, device=model.device)
-        else:
-            cache.check_model(model.config)
-            if cache.dtype != model.dtype:
-                raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {model.dtype}")
-        cache.ensure_room(self.prompt_ids.numel(), "the prompt")
+        if decoder is None:
+            if cache is None:
+                need = self.prompt_ids.numel() + max_new_tokens
+                cache = KVCache.for_model(model.config, max_tokens or need, dtype=model.dtype, device=model.device)
+            else:
+                cache.check_model(model.config)
+                if cache.dtype != model.dtype:
+                    raise ValueError(f"KV cache dtype {cache.dtype} differs from the model's {model.dtype}")
+            cache.ensure_room(self.prompt_ids.numel(), "the prompt")
+            decoder = LocalDecoder(model, cache, prefill_chunk)
+        self.decoder = decoder
+        self.keep_logits = keep_logits
         self.cache = cache
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        model, cache = self.model, self.cache
+        try:
+            yield from self._generate()
+        finally:  # also when the caller stops iterating early: other ranks may be waiting
+            self.decoder.close()
+
+    def _generate(self) -> Iterator[str]:
+        model, decoder = self.model, self.decoder
         detok = IncrementalDecoder(model.tokenizer) if model.tokenizer is not None else None
         new_ids: list[int] = []
         texts: list[str] = []
@@ -173,14 +185,15 @@ class Generation:
         # inference_mode only around compute: a generator must not leave it switched on for the
         # caller's code while suspended at a yield.
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            # Long prompts in chunks bound the activation memory (each chunk attends to the cache).
-            chunks = self.prompt_ids.split(self.prefill_chunk or self.prompt_ids.numel())
-            for chunk in chunks[:-1]:
-                forward_with_cache(model, chunk, cache, logits="none")
-            token = self.sampler(forward_with_cache(model, chunks[-1], cache)[0])
+        kept = [] if self.keep_logits else None
+
+        def sample(logits: torch.Tensor) -> int:
+            if kept is not None:
+                kept.append(logits.detach().clone())
+            return self.sampler(logits)
+
+        token = sample(decoder.prefill(self.prompt_ids)[0])
         ttft = time.perf_counter() - t0
-        step = DecodeStep(model, cache)  # the fused CPU kernel where it applies
         while True:
             new_ids.append(token)
             if token in self.stop_ids:
@@ -196,11 +209,10 @@ class Generation:
                     break
             if len(new_ids) >= self.max_new_tokens:
                 break
-            if cache.length >= cache.max_tokens:
+            if decoder.full():
                 break  # a caller-provided cache is full: stop like max_new_tokens
             t = time.perf_counter()
-            with torch.inference_mode():
-                token = self.sampler(step(token)[0])
+            token = sample(decoder.step(token)[0])
             token_times.append(time.perf_counter() - t)
         if detok is not None and finish != "stop":
             piece, stopped = self.stop.feed(detok.flush())
@@ -210,7 +222,40 @@ class Generation:
                 texts.append(tail)
                 yield tail
         self.result = GenerationResult("".join(texts), new_ids, int(self.prompt_ids.numel()), finish, ttft,
-                                       token_times)
+                                       token_times, kept)
+
+
+class LocalDecoder:
+    """Prompt prefill and decode steps on this process's own KVCache (the default of `Generation`).
+
+    The interface a decoder gives `Generation`: prefill(ids [T]) -> float32 logits [1, vocab] of
+    the last prompt token; step(token) -> logits of the next position; full() -> no room for a
+    step; close() when the generation ends (also early).
+    """
+
+    def __init__(self, model, cache: KVCache, prefill_chunk: int | None = None):
+        self.model, self.cache, self.prefill_chunk = model, cache, prefill_chunk
+        self._step: DecodeStep | None = None
+
+    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            # Long prompts in chunks bound the activation memory (each chunk attends to the cache).
+            chunks = token_ids.split(self.prefill_chunk or token_ids.numel())
+            for chunk in chunks[:-1]:
+                forward_with_cache(self.model, chunk, self.cache, logits="none")
+            return forward_with_cache(self.model, chunks[-1], self.cache)
+
+    def step(self, token: int) -> torch.Tensor:
+        if self._step is None:  # after the prompt: the fused CPU kernel where it applies
+            self._step = DecodeStep(self.model, self.cache)
+        with torch.inference_mode():
+            return self._step(token)
+
+    def full(self) -> bool:
+        return self.cache.length >= self.cache.max_tokens
+
+    def close(self) -> None:
+        pass
 
 
 def generate(model, prompt: Prompt, *, on_text: Callable[[str], None] | None = None, **kwargs) -> GenerationResult:
@@ -231,6 +276,9 @@ def generate(model, prompt: Prompt, *, on_text: Callable[[str], None] | None = N
             Default: a new cache of prompt + max_new_tokens rows (or `max_tokens` rows).
         prefill_chunk: prefill the prompt this many tokens at a time (bounds activation memory for
             long prompts); default: all at once.
+        decoder: where the prompt is prefilled and the steps run (default: a `LocalDecoder` on
+            `cache`); the engine passes its decoder over a KV cache split across ranks.
+        keep_logits: keep the logits of every sampled token in the result (`step_logits`).
         on_text: called with each piece of text as soon as it is final (streaming).
 
     Returns:

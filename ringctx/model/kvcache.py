@@ -1,9 +1,18 @@
-"""Static KV cache for single-host decoding, and the default single-device `attend`.
+"""Static KV cache for decoding, and the default single-device `attend`.
 
 Per layer, K and V live in preallocated buffers [max_tokens, Hkv, D] (token-major, KV heads never
 expanded). Shapes never change while decoding, so a decode step allocates no cache memory and
 attention reads a prefix view of the buffers. The prefill engine hands its gathered K/V over with
 `KVCache.from_tensors`.
+
+Two variations serve caches larger than one device:
+- `kv_dtype` "int8" or "fp8" stores every row in 8 bits with a float32 scale per token and KV head
+  (ringctx.attention.quant): rows are quantized as they are written and attention dequantizes
+  them block by block (`attend_rows`), never the whole cache at once.
+- `positions` (a slice of a sequence): the rows are some of the sequence's tokens in any order, as
+  a decode rank holds them when the cache is split by token over several ranks; `positions[i]` is
+  the global position of row i. Attention over cached tokens does not depend on their order (RoPE
+  is already applied to the keys), so a slice is attended exactly like a whole cache.
 
     cache = KVCache.for_model(model.config, max_tokens=4096, dtype=model.dtype)
     logits = forward_with_cache(model, token_ids, cache)     # prefill: positions 0..T-1
@@ -16,7 +25,9 @@ from typing import Sequence
 
 import torch
 
-from ..attention import attention_block, attention_with_cache
+from ..attention import PartialAccumulator, attention_block, attention_with_cache
+from ..attention import quant
+from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from ..config import ModelConfig
 
 
@@ -24,10 +35,14 @@ class KVCache:
     """Per-layer K and V buffers [max_tokens, Hkv, D] of one sequence, filled up to `length`.
 
     Attributes:
-        k, v: lists (one per layer) of [max_tokens, Hkv, D] tensors.
-        length: number of valid tokens (positions 0 .. length-1). `update` writes rows but does
-            not move it (every layer writes the same rows); `forward_with_cache` advances it once
-            per step.
+        k, v: lists (one per layer) of [max_tokens, Hkv, D] tensors in the storage dtype (the
+            model's dtype, or int8 / float8_e4m3fn for the 8-bit formats).
+        k_scale, v_scale: lists of [max_tokens, Hkv] float32 scales (8-bit formats), else None.
+        kv_dtype: "model" (rows stored in `dtype`), another float dtype's name, "int8" or "fp8".
+        length: number of valid rows (rows 0 .. length-1). `update` writes rows but does not move
+            it (every layer writes the same rows); `forward_with_cache` advances it once per step.
+        positions: None when row i holds position i (a whole sequence in order), else a [max_tokens]
+            long tensor of each row's global position (a slice of a sequence split over ranks).
     """
 
     def __init__(
@@ -39,23 +54,36 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        kv_dtype: str = "model",
+        sliced: bool = False,
     ):
+        """dtype: what reads return and writes take (the model's dtype); kv_dtype: how rows are
+        stored (see the class docstring); sliced: keep a `positions` index (rows in any order)."""
         if max_tokens <= 0:
             raise ValueError(f"KVCache: max_tokens must be positive, got {max_tokens}")
         shape = (max_tokens, n_kv_heads, head_dim)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.compute_dtype = dtype
+        stored = storage_dtype(kv_dtype, dtype)
         # empty, not zeros: rows at or past `length` are never read, and pages never written cost
         # no memory, so a cache sized for prompt + decode room fills in as the hand-off writes it.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.empty(shape, dtype=stored, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=stored, device=device) for _ in range(n_layers)]
+        self.k_scale = self.v_scale = None
+        if is_quantized(kv_dtype):
+            self.k_scale = [torch.empty(shape[:2], dtype=torch.float32, device=device) for _ in range(n_layers)]
+            self.v_scale = [torch.empty(shape[:2], dtype=torch.float32, device=device) for _ in range(n_layers)]
+        self.positions = torch.empty(max_tokens, dtype=torch.long) if sliced else None
         self.length = 0
 
     @classmethod
     def for_model(
         cls, config: ModelConfig, max_tokens: int, *, dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", kv_dtype: str = "model", sliced: bool = False,
     ) -> "KVCache":
         """An empty cache with this model's layer count, KV heads and head width."""
-        return cls(config.n_layers, max_tokens, config.n_kv_heads, config.head_dim, dtype=dtype, device=device)
+        return cls(config.n_layers, max_tokens, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
+                   kv_dtype=kv_dtype, sliced=sliced)
 
     @classmethod
     def from_tensors(
@@ -88,6 +116,8 @@ class KVCache:
         if not 0 <= length <= shape[0]:
             raise ValueError(f"KVCache.from_tensors: length {length} outside [0, {shape[0]}]")
         cache = cls.__new__(cls)
+        cache.kv_dtype, cache.compute_dtype = "model", dtype
+        cache.k_scale = cache.v_scale = cache.positions = None
         if max_tokens is None:
             cache.k, cache.v = list(k), list(v)
         else:
@@ -120,7 +150,13 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        """The dtype rows are read and written in (the model's); see `kv_dtype` for storage."""
+        return self.compute_dtype
+
+    @property
+    def quantized(self) -> bool:
+        """True when rows are stored in 8 bits with scales."""
+        return self.k_scale is not None
 
     @property
     def device(self) -> torch.device:
@@ -128,8 +164,21 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all buffers (capacity, not just the valid prefix)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes held by all buffers (capacity, not just the valid prefix), scales included."""
+        return sum(t.numel() * t.element_size() for t in self.storage_tensors())
+
+    def storage_tensors(self, layer: int | None = None) -> list[torch.Tensor]:
+        """The buffers as stored, [k, v] or [k, v, k_scale, v_scale] (of one layer, or of all)."""
+        layers = range(self.n_layers) if layer is None else (layer,)
+        out = []
+        for i in layers:
+            out += [self.k[i], self.v[i]] + ([self.k_scale[i], self.v_scale[i]] if self.quantized else [])
+        return out
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes of one token over all layers (K, V and their scales)."""
+        return sum(t[0].numel() * t.element_size() for t in self.storage_tensors())
 
     def check_model(self, config: ModelConfig) -> None:
         """Raise a ValueError unless this cache's shapes fit `config`."""
@@ -142,25 +191,64 @@ class KVCache:
     # -- contents ----------------------------------------------------------------------------
 
     def update(self, layer: int, positions: torch.Tensor | int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k, v [T, Hkv, D] of one layer at `positions`.
+        """Write k, v [T, Hkv, D] of one layer at `positions` (quantized here for 8-bit caches).
 
         positions: [T] long tensor of cache rows, or an int `start` for rows start..start+T-1
         (a slice copy: the fast path for prefill and decode).
         """
-        if isinstance(positions, int):
-            self.k[layer][positions:positions + k.shape[0]].copy_(k)
-            self.v[layer][positions:positions + v.shape[0]].copy_(v)
-        else:
-            self.k[layer].index_copy_(0, positions, k.to(self.dtype))
-            self.v[layer].index_copy_(0, positions, v.to(self.dtype))
+        rows = slice(positions, positions + k.shape[0]) if isinstance(positions, int) else positions
+        if self.quantized:
+            for data, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                q, s = quantize_rows(x, self.kv_dtype)
+                _write_rows(data[layer], rows, q)
+                _write_rows(scale[layer], rows, s)
+            return
+        _write_rows(self.k[layer], rows, k.to(self.k[layer].dtype))
+        _write_rows(self.v[layer], rows, v.to(self.v[layer].dtype))
+
+    def read_rows(self, layer: int, start: int, stop: int, dtype: torch.dtype | None = None):
+        """(k, v) of rows start..stop-1 of one layer in `dtype` (default: the cache's dtype): views
+        of the buffers when nothing needs converting, else copies (dequantized); read 8-bit caches
+        in blocks."""
+        dtype = dtype or self.dtype
+        if self.quantized:
+            return (dequantize_rows(self.k[layer][start:stop], self.k_scale[layer][start:stop], dtype),
+                    dequantize_rows(self.v[layer][start:stop], self.v_scale[layer][start:stop], dtype))
+        return self.k[layer][start:stop].to(dtype), self.v[layer][start:stop].to(dtype)
 
     def keys(self, layer: int) -> torch.Tensor:
-        """Valid keys of one layer, a view [length, Hkv, D]."""
-        return self.k[layer][: self.length]
+        """Valid keys of one layer [length, Hkv, D] (a view; a dequantized copy for 8-bit caches)."""
+        return self.read_rows(layer, 0, self.length)[0]
 
     def values(self, layer: int) -> torch.Tensor:
-        """Valid values of one layer, a view [length, Hkv, D]."""
-        return self.v[layer][: self.length]
+        """Valid values of one layer [length, Hkv, D] (a view; a dequantized copy for 8-bit caches)."""
+        return self.read_rows(layer, 0, self.length)[1]
+
+    def attend_rows(self, layer: int, q: torch.Tensor, stop: int | None = None, *, backend: str = "auto",
+                    softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [T, Hq, D] over rows 0..stop-1 (default: the valid rows), every query
+        seeing every row (a full block): (out [T, Hq, D], lse [Hq, T] float32). 8-bit rows are
+        dequantized block by block inside the attention."""
+        stop = self.length if stop is None else stop
+        if self.quantized:
+            return quant.attention_block_quantized(q, self.k[layer][:stop], self.k_scale[layer][:stop],
+                                                   self.v[layer][:stop], self.v_scale[layer][:stop],
+                                                   softmax_scale=softmax_scale, backend=backend)
+        return attention_block(q, self.k[layer][:stop], self.v[layer][:stop], softmax_scale=softmax_scale,
+                               backend=backend)
+
+    def grown(self, max_tokens: int) -> "KVCache":
+        """A cache with room for `max_tokens` rows holding this one's valid rows (self if it has the room)."""
+        if max_tokens <= self.max_tokens:
+            return self
+        out = KVCache(self.n_layers, max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
+                      device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None)
+        for dst, src in zip(out.storage_tensors(), self.storage_tensors()):
+            dst[:self.length].copy_(src[:self.length])
+        if self.positions is not None:
+            out.positions[:self.length] = self.positions[:self.length]
+        out.length = self.length
+        return out
 
     def reset(self) -> None:
         """Forget all tokens (buffers are kept, not cleared)."""
@@ -179,6 +267,12 @@ class KVCache:
                 f"{what} of {n_new} tokens does not fit the KV cache: {self.length} cached + {n_new} new > "
                 f"max_tokens={self.max_tokens}; create the cache with max_tokens >= {self.length + n_new} "
                 "(prompt plus max_new_tokens), or shorten the input")
+
+    def row_positions(self) -> torch.Tensor:
+        """Global positions [length] of the valid rows."""
+        if self.positions is None:
+            return torch.arange(self.length)
+        return self.positions[:self.length]
 
     def attend(self, start: int, backend: str = "auto") -> "CachedAttend":
         """The default single-device `attend` for new tokens at positions start, start+1, ..."""
@@ -201,15 +295,27 @@ class CachedAttend:
         self.cache, self.start, self.backend = cache, start, backend
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        start, T = self.start, q.shape[0]
-        ck, cv = self.cache.k[layer], self.cache.v[layer]
-        ck[start:start + T].copy_(k)
-        cv[start:start + T].copy_(v)
+        start, T, cache = self.start, q.shape[0], self.cache
+        cache.update(layer, start, k, v)
         if start == 0:
             return attention_block(q, k, v, causal=True, backend=self.backend)[0]
-        if T == 1:
-            return attention_block(q, ck[: start + 1], cv[: start + 1], backend=self.backend)[0]
-        return attention_with_cache(q, k, v, ck[:start], cv[:start], backend=self.backend)[0]
+        if T == 1:  # the new row is written: one full block over rows 0..start
+            return cache.attend_rows(layer, q, start + 1, backend=self.backend)[0]
+        if not cache.quantized:
+            return attention_with_cache(q, k, v, cache.k[layer][:start], cache.v[layer][:start],
+                                        backend=self.backend)[0]
+        # 8-bit: the new tokens see the cache (dequantized in blocks) and themselves as computed
+        acc = PartialAccumulator(T, q.shape[1], q.shape[2], device=q.device)
+        acc.add(*cache.attend_rows(layer, q, start, backend=self.backend), owned=True)
+        acc.add(*attention_block(q, k, v, causal=True, backend=self.backend))
+        return acc.result(q.dtype)[0]
+
+
+def _write_rows(buffer: torch.Tensor, rows, values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        buffer[rows].copy_(values)
+    else:
+        buffer.index_copy_(0, rows, values)
 
 
 def forward_with_cache(model, token_ids: torch.Tensor, cache: KVCache, *, logits="last", backend: str = "auto"):

@@ -31,7 +31,7 @@ def assert_same_cache(cache, ref, length, atol):
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda w: f"W{w}")
 def tiny_engine(request):
-    with Engine("tiny", nproc=request.param, dtype="float32") as engine:
+    with Engine("tiny", nproc=request.param, dtype="float32", decode_ranks=1) as engine:
         yield engine
 
 

@@ -1,0 +1,140 @@
+"""Decoding over a KV cache split by token across the decode ranks of one host.
+
+Every decode rank holds the weights and a slice of the cache (a balanced share of the tokens, in
+any order). For each new token:
+
+    leader (decode rank 0)   broadcast (token, go) to the decode ranks
+    every decode rank        run the layers on the token (the same on every rank); at each layer
+                             the owner of this step writes the token's K/V into its slice, every
+                             rank attends the token's query to its own slice -> (out, lse), and one
+                             all-gather of the partials lets every rank merge them exactly (Eq. 4)
+    leader                   final norm, LM head, sampling (the other ranks skip the head)
+
+The owner of a step is the decode rank with the fewest rows (ties: round-robin, offset by one each
+step), so the slices stay level as the answer grows. Merging all-gathered partials rather than
+running the paper's pass-Q ring (Algorithm 4) costs one collective of N * Hq * (D + 1) floats per
+layer instead of N - 1 ring steps plus an all-to-all; for one token both are latency-bound, and
+the all-gather is one round trip (scripts/bench_decode.py measures both).
+
+The question that precedes an answer is prefilled over the same ranks with `cp_prefill`, each
+rank's slice serving as its cached tokens in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..attention import PartialAccumulator
+from ..model import KVCache
+from .prefill import PrefillConfig, cp_prefill
+
+
+class ShardedDecoder:
+    """Prefill and decode steps of one sequence whose KV cache is split over `group`'s ranks.
+
+    Call every method on every rank of the group, in the same order; `step` on the leader,
+    `follow` on the others (it returns when the leader calls `close`).
+
+    Args:
+        model: the Transformer (the same weights on every rank).
+        cache: this rank's slice (KVCache with positions, or any KVCache: rows in any order).
+        length: tokens of the whole sequence so far (the next token's position).
+        group: the decode ranks' process group; leader is group rank 0.
+        prefill_config: chunking and strategy of question prefills (its decode_ranks must be the
+            group's size and decode_rank 0).
+    """
+
+    def __init__(self, model, cache: KVCache, length: int, group, prefill_config: PrefillConfig):
+        self.model, self.cache, self.length, self.group = model, cache, length, group
+        self.config = prefill_config
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.leader = dist.get_global_rank(group, 0) if group is not None else 0
+        self.steps = 0
+        rows = torch.tensor([cache.length], dtype=torch.long)
+        everyone = [torch.empty_like(rows) for _ in range(self.world)]
+        dist.all_gather(everyone, rows, group=group)
+        self.rows = [int(r) for r in everyone]  # every rank's slice length, tracked without messages
+        self._control = torch.zeros(2, dtype=torch.long)
+        self._closed = False
+
+    # -- prompt -------------------------------------------------------------------------------
+    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill token_ids [T] on top of the slices; float32 logits [1, vocab] of the last one."""
+        result = cp_prefill(self.model, token_ids, self.config, group=self.group, shard=self.cache)
+        self.cache = result.cache
+        self.rows = list(result.stats.decode_slice_rows_per_rank)
+        self.length += int(token_ids.numel())
+        return result.logits[None]
+
+    # -- steps --------------------------------------------------------------------------------
+    def step(self, token: int) -> torch.Tensor:
+        """Leader: feed `token`, get float32 logits [1, vocab] of the next position."""
+        self._control[0], self._control[1] = token, 1
+        dist.broadcast(self._control, src=self.leader, group=self.group)
+        return self._forward(token)
+
+    def follow(self) -> None:
+        """Other ranks: run the steps the leader asks for, until it closes the decode."""
+        while True:
+            dist.broadcast(self._control, src=self.leader, group=self.group)
+            if int(self._control[1]) == 0:
+                return
+            self._forward(int(self._control[0]))
+
+    def close(self) -> None:
+        """Leader: release the other ranks from `follow` (idempotent)."""
+        if not self._closed and self.rank == 0:
+            self._control.zero_()
+            dist.broadcast(self._control, src=self.leader, group=self.group)
+        self._closed = True
+
+    def full(self) -> bool:
+        """Never: slices grow as needed (each by one row every N steps)."""
+        return False
+
+    def owner(self) -> int:
+        """The rank that stores this step's K/V: fewest rows, ties broken round-robin."""
+        return min(range(self.world), key=lambda r: (self.rows[r], (r - self.steps) % self.world))
+
+    def _forward(self, token: int) -> torch.Tensor | None:
+        model, cache = self.model, self.cache
+        owner = self.owner()
+        mine = owner == self.rank
+        if mine and cache.length >= cache.max_tokens:
+            self.cache = cache = cache.grown(cache.max_tokens + max(64, cache.max_tokens // 8))
+        row = cache.length
+        ids = torch.tensor([token], device=model.device)
+        positions = torch.tensor([self.length], device=model.device)
+
+        def attend(layer: int, q, k, v):
+            if mine:
+                cache.update(layer, row, k, v)
+            out, lse = cache.attend_rows(layer, q, row + int(mine))
+            return self._merge(out, lse).to(q.dtype)
+
+        with torch.inference_mode():
+            x = model.embed(ids)
+            rope = model.rope(positions)
+            for i, block in enumerate(model.layers):
+                x = block.forward(x, rope, attend, i)
+            logits = model.head(model.norm(x)) if self.rank == 0 else None
+        if mine:
+            if cache.positions is not None:
+                cache.positions[row] = self.length
+            cache.length = row + 1
+        self.rows[owner] += 1
+        self.length += 1
+        self.steps += 1
+        return logits
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""
+        T, H, D = out.shape
+        packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
+        everyone = [torch.empty_like(packed) for _ in range(self.world)]
+        dist.all_gather(everyone, packed, group=self.group)
+        acc = PartialAccumulator(T, H, D, device=out.device)
+        for part in everyone:  # the same order on every rank: the same bits everywhere
+            acc.add(part[:T * H * D].view(T, H, D), part[T * H * D:].view(H, T))
+        return acc.out

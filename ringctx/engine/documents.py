@@ -1,0 +1,260 @@
+"""Document files: a prefilled document's KV cache, written by N decode ranks, read by M.
+
+A document is a directory (no pickle anywhere):
+
+    report.kv/
+        manifest.json              format, ringctx version, model fingerprint and weights digest,
+                                   dtype, kv_dtype, length, the slices and their SHA-256, caller
+                                   fields (the chat frame)
+        tokens.safetensors         token_ids [length] int64
+        slice-00000.safetensors    one decode rank's rows: k.{layer}, v.{layer} [rows, Hkv, D] as
+        slice-00001.safetensors    stored (8-bit caches also k_scale.{layer}, v_scale.{layer}
+        ...                        [rows, Hkv]) and positions [rows] int64
+
+Every decode rank writes its own slice, so no rank ever holds more than its slice and the writes
+run in parallel. Loading on M decode ranks: rank m takes rows m*R/M .. (m+1)*R/M - 1 of the
+slices taken in order (R rows in all), reading only those rows (safetensors slices, memory-mapped);
+each slice file's checksum is verified by one of the loading ranks, streaming the file. With one
+decode rank the rows are put in sequence order, as a single-rank cache is kept.
+
+Saving writes into `<path>.partial/` and renames it to `<path>` once every rank has written its
+slice and the manifest is complete: a crash never leaves a half-written document at `<path>`. A
+file in the older single-file format (`ringctx.model.kvfile`) still loads on one decode rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from ..model import KVCache
+from ..model.kvfile import load_kv_cache, weights_digest
+from ..parallel.comm import agree_across_ranks
+
+FORMAT = "ringctx-doc/1"
+MANIFEST = "manifest.json"
+TOKENS = "tokens.safetensors"
+
+
+def slice_name(index: int) -> str:
+    return f"slice-{index:05d}.safetensors"
+
+
+def file_sha256(path: str) -> str:
+    """SHA-256 of a file's bytes, read in blocks (memory stays small for any size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _slice_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
+    n = cache.length
+    tensors = {"positions": cache.row_positions().cpu().contiguous()}
+    for layer in range(cache.n_layers):
+        tensors[f"k.{layer}"], tensors[f"v.{layer}"] = cache.k[layer][:n].cpu(), cache.v[layer][:n].cpu()
+        if cache.quantized:
+            tensors[f"k_scale.{layer}"] = cache.k_scale[layer][:n].cpu()
+            tensors[f"v_scale.{layer}"] = cache.v_scale[layer][:n].cpu()
+    return tensors
+
+
+def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, model, extra: dict, *, group,
+                         rank: int, world: int) -> None:
+    """Write this decode rank's slice; the leader (rank 0 of `group`) also writes the tokens and the
+    manifest and swaps the finished directory in. Call on every decode rank."""
+    from safetensors.torch import save_file
+
+    from .. import __version__
+
+    path = os.path.abspath(os.fspath(path))
+    partial = path + ".partial"
+    problem = None
+    if rank == 0:
+        try:
+            shutil.rmtree(partial, ignore_errors=True)  # a crashed save's leftovers
+            os.makedirs(partial)
+        except OSError as exc:
+            problem = f"cannot create {partial!r}: {exc}"
+    _agree("save", problem, group, world)
+    sha = ""
+    try:
+        file = os.path.join(partial, slice_name(rank))
+        save_file(_slice_tensors(cache), file, metadata={"format": FORMAT, "slice": str(rank)})
+        sha = file_sha256(file)
+    except Exception as exc:  # disk full, permissions: every rank must hear of it
+        problem = f"rank {rank} could not write its slice: {exc}"
+    _agree("save", problem, group, world)
+    rows = _gather_objects([f"{cache.length}:{sha}"], group, world)
+    if rank == 0:
+        try:
+            save_file({"token_ids": torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu().contiguous()},
+                      os.path.join(partial, TOKENS))
+            slices = [{"file": slice_name(i), "rows": int(r.split(":")[0]), "sha256": r.split(":")[1]}
+                      for i, r in enumerate(rows)]
+            manifest = {
+                "format": FORMAT, "ringctx_version": __version__, "model": model.config.name,
+                "model_fingerprint": model.config.fingerprint(), "weights_digest": weights_digest(model),
+                "dtype": str(cache.dtype).removeprefix("torch."), "kv_dtype": cache.kv_dtype,
+                "length": int(torch.as_tensor(token_ids).numel()), "n_layers": cache.n_layers,
+                "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": slices, "extra": extra,
+            }
+            if sum(s["rows"] for s in slices) != manifest["length"]:
+                raise ValueError(f"the slices hold {sum(s['rows'] for s in slices)} rows but the document has "
+                                 f"{manifest['length']} tokens")
+            with open(os.path.join(partial, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _swap_in(partial, path)
+        except Exception as exc:
+            problem = f"could not finish {path!r}: {exc}"
+            shutil.rmtree(partial, ignore_errors=True)
+    _agree("save", problem, group, world)
+
+
+def _swap_in(partial: str, path: str) -> None:
+    """Replace `path` (a directory, a file or nothing) by the finished `partial` directory."""
+    old = None
+    if os.path.lexists(path):
+        old = path + ".old"
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(partial, path)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of a document directory; ValueError naming the problem."""
+    path = os.fspath(path)
+    file = os.path.join(path, MANIFEST)
+    if not os.path.exists(path):
+        raise ValueError(f"document {path!r} does not exist; create it with `ringctx ingest FILE --save {path}`")
+    try:
+        with open(file) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"document {path!r} has no readable {MANIFEST} ({exc}); it is incomplete or not a "
+                         "ringctx document: save it again") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not a ringctx document (format {manifest.get('format')!r}, expected {FORMAT!r})")
+    return manifest
+
+
+def check_manifest(path: str, manifest: dict, model, kv_dtype: str | None = None) -> None:
+    """ValueError unless the document was made with this model, weights and dtype."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    if manifest["dtype"] != dtype:
+        raise ValueError(f"document {path!r} holds {manifest['dtype']} K/V but the model runs in {dtype}; "
+                         f"load the model with dtype={manifest['dtype']!r}")
+    if manifest["model_fingerprint"] != model.config.fingerprint() or manifest["weights_digest"] != weights_digest(model):
+        raise ValueError(f"document {path!r} was made with model {manifest.get('model')!r} "
+                         f"(fingerprint {manifest['model_fingerprint']}, weights {manifest['weights_digest']}), not "
+                         f"with the loaded {model.config.name!r} ({model.config.fingerprint()}, "
+                         f"{weights_digest(model)}); load the model it was made with, or ingest the document again")
+
+
+def rows_for_rank(total: int, rank: int, world: int) -> tuple[int, int]:
+    """The contiguous share of `total` rows that loading rank `rank` of `world` takes."""
+    return rank * total // world, (rank + 1) * total // world
+
+
+def load_document_slices(path: str, model, *, group, rank: int, world: int, room: int,
+                         memory_check=None) -> tuple[KVCache, torch.Tensor, dict]:
+    """This decode rank's share of a saved document: (cache, token_ids, extra). Call on every
+    decode rank; a problem on any rank is a ValueError on all of them, before anything is read.
+
+    memory_check(rows, bytes_per_row) -> problem or None: refuse a share that would not fit.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    problem, manifest = None, None
+    if os.path.isfile(path):  # the single-file format of ringctx.model.kvfile
+        if world > 1:
+            problem = (f"{path!r} is a single-file KV cache: load it with one decode rank (--decode-ranks 1) and "
+                       "save it again to load it on several")
+        _agree("load", problem, group, world)
+        cache, token_ids, extra = load_kv_cache(path, model, room=room)
+        return cache, token_ids, extra
+    try:
+        manifest = read_manifest(path)
+        check_manifest(path, manifest, model)
+    except ValueError as exc:
+        problem = str(exc)
+    _agree("load", problem, group, world)
+
+    slices, length = manifest["slices"], int(manifest["length"])
+    lo, hi = rows_for_rank(length, rank, world)
+    kv_dtype = manifest["kv_dtype"]
+    cache = KVCache.for_model(model.config, hi - lo + room, dtype=model.dtype, device=model.device,
+                              kv_dtype=kv_dtype, sliced=world > 1)
+    if memory_check is not None:
+        problem = memory_check(hi - lo + room, cache.bytes_per_token)
+    # Checksums: slice file i is verified by rank i mod world, the tokens file by rank 0.
+    try:
+        if problem is None:
+            for i, s in enumerate(slices):
+                if i % world == rank and file_sha256(os.path.join(path, s["file"])) != s["sha256"]:
+                    problem = f"document {path!r}: {s['file']} fails its checksum (altered or truncated); save it again"
+            if rank == 0 and problem is None and \
+                    file_sha256(os.path.join(path, TOKENS)) != manifest["tokens_sha256"]:
+                problem = f"document {path!r}: {TOKENS} fails its checksum; save it again"
+    except OSError as exc:
+        problem = f"document {path!r} is incomplete ({exc}); save it again"
+    _agree("load", problem, group, world)
+
+    names = ["k", "v"] + (["k_scale", "v_scale"] if cache.quantized else [])
+    filled, start = 0, 0
+    for s in slices:  # copy the rows of [lo, hi) that this slice holds
+        a, b = max(lo, start), min(hi, start + s["rows"])
+        if a < b:
+            with safe_open(os.path.join(path, s["file"]), framework="pt") as f:
+                positions = f.get_slice("positions")[a - start:b - start]
+                for layer in range(cache.n_layers):
+                    targets = cache.storage_tensors(layer)
+                    for name, target in zip(names, targets):
+                        rows = f.get_slice(f"{name}.{layer}")[a - start:b - start]
+                        if world > 1:
+                            target[filled:filled + b - a] = rows.to(target.device)
+                        else:  # one decode rank: sequence order
+                            target.index_copy_(0, positions.to(target.device), rows.to(target.device))
+                if world > 1:
+                    cache.positions[filled:filled + b - a] = positions
+            filled += b - a
+        start += s["rows"]
+    cache.length = hi - lo
+    with safe_open(os.path.join(path, TOKENS), framework="pt") as f:
+        token_ids = f.get_tensor("token_ids")
+    return cache, token_ids, dict(manifest.get("extra") or {})
+
+
+def _agree(what: str, problem: str | None, group, world: int) -> None:
+    if world > 1:
+        agree_across_ranks(f"document {what}", problem, "document", group)
+    elif problem:
+        raise ValueError(problem)
+
+
+def _gather_objects(values: list[str], group, world: int) -> list[str]:
+    """One short string per rank (as bytes in a tensor: no pickling between ranks)."""
+    data = values[0].encode()
+    if world == 1:
+        return [values[0]]
+    length = torch.tensor([len(data)], dtype=torch.long)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(everyone, padded, group=group)
+    return [bytes(t[:int(n)].tolist()).decode() for t, n in zip(everyone, lengths)]
