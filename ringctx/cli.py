@@ -11,6 +11,8 @@ import os
 import sys
 
 import click
+
+from .attention.quant import KV_DTYPES
 from rich.console import Console
 from rich.table import Table
 
@@ -88,19 +90,27 @@ def engine_options(f):
                      show_default=True, help="Local attention kernels (auto: flash-attn on CUDA when installed, else torch)."),
         click.option("--timeout", "timeout_s", default=300.0, show_default=True,
                      help="Seconds before a stuck or dead rank ends the job with an error."),
+        click.option("--decode-ranks", type=int, default=None,
+                     help="Ranks of the decode host that keep the KV cache (split by token) and decode together "
+                          "[default: every rank of the decode host; 1: the whole cache on rank 0]."),
+        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
+                     help="KV cache storage: the model's dtype, another float dtype, or 8 bits per value with a "
+                          "float32 scale per token and KV head (fp8 = float8 e4m3, int8)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s):
+def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
+                 decode_ranks=None, kv_dtype="model"):
     from .engine import Engine
     from .engine.failures import RankFailure
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
-                      hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s)
+                      hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s,
+                      decode_ranks=decode_ranks, kv_dtype=kv_dtype)
     except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
         raise _rank_error(exc) from None
 
@@ -155,7 +165,13 @@ def stats_tables(stats, title: str) -> list[Table]:
         ("prefill throughput", f"{stats.tokens_per_s:,.0f} tokens/s"),
         ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
         ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
-        ("KV shard per rank", ", ".join(_fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)),
+        ("KV shard per rank", ", ".join(_fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)
+         + ("" if stats.kv_dtype == "model" else f" ({stats.kv_dtype})")),
+        ("decode ranks: KV tokens each", ", ".join(f"{n:,}" for n in stats.decode_slice_rows_per_rank if n)
+         + f" ({stats.decode_ranks} rank{'s' if stats.decode_ranks > 1 else ''})"),
+        ("hand-off sent per rank (across hosts)", ", ".join(
+            f"{_fmt_bytes(b)} ({_fmt_bytes(c)})" for b, c in zip(stats.handoff_bytes_per_rank,
+                                                                 stats.handoff_cross_host_bytes_per_rank))),
         ("peak RSS per rank (prefill)", ", ".join(_fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
         ("peak RSS per rank (hand-off)", ", ".join(_fmt_bytes(b) for b in stats.handoff_peak_rss_bytes_per_rank)),
     ]
@@ -181,11 +197,11 @@ def stats_tables(stats, title: str) -> list[Table]:
               help="Write a Chrome/Perfetto trace of compute and communication per rank.")
 @click.option("--save-logits", "logits_path", type=click.Path(dir_okay=False),
               help="Write the last token's logits (float32) and the token ids as safetensors here.")
-@click.option("--save-kv", "kv_path", type=click.Path(dir_okay=False),
-              help="Write the KV cache the decode rank received (a ringctx KV file) here.")
+@click.option("--save-kv", "kv_path", type=click.Path(),
+              help="Write the KV cache the decode ranks hold (a ringctx document directory, one slice per rank) here.")
 @engine_options
 def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, chunk_tokens, strategy, hardware, rule,
-            dtype, device, attn_backend, timeout_s):
+            dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
     import torch
 
@@ -197,15 +213,20 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
     if world > tokens:
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s)
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
+                          decode_ranks, kv_dtype)
     printing = _is_printing_rank()
     try:
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
         if printing:
             err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {model} ({engine.model.dtype}) "
-                              f"on {engine.world_size} rank(s), chunks of {engine.chunk_tokens:,} tokens[/dim]")
+                              f"on {engine.world_size} rank(s), chunks of {engine.chunk_tokens:,} tokens, KV cache "
+                              f"left on {engine.decode_ranks} decode rank(s)[/dim]")
         try:
-            result = _run_prefill(engine, ids, show_progress=printing, trace=bool(trace_path))
+            result = _run_prefill(engine, ids, show_progress=printing, trace=bool(trace_path),
+                                  as_document=bool(kv_path))
+            if kv_path:
+                engine.save_document(result.document, kv_path)
         except (ValueError, RankFailure) as exc:
             raise _rank_error(exc) from None
     finally:
@@ -220,10 +241,6 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
                                 "world_size": stats.world_size, **stats.to_dict()})
     if logits_path:
         _save_logits(logits_path, result)
-    if kv_path:
-        from .model.kvfile import save_kv_cache
-
-        save_kv_cache(kv_path, result.cache, engine.model, result.token_ids)
     if trace_path:
         from .telemetry import write_chrome_trace
 
@@ -253,11 +270,12 @@ def _write_json(path: str, data: dict) -> None:
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--save", "save_path", required=True, type=click.Path(dir_okay=False), help="KV cache file to write.")
+@click.option("--save", "save_path", required=True, type=click.Path(),
+              help="Document to write (a directory: one KV slice per decode rank, a manifest, the tokens).")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
 @engine_options
 def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend,
-           timeout_s):
+           timeout_s, decode_ranks, kv_dtype):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
     try:
         with open(file, "rb") as f:
@@ -271,16 +289,17 @@ def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardw
         raise _AgreedError(f"{file} is empty: nothing to ingest")
     from .engine.failures import RankFailure
 
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s)
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
+                          decode_ranks, kv_dtype)
     printing = _is_printing_rank()
     try:
         try:
             document = engine.ingest(text, chat=not no_chat, on_chunk=None) if not printing else \
                 _ingest_with_progress(engine, text, chat=not no_chat)
+            if document is not None:
+                engine.save_document(document, save_path)
         except (ValueError, RankFailure) as exc:
             raise _rank_error(exc) from None
-        if document is not None:
-            engine.save_document(document, save_path)
     finally:
         engine.close()
     if printing:
@@ -297,34 +316,54 @@ def _ingest_with_progress(engine, text, chat):
 
 
 @main.command()
-@click.argument("kv_file", type=click.Path(dir_okay=False))
+@click.argument("kv_file", type=click.Path())
 @click.argument("question")
-@click.option("--model", default="smollm2-135m", show_default=True, help="The model the KV file was made with.")
-@click.option("--dtype", default=None, help="Default: the KV file's dtype.")
+@click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
+@click.option("--dtype", default=None, help="Default: the document's dtype.")
+@click.option("--nproc", default=1, show_default=True, type=int,
+              help="Local ranks to spawn (ignored under torchrun, which sets the world).")
+@click.option("--decode-ranks", type=int, default=None,
+              help="Ranks that hold the document (split by token) and decode together [default: every rank of the "
+                   "decode host]; any number loads a document saved by any other.")
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", default=None, type=int)
-def ask(kv_file, question, model, dtype, max_new_tokens, temperature, top_p, top_k, seed):
+@click.option("--timeout", "timeout_s", default=300.0, show_default=True,
+              help="Seconds before a stuck or dead rank ends the job with an error.")
+def ask(kv_file, question, model, dtype, nproc, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
+        timeout_s):
     """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""
     from .engine import Engine
-    from .model.kvfile import read_kv_metadata
+    from .engine.documents import describe_document
+    from .engine.failures import RankFailure
 
+    if not question.strip():
+        raise _AgreedBadParameter("the question is empty: ask something about the document", param_hint="QUESTION")
+    printing = _is_printing_rank()
+    engine = None
     try:
-        meta = read_kv_metadata(kv_file)
-        engine = Engine(model, dtype=dtype or meta["dtype"])
+        meta = describe_document(kv_file)
+        engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s)
         document = engine.load_document(kv_file)
         generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
-                                     top_p=top_p, top_k=top_k, seed=seed)
+                                     top_p=top_p, top_k=top_k, seed=seed) if document is not None else iter(())
         for piece in generation:
             click.echo(piece, nl=False)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+    except (ValueError, OSError, RankFailure) as exc:
+        raise _rank_error(exc) from None
+    finally:
+        if engine is not None:
+            engine.close()
+    if not printing:
+        return
     click.echo()
     r = generation.result
-    err_console.print(f"[dim]{document.length:,} cached tokens; first token {r.time_to_first_token_s * 1000:.0f} ms, "
-                      f"then {r.decode_ms_per_token:.1f} ms/token over {len(r.token_ids)} tokens[/dim]")
+    err_console.print(f"[dim]{document.length:,} cached tokens on {engine.decode_ranks} decode rank(s); first token "
+                      f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_ms_per_token:.1f} ms/token over "
+                      f"{len(r.token_ids)} tokens[/dim]")
 
 
 @main.command()

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from ringctx.cli import main
 from ringctx.engine import Engine
-from ringctx.engine.failures import RankFailure, memory_problem, process_state
+from ringctx.engine.failures import RankFailure, memory_problem, prefill_memory_need, process_state
 from ringctx.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,8 @@ def test_idle_engine_survives_its_timeout_and_a_stuck_rank_times_out(monkeypatch
     with pytest.raises(ValueError, match=r"not enough memory for a prefill of 300 tokens on 2 rank\(s\)") as info:
         engine.prefill(IDS)
     message = str(info.value)
-    assert "RINGCTX_MEMORY_LIMIT=96KiB" in message and "KV shard" in message and "bfloat16" in message
+    assert "RINGCTX_MEMORY_LIMIT=96KiB" in message and "KV shard" in message
+    assert "bfloat16" not in message and "fp8" not in message  # neither would fit in 96 KiB: not suggested
     time.sleep(4)  # idle for longer than timeout_s
     small = engine.prefill(IDS[:12], decode_room=0)  # fits: the engine is still usable
     reference = Engine("tiny", dtype="float32").prefill(IDS[:12], decode_room=0)
@@ -141,7 +142,15 @@ def test_memory_is_checked_against_what_is_available(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", "64KiB")
     with pytest.raises(ValueError, match="not enough memory") as info:
         engine.prefill(IDS, chunk_tokens=64)
-    assert "decode rank's KV cache" in str(info.value) and "--dtype bfloat16" in str(info.value)
+    assert "decode rank's KV cache" in str(info.value) and "--dtype bfloat16" not in str(info.value)
+    # Between what bf16 and float32 need: bf16 is suggested, and only because it fits.
+    need = {dtype: prefill_memory_need(engine.model.config, dtype, 1, 300, 0, 64, decode_room=256, local_ranks=1,
+                                       decode_here=True)["total"] for dtype in ("float32", "bfloat16")}
+    monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", str(int((need["float32"] + need["bfloat16"]) / 2 / 0.9)))
+    with pytest.raises(ValueError, match="not enough memory") as info:
+        engine.prefill(IDS, chunk_tokens=64)
+    assert "--dtype bfloat16" in str(info.value) and "--kv-dtype fp8" in str(info.value)
+    monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", "64KiB")
     monkeypatch.setenv("RINGCTX_MEMORY_CHECK", "0")
     assert engine.prefill(IDS, chunk_tokens=64).cache.length == 300
     monkeypatch.delenv("RINGCTX_MEMORY_CHECK")

@@ -403,7 +403,7 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
                 chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
-                trace: bool = False, on_chunk=None) -> PrefillResult:
+                trace: bool = False, on_chunk=None, as_document: bool = False) -> PrefillResult:
         """Prefill token ids (optionally on top of `cache`) over all ranks; leave the KV cache on the decode ranks.
 
         Args:
@@ -413,6 +413,8 @@ class Engine:
             decode_room: KV rows to reserve beyond the prompt for generation (on each decode rank).
             trace: record a Chrome trace (result.trace_events).
             on_chunk: progress callback on_chunk(done, total, chunk_stats).
+            as_document: also keep the result as a Document (result.document on the decode ranks),
+                to save it or ask about it.
 
         Returns:
             PrefillResult with .logits (float32 [vocab], last prompt token), .cache (this decode
@@ -429,7 +431,8 @@ class Engine:
             (torch.Size([256]), 100, [32, 32, 32, 4])
         """
         return self._prefill(token_ids, cache=cache, cache_token_ids=cache_token_ids, chunk_tokens=chunk_tokens,
-                             strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk)
+                             strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk,
+                             keep=self._new_document_id() if as_document else None)
 
     def _prefill_config(self, chunk_tokens, strategy, decode_room, trace) -> PrefillConfig:
         config = PrefillConfig(chunk_tokens=chunk_tokens or self.chunk_tokens, strategy=strategy or self.strategy,
@@ -476,8 +479,8 @@ class Engine:
         result = cp_prefill(self.model, token_ids, config, group=group, cache=cache, cache_token_ids=cache_token_ids,
                             on_chunk=with_test_hook(on_chunk, self.rank))
         if keep is not None and result.cache is not None:
-            self._documents[keep] = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats,
-                                             id=keep)
+            result.document = self._documents[keep] = Document(cache=result.cache, token_ids=result.token_ids,
+                                                               stats=result.stats, id=keep)
         return result
 
     # ------------------------------------------------------------------ documents and questions
@@ -498,9 +501,7 @@ class Engine:
             ids, suffix, chat = list(map(int, text)), "", False
             if not ids:
                 raise ValueError("the document is empty: give at least one token id")
-        keep = self._new_document_id()
-        self._prefill(ids, keep=keep, **prefill_kwargs)
-        document = self._documents.get(keep)
+        document = self._prefill(ids, keep=self._new_document_id(), **prefill_kwargs).document
         if document is not None:
             document.question_suffix, document.metadata = suffix, {"chat": chat}
         return document
@@ -621,6 +622,19 @@ class Engine:
     def _on_drop(self, document_id) -> None:
         self._documents.pop(document_id, None)
 
+    def document_rows(self, document: Document) -> list[int]:
+        """KV rows (tokens) of `document` each decode rank holds now, its answers' rows included."""
+        if not self._is_decode_rank():
+            return []
+        if self.decode_ranks == 1:
+            return [document.cache.length]
+        return self._collective("rows", ("rows", document.id), lambda: self._on_rows(document.id), decode_only=True)
+
+    def _on_rows(self, document_id) -> list[int]:
+        counts = [torch.empty(1, dtype=torch.long) for _ in range(self.decode_ranks)]
+        dist.all_gather(counts, torch.tensor([self._document(document_id).cache.length]), group=self._decode_group)
+        return [int(c) for c in counts]
+
     def whole_cache(self, document: Document) -> KVCache | None:
         """The document's KV cache in sequence order, gathered on the (first) decode rank (None on
         the others): for checks and small documents; the decode itself never gathers it."""
@@ -635,9 +649,8 @@ class Engine:
         document = self._document(document_id)
         cache, group, n = document.rewind(), self._decode_group, self.decode_ranks
         rank = self.rank - self.decode_rank
-        counts = [torch.empty(1, dtype=torch.long) for _ in range(n)]
-        dist.all_gather(counts, torch.tensor([cache.length]), group=group)
-        longest = max(int(c) for c in counts)
+        counts = self._on_rows(document_id)
+        longest = max(counts)
         mine = torch.zeros(longest, dtype=torch.long)
         mine[:cache.length] = cache.row_positions()
         everyone = [torch.empty_like(mine) for _ in range(n)]
@@ -788,7 +801,7 @@ def _check_memory(model, token_ids, cached, config, world, rank, *, local_ranks,
     """Refuse a prefill the memory cannot hold, on every rank alike (see failures.memory_problem)."""
     problem = memory_problem(model, int(token_ids.numel()), cached, config.chunk_tokens, world, rank,
                              config.decode_rank, config.decode_room, local_ranks=local_ranks,
-                             local_decode=local_decode)
+                             local_decode=local_decode, decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype)
     if world > 1:
         agree_across_ranks("prefill", problem, "memory check")
     elif problem:

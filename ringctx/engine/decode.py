@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
+from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
 
 
@@ -98,6 +99,7 @@ class ShardedDecoder:
         return min(range(self.world), key=lambda r: (self.rows[r], (r - self.steps) % self.world))
 
     def _forward(self, token: int) -> torch.Tensor | None:
+        maybe_die(dist.get_rank(), f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
         model, cache = self.model, self.cache
         owner = self.owner()
         mine = owner == self.rank

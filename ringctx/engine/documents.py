@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..model import KVCache
+from ..model.kvcache import write_rows
 from ..model.kvfile import load_kv_cache, weights_digest
 from ..parallel.comm import agree_across_ranks
 
@@ -162,6 +163,24 @@ def check_manifest(path: str, manifest: dict, model, kv_dtype: str | None = None
                          f"{weights_digest(model)}); load the model it was made with, or ingest the document again")
 
 
+def describe_document(path: str) -> dict:
+    """dtype, kv_dtype and length of a saved document (a directory, or the older single file),
+    read from its manifest or header alone; ValueError naming the problem."""
+    from ..model.kvfile import read_kv_metadata
+
+    if os.path.isfile(path):
+        meta = read_kv_metadata(path)
+        return {"dtype": meta["dtype"], "kv_dtype": "model", "length": int(meta["length"])}
+    manifest = read_manifest(path)
+    return {"dtype": manifest["dtype"], "kv_dtype": manifest["kv_dtype"], "length": int(manifest["length"])}
+
+
+def read_document(path: str, model, room: int = 0) -> tuple[KVCache, torch.Tensor, dict]:
+    """A whole saved document in this process, in sequence order: (cache, token_ids, extra). For
+    checks and tools; a document larger than one device loads with `Engine.load_document`."""
+    return load_document_slices(path, model, group=None, rank=0, world=1, room=room)
+
+
 def rows_for_rank(total: int, rank: int, world: int) -> tuple[int, int]:
     """The contiguous share of `total` rows that loading rank `rank` of `world` takes."""
     return rank * total // world, (rank + 1) * total // world
@@ -226,7 +245,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
                         if world > 1:
                             target[filled:filled + b - a] = rows.to(target.device)
                         else:  # one decode rank: sequence order
-                            target.index_copy_(0, positions.to(target.device), rows.to(target.device))
+                            write_rows(target, positions.to(target.device), rows.to(target.device))
                 if world > 1:
                     cache.positions[filled:filled + b - a] = positions
             filled += b - a

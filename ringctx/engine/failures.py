@@ -8,8 +8,9 @@
     kill_point             the RINGCTX_TEST_KILL test hook (see below)
 
 Test hook (for tests only, never set it in production): RINGCTX_TEST_KILL="<rank>:<point>[,...]"
-makes that rank SIGKILL itself at <point>: "join" (a spawned worker, before it joins the group)
-or "chunk<N>" (right after chunk N of a prefill, 1-based). It is how tests kill a rank mid-prefill
+makes that rank SIGKILL itself at <point>: "join" (a spawned worker, before it joins the group),
+"chunk<N>" (right after chunk N of a prefill, 1-based) or "decode<N>" (before decode step N over a
+split KV cache). It is how tests kill a rank mid-prefill
 deterministically; tests/test_failures.py and tests/multihost/ use it.
 """
 
@@ -430,24 +431,31 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: int, chunk: int, *,
-                        decode_room: int, local_ranks: int, decode_here: bool) -> dict:
+                        decode_room: int, local_ranks: int, decode_here: bool, decode_ranks: int = 1,
+                        kv_dtype: str = "model") -> dict:
     """Bytes a prefill adds on this rank's device (host RAM on CPU: all its local ranks), by part.
 
     From the planner's formulas: the KV shard (kv_cache_bytes_per_rank over the rows this rank
-    ends with), the one-layer working set of a chunk (activation_bytes_per_rank, the larger of
-    pass-KV and pass-Q), and on the decode rank the whole decode KV cache the hand-off fills.
-    Weights are already loaded and not counted again.
+    ends with, stored in kv_dtype), the one-layer working set of a chunk (activation_bytes_per_rank,
+    the larger of pass-KV and pass-Q), and what the hand-off adds on the decode host: with one
+    decode rank the whole decode KV cache, with several the rows the other ranks send them plus
+    each decode rank's room. Weights are already loaded and not counted again.
     """
-    from ..parallel.planner import activation_bytes_per_rank, kv_cache_bytes_per_rank
+    from ..parallel.planner import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
     from ..parallel.strategy import STRATEGIES, cached_rows_per_rank, tokens_per_rank
 
     chunk = max(1, min(chunk, tokens))
     full, rest = divmod(tokens, chunk)
     rows = cached_rows_per_rank(cached, world) + full * tokens_per_rank(chunk, world) + \
         (tokens_per_rank(rest, world) if rest else 0)
-    shard = kv_cache_bytes_per_rank(cfg, rows, 1, dtype_name)
+    shard = kv_cache_bytes_per_rank(cfg, rows, 1, dtype_name, kv_dtype)
     activations = max(activation_bytes_per_rank(cfg, world, 1, chunk, rows, s, dtype_name) for s in STRATEGIES)
-    decode_cache = cfg.kv_bytes_per_token(_element_bytes(dtype_name)) * (cached + tokens + decode_room)
+    per_token = kv_row_bytes(cfg, 1, dtype_name, kv_dtype)
+    if decode_ranks == 1:
+        decode_cache = per_token * (cached + tokens + decode_room)
+    else:  # decode ranks keep their shards: only the other ranks' rows arrive, and the room
+        moved = (cached + tokens) * max(0, world - decode_ranks) // world
+        decode_cache = per_token * (moved + decode_room * decode_ranks)
     per_rank = shard + activations + 16 * tokens  # + the token ids
     total = per_rank * local_ranks + (decode_cache if decode_here else 0)
     return {"shard": shard, "activations": activations, "decode_cache": decode_cache if decode_here else 0,
@@ -461,11 +469,13 @@ def _element_bytes(dtype_name: str) -> int:
 
 
 def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank: int, decode_rank: int,
-                   decode_room: int, *, local_ranks: int = 1, local_decode: bool | None = None) -> str | None:
+                   decode_room: int, *, local_ranks: int = 1, local_decode: bool | None = None,
+                   decode_ranks: int = 1, kv_dtype: str = "model") -> str | None:
     """A one-line problem when the prefill would not fit the memory available to this rank, else None.
 
-    On CPU the ranks of one host share its RAM: `local_ranks` of them, and the decode rank's full
-    KV cache when `local_decode` (default: this is the decode rank). Set RINGCTX_MEMORY_CHECK=0 to
+    On CPU the ranks of one host share its RAM: `local_ranks` of them, and what the hand-off
+    brings to the decode ranks when `local_decode` (default: this is the decode rank). Every fix
+    it suggests is checked to fit. Set RINGCTX_MEMORY_CHECK=0 to
     skip the check, RINGCTX_MEMORY_LIMIT=<size> to cap the memory it assumes available.
     """
     if os.environ.get(MEMORY_CHECK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -480,9 +490,10 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
     local_ranks = 1 if on_gpu else max(1, local_ranks)
     decode_here = (rank == decode_rank) if (local_decode is None or on_gpu) else local_decode
 
-    def need_at(n_world: int, n_chunk: int, dtype: str = dtype_name) -> int:
+    def need_at(n_world: int, n_chunk: int, dtype: str = dtype_name, kv: str = kv_dtype) -> int:
         return prefill_memory_need(cfg, dtype, n_world, tokens, cached, n_chunk, decode_room=decode_room,
-                                   local_ranks=local_ranks, decode_here=decode_here)["total"]
+                                   local_ranks=local_ranks, decode_here=decode_here, decode_ranks=decode_ranks,
+                                   kv_dtype=kv)["total"]
 
     try:
         free, where = available_memory(model.device)
@@ -490,14 +501,16 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
         return str(exc)
     usable = int(free * MEMORY_USABLE_FRACTION)
     need = prefill_memory_need(cfg, dtype_name, world, tokens, cached, chunk, decode_room=decode_room,
-                               local_ranks=local_ranks, decode_here=decode_here)
+                               local_ranks=local_ranks, decode_here=decode_here, decode_ranks=decode_ranks,
+                               kv_dtype=kv_dtype)
     if need["total"] <= usable:
         return None
     parts = f"KV shard {fmt_bytes(need['shard'])} + chunk working set {fmt_bytes(need['activations'])} per rank"
     if local_ranks > 1:
         parts += f", x {local_ranks} ranks on this host"
     if need["decode_cache"]:
-        parts += f", + the decode rank's KV cache {fmt_bytes(need['decode_cache'])}"
+        parts += (f", + the decode rank's KV cache {fmt_bytes(need['decode_cache'])}" if decode_ranks == 1 else
+                  f", + what the hand-off brings the {decode_ranks} decode ranks {fmt_bytes(need['decode_cache'])}")
     fixes = []
     for factor in (2, 4, 8, 16, 32, 64):
         if need_at(world * factor, chunk) <= usable:
@@ -509,8 +522,10 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
         if need_at(world, smaller) <= usable:
             fixes.append(f"chunks of {smaller} tokens (--chunk-tokens / chunk_tokens)")
             break
-    if dtype_name == "float32":
+    if dtype_name == "float32" and need_at(world, chunk, "bfloat16") <= usable:
         fixes.append("--dtype bfloat16 (halves KV cache and activations)")
+    if kv_dtype not in ("fp8", "int8") and need_at(world, chunk, kv="fp8") <= usable:
+        fixes.append("--kv-dtype fp8 (8-bit KV cache: about half of bf16's bytes)")
     if not fixes:
         fixes.append("a machine with more memory for the decode rank, more ranks, or a shorter prompt")
     return (f"not enough memory for a prefill of {tokens:,} tokens on {world} rank(s): it needs about "

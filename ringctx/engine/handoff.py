@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..attention.cuda_ext import scatter_kv
 from ..model import KVCache
+from ..model.kvcache import write_rows
 from ..parallel.comm import nbytes
 from ..telemetry import release_free_memory
 
@@ -169,7 +170,7 @@ def gather_in_order(shard: KVCache, out: KVCache | None, positions: list[torch.T
                     scatter_kv(targets[0], targets[1], pieces[0][:n], pieces[1][:n], where)
                 else:
                     for target, piece in zip(targets, pieces):
-                        target.index_copy_(0, where, piece[:n])
+                        write_rows(target, where, piece[:n])
         if free:  # the decode rank never keeps a second copy of a layer
             shard.k[layer] = shard.v[layer] = None
             if shard.quantized:

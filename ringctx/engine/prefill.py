@@ -147,6 +147,8 @@ class PrefillResult:
     """All tokens of the sequence (earlier ones, then this prefill's), on the decode ranks."""
     trace_events: list[list[dict]] | None = None
     """Chrome-trace events per rank (decode rank, when tracing)."""
+    document: object | None = None
+    """The Engine's Document of this prefill on the decode ranks, when it was asked to keep one."""
 
 
 def _even_split(total: int, world: int, rank: int) -> tuple[int, int]:

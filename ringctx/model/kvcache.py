@@ -200,11 +200,11 @@ class KVCache:
         if self.quantized:
             for data, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
                 q, s = quantize_rows(x, self.kv_dtype)
-                _write_rows(data[layer], rows, q)
-                _write_rows(scale[layer], rows, s)
+                write_rows(data[layer], rows, q)
+                write_rows(scale[layer], rows, s)
             return
-        _write_rows(self.k[layer], rows, k.to(self.k[layer].dtype))
-        _write_rows(self.v[layer], rows, v.to(self.v[layer].dtype))
+        write_rows(self.k[layer], rows, k.to(self.k[layer].dtype))
+        write_rows(self.v[layer], rows, v.to(self.v[layer].dtype))
 
     def read_rows(self, layer: int, start: int, stop: int, dtype: torch.dtype | None = None):
         """(k, v) of rows start..stop-1 of one layer in `dtype` (default: the cache's dtype): views
@@ -311,9 +311,13 @@ class CachedAttend:
         return acc.result(q.dtype)[0]
 
 
-def _write_rows(buffer: torch.Tensor, rows, values: torch.Tensor) -> None:
+def write_rows(buffer: torch.Tensor, rows, values: torch.Tensor) -> None:
+    """buffer[rows] = values for a slice or a [T] long tensor of rows, any dtype (PyTorch's
+    index_copy_ has no float8 kernel on the CPU: 1-byte types are copied as bytes)."""
     if isinstance(rows, slice):
         buffer[rows].copy_(values)
+    elif buffer.element_size() == 1 and values.dtype == buffer.dtype:
+        buffer.view(torch.uint8).index_copy_(0, rows, values.view(torch.uint8))
     else:
         buffer.index_copy_(0, rows, values)
 

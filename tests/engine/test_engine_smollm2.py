@@ -2,6 +2,7 @@
 long-document retrieval, KV files, and the CLI."""
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -45,11 +46,15 @@ def test_two_ranks_equal_one_rank_and_transformers(engine1, engine2):
 
     ids = engine1.model.tokenizer(long_document(40))["input_ids"]
     r1 = engine1.prefill(ids, chunk_tokens=len(ids))
-    r2 = engine2.prefill(ids, chunk_tokens=97)  # several chunks, both strategies possible
+    r2 = engine2.prefill(ids, chunk_tokens=97, as_document=True)  # several chunks, both strategies possible
     assert len(r2.stats.chunks) > 1
     torch.testing.assert_close(r2.logits, r1.logits, atol=1e-4, rtol=1e-4)
+    rows = r2.stats.decode_slice_rows_per_rank  # each decode rank keeps its half of the tokens
+    assert sum(rows) == len(ids) and abs(rows[0] - rows[1]) <= 97
+    whole = engine2.whole_cache(r2.document)  # the two slices, gathered in sequence order for the check
+    engine2.drop_document(r2.document)
     for layer in (0, 29):
-        torch.testing.assert_close(r2.cache.k[layer][:len(ids)], r1.cache.k[layer][:len(ids)], atol=1e-4, rtol=0)
+        torch.testing.assert_close(whole.k[layer][:len(ids)], r1.cache.k[layer][:len(ids)], atol=1e-4, rtol=0)
     path = embedded_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1],
                                               torch_dtype=torch.float32)
@@ -68,8 +73,9 @@ def test_retrieves_a_fact_hidden_in_a_long_document(engine2, document2):
 
 def test_greedy_answer_after_two_ranks_equals_one_rank(engine1, engine2, document2):
     document1 = engine1.ingest(long_document())
-    torch.testing.assert_close(document1.cache.k[5][:document1.length], document2.cache.k[5][:document2.length],
-                               atol=1e-4, rtol=0)
+    assert engine2.decode_ranks == 2 and document2.cache.length < document2.length  # split over two ranks
+    torch.testing.assert_close(document1.cache.k[5][:document1.length],
+                               engine2.whole_cache(document2).k[5][:document2.length], atol=1e-4, rtol=0)
     question = "Summarize the document in one sentence."
     g1 = engine1.generate(document1, question, max_new_tokens=24)
     g2 = engine2.generate(document2, question, max_new_tokens=24)
@@ -86,14 +92,21 @@ def test_kv_file_round_trip_and_errors(engine1, engine2, document2, tmp_path):
     assert engine1.ask(loaded, QUESTION, max_new_tokens=12) == expected
     assert engine1.ask(loaded, QUESTION, max_new_tokens=12) == expected  # questions do not see each other
 
-    data = path.read_bytes()
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "slice-00000.safetensors",
+                                                      "slice-00001.safetensors", "tokens.safetensors"]
     truncated = tmp_path / "truncated.kv"
-    truncated.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="truncated or corrupt"):
+    shutil.copytree(path, truncated)
+    data = (path / "slice-00001.safetensors").read_bytes()
+    (truncated / "slice-00001.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="slice-00001.safetensors fails its checksum"):
         engine1.load_document(str(truncated))
     altered = tmp_path / "altered.kv"
-    altered.write_bytes(data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
+    shutil.copytree(path, altered)
+    (altered / "slice-00000.safetensors").write_bytes(data[:-10] + bytes(b ^ 0xFF for b in data[-10:]))
     with pytest.raises(ValueError, match="checksum"):
+        engine1.load_document(str(altered))
+    (altered / "manifest.json").unlink()  # a save that never finished leaves no manifest
+    with pytest.raises(ValueError, match="no readable manifest.json"):
         engine1.load_document(str(altered))
     with pytest.raises(ValueError, match="does not exist"):
         engine1.load_document(str(tmp_path / "missing.kv"))

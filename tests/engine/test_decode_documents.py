@@ -1,0 +1,75 @@
+"""Documents saved by N decode ranks and loaded by M, 8-bit KV caches split over decode ranks, and
+a decode rank that dies mid-answer. (Engines here are made one at a time: one process group per
+process, so this module is apart from test_decode_ranks.py's engines.)"""
+
+import time
+
+import pytest
+
+from ringctx.engine import Engine, RankFailure
+from ringctx.engine.documents import read_document
+
+from .test_decode_ranks import DOC, STEPS, answer, assert_same_cache, assert_same_logits, reference  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def saved_by_four(tmp_path_factory):
+    path = tmp_path_factory.mktemp("documents") / "doc.kv"
+    with Engine("tiny", nproc=4, dtype="float32", decode_ranks=4, chunk_tokens=64) as engine:
+        document = engine.ingest(DOC)
+        engine.save_document(document, str(path))
+    return path
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_document_saved_by_four_decode_ranks_loads_on_any_number(saved_by_four, reference, n):
+    assert sorted(p.name for p in saved_by_four.iterdir()) == \
+        ["manifest.json"] + [f"slice-{i:05d}.safetensors" for i in range(4)] + ["tokens.safetensors"]
+    with Engine("tiny", nproc=3, dtype="float32", decode_ranks=n, chunk_tokens=64) as engine:
+        document = engine.load_document(str(saved_by_four))
+        assert document.length == len(DOC) and document.token_ids.tolist() == DOC
+        rows = engine.document_rows(document)
+        assert sum(rows) == len(DOC) and max(rows) - min(rows) <= 1  # resliced evenly on load
+        assert_same_cache(engine.whole_cache(document), reference["cache"], len(DOC))
+        assert_same_logits(answer(engine, document), reference["greedy"])
+    cache, token_ids, _ = read_document(str(saved_by_four), reference["engine"].model)
+    assert token_ids.tolist() == DOC and cache.positions is None
+    assert_same_cache(cache, reference["cache"], len(DOC))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_8bit_caches_split_over_two_ranks_equal_one_rank(kv_dtype, reference, tmp_path):
+    one = Engine("tiny", dtype="float32", kv_dtype=kv_dtype)
+    single = one.ingest(DOC, chunk_tokens=64)
+    assert single.cache.quantized and single.cache.k[0].element_size() == 1
+    expected = answer(one, single)
+    with Engine("tiny", nproc=2, dtype="float32", kv_dtype=kv_dtype, chunk_tokens=64) as engine:
+        document = engine.ingest(DOC)
+        assert engine.decode_ranks == 2 and document.cache.kv_dtype == kv_dtype
+        result = answer(engine, document)
+        # The same quantized rows (the prefill's K/V agree to float32 rounding before quantizing)
+        assert result.token_ids == expected.token_ids
+        for got, want in zip(result.step_logits, expected.step_logits):
+            assert float((got - want).abs().max() / want.abs().max()) < 1e-3
+        engine.save_document(document, str(tmp_path / "doc.kv"))
+    loaded = one.load_document(str(tmp_path / "doc.kv"))
+    assert loaded.cache.kv_dtype == kv_dtype and answer(one, loaded).token_ids == expected.token_ids
+    # Against the float32 cache, over the steps whose contexts are still the same (up to the first
+    # token the two choose differently): 8-bit K/V move the logits by a little, never a lot.
+    same = next((i for i, (a, b) in enumerate(zip(expected.token_ids, reference["greedy"].token_ids)) if a != b),
+                STEPS - 1) + 1
+    error = max(float((got - want).abs().max() / want.abs().max())
+                for got, want in zip(expected.step_logits[:same], reference["greedy"].step_logits[:same]))
+    assert 0 < error < (0.02 if kv_dtype == "int8" else 0.1), error
+
+
+def test_a_decode_rank_that_dies_mid_answer_is_named(monkeypatch):
+    monkeypatch.setenv("RINGCTX_TEST_KILL", "1:decode5")  # rank 1 SIGKILLs itself before decode step 5
+    engine = Engine("tiny", nproc=2, dtype="float32", timeout_s=60)
+    document = engine.ingest(DOC, chunk_tokens=64)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 .*(killed|SIGKILL|exited).* during decode"):
+        answer(engine, document)
+    assert time.monotonic() - start < 30
+    with pytest.raises(RankFailure, match="this engine is closed"):
+        engine.ingest(DOC)
