@@ -47,7 +47,7 @@ for i in 0 1; do
       "$repo/scripts/launch_multihost.sh" --rdzv-endpoint 10.231.0.1:29400 --nnodes 2 --nproc-per-host "$NPROC" \
       --iface "${veth[$i]}" -- \
       prefill --model tiny --tokens 301 --chunk-tokens 64 --dtype float32 --timeout 60 \
-      --json out.json --save-logits logits.safetensors --save-kv kv.safetensors ) > "$OUT/host$i/log.txt" 2>&1 &
+      --json out.json --save-logits logits.safetensors --save-kv doc.kv ) > "$OUT/host$i/log.txt" 2>&1 &
   pids+=($!)
 done
 status=0
@@ -63,7 +63,7 @@ cd "$OUT" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
 import json, os, torch
 from safetensors.torch import load_file
 from ringctx.engine import Engine
-from ringctx.model.kvfile import load_kv_cache
+from ringctx.engine.documents import read_document
 
 assert not os.path.exists("host1/out.json"), "outputs belong to host 0"
 stats = json.load(open("host0/out.json"))

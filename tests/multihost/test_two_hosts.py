@@ -3,7 +3,8 @@
 Every "host" runs scripts/launch_multihost.sh (torchrun) in its own namespace and its own working
 directory, with gloo bound to its veth interface, exactly as docs/MULTIHOST.md tells users to do on
 real hosts. The prefill must give the logits of one process, and the KV cache handed off across
-the hosts must reach host 0 (rank 0, the decode rank): only host 0's directory gets the outputs.
+the hosts must reach host 0, whose ranks are the decode ranks: they keep their own shards, only
+host 1's shards cross, and only host 0's directory gets the outputs.
 If this machine does not allow network namespaces the tests fail and say so (they never skip).
 """
 
@@ -30,11 +31,11 @@ DOC = ROOT / "docs" / "MULTIHOST.md"
 # The commands of docs/MULTIHOST.md ("Try it on one machine"), with IFACE the host's interface.
 HOSTS_COMMAND = ("scripts/launch_multihost.sh --hosts 10.231.0.1,10.231.0.2 --iface IFACE -- "
                  "prefill --model tiny --tokens 301 --chunk-tokens 64 --dtype float32 --timeout 60 "
-                 "--json out.json --save-logits logits.safetensors --save-kv kv.safetensors")
+                 "--json out.json --save-logits logits.safetensors --save-kv doc.kv")
 ENDPOINT_COMMAND = ("scripts/launch_multihost.sh --rdzv-endpoint 10.231.0.1:29400 --nnodes 2 --nproc-per-host 2 "
                     "--iface IFACE -- prefill --model tiny --tokens 301 --chunk-tokens 64 --dtype float32 "
-                    "--timeout 60 --json out.json --save-logits logits.safetensors --save-kv kv.safetensors")
-OUTPUTS = ("out.json", "logits.safetensors", "kv.safetensors")
+                    "--timeout 60 --json out.json --save-logits logits.safetensors --save-kv doc.kv")
+OUTPUTS = ("out.json", "logits.safetensors", "doc.kv")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def one_process_reference(token_ids: torch.Tensor):
 def check_outputs(results, world_size: int) -> None:
     from safetensors.torch import load_file
 
-    from ringctx.model.kvfile import load_kv_cache
+    from ringctx.engine.documents import read_document
 
     for rc, err, _ in results:
         assert rc == 0, err[-4000:]
@@ -101,8 +102,14 @@ def check_outputs(results, world_size: int) -> None:
     reference, model = one_process_reference(ids)
     torch.testing.assert_close(saved["logits"], reference.logits, atol=2e-5, rtol=1e-5)
     assert int(saved["logits"].argmax()) == int(reference.logits.argmax())
-    # The KV cache rank 0 received from every rank (across the veth pair) is the one-process cache.
-    cache, cache_ids, _ = load_kv_cache(str(host0 / "kv.safetensors"), model)
+    # Host 0's ranks decode: they kept their shards, only host 1's ranks sent theirs (across the pair).
+    per_host = world_size // 2
+    sent, crossed = stats["handoff_bytes_per_rank"], stats["handoff_cross_host_bytes_per_rank"]
+    assert sent[:per_host] == [0] * per_host and min(sent[per_host:]) > 0 and crossed == sent
+    rows = stats["decode_slice_rows_per_rank"]
+    assert sum(rows) == 301 and rows[per_host:] == [0] * per_host and max(rows) - min(rows[:per_host]) <= 64
+    # The KV cache the decode ranks hold (saved as one slice each) is the one-process cache.
+    cache, cache_ids, _ = read_document(str(host0 / "doc.kv"), model)
     assert cache.length == 301 and torch.equal(cache_ids, ids)
     for layer in range(model.config.n_layers):
         torch.testing.assert_close(cache.k[layer][:301], reference.cache.k[layer][:301], atol=2e-5, rtol=0)
