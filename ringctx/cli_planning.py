@@ -2,7 +2,8 @@
 
 ringctx/cli.py registers them with `main.add_command(plan)` and `main.add_command(calibrate)`.
 Both render rich tables, or machine-readable JSON with --json. Bad input (unknown preset, tokens
-<= 0, malformed profile, ...) ends with one "Error: ..." line and exit status 1.
+<= 0, malformed profile, ...) ends with one "Error: ..." line and exit status 1; a plan whose
+decode side does not fit ends with one such line and exit status DOES_NOT_FIT_EXIT.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ err_console = Console(stderr=True)
 
 RULE_CHOICES = ("alg1", "alg5", "empirical", "cost")
 DEFAULT_PROFILE_PATH = "ringctx-hardware.json"
+DOES_NOT_FIT_EXIT = 3
+"""Exit status of `plan` when the decode side does not fit: apart from bad input (1) and usage
+errors (2), so a script can tell "wrong command" from "this setting would run out of memory"."""
+
+
+class DoesNotFit(click.ClickException):
+    """`plan` refusing a setting: the one-line reason on stderr, exit status DOES_NOT_FIT_EXIT."""
+
+    exit_code = DOES_NOT_FIT_EXIT
 
 
 def _fail(err: Exception) -> "click.ClickException":
@@ -63,27 +73,51 @@ def _gb(x: float) -> str:
               help="Prefill in chunks of this many tokens [default: one (partial) prefill of all T].")
 @click.option("--rule", type=click.Choice(RULE_CHOICES), default="alg5", show_default=True,
               help="Strategy rule: paper Algorithm 1 or 5, the empirical fit, or the cost model.")
-@click.option("--dtype", default="bfloat16", show_default=True, help="Activation/attention/KV dtype.")
+@click.option("--dtype", default="bfloat16", show_default=True,
+              help="Activation/attention dtype (and the KV cache's with --kv-dtype model).")
 @click.option("--weight-dtype", default=None, help="Weight dtype [default: --dtype].")
 @click.option("--no-handoff", is_flag=True, help="Leave out the KV gather to the decode rank from the TTFT.")
+@click.option("--decode-ranks", type=int, default=None,
+              help="Devices of the decode host that keep the KV cache after the prefill, each with a balanced "
+                   "1/N slice of the tokens and the full weights (/ --tp); at most the profile's devices per "
+                   "host (devices_per_host) / --tp [default: all of them, or --cp if fewer].")
+@click.option("--kv-dtype", default="model", show_default=True,
+              help="KV-cache storage on the prefill ranks and the decode devices: model (= --dtype), bfloat16, "
+                   "float16, float32, fp8 or int8 (1 byte per element + a float32 scale per token and KV head). "
+                   "Ring messages stay in --dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def plan(model, cp_size, tp_size, hardware, tokens, cached, chunk_tokens, rule, dtype, weight_dtype, no_handoff,
-         as_json):
-    """Plan a prefill: strategy per chunk and why, predicted times, TTFT and memory per rank."""
-    from .parallel.planner import plan_prefill, resolve_model_config
+         decode_ranks, kv_dtype, as_json):
+    """Plan a prefill and the decode after it: strategy per chunk and why, predicted times, TTFT,
+    memory per prefill rank and per decode device.
+
+    \b
+    Exit status:
+      0  the decode side fits (the tables and JSON say if the prefill ranks do)
+      3  the decode side does not fit: one line names what does not and the
+         smallest --decode-ranks / --kv-dtype that fits. With --json the JSON
+         (fits false, a suggestion) is printed first and the status is still 3,
+         so a script that launches the prefill when plan succeeds never starts
+         one whose KV cache the decode host cannot hold.
+      1  bad input (2: a malformed command line)
+    """
+    from .parallel.planner import decode_problem, plan_prefill, resolve_model_config
 
     hardware = hardware or _default_hardware()
     try:
         config = resolve_model_config(model)
         result = plan_prefill(config, cp_size, hardware, tokens, cached=cached, chunk_tokens=chunk_tokens,
                               tp_size=tp_size, dtype=dtype, rule=rule, weight_dtype=weight_dtype,
-                              handoff=not no_handoff)
+                              handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
+    problem = decode_problem(result)
     if as_json:
         click.echo(result.to_json())
-        return
-    render_plan(result)
+    elif not problem:
+        render_plan(result)
+    if problem:
+        raise DoesNotFit(problem)
 
 
 def render_plan(result) -> None:
@@ -97,7 +131,8 @@ def render_plan(result) -> None:
                           f"{result.model.n_kv_heads} kv heads x {result.model.head_dim}")
     head.add_row("hardware", f"{hw.name} ({cal})" + (f", {hw.source_path}" if hw.source_path else ""))
     head.add_row("ranks", f"CP {result.cp_size} x TP {result.tp_size}")
-    head.add_row("dtype", result.dtype + (f", weights {result.weight_dtype}" if result.weight_dtype != result.dtype else ""))
+    weights = f", weights {result.weight_dtype}" if result.weight_dtype != result.dtype else ""
+    head.add_row("dtype", result.dtype + weights + (f", KV cache {result.kv_dtype}" if result.kv_dtype != "model" else ""))
     head.add_row("prompt", f"{result.tokens:,} new tokens after {result.cached:,} cached"
                            + (f", chunks of {result.chunk_tokens:,}" if len(result.entries) > 1 else ", one prefill"))
     head.add_row("rule", result.rule)
@@ -136,14 +171,14 @@ def render_plan(result) -> None:
     times.add_column("ms", justify="right")
     times.add_row("chunks (chosen strategies)", _ms(sum(e.chosen_ms for e in result.entries)))
     times.add_row("LM head", _ms(result.lm_head_ms))
-    times.add_row("KV hand-off to the decode rank", _ms(result.handoff_ms))
+    times.add_row("KV hand-off to the decode ranks", _ms(result.handoff_ms))
     times.add_row("[bold]TTFT[/bold]", f"[bold]{_ms(result.ttft_ms)}[/bold]")
     if result.best_ttft_ms < result.ttft_ms * 0.999:
         times.add_row("TTFT with the faster strategy everywhere", _ms(result.best_ttft_ms))
     console.print(times)
 
     m = result.memory
-    mem = Table(title="memory per rank", show_header=False)
+    mem = Table(title="prefill memory per rank", show_header=False)
     mem.add_column("what", style="bold")
     mem.add_column("bytes", justify="right")
     mem.add_row("weights", _gb(m.weights_bytes))
@@ -151,8 +186,33 @@ def render_plan(result) -> None:
     mem.add_row("activations (one layer)", _gb(m.activation_bytes))
     mem.add_row("total", _gb(m.total_bytes))
     mem.add_row("usable of capacity", f"{_gb(m.usable_bytes)} of {_gb(m.capacity_bytes)}")
-    mem.add_row("fits", "[green]yes[/green]" if m.fits else "[red]NO[/red]")
+    mem.add_row("fits", _yes_no(m.fits))
     console.print(mem)
+    render_decode(result)
+    console.print(f"[bold]fits:[/bold] {_yes_no(result.fits)} (prefill ranks and decode devices)")
+
+
+def render_decode(result) -> None:
+    """The memory of one decode device: weights, its KV slice, one step's workspace."""
+    d = result.decode
+    kv = f"{result.dtype} (model)" if d.kv_dtype == "model" else d.kv_dtype
+    tp = f", TP {result.tp_size} each" if result.tp_size > 1 else ""
+    mem = Table(title="decode memory per device", show_header=False)
+    mem.add_column("what", style="bold")
+    mem.add_column("bytes", justify="right")
+    mem.add_row("decode ranks", f"{d.decode_ranks} of {d.max_decode_ranks} on one host{tp}")
+    mem.add_row("KV cache", kv)
+    mem.add_row("weights", _gb(d.weights_bytes))
+    mem.add_row(f"KV slice ({d.slice_tokens:,} tokens)", _gb(d.kv_slice_bytes))
+    mem.add_row("workspace (one decode step)", _gb(d.workspace_bytes))
+    mem.add_row("total", _gb(d.total_bytes))
+    mem.add_row("usable of capacity", f"{_gb(d.usable_bytes)} of {_gb(d.capacity_bytes)}")
+    mem.add_row("fits", _yes_no(d.fits))
+    console.print(mem)
+
+
+def _yes_no(fits: bool) -> str:
+    return "[green]yes[/green]" if fits else "[red]NO[/red]"
 
 
 # ----------------------------------------------------------------------------- calibrate

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from ringctx.config import get_preset
-from ringctx.parallel.hardware import load_profile
+from ringctx.parallel.hardware import DEFAULT_DEVICES_PER_HOST, load_profile
 from ringctx.parallel.planner import (
-    MEMORY_USABLE_FRACTION, MIN_DEFAULT_CHUNK_TOKENS, activation_bytes_per_rank, default_chunk_tokens,
-    kv_cache_bytes_per_rank, plan_prefill, split_chunks, weight_bytes_per_rank,
+    DECODE_ROOM_TOKENS, DEQUANT_BLOCK_TOKENS, MEMORY_USABLE_FRACTION, MIN_DEFAULT_CHUNK_TOKENS, DecodeSetting,
+    activation_bytes_per_rank, decode_problem, default_chunk_tokens, default_decode_ranks, kv_cache_bytes_per_rank,
+    kv_row_bytes, plan_decode, plan_prefill, split_chunks, weight_bytes_per_rank,
 )
 from ringctx.parallel.strategy import PASS_KV, PASS_Q, STRATEGIES, choose_strategy, predict_costs, tokens_per_rank
 
@@ -24,7 +25,7 @@ TINY = get_preset("tiny")
 
 
 def test_single_prefill_plan():
-    plan = plan_prefill(L8, 4, "h100-rdma", tokens=32768)
+    plan = plan_prefill(L8, 4, "h100-rdma", tokens=32768, decode_ranks=1)
     assert plan.chunk_tokens == 32768 and len(plan.entries) == 1
     (entry,) = plan.entries
     assert entry.strategy == PASS_KV and entry.new_tokens == 32768 and entry.cached_tokens == 0
@@ -34,7 +35,13 @@ def test_single_prefill_plan():
     hw = load_profile("h100-rdma")
     expected = 32 * (hw.latency_s + 3 * 8192 * 4096 / hw.bandwidth_bytes_per_s)
     assert plan.handoff_ms == pytest.approx(expected * 1e3)
-    assert plan_prefill(L8, 4, "h100-rdma", tokens=32768, handoff=False).handoff_ms == 0
+    # two decode ranks keep their shards and take one other shard each, at once; four move nothing
+    two = plan_prefill(L8, 4, "h100-rdma", tokens=32768, decode_ranks=2)
+    assert two.handoff_ms == pytest.approx(32 * (hw.latency_s + 8192 * 4096 / hw.bandwidth_bytes_per_s) * 1e3)
+    assert plan_prefill(L8, 4, "h100-rdma", tokens=32768).handoff_ms == 0  # default: all 4 ranks decode
+    fp8 = plan_prefill(L8, 4, "h100-rdma", tokens=32768, decode_ranks=1, kv_dtype="fp8")
+    assert fp8.handoff_ms == pytest.approx(32 * (hw.latency_s + 3 * 8192 * 2 * 8 * 132 / hw.bandwidth_bytes_per_s) * 1e3)
+    assert plan_prefill(L8, 4, "h100-rdma", tokens=32768, decode_ranks=1, handoff=False).handoff_ms == 0
     assert plan_prefill(L8, 4, "h100-rdma", tokens=32768, chunk_tokens=10**6).entries == plan.entries
 
 
@@ -149,8 +156,8 @@ def test_plan_json_schema():
     plan = plan_prefill("smollm2-135m", 2, "cpu", tokens=5000, cached=100, chunk_tokens=2048, dtype="float32")
     d = json.loads(plan.to_json())
     for key in ("model", "model_fingerprint", "hardware", "hardware_calibrated", "hardware_source", "cp_size",
-                "tp_size", "dtype", "weight_dtype", "rule", "tokens", "cached", "chunk_tokens", "entries",
-                "lm_head_ms", "ttft_ms", "best_ttft_ms", "memory", "fits"):
+                "tp_size", "dtype", "weight_dtype", "kv_dtype", "rule", "tokens", "cached", "chunk_tokens", "entries",
+                "lm_head_ms", "ttft_ms", "best_ttft_ms", "memory", "decode", "fits", "suggestion"):
         assert key in d, key
     assert d["hardware_calibrated"] is False and d["chunk_tokens"] == 2048 and len(d["entries"]) == 3
     entry = d["entries"][1]
@@ -199,9 +206,10 @@ def test_default_chunk_is_the_largest_fitting_power_of_two():
     kwargs = dict(tokens=1 << 20, tp_size=8, weight_dtype="float8")
     chunk = default_chunk_tokens(L405, 4, hw, **kwargs)
     assert chunk < 1 << 20 and chunk & (chunk - 1) == 0 and chunk >= MIN_DEFAULT_CHUNK_TOKENS
-    assert plan_prefill(L405, 4, hw, chunk_tokens=chunk, **kwargs).fits
+    # the chunk size is about the prefill ranks (the bf16 cache of 1M tokens does not fit one decode host)
+    assert plan_prefill(L405, 4, hw, chunk_tokens=chunk, **kwargs).memory.fits
     for strategy_rule in ("alg1", "cost"):  # the bound holds whatever the rule picks
-        assert plan_prefill(L405, 4, hw, chunk_tokens=chunk, rule=strategy_rule, **kwargs).fits
+        assert plan_prefill(L405, 4, hw, chunk_tokens=chunk, rule=strategy_rule, **kwargs).memory.fits
     # the documented rule rejects twice the chunk: weights + full KV + worst working set > usable
     rows = tokens_per_rank(1 << 20, 4)
     fixed = weight_bytes_per_rank(L405, 8, "float8") + kv_cache_bytes_per_rank(L405, rows, 8, "bfloat16")
@@ -224,7 +232,7 @@ def test_paper_scale_predictions():
     # optimistic; it must land within 2x and scale by about 2x per doubling.
     def ttft_s(tokens, hosts):
         plan = plan_prefill(L405, hosts, "h100-rdma", tokens=tokens, tp_size=8, weight_dtype="float8")
-        assert plan.fits
+        assert plan.memory.fits  # the prefill ranks; the decode host is test_paper_scale_decode_needs_fp8
         return plan.ttft_ms / 1e3
 
     assert 77 / 2 <= ttft_s(1 << 20, 16) <= 77 * 2
@@ -232,3 +240,235 @@ def test_paper_scale_predictions():
     assert 3.8 / 2 <= ttft_s(131072, 16) <= 3.8 * 2
     for hosts in (1, 2, 4, 8):
         assert 1.8 <= ttft_s(131072, hosts) / ttft_s(131072, 2 * hosts) <= 2.05
+
+
+def test_paper_scale_decode_needs_fp8():
+    # One TP8 host of H100s decoding the 1M-token 405B prefill: fp8 weights 50.7 GB + the bf16 cache
+    # 1,048,832 rows * 2*126 layers*1 head*128*2 = 67.7 GB per GPU > 86.4 GB usable; fp8 KV
+    # (132 bytes a head row) makes it 33.3 GB + 50.7 GB, which fits.
+    kwargs = dict(tokens=1 << 20, tp_size=8, weight_dtype="float8")
+    plan = plan_prefill(L405, 16, "h100-rdma", **kwargs)
+    assert plan.memory.fits and not plan.decode.fits and not plan.fits
+    assert plan.decode.kv_slice_bytes == ((1 << 20) + 256) * 2 * 126 * 128 * 2
+    assert plan.decode_suggestion == DecodeSetting(1, "fp8")
+    fp8 = plan_prefill(L405, 16, "h100-rdma", kv_dtype="fp8", **kwargs)
+    assert fp8.fits and fp8.decode.kv_slice_bytes == ((1 << 20) + 256) * 2 * 126 * 132
+
+
+# ----------------------------------------------------------------------------- KV dtype
+
+
+def test_kv_row_bytes_hand_computed():
+    # tiny: 2 layers, 2 KV heads, head_dim 16. A token's K and V: 2*2*2*16 = 128 elements.
+    assert kv_row_bytes(TINY, 1, "float32") == 128 * 4 == TINY.kv_bytes_per_token(4)
+    assert kv_row_bytes(TINY, 1, "bfloat16") == kv_row_bytes(TINY, 1, "float32", "bfloat16") == 128 * 2
+    assert kv_row_bytes(TINY, 1, "bfloat16", "float32") == 128 * 4
+    assert kv_row_bytes(TINY, 1, "bfloat16", "float16") == 128 * 2
+    # 8-bit: one byte per element + a float32 scale per (token, KV head): 2*2*2 heads-rows * (16 + 4)
+    assert kv_row_bytes(TINY, 1, "bfloat16", "fp8") == kv_row_bytes(TINY, 1, "float32", "int8") == 160
+    assert kv_row_bytes(TINY, 2, "bfloat16", "fp8") == 80  # TP 2: one KV head per GPU
+    # Llama-3.1-8B: 131,072 bytes of bf16 KV per token, 2*32*8*(128+4) = 67,584 in fp8
+    assert kv_row_bytes(L8, 1, "bfloat16") == 131_072 and kv_row_bytes(L8, 1, "bfloat16", "fp8") == 67_584
+    assert kv_cache_bytes_per_rank(L8, 1000, 1, "bfloat16", "int8") == 67_584_000
+
+
+def test_prefill_shard_is_stored_in_the_kv_dtype_ring_messages_are_not():
+    # test_memory_hand_computed_llama3_8b with an fp8 cache: 25000 rows * 67,584 bytes; the working
+    # set (pass-KV ring buffers included) stays in bf16.
+    plan = plan_prefill(L8, 4, "h100-rdma", tokens=100_000, kv_dtype="fp8")
+    assert plan.memory.kv_cache_bytes == 25_000 * 67_584 == 1_689_600_000
+    assert plan.memory.activation_bytes == 3_894_913_024
+    assert plan.kv_dtype == "fp8" and plan.dtype == "bfloat16"
+    assert plan.ttft_ms == pytest.approx(plan_prefill(L8, 4, "h100-rdma", tokens=100_000).ttft_ms)
+
+
+def test_default_chunk_counts_the_kv_dtype():
+    # 1M tokens on 4 ranks of 60 GB (54 GB usable): weights 16.1 GB + a bf16 shard of 262,144 rows
+    # (34.4 GB) leave room for 32K-token chunks; the fp8 shard (17.7 GB) for 256K-token ones
+    hw = dataclasses.replace(load_profile("h100-rdma"), memory_bytes=60e9)
+    assert default_chunk_tokens(L8, 4, hw, 1 << 20) == 32_768
+    assert default_chunk_tokens(L8, 4, hw, 1 << 20, kv_dtype="fp8") == 262_144
+
+
+# ----------------------------------------------------------------------------- the decode side
+
+
+def test_decode_memory_hand_computed_tiny():
+    # tiny (vocab 256, dim 64, 4 q / 2 kv heads x 16, ffn 128), float32, 1000 tokens over 2 decode
+    # ranks of an h200 host, fp8 cache: slice = ceil((1000 + 256) / 2) = 628 rows
+    d = plan_decode(TINY, "h200", 1000, 2, "fp8", dtype="float32")
+    assert DECODE_ROOM_TOKENS == 256 and d.slice_tokens == 628 and d.context_tokens == 1000
+    assert d.weights_bytes == TINY.n_params * 4
+    assert d.kv_slice_bytes == 628 * 160 == 100_480
+    # one token, one layer: hidden 4*64*4 = 1024, qkv (4+4)*16*4 = 512, mlp 3*128*4 = 1536,
+    # accumulator 4*17*4 = 272
+    assert d.token_activation_bytes == 3344
+    assert d.scores_bytes == 4 * 628 * 4 == 10_048  # float32 scores of 4 q heads over the slice
+    assert d.logits_bytes == 256 * 4
+    assert DEQUANT_BLOCK_TOKENS >= 628 and d.dequant_bytes == 2 * 628 * 2 * 16 * 4 == 160_768
+    assert d.workspace_bytes == 3344 + 10_048 + 1024 + 160_768
+    assert d.total_bytes == TINY.n_params * 4 + 100_480 + d.workspace_bytes
+    assert d.capacity_bytes == 141e9 and d.usable_bytes == pytest.approx(141e9 * MEMORY_USABLE_FRACTION)
+    assert d.fits and d.max_decode_ranks == 8
+    # a float cache is read in place: no dequantized block; bf16 cache 628 * 256 bytes
+    f = plan_decode(TINY, "h200", 1000, 2, "bfloat16", dtype="float32")
+    assert f.dequant_bytes == 0 and f.kv_slice_bytes == 628 * 256 and f.token_activation_bytes == 3344
+    # TP 2: half the weights, the heads split (2 q heads, 1 KV head), up to 8 // 2 = 4 decode ranks
+    t = plan_decode(TINY, "h200", 1000, 4, "fp8", tp_size=2, dtype="float32")
+    assert t.weights_bytes == -(-TINY.n_params * 4 // 2) and t.max_decode_ranks == 4
+    assert t.slice_tokens == 314 and t.kv_slice_bytes == 314 * 80 and t.scores_bytes == 2 * 314 * 4
+
+
+def test_decode_dequant_block_is_capped():
+    d = plan_decode(L8, "h200", 100_000, 1, "int8")
+    assert d.dequant_bytes == 2 * DEQUANT_BLOCK_TOKENS * 8 * 128 * 4
+
+
+def test_decode_fits_at_the_boundary():
+    need = plan_decode(L8, "h200", 10_000_000, 8, "fp8").total_bytes
+    h200 = load_profile("h200")
+    at = dataclasses.replace(h200, memory_bytes=need / MEMORY_USABLE_FRACTION * (1 + 1e-9))
+    below = dataclasses.replace(h200, memory_bytes=need / MEMORY_USABLE_FRACTION * (1 - 1e-9))
+    assert plan_decode(L8, at, 10_000_000, 8, "fp8").fits
+    assert not plan_decode(L8, below, 10_000_000, 8, "fp8").fits
+    kwargs = dict(tokens=10_000_000, decode_ranks=8, kv_dtype="fp8")
+    assert plan_prefill(L8, 32, at, **kwargs).fits
+    plan = plan_prefill(L8, 32, below, **kwargs)
+    assert plan.memory.fits and not plan.fits and decode_problem(plan) is not None
+
+
+def test_ten_million_tokens_llama3_8b_h200_fp8_fits():
+    # 10M + 256 rows over 8 H200s: 1,250,032 rows * 67,584 = 84.48 GB + 16.06 GB of bf16 weights
+    # + workspace (147,584 + scores 32*1,250,032*4 + logits 128,256*4 + block 2*4096*8*128*4)
+    plan = plan_prefill(L8, 32, "h200", tokens=10_000_000, decode_ranks=8, kv_dtype="fp8")
+    d = plan.decode
+    assert d.slice_tokens == 1_250_032 and d.kv_slice_bytes == 84_482_162_688
+    assert d.weights_bytes == 16_060_522_496
+    assert d.workspace_bytes == 147_584 + 160_004_096 + 513_024 + 33_554_432
+    assert d.total_bytes == 100_736_904_320 <= 141e9 * MEMORY_USABLE_FRACTION
+    assert plan.memory.kv_cache_bytes == 312_500 * 67_584  # the prefill shards are fp8 too
+    assert plan.memory.fits and d.fits and plan.fits
+    assert plan.decode_suggestion is None and decode_problem(plan) is None
+    assert json.loads(plan.to_json())["suggestion"] is None
+
+
+def test_ten_million_tokens_on_one_decode_rank_is_refused():
+    plan = plan_prefill(L8, 32, "h200", tokens=10_000_000, decode_ranks=1, kv_dtype="fp8")
+    assert plan.memory.fits and not plan.decode.fits and not plan.fits
+    # 6 ranks: 1,666,710 rows * 67,584 = 112.6 GB + 16.1 GB > 126.9 GB; 7 ranks: 96.6 GB + 16.1 GB fit
+    assert not plan_decode(L8, "h200", 10_000_000, 6, "fp8").fits
+    assert plan_decode(L8, "h200", 10_000_000, 7, "fp8").fits
+    assert plan.decode_suggestion == DecodeSetting(7, "fp8")
+    line = decode_problem(plan)
+    assert "\n" not in line and line.startswith("the decode does not fit")
+    assert "693.2 GB per device" in line and "126.9 GB usable" in line
+    assert line.endswith("the smallest setting that fits is --decode-ranks 7 --kv-dtype fp8")
+
+
+def test_ten_million_tokens_in_bf16_no_longer_fit():
+    # the whole bf16 cache over the host's 8 H200s: 1,250,032 * 131,072 = 163.8 GB per device
+    plan = plan_prefill(L8, 32, "h200", tokens=10_000_000)
+    assert plan.decode.decode_ranks == 8 and plan.decode.kv_dtype == "model"
+    assert plan.decode.kv_slice_bytes == 1_250_032 * 131_072
+    assert plan.memory.fits and not plan.fits
+    assert plan.decode_suggestion == DecodeSetting(7, "fp8")  # no bf16 count fits, so fp8
+    d = json.loads(plan.to_json())
+    assert d["fits"] is False and d["memory"]["fits"] is True and d["decode"]["fits"] is False
+    assert d["decode"]["smallest_fitting"] == {"decode_ranks": 7, "kv_dtype": "fp8"}
+    assert d["suggestion"] == decode_problem(plan) and "(KV cache bfloat16)" in d["suggestion"]
+
+
+def test_suggestion_keeps_the_kv_dtype_when_more_ranks_suffice():
+    # 4M bf16 tokens: 4 ranks need 131.1 GB of bf16 KV per device, 5 ranks 104.9 GB (+ 16.1 GB)
+    plan = plan_prefill(L8, 8, "h200", tokens=4_000_000, decode_ranks=1)
+    assert not plan_decode(L8, "h200", 4_000_000, 4).fits and plan_decode(L8, "h200", 4_000_000, 5).fits
+    assert plan.decode_suggestion == DecodeSetting(5, "model")
+    assert decode_problem(plan).endswith("--decode-ranks 5 --kv-dtype model")
+
+
+def test_nothing_fits_on_one_host():
+    # 405B in bf16 on one H100 without TP: 811.7 GB of weights on every decode rank
+    plan = plan_prefill(L405, 1, "h100-rdma", tokens=1000)
+    assert plan.decode_suggestion is None and not plan.fits
+    line = decode_problem(plan)
+    assert "no setting on one 'h100-rdma' host fits: even --decode-ranks 8 --kv-dtype fp8 needs 811.8 GB" in line
+    assert "devices of 901.9 GB would do" in line and "\n" not in line
+    # an 8-bit cache is never swapped for the other 8-bit format (same size)
+    plan = plan_prefill(L8, 64, "h200", tokens=20_000_000, kv_dtype="int8")
+    assert plan.decode_suggestion is None
+    assert "even --decode-ranks 8 --kv-dtype int8 needs" in decode_problem(plan)
+
+
+def test_default_decode_ranks():
+    h200 = load_profile("h200")
+    assert h200.devices_per_host == 8 and load_profile("cpu").devices_per_host == 2
+    assert default_decode_ranks(h200, 32, 1) == 8  # every GPU of the decode host
+    assert default_decode_ranks(h200, 4, 1) == 4   # the job has fewer ranks
+    assert default_decode_ranks(h200, 16, 8) == 1  # a TP8 rank takes the whole host
+    assert plan_prefill(L8, 32, "h200", tokens=1000).decode.decode_ranks == 8
+    assert plan_prefill(L8, 3, "h200", tokens=1000).decode.decode_ranks == 3
+    # profiles without the field: host_cores on CPU hosts, else an 8-GPU host
+    cpu_host = dataclasses.replace(load_profile("cpu"), devices_per_host=None, host_cores=4)
+    assert cpu_host.host_devices() == 4
+    gpu = dataclasses.replace(h200, devices_per_host=None)
+    assert gpu.host_devices() == DEFAULT_DEVICES_PER_HOST == 8
+
+
+def test_decode_ranks_share_a_host_ram_profile():
+    # host_cores profiles describe the host's RAM: 2 decode ranks get half of it each
+    hw = dataclasses.replace(load_profile("cpu"), host_cores=2, devices_per_host=None)
+    assert plan_decode(TINY, hw, 100, 2, dtype="float32").capacity_bytes == pytest.approx(10e9 / 2)
+    assert plan_decode(TINY, hw, 100, 1, dtype="float32").capacity_bytes == pytest.approx(10e9)
+
+
+def test_devices_per_host_in_profiles(tmp_path):
+    data = load_profile("h200").to_dict()
+    assert data["devices_per_host"] == 8
+    data["devices_per_host"] = 4
+    path = tmp_path / "four.json"
+    path.write_text(json.dumps(data))
+    assert load_profile(str(path)).host_devices() == 4
+    with pytest.raises(ValueError, match="decode_ranks must be an integer from 1 to 4"):
+        plan_prefill(L8, 8, str(path), tokens=1000, decode_ranks=5)
+    data["devices_per_host"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="field 'devices_per_host' must be a positive integer"):
+        load_profile(str(path))
+
+
+def test_decode_json_fields():
+    d = json.loads(plan_prefill(L8, 4, "h100-rdma", tokens=100_000, kv_dtype="int8").to_json())
+    assert d["kv_dtype"] == "int8" and d["fits"] is True and d["suggestion"] is None
+    assert set(d["decode"]) == {
+        "decode_ranks", "max_decode_ranks", "kv_dtype", "context_tokens", "slice_tokens", "weights_bytes",
+        "kv_slice_bytes", "token_activation_bytes", "scores_bytes", "logits_bytes", "dequant_bytes",
+        "capacity_bytes", "usable_bytes", "workspace_bytes", "total_bytes", "fits", "smallest_fitting"}
+    dec = d["decode"]
+    assert dec["decode_ranks"] == 4 and dec["slice_tokens"] == 25_064 and dec["kv_slice_bytes"] == 25_064 * 67_584
+    assert dec["total_bytes"] == dec["weights_bytes"] + dec["kv_slice_bytes"] + dec["workspace_bytes"]
+    assert dec["fits"] is True and dec["smallest_fitting"] is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(decode_ranks=0), r"decode_ranks must be an integer from 1 to 8 \(the 8 devices of one 'h200' host"),
+    (dict(decode_ranks=9), r"decode_ranks must be an integer from 1 to 8 .*got 9; pass 1 to 8"),
+    (dict(decode_ranks=2.0), "decode_ranks must be an integer from 1 to 8"),
+    (dict(decode_ranks=True), "decode_ranks must be an integer from 1 to 8"),
+    (dict(kv_dtype="fp4"), r"unknown kv_dtype 'fp4'; use one of model, bfloat16, float16, float32, fp8, int8"),
+    (dict(kv_dtype="float8"), "unknown kv_dtype 'float8'"),
+    (dict(model=L405, tp_size=16), r"tp_size=16 is more than the 8 devices of one 'h200' host"),
+    (dict(model=L405, tp_size=2, decode_ranks=5), r"from 1 to 4 \(the 8 devices of one 'h200' host / tp_size 2"),
+])
+def test_decode_inputs_are_checked(kwargs, match):
+    args = dict(model=L8, cp_size=32, hardware="h200", tokens=1000) | kwargs
+    with pytest.raises(ValueError, match=match):
+        plan_prefill(**args)
+
+
+def test_plan_decode_checks_its_inputs():
+    with pytest.raises(ValueError, match="context_tokens must be an integer >= 0"):
+        plan_decode(L8, "h200", -1, 1)
+    with pytest.raises(ValueError, match="decode_ranks must be an integer from 1 to 8"):
+        plan_decode(L8, "h200", 10, None)
+    with pytest.raises(ValueError, match="unknown kv_dtype 'q4'"):
+        plan_decode(L8, "h200", 10, 1, "q4")

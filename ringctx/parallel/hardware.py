@@ -35,6 +35,10 @@ BUILTIN_DIR = Path(__file__).resolve().parent.parent / "hardware"
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8": 1}
 """Bytes per element e of each canonical dtype name."""
 
+DEFAULT_DEVICES_PER_HOST = 8
+"""Devices of one host when a GPU profile does not say: an 8-GPU HGX/DGX board, as in the paper's
+H100 hosts."""
+
 DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
     "fp8": "float8", "float8_e4m3fn": "float8", "float8_e5m2": "float8",
@@ -217,6 +221,9 @@ class HardwareProfile:
     """CPU profiles: cores of the host that all local ranks share; the compute tables then describe
     one thread with the other ranks idle, and `ring(N)` scales them (and the transfers) for N ranks
     taking turns on the cores. None: one rank per device (GPUs), nothing shared."""
+    devices_per_host: int | None = None
+    """Ranks one host holds (its GPUs; on CPU, the rank processes its RAM is planned for). The
+    decode runs on one host, so this bounds its decode ranks. None: see `host_devices`."""
     ring_sizes: dict[int, RingCalibration] = field(default_factory=dict)
     """Live-group measurements by ring size N (`ringctx calibrate --nproc N`); see `ring`."""
     notes: str = ""
@@ -302,6 +309,11 @@ class HardwareProfile:
             cp_size, r.compute_scale * share(cp_size) / share(near), r.latency_s * f, r.bandwidth_bytes_per_s / f,
             r.all2all_latency_s * f, r.all2all_bandwidth_bytes_per_s / f, r.comm_overlap,
             {s: v * f for s, v in r.overhead_s.items()}, f"scaled from N={near}", r.attention_factor)
+
+    def host_devices(self) -> int:
+        """Ranks of one host: `devices_per_host`, else `host_cores` (at most one rank per core),
+        else DEFAULT_DEVICES_PER_HOST (profiles written before the field existed)."""
+        return self.devices_per_host or self.host_cores or DEFAULT_DEVICES_PER_HOST
 
     def linear_flops(self, dtype: str) -> float:
         """FLOP/s of the linear layers: the calibrated value, else peak * achieved_fraction."""
@@ -407,7 +419,7 @@ _REQUIRED = ("name", "description", "calibrated", "peak_flops", "achieved_fracti
              "bandwidth_bytes_per_s", "latency_s", "memory_bytes")
 _OPTIONAL = ("schema_version", "link_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_s",
              "attention_throughput", "linear_flops_per_s", "empirical_rules", "attention_causal_throughput",
-             "attention_call_overhead_s", "comm_overlap", "host_cores", "ring_sizes", "notes")
+             "attention_call_overhead_s", "comm_overlap", "host_cores", "devices_per_host", "ring_sizes", "notes")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingCalibration))
 _RING_REQUIRED = tuple(name for name in _RING_FIELDS if name != "attention_factor")
 _RULE_FIELDS = tuple(f.name for f in dataclasses.fields(EmpiricalRuleCoefficients))
@@ -578,6 +590,8 @@ def _parse_profile(data: Any, where: str) -> HardwareProfile:
         comm_overlap=_number(data, "comm_overlap", where, lo_inclusive=True, hi=1.0) if "comm_overlap" in data else 1.0,
         host_cores=(None if data.get("host_cores") is None
                     else _positive_int(data["host_cores"], where, "host_cores")),
+        devices_per_host=(None if data.get("devices_per_host") is None
+                          else _positive_int(data["devices_per_host"], where, "devices_per_host")),
         ring_sizes=_ring_sizes(data, where),
         notes=_string(data, "notes", where) if "notes" in data else "",
     )

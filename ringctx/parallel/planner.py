@@ -7,6 +7,11 @@ model for the predicted time of both; the time to first token is the sum of the 
 the LM head on the last token. Memory is estimated per rank (per GPU under TP) and compared with
 the hardware profile.
 
+After the prefill the KV cache stays split by token position over `decode_ranks` devices of one
+host, each holding the weights (/ TP) and a balanced slice of every layer's K/V; `plan_decode`
+estimates one such device and the plan fits only when both the prefill ranks and the decode
+devices do. `kv_dtype` ("model", a float, "fp8", "int8") is how both sides store the cache.
+
     >>> from ringctx.config import get_preset
     >>> plan = plan_prefill(get_preset("llama3-8b"), 4, "h100-rdma", tokens=131072, chunk_tokens=32768)
     >>> [e.strategy for e in plan.entries]
@@ -20,6 +25,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from ringctx.attention.quant import check_kv_dtype, is_quantized, kv_element_bytes
 from ringctx.config import PRESETS, ModelConfig, get_preset
 from ringctx.parallel.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
 from ringctx.parallel.strategy import (
@@ -39,6 +45,19 @@ HIDDEN_BUFFERS = 4
 """Residual-stream-sized buffers alive in one layer: residual, normed input, attention output, MLP
 output."""
 
+DECODE_ROOM_TOKENS = 256
+"""KV rows the decode cache keeps beyond the prompt for generated tokens (the engine's default
+`decode_room`)."""
+
+DEQUANT_BLOCK_TOKENS = 4096
+"""Rows of an 8-bit KV slice that decode attention widens at a time (K and V of one layer, float32):
+the slice is read block by block, never dequantized whole, so only one block is alive. The default
+`block_rows` of ringctx.attention.quant.attention_block_quantized."""
+
+FALLBACK_KV_DTYPE = "fp8"
+"""The 8-bit format a refused plan suggests when its own kv_dtype fits no decode-rank count (int8 is
+the same size)."""
+
 
 # ----------------------------------------------------------------------------- memory formulas
 
@@ -49,15 +68,41 @@ def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str) -
     return -(-model.n_params * element_bytes(weight_dtype) // tp_size)
 
 
-def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int, dtype: str) -> int:
-    """KV shard on one GPU: rows * 2 * n_layers * NKV_local * DH * e.
+def kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: str = "model") -> int:
+    """Bytes one token adds to one GPU's KV cache over all layers: 2 * n_layers * NKV_local * DH * e_kv.
 
-    With tp_size = 1 this is rows * model.kv_bytes_per_token(e). The planner takes rows =
-    ceil(cached/N) + the sum over chunks of tokens_per_rank(T_k, N) (the fullest rank of each
-    chunk's balanced sharding), which is (cached+tokens)/N when 2N divides every chunk and N the cache.
+    e_kv = kv_element_bytes(kv_dtype, DH, e(dtype)): e(dtype) for "model", the float's own size, or
+    1 + 4/DH for fp8/int8 (one byte per element and a float32 scale per token and KV head), so one
+    head's row is DH * e or DH + 4 bytes, always a whole number.
     """
     _, kv_heads = local_heads(model, tp_size)
-    return rows_per_rank * 2 * model.n_layers * kv_heads * model.head_dim * element_bytes(dtype)
+    head_row = round(model.head_dim * kv_element_bytes(kv_dtype, model.head_dim, element_bytes(dtype)))
+    return 2 * model.n_layers * kv_heads * head_row
+
+
+def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int, dtype: str,
+                            kv_dtype: str = "model") -> int:
+    """KV shard on one GPU: rows * kv_row_bytes = rows * 2 * n_layers * NKV_local * DH * e_kv.
+
+    With tp_size = 1 and kv_dtype "model" this is rows * model.kv_bytes_per_token(e). The shard is
+    stored in kv_dtype (chunks are quantized as they are appended), while ring messages stay in
+    `dtype` (activation_bytes_per_rank). The planner takes rows = ceil(cached/N) + the sum over
+    chunks of tokens_per_rank(T_k, N) (the fullest rank of each chunk's balanced sharding), which
+    is (cached+tokens)/N when 2N divides every chunk and N the cache.
+    """
+    return rows_per_rank * kv_row_bytes(model, tp_size, dtype, kv_dtype)
+
+
+def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: str) -> int:
+    """One layer's activations for `rows` tokens on one GPU, ring buffers and logits left out:
+    the hidden, qkv, mlp and accumulator terms of `activation_bytes_per_rank` with t = rows."""
+    heads, kv_heads = local_heads(model, tp_size)
+    e, DH = element_bytes(dtype), model.head_dim
+    hidden = HIDDEN_BUFFERS * rows * model.dim * e
+    qkv = rows * (heads + 2 * kv_heads) * DH * e
+    mlp = 3 * rows * (model.ffn_dim // tp_size) * e
+    accumulator = rows * heads * (DH + 1) * LSE_BYTES
+    return hidden + qkv + mlp + accumulator
 
 
 def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, chunk_tokens: int,
@@ -77,10 +122,6 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
     """
     heads, kv_heads = local_heads(model, tp_size)
     e, DH, t = element_bytes(dtype), model.head_dim, tokens_per_rank(chunk_tokens, cp_size)
-    hidden = HIDDEN_BUFFERS * t * model.dim * e
-    qkv = t * (heads + 2 * kv_heads) * DH * e
-    mlp = 3 * t * (model.ffn_dim // tp_size) * e
-    accumulator = t * heads * (DH + 1) * LSE_BYTES
     if cp_size == 1:
         ring = 0
     elif strategy == PASS_KV:
@@ -89,7 +130,7 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
         ring = 2 * t * heads * DH * e + 2 * all2all_bytes_per_rank(chunk_tokens, cp_size, heads, DH, e)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
-    return hidden + qkv + mlp + accumulator + ring + model.vocab_size * 4
+    return layer_activation_bytes(model, tp_size, t, dtype) + ring + model.vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -99,7 +140,7 @@ class MemoryEstimate:
     weights_bytes: int
     """Model weights: n_params * e_w / TP."""
     kv_cache_bytes: int
-    """KV-cache shard after the prefill: (cached + tokens)/N rows of all layers."""
+    """KV-cache shard after the prefill: (cached + tokens)/N rows of all layers, in the kv dtype."""
     activation_bytes: int
     """Largest one-layer working set over the chunks (chunk activations and ring buffers)."""
     capacity_bytes: float
@@ -119,6 +160,175 @@ class MemoryEstimate:
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+
+
+# ----------------------------------------------------------------------------- the decode side
+
+
+def max_decode_ranks(hardware: HardwareProfile, tp_size: int) -> int:
+    """Most decode ranks one host holds: its devices // TP (a decode rank spans TP devices)."""
+    return hardware.host_devices() // tp_size
+
+
+def default_decode_ranks(hardware: HardwareProfile, cp_size: int, tp_size: int) -> int:
+    """Every rank of the decode host: its devices // TP, or the CP ranks when the job has fewer."""
+    return min(max_decode_ranks(hardware, tp_size), cp_size)
+
+
+def decode_slice_tokens(context_tokens: int, decode_ranks: int) -> int:
+    """Cache rows of one decode device: ceil((context + DECODE_ROOM_TOKENS) / D), the balanced split."""
+    return -(-(context_tokens + DECODE_ROOM_TOKENS) // decode_ranks)
+
+
+def decode_workspace_bytes(model: ModelConfig, tp_size: int, slice_tokens: int, dtype: str,
+                           kv_dtype: str) -> dict[str, int]:
+    """Working memory of one decode step on one decode device, by term (e = bytes of `dtype`):
+
+      token_activation_bytes  one token through one layer: layer_activation_bytes at t = 1
+                              (4 residual-sized buffers, q/k/v, the MLP's three, the float32
+                              accumulator and LSE)
+      scores_bytes            NH_local * slice_tokens * 4: float32 attention scores of one layer,
+                              every query head against this device's slice
+      logits_bytes            vocab * 4: float32 logits of the token
+      dequant_bytes           8-bit caches only: K and V of one DEQUANT_BLOCK_TOKENS block (or the
+                              whole slice if shorter) of one layer widened to float32,
+                              2 * rows * NKV_local * DH * 4; 0 for float caches (read in place)
+    """
+    heads, kv_heads = local_heads(model, tp_size)
+    block = min(slice_tokens, DEQUANT_BLOCK_TOKENS) if is_quantized(kv_dtype) else 0
+    return {
+        "token_activation_bytes": layer_activation_bytes(model, tp_size, 1, dtype),
+        "scores_bytes": heads * slice_tokens * 4,
+        "logits_bytes": model.vocab_size * 4,
+        "dequant_bytes": 2 * block * kv_heads * model.head_dim * 4,
+    }
+
+
+@dataclass(frozen=True)
+class DecodeSetting:
+    """A decode layout: how many ranks hold the KV cache and how it is stored."""
+
+    decode_ranks: int
+    """D: devices of the decode host, each with a 1/D slice of the tokens."""
+    kv_dtype: str
+    """KV-cache storage, one of KV_DTYPES."""
+
+    @property
+    def flags(self) -> str:
+        """The command-line options that select this setting."""
+        return f"--decode-ranks {self.decode_ranks} --kv-dtype {self.kv_dtype}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class DecodeMemory:
+    """Memory of one decode device after the prefill: weights, its KV slice, one step's workspace."""
+
+    decode_ranks: int
+    """D: devices of the decode host that hold a slice of the KV cache (each with the weights / TP)."""
+    max_decode_ranks: int
+    """Most decode ranks one host holds: its devices // TP."""
+    kv_dtype: str
+    """How the cache is stored: "model" (the activation dtype), a float dtype, "fp8" or "int8"."""
+    context_tokens: int
+    """Tokens in the cache after the prefill: cached + new prompt tokens."""
+    slice_tokens: int
+    """Cache rows of one device: ceil((context_tokens + DECODE_ROOM_TOKENS) / D)."""
+    weights_bytes: int
+    """Model weights: n_params * e_w / TP (the full model when TP = 1)."""
+    kv_slice_bytes: int
+    """The device's KV slice: slice_tokens * kv_row_bytes (all layers, kv dtype with its scales)."""
+    token_activation_bytes: int
+    """One token's activations of one layer (see decode_workspace_bytes)."""
+    scores_bytes: int
+    """Float32 attention scores of one layer over the slice: NH_local * slice_tokens * 4."""
+    logits_bytes: int
+    """Float32 logits of one token: vocab * 4."""
+    dequant_bytes: int
+    """8-bit caches: one block of K and V widened to float32; 0 otherwise."""
+    capacity_bytes: float
+    """Memory of one decode device in the hardware profile."""
+    usable_bytes: float
+    """capacity * MEMORY_USABLE_FRACTION: what the decode may fill."""
+
+    @property
+    def workspace_bytes(self) -> int:
+        """token activations + scores + logits + dequantized block."""
+        return self.token_activation_bytes + self.scores_bytes + self.logits_bytes + self.dequant_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """weights + KV slice + workspace."""
+        return self.weights_bytes + self.kv_slice_bytes + self.workspace_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether total_bytes <= usable_bytes."""
+        return self.total_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "workspace_bytes": self.workspace_bytes,
+                "total_bytes": self.total_bytes, "fits": self.fits}
+
+
+def plan_decode(model: "ModelConfig | str", hardware: "HardwareProfile | str", context_tokens: int,
+                decode_ranks: int, kv_dtype: str = "model", tp_size: int = 1, dtype: str = "bfloat16",
+                *, weight_dtype: str | None = None) -> DecodeMemory:
+    """Memory of one of `decode_ranks` devices holding a cache of `context_tokens` tokens.
+
+    Every input is checked first: decode_ranks must be 1 .. devices of one host // TP.
+    """
+    model, hw, dtype, weight_dtype = _validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype)
+    _check_integers((("context_tokens", context_tokens, 0),))
+    _check_decode_ranks(decode_ranks, hw, tp_size)
+    return _decode_memory(model, hw, context_tokens, DecodeSetting(decode_ranks, kv_dtype), tp_size, dtype,
+                          weight_dtype)
+
+
+def _decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, setting: DecodeSetting,
+                   tp_size: int, dtype: str, weight_dtype: str) -> DecodeMemory:
+    """DecodeMemory of already validated inputs."""
+    slice_tokens = decode_slice_tokens(context_tokens, setting.decode_ranks)
+    capacity = rank_memory_bytes(hw, setting.decode_ranks)  # host RAM profiles share it among the ranks
+    return DecodeMemory(
+        decode_ranks=setting.decode_ranks, max_decode_ranks=max_decode_ranks(hw, tp_size),
+        kv_dtype=setting.kv_dtype, context_tokens=context_tokens, slice_tokens=slice_tokens,
+        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype),
+        kv_slice_bytes=kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype),
+        **decode_workspace_bytes(model, tp_size, slice_tokens, dtype, setting.kv_dtype),
+        capacity_bytes=capacity, usable_bytes=capacity * MEMORY_USABLE_FRACTION,
+    )
+
+
+def smallest_decode_setting(model: ModelConfig, hw: HardwareProfile, context_tokens: int, kv_dtype: str,
+                            tp_size: int, dtype: str, weight_dtype: str) -> DecodeSetting | None:
+    """The fewest decode ranks that fit with `kv_dtype`, else with fp8; None when nothing on one host fits.
+
+    Fewest ranks first because each extra rank holds another copy of the weights; fp8 only after
+    that because it rounds the cache. int8 is the same size as fp8, so it is never tried apart.
+    """
+    kv_dtypes = (kv_dtype,) if is_quantized(kv_dtype) else (kv_dtype, FALLBACK_KV_DTYPE)
+    for kv in kv_dtypes:
+        for ranks in range(1, max_decode_ranks(hw, tp_size) + 1):
+            setting = DecodeSetting(ranks, kv)
+            if _decode_memory(model, hw, context_tokens, setting, tp_size, dtype, weight_dtype).fits:
+                return setting
+    return None
+
+
+def _check_decode_ranks(decode_ranks, hw: HardwareProfile, tp_size: int) -> None:
+    """A ValueError unless 1 <= decode_ranks <= devices of one host // TP (the decode runs on one host)."""
+    devices = hw.host_devices()
+    if tp_size > devices:
+        raise ValueError(f"tp_size={tp_size} is more than the {devices} devices of one {hw.name!r} host, where "
+                         f"the decode runs; use tp_size <= {devices} (or set devices_per_host in the profile)")
+    limit = max_decode_ranks(hw, tp_size)
+    if isinstance(decode_ranks, bool) or not isinstance(decode_ranks, int) or not 1 <= decode_ranks <= limit:
+        what = f"the {devices} devices of one {hw.name!r} host" + (f" / tp_size {tp_size}" if tp_size > 1 else "")
+        raise ValueError(f"decode_ranks must be an integer from 1 to {limit} ({what}, where the decode runs), "
+                         f"got {decode_ranks!r}; pass 1 to {limit}, or set devices_per_host in the hardware profile")
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -182,9 +392,12 @@ class Plan:
     tp_size: int
     """Tensor-parallel degree inside each CP rank (per-GPU numbers divide by it)."""
     dtype: str
-    """Dtype of activations, attention and KV cache."""
+    """Dtype of activations, attention and ring messages."""
     weight_dtype: str
     """Dtype of the weights (the paper runs FP8 FFN weights for 405B)."""
+    kv_dtype: str
+    """How the KV cache is stored, on the prefill ranks and the decode devices: "model" (= dtype), a
+    float dtype, "fp8" or "int8" (one byte per element + a float32 scale per token and KV head)."""
     rule: str
     """Strategy rule: "alg1", "alg5", "empirical" or "cost"."""
     tokens: int
@@ -198,7 +411,12 @@ class Plan:
     lm_head_ms: float
     """The LM head on the last token."""
     memory: MemoryEstimate
-    """Peak memory per rank."""
+    """Peak memory per prefill rank."""
+    decode: DecodeMemory
+    """Memory of one decode device once the cache is split over the decode ranks."""
+    decode_suggestion: DecodeSetting | None
+    """When the decode does not fit: the smallest setting that does (smallest_decode_setting), or
+    None when nothing on one host fits. None as well when the decode fits."""
     handoff_ms: float = 0.0
     """Moving KV between the ranks and the decode rank: scattering the `cached` tokens over the
     ranks first, gathering the new tokens' KV to the decode rank after the chunks (ringctx's
@@ -216,8 +434,8 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        """Whether the memory estimate fits the profile's usable memory."""
-        return self.memory.fits
+        """Whether both sides fit the profile's usable memory: every prefill rank and every decode device."""
+        return self.memory.fits and self.decode.fits
 
     def to_dict(self) -> dict:
         hw = self.hardware
@@ -225,10 +443,14 @@ class Plan:
             "model": self.model.name, "model_fingerprint": self.model.fingerprint(),
             "hardware": hw.name, "hardware_calibrated": hw.calibrated, "hardware_source": hw.source_path,
             "cp_size": self.cp_size, "tp_size": self.tp_size, "dtype": self.dtype,
-            "weight_dtype": self.weight_dtype, "rule": self.rule, "tokens": self.tokens, "cached": self.cached,
+            "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype, "rule": self.rule, "tokens": self.tokens,
+            "cached": self.cached,
             "chunk_tokens": self.chunk_tokens, "entries": [e.to_dict() for e in self.entries],
             "lm_head_ms": self.lm_head_ms, "handoff_ms": self.handoff_ms, "ttft_ms": self.ttft_ms, "best_ttft_ms": self.best_ttft_ms,
-            "memory": self.memory.to_dict(), "fits": self.fits,
+            "memory": self.memory.to_dict(),
+            "decode": {**self.decode.to_dict(),
+                       "smallest_fitting": self.decode_suggestion.to_dict() if self.decode_suggestion else None},
+            "fits": self.fits, "suggestion": decode_problem(self),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -280,16 +502,22 @@ def split_chunks(tokens: int, chunk_tokens: int) -> list[int]:
 
 def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str", tokens: int,
                  cached: int = 0, chunk_tokens: int | None = None, tp_size: int = 1, dtype: str = "bfloat16",
-                 rule: str = "alg5", *, weight_dtype: str | None = None, handoff: bool = True) -> Plan:
+                 rule: str = "alg5", *, weight_dtype: str | None = None, handoff: bool = True,
+                 decode_ranks: int | None = None, kv_dtype: str = "model") -> Plan:
     """Plan the prefill of `tokens` new tokens after `cached` cached ones on `cp_size` ranks.
 
     `chunk_tokens` None (or >= tokens) plans a single (partial) prefill; otherwise the prompt runs
     in chunks of that size. `model` is a ModelConfig or preset name, `hardware` a profile, a
     built-in profile name or a JSON path. `weight_dtype` defaults to `dtype`. `handoff` counts the
-    engine's KV scatter/gather to the decode rank in the time to first token.
+    engine's KV scatter/gather to the decode rank in the time to first token. `decode_ranks`
+    (default_decode_ranks when None) devices of one host hold the cache afterwards, stored, like
+    the prefill shards, in `kv_dtype` (see plan_decode).
     """
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, chunk_tokens,
-                                               tp_size, dtype, rule, weight_dtype)
+                                               tp_size, dtype, rule, weight_dtype, kv_dtype)
+    if decode_ranks is None:
+        decode_ranks = default_decode_ranks(hw, cp_size, tp_size)
+    _check_decode_ranks(decode_ranks, hw, tp_size)
     chunk = tokens if chunk_tokens is None else min(chunk_tokens, tokens)
     entries, rows, seen = [], cached_rows_per_rank(cached, cp_size), cached
     for index, new in enumerate(split_chunks(tokens, chunk)):
@@ -302,17 +530,57 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
         seen, rows = seen + new, rows + tokens_per_rank(new, cp_size)
     memory = MemoryEstimate(
         weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype),
-        kv_cache_bytes=kv_cache_bytes_per_rank(model, rows, tp_size, dtype),
+        kv_cache_bytes=kv_cache_bytes_per_rank(model, rows, tp_size, dtype, kv_dtype),
         activation_bytes=max(e.activation_bytes for e in entries),
         capacity_bytes=rank_memory_bytes(hw, cp_size),
         usable_bytes=rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION,
     )
     cached_rows = cached_rows_per_rank(cached, cp_size)
-    handoff = kv_handoff_seconds(model, hw, cp_size, tp_size, dtype, rows - cached_rows, cached_rows) if handoff else 0.0
+    handoff = kv_handoff_seconds(model, hw, cp_size, tp_size, dtype, rows - cached_rows, cached_rows,
+                                 decode_ranks=decode_ranks, kv_dtype=kv_dtype) if handoff else 0.0
+    decode = _decode_memory(model, hw, cached + tokens, DecodeSetting(decode_ranks, kv_dtype), tp_size, dtype,
+                            weight_dtype)
+    suggestion = None if decode.fits else smallest_decode_setting(model, hw, cached + tokens, kv_dtype, tp_size,
+                                                                  dtype, weight_dtype)
     return Plan(model=model, hardware=hw, cp_size=cp_size, tp_size=tp_size, dtype=dtype, weight_dtype=weight_dtype,
-                rule=rule, tokens=tokens, cached=cached, chunk_tokens=chunk, entries=tuple(entries),
-                lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype, cp_size) * 1e3, memory=memory,
-                handoff_ms=handoff * 1e3)
+                kv_dtype=kv_dtype, rule=rule, tokens=tokens, cached=cached, chunk_tokens=chunk,
+                entries=tuple(entries), lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype, cp_size) * 1e3,
+                memory=memory, decode=decode, decode_suggestion=suggestion, handoff_ms=handoff * 1e3)
+
+
+def decode_problem(plan: Plan) -> str | None:
+    """One line saying what of the decode does not fit and the smallest setting that does; None if it fits."""
+    d = plan.decode
+    if d.fits:
+        return None
+    host = f"one {plan.hardware.name!r} host"
+    line = (f"the decode does not fit: {d.context_tokens:,} tokens of {plan.model.name} (KV cache "
+            f"{_kv_label(d.kv_dtype, plan.dtype)}) over {_ranks(d.decode_ranks)} of {host} need "
+            f"{_gb(d.total_bytes)} per device (weights {_gb(d.weights_bytes)} + KV slice {_gb(d.kv_slice_bytes)} "
+            f"+ workspace {_gb(d.workspace_bytes)}) of {_gb(d.usable_bytes)} usable; ")
+    if plan.decode_suggestion is not None:
+        return line + f"the smallest setting that fits is {plan.decode_suggestion.flags}"
+    # nothing fits: say what the most spread-out, smallest cache would still need
+    kv = d.kv_dtype if is_quantized(d.kv_dtype) else FALLBACK_KV_DTYPE
+    best = _decode_memory(plan.model, plan.hardware, d.context_tokens, DecodeSetting(d.max_decode_ranks, kv),
+                          plan.tp_size, plan.dtype, plan.weight_dtype)
+    return line + (f"no setting on {host} fits: even --decode-ranks {best.decode_ranks} --kv-dtype {kv} needs "
+                   f"{_gb(best.total_bytes)} per device of {_gb(best.usable_bytes)} usable (devices of "
+                   f"{_gb(best.total_bytes / MEMORY_USABLE_FRACTION)} would do); use a larger TP size, "
+                   f"a shorter context or a smaller model")
+
+
+def _kv_label(kv_dtype: str, dtype: str) -> str:
+    """"model" shown as the dtype it stands for."""
+    return dtype if kv_dtype == "model" else kv_dtype
+
+
+def _ranks(n: int) -> str:
+    return f"{n} decode rank" + ("s" if n != 1 else "")
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e9:.3g} GB"
 
 
 def lm_head_seconds(model: ModelConfig, hardware: HardwareProfile, tp_size: int, weight_dtype: str,
@@ -324,40 +592,66 @@ def lm_head_seconds(model: ModelConfig, hardware: HardwareProfile, tp_size: int,
 
 
 def kv_handoff_seconds(model: ModelConfig, hardware: HardwareProfile, cp_size: int, tp_size: int, dtype: str,
-                       new_rows_per_rank: int, cached_rows_per_rank: int = 0) -> float:
-    """KV moved between the decode rank and the others, as the engine does it, layer by layer:
-    scatter the cache (`cached_rows_per_rank` rows to each of N-1 ranks), then gather the new rows
-    (`new_rows_per_rank`, the fullest rank's, from each of N-1 ranks). Each layer's collective
-    costs latency + (N-1) * message / BW with the ring numbers of `hardware.ring(N)`."""
-    if cp_size == 1:
+                       new_rows_per_rank: int, cached_rows_per_rank: int = 0, *, decode_ranks: int = 1,
+                       kv_dtype: str = "model") -> float:
+    """KV moved to the decode ranks, as the engine does it, layer by layer, rows as stored (kv_dtype).
+
+    One decode rank: scatter the whole cache (`cached_rows_per_rank` rows to each of N-1 ranks),
+    then gather the new rows (`new_rows_per_rank`, the fullest rank's, from each of N-1 ranks).
+    D > 1 decode ranks keep their shards; the N - D others send theirs, the D receiving at once, so
+    a receiver takes ceil((N - D) / D) shards. Each layer costs latency + bytes / BW with the ring
+    numbers of `hardware.ring(N)`."""
+    if cp_size == 1 or decode_ranks >= cp_size:
         return 0.0
     ring = hardware.ring(cp_size)
-    _, kv_heads = local_heads(model, tp_size)
-    row = 2 * kv_heads * model.head_dim * element_bytes(dtype)
+    row = kv_row_bytes(model, tp_size, dtype, kv_dtype) // model.n_layers
+    if decode_ranks > 1:
+        shards = -(-(cp_size - decode_ranks) // decode_ranks)
+        rows = cached_rows_per_rank + new_rows_per_rank
+        return model.n_layers * (ring.latency_s + shards * rows * row / ring.bandwidth_bytes_per_s)
     total = 0.0
     for rows in [r for r in (cached_rows_per_rank, new_rows_per_rank) if r]:
         total += model.n_layers * (ring.latency_s + (cp_size - 1) * rows * row / ring.bandwidth_bytes_per_s)
     return total
 
 
-def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, dtype, rule, weight_dtype):
+def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, dtype, rule, weight_dtype,
+              kv_dtype="model"):
     """Check every planner input before any arithmetic; returns (model, profile, dtype, weight_dtype)."""
-    model = get_preset(model) if isinstance(model, str) else model
-    if not isinstance(model, ModelConfig):
-        raise ValueError(f"model must be a ModelConfig or a preset name, got {type(model).__name__}")
-    checks = (("tokens", tokens, 1), ("cached", cached, 0), ("cp_size", cp_size, 1), ("tp_size", tp_size, 1))
+    model = _as_model(model)
+    checks = (("tokens", tokens, 1), ("cached", cached, 0), ("cp_size", cp_size, 1))
     if chunk_tokens is not None:
         checks += (("chunk_tokens", chunk_tokens, 1),)
-    for name, value, least in checks:
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    local_heads(model, tp_size)  # raises when tp_size does not split the heads / MLP
+    _check_integers(checks)
     if rule not in RULES:
         raise ValueError(f"unknown strategy rule {rule!r}; use one of {', '.join(RULES)}")
+    return _validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype)
+
+
+def _validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype):
+    """The inputs the prefill and the decode plans share; returns (model, profile, dtype, weight_dtype)."""
+    model = _as_model(model)
+    _check_integers((("tp_size", tp_size, 1),))
+    local_heads(model, tp_size)  # raises when tp_size does not split the heads / MLP
+    check_kv_dtype(kv_dtype)
     hw = load_profile(hardware)
     dtype, weight_dtype = canonical_dtype(dtype), canonical_dtype(weight_dtype or dtype)
     hw.peak(dtype), hw.peak(weight_dtype)  # raise when the profile lacks the dtype
     return model, hw, dtype, weight_dtype
+
+
+def _as_model(model) -> ModelConfig:
+    model = get_preset(model) if isinstance(model, str) else model
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"model must be a ModelConfig or a preset name, got {type(model).__name__}")
+    return model
+
+
+def _check_integers(checks) -> None:
+    """A ValueError for the first (name, value, least) whose value is not an integer >= least."""
+    for name, value, least in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- default chunk size
@@ -365,20 +659,23 @@ def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, d
 
 def default_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str",
                          tokens: int, cached: int = 0, tp_size: int = 1, dtype: str = "bfloat16",
-                         *, weight_dtype: str | None = None) -> int:
+                         *, weight_dtype: str | None = None, kv_dtype: str = "model") -> int:
     """The chunk size to prefill `tokens` tokens with when the user gives none.
 
     Rule: chunks only save memory (every chunk after the first adds ring steps and, once the
     cached part dominates, pushes to pass-Q), so take the whole prompt when it fits, else the
     largest power of two that fits. "Fits" means weights + the KV cache of all cached + tokens
     + the one-layer working set of a chunk (the larger of pass-KV's and pass-Q's, with the ring
-    buffers sized for the full cache) <= MEMORY_USABLE_FRACTION of the profile's memory per rank.
+    buffers sized for the full cache, the cache stored in `kv_dtype`) <= MEMORY_USABLE_FRACTION of
+    the profile's memory per rank. Only the prefill ranks are checked: the chunk size does not change
+    the decode side.
     A ValueError when not even MIN_DEFAULT_CHUNK_TOKENS fits (more CP ranks or TP are needed).
     """
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, None, tp_size, dtype,
-                                               "alg5", weight_dtype)
+                                               "alg5", weight_dtype, kv_dtype)
     rows = cached_rows_per_rank(cached, cp_size) + tokens_per_rank(tokens, cp_size)
-    fixed = weight_bytes_per_rank(model, tp_size, weight_dtype) + kv_cache_bytes_per_rank(model, rows, tp_size, dtype)
+    fixed = (weight_bytes_per_rank(model, tp_size, weight_dtype)
+             + kv_cache_bytes_per_rank(model, rows, tp_size, dtype, kv_dtype))
     usable = rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION
 
     def fits(chunk: int) -> bool:
