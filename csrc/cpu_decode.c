@@ -24,6 +24,11 @@
  * may land one step away), not bit for bit. Attention splits the keys over the threads; each
  * thread keeps a running max, sum and output per query row over tiles of keys (online softmax)
  * and the threads' partials are merged by their log-sum-exp at the end.
+ *
+ * A KV cache split over several ranks (ringctx_decode_step_split): this rank writes the token's
+ * K/V only if it stores this step, attends over its own rows, and between each layer's attention
+ * and output projection hands its float32 partial (output, log-sum-exp) to a callback, which
+ * merges every rank's partials and writes back the merged output, rounded as the model rounds.
  */
 #include <math.h>
 #include <omp.h>
@@ -49,15 +54,20 @@ typedef struct {
 #define KEY_TILE 256 /* keys per online-softmax step: the tile's scores stay in L1 */
 
 /* Where each piece of the float32 work buffer lives. */
+/* Split caches: replace attn [Hq D] (this rank's float32 partial output, lse [Hq] beside it) by
+ * the output merged over every rank, rounded to the model dtype. */
+typedef void (*ringctx_merge_fn)(void);
+
 typedef struct {
-    float *resid, *xn, *qkv, *attn, *gate_up, *act;
+    float *resid, *xn, *qkv, *attn, *lse, *gate_up, *act;
     float *threads; /* per thread: row max, row sum, rescale, output, tile output, tile scores */
     int64_t per_thread;
 } work_layout;
 
 /* Floats before the per-thread slots, and in each slot. */
 static int64_t shared_floats(const ringctx_decoder_shape *s) {
-    return 2 * s->dim + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim + s->n_heads * s->head_dim + 3 * s->ffn_dim;
+    return 2 * s->dim + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim + s->n_heads * s->head_dim + s->n_heads +
+           3 * s->ffn_dim;
 }
 
 static int64_t thread_floats(const ringctx_decoder_shape *s) {
@@ -70,11 +80,18 @@ static work_layout layout_work(const ringctx_decoder_shape *s, float *base) {
     w.xn = w.resid + s->dim;
     w.qkv = w.xn + s->dim;
     w.attn = w.qkv + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
-    w.gate_up = w.attn + s->n_heads * s->head_dim;
+    w.lse = w.attn + s->n_heads * s->head_dim;
+    w.gate_up = w.lse + s->n_heads;
     w.act = w.gate_up + 2 * s->ffn_dim;
     w.threads = base + shared_floats(s);
     w.per_thread = thread_floats(s);
     return w;
+}
+
+/* Where attn (then lse) starts in the work buffer, in floats: the split step's callback reads and
+ * writes them there. */
+int64_t ringctx_decode_attn_offset(const ringctx_decoder_shape *s) {
+    return 2 * s->dim + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
 }
 
 /* Floats of work buffer that ringctx_decode_step needs for this shape and thread count. */
@@ -103,20 +120,21 @@ static void linear(const float *x, int64_t in, const void *w, const void *b, int
     }
 }
 
-/* RoPE on the q and k heads of qkv (in place), then the new k and v into the cache row. */
+/* RoPE on the q and k heads of qkv (in place), then the new k and v into cache row `row` (none
+ * when row < 0: another rank stores this token). */
 static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, float *qkv,
-                             int64_t position, const void *cos, const void *sin) {
+                             int64_t row, const void *cos, const void *sin) {
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
     const int bf16 = s->bf16;
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < hq + 2 * hkv; ++h) {
         float *x = qkv + h * d;
         if (h < hq + hkv) token_rope(x, 0, cos, sin, bf16, d);
-        if (h >= hq) {  /* a k head (rotated above) or a v head: into the cache */
+        if (h >= hq && row >= 0) {  /* a k head (rotated above) or a v head: into the cache */
             const int is_v = h >= hq + hkv;
             const int64_t kv_head = h - hq - (is_v ? hkv : 0);
             void *cache = is_v ? layer->v_cache : layer->k_cache;
-            for (int64_t i = 0; i < d; ++i) store_one(cache, bf16, (position * hkv + kv_head) * d + i, x[i]);
+            for (int64_t i = 0; i < d; ++i) store_one(cache, bf16, (row * hkv + kv_head) * d + i, x[i]);
         }
     }
 }
@@ -171,8 +189,11 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
     }
 }
 
-/* attn[r] = round(sum_t acc_t[r] e^(m_t - M) / sum_t l_t e^(m_t - M)) over the threads' partials. */
-RINGCTX_AVX512 static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, int n_threads) {
+/* attn[r] = round(sum_t acc_t[r] e^(m_t - M) / sum_t l_t e^(m_t - M)) over the threads' partials.
+ * partial: leave attn unrounded and write lse[r] = M + log(sum_t l_t e^(m_t - M)) (-inf and a zero
+ * output for a row that saw no key: this rank may hold none). */
+RINGCTX_AVX512 static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, int n_threads,
+                                         int partial) {
     const int64_t hq = s->n_heads, d = s->head_dim;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < hq; ++r) {
@@ -187,10 +208,11 @@ RINGCTX_AVX512 static void merge_threads(const ringctx_decoder_shape *s, const w
             weight[t] = slot[r] == -INFINITY ? 0.0f : exp1(slot[r] - top);
             total += slot[hq + r] * weight[t];
         }
+        if (partial) w->lse[r] = total > 0.0f ? top + logf(total) : -INFINITY;
         for (int64_t c = 0; c < d; ++c) {
             float sum = 0.0f;
             for (int t = 0; t < n_threads; ++t) sum += w->threads[t * w->per_thread + 3 * hq + r * d + c] * weight[t];
-            w->attn[r * d + c] = round_to(sum / total, s->bf16);
+            w->attn[r * d + c] = partial ? (total > 0.0f ? sum / total : 0.0f) : round_to(sum / total, s->bf16);
         }
     }
 }
@@ -202,15 +224,12 @@ static void swiglu(const float *gate_up, int64_t ffn, int bf16, float *act) {
         token_swiglu(gate_up + i0, gate_up + ffn + i0, 0, bf16, ffn - i0 < 64 ? ffn - i0 : 64, act + i0, 0);
 }
 
-/* Run one token through n_layers layers. x [dim] (model dtype) is the token's embedding on entry
- * and the last layer's output (before the final norm) on return. position: the token's row in
- * the caches (it attends to rows 0..position). cos, sin: [head_dim] rotary factors for that
- * position in the model dtype, laid out as ringctx's RopeAngles. work: at least
- * ringctx_decode_work_floats(shape, threads) floats.
- * Returns 0, -1 when this CPU lacks AVX-512, -2 for an unsupported shape (the caller then runs
- * the PyTorch path). */
-int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
-                        void *x, int64_t position, const void *cos, const void *sin, float *work, int threads) {
+/* One token through n_layers layers (both entry points below). write_row: the cache row that
+ * receives the token's K/V (< 0: none); keys: cache rows attended (0 .. keys-1); merge: NULL for a
+ * whole cache, else the callback that merges this rank's partial attention with the others'. */
+static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
+                         void *x, int64_t write_row, int64_t keys, const void *cos, const void *sin, float *work,
+                         int threads, ringctx_merge_fn merge) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 || s->n_heads % s->n_kv_heads ||
         s->n_heads / s->n_kv_heads > MAX_R)
@@ -219,7 +238,6 @@ int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_la
     if (threads > 256) threads = 256;
     const int bf16 = s->bf16;
     const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, ffn = s->ffn_dim;
-    const int64_t keys = position + 1;
     const work_layout w = layout_work(s, work);
     for (int64_t i = 0; i < dim; ++i) w.resid[i] = load_one(x, bf16, i);
 
@@ -232,11 +250,17 @@ int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_la
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
             linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL);
-            rotate_and_store(s, layer, w.qkv, position, cos, sin);
+            rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
             attend_keys(s, w.qkv, layer->k_cache, layer->v_cache, keys * t / nt, keys * (t + 1) / nt, mine,
                         mine + hq, mine + 2 * hq, mine + 3 * hq, mine + 3 * hq + hq * d, mine + 3 * hq + 2 * hq * d);
 #pragma omp barrier
-            merge_threads(s, &w, nt);
+            merge_threads(s, &w, nt, merge != NULL);
+            if (merge != NULL) {
+                /* The calling (Python) thread runs the callback: it talks to the other ranks. */
+#pragma omp master
+                merge();
+#pragma omp barrier
+            }
             linear(w.attn, hq * d, layer->wo, layer->bo, dim, bf16, w.xn, w.resid);
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn, 0);
@@ -247,4 +271,27 @@ int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_la
     }
     for (int64_t i = 0; i < dim; ++i) store_one(x, bf16, i, w.resid[i]);
     return 0;
+}
+
+/* Run one token through n_layers layers. x [dim] (model dtype) is the token's embedding on entry
+ * and the last layer's output (before the final norm) on return. position: the token's row in
+ * the caches (it attends to rows 0..position). cos, sin: [head_dim] rotary factors for that
+ * position in the model dtype, laid out as ringctx's RopeAngles. work: at least
+ * ringctx_decode_work_floats(shape, threads) floats.
+ * Returns 0, -1 when this CPU lacks AVX-512, -2 for an unsupported shape (the caller then runs
+ * the PyTorch path). */
+int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
+                        void *x, int64_t position, const void *cos, const void *sin, float *work, int threads) {
+    return decode_layers(s, layers, n_layers, x, position, position + 1, cos, sin, work, threads, NULL);
+}
+
+/* The same step over this rank's slice of a KV cache split over ranks: the token's K/V go to
+ * row write_row (< 0: another rank stores them), attention reads rows 0 .. keys-1 (the written
+ * row included), and merge() is called once per layer (see ringctx_merge_fn). cos, sin: the
+ * factors of the token's global position. */
+int ringctx_decode_step_split(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
+                              void *x, int64_t write_row, int64_t keys, const void *cos, const void *sin, float *work,
+                              int threads, ringctx_merge_fn merge) {
+    if (merge == NULL) return -2;
+    return decode_layers(s, layers, n_layers, x, write_row, keys, cos, sin, work, threads, merge);
 }

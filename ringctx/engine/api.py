@@ -1,8 +1,8 @@
-"""Engine: the public face of ringctx. Context-parallel prefill, then single-host decode.
+"""Engine: the public face of ringctx. Context-parallel prefill, then decode on the decode host.
 
 Three ways to run, one API:
     Engine(model)               one process, no process group
-    Engine(model, nproc=N)      this process is rank 0 (and the decode rank); it spawns N-1 local
+    Engine(model, nproc=N)      this process is rank 0 (and leads the decode); it spawns N-1 local
                                 worker ranks (gloo on CPU, NCCL with one GPU per rank) and drives
                                 them for as many calls as you like; close() (or `with`) ends them
     under torchrun              every launched process builds an Engine, which joins the group
@@ -13,7 +13,7 @@ Example (runs on a laptop CPU with the embedded SmolLM2-135M-Instruct):
     >>> with ringctx.Engine(nproc=2) as engine:                     # doctest: +SKIP
     ...     doc = engine.ingest(open("report.txt").read())
     ...     print(engine.ask(doc, "Who signed the report?"))
-    ...     doc.save("report.kv")                                  # ask again later without prefill
+    ...     engine.save_document(doc, "report.kv")                 # ask again later without prefill
 """
 
 from __future__ import annotations
@@ -560,7 +560,7 @@ class Engine:
         """This decode rank's decoder of `document` (its slice cut back to the document)."""
         config = PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=self.strategy, hardware=self.hardware,
                                rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=64,
-                               kv_dtype=self.kv_dtype, attn_backend=self.attn_backend)
+                               kv_dtype=document.cache.kv_dtype, attn_backend=self.attn_backend)
         return ShardedDecoder(self.model, document.rewind(), document.length, self._decode_group, config)
 
     def _finish_answer(self, generation, document, decoder):
@@ -597,7 +597,8 @@ class Engine:
 
     def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
         """A Document saved with `save_document` (by any number of decode ranks), split over this
-        engine's decode ranks and checked against its model. None off the decode ranks."""
+        engine's decode ranks and checked against its model; stored in this engine's kv_dtype when it
+        is not "model" (a bf16 document loads as fp8, say), else as saved. None off the decode ranks."""
         if not self._is_decode_rank():
             return None
         keep = self._new_document_id()
@@ -608,7 +609,8 @@ class Engine:
         local = self.decode_ranks if self.mode != "torchrun" else min(self.decode_ranks, self.ranks_per_host)
         cache, token_ids, extra = load_document_slices(
             path, self.model, group=self._decode_group, rank=self.rank - self.decode_rank, world=self.decode_ranks,
-            room=decode_room, memory_check=lambda rows, per_row: _slice_memory_problem(self.model, rows, per_row, local))
+            room=decode_room, kv_dtype=self.kv_dtype if self.kv_dtype != "model" else None,
+            memory_check=lambda rows, per_row: _slice_memory_problem(self.model, rows, per_row, local))
         document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
                             question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=keep)
         self._documents[keep] = document

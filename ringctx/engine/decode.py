@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
+from ..model.decode_step import FusedStep
 from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
 
@@ -58,6 +59,8 @@ class ShardedDecoder:
         self.rows = [int(r) for r in everyone]  # every rank's slice length, tracked without messages
         self._control = torch.zeros(2, dtype=torch.long)
         self._closed = False
+        self._fused: FusedStep | None = None  # the fused CPU step over this slice, where it applies
+        self._fused_cache: KVCache | None = None
 
     # -- prompt -------------------------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -106,21 +109,13 @@ class ShardedDecoder:
         if mine and cache.length >= cache.max_tokens:
             self.cache = cache = cache.grown(cache.max_tokens + max(64, cache.max_tokens // 8))
         row = cache.length
-        ids = torch.tensor([token], device=model.device)
-        positions = torch.tensor([self.length], device=model.device)
-
-        def attend(layer: int, q, k, v):
-            if mine:
-                cache.update(layer, row, k, v)
-            out, lse = cache.attend_rows(layer, q, row + int(mine))
-            return self._merge(out, lse).to(q.dtype)
-
         with torch.inference_mode():
-            x = model.embed(ids)
-            rope = model.rope(positions)
-            for i, block in enumerate(model.layers):
-                x = block.forward(x, rope, attend, i)
-            logits = model.head(model.norm(x)) if self.rank == 0 else None
+            fused = self._fused_step()
+            if fused is not None:  # every layer in one C call; it calls back for each merge
+                logits = fused.split(token, self.length, row if mine else None, row + int(mine), self._merge_into,
+                                     logits=self.rank == 0)
+            else:
+                logits = self._layers(token, row, mine)
         if mine:
             if cache.positions is not None:
                 cache.positions[row] = self.length
@@ -129,6 +124,34 @@ class ShardedDecoder:
         self.length += 1
         self.steps += 1
         return logits
+
+    def _layers(self, token: int, row: int, mine: bool) -> torch.Tensor | None:
+        """The step as PyTorch ops, layer by layer (8-bit slices, GPUs, CPUs without the kernels)."""
+        model, cache = self.model, self.cache
+
+        def attend(layer: int, q, k, v):
+            if mine:
+                cache.update(layer, row, k, v)
+            out, lse = cache.attend_rows(layer, q, row + int(mine))
+            return self._merge(out, lse).to(q.dtype)
+
+        x = model.embed(torch.tensor([token], device=model.device))
+        rope = model.rope(torch.tensor([self.length], device=model.device))
+        for i, block in enumerate(model.layers):
+            x = block.forward(x, rope, attend, i)
+        return model.head(model.norm(x)) if self.rank == 0 else None
+
+    def _fused_step(self) -> FusedStep | None:
+        """The fused step over the current slice buffers (rebuilt when the slice has grown)."""
+        if self._fused_cache is not self.cache:
+            self._fused, self._fused_cache = FusedStep.build(self.model, self.cache), self.cache
+        return self._fused
+
+    def _merge_into(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """The fused step's callback: out [Hq, D] (float32 partial) <- the merged output, rounded."""
+        H, D = out.shape
+        merged = self._merge(out.view(1, H, D), lse.view(H, 1))
+        out.copy_(merged.view(H, D).to(self.model.dtype))
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..model import KVCache
+from ..attention.quant import dequantize_rows
 from ..model.kvcache import write_rows
 from ..model.kvfile import load_kv_cache, weights_digest
 from ..parallel.comm import agree_across_ranks
@@ -187,11 +188,13 @@ def rows_for_rank(total: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def load_document_slices(path: str, model, *, group, rank: int, world: int, room: int,
-                         memory_check=None) -> tuple[KVCache, torch.Tensor, dict]:
+                         memory_check=None, kv_dtype: str | None = None) -> tuple[KVCache, torch.Tensor, dict]:
     """This decode rank's share of a saved document: (cache, token_ids, extra). Call on every
     decode rank; a problem on any rank is a ValueError on all of them, before anything is read.
 
     memory_check(rows, bytes_per_row) -> problem or None: refuse a share that would not fit.
+    kv_dtype: store the loaded rows so (None: as saved); e.g. a bf16 document loaded as "fp8" is
+    quantized row by row as it is read.
     """
     from safetensors import safe_open
 
@@ -213,7 +216,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
 
     slices, length = manifest["slices"], int(manifest["length"])
     lo, hi = rows_for_rank(length, rank, world)
-    kv_dtype = manifest["kv_dtype"]
+    saved_as, kv_dtype = manifest["kv_dtype"], kv_dtype or manifest["kv_dtype"]
     cache = KVCache.for_model(model.config, hi - lo + room, dtype=model.dtype, device=model.device,
                               kv_dtype=kv_dtype, sliced=world > 1)
     if memory_check is not None:
@@ -231,21 +234,25 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
         problem = f"document {path!r} is incomplete ({exc}); save it again"
     _agree("load", problem, group, world)
 
-    names = ["k", "v"] + (["k_scale", "v_scale"] if cache.quantized else [])
+    names = ["k", "v"] + (["k_scale", "v_scale"] if saved_as in ("fp8", "int8") else [])
     filled, start = 0, 0
     for s in slices:  # copy the rows of [lo, hi) that this slice holds
         a, b = max(lo, start), min(hi, start + s["rows"])
         if a < b:
             with safe_open(os.path.join(path, s["file"]), framework="pt") as f:
                 positions = f.get_slice("positions")[a - start:b - start]
+                # one decode rank: rows at their positions (sequence order); several: in file order
+                where = positions.to(model.device) if world == 1 else slice(filled, filled + b - a)
                 for layer in range(cache.n_layers):
-                    targets = cache.storage_tensors(layer)
-                    for name, target in zip(names, targets):
-                        rows = f.get_slice(f"{name}.{layer}")[a - start:b - start]
-                        if world > 1:
-                            target[filled:filled + b - a] = rows.to(target.device)
-                        else:  # one decode rank: sequence order
-                            write_rows(target, positions.to(target.device), rows.to(target.device))
+                    rows = [f.get_slice(f"{name}.{layer}")[a - start:b - start].to(model.device) for name in names]
+                    if saved_as == kv_dtype:  # as stored: no conversion
+                        for target, part in zip(cache.storage_tensors(layer), rows):
+                            write_rows(target, where, part)
+                    else:  # another storage: through the model's dtype, quantized by update()
+                        if len(rows) == 4:
+                            rows = [dequantize_rows(rows[0], rows[2], model.dtype),
+                                    dequantize_rows(rows[1], rows[3], model.dtype)]
+                        cache.update(layer, where if world == 1 else filled, rows[0], rows[1])
                 if world > 1:
                     cache.positions[filled:filled + b - a] = positions
             filled += b - a

@@ -15,6 +15,12 @@ token.
 
 The fused step holds the data pointers of the model's weights and the cache's buffers: build it
 after both are final (it is rebuilt for every generation).
+
+`FusedStep.split` runs the same step over one rank's slice of a KV cache split over ranks: the
+caller says which row (if any) receives the token's K/V and how many rows to attend, and gives a
+`merge(out, lse)` that combines this rank's partial attention with the other ranks' (the engine's
+decode does it with one all-gather per layer); the kernel calls it between each layer's attention
+and output projection.
 """
 
 from __future__ import annotations
@@ -75,6 +81,9 @@ class FusedStep:
         self.threads = 0
         self.work = torch.empty(0)
         self.x = torch.empty(config.dim, dtype=model.dtype)
+        self._merge = None        # split steps: the caller's merge(out, lse), and the error it raised
+        self._merge_error = None
+        self._callback = cpu_kernels.MERGE_FN(self._on_merge)  # one object, kept alive with the step
 
     @classmethod
     def build(cls, model, cache: KVCache) -> "FusedStep | None":
@@ -93,16 +102,10 @@ class FusedStep:
 
     def __call__(self, token: int) -> torch.Tensor:
         model, cache = self.model, self.cache
-        if not 0 <= token < model.config.vocab_size:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size}); "
-                             "tokenize with this model's tokenizer")
+        self._check_token(token)
         cache.ensure_room(1)
         position = cache.length
-        threads = torch.get_num_threads()
-        if threads != self.threads:  # the work buffer holds one slot per thread
-            self.work = torch.empty(self.lib.ringctx_decode_work_floats(ctypes.byref(self.shape), threads))
-            self.threads = threads
-        self.x.copy_(model.tok_embeddings.weight[token])
+        threads = self._prepare(token)
         rope = model.rope(torch.tensor([position]))
         status = self.lib.ringctx_decode_step(
             ctypes.byref(self.shape), self.layers, len(self.layers), self.x.data_ptr(), position,
@@ -111,6 +114,58 @@ class FusedStep:
             raise RuntimeError(f"ringctx_decode_step failed with status {status}")
         cache.length = position + 1
         return model.head(model.norm(self.x[None]))
+
+    def split(self, token: int, position: int, write_row: int | None, keys: int, merge, *,
+              logits: bool = True) -> torch.Tensor | None:
+        """One step over this rank's slice of a split cache; float32 logits [1, vocab] (or None).
+
+        position: the token's global position (its RoPE angle); write_row: the slice row that
+        stores its K/V, None when another rank stores it; keys: slice rows attended (the written
+        row included); merge(out [Hq, D], lse [Hq]): given this rank's float32 partial, write the
+        output merged over all ranks into `out`, rounded to the model dtype. The cache's `length`
+        is the caller's to advance.
+        """
+        self._check_token(token)
+        threads = self._prepare(token)
+        rope = self.model.rope(torch.tensor([position]))
+        self._merge, self._merge_error = merge, None
+        try:
+            status = self.lib.ringctx_decode_step_split(
+                ctypes.byref(self.shape), self.layers, len(self.layers), self.x.data_ptr(),
+                -1 if write_row is None else write_row, keys, rope.cos.data_ptr(), rope.sin.data_ptr(),
+                self.work.data_ptr(), threads, self._callback)
+        finally:
+            self._merge = None
+        if self._merge_error is not None:  # a lost rank, say: the kernel finished on garbage
+            raise self._merge_error
+        if status != 0:
+            raise RuntimeError(f"ringctx_decode_step_split failed with status {status}")
+        return self.model.head(self.model.norm(self.x[None])) if logits else None
+
+    def _on_merge(self) -> None:
+        """The kernel's callback: hand the partial to the caller's merge (errors kept for split())."""
+        if self._merge_error is not None:
+            return
+        try:
+            hq, d = self.shape.n_heads, self.shape.head_dim
+            at = self.lib.ringctx_decode_attn_offset(ctypes.byref(self.shape))
+            self._merge(self.work[at:at + hq * d].view(hq, d), self.work[at + hq * d:at + hq * d + hq])
+        except BaseException as exc:  # no exception may cross back into C
+            self._merge_error = exc
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= token < self.model.config.vocab_size:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.model.config.vocab_size}); "
+                             "tokenize with this model's tokenizer")
+
+    def _prepare(self, token: int) -> int:
+        """The thread count; the work buffer sized for it; x = the token's embedding."""
+        threads = torch.get_num_threads()
+        if threads != self.threads:  # the work buffer holds one slot per thread
+            self.work = torch.empty(self.lib.ringctx_decode_work_floats(ctypes.byref(self.shape), threads))
+            self.threads = threads
+        self.x.copy_(self.model.tok_embeddings.weight[token])
+        return threads
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

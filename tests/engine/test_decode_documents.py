@@ -2,6 +2,8 @@
 a decode rank that dies mid-answer. (Engines here are made one at a time: one process group per
 process, so this module is apart from test_decode_ranks.py's engines.)"""
 
+import os
+import signal
 import time
 
 import pytest
@@ -73,3 +75,28 @@ def test_a_decode_rank_that_dies_mid_answer_is_named(monkeypatch):
     assert time.monotonic() - start < 30
     with pytest.raises(RankFailure, match="this engine is closed"):
         engine.ingest(DOC)
+
+
+def test_a_decode_rank_that_stops_answering_times_out_named(reference):
+    engine = Engine("tiny", nproc=2, dtype="float32", timeout_s=3)
+    document = engine.ingest(DOC, chunk_tokens=64)
+    worker = engine._workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)  # alive but silent
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match=rf"did not complete within the 3 s timeout: rank 1 \(pid {worker.pid}\) "
+                                              r"is stopped"):
+            answer(engine, document)
+        assert time.monotonic() - start < 20
+    finally:
+        if worker.is_alive():
+            worker.kill()
+
+
+def test_ranks_without_the_fused_kernel_decode_with_those_that_have_it(monkeypatch, reference):
+    """RINGCTX_CPU_KERNELS=0 reaches the spawned rank only (this process built its kernels already):
+    rank 0 runs the fused step, rank 1 the PyTorch layers; the merged answer is the same."""
+    monkeypatch.setenv("RINGCTX_CPU_KERNELS", "0")
+    with Engine("tiny", nproc=2, dtype="float32", chunk_tokens=64) as engine:
+        document = engine.ingest(DOC)
+        assert_same_logits(answer(engine, document), reference["greedy"])
