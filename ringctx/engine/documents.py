@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 
@@ -239,12 +240,12 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     for s in slices:  # copy the rows of [lo, hi) that this slice holds
         a, b = max(lo, start), min(hi, start + s["rows"])
         if a < b:
-            with safe_open(os.path.join(path, s["file"]), framework="pt") as f:
-                positions = f.get_slice("positions")[a - start:b - start]
+            with SliceReader(os.path.join(path, s["file"])) as f:
+                positions = f.rows("positions", a - start, b - start)
                 # one decode rank: rows at their positions (sequence order); several: in file order
                 where = positions.to(model.device) if world == 1 else slice(filled, filled + b - a)
                 for layer in range(cache.n_layers):
-                    rows = [f.get_slice(f"{name}.{layer}")[a - start:b - start].to(model.device) for name in names]
+                    rows = [f.rows(f"{name}.{layer}", a - start, b - start).to(model.device) for name in names]
                     if saved_as == kv_dtype:  # as stored: no conversion
                         for target, part in zip(cache.storage_tensors(layer), rows):
                             write_rows(target, where, part)
@@ -261,6 +262,44 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     with safe_open(os.path.join(path, TOKENS), framework="pt") as f:
         token_ids = f.get_tensor("token_ids")
     return cache, token_ids, dict(manifest.get("extra") or {})
+
+
+class SliceReader:
+    """Row ranges of the tensors of one safetensors file, read with plain file reads.
+
+    safetensors' own reader maps the file into memory, and every page it touches then counts in
+    the process's resident memory until the file is closed: loading a slice that way peaked at
+    the cache plus the whole file. Row ranges of a row-major tensor are contiguous bytes, so they
+    are read straight from their offsets in the header (the format: an 8-byte little-endian header
+    size, a JSON header with each tensor's dtype, shape and data_offsets, then the data).
+    """
+
+    _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+               "F8_E4M3": torch.float8_e4m3fn}
+
+    def __init__(self, path: str):
+        self.file = open(path, "rb")
+        size = int.from_bytes(self.file.read(8), "little")
+        self.header = json.loads(self.file.read(size))
+        self.data_start = 8 + size
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of tensor `name` (a new tensor)."""
+        info = self.header[name]
+        dtype, shape = self._DTYPES[info["dtype"]], info["shape"]
+        row_bytes = math.prod(shape[1:]) * torch.empty(0, dtype=dtype).element_size()
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        self.file.seek(self.data_start + info["data_offsets"][0] + start * row_bytes)
+        if self.file.readinto(out.view(torch.uint8).numpy().reshape(-1)) != (stop - start) * row_bytes:
+            raise ValueError(f"{self.file.name}: {name} is shorter than its header says; save the document again")
+        return out
+
+    def __enter__(self) -> "SliceReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
 
 
 def _agree(what: str, problem: str | None, group, world: int) -> None:
