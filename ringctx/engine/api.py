@@ -561,7 +561,8 @@ class Engine:
         config = PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=self.strategy, hardware=self.hardware,
                                rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=64,
                                kv_dtype=document.cache.kv_dtype, attn_backend=self.attn_backend)
-        return ShardedDecoder(self.model, document.rewind(), document.length, self._decode_group, config)
+        return ShardedDecoder(self.model, document.rewind(), document.length, self._decode_group, config,
+                              timeout_s=self.timeout_s)
 
     def _finish_answer(self, generation, document, decoder):
         yield from generation

@@ -14,7 +14,13 @@ The owner of a step is the decode rank with the fewest rows (ties: round-robin, 
 step), so the slices stay level as the answer grows. Merging all-gathered partials rather than
 running the paper's pass-Q ring (Algorithm 4) costs one collective of N * Hq * (D + 1) floats per
 layer instead of N - 1 ring steps plus an all-to-all; for one token both are latency-bound, and
-the all-gather is one round trip (scripts/bench_decode.py measures both).
+the all-gather is one round trip (scripts/bench_decode.py measures both: pass-Q took 3x longer).
+On CPUs the decode ranks, which always share a host, all-gather through shared memory
+(engine/shm_exchange.py) rather than gloo; on GPUs through the process group (NCCL).
+
+On CPUs with the ringctx kernels the whole step runs in the fused decode kernel, which calls back
+into `_merge_into` between each layer's attention and output projection; elsewhere (and for 8-bit
+slices) it runs as PyTorch ops layer by layer (`_layers`).
 
 The question that precedes an answer is prefilled over the same ranks with `cp_prefill`, each
 rank's slice serving as its cached tokens in place.
@@ -30,6 +36,7 @@ from ..model import KVCache
 from ..model.decode_step import FusedStep
 from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
+from .shm_exchange import ShmExchange, shm_supported
 
 
 class ShardedDecoder:
@@ -45,9 +52,11 @@ class ShardedDecoder:
         group: the decode ranks' process group; leader is group rank 0.
         prefill_config: chunking and strategy of question prefills (its decode_ranks must be the
             group's size and decode_rank 0).
+        timeout_s: how long a merge waits for a rank that stops answering.
     """
 
-    def __init__(self, model, cache: KVCache, length: int, group, prefill_config: PrefillConfig):
+    def __init__(self, model, cache: KVCache, length: int, group, prefill_config: PrefillConfig,
+                 timeout_s: float = 300.0):
         self.model, self.cache, self.length, self.group = model, cache, length, group
         self.config = prefill_config
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -61,6 +70,9 @@ class ShardedDecoder:
         self._closed = False
         self._fused: FusedStep | None = None  # the fused CPU step over this slice, where it applies
         self._fused_cache: KVCache | None = None
+        cfg = model.config
+        self._shm = ShmExchange.create(cfg.n_heads * (cfg.head_dim + 1), group, timeout_s) \
+            if shm_supported(model.device) else None
 
     # -- prompt -------------------------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -157,8 +169,11 @@ class ShardedDecoder:
         """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""
         T, H, D = out.shape
         packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
-        everyone = [torch.empty_like(packed) for _ in range(self.world)]
-        dist.all_gather(everyone, packed, group=self.group)
+        if self._shm is not None:
+            everyone = self._shm.exchange(packed)
+        else:
+            everyone = [torch.empty_like(packed) for _ in range(self.world)]
+            dist.all_gather(everyone, packed, group=self.group)
         acc = PartialAccumulator(T, H, D, device=out.device)
         for part in everyone:  # the same order on every rank: the same bits everywhere
             acc.add(part[:T * H * D].view(T, H, D), part[T * H * D:].view(H, T))

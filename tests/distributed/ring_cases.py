@@ -67,3 +67,26 @@ def bad_input_case(rank: int, world: int, what: str):
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def shm_exchange_case(rank: int, world: int, steps: int):
+    """Exchange `steps` seeded tensors through shared memory and through gloo; return whether every
+    step agreed, and whether the shared buffer was available."""
+    import torch.distributed as dist
+
+    from ringctx.engine.shm_exchange import ShmExchange
+
+    shm = ShmExchange.create(37, None, timeout_s=30)
+    if shm is None:
+        return None
+    same = True
+    for step in range(steps):
+        mine = torch.randn(37, generator=torch.Generator().manual_seed(1000 * step + rank))
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        got = shm.exchange(mine).clone()  # every rank's row, rank order
+        same &= bool(torch.equal(got, torch.stack(everyone)))
+        if step % 7 == rank:  # one rank late now and then: the others must wait, never read stale rows
+            import time
+            time.sleep(0.002)
+    return same

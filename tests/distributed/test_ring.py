@@ -137,3 +137,12 @@ def test_bad_input_raises_on_every_rank_without_hanging(rank_pool, what, needle)
     spec = dict(SPECS["odd-7-gqa3-d80"], dtype="float32", strategy="pass-kv", seed=1)
     out, _, _, _ = run_ring(pool, 2, spec)
     torch.testing.assert_close(out.double(), reference(spec)[0], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_exchange_equals_all_gather(rank_pool, world):
+    """The decode's per-layer merge goes through shared memory between the ranks of a host: 200
+    exchanges in a row (double-buffered, a rank late now and then) give exactly gloo's all-gather."""
+    from .ring_cases import shm_exchange_case
+
+    assert rank_pool(world).run(shm_exchange_case, 200) == [True] * world
