@@ -126,6 +126,12 @@ def test_cli_ingest_and_ask(tmp_path):
     result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16"])
     assert result.exit_code == 0, result.output
     assert "7492" in result.output
+    # saved by one decode rank, asked on two (resliced on load, decoded together)
+    result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16", "--nproc", "2"])
+    assert result.exit_code == 0, result.output
+    assert "7492" in result.output and "on 2 decode rank(s)" in result.output
+    result = runner.invoke(main, ["ask", str(kv), "  ", "--max-new-tokens", "16"])
+    assert result.exit_code != 0 and "the question is empty" in result.output
 
 
 @pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\xff\xfe\x00bad", "not UTF-8"), (None, "no such file")])
