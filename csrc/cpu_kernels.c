@@ -296,3 +296,270 @@ int ringctx_decode_pv(const float *p, int64_t Hkv, int64_t R, int64_t S, const v
     free(partial);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * Decode attention over an 8-bit KV cache (ringctx/attention/quant.py): the same two products,
+ * with K and V stored as int8 or fp8 e4m3 data [S, Hkv, D] and a float32 scale [S, Hkv] per
+ * token and KV head.
+ *
+ *   scores[h, r, j] = scale * k_scale[j, h] * sum_d q[h, r, d] * k[j, h, d]
+ *   out[h, r, d]    = sum_j p[h, r, j] * v_scale[j, h] * v[j, h, d]
+ *
+ * Why kernels: a decode step's time is the time to read the cache, and an 8-bit cache is half
+ * the bytes of a bf16 one only if it is read as it is stored; dequantizing it first (in PyTorch)
+ * writes and reads a float copy on top of reading the 8-bit data. Here each byte is widened in
+ * registers (load_q8) and the scales are applied once per key: to the 16 dot products of a
+ * block of keys at once (scores), and to the weight p of each key (PV). fp8 data is widened to
+ * its value / 256 (exact), so 256 is folded into those scales.
+ *
+ * Widening is not free: int8 -> float32 is a conversion on the floating-point ports (bf16 is an
+ * integer shift), fp8 four instructions. Where the bf16 kernel re-reads each key for each query
+ * row, the scores here take up to four rows of a KV head at a time against a few keys (16 dot
+ * products, one reduction), so a key row is widened once per four rows, in registers. Widening 16
+ * keys into a float32 tile in L1 for the rows to read instead took 1.4x (int8) and 1.15x (fp8)
+ * the time at 3 rows per KV head (SmolLM2's GQA group), data in cache.
+ * ------------------------------------------------------------------------------------------ */
+
+/* The scales of keys j0..j0+15 for head h, times `mul`. */
+RINGCTX_AVX512 static inline __m512 scales_16(const float *s, int64_t Hkv, int64_t j0, int64_t h, float mul) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)Hkv));
+    return _mm512_mul_ps(_mm512_i32gather_ps(idx, s + j0 * Hkv + h, 4), _mm512_set1_ps(mul));
+}
+
+/* Scores of rows [r0, r0 + RT) of head h against the KB keys from jb + off, RT * KB <= 16 dot
+ * products reduced together: lane r * KB + kk of the sum is row r0 + r against key jb + off + kk.
+ * `sc` holds the scales of the block's 16 keys (lane i: key jb + i). RT, KB (a power of 2), NV and
+ * KIND are constants, so the loops unroll and dots[] stays in registers. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void scores_q8_tile(const float *q, int64_t Hkv, int64_t R, const int8_t *k, int64_t S, __m512 sc,
+                                  float *scores, int64_t jb, int off, int64_t h, int64_t r0, const int RT,
+                                  const int KB, const int NV, const int KIND) {
+    const int64_t D = 16 * NV;
+    __m512 dots[16];
+#pragma GCC unroll 16
+    for (int i = RT * KB; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+        const int64_t row = ((jb + off + kk) * Hkv + h) * D;
+        __m512 kv[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c += 2) load_q8_pair(k, KIND, row + 16 * c, &kv[c], &kv[c + 1]);
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; ++r) {
+            const float *qr = q + (h * R + r0 + r) * D;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+#pragma GCC unroll 8
+            for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], acc);
+            dots[r * KB + kk] = acc;
+        }
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(off), _mm512_and_si512(lane, _mm512_set1_epi32(KB - 1)));
+    const __m512 sums = _mm512_mul_ps(_mm512_permutexvar_ps(which, sc), sum_each_16(dots));
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; ++r) {  /* lanes r * KB .. r * KB + KB - 1, moved down to lane 0 */
+        const __m512 mine = _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(r * KB)), sums);
+        _mm512_mask_storeu_ps(scores + (h * R + r0 + r) * S + jb + off, (__mmask16)((1u << KB) - 1u), mine);
+    }
+}
+
+/* Scores of head h's R rows against the 16 keys j0..j0+15 (NV = D / 16 and KIND constants). */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void scores_q8_16(const float *q, int64_t Hkv, int64_t R, const int8_t *k, const float *ks, int64_t S,
+                                float mul, float *scores, int64_t j0, int64_t h, const int NV, const int KIND) {
+    const __m512 sc = scales_16(ks, Hkv, j0, h, mul);
+    int64_t r0 = 0;
+    /* Several rows: 4 keys at a time (2 rows against 8 keys, filling all 16 lanes, ran 2.5x slower
+     * with the keys coming from memory, for no reason found). */
+    for (; R - r0 >= 4; r0 += 4)
+        for (int off = 0; off < 16; off += 4) scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, off, h, r0, 4, 4, NV, KIND);
+    switch (R - r0) {
+        case 3:
+            for (int off = 0; off < 16; off += 4) scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, off, h, r0, 3, 4, NV, KIND);
+            break;
+        case 2:
+            for (int off = 0; off < 16; off += 4) scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, off, h, r0, 2, 4, NV, KIND);
+            break;
+        case 1: scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, 0, h, r0, 1, 16, NV, KIND); break;
+        default: break;
+    }
+}
+
+/* Scores of every head and row against one key j (any D a multiple of 16). */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void scores_q8_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k, const float *ks,
+                               int64_t S, float mul, float *scores, int64_t j, const int KIND) {
+    const int64_t nv = D / 16;
+    __m512 kv[MAX_D / 16];
+    for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t row = (j * Hkv + h) * D;
+        for (int64_t c = 0; c < nv; ++c) kv[c] = load_q8(k, KIND, row + 16 * c);
+        const float *qh = q + h * R * D;
+        const float s = mul * ks[j * Hkv + h];
+        for (int64_t r = 0; r < R; ++r) {
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
+            for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * c), kv[c], acc);
+            scores[(h * R + r) * S + j] = s * _mm512_reduce_add_ps(acc);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void scores_q8_range_kind(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                                        const float *ks, int64_t S, float mul, float *scores, int64_t j0, int64_t j1,
+                                        const int KIND) {
+    const int64_t nv = D / 16, key_bytes = Hkv * D;
+    int64_t j = j0;
+    if (nv == 4 || nv == 8) {  /* head widths 64 and 128: 16 keys at a time */
+        for (; j + 16 <= j1; j += 16) {
+            if (j + 32 <= j1) {
+                prefetch_span((const char *)(k + (j + 16) * key_bytes), 16 * key_bytes);
+                prefetch_span((const char *)(ks + (j + 16) * Hkv), 16 * Hkv * (int64_t)sizeof(float));
+            }
+            for (int64_t h = 0; h < Hkv; ++h) {
+                if (nv == 4) scores_q8_16(q, Hkv, R, k, ks, S, mul, scores, j, h, 4, KIND);
+                else scores_q8_16(q, Hkv, R, k, ks, S, mul, scores, j, h, 8, KIND);
+            }
+        }
+    }
+    const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes;
+    for (; j < j1; ++j) {
+        if (j + ahead < j1) prefetch_span((const char *)(k + (j + ahead) * key_bytes), key_bytes);
+        scores_q8_1(q, Hkv, R, D, k, ks, S, mul, scores, j, KIND);
+    }
+}
+
+RINGCTX_AVX512 static void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                                           const float *ks, int kind, int64_t S, float scale, float *scores,
+                                           int64_t j0, int64_t j1) {
+    if (kind == Q8_INT8) scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale, scores, j0, j1, Q8_INT8);
+    else scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale * Q8_FP8_FOLD, scores, j0, j1, Q8_FP8);
+}
+
+/* acc rows [r0, r0 + RT) of head h += p * v_scale * v over keys [j0, j1), in registers (RT, NV and
+ * KIND constants). */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void pv_q8_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
+                              float mul, int64_t D, float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0,
+                              const int RT, const int NV, const int KIND) {
+    __m512 a[4][8];
+    for (int r = 0; r < RT; ++r)
+        for (int c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + (h * R + r0 + r) * D + 16 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+        const int64_t row = (j * Hkv + h) * D;
+        const float s = mul * vs[j * Hkv + h];
+        __m512 vv[8];
+        for (int c = 0; c < NV; c += 2) load_q8_pair(v, KIND, row + 16 * c, &vv[c], &vv[c + 1]);
+        for (int r = 0; r < RT; ++r) {
+            const __m512 w = _mm512_set1_ps(s * p[(h * R + r0 + r) * S + j]);
+            for (int c = 0; c < NV; ++c) a[r][c] = _mm512_fmadd_ps(w, vv[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < RT; ++r)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (h * R + r0 + r) * D + 16 * c, a[r][c]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
+                               float mul, int64_t D, float *acc, int64_t j0, int64_t j1, const int KIND) {
+    const int64_t nv = D / 16;
+    /* Rows go in register tiles of 4 (D 64) or 2 (D 128), one at a time at other widths. With more
+     * rows than one tile, widening each V row once per tile cost more than the products (int8's
+     * conversion shares the floating-point ports with them), so the block is widened once into
+     * float32 in L1, scales applied, and the float32 kernel reads that: 1.5x faster at 8 rows per
+     * KV head, D 128 (32K keys, 8 KV heads). The block is PV_BLOCK x D floats, 16 KB at D 128. */
+    const int one_tile = nv == 4 ? R <= 4 : nv == 8 ? R <= 2 : R == 1;
+    if (!one_tile) {
+        float tile[PV_BLOCK * MAX_D] __attribute__((aligned(64)));
+        for (int64_t h = 0; h < Hkv; ++h) {
+            for (int64_t j = j0; j < j1; ++j) {
+                const int64_t row = (j * Hkv + h) * D;
+                const __m512 sv = _mm512_set1_ps(mul * vs[j * Hkv + h]);
+                for (int64_t c = 0; c < nv; ++c)
+                    _mm512_store_ps(tile + (j - j0) * D + 16 * c, _mm512_mul_ps(sv, load_q8(v, KIND, row + 16 * c)));
+            }
+            /* the float32 kernel on the tile: one head, keys 0 .. j1 - j0 */
+            pv_heads(p + h * R * S + j0, 1, R, S, tile, 0, D, acc + h * R * D, 0, j1 - j0);
+        }
+        return;
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+        int64_t r0 = 0;
+        if (nv == 4) {
+            for (; r0 < R; r0 += 4) {
+                switch (R - r0) {
+                    case 1: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 1, 4, KIND); break;
+                    case 2: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 2, 4, KIND); break;
+                    case 3: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 3, 4, KIND); break;
+                    default: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 4, 4, KIND);
+                }
+            }
+        } else if (nv == 8) {
+            for (; r0 < R; r0 += 2) {
+                if (R - r0 == 1) pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 1, 8, KIND);
+                else pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 2, 8, KIND);
+            }
+        }
+        for (; r0 < R; ++r0) {  /* other widths: through memory (L1), row by row */
+            float *a = acc + (h * R + r0) * D;
+            for (int64_t j = j0; j < j1; ++j) {
+                const __m512 w = _mm512_set1_ps(mul * vs[j * Hkv + h] * p[(h * R + r0) * S + j]);
+                const int64_t row = (j * Hkv + h) * D;
+                for (int64_t c = 0; c < nv; ++c)
+                    _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, load_q8(v, KIND, row + 16 * c),
+                                                                 _mm512_loadu_ps(a + 16 * c)));
+            }
+        }
+    }
+}
+
+/* Blocks of PV_BLOCK keys, every head of a block before the next (as pv_range). */
+RINGCTX_AVX512 static void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v,
+                                       const float *vs, int kind, int64_t D, float *acc, int64_t j0, int64_t j1) {
+    const int64_t key_bytes = Hkv * D;
+    memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
+    for (int64_t j = j0; j < j1; j += PV_BLOCK) {
+        const int64_t end = j + PV_BLOCK < j1 ? j + PV_BLOCK : j1;
+        if (end + PV_BLOCK <= j1) {
+            prefetch_span((const char *)(v + end * key_bytes), PV_BLOCK * key_bytes);
+            prefetch_span((const char *)(vs + end * Hkv), PV_BLOCK * Hkv * (int64_t)sizeof(float));
+        }
+        if (kind == Q8_INT8) pv_q8_heads(p, Hkv, R, S, v, vs, 1.0f, D, acc, j, end, Q8_INT8);
+        else pv_q8_heads(p, Hkv, R, S, v, vs, Q8_FP8_FOLD, D, acc, j, end, Q8_FP8);
+    }
+}
+
+int ringctx_decode_scores_q8(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                             const float *k_scale, int kind, int64_t S, float scale, float *scores, int threads) {
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R || (kind != Q8_INT8 && kind != Q8_FP8))
+        return -1;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        int n = omp_get_num_threads(), t = omp_get_thread_num();
+        scores_q8_range(q, Hkv, R, D, k, k_scale, kind, S, scale, scores, split(S, t, n), split(S, t + 1, n));
+    }
+    return 0;
+}
+
+int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *v_scale,
+                         int kind, int64_t D, float *out, int threads) {
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R || (kind != Q8_INT8 && kind != Q8_FP8))
+        return -1;
+    if (threads < 1) threads = 1;
+    const int64_t n_out = Hkv * R * D;
+    /* One partial sum per thread, added in thread order afterwards: the same bits every run. */
+    float *partial = (float *)calloc((size_t)(threads * n_out), sizeof(float));
+    if (partial == NULL) return -2;
+#pragma omp parallel num_threads(threads)
+    {
+        int n = omp_get_num_threads(), t = omp_get_thread_num();
+        pv_q8_range(p, Hkv, R, S, v, v_scale, kind, D, partial + t * n_out, split(S, t, n), split(S, t + 1, n));
+    }
+    memcpy(out, partial, (size_t)n_out * sizeof(float));
+    for (int t = 1; t < threads; ++t)
+        for (int64_t i = 0; i < n_out; ++i) out[i] += partial[t * n_out + i];
+    free(partial);
+    return 0;
+}

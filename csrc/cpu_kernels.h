@@ -33,6 +33,41 @@ RINGCTX_AVX512 static inline __m512 load_any_tail(const void *base, int bf16, in
     return _mm512_maskz_loadu_ps(m, (const float *)base + i);
 }
 
+/* 8-bit KV data (ringctx/attention/quant.py): int8, or float8 e4m3 ("fn": no infinities, one NaN
+ * pattern, which the quantizer never writes). A kernel takes the kind as a compile-time constant
+ * (always_inline callers pass a literal), so the branch below costs nothing in its loops. */
+#define Q8_INT8 0
+#define Q8_FP8 1
+#define Q8_FP8_FOLD 256.0f /* load_q8 returns an fp8 value divided by this; callers fold it into the scale */
+
+/* 16 8-bit values starting at element i of `base`, as float32: int8 exactly; fp8 e4m3 divided by
+ * Q8_FP8_FOLD, also exactly. An e4m3 byte s|eeee|mmm shifted to s|0eeee|mmm0000000 is the fp16 of
+ * the same sign, exponent field and mantissa bits; fp16's exponent bias is 8 more than e4m3's, so
+ * that fp16 is the value times 2^-8, for subnormals too (both formats have 2^(1 - bias) there).
+ * Sign-extending the byte puts its sign in bits 15 and 14 of (b << 7); the mask clears bit 14.
+ * The fp16 -> float32 conversion (vcvtph2ps) is part of AVX-512F: no table, no gather. */
+RINGCTX_AVX512 static inline __m512 load_q8(const int8_t *base, const int kind, int64_t i) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)(base + i));
+    if (kind == Q8_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                          _mm256_set1_epi16((short)0xBF80));
+    return _mm512_cvtph_ps(half);
+}
+
+/* 32 values from element i: load_q8 of i and of i + 16. For fp8 the bit operations run once on all
+ * 32 (one 512-bit register of 16-bit lanes) instead of twice on 16. */
+RINGCTX_AVX512 static inline void load_q8_pair(const int8_t *base, const int kind, int64_t i, __m512 *lo, __m512 *hi) {
+    if (kind == Q8_INT8) {
+        *lo = load_q8(base, kind, i);
+        *hi = load_q8(base, kind, i + 16);
+        return;
+    }
+    const __m512i half = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(base + i))), 7),
+                                          _mm512_set1_epi16((short)0xBF80));
+    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+}
+
 /* One element of `base` as float32. */
 static inline float load_one(const void *base, int bf16, int64_t i) {
     if (!bf16) return ((const float *)base)[i];
@@ -137,5 +172,15 @@ RINGCTX_INTERNAL void scores_range(const float *q, int64_t Hkv, int64_t R, int64
 /* acc[h, r] = sum_j p[h, r, j] v[j, h] over keys [j0, j1), overwriting acc; see cpu_kernels.c. */
 RINGCTX_INTERNAL void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
                                float *acc, int64_t j0, int64_t j1);
+
+/* Decode attention over an 8-bit cache (cpu_kernels.c): data [S, Hkv, D] int8 or fp8 e4m3 (kind
+ * Q8_INT8 or Q8_FP8) with a float32 scale [S, Hkv] per token and KV head.
+ *   scores[h, r, j] = scale * k_scale[j, h] * sum_d q[h, r, d] * k[j, h, d]
+ *   out[h, r, d]    = sum_j p[h, r, j] * v_scale[j, h] * v[j, h, d]
+ * Return 0, or -1 (this CPU lacks AVX-512, or D / R out of range), -2 (out of memory). */
+int ringctx_decode_scores_q8(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                             const float *k_scale, int kind, int64_t S, float scale, float *scores, int threads);
+int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *v_scale,
+                         int kind, int64_t D, float *out, int threads);
 
 #endif

@@ -12,6 +12,10 @@ AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
     decode_pv              walked the cache strided and, in bf16, converted it to float32 first.
                            The kernels compute QK^T and PV reading each cache row once, in place;
                            the softmax between them stays in PyTorch (attention/kernels.py).
+    decode_scores_q8,      the same over an 8-bit cache (int8 or fp8 e4m3 data with a float32 scale
+    decode_pv_q8           per token and KV head, attention/quant.py), widened in registers, so a
+                           step reads half the bytes of a bf16 one; dequantizing in PyTorch first
+                           would write and read a float copy of the cache.
     decode_step            a whole decode step of a Llama-family model (csrc/cpu_decode.c, driven
                            by ringctx/model/decode_step.py): every layer in one call, so that the
                            ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
@@ -128,11 +132,19 @@ def _load() -> ctypes.CDLL | None:
             lib.ringctx_decode_scores.restype = ctypes.c_int
             lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
             lib.ringctx_decode_pv.restype = ctypes.c_int
+            lib.ringctx_decode_scores_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, f32, ptr, i32]
+            lib.ringctx_decode_scores_q8.restype = ctypes.c_int
+            lib.ringctx_decode_pv_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i32]
+            lib.ringctx_decode_pv_q8.restype = ctypes.c_int
             shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
             lib.ringctx_decode_work_floats.argtypes = [shape, i32]
             lib.ringctx_decode_work_floats.restype = i64
             lib.ringctx_decode_step.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32]
             lib.ringctx_decode_step.restype = ctypes.c_int
+            lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
+            lib.ringctx_decode_step_split.restype = ctypes.c_int
+            lib.ringctx_decode_attn_offset.argtypes = [shape]
+            lib.ringctx_decode_attn_offset.restype = i64
             lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                                   i32, f32, ptr, i64, i64, ptr, i32]
             lib.ringctx_amx_attention.restype = ctypes.c_int
@@ -156,8 +168,8 @@ def cpu_kernels_status() -> str:
     if _load() is not None:
         reason = amx_unavailable_reason()
         amx = "; AMX bf16 attention" if reason is None else f" (bf16 attention uses PyTorch's op: {reason})"
-        return ("available: fused decode step, GEMV, decode attention (AVX-512; csrc/cpu_*.c, built with the "
-                f"system C compiler){amx}")
+        return ("available: fused decode step, GEMV, decode attention over float, int8 and fp8 caches (AVX-512; "
+                f"csrc/cpu_*.c, built with the system C compiler){amx}")
     return _error or "not in use"
 
 
@@ -169,6 +181,10 @@ def kernel_error() -> str | None:
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library (built on first use), or None where it is unavailable."""
     return _load()
+
+
+MERGE_FN = ctypes.CFUNCTYPE(None)
+"""The split decode step's per-layer callback (see ringctx_merge_fn in csrc/cpu_decode.c)."""
 
 
 class DecoderShape(ctypes.Structure):
@@ -268,6 +284,68 @@ def decode_pv(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(Hkv, rows, D)
     status = lib.ringctx_decode_pv(probs.data_ptr(), Hkv, rows, S, v.data_ptr(), int(v.dtype == torch.bfloat16),
                                    D, out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None
+
+
+Q8_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
+"""The 8-bit cache formats the q8 decode kernels read (ringctx/attention/quant.py), and their `kind`
+code in csrc/cpu_kernels.c."""
+
+
+def decode_q8_kernels_apply(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
+                            v_scale: torch.Tensor) -> bool:
+    """True when `decode_scores_q8` and `decode_pv_q8` take these inputs (and the kernels are built):
+    q [T, Hq, D] float32, bf16 or fp16; k_data and v_data [S, Hkv, D] int8 or float8_e4m3fn (each
+    its own), contiguous; k_scale and v_scale [S, Hkv] float32 contiguous; all on the CPU, S >= 1, D
+    a multiple of 16 up to 256, at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head."""
+    T, Hq, D = q.shape
+    S, Hkv = k_data.shape[:2]
+    tensors = (q, k_data, k_scale, v_data, v_scale)
+    if not (q.dtype in (torch.float32, torch.bfloat16, torch.float16) and k_data.dtype in Q8_KINDS
+            and v_data.dtype in Q8_KINDS and k_scale.dtype == v_scale.dtype == torch.float32
+            and all(t.device.type == "cpu" for t in tensors) and k_data.dim() == 3 and k_data.shape == v_data.shape
+            and k_scale.shape == v_scale.shape == (S, Hkv) and S > 0 and k_data.shape[2] == D
+            and Hq % Hkv == 0 and D % 16 == 0 and D <= 256 and Hq // Hkv * T <= MAX_QUERY_ROWS_PER_KV_HEAD
+            and all(t.is_contiguous() for t in tensors[1:])):
+        return False
+    if torch.is_grad_enabled() and q.requires_grad:
+        return False
+    return _load() is not None
+
+
+def decode_scores_q8(qg: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """scale * Q K^T per KV head over an 8-bit cache read in place (see decode_q8_kernels_apply).
+
+    qg: [Hkv, R, D] float32 contiguous, the query rows grouped by the KV head they read; k_data:
+    [S, Hkv, D] int8 or float8_e4m3fn; k_scale: [S, Hkv] float32 (key j of head h is
+    k_data[j, h] * k_scale[j, h]). Returns float32 [Hkv, R, S], or None if the kernel refused.
+    """
+    lib = _load()
+    if lib is None:
+        return None
+    Hkv, rows, D = qg.shape
+    S = k_data.shape[0]
+    scores = torch.empty(Hkv, rows, S)
+    status = lib.ringctx_decode_scores_q8(qg.data_ptr(), Hkv, rows, D, k_data.data_ptr(), k_scale.data_ptr(),
+                                          Q8_KINDS[k_data.dtype], S, scale, scores.data_ptr(), torch.get_num_threads())
+    return scores if status == 0 else None
+
+
+def decode_pv_q8(probs: torch.Tensor, v_data: torch.Tensor, v_scale: torch.Tensor) -> torch.Tensor | None:
+    """P V per KV head over an 8-bit cache read in place (see decode_q8_kernels_apply).
+
+    probs: [Hkv, R, S] float32 contiguous; v_data: [S, Hkv, D] int8 or float8_e4m3fn; v_scale:
+    [S, Hkv] float32. Returns float32 [Hkv, R, D], or None if the kernel refused (it allocates one
+    partial sum per thread).
+    """
+    lib = _load()
+    if lib is None:
+        return None
+    Hkv, rows, S = probs.shape
+    D = v_data.shape[2]
+    out = torch.empty(Hkv, rows, D)
+    status = lib.ringctx_decode_pv_q8(probs.data_ptr(), Hkv, rows, S, v_data.data_ptr(), v_scale.data_ptr(),
+                                      Q8_KINDS[v_data.dtype], D, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None
 
 
