@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -158,9 +159,13 @@ class Engine:
         self.decode_rank, self.timeout_s, self.attn_backend = decode_rank, float(timeout_s), attn_backend
         self.kv_dtype, self._chunk_tokens_asked = kv_dtype, chunk_tokens
         self.hardware = _load_hardware(hardware)
-        self._documents: dict[int, Document] = {}  # this rank's part of every live document
+        # This rank's part of every live document, by id: held by the caller (weakly here), and
+        # dropped on the spawned workers once the caller lets go of it (see _keep).
+        self._documents: weakref.WeakValueDictionary[int, Document] = weakref.WeakValueDictionary()
+        self._forgotten: list[int] = []
         self._next_document = 0
         self._decode_group = None
+        self._open_answer: tuple[ShardedDecoder, torch.Tensor] | None = None  # leader: (decoder, question ids)
         self._workers: list = []      # spawn mode: worker processes, rank i + 1 at index i
         self._conns: list = []        # spawn mode: rank 0's end of each worker's command pipe
         self._watch: ProcessWatch | None = None
@@ -213,7 +218,8 @@ class Engine:
         engine.__dict__.update(settings)
         engine.model_name, engine.dtype, engine.mode, engine.rank, engine.world_size = \
             model_name, dtype, "worker", rank, world
-        engine._documents, engine._next_document, engine._closed = {}, 0, None
+        engine._documents, engine._next_document, engine._closed = {}, 0, None  # strong: rank 0 says when to drop
+        engine._forgotten, engine._open_answer = [], None
         engine.model = load_model(model_name, dtype=dtype, device=device)
         agree_across_ranks("engine start-up", None, _fingerprint(engine.model))
         engine._decode_group = _decode_group(engine.decode_rank, engine.decode_ranks, world)
@@ -376,9 +382,11 @@ class Engine:
         self._check_open()
         try:
             if self.mode == "spawn" and command is not None:
+                commands = [("drop", self._forgotten.pop()) for _ in list(self._forgotten)] + [command]
                 for r, conn in enumerate(self._conns, start=1):
-                    if not decode_only or self._is_decode_rank(r):
-                        conn.send(command)
+                    for c in commands:
+                        if not (decode_only or c[0] == "drop") or self._is_decode_rank(r):
+                            conn.send(c)
             return run()
         except ValueError:
             raise
@@ -479,9 +487,17 @@ class Engine:
         result = cp_prefill(self.model, token_ids, config, group=group, cache=cache, cache_token_ids=cache_token_ids,
                             on_chunk=with_test_hook(on_chunk, self.rank))
         if keep is not None and result.cache is not None:
-            result.document = self._documents[keep] = Document(cache=result.cache, token_ids=result.token_ids,
-                                                               stats=result.stats, id=keep)
+            result.document = self._keep(Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats,
+                                                  id=keep))
         return result
+
+    def _keep(self, document: Document) -> Document:
+        """Register this rank's part of a new document; rank 0 of a spawned job has the workers drop
+        theirs once the caller no longer holds it (at the next command)."""
+        self._documents[document.id] = document
+        if self.mode == "spawn":
+            weakref.finalize(document, self._forgotten.append, document.id)
+        return document
 
     # ------------------------------------------------------------------ documents and questions
     def ingest(self, text, *, chat: bool = True, **prefill_kwargs) -> Document | None:
@@ -533,11 +549,16 @@ class Engine:
             return self._generate_here(document, prompt, max_new_tokens, sampling)
         ids = self._question_ids(document, prompt)
         command = ("generate", document.id, ids.numpy().tobytes(), max_new_tokens)
+        if self._open_answer is not None:  # an answer left unread: release the other ranks from it
+            decoder, pending = self._open_answer
+            self._open_answer = None
+            self._collective("decode", None, lambda: decoder.close(pending))
         if self.rank != self.decode_rank:  # a follower (torchrun): every step, then nothing to show
             self._collective("decode", None, lambda: self._on_generate(document.id, ids, max_new_tokens))
             return iter(())
         decoder = self._collective("decode", command, lambda: self._sharded_decoder(document, ids),
                                    decode_only=True)
+        self._open_answer = (decoder, ids)
         generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
         return _Answer(generation, self._guarded(self._finish_answer(generation, document, decoder), "decode"))
 
@@ -567,6 +588,8 @@ class Engine:
     def _finish_answer(self, generation, document, decoder):
         yield from generation
         document.cache = decoder.cache  # it may have grown
+        if self._open_answer is not None and self._open_answer[0] is decoder:
+            self._open_answer = None
 
     def _on_generate(self, document_id, ids, max_new_tokens) -> None:
         """A decode rank that is not the leader: prefill the question with the others, follow the steps."""
@@ -614,8 +637,7 @@ class Engine:
             memory_check=lambda rows, per_row: _slice_memory_problem(self.model, rows, per_row, local))
         document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
                             question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=keep)
-        self._documents[keep] = document
-        return document
+        return self._keep(document)
 
     def drop_document(self, document: Document) -> None:
         """Free `document`'s KV cache on every decode rank."""

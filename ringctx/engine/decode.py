@@ -67,7 +67,7 @@ class ShardedDecoder:
         dist.all_gather(everyone, rows, group=group)
         self.rows = [int(r) for r in everyone]  # every rank's slice length, tracked without messages
         self._control = torch.zeros(2, dtype=torch.long)
-        self._closed = False
+        self._closed = self._prefilled = False
         self._fused: FusedStep | None = None  # the fused CPU step over this slice, where it applies
         self._fused_cache: KVCache | None = None
         cfg = model.config
@@ -77,6 +77,8 @@ class ShardedDecoder:
     # -- prompt -------------------------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Prefill token_ids [T] on top of the slices; float32 logits [1, vocab] of the last one."""
+        self._check_not_closed()
+        self._prefilled = True
         result = cp_prefill(self.model, token_ids, self.config, group=self.group, shard=self.cache)
         self.cache = result.cache
         self.rows = list(result.stats.decode_slice_rows_per_rank)
@@ -86,6 +88,7 @@ class ShardedDecoder:
     # -- steps --------------------------------------------------------------------------------
     def step(self, token: int) -> torch.Tensor:
         """Leader: feed `token`, get float32 logits [1, vocab] of the next position."""
+        self._check_not_closed()
         self._control[0], self._control[1] = token, 1
         dist.broadcast(self._control, src=self.leader, group=self.group)
         return self._forward(token)
@@ -98,12 +101,20 @@ class ShardedDecoder:
                 return
             self._forward(int(self._control[0]))
 
-    def close(self) -> None:
-        """Leader: release the other ranks from `follow` (idempotent)."""
+    def close(self, prompt_ids: torch.Tensor | None = None) -> None:
+        """Leader: release the other ranks from `follow` (idempotent). An answer never started
+        still runs its prompt's prefill (`prompt_ids`) first: the other ranks are waiting in it."""
         if not self._closed and self.rank == 0:
+            if not self._prefilled and prompt_ids is not None:
+                self.prefill(prompt_ids)
             self._control.zero_()
             dist.broadcast(self._control, src=self.leader, group=self.group)
         self._closed = True
+
+    def _check_not_closed(self) -> None:
+        if self._closed:  # the other ranks have left this answer: a newer question ended it
+            raise ValueError("this answer was ended by a newer question on the same engine; read an answer to "
+                             "its end before asking the next")
 
     def full(self) -> bool:
         """Never: slices grow as needed (each by one row every N steps)."""

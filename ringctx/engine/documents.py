@@ -40,6 +40,8 @@ from ..model.kvfile import load_kv_cache, weights_digest
 from ..parallel.comm import agree_across_ranks
 
 FORMAT = "ringctx-doc/1"
+LOAD_BLOCK_ROWS = 16384
+"""Rows read (and converted, for another kv_dtype) at a time while loading: bounds the temporaries."""
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
 
@@ -237,23 +239,27 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
 
     names = ["k", "v"] + (["k_scale", "v_scale"] if saved_as in ("fp8", "int8") else [])
     filled, start = 0, 0
-    for s in slices:  # copy the rows of [lo, hi) that this slice holds
+    for s in slices:  # copy the rows of [lo, hi) that this slice holds, a block of rows at a time
         a, b = max(lo, start), min(hi, start + s["rows"])
         if a < b:
             with SliceReader(os.path.join(path, s["file"])) as f:
                 positions = f.rows("positions", a - start, b - start)
-                # one decode rank: rows at their positions (sequence order); several: in file order
-                where = positions.to(model.device) if world == 1 else slice(filled, filled + b - a)
                 for layer in range(cache.n_layers):
-                    rows = [f.rows(f"{name}.{layer}", a - start, b - start).to(model.device) for name in names]
-                    if saved_as == kv_dtype:  # as stored: no conversion
-                        for target, part in zip(cache.storage_tensors(layer), rows):
-                            write_rows(target, where, part)
-                    else:  # another storage: through the model's dtype, quantized by update()
-                        if len(rows) == 4:
+                    for r0 in range(0, b - a, LOAD_BLOCK_ROWS):
+                        r1 = min(b - a, r0 + LOAD_BLOCK_ROWS)
+                        # one decode rank: rows at their positions (sequence order); several: in file order
+                        where = positions[r0:r1].to(model.device) if world == 1 else \
+                            slice(filled + r0, filled + r1)
+                        rows = [f.rows(f"{name}.{layer}", a - start + r0, a - start + r1).to(model.device)
+                                for name in names]
+                        if saved_as == kv_dtype:  # as stored: no conversion
+                            for target, part in zip(cache.storage_tensors(layer), rows):
+                                write_rows(target, where, part)
+                            continue
+                        if len(rows) == 4:  # another storage: through the model's dtype, quantized by update()
                             rows = [dequantize_rows(rows[0], rows[2], model.dtype),
                                     dequantize_rows(rows[1], rows[3], model.dtype)]
-                        cache.update(layer, where if world == 1 else filled, rows[0], rows[1])
+                        cache.update(layer, where if world == 1 else filled + r0, rows[0], rows[1])
                 if world > 1:
                     cache.positions[filled:filled + b - a] = positions
             filled += b - a

@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from ringctx.engine import Engine, RankFailure
 from ringctx.engine.documents import read_document
@@ -100,3 +101,26 @@ def test_ranks_without_the_fused_kernel_decode_with_those_that_have_it(monkeypat
     with Engine("tiny", nproc=2, dtype="float32", chunk_tokens=64) as engine:
         document = engine.ingest(DOC)
         assert_same_logits(answer(engine, document), reference["greedy"])
+
+
+@pytest.mark.parametrize("nproc,decode_ranks,kv_dtype", [(2, 1, "int8"), (3, 2, "fp8")])
+def test_8bit_rows_travel_as_stored_in_the_hand_off(nproc, decode_ranks, kv_dtype):
+    """One decode rank gathers every rank's 8-bit rows in sequence order; two of three keep theirs
+    and receive the third's. Either way the cache holds one process's 8-bit rows (a code may differ
+    by one step where the prefills' float32 K/V round differently) and scales."""
+    one = Engine("tiny", dtype="float32", kv_dtype=kv_dtype)
+    single = one.ingest(DOC, chunk_tokens=64)
+    with Engine("tiny", nproc=nproc, dtype="float32", kv_dtype=kv_dtype, decode_ranks=decode_ranks,
+                chunk_tokens=64) as engine:
+        document = engine.ingest(DOC)
+        sent = document.stats.handoff_bytes_per_rank
+        assert sent[:decode_ranks] == [0] * decode_ranks and min(sent[decode_ranks:]) > 0
+        whole = engine.whole_cache(document)
+        assert whole.kv_dtype == kv_dtype and whole.length == len(DOC)
+        for layer in range(whole.n_layers):
+            for got, want in zip(whole.read_rows(layer, 0, len(DOC)), single.cache.read_rows(layer, 0, len(DOC))):
+                step = want.abs().amax(dim=-1, keepdim=True) / (127 if kv_dtype == "int8" else 8)
+                assert bool(((got - want).abs() <= step + 1e-6).all())
+            torch.testing.assert_close(whole.k_scale[layer][:len(DOC)], single.cache.k_scale[layer][:len(DOC)],
+                                       rtol=1e-5, atol=0)
+        assert answer(engine, document).token_ids == answer(one, single).token_ids

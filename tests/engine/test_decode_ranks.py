@@ -118,3 +118,23 @@ def test_spread_plan_levels_decode_ranks_and_feeds_them_at_once():
         assert all(final[d] <= min(final.values()) + 1 for d in decode if got[d])  # raised to one level
         for src in set(range(len(rows))) - set(decode):
             assert sum(t.n for t in plan if t.src == src) == rows[src]
+
+
+def test_an_unread_answer_is_ended_by_the_next_question(split_engine, reference):
+    document = split_engine.ingest(DOC)
+    unread = split_engine.generate(document, QUESTION, **GREEDY)  # the other ranks wait in it
+    assert_same_logits(answer(split_engine, document), reference["greedy"])
+    if split_engine.decode_ranks > 1:
+        with pytest.raises(ValueError, match="ended by a newer question"):
+            list(unread)
+    assert_same_logits(answer(split_engine, document), reference["greedy"])  # the engine is still usable
+
+
+def test_documents_the_caller_lets_go_of_are_dropped_on_every_rank(split_engine):
+    import gc
+
+    split_engine.ingest(DOC)  # the caller keeps no reference: gone at once here
+    gc.collect()
+    assert len(split_engine._documents) == 0 and len(split_engine._forgotten) == 1
+    document = split_engine.ingest(DOC)  # this command first tells the workers to drop theirs
+    assert split_engine._forgotten == [] and list(split_engine._documents) == [document.id]
