@@ -14,7 +14,7 @@
  *   xn   = round(x * rsqrt(mean(x^2) + eps) * w_norm)     RMSNorm, float32 inside
  *   qkv  = round(xn Wqkv^T + b)                           float32 accumulation (gemv_block)
  *   q, k = round(round(x cos) + roll(x, D/2) sin)         rotate-half RoPE, sin = (-sin, sin)
- *   K, V cache row `position` = k, v
+ *   K, V cache row `position` = k, v        (8-bit caches: quantized per head, with its scale)
  *   o    = round(softmax(q K^T scale) V)                  over cache rows 0..position
  *   h    = round(x + round(o Wo^T + bo))
  *   g, u = round(round(norm(h)) W13^T)                    gate and up halves
@@ -31,6 +31,7 @@
  * merges every rank's partials and writes back the merged output, rounded as the model rounds.
  */
 #include <math.h>
+#include <string.h>
 #include <omp.h>
 
 #include "cpu_kernels.h"
@@ -38,7 +39,8 @@
 typedef struct {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn_dim;
     float norm_eps, softmax_scale;
-    int32_t bf16; /* 1: weights, activations and cache are bf16; 0: float32 */
+    int32_t bf16;  /* 1: weights, activations and cache are bf16; 0: float32 */
+    int32_t kv_q8; /* -1: the cache is in the model dtype; Q8_INT8 / Q8_FP8: 8-bit rows with scales */
 } ringctx_decoder_shape;
 
 typedef struct {
@@ -49,6 +51,7 @@ typedef struct {
     const void *w13;            /* [2 ffn, dim]: the gate rows, then the up rows */
     const void *w2;             /* [dim, ffn] */
     void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
+    float *k_scale, *v_scale;   /* [max_tokens, Hkv] for 8-bit caches, else NULL */
 } ringctx_decoder_layer;
 
 #define KEY_TILE 256 /* keys per online-softmax step: the tile's scores stay in L1 */
@@ -120,6 +123,39 @@ static void linear(const float *x, int64_t in, const void *w, const void *b, int
     }
 }
 
+/* e4m3 ("fn") byte of y, |y| <= 448, rounded to nearest even: as PyTorch's float8_e4m3fn cast. */
+static inline uint8_t to_e4m3(float y) {
+    const uint8_t sign = signbit(y) ? 0x80 : 0x00;
+    const float a = fabsf(y);
+    if (a < 0.015625f)  /* below 2^-6: subnormals, steps of 2^-9 (a rounding up to 8 is the first normal) */
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    uint32_t u;
+    memcpy(&u, &a, sizeof u);
+    u += 0x7FFFFu + ((u >> 20) & 1u); /* round the 23 mantissa bits to 3, ties to even */
+    const uint32_t exponent = (u >> 23) - 127 + 7, mantissa = (u >> 20) & 7u;
+    return sign | (uint8_t)(exponent << 3) | (uint8_t)mantissa;
+}
+
+/* out[i] = the e4m3 byte of x[i] (|x| <= 448): the fused step's encoder, for tests. */
+void ringctx_encode_e4m3(const float *x, int64_t n, uint8_t *out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = to_e4m3(x[i]);
+}
+
+/* One head's new row x [d] into an 8-bit cache: scale = amax / limit, data = x / scale rounded
+ * (as ringctx.attention.quant.quantize_rows does it). */
+static void store_q8(int kind, const float *x, int64_t d, int8_t *data, float *scale) {
+    const float limit = kind == Q8_INT8 ? 127.0f : 448.0f;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float s = amax / limit, divisor = s > 0.0f ? s : 1.0f;
+    *scale = s;
+    for (int64_t i = 0; i < d; ++i) {
+        float y = x[i] / divisor;
+        y = y > limit ? limit : y < -limit ? -limit : y;
+        data[i] = kind == Q8_INT8 ? (int8_t)nearbyintf(y) : (int8_t)to_e4m3(y);
+    }
+}
+
 /* RoPE on the q and k heads of qkv (in place), then the new k and v into cache row `row` (none
  * when row < 0: another rank stores this token). */
 static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, float *qkv,
@@ -134,25 +170,34 @@ static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decod
             const int is_v = h >= hq + hkv;
             const int64_t kv_head = h - hq - (is_v ? hkv : 0);
             void *cache = is_v ? layer->v_cache : layer->k_cache;
-            for (int64_t i = 0; i < d; ++i) store_one(cache, bf16, (row * hkv + kv_head) * d + i, x[i]);
+            if (s->kv_q8 >= 0)
+                store_q8(s->kv_q8, x, d, (int8_t *)cache + (row * hkv + kv_head) * d,
+                         (is_v ? layer->v_scale : layer->k_scale) + row * hkv + kv_head);
+            else
+                for (int64_t i = 0; i < d; ++i) store_one(cache, bf16, (row * hkv + kv_head) * d + i, x[i]);
         }
     }
 }
 
 /* One thread's share of attention: the q rows (all heads) against cache keys [j0, j1), as a
  * running (max m, sum l, output acc) per row, tile by tile. */
-RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const float *q, const void *k_cache,
-                                       const void *v_cache, int64_t j0, int64_t j1, float *m, float *l,
+RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const float *q,
+                                       const ringctx_decoder_layer *layer, int64_t j0, int64_t j1, float *m, float *l,
                                        float *alpha, float *acc, float *tile_out, float *scores) {
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, group = hq / hkv;
-    const int bf16 = s->bf16;
-    const int64_t row_bytes = hkv * d * (bf16 ? 2 : 4);
+    const int bf16 = s->bf16, q8 = s->kv_q8;
+    const void *k_cache = layer->k_cache, *v_cache = layer->v_cache;
+    const int64_t row_bytes = hkv * d * (q8 >= 0 ? 1 : bf16 ? 2 : 4);
     for (int64_t r = 0; r < hq; ++r) m[r] = -INFINITY, l[r] = 0.0f;
     memset(acc, 0, (size_t)(hq * d) * sizeof(float));
     for (int64_t t0 = j0; t0 < j1; t0 += KEY_TILE) {
         const int64_t n = j1 - t0 < KEY_TILE ? j1 - t0 : KEY_TILE;
         const char *k_tile = (const char *)k_cache + t0 * row_bytes, *v_tile = (const char *)v_cache + t0 * row_bytes;
-        scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n);
+        if (q8 >= 0)
+            scores_q8_range(q, hkv, group, d, (const int8_t *)k_tile, layer->k_scale + t0 * hkv, q8, KEY_TILE,
+                            s->softmax_scale, scores, 0, n);
+        else
+            scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n);
         for (int64_t r = 0; r < hq; ++r) {
             float *sr = scores + r * KEY_TILE;
             __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -178,7 +223,11 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
             m[r] = m_new;
         }
-        pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n);
+        if (q8 >= 0)
+            pv_q8_range(scores, hkv, group, KEY_TILE, (const int8_t *)v_tile, layer->v_scale + t0 * hkv, q8, d,
+                        tile_out, 0, n);
+        else
+            pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n);
         for (int64_t r = 0; r < hq; ++r) {
             const __m512 a = _mm512_set1_ps(alpha[r]);
             for (int64_t c = 0; c < d; c += 16) {
@@ -232,7 +281,7 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
                          int threads, ringctx_merge_fn merge) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 || s->n_heads % s->n_kv_heads ||
-        s->n_heads / s->n_kv_heads > MAX_R)
+        s->n_heads / s->n_kv_heads > MAX_R || (s->kv_q8 != -1 && s->kv_q8 != Q8_INT8 && s->kv_q8 != Q8_FP8))
         return -2;
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
@@ -251,7 +300,7 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
             token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
             linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL);
             rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
-            attend_keys(s, w.qkv, layer->k_cache, layer->v_cache, keys * t / nt, keys * (t + 1) / nt, mine,
+            attend_keys(s, w.qkv, layer, keys * t / nt, keys * (t + 1) / nt, mine,
                         mine + hq, mine + 2 * hq, mine + 3 * hq, mine + 3 * hq + hq * d, mine + 3 * hq + 2 * hq * d);
 #pragma omp barrier
             merge_threads(s, &w, nt, merge != NULL);

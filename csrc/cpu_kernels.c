@@ -430,9 +430,9 @@ static inline void scores_q8_range_kind(const float *q, int64_t Hkv, int64_t R, 
     }
 }
 
-RINGCTX_AVX512 static void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
-                                           const float *ks, int kind, int64_t S, float scale, float *scores,
-                                           int64_t j0, int64_t j1) {
+RINGCTX_AVX512 void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                                    const float *ks, int kind, int64_t S, float scale, float *scores, int64_t j0,
+                                    int64_t j1) {
     if (kind == Q8_INT8) scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale, scores, j0, j1, Q8_INT8);
     else scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale * Q8_FP8_FOLD, scores, j0, j1, Q8_FP8);
 }
@@ -515,8 +515,8 @@ static inline void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S
 }
 
 /* Blocks of PV_BLOCK keys, every head of a block before the next (as pv_range). */
-RINGCTX_AVX512 static void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v,
-                                       const float *vs, int kind, int64_t D, float *acc, int64_t j0, int64_t j1) {
+RINGCTX_AVX512 void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
+                                int kind, int64_t D, float *acc, int64_t j0, int64_t j1) {
     const int64_t key_bytes = Hkv * D;
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {

@@ -173,6 +173,13 @@ RINGCTX_INTERNAL void scores_range(const float *q, int64_t Hkv, int64_t R, int64
 RINGCTX_INTERNAL void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
                                float *acc, int64_t j0, int64_t j1);
 
+/* The same two over an 8-bit cache (kind Q8_INT8 or Q8_FP8, scales [S, Hkv]); see cpu_kernels.c. */
+RINGCTX_INTERNAL void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                                      const float *ks, int kind, int64_t S, float scale, float *scores, int64_t j0,
+                                      int64_t j1);
+RINGCTX_INTERNAL void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
+                                  int kind, int64_t D, float *acc, int64_t j0, int64_t j1);
+
 /* Decode attention over an 8-bit cache (cpu_kernels.c): data [S, Hkv, D] int8 or fp8 e4m3 (kind
  * Q8_INT8 or Q8_FP8) with a float32 scale [S, Hkv] per token and KV head.
  *   scores[h, r, j] = scale * k_scale[j, h] * sum_d q[h, r, d] * k[j, h, d]

@@ -143,6 +143,8 @@ def _load() -> ctypes.CDLL | None:
             lib.ringctx_decode_step.restype = ctypes.c_int
             lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
             lib.ringctx_decode_step_split.restype = ctypes.c_int
+            lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
+            lib.ringctx_encode_e4m3.restype = None
             lib.ringctx_decode_attn_offset.argtypes = [shape]
             lib.ringctx_decode_attn_offset.restype = i64
             lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
@@ -192,15 +194,28 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("ffn_dim", ctypes.c_int64), ("norm_eps", ctypes.c_float),
-                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
+                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("kv_q8", ctypes.c_int32)]
 
 
 class DecoderLayer(ctypes.Structure):
     """ringctx_decoder_layer of csrc/cpu_decode.c: data pointers of one layer's weights and KV cache
-    (NULL for an absent bias)."""
+    (NULL for an absent bias, and for the scales of a cache in the model dtype)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache")]
+        "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache", "k_scale",
+        "v_scale")]
+
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor | None:
+    """The fused decode step's float -> float8 e4m3 bytes (uint8, |x| <= 448), or None without the
+    kernels: to check it against PyTorch's cast."""
+    lib = _load()
+    if lib is None:
+        return None
+    x = x.float().contiguous()
+    out = torch.empty(x.shape, dtype=torch.uint8)
+    lib.ringctx_encode_e4m3(x.data_ptr(), x.numel(), out.data_ptr())
+    return out
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -96,6 +96,57 @@ def test_float32_steps_equal_the_pytorch_path(shape, threads):
         torch.testing.assert_close(a[: reference.length], b[: reference.length], atol=2e-5, rtol=1e-5)
 
 
+def quantized_copy(cache, kv_dtype):
+    """The same rows in an 8-bit cache (quantized as KVCache.update does it)."""
+    other = KVCache(cache.n_layers, cache.max_tokens, cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
+                    kv_dtype=kv_dtype)
+    for layer in range(cache.n_layers):
+        other.update(layer, 0, cache.k[layer][:cache.length], cache.v[layer][:cache.length])
+    other.length = cache.length
+    return other
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", ["gqa2-d16", "gqa3-d64-bias-tied", "gqa4-d128"])
+def test_8bit_cache_steps_equal_the_pytorch_path(shape, kv_dtype, threads):
+    """The fused step over an 8-bit cache: the rows it writes are the bytes and scales PyTorch's
+    quantizer writes (a code one step away where a float32 K/V value itself differs in the last
+    bit), and the logits those of the PyTorch path over the same cache."""
+    model = random_model(SHAPES[shape], torch.float32)
+    rows = prefilled(model, PROMPT)
+    reference, fused_cache = quantized_copy(rows, kv_dtype), quantized_copy(rows, kv_dtype)
+    plain, fused = DecodeStep(model, reference, fused=False), DecodeStep(model, fused_cache)
+    assert fused.is_fused and not plain.is_fused
+    token = 3
+    with torch.inference_mode():
+        for _ in range(4):
+            want, got = plain(token), fused(token)
+            assert rel_err(got, want) < 1e-4
+            token = int(want.argmax())
+    assert fused_cache.length == reference.length == PROMPT + 4
+    new = slice(PROMPT, PROMPT + 4)
+    for layer in range(model.config.n_layers):
+        for a, b in zip(fused_cache.storage_tensors(layer)[2:], reference.storage_tensors(layer)[2:]):
+            torch.testing.assert_close(a[new], b[new], rtol=1e-5, atol=0)  # scales
+        for a, b in zip(fused_cache.read_rows(layer, PROMPT, PROMPT + 4), reference.read_rows(layer, PROMPT, PROMPT + 4)):
+            step = b.abs().amax(dim=-1, keepdim=True) / (127 if kv_dtype == "int8" else 8)
+            assert bool(((a - b).abs() <= step + 1e-6).all())
+        for a, b in zip(fused_cache.storage_tensors(layer)[:2], reference.storage_tensors(layer)[:2]):
+            same = (a[new].view(torch.uint8) == b[new].view(torch.uint8)).float().mean()
+            assert same > 0.97, same  # nearly every code identical
+
+
+@needs_kernels
+def test_e4m3_rounding_matches_pytorch():
+    """Every float32 magnitude class the kernel's fp8 encoder meets (subnormals, ties, the 448 top)
+    gives PyTorch's float8_e4m3fn byte."""
+    values = torch.cat([torch.linspace(-448, 448, 20001), torch.linspace(-0.02, 0.02, 4001),
+                        torch.tensor([0.0, -0.0, 2.0 ** -9, 3 * 2.0 ** -10, 2.0 ** -6, 448.0, -448.0, 0.0146484375])])
+    ours = cpu_kernels.encode_e4m3(values)
+    assert torch.equal(ours, values.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
 @needs_kernels
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_bf16_step_is_as_accurate_as_the_pytorch_path(shape, threads):

@@ -4,7 +4,8 @@
     logits = step(token_id)             # float32 [1, vocab]; K/V written at row cache.length,
                                         # which then advances by one
 
-A decode step multiplies one activation row by every weight matrix and attends over the cache.
+A decode step multiplies one activation row by every weight matrix and attends over the cache
+(in the model dtype, or 8-bit rows with their scales, which the kernel quantizes as it writes).
 Run as PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
 on a CPU their dispatch costs about as much as reading the weights (docs/BENCHMARKS.md). Where
 the fused kernel applies (`FusedStep.build`: a CPU model in float32 or bf16 with head_dim a
@@ -68,7 +69,8 @@ class FusedStep:
         self.shape = cpu_kernels.DecoderShape(
             dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
             ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
-            softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
+            softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16),
+            kv_q8=cpu_kernels.Q8_KINDS[cache.k[0].dtype] if cache.quantized else -1)
         self.layers = (cpu_kernels.DecoderLayer * config.n_layers)()
         for i, block in enumerate(model.layers):
             attention, mlp = block.attention, block.feed_forward
@@ -77,7 +79,9 @@ class FusedStep:
                 wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
                 wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
                 ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
-                w2=mlp.w2.weight.data_ptr(), k_cache=cache.k[i].data_ptr(), v_cache=cache.v[i].data_ptr())
+                w2=mlp.w2.weight.data_ptr(), k_cache=cache.k[i].data_ptr(), v_cache=cache.v[i].data_ptr(),
+                k_scale=_pointer(cache.k_scale[i] if cache.quantized else None),
+                v_scale=_pointer(cache.v_scale[i] if cache.quantized else None))
         self.threads = 0
         self.work = torch.empty(0)
         self.x = torch.empty(config.dim, dtype=model.dtype)
@@ -94,8 +98,13 @@ class FusedStep:
                 and config.head_dim <= 256 and config.n_heads // config.n_kv_heads <= 64):
             return None
         cache.check_model(config)
-        tensors = [t for block in model.layers for t in _block_tensors(block)] + list(cache.k) + list(cache.v)
-        if not all(t.is_contiguous() and t.dtype == model.dtype and t.device.type == "cpu" for t in tensors):
+        weights = [t for block in model.layers for t in _block_tensors(block)]
+        stored = cache.storage_tensors()  # the 8-bit formats' data and scales too
+        kv_dtype = cache.k[0].dtype
+        if not (kv_dtype == model.dtype or (cache.quantized and kv_dtype in cpu_kernels.Q8_KINDS)):
+            return None
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in weights + stored) or \
+                not all(t.dtype == model.dtype for t in weights):
             return None
         lib = cpu_kernels.library()
         return None if lib is None else cls(model, cache, lib)
