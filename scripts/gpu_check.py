@@ -258,6 +258,39 @@ def correctness_section(ck: Check) -> dict:
     return {"attention": rows}
 
 
+def kv8_section(ck: Check) -> dict:
+    """8-bit KV caches on the device: attention_block_quantized (its blocked path there) against
+    float64 on the dequantized rows, then one decode step's attention over a long cache, bf16
+    against fp8 and int8 (the 8-bit ones should read about half the bytes)."""
+    import torch
+
+    from ringctx.attention import attention_block, reference_attention
+    from ringctx.attention.quant import attention_block_quantized, dequantize_rows, quantize_rows
+
+    dev, rows = ck.device, []
+    long_s = 4096 if ck.dry else 1 << 20
+    for kind in ("int8", "fp8"):
+        for T, S in ((1, 5000), (64, 9000)):
+            q, k, v = _inputs(T, S, 32, 8, 128, torch.float32, dev, seed=T + S)
+            (kd, ks), (vd, vs) = quantize_rows(k, kind), quantize_rows(v, kind)
+            ref, ref_lse = reference_attention(q, dequantize_rows(kd, ks), dequantize_rows(vd, vs), None)
+            out, lse = attention_block_quantized(q, kd, ks, vd, vs, block_rows=2048)
+            err = (out.double() - ref).abs().max().item()
+            ok = err <= 1e-5 and (lse.double() - ref_lse).abs().max().item() <= 2e-5
+            rows.append({"kind": kind, "T": T, "S": S, "err": err, "ok": bool(ok)})
+            print(f"  kv8 {kind} T={T} S={S}: err {err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            if not ok:
+                ck.fail(f"kv8 {kind} T={T}")
+    dtype = torch.float32 if ck.dry else torch.bfloat16
+    q, k, v = _inputs(1, long_s, 32, 8, 128, dtype, dev, seed=7)
+    times = {"bf16": timed(ck, lambda: attention_block(q, k, v))}
+    for kind in ("int8", "fp8"):
+        (kd, ks), (vd, vs) = quantize_rows(k, kind), quantize_rows(v, kind)
+        times[kind] = timed(ck, lambda: attention_block_quantized(q, kd, ks, vd, vs))
+    print("  decode attention over " + f"{long_s:,} keys (ms): " + ", ".join(f"{k} {1e3 * t:.2f}" for k, t in times.items()))
+    return {"correctness": rows, "decode_ms": {k: 1e3 * t for k, t in times.items()}, "keys": long_s}
+
+
 def _check_merge(ck: Check) -> dict:
     import torch
 
@@ -557,7 +590,7 @@ def main() -> int:
         return 2
     ck = Check(args.out, args.budget_s, args.dry_run)
     sections = [("env", env_section), ("correctness", correctness_section), ("attention", attention_section),
-                ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+                ("kv8", kv8_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
     if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
         start_build(ck)
     for name, fn in sections:
