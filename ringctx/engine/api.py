@@ -382,31 +382,35 @@ class Engine:
         self._check_open()
         try:
             if self.mode == "spawn" and command is not None:
-                commands = [("drop", self._forgotten.pop()) for _ in list(self._forgotten)] + [command]
+                drops = [("drop", document_id) for document_id in self._forgotten]  # documents hold decode ranks only
+                self._forgotten.clear()
                 for r, conn in enumerate(self._conns, start=1):
-                    for c in commands:
-                        if not (decode_only or c[0] == "drop") or self._is_decode_rank(r):
-                            conn.send(c)
+                    if self._is_decode_rank(r):
+                        for drop in drops:
+                            conn.send(drop)
+                    if not decode_only or self._is_decode_rank(r):
+                        conn.send(command)
             return run()
-        except ValueError:
-            raise
         except BaseException as exc:
-            failure = self._fail(exc, during)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_failure(exc, during)
 
     def _guarded(self, pieces, during: str):
         """An iterator over `pieces` whose failures are handled like `_collective`'s."""
         try:
             yield from pieces
-        except ValueError:
-            raise
         except BaseException as exc:
-            failure = self._fail(exc, during)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._raise_failure(exc, during)
+
+    def _raise_failure(self, exc: BaseException, during: str):
+        """Raise what `exc`, which interrupted `during`, means: a ValueError as it is (every rank
+        raised it before communicating); anything else releases every rank and is raised as the
+        RankFailure naming the lost rank, or as itself when no rank was lost."""
+        if isinstance(exc, ValueError):
+            raise exc
+        failure = self._fail(exc, during)
+        if failure is exc:
+            raise exc
+        raise failure from exc
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,

@@ -14,13 +14,14 @@ The owner of a step is the decode rank with the fewest rows (ties: round-robin, 
 step), so the slices stay level as the answer grows. Merging all-gathered partials rather than
 running the paper's pass-Q ring (Algorithm 4) costs one collective of N * Hq * (D + 1) floats per
 layer instead of N - 1 ring steps plus an all-to-all; for one token both are latency-bound, and
-the all-gather is one round trip (scripts/bench_decode.py measures both: pass-Q took 3x longer).
+the all-gather is one round trip (scripts/bench_decode.py --merge: pass-Q took 5.7-17x longer at
+2 ranks).
 On CPUs the decode ranks, which always share a host, all-gather through shared memory
 (engine/shm_exchange.py) rather than gloo; on GPUs through the process group (NCCL).
 
-On CPUs with the ringctx kernels the whole step runs in the fused decode kernel, which calls back
-into `_merge_into` between each layer's attention and output projection; elsewhere (and for 8-bit
-slices) it runs as PyTorch ops layer by layer (`_layers`).
+On CPUs with the ringctx kernels the whole step runs in the fused decode kernel (8-bit slices
+too), which calls back into `_merge_into` between each layer's attention and output projection;
+elsewhere it runs as PyTorch ops layer by layer (`_layers`).
 
 The question that precedes an answer is prefilled over the same ranks with `cp_prefill`, each
 rank's slice serving as its cached tokens in place.
@@ -149,7 +150,7 @@ class ShardedDecoder:
         return logits
 
     def _layers(self, token: int, row: int, mine: bool) -> torch.Tensor | None:
-        """The step as PyTorch ops, layer by layer (8-bit slices, GPUs, CPUs without the kernels)."""
+        """The step as PyTorch ops, layer by layer (GPUs, CPUs without the kernels)."""
         model, cache = self.model, self.cache
 
         def attend(layer: int, q, k, v):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..model import KVCache
 from ..attention.quant import dequantize_rows
 from ..model.kvcache import write_rows
-from ..model.kvfile import load_kv_cache, weights_digest
+from ..model.kvfile import check_made_with, load_kv_cache, weights_digest
 from ..parallel.comm import agree_across_ranks
 
 FORMAT = "ringctx-doc/1"
@@ -154,19 +154,6 @@ def read_manifest(path: str) -> dict:
     return manifest
 
 
-def check_manifest(path: str, manifest: dict, model, kv_dtype: str | None = None) -> None:
-    """ValueError unless the document was made with this model, weights and dtype."""
-    dtype = str(model.dtype).removeprefix("torch.")
-    if manifest["dtype"] != dtype:
-        raise ValueError(f"document {path!r} holds {manifest['dtype']} K/V but the model runs in {dtype}; "
-                         f"load the model with dtype={manifest['dtype']!r}")
-    if manifest["model_fingerprint"] != model.config.fingerprint() or manifest["weights_digest"] != weights_digest(model):
-        raise ValueError(f"document {path!r} was made with model {manifest.get('model')!r} "
-                         f"(fingerprint {manifest['model_fingerprint']}, weights {manifest['weights_digest']}), not "
-                         f"with the loaded {model.config.name!r} ({model.config.fingerprint()}, "
-                         f"{weights_digest(model)}); load the model it was made with, or ingest the document again")
-
-
 def describe_document(path: str) -> dict:
     """dtype, kv_dtype and length of a saved document (a directory, or the older single file),
     read from its manifest or header alone; ValueError naming the problem."""
@@ -212,7 +199,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
         return cache, token_ids, extra
     try:
         manifest = read_manifest(path)
-        check_manifest(path, manifest, model)
+        check_made_with(f"document {path!r}", manifest, model)
     except ValueError as exc:
         problem = str(exc)
     _agree("load", problem, group, world)

@@ -117,11 +117,12 @@ def spread_shards(shard: KVCache, plan: list[Transfer], rank: int, group, *, hos
         return {"sent": 0, "cross_host": 0}
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     for layer in range(shard.n_layers):
-        works = []
+        works, pieces = [], []  # the sent pieces stay referenced until their sends complete
         for tensor in shard.storage_tensors(layer):
             for t in mine:
                 if t.src == rank:
                     piece = _as_bytes(tensor[t.src_start:t.src_start + t.n].contiguous())
+                    pieces.append(piece)
                     works.append(dist.isend(piece, to_global(t.dst), group=group))
                     sent += nbytes(piece)
                     cross += nbytes(piece) if host_of(t.src) != host_of(t.dst) else 0

@@ -71,6 +71,20 @@ def save_kv_cache(path: str | os.PathLike, cache: KVCache, model, token_ids: tor
             os.remove(tmp)
 
 
+def check_made_with(what: str, meta: dict, model) -> None:
+    """ValueError unless a saved cache (`meta`: dtype, model, model_fingerprint, weights_digest) was
+    made with this model, weights and dtype; `what` names the file in the message."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    if meta["dtype"] != dtype:
+        raise ValueError(f"{what} holds {meta['dtype']} K/V but the model runs in {dtype}; load the model with "
+                         f"dtype={meta['dtype']!r}")
+    if meta["model_fingerprint"] != model.config.fingerprint() or meta["weights_digest"] != weights_digest(model):
+        raise ValueError(f"{what} was made with model {meta.get('model')!r} "
+                         f"(fingerprint {meta['model_fingerprint']}, weights {meta['weights_digest']}), not with the "
+                         f"loaded {model.config.name!r} ({model.config.fingerprint()}, {weights_digest(model)}); "
+                         "load the model it was made with, or ingest the document again")
+
+
 def load_kv_cache(path: str | os.PathLike, model, *, room: int = 256) -> tuple[KVCache, torch.Tensor, dict]:
     """Load a KV file saved for `model`; returns (cache with `room` free rows, token_ids, extra).
 
@@ -81,14 +95,7 @@ def load_kv_cache(path: str | os.PathLike, model, *, room: int = 256) -> tuple[K
 
     path = os.fspath(path)
     meta = read_kv_metadata(path)  # format and header first: cheap, clear errors
-    if meta["dtype"] != str(model.dtype).removeprefix("torch."):
-        raise ValueError(f"KV file {path!r} holds {meta['dtype']} K/V but the model runs in "
-                         f"{str(model.dtype).removeprefix('torch.')}; load the model with dtype={meta['dtype']!r}")
-    if meta["model_fingerprint"] != model.config.fingerprint() or meta["weights_digest"] != weights_digest(model):
-        raise ValueError(f"KV file {path!r} was made with model {meta.get('model')!r} "
-                         f"(fingerprint {meta['model_fingerprint']}, weights {meta['weights_digest']}), not with the "
-                         f"loaded {model.config.name!r} ({model.config.fingerprint()}, {weights_digest(model)}); "
-                         "load the model it was made with, or ingest the document again")
+    check_made_with(f"KV file {path!r}", meta, model)
     try:
         with safe_open(path, framework="pt") as f:
             tensors = {name: f.get_tensor(name) for name in f.keys()}
