@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -20,19 +19,9 @@ from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
 from ringctx.attention import quant
 from ringctx.attention.quant import attention_block_quantized, dequantize_rows, quantize_rows
+from tests.test_cpu_kernels import BUILDABLE
 
 KINDS = ("int8", "fp8")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-BUILDABLE = {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags() and bool(shutil.which("cc") or shutil.which("gcc"))
 
 
 def require_kernels():
