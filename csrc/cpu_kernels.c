@@ -277,24 +277,33 @@ int ringctx_decode_scores(const float *q, int64_t Hkv, int64_t R, int64_t D, con
     return 0;
 }
 
-int ringctx_decode_pv(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int v_bf16, int64_t D,
-                      float *out, int threads) {
-    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
+/* P V over keys split across the threads, for a cache in the model dtype (q8_kind < 0) or 8-bit
+ * rows with scales. One partial sum per thread, added in thread order afterwards: the same bits
+ * every run. Returns 0, or -2 when out of memory. */
+static int pv_over_threads(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int v_bf16,
+                           const float *v_scale, int q8_kind, int64_t D, float *out, int threads) {
     if (threads < 1) threads = 1;
     const int64_t n_out = Hkv * R * D;
-    /* One partial sum per thread, added in thread order afterwards: the same bits every run. */
     float *partial = (float *)calloc((size_t)(threads * n_out), sizeof(float));
     if (partial == NULL) return -2;
 #pragma omp parallel num_threads(threads)
     {
         int n = omp_get_num_threads(), t = omp_get_thread_num();
-        pv_range(p, Hkv, R, S, v, v_bf16, D, partial + t * n_out, split(S, t, n), split(S, t + 1, n));
+        float *mine = partial + t * n_out;
+        if (q8_kind < 0) pv_range(p, Hkv, R, S, v, v_bf16, D, mine, split(S, t, n), split(S, t + 1, n));
+        else pv_q8_range(p, Hkv, R, S, (const int8_t *)v, v_scale, q8_kind, D, mine, split(S, t, n), split(S, t + 1, n));
     }
     memcpy(out, partial, (size_t)n_out * sizeof(float));
     for (int t = 1; t < threads; ++t)
         for (int64_t i = 0; i < n_out; ++i) out[i] += partial[t * n_out + i];
     free(partial);
     return 0;
+}
+
+int ringctx_decode_pv(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int v_bf16, int64_t D,
+                      float *out, int threads) {
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
+    return pv_over_threads(p, Hkv, R, S, v, v_bf16, NULL, -1, D, out, threads);
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -547,19 +556,5 @@ int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
                          int kind, int64_t D, float *out, int threads) {
     if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R || (kind != Q8_INT8 && kind != Q8_FP8))
         return -1;
-    if (threads < 1) threads = 1;
-    const int64_t n_out = Hkv * R * D;
-    /* One partial sum per thread, added in thread order afterwards: the same bits every run. */
-    float *partial = (float *)calloc((size_t)(threads * n_out), sizeof(float));
-    if (partial == NULL) return -2;
-#pragma omp parallel num_threads(threads)
-    {
-        int n = omp_get_num_threads(), t = omp_get_thread_num();
-        pv_q8_range(p, Hkv, R, S, v, v_scale, kind, D, partial + t * n_out, split(S, t, n), split(S, t + 1, n));
-    }
-    memcpy(out, partial, (size_t)n_out * sizeof(float));
-    for (int t = 1; t < threads; ++t)
-        for (int64_t i = 0; i < n_out; ++i) out[i] += partial[t * n_out + i];
-    free(partial);
-    return 0;
+    return pv_over_threads(p, Hkv, R, S, v, 0, v_scale, kind, D, out, threads);
 }

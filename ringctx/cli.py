@@ -71,13 +71,23 @@ def main() -> None:
     """ringctx: exact context-parallel prefill of very long prompts (ring pass-KV / pass-Q)."""
 
 
+# Options that `ask` shares with the commands of engine_options.
+NPROC_OPTION = click.option("--nproc", default=1, show_default=True, type=int,
+                            help="Local ranks to spawn (ignored under torchrun, which sets the world).")
+TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
+                              help="Seconds before a stuck or dead rank ends the job with an error.")
+DECODE_RANKS_OPTION = click.option(
+    "--decode-ranks", type=int, default=None,
+    help="Ranks of the decode host that keep the KV cache (split by token) and decode together [default: every "
+         "rank of the decode host; 1: the whole cache on rank 0]. A document saved by any number loads on any other.")
+
+
 def engine_options(f):
     """Options shared by every command that builds an Engine."""
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Preset name, GGUF file or Hugging Face directory."),
-        click.option("--nproc", default=1, show_default=True, type=int,
-                     help="Local ranks to spawn (ignored under torchrun, which sets the world)."),
+        NPROC_OPTION,
         click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
         click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
         click.option("--hardware", default=None, help="Hardware profile for --strategy auto: built-in name or JSON path."),
@@ -88,11 +98,8 @@ def engine_options(f):
         click.option("--device", default=None, help="cpu or cuda (default: one GPU per rank when available)."),
         click.option("--attn-backend", type=click.Choice(["auto", "torch", "triton", "flash-attn"]), default="auto",
                      show_default=True, help="Local attention kernels (auto: flash-attn on CUDA when installed, else torch)."),
-        click.option("--timeout", "timeout_s", default=300.0, show_default=True,
-                     help="Seconds before a stuck or dead rank ends the job with an error."),
-        click.option("--decode-ranks", type=int, default=None,
-                     help="Ranks of the decode host that keep the KV cache (split by token) and decode together "
-                          "[default: every rank of the decode host; 1: the whole cache on rank 0]."),
+        TIMEOUT_OPTION,
+        DECODE_RANKS_OPTION,
         click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
                      help="KV cache storage: the model's dtype, another float dtype, or 8 bits per value with a "
                           "float32 scale per token and KV head (fp8 = float8 e4m3, int8)."),
@@ -320,18 +327,14 @@ def _ingest_with_progress(engine, text, chat):
 @click.argument("question")
 @click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
-@click.option("--nproc", default=1, show_default=True, type=int,
-              help="Local ranks to spawn (ignored under torchrun, which sets the world).")
-@click.option("--decode-ranks", type=int, default=None,
-              help="Ranks that hold the document (split by token) and decode together [default: every rank of the "
-                   "decode host]; any number loads a document saved by any other.")
+@NPROC_OPTION
+@DECODE_RANKS_OPTION
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", default=None, type=int)
-@click.option("--timeout", "timeout_s", default=300.0, show_default=True,
-              help="Seconds before a stuck or dead rank ends the job with an error.")
+@TIMEOUT_OPTION
 def ask(kv_file, question, model, dtype, nproc, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
         timeout_s):
     """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""

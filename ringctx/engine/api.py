@@ -34,7 +34,7 @@ from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, load_model
 from ..model.generate import Generation
 from ..model.kvfile import weights_digest
-from ..parallel.comm import agree_across_ranks
+from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
 from ..parallel.launch import default_backend
 from .decode import ShardedDecoder
 from .documents import load_document_slices, save_document_slices
@@ -660,9 +660,8 @@ class Engine:
         return self._collective("rows", ("rows", document.id), lambda: self._on_rows(document.id), decode_only=True)
 
     def _on_rows(self, document_id) -> list[int]:
-        counts = [torch.empty(1, dtype=torch.long) for _ in range(self.decode_ranks)]
-        dist.all_gather(counts, torch.tensor([self._document(document_id).cache.length]), group=self._decode_group)
-        return [int(c) for c in counts]
+        length = self._document(document_id).cache.length
+        return [r[0] for r in all_gather_ints([length], self._decode_group, self.decode_ranks)]
 
     def whole_cache(self, document: Document) -> KVCache | None:
         """The document's KV cache in sequence order, gathered on the (first) decode rank (None on
@@ -678,13 +677,8 @@ class Engine:
         document = self._document(document_id)
         cache, group, n = document.rewind(), self._decode_group, self.decode_ranks
         rank = self.rank - self.decode_rank
-        counts = self._on_rows(document_id)
-        longest = max(counts)
-        mine = torch.zeros(longest, dtype=torch.long)
-        mine[:cache.length] = cache.row_positions()
-        everyone = [torch.empty_like(mine) for _ in range(n)]
-        dist.all_gather(everyone, mine, group=group)
-        positions = [p[:int(c)] for p, c in zip(everyone, counts)]
+        mine = cache.row_positions().cpu().contiguous().numpy().tobytes()
+        positions = [torch.frombuffer(bytearray(b), dtype=torch.long) for b in all_gather_bytes(mine, group, n)]
         out = KVCache.for_model(self.model.config, document.length, dtype=self.model.dtype, device=self.model.device,
                                 kv_dtype=cache.kv_dtype) if rank == 0 else None
         gather_in_order(cache, out, positions, 0, rank, n, 0, group, free=False)

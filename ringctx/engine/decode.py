@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..attention import PartialAccumulator
 from ..model import KVCache
 from ..model.decode_step import FusedStep
+from ..parallel.comm import all_gather_ints
 from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
 from .shm_exchange import ShmExchange, shm_supported
@@ -63,10 +64,8 @@ class ShardedDecoder:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.leader = dist.get_global_rank(group, 0) if group is not None else 0
         self.steps = 0
-        rows = torch.tensor([cache.length], dtype=torch.long)
-        everyone = [torch.empty_like(rows) for _ in range(self.world)]
-        dist.all_gather(everyone, rows, group=group)
-        self.rows = [int(r) for r in everyone]  # every rank's slice length, tracked without messages
+        # every rank's slice length, then tracked without messages
+        self.rows = [r[0] for r in all_gather_ints([cache.length], group, self.world)]
         self._control = torch.zeros(2, dtype=torch.long)
         self._closed = self._prefilled = False
         self._fused: FusedStep | None = None  # the fused CPU step over this slice, where it applies

@@ -37,7 +37,7 @@ from ..model import KVCache
 from ..attention.quant import dequantize_rows
 from ..model.kvcache import write_rows
 from ..model.kvfile import check_made_with, load_kv_cache, weights_digest
-from ..parallel.comm import agree_across_ranks
+from ..parallel.comm import agree_across_ranks, all_gather_bytes
 
 FORMAT = "ringctx-doc/1"
 LOAD_BLOCK_ROWS = 16384
@@ -96,7 +96,7 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
     except Exception as exc:  # disk full, permissions: every rank must hear of it
         problem = f"rank {rank} could not write its slice: {exc}"
     _agree("save", problem, group, world)
-    rows = _gather_objects([f"{cache.length}:{sha}"], group, world)
+    rows = [r.decode() for r in all_gather_bytes(f"{cache.length}:{sha}".encode(), group, world)]
     if rank == 0:
         try:
             save_file({"token_ids": torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu().contiguous()},
@@ -300,19 +300,3 @@ def _agree(what: str, problem: str | None, group, world: int) -> None:
         agree_across_ranks(f"document {what}", problem, "document", group)
     elif problem:
         raise ValueError(problem)
-
-
-def _gather_objects(values: list[str], group, world: int) -> list[str]:
-    """One short string per rank (as bytes in a tensor: no pickling between ranks)."""
-    data = values[0].encode()
-    if world == 1:
-        return [values[0]]
-    length = torch.tensor([len(data)], dtype=torch.long)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(everyone, padded, group=group)
-    return [bytes(t[:int(n)].tolist()).decode() for t, n in zip(everyone, lengths)]

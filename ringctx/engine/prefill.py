@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
-from ..parallel.comm import agree_across_ranks, nbytes, rank_and_world
+from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints, nbytes, rank_and_world
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
@@ -206,7 +206,7 @@ def cp_prefill(
     # --- agree on the inputs before any ring communication ------------------------------------
     problem = _local_problem(model, token_ids, config, world, rank, cache, shard)
     if shard is not None:
-        held = _gather_ints([shard.length if problem is None else 0], group, world)
+        held = all_gather_ints([shard.length if problem is None else 0], group, world)
         held = [h[0] for h in held]
     else:
         cached_len = cache.length if (cache is not None and rank == config.decode_rank) else 0
@@ -306,7 +306,7 @@ def cp_prefill(
     stats.ttft_s = time.perf_counter() - t_start
 
     slice_rows = out_cache.length if out_cache is not None else 0
-    per_rank = _gather_ints([comm.bytes_sent(), prefill_peak_rss, window_peak_rss_bytes(), shard_bytes,
+    per_rank = all_gather_ints([comm.bytes_sent(), prefill_peak_rss, window_peak_rss_bytes(), shard_bytes,
                              moved["sent"], moved["cross_host"], slice_rows], group, world)
     (stats.bytes_sent_per_rank, stats.peak_rss_bytes_per_rank, stats.handoff_peak_rss_bytes_per_rank,
      stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
@@ -314,7 +314,7 @@ def cp_prefill(
     all_ids = token_ids.cpu()
     if cache_token_ids is not None:
         all_ids = torch.cat([cache_token_ids.cpu(), all_ids])
-    trace = _gather_trace(tracer, group, world, config.decode_rank) if config.trace else None
+    trace = _gather_trace(tracer, group, world) if config.trace else None
     return PrefillResult(logits=logits, cache=out_cache, stats=stats, token_ids=all_ids,
                          trace_events=trace if rank == config.decode_rank else None)
 
@@ -475,26 +475,8 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
     return out, {"sent": sent, "cross_host": cross}
 
 
-def _gather_ints(values: list[int], group, world: int) -> list[list[int]]:
-    mine = torch.tensor(values, dtype=torch.long)
-    if world == 1:
-        return [mine.tolist()]
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
-
-
-def _gather_trace(tracer, group, world: int, decode_rank: int) -> list[list[dict]] | None:
-    """Every rank's trace events on the decode rank (as JSON bytes: no pickling between ranks)."""
+def _gather_trace(tracer, group, world: int) -> list[list[dict]]:
+    """Every rank's trace events (as JSON bytes: no pickling between ranks)."""
     import json
 
-    data = torch.frombuffer(bytearray(json.dumps(tracer.events).encode()), dtype=torch.uint8)
-    if world == 1:
-        return [tracer.events]
-    sizes = _gather_ints([data.numel()], group, world)
-    longest = max(s[0] for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    everyone = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(everyone, padded, group=group)
-    return [json.loads(bytes(t[:s[0]].tolist())) for t, s in zip(everyone, sizes)]
+    return [json.loads(data) for data in all_gather_bytes(json.dumps(tracer.events).encode(), group, world)]

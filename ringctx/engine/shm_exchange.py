@@ -29,6 +29,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from ..parallel.comm import all_gather_ints
 from .failures import process_state
 
 SPINS_BEFORE_YIELD = 2000
@@ -60,32 +61,22 @@ class ShmExchange:
             name[:] = torch.frombuffer(bytearray(str(uuid.uuid4()).encode()), dtype=torch.uint8)
         dist.broadcast(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         path = f"/dev/shm/ringctx-{bytes(name.tolist()).decode()}"
-        size = 2 * world * floats + 2 * world  # slots, then seqs and pids as pairs of float32 words
-        exchange, ok = None, torch.ones(1)
-        try:
+        size = 2 * world * floats + 2 * world  # the slots, then the seqs (int64: two float32 words each)
+        try:  # the first rank to open it creates it, zero-filled
             storage = torch.from_file(path, shared=True, size=size, dtype=torch.float32)
-            words = storage.view(torch.int64)[-world:]  # seqs
-            if rank == 0:
-                words.zero_()
-            exchange = storage
-        except Exception:
-            ok.zero_()
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # everyone opened it (same /dev/shm)
-        pids = torch.tensor([os.getpid()], dtype=torch.long)
-        everyone = [torch.empty_like(pids) for _ in range(world)]
-        dist.all_gather(everyone, pids, group=group)
-        pid_list = [int(p) for p in everyone]
-        if ok.item() and any(process_state(p) == "dead" for p in pid_list):
-            ok.zero_()  # another pid namespace: we could not tell a dead rank from a live one
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        dist.barrier(group=group)  # everyone has mapped it (or failed): the name can go
+        except Exception:  # no /dev/shm room, say: every rank then uses the process group
+            storage = None
+        opened = all_gather_ints([os.getpid(), int(storage is not None)], group, world)
         if rank == 0 and os.path.exists(path):
-            os.unlink(path)
-        if not ok.item():
+            os.unlink(path)  # every rank has tried to open it: the name can go, the mappings stay
+        pids = [pid for pid, _ in opened]
+        # A pid we cannot see lives in another pid namespace: a dead rank would go unnoticed there.
+        mine = storage is not None and all(ok for _, ok in opened) and all(process_state(p) != "dead" for p in pids)
+        if not all(ok for (ok,) in all_gather_ints([int(mine)], group, world)):  # one answer for all
             return None
-        slots = exchange[:2 * world * floats].view(2, world, floats)
-        seqs = exchange.view(torch.int64)[-world:]
-        return cls(slots, seqs, pid_list, rank, timeout_s)
+        slots = storage[:2 * world * floats].view(2, world, floats)
+        seqs = storage.view(torch.int64)[-world:]
+        return cls(slots, seqs, pids, rank, timeout_s)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's t [F] as a [N, F] view of the shared buffer (valid until the next exchange

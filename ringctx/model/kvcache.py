@@ -210,19 +210,22 @@ class KVCache:
         """(k, v) of rows start..stop-1 of one layer in `dtype` (default: the cache's dtype): views
         of the buffers when nothing needs converting, else copies (dequantized); read 8-bit caches
         in blocks."""
-        dtype = dtype or self.dtype
-        if self.quantized:
-            return (dequantize_rows(self.k[layer][start:stop], self.k_scale[layer][start:stop], dtype),
-                    dequantize_rows(self.v[layer][start:stop], self.v_scale[layer][start:stop], dtype))
-        return self.k[layer][start:stop].to(dtype), self.v[layer][start:stop].to(dtype)
+        return self._read(self.k, self.k_scale, layer, start, stop, dtype), \
+            self._read(self.v, self.v_scale, layer, start, stop, dtype)
 
     def keys(self, layer: int) -> torch.Tensor:
         """Valid keys of one layer [length, Hkv, D] (a view; a dequantized copy for 8-bit caches)."""
-        return self.read_rows(layer, 0, self.length)[0]
+        return self._read(self.k, self.k_scale, layer, 0, self.length)
 
     def values(self, layer: int) -> torch.Tensor:
         """Valid values of one layer [length, Hkv, D] (a view; a dequantized copy for 8-bit caches)."""
-        return self.read_rows(layer, 0, self.length)[1]
+        return self._read(self.v, self.v_scale, layer, 0, self.length)
+
+    def _read(self, data, scale, layer: int, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if scale is not None:
+            return dequantize_rows(data[layer][start:stop], scale[layer][start:stop], dtype)
+        return data[layer][start:stop].to(dtype)
 
     def attend_rows(self, layer: int, q: torch.Tensor, stop: int | None = None, *, backend: str = "auto",
                     softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,28 @@ def rank_and_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def all_gather_ints(values: list[int], group, world: int) -> list[list[int]]:
+    """Every rank's `values` (the same count on each), in rank order; no communication at world 1."""
+    mine = torch.tensor(values, dtype=torch.long)
+    if world == 1:
+        return [mine.tolist()]
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+def all_gather_bytes(data: bytes, group, world: int) -> list[bytes]:
+    """Every rank's `data` (any length), in rank order: bytes in a tensor, no pickling between ranks."""
+    if world == 1:
+        return [data]
+    sizes = [s[0] for s in all_gather_ints([len(data)], group, world)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
+    everyone = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(everyone, padded, group=group)
+    return [bytes(t[:n].tolist()) for t, n in zip(everyone, sizes)]
+
+
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
