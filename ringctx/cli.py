@@ -76,6 +76,10 @@ NPROC_OPTION = click.option("--nproc", default=1, show_default=True, type=int,
                             help="Local ranks to spawn (ignored under torchrun, which sets the world).")
 TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
                               help="Seconds before a stuck or dead rank ends the job with an error.")
+TP_OPTION = click.option(
+    "--tp", "tp", default=1, show_default=True, type=int,
+    help="Tensor-parallel ranks per model copy (consecutive ranks of one host; the weights are split over them). "
+         "The ranks form a (ranks / tp) CP x tp TP mesh: under torchrun launch tp x (CP ranks per host) per node.")
 DECODE_RANKS_OPTION = click.option(
     "--decode-ranks", type=int, default=None,
     help="Ranks of the decode host that keep the KV cache (split by token) and decode together [default: every "
@@ -88,6 +92,7 @@ def engine_options(f):
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Preset name, GGUF file or Hugging Face directory."),
         NPROC_OPTION,
+        TP_OPTION,
         click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
         click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
         click.option("--hardware", default=None, help="Hardware profile for --strategy auto: built-in name or JSON path."),
@@ -110,16 +115,23 @@ def engine_options(f):
 
 
 def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                 decode_ranks=None, kv_dtype="model"):
+                 decode_ranks=None, kv_dtype="model", tp=1):
     from .engine import Engine
     from .engine.failures import RankFailure
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
                       hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s,
-                      decode_ranks=decode_ranks, kv_dtype=kv_dtype)
+                      decode_ranks=decode_ranks, kv_dtype=kv_dtype, tp=tp)
     except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
         raise _rank_error(exc) from None
+
+
+def _mesh_words(engine) -> str:
+    """"2 rank(s)" or "4 ranks (CP 2 x TP 2)"."""
+    if engine.tp_size == 1:
+        return f"{engine.world_size} rank(s)"
+    return f"{engine.world_size} ranks (CP {engine.cp_size} x TP {engine.tp_size})"
 
 
 def _is_printing_rank() -> bool:
@@ -167,7 +179,8 @@ def stats_tables(stats, title: str) -> list[Table]:
         mix[c.strategy] = mix.get(c.strategy, 0) + 1
     rows = [
         ("tokens (new / cached before)", f"{stats.tokens:,} / {stats.cached:,}"),
-        ("ranks x chunk tokens", f"{stats.world_size} x {stats.chunk_tokens:,}"),
+        ("ranks x chunk tokens", f"{stats.world_size} x {stats.chunk_tokens:,}"
+         + (f" (CP {stats.cp_size} x TP {stats.tp_size})" if stats.tp_size > 1 else "")),
         ("time to first token", f"{stats.ttft_s:.2f} s (hand-off {stats.handoff_s:.2f} s)"),
         ("prefill throughput", f"{stats.tokens_per_s:,.0f} tokens/s"),
         ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
@@ -207,8 +220,8 @@ def stats_tables(stats, title: str) -> list[Table]:
 @click.option("--save-kv", "kv_path", type=click.Path(),
               help="Write the KV cache the decode ranks hold (a ringctx document directory, one slice per rank) here.")
 @engine_options
-def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, chunk_tokens, strategy, hardware, rule,
-            dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
+def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp, chunk_tokens, strategy, hardware,
+            rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
     import torch
 
@@ -221,13 +234,13 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                          decode_ranks, kv_dtype)
+                          decode_ranks, kv_dtype, tp)
     printing = _is_printing_rank()
     try:
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
         if printing:
             err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {model} ({engine.model.dtype}) "
-                              f"on {engine.world_size} rank(s), chunks of {engine.chunk_tokens:,} tokens, KV cache "
+                              f"on {_mesh_words(engine)}, chunks of {engine.chunk_tokens:,} tokens, KV cache "
                               f"left on {engine.decode_ranks} decode rank(s)[/dim]")
         try:
             result = _run_prefill(engine, ids, show_progress=printing, trace=bool(trace_path),
@@ -245,7 +258,7 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
         console.print(table)
     if json_path:
         _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
-                                "world_size": stats.world_size, **stats.to_dict()})
+                                **stats.to_dict()})
     if logits_path:
         _save_logits(logits_path, result)
     if trace_path:
@@ -281,8 +294,8 @@ def _write_json(path: str, data: dict) -> None:
               help="Document to write (a directory: one KV slice per decode rank, a manifest, the tokens).")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
 @engine_options
-def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend,
-           timeout_s, decode_ranks, kv_dtype):
+def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, hardware, rule, dtype, device,
+           attn_backend, timeout_s, decode_ranks, kv_dtype):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
     try:
         with open(file, "rb") as f:
@@ -297,7 +310,7 @@ def ingest(file, save_path, no_chat, model, nproc, chunk_tokens, strategy, hardw
     from .engine.failures import RankFailure
 
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                          decode_ranks, kv_dtype)
+                          decode_ranks, kv_dtype, tp)
     printing = _is_printing_rank()
     try:
         try:
@@ -328,6 +341,7 @@ def _ingest_with_progress(engine, text, chat):
 @click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
 @NPROC_OPTION
+@TP_OPTION
 @DECODE_RANKS_OPTION
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
@@ -335,7 +349,7 @@ def _ingest_with_progress(engine, text, chat):
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @TIMEOUT_OPTION
-def ask(kv_file, question, model, dtype, nproc, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
+def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
         timeout_s):
     """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""
     from .engine import Engine
@@ -349,7 +363,7 @@ def ask(kv_file, question, model, dtype, nproc, decode_ranks, max_new_tokens, te
     try:
         meta = describe_document(kv_file)
         engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
-                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s)
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
         document = engine.load_document(kv_file)
         generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed) if document is not None else iter(())

@@ -5,6 +5,9 @@ Three ways to run, one API:
     Engine(model, nproc=N)      this process is rank 0 (and leads the decode); it spawns N-1 local
                                 worker ranks (gloo on CPU, NCCL with one GPU per rank) and drives
                                 them for as many calls as you like; close() (or `with`) ends them
+    Engine(model, nproc=N, tp=T) the same ranks as a (N/T CP) x (T TP) mesh: each group of T
+                                consecutive ranks holds one copy of the weights split Megatron-style
+                                (ringctx.model.tensor_parallel), and the ring runs across the groups
     under torchrun              every launched process builds an Engine, which joins the group
                                 from the environment; every rank makes the same calls (SPMD)
 
@@ -32,10 +35,12 @@ import torch.multiprocessing as mp
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, load_model
+from ..model.tensor_parallel import gather_kv_heads
 from ..model.generate import Generation
-from ..model.kvfile import weights_digest
+from ..model.kvfile import share_weights_digest, weights_digest
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
 from ..parallel.launch import default_backend
+from ..parallel.mesh import Mesh, build_mesh, check_mesh, decode_groups
 from .decode import ShardedDecoder
 from .documents import load_document_slices, save_document_slices
 from .failures import (
@@ -112,6 +117,10 @@ class Engine:
     Args:
         model: preset name, GGUF path or Hugging Face directory (see ringctx.load_model).
         nproc: local ranks to spawn (this process is rank 0); ignored under torchrun.
+        tp: tensor-parallel ranks per model copy (consecutive ranks of one host; 1: none). The
+            job's ranks form a (world / tp) x tp mesh: context parallelism runs across the
+            copies, each TP rank in the ring of its own heads. `decode_rank` and `decode_ranks`
+            then count CP ranks (each a group of tp ranks).
         dtype: weights and activations (None: the model's default; "auto": bfloat16 on GPUs and
             bf16-capable CPUs, else float32).
         device: None: one GPU per rank when CUDA is available, else CPU.
@@ -141,7 +150,7 @@ class Engine:
     def __init__(self, model: str = "smollm2-135m", *, nproc: int = 1, dtype=None, device=None,
                  chunk_tokens: int | None = None, strategy: str = "auto", hardware=None, rule: str = "alg5",
                  decode_rank: int = 0, decode_ranks: int | None = None, kv_dtype: str = "model",
-                 timeout_s: float = 300.0, attn_backend: str = "auto"):
+                 timeout_s: float = 300.0, attn_backend: str = "auto", tp: int = 1):
         check_kv_dtype(kv_dtype)
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
@@ -164,7 +173,8 @@ class Engine:
         self._documents: weakref.WeakValueDictionary[int, Document] = weakref.WeakValueDictionary()
         self._forgotten: list[int] = []
         self._next_document = 0
-        self._decode_group = None
+        self._decode_group = self._control_group = None
+        self.mesh: Mesh = build_mesh(1, 0, 1)
         self._open_answer: tuple[ShardedDecoder, torch.Tensor] | None = None  # leader: (decoder, question ids)
         self._workers: list = []      # spawn mode: worker processes, rank i + 1 at index i
         self._conns: list = []        # spawn mode: rank 0's end of each worker's command pipe
@@ -182,8 +192,11 @@ class Engine:
             _check_loadable(self.model_name, dtype)  # fail here, before any process starts
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
+        if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
+            check_mesh(_peek_config(self.model_name, dtype), world, tp, per_host)
+        self.tp_size, self.cp_size = tp, world // tp
         self.ranks_per_host = per_host
-        self.decode_ranks = resolve_decode_ranks(decode_ranks, decode_rank, world, per_host)
+        self.decode_ranks = resolve_decode_ranks(decode_ranks, decode_rank, self.cp_size, per_host // tp)
         try:
             if torchrun:
                 self.mode = "torchrun"
@@ -195,13 +208,17 @@ class Engine:
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             if self.mode == "torchrun":
                 self._health = Health(self.rank, self.world_size, self.timeout_s)
-            if not 0 <= decode_rank < self.world_size:
-                raise ValueError(f"decode_rank {decode_rank} is not a rank of this {self.world_size}-rank job")
+            if not 0 <= decode_rank < self.cp_size:
+                raise ValueError(f"decode_rank {decode_rank} is not a CP rank of this {self.cp_size}-CP-rank job")
             self.device = _rank_device(device, self._local_rank())
-            self.model = load_model(model, dtype=dtype, device=self.device)
+            self.mesh = build_mesh(self.world_size, self.rank, tp, self.device.type)
+            self.model = load_model(model, dtype=dtype, device=self.device, tp=self.mesh.tp)
             if self.world_size > 1:
+                if tp > 1:
+                    share_weights_digest(self.model)
                 self._startup_check()
-                self._decode_group = _decode_group(self.decode_rank, self.decode_ranks, self.world_size)
+                self._decode_group, self._control_group = decode_groups(self.mesh, self.decode_rank,
+                                                                        self.decode_ranks)
             if self._health is not None:
                 self._health.learn_peers()  # every rank published its place before the check
         except BaseException as exc:
@@ -220,9 +237,13 @@ class Engine:
             model_name, dtype, "worker", rank, world
         engine._documents, engine._next_document, engine._closed = {}, 0, None  # strong: rank 0 says when to drop
         engine._forgotten, engine._open_answer = [], None
-        engine.model = load_model(model_name, dtype=dtype, device=device)
+        engine.mesh = build_mesh(world, rank, engine.tp_size, torch.device(device).type)
+        engine.model = load_model(model_name, dtype=dtype, device=device, tp=engine.mesh.tp)
+        if engine.tp_size > 1:
+            share_weights_digest(engine.model)
         agree_across_ranks("engine start-up", None, _fingerprint(engine.model))
-        engine._decode_group = _decode_group(engine.decode_rank, engine.decode_ranks, world)
+        engine._decode_group, engine._control_group = decode_groups(engine.mesh, engine.decode_rank,
+                                                                    engine.decode_ranks)
         engine.chunk_tokens = settings["chunk_tokens"] or default_chunk_tokens(engine.model, world)
         return engine
 
@@ -368,11 +389,23 @@ class Engine:
         return dict(rule=self.rule, strategy=self.strategy, chunk_tokens=self._chunk_tokens_asked,
                     decode_rank=self.decode_rank, decode_ranks=self.decode_ranks,
                     kv_dtype=self.kv_dtype, timeout_s=self.timeout_s, attn_backend=self.attn_backend,
-                    hardware=self.hardware, ranks_per_host=self.ranks_per_host)
+                    hardware=self.hardware, ranks_per_host=self.ranks_per_host, tp_size=self.tp_size,
+                    cp_size=self.cp_size)
 
     def _is_decode_rank(self, rank: int | None = None) -> bool:
-        rank = self.rank if rank is None else rank
-        return self.decode_rank <= rank < self.decode_rank + self.decode_ranks
+        """Whether global `rank` (default: this one) is on a decode CP rank (any of its TP ranks)."""
+        cp_rank = (self.rank if rank is None else rank) // self.tp_size
+        return self.decode_rank <= cp_rank < self.decode_rank + self.decode_ranks
+
+    @property
+    def _leader(self) -> int:
+        """The global rank that samples and streams the answer: TP rank 0 of the first decode CP rank."""
+        return self.decode_rank * self.tp_size
+
+    @property
+    def _decode_index(self) -> int:
+        """This rank's place among the decode CP ranks (0 .. decode_ranks - 1)."""
+        return self.mesh.cp_rank - self.decode_rank
 
     def _collective(self, during: str, command: tuple | None, run, *, decode_only: bool = False):
         """Run `run()` on this rank as its part of a job every rank (or every decode rank) takes
@@ -460,10 +493,10 @@ class Engine:
         """`prefill`; with `keep`, every decode rank also keeps its part as document number `keep`."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         config = self._prefill_config(chunk_tokens, strategy, decode_room, trace)
-        if cache is not None and self.decode_ranks > 1:
-            raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 (this engine has "
-                             f"{self.decode_ranks}); ask about a Document instead, which stays split")
-        cached = cache.length if cache is not None and self.rank == self.decode_rank else 0
+        if cache is not None and (self.decode_ranks > 1 or self.tp_size > 1):
+            raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 and tp=1 (this engine has "
+                             f"{self.decode_ranks} and {self.tp_size}); ask about a Document instead, which stays split")
+        cached = cache.length if cache is not None and self.rank == self._leader else 0
         command = ("prefill", token_ids.cpu().numpy().tobytes(), config.chunk_tokens, config.strategy, decode_room,
                    bool(trace), cached, keep)
 
@@ -484,12 +517,11 @@ class Engine:
         """This rank's part of a prefill (every rank runs it with the same arguments)."""
         local_ranks = self.world_size if self.mode != "torchrun" else self.ranks_per_host
         local_decode = self.mode != "torchrun" or \
-            self.decode_rank // self.ranks_per_host == self.rank // self.ranks_per_host
-        _check_memory(self.model, token_ids, cached, config, self.world_size, self.rank, local_ranks=local_ranks,
+            self._leader // self.ranks_per_host == self.rank // self.ranks_per_host
+        _check_memory(self.model, token_ids, cached, config, self.cp_size, self.mesh.cp_rank, local_ranks=local_ranks,
                       local_decode=local_decode)
-        group = "local" if self.mode == "single" else None
-        result = cp_prefill(self.model, token_ids, config, group=group, cache=cache, cache_token_ids=cache_token_ids,
-                            on_chunk=with_test_hook(on_chunk, self.rank))
+        result = cp_prefill(self.model, token_ids, config, group=self.mesh.cp_group, cache=cache,
+                            cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, self.rank))
         if keep is not None and result.cache is not None:
             result.document = self._keep(Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats,
                                                   id=keep))
@@ -549,7 +581,7 @@ class Engine:
             if self.mode == "spawn" or self.decode_ranks == 1:
                 raise RuntimeError("generate runs on the decode ranks only")
             return iter(())
-        if self.decode_ranks == 1:
+        if self.decode_ranks == 1 and self.tp_size == 1:
             return self._generate_here(document, prompt, max_new_tokens, sampling)
         ids = self._question_ids(document, prompt)
         command = ("generate", document.id, ids.numpy().tobytes(), max_new_tokens)
@@ -557,7 +589,7 @@ class Engine:
             decoder, pending = self._open_answer
             self._open_answer = None
             self._collective("decode", None, lambda: decoder.close(pending))
-        if self.rank != self.decode_rank:  # a follower (torchrun): every step, then nothing to show
+        if self.rank != self._leader:  # a follower (torchrun): every step, then nothing to show
             self._collective("decode", None, lambda: self._on_generate(document.id, ids, max_new_tokens))
             return iter(())
         decoder = self._collective("decode", command, lambda: self._sharded_decoder(document, ids),
@@ -587,7 +619,7 @@ class Engine:
                                rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=64,
                                kv_dtype=document.cache.kv_dtype, attn_backend=self.attn_backend)
         return ShardedDecoder(self.model, document.rewind(), document.length, self._decode_group, config,
-                              timeout_s=self.timeout_s)
+                              timeout_s=self.timeout_s, control_group=self._control_group, leader=self._leader)
 
     def _finish_answer(self, generation, document, decoder):
         yield from generation
@@ -620,8 +652,23 @@ class Engine:
 
     def _on_save(self, document_id, path, document=None) -> None:
         document = document or self._document(document_id)
-        save_document_slices(path, document.rewind(), document.token_ids, self.model, document.frame,
-                             group=self._decode_group, rank=self.rank - self.decode_rank, world=self.decode_ranks)
+        # Documents hold every KV head: under TP, TP rank 0 of each decode rank writes its slice.
+        whole_heads = gather_kv_heads(document.rewind(), self.model)
+        problem = None
+        if whole_heads is not None:
+            try:
+                save_document_slices(path, whole_heads, document.token_ids, self.model, document.frame,
+                                     group=self._decode_group, rank=self._decode_index, world=self.decode_ranks)
+            except ValueError as exc:
+                problem = str(exc)
+        self._agree_on_decode_host("save", problem)
+
+    def _agree_on_decode_host(self, what: str, problem: str | None) -> None:
+        """Raise `problem` on every rank of the decode host (all TP ranks) if any of them had one."""
+        if self.tp_size > 1:
+            agree_across_ranks(what, problem, what, self._control_group)
+        elif problem:
+            raise ValueError(problem)
 
     def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
         """A Document saved with `save_document` (by any number of decode ranks), split over this
@@ -636,7 +683,7 @@ class Engine:
     def _on_load(self, path, keep, decode_room) -> Document:
         local = self.decode_ranks if self.mode != "torchrun" else min(self.decode_ranks, self.ranks_per_host)
         cache, token_ids, extra = load_document_slices(
-            path, self.model, group=self._decode_group, rank=self.rank - self.decode_rank, world=self.decode_ranks,
+            path, self.model, group=self._decode_group, rank=self._decode_index, world=self.decode_ranks,
             room=decode_room, kv_dtype=self.kv_dtype if self.kv_dtype != "model" else None,
             memory_check=lambda rows, per_row: _slice_memory_problem(self.model, rows, per_row, local))
         document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
@@ -668,7 +715,7 @@ class Engine:
         the others): for checks and small documents; the decode itself never gathers it."""
         if not self._is_decode_rank():
             return None
-        if self.decode_ranks == 1:
+        if self.decode_ranks == 1 and self.tp_size == 1:
             return document.rewind()
         return self._collective("gather", ("gather", document.id), lambda: self._on_gather(document.id),
                                 decode_only=True)
@@ -676,15 +723,19 @@ class Engine:
     def _on_gather(self, document_id) -> KVCache | None:
         document = self._document(document_id)
         cache, group, n = document.rewind(), self._decode_group, self.decode_ranks
-        rank = self.rank - self.decode_rank
-        mine = cache.row_positions().cpu().contiguous().numpy().tobytes()
-        positions = [torch.frombuffer(bytearray(b), dtype=torch.long) for b in all_gather_bytes(mine, group, n)]
-        out = KVCache.for_model(self.model.config, document.length, dtype=self.model.dtype, device=self.model.device,
-                                kv_dtype=cache.kv_dtype) if rank == 0 else None
-        gather_in_order(cache, out, positions, 0, rank, n, 0, group, free=False)
-        if out is not None:
-            out.length = document.length
-        return out
+        rank = self._decode_index
+        if n > 1:  # the slices in sequence order on the first decode rank (this TP rank's heads)
+            mine = cache.row_positions().cpu().contiguous().numpy().tobytes()
+            positions = [torch.frombuffer(bytearray(b), dtype=torch.long) for b in all_gather_bytes(mine, group, n)]
+            out = KVCache.for_model(self.model.config, document.length, dtype=self.model.dtype,
+                                    device=self.model.device, kv_dtype=cache.kv_dtype) if rank == 0 else None
+            gather_in_order(cache, out, positions, 0, rank, n, 0, group, free=False)
+            if out is not None:
+                out.length = document.length
+            cache = out
+        if self.tp_size > 1 and rank == 0:  # then every head, on the leader
+            cache = gather_kv_heads(cache, self.model)
+        return cache if rank == 0 else None
 
     def _document(self, document_id) -> Document:
         document = self._documents.get(document_id)
@@ -737,11 +788,9 @@ def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int,
     return decode_ranks
 
 
-def _decode_group(decode_rank: int, decode_ranks: int, world: int):
-    """The decode ranks' process group (None: they are the whole world). Every rank must call it."""
-    if decode_ranks == world:
-        return None
-    return dist.new_group(list(range(decode_rank, decode_rank + decode_ranks)))
+def _peek_config(model_name: str, dtype):
+    """The whole model's config, read from the file's header (no weights loaded)."""
+    return load_model(model_name, dtype=dtype, device="meta").full_config
 
 
 def _slice_memory_problem(model, rows: int, bytes_per_row: int, local_ranks: int) -> str | None:
@@ -801,7 +850,8 @@ def _fingerprint(model) -> str:
     """What every rank must agree on: model (name, shapes, weights), dtype and ringctx version."""
     from .. import __version__
 
-    return (f"model={model.config.name} config={model.config.fingerprint()} weights={weights_digest(model)} "
+    config = model.full_config  # TP ranks hold different shards of the same model
+    return (f"model={config.name} config={config.fingerprint()} weights={weights_digest(model)} "
             f"dtype={str(model.dtype).removeprefix('torch.')} ringctx={__version__}")
 
 

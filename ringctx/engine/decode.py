@@ -25,6 +25,11 @@ elsewhere it runs as PyTorch ops layer by layer (`_layers`).
 
 The question that precedes an answer is prefilled over the same ranks with `cp_prefill`, each
 rank's slice serving as its cached tokens in place.
+
+Under tensor parallelism every TP rank of the decode host runs this over its own KV heads: the
+decode group is then the decode ranks of one TP index (they split the tokens), the leader's
+(token, go) goes to the whole decode host (`control_group`), the layers all-reduce inside the TP
+group, and every TP rank of the first decode rank takes part in the vocabulary-parallel head.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch.distributed as dist
 from ..attention import PartialAccumulator
 from ..model import KVCache
 from ..model.decode_step import FusedStep
-from ..parallel.comm import all_gather_ints
+from ..parallel.comm import all_gather_ints, rank_and_world
 from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
 from .shm_exchange import ShmExchange, shm_supported
@@ -55,14 +60,22 @@ class ShardedDecoder:
         prefill_config: chunking and strategy of question prefills (its decode_ranks must be the
             group's size and decode_rank 0).
         timeout_s: how long a merge waits for a rank that stops answering.
+        control_group: the ranks the leader's tokens go to (default: `group`); under tensor
+            parallelism every TP rank of the decode ranks. "local": this rank alone.
+        leader: the global rank that samples (default: rank 0 of `group`).
     """
 
     def __init__(self, model, cache: KVCache, length: int, group, prefill_config: PrefillConfig,
-                 timeout_s: float = 300.0):
+                 timeout_s: float = 300.0, control_group=None, leader: int | None = None):
         self.model, self.cache, self.length, self.group = model, cache, length, group
         self.config = prefill_config
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.leader = dist.get_global_rank(group, 0) if group is not None else 0
+        self.rank, self.world = rank_and_world(group)
+        self.control_group = group if control_group is None and leader is None else control_group
+        if leader is None:
+            leader = dist.get_global_rank(group, 0) if isinstance(group, dist.ProcessGroup) else 0
+        self.leader = leader
+        self.is_leader = rank_and_world(None)[0] == leader
+        self._broadcasts = rank_and_world(self.control_group)[1] > 1
         self.steps = 0
         # every rank's slice length, then tracked without messages
         self.rows = [r[0] for r in all_gather_ints([cache.length], group, self.world)]
@@ -72,7 +85,7 @@ class ShardedDecoder:
         self._fused_cache: KVCache | None = None
         cfg = model.config
         self._shm = ShmExchange.create(cfg.n_heads * (cfg.head_dim + 1), group, timeout_s) \
-            if shm_supported(model.device) else None
+            if self.world > 1 and shm_supported(model.device) else None
 
     # -- prompt -------------------------------------------------------------------------------
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -90,13 +103,13 @@ class ShardedDecoder:
         """Leader: feed `token`, get float32 logits [1, vocab] of the next position."""
         self._check_not_closed()
         self._control[0], self._control[1] = token, 1
-        dist.broadcast(self._control, src=self.leader, group=self.group)
+        self._send_control()
         return self._forward(token)
 
     def follow(self) -> None:
         """Other ranks: run the steps the leader asks for, until it closes the decode."""
         while True:
-            dist.broadcast(self._control, src=self.leader, group=self.group)
+            self._send_control()
             if int(self._control[1]) == 0:
                 return
             self._forward(int(self._control[0]))
@@ -104,12 +117,17 @@ class ShardedDecoder:
     def close(self, prompt_ids: torch.Tensor | None = None) -> None:
         """Leader: release the other ranks from `follow` (idempotent). An answer never started
         still runs its prompt's prefill (`prompt_ids`) first: the other ranks are waiting in it."""
-        if not self._closed and self.rank == 0:
+        if not self._closed and self.is_leader:
             if not self._prefilled and prompt_ids is not None:
                 self.prefill(prompt_ids)
             self._control.zero_()
-            dist.broadcast(self._control, src=self.leader, group=self.group)
+            self._send_control()
         self._closed = True
+
+    def _send_control(self) -> None:
+        """(token, go) from the leader to every rank of the control group."""
+        if self._broadcasts:
+            dist.broadcast(self._control, src=self.leader, group=self.control_group)
 
     def _check_not_closed(self) -> None:
         if self._closed:  # the other ranks have left this answer: a newer question ended it
@@ -179,6 +197,8 @@ class ShardedDecoder:
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""
         T, H, D = out.shape
+        if self.world == 1:  # the whole cache is here: the partial is the answer
+            return out.float()
         packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
         if self._shm is not None:
             everyone = self._shm.exchange(packed)

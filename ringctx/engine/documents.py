@@ -104,8 +104,8 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
             slices = [{"file": slice_name(i), "rows": int(r.split(":")[0]), "sha256": r.split(":")[1]}
                       for i, r in enumerate(rows)]
             manifest = {
-                "format": FORMAT, "ringctx_version": __version__, "model": model.config.name,
-                "model_fingerprint": model.config.fingerprint(), "weights_digest": weights_digest(model),
+                "format": FORMAT, "ringctx_version": __version__, "model": model.full_config.name,
+                "model_fingerprint": model.full_config.fingerprint(), "weights_digest": weights_digest(model),
                 "dtype": str(cache.dtype).removeprefix("torch."), "kv_dtype": cache.kv_dtype,
                 "length": int(torch.as_tensor(token_ids).numel()), "n_layers": cache.n_layers,
                 "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": slices, "extra": extra,
@@ -185,15 +185,16 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     memory_check(rows, bytes_per_row) -> problem or None: refuse a share that would not fit.
     kv_dtype: store the loaded rows so (None: as saved); e.g. a bf16 document loaded as "fp8" is
     quantized row by row as it is read.
+    A tensor-parallel shard (model.tp) keeps only its KV heads of every row it reads.
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
     problem, manifest = None, None
     if os.path.isfile(path):  # the single-file format of ringctx.model.kvfile
-        if world > 1:
+        if world > 1 or model.tp.size > 1:
             problem = (f"{path!r} is a single-file KV cache: load it with one decode rank (--decode-ranks 1) and "
-                       "save it again to load it on several")
+                       "--tp 1, and save it again to load it on several")
         _agree("load", problem, group, world)
         cache, token_ids, extra = load_kv_cache(path, model, room=room)
         return cache, token_ids, extra
@@ -225,6 +226,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     _agree("load", problem, group, world)
 
     names = ["k", "v"] + (["k_scale", "v_scale"] if saved_as in ("fp8", "int8") else [])
+    heads = slice(*model.tp.kv_heads(model.full_config))  # every KV head without tensor parallelism
     filled, start = 0, 0
     for s in slices:  # copy the rows of [lo, hi) that this slice holds, a block of rows at a time
         a, b = max(lo, start), min(hi, start + s["rows"])
@@ -237,7 +239,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
                         # one decode rank: rows at their positions (sequence order); several: in file order
                         where = positions[r0:r1].to(model.device) if world == 1 else \
                             slice(filled + r0, filled + r1)
-                        rows = [f.rows(f"{name}.{layer}", a - start + r0, a - start + r1).to(model.device)
+                        rows = [f.rows(f"{name}.{layer}", a - start + r0, a - start + r1)[:, heads].to(model.device)
                                 for name in names]
                         if saved_as == kv_dtype:  # as stored: no conversion
                             for target, part in zip(cache.storage_tensors(layer), rows):

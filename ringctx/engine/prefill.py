@@ -96,6 +96,7 @@ class PrefillStats:
     cached: int
     """Tokens already in the cache before this prefill."""
     world_size: int
+    """All ranks: cp_size x tp_size."""
     chunk_tokens: int
     ttft_s: float = 0.0
     """Wall time from the start of the prefill to logits and KV cache on the decode rank."""
@@ -103,6 +104,11 @@ class PrefillStats:
     """Part of ttft_s spent moving KV shards to the decode ranks."""
     decode_ranks: int = 1
     """Ranks that hold the KV cache after the prefill."""
+    cp_size: int = 1
+    """CP ranks: the ring's size."""
+    tp_size: int = 1
+    """Tensor-parallel ranks per CP rank. The per-rank lists below have one entry per CP rank, that
+    of its TP rank 0 (the other TP ranks of a CP rank send and hold the same amounts)."""
     kv_dtype: str = "model"
     """Storage of the KV cache."""
     chunks: list[ChunkStats] = field(default_factory=list)
@@ -241,7 +247,9 @@ def cp_prefill(
     # One rank with a new prompt: its shard is the whole prompt in order, so the shard buffers are
     # allocated with decode room and become the decode cache without a copy. Decode ranks that
     # keep their shard (several decode ranks) get their room now too.
-    in_place = world == 1 and cached_len == 0
+    # A split cache on one rank (a question under tensor parallelism with one decode rank) is its
+    # whole cache, in order, and grows in place too.
+    in_place = world == 1 and (cached_len == 0 or shard is not None)
     keeps_shard = in_place or (config.decode_ranks > 1 and rank in decoders)
     if keeps_shard:
         rows += config.decode_room
@@ -254,10 +262,11 @@ def cp_prefill(
             _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
 
     # --- chunk by chunk, layer by layer -------------------------------------------------------
-    stats = PrefillStats(tokens=T, cached=cached_len, world_size=world, chunk_tokens=chunk,
-                         decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype)
+    stats = PrefillStats(tokens=T, cached=cached_len, world_size=world * model.tp.size, chunk_tokens=chunk,
+                         decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype, cp_size=world,
+                         tp_size=model.tp.size)
     logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
-    with torch.inference_mode(), (tracer or contextlib.nullcontext()):
+    with torch.inference_mode(), (tracer or contextlib.nullcontext()), _counting_tp(model, comm):
         for index, ((s, e), layout) in enumerate(zip(chunks, layouts)):
             t0 = time.perf_counter()
             strategy, reason = _decide(e - s, cached_len + s, model, world, config)
@@ -386,8 +395,9 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int, config: Pref
     from ..parallel.strategy import choose_strategy
 
     dtype = str(model.dtype).removeprefix("torch.")
-    choice = choose_strategy(new_tokens, cached_tokens, model.config, world, config.hardware, config.rule,
-                             dtype=dtype)
+    # Under tensor parallelism the ring carries this TP rank's heads: the rule sees heads per TP rank.
+    choice = choose_strategy(new_tokens, cached_tokens, model.full_config, world, config.hardware, config.rule,
+                             dtype=dtype, tp_size=model.tp.size)
     return choice.strategy, choice.reason
 
 
@@ -440,7 +450,7 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
     it was given, else a new cache), as the single-rank decode and the KV files expect.
     """
     none = {"sent": 0, "cross_host": 0}
-    if world == 1 and cached_len == 0:  # the shard is the prompt in sequence order (see cp_prefill)
+    if world == 1 and keeps_shard:  # the shard is the sequence in order (see cp_prefill)
         return shard, none
     if config.decode_ranks > 1:
         per_host = config.ranks_per_host or world
@@ -473,6 +483,19 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
     per_host = config.ranks_per_host or world
     cross = sent if rank // per_host != decode // per_host else 0
     return out, {"sent": sent, "cross_host": cross}
+
+
+@contextlib.contextmanager
+def _counting_tp(model, comm: CommStats):
+    """Count the TP collectives' bytes in `comm` while the prefill runs (nothing without TP)."""
+    if model.tp.size == 1:
+        yield
+        return
+    model.tp.stats = comm
+    try:
+        yield
+    finally:
+        model.tp.stats = None
 
 
 def _gather_trace(tracer, group, world: int) -> list[list[dict]]:

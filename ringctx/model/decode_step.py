@@ -93,6 +93,8 @@ class FusedStep:
     def build(cls, model, cache: KVCache) -> "FusedStep | None":
         """The fused step for this model and cache, or None where the kernel does not apply."""
         config = model.config
+        if model.tp.size > 1:  # the kernel runs whole layers; a TP shard must all-reduce inside them
+            return None
         if not (model.device.type == "cpu" and cache.device.type == "cpu" and cache.dtype == model.dtype
                 and model.dtype in (torch.float32, torch.bfloat16) and config.head_dim % 16 == 0
                 and config.head_dim <= 256 and config.n_heads // config.n_kv_heads <= 64):

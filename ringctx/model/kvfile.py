@@ -24,11 +24,54 @@ FORMAT = "ringctx-kv/1"
 
 
 def weights_digest(model) -> str:
-    """A hash of a few weight slices: cheap, and different for different checkpoints or seeds."""
+    """A hash of a few weight slices: cheap, and different for different checkpoints or seeds.
+
+    Always the whole model's: a tensor-parallel shard returns the digest `share_weights_digest`
+    computed with its TP group, so a cache saved under one TP size loads under another."""
+    if model.tp.size > 1:
+        digest = getattr(model, "full_weights_digest", None)
+        if digest is None:
+            raise RuntimeError("a tensor-parallel shard's weights digest needs share_weights_digest(model) on "
+                               "every TP rank first")
+        return digest
+    return _digest(model.tok_embeddings.weight, model.layers[-1].attention.wo.weight, model.norm.weight)
+
+
+def _digest(embedding: torch.Tensor, wo: torch.Tensor, norm: torch.Tensor) -> str:
     h = hashlib.sha256()
-    for t in (model.tok_embeddings.weight, model.layers[-1].attention.wo.weight, model.norm.weight):
+    for t in (embedding, wo, norm):
         h.update(t.detach().reshape(-1)[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def share_weights_digest(model) -> str:
+    """The whole model's `weights_digest`, computed by every TP rank of a shard together, and kept
+    on the model: the embedding rows it reads are split by vocabulary over the ranks, the rows of
+    the last wo by columns."""
+    tp = model.tp
+    embedding = _gather_over_tp(model.tok_embeddings.weight, tp, dim=0)
+    wo = _gather_over_tp(model.layers[-1].attention.wo.weight, tp, dim=1)
+    model.full_weights_digest = _digest(embedding, wo, model.norm.weight)
+    return model.full_weights_digest
+
+
+def _gather_over_tp(weight: torch.Tensor, tp, dim: int) -> torch.Tensor:
+    """The first rows of a weight split over the TP ranks along `dim` (rows 0, columns 1), put back
+    together: enough whole rows of the whole weight for the 4096 values `_digest` reads."""
+    import torch.distributed as dist
+
+    full_cols = weight.shape[1] * (tp.size if dim == 1 else 1)
+    rows = -(-4096 // full_cols)
+    mine = weight[:rows].float()
+    padded = mine.new_zeros(rows, weight.shape[1])
+    padded[:mine.shape[0]] = mine
+    pieces = [torch.empty_like(padded) for _ in range(tp.size)]
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(tp.size)]
+    dist.all_gather(pieces, padded, group=tp.group)
+    dist.all_gather(counts, torch.tensor([mine.shape[0]]), group=tp.group)
+    if dim == 1:
+        return torch.cat(pieces, dim=1)
+    return torch.cat([p[:int(c)] for p, c in zip(pieces, counts)])[:rows]
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -50,14 +93,14 @@ def save_kv_cache(path: str | os.PathLike, cache: KVCache, model, token_ids: tor
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()
     if token_ids.numel() != length:
         raise ValueError(f"save_kv_cache: the cache holds {length} tokens but {token_ids.numel()} token ids were given")
-    cache.check_model(model.config)
+    cache.check_model(model.full_config)
     tensors = {"token_ids": token_ids}
     for layer in range(cache.n_layers):
         tensors[f"k.{layer}"] = cache.k[layer][:length].cpu().contiguous()
         tensors[f"v.{layer}"] = cache.v[layer][:length].cpu().contiguous()
     metadata = {
-        "format": FORMAT, "ringctx_version": __version__, "model": model.config.name,
-        "model_fingerprint": model.config.fingerprint(), "weights_digest": weights_digest(model),
+        "format": FORMAT, "ringctx_version": __version__, "model": model.full_config.name,
+        "model_fingerprint": model.full_config.fingerprint(), "weights_digest": weights_digest(model),
         "dtype": str(cache.dtype).removeprefix("torch."), "length": str(length), "n_layers": str(cache.n_layers),
         "sha256": _checksum(tensors), "extra": json.dumps(extra or {}),
     }
@@ -78,10 +121,11 @@ def check_made_with(what: str, meta: dict, model) -> None:
     if meta["dtype"] != dtype:
         raise ValueError(f"{what} holds {meta['dtype']} K/V but the model runs in {dtype}; load the model with "
                          f"dtype={meta['dtype']!r}")
-    if meta["model_fingerprint"] != model.config.fingerprint() or meta["weights_digest"] != weights_digest(model):
+    config = model.full_config  # a tensor-parallel shard checks against the whole model
+    if meta["model_fingerprint"] != config.fingerprint() or meta["weights_digest"] != weights_digest(model):
         raise ValueError(f"{what} was made with model {meta.get('model')!r} "
                          f"(fingerprint {meta['model_fingerprint']}, weights {meta['weights_digest']}), not with the "
-                         f"loaded {model.config.name!r} ({model.config.fingerprint()}, {weights_digest(model)}); "
+                         f"loaded {config.name!r} ({config.fingerprint()}, {weights_digest(model)}); "
                          "load the model it was made with, or ingest the document again")
 
 

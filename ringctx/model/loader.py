@@ -8,6 +8,7 @@ import os
 import torch
 
 from ..config import PRESETS, get_preset
+from .tensor_parallel import NO_TP, TensorParallel
 from .tokenizer import load_tokenizer
 from .transformer import Transformer
 from .weights import empty_model, init_random
@@ -55,6 +56,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     seed: int = 0,
+    tp: TensorParallel = NO_TP,
 ) -> Transformer:
     """Load a Llama-family model ready for `.logits`, `.generate` and the prefill engine.
 
@@ -68,6 +70,8 @@ def load_model(
         device: None: CUDA if available, else CPU. "meta" builds the model without memory
             (shapes only, for planning).
         seed: seed of the random weights of presets.
+        tp: under tensor parallelism, this rank's place in its TP group: the model is then this
+            rank's shard (see ringctx.model.tensor_parallel), read from the file slice by slice.
 
     Returns:
         a `Transformer` with `.config`, `.tokenizer` (loaded lazily; None for random presets),
@@ -85,18 +89,18 @@ def load_model(
     tokenizer_path = None
     if key == DEFAULT_MODEL:
         path = embedded_gguf_path()
-        _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, name=DEFAULT_MODEL)
+        _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, name=DEFAULT_MODEL, tp=tp)
         tokenizer_path = path
     elif key in PRESETS:
-        model = empty_model(get_preset(key), dtype=dtype or torch.bfloat16, device=device)
+        model = empty_model(get_preset(key), dtype=dtype or torch.bfloat16, device=device, tp=tp)
         if device.type != "meta":
             init_random(model, seed)
     else:
         kind, path = _classify_path(key)
         if kind == "gguf":
-            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device)
+            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, tp=tp)
         else:
-            _, model = load_hf(path, dtype=dtype, device=device)
+            _, model = load_hf(path, dtype=dtype, device=device, tp=tp)
         tokenizer_path = path
     model.source = tokenizer_path or key
     if tokenizer_path is not None:

@@ -31,6 +31,7 @@ from ..config import ModelConfig
 from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
 from .. import cpu_kernels
 from ..cpu_kernels import MAX_ROWS, small_linear
+from .tensor_parallel import NO_TP, TensorParallel
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D] in q's dtype.
@@ -117,11 +118,13 @@ class Attention(nn.Module):
     """Grouped-query attention with a fused q/k/v projection; the attention itself is `attend`.
 
     wqkv.weight: [(Hq + 2*Hkv) * D, dim], rows ordered q heads, k heads, v heads (each head's D
-    rows in Hugging Face rotate-half order). wo.weight: [dim, Hq * D].
+    rows in Hugging Face rotate-half order). wo.weight: [dim, Hq * D]. Under tensor parallelism
+    `config` is this rank's shard (its heads) and wo's partial outputs are summed over `tp`.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
         super().__init__()
+        self.tp = tp
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.attn_out_bias)
@@ -135,8 +138,11 @@ class Attention(nn.Module):
         return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output [T, Hq * D] projected back to [T, dim]."""
-        return linear(out, self.wo.weight, self.wo.bias)
+        """Attention output [T, Hq * D] projected back to [T, dim] (summed over the TP ranks' heads)."""
+        if self.tp.size == 1:
+            return linear(out, self.wo.weight, self.wo.bias)
+        y = self.tp.all_reduce(linear(out, self.wo.weight))
+        return y if self.wo.bias is None else y.add_(self.wo.bias)
 
 
 ROWS_PER_SLICE = 1024
@@ -167,10 +173,13 @@ def head_major_rows(rows: int, heads: int, head_dim: int, like: torch.Tensor) ->
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(x W_gate^T) * (x W_up^T)); w13.weight = cat(W_gate, W_up) [2*ffn, dim]."""
+    """SwiGLU MLP: w2(silu(x W_gate^T) * (x W_up^T)); w13.weight = cat(W_gate, W_up) [2*ffn, dim].
+    Under tensor parallelism `config.ffn_dim` is this rank's hidden units and w2's partial outputs
+    are summed over `tp`."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
         super().__init__()
+        self.tp = tp
         self.ffn_dim = config.ffn_dim
         self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
@@ -183,18 +192,18 @@ class FeedForward(nn.Module):
         # on the CPU one pass of ringctx's kernel instead of two PyTorch ops.
         if not (gate_up.device.type == "cpu" and cpu_kernels.swiglu_(gate_up, self.ffn_dim)):
             F.silu(gate, inplace=True).mul_(up)
-        return linear(gate, self.w2.weight)
+        return self.tp.all_reduce(linear(gate, self.w2.weight))
 
 
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, tp)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = FeedForward(config, tp)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
         """x [T, dim] -> [T, dim]: h = x + wo(attend(q, k, v)) with q, k, v from norm(x); h + mlp(norm(h)).
@@ -241,11 +250,15 @@ class Transformer(nn.Module):
     """The decoder: token embedding, `n_layers` blocks, final RMSNorm, output head.
 
     Attributes:
-        config: the ModelConfig it was built from.
-        tok_embeddings: weight [vocab, dim].
+        config: the ModelConfig of the weights this process holds (under tensor parallelism this
+            rank's shard: its heads and MLP width, see ringctx.model.tensor_parallel).
+        full_config: the whole model's ModelConfig (the same object as `config` without TP).
+        tp: the TensorParallel this model is a shard of (size 1: none).
+        tok_embeddings: weight [vocab, dim] (under TP: this rank's ids, [V/T, dim]).
         layers: ModuleList of `Block`.
         norm: final RMSNorm.
-        output: head, weight [vocab, dim]; the same Parameter as tok_embeddings.weight when tied.
+        output: head, weight [vocab, dim] (under TP [V/T, dim]); the same Parameter as
+            tok_embeddings.weight when tied.
         tokenizer: the transformers tokenizer, or None for random-weight presets (set by load_model).
         source: where the weights came from (preset name, GGUF file or directory).
 
@@ -253,13 +266,15 @@ class Transformer(nn.Module):
     meta device to plan without memory).
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
         super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.full_config, self.tp = config, tp
+        self.config = config = tp.shard_config(config)
+        vocab = tp.vocab(config)
+        self.tok_embeddings = nn.Embedding(vocab[1] - vocab[0], config.dim)
+        self.layers = nn.ModuleList(Block(config, tp) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = nn.Linear(config.dim, vocab[1] - vocab[0], bias=False)
         self.tie_weights()
         self.source: str = config.name
         self._tokenizer = None
@@ -285,9 +300,17 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight.device
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """token_ids [T] long -> x [T, dim]; a clear error for ids outside the vocabulary."""
+        """token_ids [T] long -> x [T, dim]; a clear error for ids outside the vocabulary.
+
+        Under TP each rank looks up the ids of its vocabulary slice (zero rows for the others) and
+        an all-reduce sums the T ranks' rows: exact, as every row has one non-zero term."""
         check_token_ids(token_ids, self.config.vocab_size)
-        return F.embedding(token_ids, self.tok_embeddings.weight)
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.tok_embeddings.weight)
+        lo, hi = self.tp.vocab(self.config)
+        elsewhere = (token_ids < lo) | (token_ids >= hi)
+        x = F.embedding((token_ids - lo).masked_fill_(elsewhere, 0), self.tok_embeddings.weight)
+        return self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0), "tp-embed")
 
     def rope(self, positions: torch.Tensor) -> RopeAngles:
         """Rotary cos/sin for positions [T] long (global positions), in the activation dtype."""
@@ -302,8 +325,9 @@ class Transformer(nn.Module):
         return RopeAngles(cos[:, None, :], sin[:, None, :])
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states [N, dim] -> float32 logits [N, vocab]."""
-        return linear(x, self.output.weight).float()
+        """Normed hidden states [N, dim] -> float32 logits [N, vocab] (under TP: on every TP rank,
+        each computing its vocabulary slice, then one all-gather)."""
+        return self.tp.gather_vocab(linear(x, self.output.weight).float(), self.config.vocab_size)
 
     # -- forward -----------------------------------------------------------------------------
 

@@ -6,20 +6,40 @@ it is read (converted on the way). Peak memory is the model plus one checkpoint 
 second full copy.
 
 Checkpoint readers (weights_gguf.py, weights_hf.py) map each checkpoint tensor name to a
-`WeightPiece`: a parameter name of ours and an optional row range (for the fused wqkv and w13
-matrices). `WeightFiller` checks names and shapes, copies, and names whatever never arrived.
+`WeightPiece`: a parameter name of ours, an optional row range (for the fused wqkv and w13
+matrices) and, under tensor parallelism, the slice of the checkpoint tensor this rank holds
+(`Take`, see ringctx.model.tensor_parallel). Readers read only that slice from the file, so a TP
+rank's peak memory while loading is its shard plus one slice. `WeightFiller` checks names and
+shapes, copies, and names whatever never arrived.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .tensor_parallel import NO_TP, TensorParallel
 from .transformer import Transformer
+
+
+class Take(NamedTuple):
+    """The part of a checkpoint tensor one tensor-parallel rank holds: indices [start, stop) of
+    dimension `dim` (PyTorch order) out of `full`."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+    def index(self) -> tuple[slice, ...]:
+        """The indexing tuple that cuts this part out of the whole tensor."""
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
 
 
 class WeightPiece(NamedTuple):
@@ -31,6 +51,36 @@ class WeightPiece(NamedTuple):
     """Row range [start, stop) inside that parameter, or None for the whole parameter."""
     source_name: str
     """The tensor's name in the checkpoint (for error messages)."""
+    take: Take | None = None
+    """The slice of the checkpoint tensor this rank holds (tensor parallelism), or None: all of it."""
+
+
+def tp_take(config: ModelConfig, tp: TensorParallel, kind: str) -> Take | None:
+    """Which slice of a checkpoint tensor of `kind` TP rank `tp.rank` holds (None: all of it).
+
+    kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
+    "gate", "up" (rows), "down" (input columns), "vocab" (embedding or head rows), or anything
+    else (norms, the o bias): replicated. `config` is the whole model's.
+    """
+    if tp.size == 1:
+        return None
+    D = config.head_dim
+    if kind == "q":
+        a, b = tp.q_heads(config)
+        return Take(0, a * D, b * D, config.n_heads * D)
+    if kind in ("k", "v"):
+        a, b = tp.kv_heads(config)
+        return Take(0, a * D, b * D, config.n_kv_heads * D)
+    if kind == "o":
+        a, b = tp.q_heads(config)
+        return Take(1, a * D, b * D, config.n_heads * D)
+    if kind in ("gate", "up"):
+        return Take(0, *tp.ffn(config), config.ffn_dim)
+    if kind == "down":
+        return Take(1, *tp.ffn(config), config.ffn_dim)
+    if kind == "vocab":
+        return Take(0, *tp.vocab(config), config.vocab_size)
+    return None
 
 
 def qkv_rows(config: ModelConfig, which: str) -> tuple[int, int]:
@@ -61,10 +111,12 @@ def _no_parameter_init():
             cls.reset_parameters = method
 
 
-def empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> Transformer:
-    """A Transformer with uninitialised parameters in `dtype` on `device` (no memory on 'meta')."""
+def empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
+                tp: TensorParallel = NO_TP) -> Transformer:
+    """A Transformer (this TP rank's shard of it under `tp`) with uninitialised parameters in
+    `dtype` on `device` (no memory on 'meta')."""
     with torch.device("meta"), _no_parameter_init():
-        model = Transformer(config)
+        model = Transformer(config, tp)
     model = model.to(dtype=dtype)
     if torch.device(device).type != "meta":
         model = model.to_empty(device=device)
@@ -95,9 +147,13 @@ class WeightFiller:
                              "architecture or variant") from None
 
     def expected_shape(self, piece: WeightPiece) -> tuple[int, ...]:
-        """The shape a checkpoint tensor must have to fill `piece`."""
-        shape = tuple(self.params[piece.param].shape)
-        return shape if piece.rows is None else (piece.rows[1] - piece.rows[0], *shape[1:])
+        """The shape the whole checkpoint tensor must have to fill `piece` (before any TP slice)."""
+        shape = list(self.params[piece.param].shape)
+        if piece.rows is not None:
+            shape[0] = piece.rows[1] - piece.rows[0]
+        if piece.take is not None:
+            shape[piece.take.dim] = piece.take.full
+        return tuple(shape)
 
     def check_shape(self, piece: WeightPiece, shape: tuple[int, ...]) -> None:
         want = self.expected_shape(piece)
@@ -106,8 +162,8 @@ class WeightFiller:
                              f"model config needs {want}; the weights do not match the config")
 
     def put(self, piece: WeightPiece, tensor: torch.Tensor) -> None:
-        """Copy `tensor` (any dtype, any device) into its place, converting to the model's dtype."""
-        self.check_shape(piece, tuple(tensor.shape))
+        """Copy `tensor` (any dtype, any device; already cut to `piece.take`) into its place,
+        converting to the model's dtype."""
         param = self.params[piece.param]
         target = param if piece.rows is None else param[piece.rows[0]:piece.rows[1]]
         with torch.no_grad():
@@ -126,13 +182,57 @@ class WeightFiller:
 def init_random(model: Transformer, seed: int = 0) -> None:
     """Deterministic random weights: N(0, 0.02) matrices and biases, unit norm weights.
 
-    Each tensor is drawn from a CPU generator in float32 and copied into place, so the values do not
-    depend on the device or dtype (beyond rounding) and only one tensor is ever duplicated.
+    Every parameter of the whole model is drawn in blocks of rows, each block from a CPU generator
+    seeded by (seed, parameter name, block), in float32, then copied into place. So the values do
+    not depend on the device, the dtype (beyond rounding) or tensor parallelism: a TP rank draws
+    only the blocks that hold its rows, and its shard equals the same slice of the whole model.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=True):
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
-                param.copy_(torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen))
+                continue
+            full_shape, rows, cols = _full_rows(model, name)
+            row_numel = math.prod(full_shape[1:])
+            block = max(1, (1 << 20) // max(row_numel, 1))
+            for first in range(0, full_shape[0], block):
+                wanted = ((rows >= first) & (rows < first + block)).nonzero().flatten()
+                if wanted.numel() == 0:
+                    continue
+                digest = hashlib.sha256(f"{seed}/{name}/{first}".encode()).digest()
+                gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+                n = min(block, full_shape[0] - first)
+                values = torch.empty((n, *full_shape[1:]), dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+                values = values[rows[wanted] - first]
+                param[wanted] = values if cols is None else values[:, cols]
+
+
+def _full_rows(model: Transformer, name: str) -> tuple[tuple[int, ...], torch.Tensor, slice | None]:
+    """Where parameter `name` of this (possibly TP-sharded) model comes from in the whole model:
+    (the whole parameter's shape, the whole parameter's row of each of our rows, the columns we
+    keep or None for all)."""
+    param = dict(model.named_parameters())[name]
+    full, local, tp = model.full_config, model.config, model.tp
+    if tp.size == 1:
+        return tuple(param.shape), torch.arange(param.shape[0]), None
+    shape = list(param.shape)
+    kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
+    if kind == "wqkv":  # rows: this rank's q heads, then its k heads, then its v heads
+        shape[0] = qkv_rows(full, "v")[1]
+        rows = [torch.arange(qkv_rows(full, w)[0] + t.start, qkv_rows(full, w)[0] + t.stop)
+                for w in "qkv" for t in [tp_take(full, tp, w)]]
+        return tuple(shape), torch.cat(rows), None
+    if kind == "w13":
+        shape[0] = 2 * full.ffn_dim
+        rows = [torch.arange(mlp_rows(full, w)[0] + t.start, mlp_rows(full, w)[0] + t.stop)
+                for w in ("gate", "up") for t in [tp_take(full, tp, w)]]
+        return tuple(shape), torch.cat(rows), None
+    if kind in ("wo", "w2") and name.endswith("weight"):
+        t = tp_take(full, tp, "o" if kind == "wo" else "down")
+        shape[1] = t.full
+        return tuple(shape), torch.arange(shape[0]), slice(t.start, t.stop)
+    if kind in ("tok_embeddings", "output"):
+        t = tp_take(full, tp, "vocab")
+        shape[0] = t.full
+        return tuple(shape), torch.arange(t.start, t.stop), None
+    return tuple(shape), torch.arange(shape[0]), None  # replicated: the o bias

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, read_gguf_field
-from .weights import WeightFiller, WeightPiece, mlp_rows, qkv_rows
+from .tensor_parallel import NO_TP, TensorParallel
+from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -55,35 +56,38 @@ def gguf_shards(path: str, reader) -> list:
     return [reader if os.path.basename(path) == n else open_gguf(os.path.join(directory, n)) for n in names]
 
 
-def expected_gguf_tensors(config: ModelConfig, arch: str) -> dict[str, tuple[WeightPiece, int | None]]:
-    """GGUF tensor name -> (where it goes, heads to un-permute for rotary or None)."""
+def expected_gguf_tensors(config: ModelConfig, arch: str,
+                          tp: TensorParallel = NO_TP) -> dict[str, tuple[WeightPiece, int | None]]:
+    """GGUF tensor name -> (where it goes, heads to un-permute for rotary or None), for TP rank
+    `tp.rank` (`config` is the whole model's; the heads are those of the rank's slice)."""
     unpermute = arch == "llama"
+    local = tp.shard_config(config)
     pieces: dict[str, tuple[WeightPiece, int | None]] = {}
 
-    def add(gguf_name: str, param: str, rows=None, heads=None):
-        pieces[gguf_name] = (WeightPiece(param, rows, gguf_name), heads)
+    def add(gguf_name: str, param: str, rows=None, heads=None, kind: str = ""):
+        pieces[gguf_name] = (WeightPiece(param, rows, gguf_name, tp_take(config, tp, kind)), heads)
 
-    add("token_embd.weight", "tok_embeddings.weight")
+    add("token_embd.weight", "tok_embeddings.weight", kind="vocab")
     add("output_norm.weight", "norm.weight")
     if not config.tie_embeddings:
-        add("output.weight", "output.weight")
+        add("output.weight", "output.weight", kind="vocab")
     for i in range(config.n_layers):
         blk, ours = f"blk.{i}", f"layers.{i}"
         add(f"{blk}.attn_norm.weight", f"{ours}.attention_norm.weight")
         add(f"{blk}.ffn_norm.weight", f"{ours}.ffn_norm.weight")
         kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
         for kind in kinds:
-            add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, "q"),
-                config.n_heads if unpermute else None)
-            add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, "k"),
-                config.n_kv_heads if unpermute else None)
-            add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, "v"))
-        add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight")
+            add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "q"),
+                local.n_heads if unpermute else None, "q")
+            add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "k"),
+                local.n_kv_heads if unpermute else None, "k")
+            add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "v"), kind="v")
+        add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o")
         if config.attn_out_bias:
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
-        add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(config, "gate"))
-        add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(config, "up"))
-        add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight")
+        add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), kind="gate")
+        add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
+        add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
 
 
@@ -97,18 +101,41 @@ def gguf_tensor_shape(tensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
-def dequantize_tensor(tensor) -> torch.Tensor:
-    """A GGUF tensor as a CPU torch tensor in PyTorch shape order (float32, or F16/BF16 as is)."""
+ROWS_PER_READ = 256
+"""Rows dequantized at a time when only some columns of a tensor are wanted (a TP rank's slice of
+a row-parallel matrix): the whole float32 tensor is never materialized."""
+
+
+def dequantize_tensor(tensor, take: Take | None = None) -> torch.Tensor:
+    """A GGUF tensor (or its slice `take`, for tensor parallelism) as a CPU torch tensor in PyTorch
+    shape order (float32, or F16/BF16 as is).
+
+    GGUF stores each row (PyTorch's last dimension) as whole quantization blocks, so a slice of
+    rows is read alone; a slice of columns is dequantized ROWS_PER_READ rows at a time."""
+    expected_bytes = _tensor_bytes(tensor)
+    if tensor.data.nbytes != expected_bytes:
+        raise ValueError(f"tensor {tensor.name!r} has {tensor.data.nbytes} bytes of data, expected "
+                         f"{expected_bytes}; the file is truncated")
+    shape = gguf_tensor_shape(tensor)
+    if take is None:
+        return _dequantize_rows(tensor, tensor.data, shape)
+    data = tensor.data.reshape(shape[0], -1)  # one row (its blocks or values) per line
+    if take.dim == 0:
+        return _dequantize_rows(tensor, data[take.start:take.stop], (take.stop - take.start, *shape[1:]))
+    parts = []
+    for first in range(0, shape[0], ROWS_PER_READ):
+        last = min(first + ROWS_PER_READ, shape[0])
+        parts.append(_dequantize_rows(tensor, data[first:last], (last - first, shape[1]))[:, take.start:take.stop]
+                     .clone())
+    return torch.cat(parts)
+
+
+def _dequantize_rows(tensor, data, shape: tuple[int, ...]) -> torch.Tensor:
+    """Raw GGUF data (whole rows) -> a tensor of `shape`."""
     import gguf
     from gguf.quants import dequantize
 
-    shape = gguf_tensor_shape(tensor)
     kind = tensor.tensor_type
-    data = tensor.data
-    expected_bytes = _tensor_bytes(tensor)
-    if data.nbytes != expected_bytes:
-        raise ValueError(f"tensor {tensor.name!r} has {data.nbytes} bytes of data, expected {expected_bytes}; "
-                         "the file is truncated")
     if kind == gguf.GGMLQuantizationType.F16:
         return torch.from_numpy(np.array(data).view(np.float16).reshape(shape))
     if kind == gguf.GGMLQuantizationType.BF16:
@@ -142,8 +169,9 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def load_gguf_weights(model, path: str, reader, arch: str) -> None:
-    """Fill `model` (built from this file's config) with the file's dequantized tensors."""
-    expected = expected_gguf_tensors(model.config, arch)
+    """Fill `model` (built from this file's config; a TP rank's shard reads only its slices) with
+    the file's dequantized tensors."""
+    expected = expected_gguf_tensors(model.full_config, arch, model.tp)
     filler = WeightFiller(model, path, {name: piece for name, (piece, _) in expected.items()})
     for shard in gguf_shards(path, reader):
         for tensor in shard.tensors:
@@ -152,7 +180,7 @@ def load_gguf_weights(model, path: str, reader, arch: str) -> None:
             piece = filler.piece(tensor.name)
             filler.check_shape(piece, gguf_tensor_shape(tensor))
             try:
-                value = dequantize_tensor(tensor)
+                value = dequantize_tensor(tensor, piece.take)
             except ValueError as e:
                 raise ValueError(f"{path}: {e}") from None
             heads = expected[tensor.name][1]
@@ -163,15 +191,17 @@ def load_gguf_weights(model, path: str, reader, arch: str) -> None:
     filler.finish()
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None):
-    """Config and model from a GGUF file: (ModelConfig, Transformer with the file's weights)."""
+def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None,
+              tp: TensorParallel = NO_TP):
+    """Config and model (this TP rank's shard under `tp`) from a GGUF file: (ModelConfig,
+    Transformer with the file's weights)."""
     from .weights import empty_model
 
     path = os.fspath(path)
     reader = open_gguf(path)
     config = ModelConfig.from_gguf(reader, name=name or os.path.basename(path))
     arch = read_gguf_field(reader.fields["general.architecture"])
-    model = empty_model(config, dtype=dtype, device=device)
+    model = empty_model(config, dtype=dtype, device=device, tp=tp)
     if torch.device(device).type != "meta":
         load_gguf_weights(model, path, reader, arch)
     return config, model

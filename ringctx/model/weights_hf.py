@@ -14,7 +14,8 @@ import os
 import torch
 
 from ..config import ModelConfig
-from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows
+from .tensor_parallel import NO_TP, TensorParallel
+from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -22,30 +23,33 @@ INDEX_FILE = "model.safetensors.index.json"
 _NOT_PARAMETERS_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def expected_hf_tensors(config: ModelConfig) -> dict[str, WeightPiece]:
-    """Hugging Face tensor name -> where it goes (LlamaForCausalLM / Qwen2ForCausalLM naming)."""
+def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict[str, WeightPiece]:
+    """Hugging Face tensor name -> where it goes (LlamaForCausalLM / Qwen2ForCausalLM naming), and
+    which slice of it TP rank `tp.rank` holds. `config` is the whole model's."""
     pieces: dict[str, WeightPiece] = {}
+    local = tp.shard_config(config)
 
-    def add(hf_name: str, param: str, rows=None):
-        pieces[hf_name] = WeightPiece(param, rows, hf_name)
+    def add(hf_name: str, param: str, rows=None, kind: str = ""):
+        pieces[hf_name] = WeightPiece(param, rows, hf_name, tp_take(config, tp, kind))
 
-    add("model.embed_tokens.weight", "tok_embeddings.weight")
+    add("model.embed_tokens.weight", "tok_embeddings.weight", kind="vocab")
     add("model.norm.weight", "norm.weight")
     if not config.tie_embeddings:
-        add("lm_head.weight", "output.weight")
+        add("lm_head.weight", "output.weight", kind="vocab")
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         add(f"{hf}.input_layernorm.weight", f"{ours}.attention_norm.weight")
         add(f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
             for which in "qkv":
-                add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(config, which))
-        add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight")
+                add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
+                    which)
+        add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight", kind="o")
         if config.attn_out_bias:
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
-        add(f"{hf}.mlp.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(config, "gate"))
-        add(f"{hf}.mlp.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(config, "up"))
-        add(f"{hf}.mlp.down_proj.weight", f"{ours}.feed_forward.w2.weight")
+        add(f"{hf}.mlp.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
+        add(f"{hf}.mlp.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
+        add(f"{hf}.mlp.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
 
 
@@ -77,8 +81,8 @@ def load_hf_weights(model, directory: str) -> None:
     """Fill `model` (built from this directory's config.json) with its safetensors tensors."""
     from safetensors import safe_open
 
-    config = model.config
-    filler = WeightFiller(model, directory, expected_hf_tensors(config))
+    config = model.full_config
+    filler = WeightFiller(model, directory, expected_hf_tensors(config, model.tp))
     for path in safetensors_files(directory):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -93,8 +97,9 @@ def load_hf_weights(model, directory: str) -> None:
                     continue  # some saves write the tied head too; it equals the embedding
                 piece = filler.piece(name)
                 filler.check_shape(piece, tuple(handle.get_slice(name).get_shape()))
-                try:
-                    value = handle.get_tensor(name)
+                try:  # a TP rank reads only its slice of the memory-mapped file
+                    value = handle.get_tensor(name) if piece.take is None else \
+                        handle.get_slice(name)[piece.take.index()]
                 except Exception as e:
                     raise ValueError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e}); the file "
                                      "is truncated or corrupt, re-download it") from None
@@ -103,8 +108,10 @@ def load_hf_weights(model, directory: str) -> None:
     filler.finish()
 
 
-def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, name: str | None = None):
-    """Config and model from a Hugging Face directory: (ModelConfig, Transformer with its weights).
+def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, name: str | None = None,
+            tp: TensorParallel = NO_TP):
+    """Config and model (this TP rank's shard under `tp`) from a Hugging Face directory:
+    (ModelConfig, Transformer with its weights).
 
     dtype None: the checkpoint's `torch_dtype`/`dtype` from config.json (float32 if absent).
     """
@@ -112,7 +119,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, 
     config = ModelConfig.from_hf_config(directory, name=name)
     if dtype is None:
         dtype = checkpoint_dtype(directory)
-    model = empty_model(config, dtype=dtype, device=device)
+    model = empty_model(config, dtype=dtype, device=device, tp=tp)
     if torch.device(device).type != "meta":
         load_hf_weights(model, directory)
     return config, model

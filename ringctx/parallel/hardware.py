@@ -1,9 +1,11 @@
 """Hardware profiles: the numbers the strategy heuristic, the cost model and the planner run on.
 
-A profile describes one CP rank (one GPU, or one CPU process): its compute (peak FLOP/s per dtype
-times an achieved fraction, C in the paper), its inter-rank bandwidth (BW, achieved bytes/s per
-rank and direction), a per-message latency, its memory, and optionally what calibration measured
-(attention throughput by block size, linear-layer FLOP/s, empirical-rule coefficients).
+A profile describes one CP rank (one GPU, or one CPU process): its compute (peak FLOP/s per dtype,
+C in the paper's thresholds, and the fraction of it the kernels achieve, which the cost model
+runs on), its inter-rank bandwidth (BW, achieved bytes/s per rank and direction), a per-message
+latency, the intra-host link of tensor-parallel all-reduces, a fixed cost per decoder layer, its
+memory, and optionally what calibration measured (attention throughput by block size,
+linear-layer FLOP/s, empirical-rule coefficients).
 
 Profiles are JSON data. Built-in ones live in ``ringctx/hardware/<name>.json``; any other file can
 be passed by path. `load_profile` validates every field and raises a ValueError that names the file,
@@ -190,7 +192,8 @@ class HardwareProfile:
     peak_flops: dict[str, float]
     """Peak dense FLOP/s of one rank, by canonical dtype name."""
     achieved_fraction: float
-    """Fraction of peak the kernels achieve (0 < f <= 1); C = peak * achieved_fraction."""
+    """Fraction of peak the kernels achieve (0 < f <= 1): the cost model's compute is
+    peak * achieved_fraction (`achieved_flops`); the paper's thresholds use the peak itself."""
     bandwidth_bytes_per_s: float
     """Achieved inter-rank bandwidth BW of one rank, one direction, in bytes/s."""
     latency_s: float
@@ -226,6 +229,17 @@ class HardwareProfile:
     decode runs on one host, so this bounds its decode ranks. None: see `host_devices`."""
     ring_sizes: dict[int, RingCalibration] = field(default_factory=dict)
     """Live-group measurements by ring size N (`ringctx calibrate --nproc N`); see `ring`."""
+    tp_bandwidth_bytes_per_s: float | None = None
+    """Bus bandwidth of the intra-host link that tensor-parallel all-reduces run over (NVLink on GPU
+    hosts, shared memory between local ranks on a CPU host), bytes/s per device: an all-reduce of
+    B bytes over TP devices moves 2*(TP-1)/TP*B bytes at this rate. None: the inter-rank
+    `bandwidth_bytes_per_s` (see `tp_link`)."""
+    tp_latency_s: float | None = None
+    """Fixed cost of one tensor-parallel all-reduce in seconds. None: `latency_s` (see `tp_link`)."""
+    layer_overhead_s: float = 0.0
+    """Fixed cost of one decoder layer on one device beyond its FLOPs and transfers: kernel launches
+    on GPUs (tens of microseconds a layer), Python and weight reads on CPUs. It dominates short
+    prompts on a long cache (a follow-up question). 0 in profiles written before the field."""
     notes: str = ""
     """Free text: caveats, how to recalibrate."""
     source_path: str | None = field(default=None, compare=False)
@@ -309,6 +323,16 @@ class HardwareProfile:
             cp_size, r.compute_scale * share(cp_size) / share(near), r.latency_s * f, r.bandwidth_bytes_per_s / f,
             r.all2all_latency_s * f, r.all2all_bandwidth_bytes_per_s / f, r.comm_overlap,
             {s: v * f for s, v in r.overhead_s.items()}, f"scaled from N={near}", r.attention_factor)
+
+    def tp_link(self) -> tuple[float, float]:
+        """(latency_s, bandwidth_bytes_per_s) of one tensor-parallel all-reduce.
+
+        The profile's tp_* numbers; a profile without them prices the all-reduce at its inter-rank
+        latency and bandwidth, the slower link as far as the profile knows (never optimistic).
+        """
+        latency = self.latency_s if self.tp_latency_s is None else self.tp_latency_s
+        bandwidth = self.bandwidth_bytes_per_s if self.tp_bandwidth_bytes_per_s is None else self.tp_bandwidth_bytes_per_s
+        return latency, bandwidth
 
     def host_devices(self) -> int:
         """Ranks of one host: `devices_per_host`, else `host_cores` (at most one rank per core),
@@ -419,7 +443,8 @@ _REQUIRED = ("name", "description", "calibrated", "peak_flops", "achieved_fracti
              "bandwidth_bytes_per_s", "latency_s", "memory_bytes")
 _OPTIONAL = ("schema_version", "link_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_s",
              "attention_throughput", "linear_flops_per_s", "empirical_rules", "attention_causal_throughput",
-             "attention_call_overhead_s", "comm_overlap", "host_cores", "devices_per_host", "ring_sizes", "notes")
+             "attention_call_overhead_s", "comm_overlap", "host_cores", "devices_per_host", "ring_sizes",
+             "tp_bandwidth_bytes_per_s", "tp_latency_s", "layer_overhead_s", "notes")
 _RING_FIELDS = tuple(f.name for f in dataclasses.fields(RingCalibration))
 _RING_REQUIRED = tuple(name for name in _RING_FIELDS if name != "attention_factor")
 _RULE_FIELDS = tuple(f.name for f in dataclasses.fields(EmpiricalRuleCoefficients))
@@ -556,6 +581,10 @@ def _optional_positive(d: dict, key: str, where: str) -> float | None:
     return None if d.get(key) is None else _number(d, key, where)
 
 
+def _optional_nonnegative(d: dict, key: str, where: str) -> float | None:
+    return None if d.get(key) is None else _number(d, key, where, lo_inclusive=True)
+
+
 def _parse_profile(data: Any, where: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise ValueError(f"hardware profile {where}: must be a JSON object, got {type(data).__name__}")
@@ -593,5 +622,8 @@ def _parse_profile(data: Any, where: str) -> HardwareProfile:
         devices_per_host=(None if data.get("devices_per_host") is None
                           else _positive_int(data["devices_per_host"], where, "devices_per_host")),
         ring_sizes=_ring_sizes(data, where),
+        tp_bandwidth_bytes_per_s=_optional_positive(data, "tp_bandwidth_bytes_per_s", where),
+        tp_latency_s=_optional_nonnegative(data, "tp_latency_s", where),
+        layer_overhead_s=_optional_nonnegative(data, "layer_overhead_s", where) or 0.0,
         notes=_string(data, "notes", where) if "notes" in data else "",
     )

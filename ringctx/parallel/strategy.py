@@ -1,20 +1,27 @@
 """Choosing ring pass-KV or pass-Q (paper Eq. 1-3, Algorithms 1 and 5), and the cost model.
 
 Notation (paper): T new tokens, P cached tokens, N = cp_size ranks, NH query heads, NKV KV heads,
-DH head dim, D = NH*DH, e bytes per element, C achieved FLOP/s per rank, BW achieved bytes/s per
-rank. Miss rate m = T/(T+P).
+DH head dim, D = NH*DH, e bytes per element, C peak FLOP/s per rank, BW bytes/s per rank. Miss
+rate m = T/(T+P). Under tensor parallelism of TP GPUs every GPU runs its own ring over its heads,
+so NH and NKV are the heads of one GPU (`local_heads`): the ratio NKV/NH is the model's, except
+when TP > NKV and the KV heads are replicated (one KV head for NH/TP query heads: TP/NH).
 
 Rules of `choose_strategy`:
 - ``alg1``  (Algorithm 1): pass-KV if T >= N*C*NKV*e/(2*NH*BW) (Eq. 2) or m >= 2*NKV/NH (Eq. 1).
 - ``alg5``  (Algorithm 5, the default): pass-KV if T >= N*C*NKV*e/(2*NH*BW)
-            or m >= 2*NKV/NH - 4*T*BW/(N*C*e)  (the All2All of pass-Q counted).
+            or m >= 2*NKV/NH - 4*T*BW/(N*C*e) * (1 - m/2)  (the All2All of pass-Q counted; the
+            factor 1 - m/2 counts the causal half of the new tokens' own block as not computed).
 - ``empirical``: pass-KV if h = a*ln T + b*ln m + c > 0, coefficients from the hardware profile.
 - ``cost``: the strategy with the smaller predicted attention time of the cost model below.
 
+C in the thresholds is the profile's peak FLOP/s, as in the paper (`threshold_flops`); the cost
+model runs on the achieved rate (peak * achieved_fraction, or calibrated tables).
+
 The cost model (`predict_strategy_cost`) prices one prefill chunk per layer and per ring step:
 SendRecv of a message (latency + bytes/BW) overlapped with the attention of the block at hand,
-the un-overlapped All2All of pass-Q, and the linear layers. It agrees with Algorithm 5 where
-Algorithm 5 was derived (pass-Q's ring hidden, Eq. 3). Where nothing hides, pass-Q's All2All
+the un-overlapped All2All of pass-Q, the linear layers, the two tensor-parallel all-reduces and a
+fixed cost per layer. It agrees with Algorithm 5 where Algorithm 5 was derived (pass-Q's ring
+hidden, Eq. 3) and the cost model's C is the thresholds' C. Where nothing hides, pass-Q's All2All
 returns as many bytes as its ring carried, so the model's crossover falls to m ~ NKV/NH while
 Algorithms 1 and 5 keep 2*NKV/NH: between the two the "cost" rule picks pass-KV, they pass-Q.
 
@@ -82,14 +89,35 @@ def pass_q_context_threshold(cp_size: int, flops: float, elem_bytes: int, bandwi
     return cp_size * elem_bytes * flops / (4 * bandwidth)
 
 
-def alg5_miss_rate_threshold(new_tokens: int, cp_size: int, flops: float, n_heads: int,
+def alg5_miss_rate_threshold(new_tokens: int, cached_tokens: int, cp_size: int, flops: float, n_heads: int,
                              n_kv_heads: int, elem_bytes: int, bandwidth: float) -> float:
-    """Algorithm 5's miss-rate threshold: 2*NKV/NH - 4*T*BW/(N*C*e), below Algorithm 1's 2*NKV/NH.
+    """Algorithm 5's miss-rate threshold 2*NKV/NH - 4*T*BW/(N*C*e) * (1 - m/2), below Algorithm 1's 2*NKV/NH.
 
-    Equivalent to "pass-KV's exposed KV transfer costs no more than pass-Q's All2All (~T*D*e/BW)":
-    2*(T+P)*D*(NKV/NH)*e/BW <= T*D*e/BW + 4*T*(T+P)*D/(N*C).
+    Pass-KV wins when its exposed KV transfer costs no more than pass-Q's All2All (~T*D*e/BW):
+        2*(T+P)*D*(NKV/NH)*e/BW <= T*D*e/BW + attention FLOPs / (N*C).
+    The paper counts the attention FLOPs as 4*T*(T+P)*D, the new tokens' own T x T block in full,
+    and gets 2*NKV/NH - 4*T*BW/(N*C*e). That block is causal: half of it is masked and never
+    computed (`attention_flops` = 4*T*(T+P)*D*(1 - m/2)), so less compute hides the KV transfer
+    and the threshold rises by the factor (1 - m/2) on the second term. It changes nothing when
+    P >> T (m -> 0); it is what decides the paper's CP4 partial prefill of 3200 new tokens on a
+    124,800-token cache (m = 2.5%, where the paper's form gives exactly 0.125 - 0.1 = m, a tie that
+    Algorithm 5's >= hands to pass-KV) for pass-Q, the faster one in the paper's measurements.
     """
-    return message_size_threshold(n_heads, n_kv_heads) - 4 * new_tokens * bandwidth / (cp_size * flops * elem_bytes)
+    m = miss_rate(new_tokens, cached_tokens)
+    all2all_vs_compute = 4 * new_tokens * bandwidth / (cp_size * flops * elem_bytes)
+    return message_size_threshold(n_heads, n_kv_heads) - all2all_vs_compute * (1 - m / 2)
+
+
+def threshold_flops(hw: HardwareProfile, dtype: str, cp_size: int) -> float:
+    """C of Eq. 2/3 and Algorithms 1/5: the peak FLOP/s of one rank, as the paper uses it.
+
+    peak_flops[dtype] times the ring's compute scale (1 on GPUs; ranks sharing a CPU host get
+    their share of it). Not the achieved rate the cost model runs on: the paper derives its
+    thresholds from peak C and BW, and with an achieved C (63% of peak on the paper's H100s) the
+    Eq. 2 threshold of its CP4 x TP8 Llama3-405B runs drops from 4000 to 2520 tokens, so a
+    3200-token follow-up on a 128K context would run pass-KV where the paper finds pass-Q faster.
+    """
+    return hw.peak(dtype) * hw.ring(cp_size).compute_scale
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -104,13 +132,20 @@ class StrategyChoice:
     rule: str
     """The rule that decided: "alg1", "alg5", "empirical" or "cost"."""
     reason: str
-    """A sentence naming the condition that fired, with its numbers."""
+    """A sentence naming the condition that fired, with its numbers (and the heads per TP rank
+    when TP > 1)."""
     new_tokens: int
     """T: tokens of this prefill (chunk) whose KV is new."""
     cached_tokens: int
     """P: tokens already in the KV cache that the new tokens attend to."""
     cp_size: int
     """N: ranks in the ring."""
+    tp_size: int
+    """TP: tensor-parallel GPUs per CP rank; each runs its own ring over its heads."""
+    n_heads: int
+    """NH in the formulas: query heads of one GPU, the model's / TP."""
+    n_kv_heads: int
+    """NKV in the formulas: KV heads of one GPU, the model's / TP, or 1 when TP > NKV replicates them."""
     miss_rate: float
     """m = T/(T+P)."""
     message_size_threshold: float
@@ -118,15 +153,15 @@ class StrategyChoice:
     compute_threshold_tokens: float
     """Eq. 2: N*C*NKV*e/(2*NH*BW); pass-KV's transfer hides under compute when T is at least this."""
     alg5_miss_rate_threshold: float
-    """Algorithm 5: 2*NKV/NH - 4*T*BW/(N*C*e)."""
+    """Algorithm 5: 2*NKV/NH - 4*T*BW/(N*C*e) * (1 - m/2) (see `alg5_miss_rate_threshold`)."""
     pass_q_context_threshold_tokens: float
     """Eq. 3: N*e*C/(4*BW); pass-Q's ring transfer hides under compute when T+P is at least this."""
     empirical_score: float | None
     """h(T, P) of the empirical rule when that rule decided, else None."""
-    achieved_flops: float
-    """C: achieved FLOP/s per rank used in the formulas."""
+    peak_flops: float
+    """C: peak FLOP/s of one rank used in the formulas (`threshold_flops`)."""
     bandwidth_bytes_per_s: float
-    """BW: achieved bytes/s per rank used in the formulas."""
+    """BW: bytes/s per rank used in the formulas (the ring's bandwidth in the profile)."""
     element_bytes: int
     """e: bytes per element of the attention dtype."""
 
@@ -140,10 +175,12 @@ def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | s
     """Pick pass-KV or pass-Q for T = `new_tokens` new and P = `cached_tokens` cached tokens.
 
     `model` is a ModelConfig or preset name; `hardware` a profile or a profile name/path, giving
-    C = peak_flops[dtype] * achieved_fraction and BW = bandwidth_bytes_per_s. The thresholds do not
-    depend on TP (heads and FLOP/s per GPU scale alike); `tp_size` and `max_cached_per_rank` only
-    matter to the "cost" rule (see `predict_strategy_cost`). With N = 1 there is no ring; the rule
-    still runs and its reason says the choice has no effect.
+    C = `threshold_flops` (the peak, as in the paper) and BW = the ring's bandwidth. Under TP of
+    `tp_size` every GPU runs its own ring over its heads, so the formulas take the heads of one GPU
+    (`local_heads`): FLOP/s and bytes per GPU scale alike, and the ratio NKV/NH is the model's
+    unless TP > NKV replicates the KV heads (then it is TP/NH, the KV messages relatively larger).
+    `max_cached_per_rank` only matters to the "cost" rule (see `predict_strategy_cost`). With
+    N = 1 there is no ring; the rule still runs and its reason says the choice has no effect.
     """
     model = get_preset(model) if isinstance(model, str) else model
     hardware = load_profile(hardware)
@@ -152,7 +189,7 @@ def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | s
     if rule not in RULES:
         raise ValueError(f"unknown strategy rule {rule!r}; use one of {', '.join(RULES)}")
     dtype = canonical_dtype(dtype)
-    numbers = _threshold_numbers(new_tokens, cached_tokens, model, cp_size, hardware, dtype)
+    numbers = _threshold_numbers(new_tokens, cached_tokens, model, cp_size, tp_size, hardware, dtype)
     if rule == "alg1":
         strategy, reason = _decide_alg1(numbers)
     elif rule == "alg5":
@@ -164,6 +201,7 @@ def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | s
         costs = predict_costs(new_tokens, cached_tokens, model, cp_size, hardware, tp_size=tp_size,
                               dtype=dtype, max_cached_per_rank=max_cached_per_rank)
         strategy, reason = _decide_cost(costs)
+    reason += tp_heads_note(model, tp_size)
     if cp_size == 1:
         reason += " (cp_size=1: no ring, both strategies run the same local attention)"
     return dataclasses.replace(numbers, strategy=strategy, rule=rule, reason=reason)
@@ -177,25 +215,38 @@ def validate_ring_inputs(new_tokens: int, cached_tokens: int, cp_size: int) -> N
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
-def _threshold_numbers(T: int, P: int, model: ModelConfig, N: int, hw: HardwareProfile, dtype: str) -> StrategyChoice:
-    """Every number of Eq. 1-3 and Algorithm 5 for this case (strategy/rule/reason blank)."""
-    C, BW, e = effective_attention_flops(hw, dtype, T, N), hw.ring(N).bandwidth_bytes_per_s, element_bytes(dtype)
-    NH, NKV = model.n_heads, model.n_kv_heads
+def tp_heads_note(model: ModelConfig, tp_size: int) -> str:
+    """The end of a decision's reason under TP: the heads of one GPU the formulas used ("" at TP 1)."""
+    if tp_size == 1:
+        return ""
+    heads, kv_heads = local_heads(model, tp_size)
+    note = f"; heads per TP rank (TP {tp_size}): NH={heads}, NKV={kv_heads} of the model's {model.n_heads}/{model.n_kv_heads}"
+    if tp_size > model.n_kv_heads:
+        note += (f" (TP > NKV: each GPU keeps a replica of one KV head for its {heads} query heads, "
+                 f"so NKV/NH = {tp_size}/{model.n_heads}, not {model.n_kv_heads}/{model.n_heads})")
+    return note
+
+
+def _threshold_numbers(T: int, P: int, model: ModelConfig, N: int, tp_size: int, hw: HardwareProfile,
+                       dtype: str) -> StrategyChoice:
+    """Every number of Eq. 1-3 and Algorithm 5 for this case, per GPU (strategy/rule/reason blank)."""
+    C, BW, e = threshold_flops(hw, dtype, N), hw.ring(N).bandwidth_bytes_per_s, element_bytes(dtype)
+    NH, NKV = local_heads(model, tp_size)
     return StrategyChoice(
-        strategy="", rule="", reason="", new_tokens=T, cached_tokens=P, cp_size=N,
-        miss_rate=miss_rate(T, P),
+        strategy="", rule="", reason="", new_tokens=T, cached_tokens=P, cp_size=N, tp_size=tp_size,
+        n_heads=NH, n_kv_heads=NKV, miss_rate=miss_rate(T, P),
         message_size_threshold=message_size_threshold(NH, NKV),
         compute_threshold_tokens=pass_kv_compute_threshold(N, C, NH, NKV, e, BW),
-        alg5_miss_rate_threshold=alg5_miss_rate_threshold(T, N, C, NH, NKV, e, BW),
+        alg5_miss_rate_threshold=alg5_miss_rate_threshold(T, P, N, C, NH, NKV, e, BW),
         pass_q_context_threshold_tokens=pass_q_context_threshold(N, C, e, BW),
-        empirical_score=None, achieved_flops=C, bandwidth_bytes_per_s=BW, element_bytes=e,
+        empirical_score=None, peak_flops=C, bandwidth_bytes_per_s=BW, element_bytes=e,
     )
 
 
 def _compute_clause(n: StrategyChoice, op: str) -> str:
     return (f"T={n.new_tokens} {op} {n.compute_threshold_tokens:.0f} tokens "
-            f"(Eq. 2, N*C*NKV*e/(2*NH*BW) with N={n.cp_size}, C={n.achieved_flops:.3g} FLOP/s, "
-            f"BW={n.bandwidth_bytes_per_s:.3g} B/s, e={n.element_bytes})")
+            f"(Eq. 2, N*C*NKV*e/(2*NH*BW) with N={n.cp_size}, C={n.peak_flops:.3g} FLOP/s (peak), "
+            f"BW={n.bandwidth_bytes_per_s:.3g} B/s, e={n.element_bytes}, NH={n.n_heads}, NKV={n.n_kv_heads})")
 
 
 def _decide_alg1(n: StrategyChoice) -> tuple[str, str]:
@@ -211,21 +262,22 @@ def _decide_alg1(n: StrategyChoice) -> tuple[str, str]:
 def _decide_alg5(n: StrategyChoice) -> tuple[str, str]:
     if n.new_tokens >= n.compute_threshold_tokens:
         return PASS_KV, f"alg5: pass-KV because {_compute_clause(n, '>=')}: the KV SendRecv hides under attention"
-    threshold = (f"{n.alg5_miss_rate_threshold:.4g} (Alg. 5, 2*NKV/NH - 4*T*BW/(N*C*e) = "
+    threshold = (f"{n.alg5_miss_rate_threshold:.4g} (Alg. 5, 2*NKV/NH - 4*T*BW/(N*C*e)*(1-m/2) = "
                  f"{n.message_size_threshold:.4g} - {n.message_size_threshold - n.alg5_miss_rate_threshold:.4g})")
     if n.miss_rate >= n.alg5_miss_rate_threshold:
         return PASS_KV, (f"alg5: pass-KV because miss rate T/(T+P)={n.miss_rate:.4g} >= {threshold}: "
                          f"its exposed KV transfer costs less than pass-Q's All2All")
     return PASS_Q, (f"alg5: pass-Q because {_compute_clause(n, '<')} and miss rate T/(T+P)={n.miss_rate:.4g} < "
-                    f"{threshold}")
+                    f"{threshold}: pass-Q's All2All costs less than pass-KV's exposed KV transfer")
 
 
 def _decide_empirical(n: StrategyChoice, model: ModelConfig, hw: HardwareProfile, dtype: str):
-    coeffs = hw.empirical_rule_for(model.n_heads, model.n_kv_heads, n.cp_size, dtype)
+    # coefficients are matched by the ratio NKV/NH of one GPU, which TP > NKV changes
+    coeffs = hw.empirical_rule_for(n.n_heads, n.n_kv_heads, n.cp_size, dtype)
     origin = f"{coeffs.source} coefficients of profile {hw.name!r}" if coeffs else None
     if coeffs is None:
-        coeffs = fit_empirical_rule_to_alg5(model, n.cp_size, hw, dtype)
-        origin = (f"profile {hw.name!r} has no coefficients for NKV/NH={model.n_kv_heads}/{model.n_heads}, "
+        coeffs = fit_empirical_rule_to_alg5(model, n.cp_size, hw, dtype, tp_size=n.tp_size)
+        origin = (f"profile {hw.name!r} has no coefficients for NKV/NH={n.n_kv_heads}/{n.n_heads}, "
                   f"N={n.cp_size}, {dtype}: fitted to alg5 now")
     h = coeffs.score(n.new_tokens, n.cached_tokens)
     formula = (f"h = {coeffs.a:.4g}*ln({n.new_tokens}) + {coeffs.b:.4g}*ln({n.miss_rate:.4g}) + {coeffs.c:.4g} "
@@ -236,6 +288,8 @@ def _decide_empirical(n: StrategyChoice, model: ModelConfig, hw: HardwareProfile
 
 
 def _decide_cost(costs: dict[str, "StrategyCost"]) -> tuple[str, str]:
+    # the fixed costs of a layer (TP all-reduces, launches) are the same for both strategies, so
+    # the attention time decides; the per-message latencies of the ring and the All2All are in it
     kv, q = costs[PASS_KV], costs[PASS_Q]
     strategy = PASS_KV if kv.attention_s <= q.attention_s else PASS_Q
     winner = "pass-KV" if strategy == PASS_KV else "pass-Q"
@@ -339,6 +393,28 @@ def transfer_seconds(nbytes: int, bandwidth: float, latency_s: float, messages: 
     return messages * latency_s + nbytes / bandwidth
 
 
+TP_ALLREDUCES_PER_LAYER = 2
+"""All-reduces of one decoder layer under TP: after the attention output projection and after the
+MLP down projection (row-parallel layers each sum partial products over the TP GPUs)."""
+
+
+def tp_allreduce_bytes(tokens: int, dim: int, elem_bytes: int, tp_size: int) -> float:
+    """Bytes one GPU moves in one all-reduce of `tokens` activation rows: 2*(TP-1)/TP * tokens*dim*e.
+
+    A ring (or NVLink-switch) all-reduce sends and receives 2*(TP-1)/TP of the buffer per GPU
+    (reduce-scatter, then all-gather); 0 when TP = 1.
+    """
+    return 2 * (tp_size - 1) / tp_size * tokens * dim * elem_bytes
+
+
+def tp_allreduce_seconds(tokens: int, model: ModelConfig, tp_size: int, hw: HardwareProfile, elem_bytes: int) -> float:
+    """One TP all-reduce of `tokens` rows: tp_latency + tp_allreduce_bytes / tp_bandwidth (`tp_link`); 0 at TP 1."""
+    if tp_size == 1:
+        return 0.0
+    latency, bandwidth = hw.tp_link()
+    return latency + tp_allreduce_bytes(tokens, model.dim, elem_bytes, tp_size) / bandwidth
+
+
 def overlapped_seconds(compute_s: float, comm_s: float, overlap: float = 1.0) -> float:
     """One ring step: compute + comm - overlap * min(compute, comm).
 
@@ -355,18 +431,6 @@ def ring_seconds(compute_step_s: float, comm_step_s: float, cp_size: int, overla
     computes. With overlap < 1 a step costs `overlapped_seconds(comp, comm, overlap)` instead.
     """
     return (cp_size - 1) * overlapped_seconds(compute_step_s, comm_step_s, overlap) + compute_step_s
-
-
-def effective_attention_flops(hw: HardwareProfile, dtype: str, new_tokens: int, cp_size: int) -> float:
-    """C for the thresholds of Eq. 2/3 and Algorithms 1/5: full-block attention FLOP/s of one rank.
-
-    peak * achieved_fraction, or the calibrated table at the call size ceil(T/(2N)) rows; times
-    the ring's compute scale (1 for GPU profiles; ranks sharing a CPU host get their share) and
-    divided by its calibrated attention factor.
-    """
-    rows = max(1, -(-new_tokens // (2 * cp_size)))
-    ring = hw.ring(cp_size)
-    return hw.attention_flops_per_s(dtype, rows) * ring.compute_scale / ring.attention_factor
 
 
 def attention_seconds_per_rank(new_tokens: int, cached_tokens: int, cp_size: int, attn_dim: int,
@@ -435,11 +499,17 @@ class StrategyCost:
     """Layers of the model."""
     overhead_s: float = 0.0
     """Fixed cost of one ring_attention call of this strategy (calibrated; 0 otherwise), in attention_s."""
+    tp_allreduce_s: float = 0.0
+    """The TP all-reduces of one layer (TP_ALLREDUCES_PER_LAYER x `tp_allreduce_seconds`), over
+    the intra-host link, not overlapped; 0 at TP 1."""
+    layer_overhead_s: float = 0.0
+    """Fixed cost of one layer beyond FLOPs and transfers (the profile's layer_overhead_s: kernel
+    launches on GPUs); what a few new tokens on a long cache pay even when their FLOPs are few."""
 
     @property
     def layer_s(self) -> float:
-        """One decoder layer: attention + linear layers."""
-        return self.attention_s + self.linear_s
+        """One decoder layer: attention + linear layers + TP all-reduces + the fixed layer overhead."""
+        return self.attention_s + self.linear_s + self.tp_allreduce_s + self.layer_overhead_s
 
     @property
     def total_s(self) -> float:
@@ -466,11 +536,14 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
       attention= overhead + (N-1)*step(compute, sendrecv) + compute + All2All
                  (step = max(compute, sendrecv) with full overlap, see `overlapped_seconds`)
       linear   = 2*n*params_per_layer/TP / C_linear
+      TP       = 2 all-reduces of n*dim*e bytes: 2 * (tp_latency + 2*(TP-1)/TP*n*dim*e/tp_BW)
+      fixed    = layer_overhead_s of the profile
     Balanced sharding makes the steps' work about equal, so every step costs the same here.
     `max_cached_per_rank` (max_i P_i) defaults to ceil(P/N), the even split of a cache.
     Calibrated CPU profiles scale compute for N ranks sharing the host's cores (`hardware.ring`)
     and their linear FLOP/s is measured on whole decoder blocks, so it covers norms, RoPE and
-    elementwise work too. Not modelled: TP all-reduces, kernel launch overheads on GPUs.
+    elementwise work too. The fixed costs (latencies, TP all-reduces, layer overhead) are what a
+    short prompt on a long cache pays: its FLOPs are few, its steps and layers are not.
     """
     model = get_preset(model) if isinstance(model, str) else model
     hw = load_profile(hardware)
@@ -493,10 +566,12 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
     else:
         message = pass_q_message_bytes(new_tokens, N, heads, DH, e)
         a2a_bytes = all2all_bytes_per_rank(new_tokens, N, heads, DH, e)
+    fixed = dict(tp_allreduce_s=TP_ALLREDUCES_PER_LAYER * tp_allreduce_seconds(n, model, tp_size, hw, e),
+                 layer_overhead_s=hw.layer_overhead_s)
     if N == 1:  # no ring: nothing is sent
         return StrategyCost(strategy=strategy, sendrecv_bytes=0, sendrecv_s=0.0, compute_s=compute, all2all_bytes=0,
                             all2all_s=0.0, attention_s=compute, exposed_comm_s=0.0, linear_s=linear,
-                            n_layers=model.n_layers)
+                            n_layers=model.n_layers, **fixed)
     sendrecv = transfer_seconds(message, ring.bandwidth_bytes_per_s, ring.latency_s)
     a2a = 0.0
     if strategy == PASS_Q:
@@ -511,7 +586,7 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
         all2all_bytes=a2a_bytes, all2all_s=a2a,
         attention_s=overhead + ring_seconds(compute, sendrecv, N, ring.comm_overlap) + a2a,
         exposed_comm_s=(N - 1) * (step - compute) + a2a,
-        linear_s=linear, n_layers=model.n_layers, overhead_s=overhead,
+        linear_s=linear, n_layers=model.n_layers, overhead_s=overhead, **fixed,
     )
 
 
@@ -534,11 +609,11 @@ FIT_L2 = 1e-2
 
 def alg5_prefers_pass_kv(new_tokens, cached_tokens, cp_size: int, flops: float, n_heads: int, n_kv_heads: int,
                          elem_bytes: int, bandwidth: float):
-    """Algorithm 5 as a predicate (works elementwise on numpy arrays of T and P)."""
+    """Algorithm 5 as a predicate (works elementwise on numpy arrays of T and P); see `_decide_alg5`."""
     T = np.asarray(new_tokens, dtype=np.float64)
     m = T / (T + np.asarray(cached_tokens, dtype=np.float64))
     t0 = pass_kv_compute_threshold(cp_size, flops, n_heads, n_kv_heads, elem_bytes, bandwidth)
-    m5 = 2 * n_kv_heads / n_heads - 4 * T * bandwidth / (cp_size * flops * elem_bytes)
+    m5 = 2 * n_kv_heads / n_heads - 4 * T * bandwidth / (cp_size * flops * elem_bytes) * (1 - m / 2)
     return (T >= t0) | (m >= m5)
 
 
@@ -583,19 +658,20 @@ def _fit_alg5_cached(n_heads: int, n_kv_heads: int, cp_size: int, flops: float, 
 
 
 def fit_empirical_rule_to_alg5(model: ModelConfig, cp_size: int, hardware: "HardwareProfile | str",
-                               dtype: str = "bfloat16") -> EmpiricalRuleCoefficients:
+                               dtype: str = "bfloat16", *, tp_size: int = 1) -> EmpiricalRuleCoefficients:
     """Coefficients of h fitted to Algorithm 5's decisions on `fitting_grid()` for this setting.
 
-    This is how the built-in profiles' defaults were made (source "fit-to-alg5"); calibration
-    replaces them with fits to measured winners (source "calibrated").
+    Algorithm 5 runs on the heads of one GPU under TP (`local_heads`) and the thresholds' C
+    (`threshold_flops`). This is how the built-in profiles' defaults were made (source
+    "fit-to-alg5"); calibration replaces them with fits to measured winners (source "calibrated").
     """
     hw = load_profile(hardware)
     dtype = canonical_dtype(dtype)
-    a, b, c, agreement = _fit_alg5_cached(model.n_heads, model.n_kv_heads, cp_size, hw.achieved_flops(dtype),
-                                          element_bytes(dtype), hw.bandwidth_bytes_per_s)
-    return EmpiricalRuleCoefficients(a=a, b=b, c=c, cp_size=cp_size, n_heads=model.n_heads,
-                                     n_kv_heads=model.n_kv_heads, dtype=dtype, source="fit-to-alg5",
-                                     agreement=agreement)
+    heads, kv_heads = local_heads(model, tp_size)
+    a, b, c, agreement = _fit_alg5_cached(heads, kv_heads, cp_size, threshold_flops(hw, dtype, cp_size),
+                                          element_bytes(dtype), hw.ring(cp_size).bandwidth_bytes_per_s)
+    return EmpiricalRuleCoefficients(a=a, b=b, c=c, cp_size=cp_size, n_heads=heads, n_kv_heads=kv_heads,
+                                     dtype=dtype, source="fit-to-alg5", agreement=agreement)
 
 
 def fit_default_rules(hardware: "HardwareProfile | str", models: "list[ModelConfig]", cp_sizes: "list[int]",
@@ -614,8 +690,8 @@ def fit_default_rules(hardware: "HardwareProfile | str", models: "list[ModelConf
             for dtype in dtypes:
                 fit = fit_empirical_rule_to_alg5(model, N, hw, dtype)
                 a, b, c = (round(x, decimals) for x in (fit.a, fit.b, fit.c))
-                labels = alg5_prefers_pass_kv(T, P, N, hw.achieved_flops(dtype), model.n_heads, model.n_kv_heads,
-                                              element_bytes(dtype), hw.bandwidth_bytes_per_s)
+                labels = alg5_prefers_pass_kv(T, P, N, threshold_flops(hw, dtype, N), model.n_heads,
+                                              model.n_kv_heads, element_bytes(dtype), hw.ring(N).bandwidth_bytes_per_s)
                 h = a * np.log(T) + b * np.log(T / (T + P)) + c
                 agreement = round(float(np.mean((h > 0) == labels)), decimals)
                 rules.append(dataclasses.replace(fit, a=a, b=b, c=c, agreement=agreement))
