@@ -185,6 +185,8 @@ def stats_tables(stats, title: str) -> list[Table]:
         ("prefill throughput", f"{stats.tokens_per_s:,.0f} tokens/s"),
         ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
         ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
+        *([("  of which TP all-reduces per rank", ", ".join(_fmt_bytes(b) for b in stats.tp_bytes_per_rank))]
+          if stats.tp_size > 1 else []),
         ("KV shard per rank", ", ".join(_fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)
          + ("" if stats.kv_dtype == "model" else f" ({stats.kv_dtype})")),
         ("decode ranks: KV tokens each", ", ".join(f"{n:,}" for n in stats.decode_slice_rows_per_rank if n)

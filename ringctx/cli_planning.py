@@ -8,6 +8,7 @@ decode side does not fit ends with one such line and exit status DOES_NOT_FIT_EX
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -62,8 +63,15 @@ def _gb(x: float) -> str:
 @click.command()
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Model preset name, GGUF file or Hugging Face directory (only its config is read).")
-@click.option("--cp", "cp_size", type=int, default=1, show_default=True, help="Context-parallel ranks N.")
-@click.option("--tp", "tp_size", type=int, default=1, show_default=True, help="Tensor-parallel degree inside each CP rank.")
+@click.option("--hosts", type=click.IntRange(min=1), default=None,
+              help="Hosts of the job: propose (cp, tp) for hosts x --gpus-per-host GPUs (TP inside a host, "
+                   "CP across hosts, the smallest TP that fits) and show every alternative. Not with --cp.")
+@click.option("--gpus-per-host", type=click.IntRange(min=1), default=None,
+              help="GPUs (ranks) of one host; a TP group lies inside one [default: the profile's devices_per_host].")
+@click.option("--cp", "cp_size", type=int, default=None, help="Context-parallel ranks N (forces the mesh) [default: 1].")
+@click.option("--tp", "tp_size", type=int, default=None,
+              help="Tensor-parallel degree inside each CP rank, a divisor of --gpus-per-host (forces it; with "
+                   "--hosts, cp = hosts x gpus-per-host / tp) [default: 1, or proposed with --hosts].")
 @click.option("--hardware", default=None,
               help="Hardware profile: built-in name (cpu, h100-rdma, h100-tcp, h200) or JSON path "
                    f"[default: ./{DEFAULT_PROFILE_PATH} if present, else cpu (h200 with CUDA)].")
@@ -86,38 +94,104 @@ def _gb(x: float) -> str:
                    "float16, float32, fp8 or int8 (1 byte per element + a float32 scale per token and KV head). "
                    "Ring messages stay in --dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
-def plan(model, cp_size, tp_size, hardware, tokens, cached, chunk_tokens, rule, dtype, weight_dtype, no_handoff,
-         decode_ranks, kv_dtype, as_json):
+def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached, chunk_tokens, rule, dtype,
+         weight_dtype, no_handoff, decode_ranks, kv_dtype, as_json):
     """Plan a prefill and the decode after it: strategy per chunk and why, predicted times, TTFT,
-    memory per prefill rank and per decode device.
+    memory per prefill rank and per decode device. With --hosts, first propose the mesh (cp, tp).
 
     \b
     Exit status:
       0  the decode side fits (the tables and JSON say if the prefill ranks do)
       3  the decode side does not fit: one line names what does not and the
-         smallest --decode-ranks / --kv-dtype that fits. With --json the JSON
-         (fits false, a suggestion) is printed first and the status is still 3,
-         so a script that launches the prefill when plan succeeds never starts
-         one whose KV cache the decode host cannot hold.
-      1  bad input (2: a malformed command line)
+         smallest --decode-ranks / --kv-dtype that fits; with --hosts also when
+         no (cp, tp) fits the prefill GPUs (the table of meshes is printed
+         first). With --json the JSON (fits false, a suggestion) is printed
+         first and the status is still 3, so a script that launches the
+         prefill when plan succeeds never starts one whose KV cache the decode
+         host cannot hold.
+      1  bad input (2: a malformed command line or a bad --hosts/--cp/--tp mix)
     """
-    from .parallel.planner import decode_problem, plan_prefill, resolve_model_config
+    from .parallel.hardware import load_profile
+    from .parallel.planner import decode_problem, plan_prefill, propose_mesh, resolve_model_config
 
-    hardware = hardware or _default_hardware()
     try:
         config = resolve_model_config(model)
-        result = plan_prefill(config, cp_size, hardware, tokens, cached=cached, chunk_tokens=chunk_tokens,
-                              tp_size=tp_size, dtype=dtype, rule=rule, weight_dtype=weight_dtype,
-                              handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype)
+        hw = load_profile(hardware or _default_hardware())
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
-    problem = decode_problem(result)
+    gpus = _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw)
+    if gpus_per_host is not None:  # the job's hosts, whatever the profile says
+        hw = dataclasses.replace(hw, devices_per_host=gpus)
+    common = dict(cached=cached, chunk_tokens=chunk_tokens, dtype=dtype, rule=rule, weight_dtype=weight_dtype,
+                  handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype)
+    try:
+        if hosts is None:
+            proposal = None
+            result = plan_prefill(config, 1 if cp_size is None else cp_size, hw, tokens,
+                                  tp_size=1 if tp_size is None else tp_size, **common)
+        else:
+            proposal = propose_mesh(config, hosts, gpus, hw, tokens, tp_size=tp_size, **common)
+            result = proposal.chosen.plan if proposal.chosen is not None else None
+    except (ValueError, FileNotFoundError, OSError) as err:
+        raise _fail(err) from None
+    problem = proposal.problem() if result is None else decode_problem(result)
     if as_json:
-        click.echo(result.to_json())
-    elif not problem:
-        render_plan(result)
+        data = {} if result is None else result.to_dict()
+        if proposal is not None:
+            data = {**data, "mesh": proposal.to_dict()}
+        if result is None:
+            data.update(fits=False, suggestion=problem)
+        click.echo(json.dumps(data, indent=2))
+    else:
+        if proposal is not None:
+            render_mesh(proposal)
+        if not problem:
+            render_plan(result)
     if problem:
         raise DoesNotFit(problem)
+
+
+def _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw) -> int:
+    """The GPUs of one host, after a click.UsageError (exit 2) for a mesh that cannot be laid out."""
+    gpus = gpus_per_host or hw.host_devices()
+    where = "--gpus-per-host" if gpus_per_host else f"devices_per_host of profile {hw.name!r}; set --gpus-per-host"
+    if hosts is not None and cp_size is not None:
+        raise click.UsageError("--hosts and --cp both set the CP size; give --hosts (cp = hosts x gpus-per-host / tp) "
+                               "or --cp, not both")
+    if tp_size is None or tp_size < 1:  # the planner names a TP size below 1 (exit 1, as any bad value)
+        return gpus
+    if tp_size > gpus:
+        raise click.UsageError(f"--tp {tp_size} is more than the {gpus} GPUs of one host ({where}): a TP group "
+                               f"lies inside one host; use --tp {gpus} or less")
+    if gpus % tp_size:
+        raise click.UsageError(f"--tp {tp_size} does not divide the {gpus} GPUs of one host ({where}): TP groups "
+                               f"must tile the hosts; use a divisor of {gpus}")
+    return gpus
+
+
+def render_mesh(proposal) -> None:
+    """The table of every (cp, tp) for the hosts, the proposed (or forced) one marked."""
+    chosen = proposal.chosen
+    title = f"mesh: {proposal.hosts} hosts x {proposal.gpus_per_host} GPUs (TP inside a host, CP across hosts)"
+    table = Table(title=title)
+    for col in ("CP x TP", "GB per GPU", "fits", "TTFT", "TP all-reduce", ""):
+        table.add_column(col, justify="left" if col in ("CP x TP", "") else "right", no_wrap=True)
+    mark = "forced" if proposal.forced else "proposed"
+    for o in proposal.options:
+        picked = chosen is not None and o.tp_size == chosen.tp_size
+        label = f"CP {o.cp_size} x TP {o.tp_size}"
+        memory = f"{o.memory_bytes / 1e9:,.1f} of {o.plan.memory.usable_bytes / 1e9:,.1f}"
+        table.add_row(f"[bold]{label}[/bold]" if picked else label, memory, _yes_no(o.fits), _seconds(o.ttft_ms),
+                      _seconds(o.plan.tp_allreduce_ms), f"[bold]<- {mark}[/bold]" if picked else "")
+    console.print(table)
+    for tp, why in proposal.excluded.items():
+        console.print(f"[dim]TP {tp} left out: {why}[/dim]")
+    if chosen is not None:
+        console.print(f"[bold]mesh:[/bold] {proposal.reason}")
+
+
+def _seconds(ms: float) -> str:
+    return f"{ms / 1e3:,.1f} s" if ms >= 1e4 else f"{ms / 1e3:.3g} s"
 
 
 def render_plan(result) -> None:
@@ -170,6 +244,10 @@ def render_plan(result) -> None:
     times.add_column("what", style="bold")
     times.add_column("ms", justify="right")
     times.add_row("chunks (chosen strategies)", _ms(sum(e.chosen_ms for e in result.entries)))
+    if result.tp_size > 1:
+        times.add_row("  of which TP all-reduces", _ms(result.tp_allreduce_ms))
+    if result.layer_overhead_ms:
+        times.add_row("  of which fixed per-layer costs", _ms(result.layer_overhead_ms))
     times.add_row("LM head", _ms(result.lm_head_ms))
     times.add_row("KV hand-off to the decode ranks", _ms(result.handoff_ms))
     times.add_row("[bold]TTFT[/bold]", f"[bold]{_ms(result.ttft_ms)}[/bold]")
@@ -291,6 +369,10 @@ def render_calibration(result, path: str) -> None:
     info.add_column("value")
     info.add_row("host", f"{host.get('cpu')}, {host.get('cores')} cores, load average {host.get('load_average')}")
     info.add_row("matrix engines", ", ".join(host.get("cpu_features", [])) or "none (no AMX, no avx512_bf16)")
+    info.add_row("layer overhead", f"{hw.layer_overhead_s * 1e6:.0f} us a decoder layer beyond its FLOPs")
+    if hw.tp_bandwidth_bytes_per_s is not None:
+        info.add_row("TP all-reduce", f"{hw.tp_latency_s * 1e6:.0f} us + bytes at {hw.tp_bandwidth_bytes_per_s / 1e9:.2f} "
+                                      "GB/s among the local ranks")
     info.add_row("profile written", path)
     console.print(info)
 

@@ -12,7 +12,7 @@ import pytest
 
 from ringctx.config import get_preset
 from ringctx.parallel.calibrate import (
-    CalibrationSettings, calibrate, fit_latency_bandwidth, ring_strategy_job,
+    LAYER_OVERHEAD_TOKENS, CalibrationSettings, calibrate, fit_latency_bandwidth, fit_linear_block, ring_strategy_job,
 )
 from ringctx.parallel.empirical import (
     evaluate_picks, fit_rule_to_measurements, leave_one_out_picks,
@@ -60,6 +60,15 @@ def test_fit_latency_bandwidth_never_negative():
     assert lat >= 0 and bw > 0
     lat, bw = fit_latency_bandwidth([1000, 2000], [5e-4, 4e-4])  # no growth with size: all latency
     assert lat == pytest.approx(4.5e-4) and bw > 1e9
+
+
+def test_fit_linear_block_separates_the_layer_overhead():
+    # blocks of 1, 128 and 1024 tokens: 300 us + 2*t*1e6 FLOPs at 50 GFLOP/s
+    params = 1_000_000
+    block = [(t, 3e-4 + 2 * t * params / 5e10, 0.0) for t in (1, 128, 1024)]
+    overhead, rate = fit_linear_block(block, params)
+    assert overhead == pytest.approx(3e-4, rel=1e-6) and rate == pytest.approx(5e10, rel=1e-6)
+    assert LAYER_OVERHEAD_TOKENS == 1
 
 
 # ----------------------------------------------------------------------------- profile fields
@@ -222,6 +231,18 @@ def test_quick_calibration_writes_a_profile_the_planner_uses(rank_pool, tmp_path
     assert {(x.cp_size, x.source) for x in again.empirical_rules} == {(2, "fit-to-cost-model")}
     live = result.samples["live"]["2"]
     assert [nb for nb, _ in live["sendrecv"]] == list(settings.message_bytes)
+    # the TP link: all_reduce among the 2 local ranks, each moving 2*(2-1)/2 = all of the buffer
+    assert [nb for nb, _ in live["allreduce"]] == list(settings.message_bytes)
+    assert (again.tp_latency_s, again.tp_bandwidth_bytes_per_s) == fit_latency_bandwidth(*zip(*live["allreduce"]))
+    assert again.tp_latency_s >= 0 and again.tp_bandwidth_bytes_per_s > 0
+    # the layer overhead: the intercept of the decoder-block times, one token included
+    block = result.samples["compute"]["bfloat16"]["linear"]["block"]
+    assert [t for t, *_ in block] == [LAYER_OVERHEAD_TOKENS, *settings.linear_tokens]
+    overhead, rate = fit_linear_block(block, SMOL.n_layers and __import__(
+        "ringctx.parallel.strategy", fromlist=["x"]).linear_params_per_layer(SMOL))
+    assert again.layer_overhead_s == pytest.approx(overhead) and again.linear_flops_per_s["bfloat16"] == rate
+    assert plan_prefill("smollm2-135m", 2, again, tokens=64).layer_overhead_ms == pytest.approx(
+        SMOL.n_layers * again.layer_overhead_s * 1e3)
     plan = plan_prefill("smollm2-135m", 2, str(path), tokens=2048, chunk_tokens=1024)
     assert plan.to_dict()["hardware_calibrated"] is True and plan.ttft_ms > 0
     assert plan.entries[1].costs[PASS_Q].all2all_s > 0
@@ -250,4 +271,5 @@ def test_calibrate_spmd_uses_the_existing_group(rank_pool):
     hw = results[0].profile
     assert set(hw.ring_sizes) == {1, 2} and hw.ring_sizes[2].bandwidth_bytes_per_s > 0
     assert results[0].samples["ring_fit"]["2"]["cases"] >= 1
+    assert hw.tp_bandwidth_bytes_per_s > 0 and results[0].samples["tp_link"]["group_size"] == 2
     HardwareProfile.from_dict(json.loads(json.dumps(hw.to_dict())))

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from ringctx.cli_planning import DOES_NOT_FIT_EXIT, calibrate, plan
 from ringctx.parallel.hardware import load_profile
-from ringctx.parallel.planner import decode_problem, plan_prefill
+from ringctx.parallel.planner import decode_problem, plan_prefill, propose_mesh
 
 TEN_M = ["--model", "llama3-8b", "--cp", "32", "--hardware", "h200", "--tokens", "10000000"]
 
@@ -126,7 +126,6 @@ def test_plan_help_names_the_decode_options():
     (["--decode-ranks", "0"], "decode_ranks must be an integer from 1 to 8 (the 8 devices of one 'h200' host"),
     (["--decode-ranks", "9"], "got 9; pass 1 to 8"),
     (["--kv-dtype", "fp4"], "unknown kv_dtype 'fp4'; use one of model, bfloat16, float16, float32, fp8, int8"),
-    (["--model", "llama3-405b", "--tp", "16"], "tp_size=16 is more than the 8 devices of one 'h200' host"),
 ])
 def test_plan_decode_input_errors_are_one_line(args, message):
     result = CliRunner().invoke(plan, ["--model", "llama3-8b", "--cp", "8", "--hardware", "h200", "--tokens", "1000",
@@ -189,3 +188,104 @@ def test_calibrate_quick_single_rank_writes_a_profile(tmp_path):
 def test_calibrate_errors(args, message):
     result = CliRunner().invoke(calibrate, ["--quick", *args])
     assert result.exit_code != 0 and message in result.output, result.output
+
+
+# ----------------------------------------------------------------------------- the mesh: --hosts
+
+
+PAPER_1M = ["--model", "llama3-405b", "--hardware", "h100-rdma", "--tokens", "1000000", "--weight-dtype", "float8",
+            "--kv-dtype", "fp8"]
+
+
+def test_plan_proposes_the_mesh_for_the_hosts():
+    result = run(plan, [*PAPER_1M, "--hosts", "16", "--gpus-per-host", "8"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for text in ("mesh: 16 hosts x 8 GPUs", "CP 128 x TP 1", "CP 64 x TP 2", "CP 32 x TP 4", "CP 16 x TP 8",
+                 "<- proposed", "TP 8 is the smallest that fits", "CP 16 x TP 8", "TTFT", "of which TP all-reduces"):
+        assert text in out, text
+    # the chosen mesh's plan follows, as `--cp 16 --tp 8` prints it
+    forced = run(plan, [*PAPER_1M, "--cp", "16", "--tp", "8"]).output
+    assert out.endswith(forced)
+    # --gpus-per-host defaults to the profile's devices_per_host (8)
+    assert run(plan, [*PAPER_1M, "--hosts", "16", "--json"]).output == \
+        run(plan, [*PAPER_1M, "--hosts", "16", "--gpus-per-host", "8", "--json"]).output
+
+
+def test_plan_mesh_json_carries_the_proposal_and_alternatives():
+    result = run(plan, [*PAPER_1M, "--hosts", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.output)
+    mesh = d["mesh"]
+    assert mesh["chosen"] == {"cp_size": 16, "tp_size": 8} and mesh["hosts"] == 16 and mesh["gpus_per_host"] == 8
+    assert [(o["cp_size"], o["tp_size"], o["fits"]) for o in mesh["options"]] == [
+        (128, 1, False), (64, 2, False), (32, 4, False), (16, 8, True)]
+    expected = propose_mesh("llama3-405b", 16, 8, "h100-rdma", 1_000_000, weight_dtype="float8", kv_dtype="fp8")
+    for got, want in zip(mesh["options"], expected.options):
+        assert got["ttft_ms"] == pytest.approx(want.ttft_ms) and got["memory_bytes"] == want.memory_bytes
+    # the rest is the chosen mesh's plan
+    assert d["cp_size"] == 16 and d["tp_size"] == 8 and d["ttft_ms"] == pytest.approx(expected.chosen.ttft_ms)
+
+
+def test_plan_hosts_with_a_forced_tp():
+    # TP 4 is planned as forced although its GPUs (and its decode host: status 3) do not fit
+    result = CliRunner().invoke(plan, [*PAPER_1M, "--hosts", "16", "--tp", "4", "--json"])
+    assert result.exit_code == DOES_NOT_FIT_EXIT
+    d = json.loads(result.stdout)
+    assert d["mesh"]["forced"] is True and d["mesh"]["chosen"] == {"cp_size": 32, "tp_size": 4}
+    assert d["cp_size"] == 32 and d["memory"]["fits"] is False
+
+
+def test_plan_hosts_when_no_mesh_fits():
+    # bf16 weights: 101.5 GB per GPU even at TP 8; the table is printed, then one line, status 3
+    result = CliRunner().invoke(plan, ["--model", "llama3-405b", "--hardware", "h100-rdma", "--tokens", "1000000",
+                                       "--hosts", "16"])
+    assert result.exit_code == DOES_NOT_FIT_EXIT
+    assert "CP 16 x TP 8" in result.stdout and "proposed" not in result.stdout
+    assert result.stderr.startswith("Error: no mesh of 16 hosts x 8 GPUs fits llama3-405b")
+    assert len(result.stderr.strip().splitlines()) == 1
+    d = json.loads(CliRunner().invoke(plan, ["--model", "llama3-405b", "--hardware", "h100-rdma", "--tokens",
+                                             "1000000", "--hosts", "16", "--json"]).stdout)
+    assert d["fits"] is False and d["mesh"]["chosen"] is None and d["suggestion"].startswith("no mesh of 16 hosts")
+
+
+def test_readme_plan_still_works():
+    args = ["--model", "llama3-405b", "--cp", "16", "--tp", "8", "--weight-dtype", "float8", "--hardware", "h100-rdma",
+            "--tokens", "1000000", "--chunk-tokens", "131072", "--kv-dtype", "fp8"]
+    result = run(plan, args)
+    assert result.exit_code == 0, result.output
+    assert "8 chunks" in result.output and "of which TP all-reduces" in result.output
+    assert "mesh:" not in result.output  # a forced mesh: no proposal
+    d = json.loads(run(plan, [*args, "--json"]).output)
+    assert "mesh" not in d and d["cp_size"] == 16 and d["tp_size"] == 8 and d["fits"] is True
+
+
+def test_plan_paper_follow_up_question_picks_pass_q():
+    # the paper's CP4 x TP8 run at 128K context: pass-Q below a 5% miss rate, pass-KV at 10% and 20%
+    def strategy(tokens):
+        result = run(plan, ["--model", "llama3-405b", "--cp", "4", "--tp", "8", "--hardware", "h100-rdma",
+                            "--weight-dtype", "float8", "--tokens", str(tokens), "--cached", str(128_000 - tokens),
+                            "--json"])
+        assert result.exit_code == 0, result.output
+        (entry,) = json.loads(result.output)["entries"]
+        return entry["strategy"], entry["reason"]
+
+    q, reason = strategy(3200)
+    assert q == "pass-q" and "heads per TP rank (TP 8): NH=16, NKV=1" in reason
+    assert strategy(12_800)[0] == strategy(25_600)[0] == "pass-kv"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hosts", "2", "--cp", "4"], "--hosts and --cp both set the CP size"),
+    (["--hosts", "2", "--tp", "3"], "--tp 3 does not divide the 8 GPUs of one host"),
+    (["--hosts", "2", "--gpus-per-host", "4", "--tp", "8"], "--tp 8 is more than the 4 GPUs of one host (--gpus-per-host)"),
+    (["--cp", "4", "--tp", "16"], "--tp 16 is more than the 8 GPUs of one host (devices_per_host of profile 'h200'"),
+    (["--cp", "4", "--gpus-per-host", "6", "--tp", "4"], "--tp 4 does not divide the 6 GPUs of one host"),
+    (["--hosts", "0"], "Invalid value for '--hosts'"),
+    (["--hosts", "2", "--gpus-per-host", "0"], "Invalid value for '--gpus-per-host'"),
+])
+def test_plan_bad_mesh_combinations_are_usage_errors(args, message):
+    result = CliRunner().invoke(plan, ["--model", "llama3-8b", "--hardware", "h200", "--tokens", "1000", *args])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and message in errors[0], result.output

@@ -39,7 +39,8 @@ def profile(**overrides) -> HardwareProfile:
     return dataclasses.replace(base, **overrides)
 
 
-# The paper's H100 numbers: C = 800 TF/s (peak, achieved_fraction 1), BW = 50 GB/s, e = 2.
+# The paper's H100 numbers: C = 800 TF/s (peak), BW = 50 GB/s, e = 2. The thresholds use the peak
+# whatever the achieved fraction; achieved_fraction 1 makes the cost model run on the same C.
 PAPER_H100 = dataclasses.replace(load_profile("h100-rdma"), achieved_fraction=1.0, latency_s=0.0)
 
 
@@ -57,7 +58,11 @@ def test_pass_kv_compute_threshold_paper_h100_is_4000_tokens():
     assert pass_kv_compute_threshold(4, 800e12, 128, 8, 2, 50e9) == pytest.approx(4000)
     choice = choose_strategy(4096, 0, L405, 4, PAPER_H100)
     assert choice.compute_threshold_tokens == pytest.approx(4000)
-    assert (choice.achieved_flops, choice.bandwidth_bytes_per_s, choice.element_bytes) == (800e12, 50e9, 2)
+    assert (choice.peak_flops, choice.bandwidth_bytes_per_s, choice.element_bytes) == (800e12, 50e9, 2)
+    # the built-in profile's cost model runs at 63% of peak, its thresholds at the peak, as the paper's
+    builtin = choose_strategy(4096, 0, L405, 4, "h100-rdma")
+    assert load_profile("h100-rdma").achieved_fraction < 1
+    assert builtin.peak_flops == 800e12 and builtin.compute_threshold_tokens == pytest.approx(4000)
 
 
 def test_pass_q_context_threshold_eq3():
@@ -66,10 +71,14 @@ def test_pass_q_context_threshold_eq3():
 
 
 def test_alg5_threshold_hand_computed_and_below_alg1():
-    # 0.125 - 4*T*BW/(N*C*e) = 0.125 - 4*1000*50e9/(4*800e12*2) = 0.125 - 0.03125
-    assert alg5_miss_rate_threshold(1000, 4, 800e12, 128, 8, 2, 50e9) == pytest.approx(0.09375)
+    # 0.125 - 4*T*BW/(N*C*e) * (1 - m/2), 4*1000*50e9/(4*800e12*2) = 0.03125:
+    # T = 1000, P = 9000 (m = 0.1): 0.125 - 0.03125 * 0.95 = 0.0953125
+    assert alg5_miss_rate_threshold(1000, 9000, 4, 800e12, 128, 8, 2, 50e9) == pytest.approx(0.0953125)
+    # a cache far larger than T (m -> 0): the paper's 0.125 - 0.03125
+    assert alg5_miss_rate_threshold(1000, 10**12, 4, 800e12, 128, 8, 2, 50e9) == pytest.approx(0.09375)
     for T in (1, 10, 100, 1000, 3999, 100_000):
-        assert alg5_miss_rate_threshold(T, 4, 800e12, 128, 8, 2, 50e9) < message_size_threshold(128, 8)
+        for P in (0, T, 100 * T):
+            assert alg5_miss_rate_threshold(T, P, 4, 800e12, 128, 8, 2, 50e9) < message_size_threshold(128, 8)
 
 
 def test_miss_rate():
@@ -89,12 +98,79 @@ def test_compute_threshold_decides_both_rules_at_4000():
 
 
 def test_alg1_and_alg5_disagree_between_their_miss_rate_thresholds():
-    # T = 1000, P = 9000: miss rate 0.1, between alg5's 0.09375 and alg1's 0.125; T < 4000.
+    # T = 1000, P = 9000: miss rate 0.1, between alg5's 0.09531 and alg1's 0.125; T < 4000.
     alg1 = choose_strategy(1000, 9000, L405, 4, PAPER_H100, "alg1")
     alg5 = choose_strategy(1000, 9000, L405, 4, PAPER_H100, "alg5")
     assert alg1.strategy == PASS_Q and "0.1 < 0.125" in alg1.reason
-    assert alg5.strategy == PASS_KV and "0.1 >= 0.09375" in alg5.reason
-    assert alg5.alg5_miss_rate_threshold == pytest.approx(0.09375)
+    assert alg5.strategy == PASS_KV and "0.1 >= 0.09531" in alg5.reason
+    assert alg5.alg5_miss_rate_threshold == pytest.approx(0.0953125)
+
+
+# The paper's CP4 x TP8 Llama3-405B partial prefills at 128K context (T + P = 128,000): pass-Q
+# is faster below a 5% miss rate, pass-KV above it.
+PAPER_128K = 128_000
+
+
+def test_paper_cp4_tp8_partial_prefill_at_2_5_percent_picks_pass_q():
+    # h100-rdma as built in; per GPU under TP8: NH = 16, NKV = 1.
+    # Eq. 2 with the peak C: 4*800e12*1*2/(2*16*50e9) = 4000 > 3200, so the miss rate decides.
+    # Alg. 5: 0.125 - 4*3200*50e9/(4*800e12*2) * (1 - 0.025/2) = 0.125 - 0.1*0.9875 = 0.02625 > m = 0.025.
+    T = 3200
+    choice = choose_strategy(T, PAPER_128K - T, L405, 4, "h100-rdma", tp_size=8)
+    assert choice.strategy == PASS_Q
+    assert (choice.n_heads, choice.n_kv_heads, choice.tp_size) == (16, 1, 8)
+    assert choice.compute_threshold_tokens == pytest.approx(4000)
+    assert choice.miss_rate == pytest.approx(0.025)
+    assert choice.alg5_miss_rate_threshold == pytest.approx(0.125 - 0.1 * (1 - 0.025 / 2))
+    # Without the causal factor (the paper's 4*T*(T+P)*D FLOPs) the threshold is exactly m: a tie
+    # that Algorithm 5's >= gives to pass-KV; with the achieved C (63% of peak) Eq. 2 alone would
+    # pick pass-KV (threshold 0.63 * 4000 = 2520 < 3200).
+    assert 0.125 - 4 * T * 50e9 / (4 * 800e12 * 2) == pytest.approx(choice.miss_rate)
+    assert pass_kv_compute_threshold(4, 0.63 * 800e12, 16, 1, 2, 50e9) == pytest.approx(2520)
+
+
+@pytest.mark.parametrize("miss", [0.1, 0.2])
+def test_paper_cp4_tp8_partial_prefill_at_higher_miss_rates_picks_pass_kv(miss):
+    # T = 12,800 and 25,600 are both >= 4000: pass-KV's transfer hides under compute (Eq. 2)
+    T = round(PAPER_128K * miss)
+    choice = choose_strategy(T, PAPER_128K - T, L405, 4, "h100-rdma", tp_size=8)
+    assert choice.strategy == PASS_KV and "Eq. 2" in choice.reason and T >= choice.compute_threshold_tokens
+
+
+def test_paper_cp4_tp8_crossover_near_5_percent():
+    # pass-Q at 1% and 2.5%, pass-KV from 5% on (T = 6400 >= 4000)
+    picks = {m: choose_strategy(round(PAPER_128K * m), PAPER_128K - round(PAPER_128K * m), L405, 4, "h100-rdma",
+                                tp_size=8).strategy for m in (0.01, 0.025, 0.05, 0.1, 0.2, 0.5)}
+    assert picks == {0.01: PASS_Q, 0.025: PASS_Q, 0.05: PASS_KV, 0.1: PASS_KV, 0.2: PASS_KV, 0.5: PASS_KV}
+
+
+def test_reasons_name_the_heads_per_tp_rank():
+    # Llama3-8B (32 q / 8 KV heads): TP 4 splits both, the ratio and every threshold stay the model's
+    one, four = (choose_strategy(100, 10_000, L8, 4, "h100-rdma", rule, tp_size=tp) for tp, rule in
+                 ((1, "alg5"), (4, "alg5")))
+    assert (four.n_heads, four.n_kv_heads) == (8, 2)
+    assert four.message_size_threshold == one.message_size_threshold == 2 * 8 / 32
+    assert four.compute_threshold_tokens == pytest.approx(one.compute_threshold_tokens)
+    assert four.strategy == one.strategy
+    assert "heads per TP rank (TP 4): NH=8, NKV=2 of the model's 32/8" in four.reason
+    assert "heads per TP rank" not in one.reason
+    for rule in ("alg1", "empirical", "cost"):
+        assert "heads per TP rank (TP 4)" in choose_strategy(100, 10_000, L8, 4, "h100-rdma", rule, tp_size=4).reason
+
+
+def test_replicated_kv_heads_change_the_ratio():
+    # TP 16 > NKV = 8: each GPU holds 2 query heads and a replica of 1 KV head, so NKV/NH = 1/2 = 16/32
+    # per GPU: Eq. 1 becomes 2*16/32 = 1, Eq. 2 N*C*1*e/(2*2*BW) = 4*800e12*2/(4*50e9) = 32000 tokens.
+    choice = choose_strategy(100, 10_000, L8, 4, "h100-rdma", tp_size=16)
+    assert (choice.n_heads, choice.n_kv_heads) == (2, 1)
+    assert choice.message_size_threshold == 2 * 16 / 32 == 1.0
+    assert choice.compute_threshold_tokens == pytest.approx(4 * 800e12 * 2 / (4 * 50e9))
+    assert "NKV/NH = 16/32, not 8/32" in choice.reason and "replica" in choice.reason
+    # a miss rate of 0.6 is pass-KV with the model's ratio (>= 2*8/32 = 0.5; Eq. 2 needs 16000 tokens),
+    # pass-Q per GPU (< 1)
+    T, P = 6000, 4000
+    assert choose_strategy(T, P, L8, 4, "h100-rdma", "alg1").strategy == PASS_KV
+    assert choose_strategy(T, P, L8, 4, "h100-rdma", "alg1", tp_size=16).strategy == PASS_Q
 
 
 def test_message_size_clause_picks_pass_kv_at_high_miss_rate():
@@ -131,14 +207,17 @@ def test_decode_with_a_large_cache_chooses_pass_q(name, model):
 
 
 def test_chunked_prefill_moves_from_pass_kv_to_pass_q_once():
-    # h100-tcp: C = 0.63*800e12 = 5.04e14, BW = 3e9; Llama3-405B on N = 4, chunks of 8192.
-    # Eq. 2: 4*5.04e14*8*2/(2*128*3e9) = 42000 > 8192, so only the miss rate decides.
-    # Alg. 5: 0.125 - 4*8192*3e9/(4*5.04e14*2) = 0.125 - 0.024381 = 0.100619
-    # chunk k has P = 8192*k, m = 1/(k+1): k = 8 -> 0.111 (pass-KV), k = 9 -> 0.1 (pass-Q)
+    # h100-tcp: peak C = 800e12, BW = 3e9; Llama3-405B on N = 4, chunks of 8192.
+    # Eq. 2: 4*800e12*8*2/(2*128*3e9) = 66667 > 8192, so only the miss rate decides.
+    # Alg. 5: 0.125 - 4*8192*3e9/(4*800e12*2) * (1 - m/2) = 0.125 - 0.01536 * (1 - m/2)
+    # chunk k has P = 8192*k, m = 1/(k+1): k = 8 -> m 0.1111 >= 0.11049 (pass-KV),
+    # k = 9 -> m 0.1 < 0.11041 (pass-Q)
     hw = load_profile("h100-tcp")
     strategies = [choose_strategy(8192, 8192 * k, L405, 4, hw).strategy for k in range(64)]
     assert strategies == [PASS_KV] * 9 + [PASS_Q] * 55
-    assert choose_strategy(8192, 0, L405, 4, hw).compute_threshold_tokens == pytest.approx(42000)
+    assert choose_strategy(8192, 0, L405, 4, hw).compute_threshold_tokens == pytest.approx(4 * 800e12 * 16 / (256 * 3e9))
+    assert choose_strategy(8192, 8 * 8192, L405, 4, hw).alg5_miss_rate_threshold == pytest.approx(
+        0.125 - 0.01536 * (1 - 1 / 18))
 
 
 def test_choice_numbers_and_to_dict():
@@ -306,16 +385,17 @@ def test_cost_model_uses_calibrated_tables():
 
 def test_cost_model_agrees_with_alg5_when_pass_q_ring_is_hidden():
     # Regime of Algorithm 5's derivation: pass-Q's ring hides (Eq. 3: T+P >= N*e*C/(4*BW)),
-    # pass-KV's may not. No latency, P >= 8T (causal halving negligible), and 25% away from
-    # alg5's boundary (the model counts float32 LSEs and per-rank All2All volume).
-    hw = dataclasses.replace(load_profile("h100-rdma"), latency_s=0.0)
+    # pass-KV's may not; the cost model runs on the thresholds' C (achieved_fraction 1). No
+    # latency, P >= 8T, and 25% away from alg5's boundary (the model counts float32 LSEs and
+    # per-rank All2All volume). The TP all-reduces and the layer overhead are the same for both.
+    hw = PAPER_H100
     C, BW, N = hw.achieved_flops("bfloat16"), hw.bandwidth_bytes_per_s, 4
     checked = 0
     for T in (2**k for k in range(4, 22)):
         for P in (2**k for k in range(24)):
             if T + P < pass_q_context_threshold(N, C, 2, BW) or P < 8 * T:
                 continue
-            choice = choose_strategy(T, P, L405, N, hw, "alg5")
+            choice = choose_strategy(T, P, L405, N, hw, "alg5", tp_size=8)
             near_boundary = abs(choice.miss_rate / choice.alg5_miss_rate_threshold - 1) < 0.25
             if T < choice.compute_threshold_tokens and near_boundary:
                 continue
@@ -341,6 +421,43 @@ def test_cost_model_when_communication_dominates():
         if miss_rate(T, P) >= 0.125 or miss_rate(T, P) < 0.0625:  # outside the band they all agree
             assert choose_strategy(T, P, L405, 4, hw, "alg5").strategy == choose_strategy(
                 T, P, L405, 4, hw, "cost", tp_size=8).strategy
+
+
+def test_cost_model_fixed_costs_hand_computed():
+    # tiny under TP 2 (2 q heads, 1 KV head, ffn 64 per GPU), bf16; T = 1000, P = 3000, N = 2: n = 500.
+    # One all-reduce: 2*(2-1)/2 * 500*64*2 = 64,000 bytes -> 1e-5 + 64e3/2e9 = 4.2e-5 s; two a layer.
+    hw = profile(tp_bandwidth_bytes_per_s=2e9, tp_latency_s=1e-5, layer_overhead_s=2e-4)
+    for cost in predict_costs(1000, 3000, TINY, 2, hw, tp_size=2).values():
+        assert cost.tp_allreduce_s == pytest.approx(2 * 4.2e-5) and cost.layer_overhead_s == 2e-4
+        assert cost.layer_s == pytest.approx(cost.attention_s + cost.linear_s + 8.4e-5 + 2e-4)
+        assert cost.total_s == pytest.approx(TINY.n_layers * cost.layer_s)
+        assert cost.to_dict()["tp_allreduce_s"] == cost.tp_allreduce_s
+    # TP 1 has no all-reduce; the layer overhead stays (one rank included)
+    for N in (1, 2):
+        one = predict_strategy_cost(PASS_KV, 1000, 3000, TINY, N, hw)
+        assert one.tp_allreduce_s == 0 and one.layer_s == pytest.approx(one.attention_s + one.linear_s + 2e-4)
+    # a profile without the TP link prices it at the inter-rank latency and bandwidth (1e-5 s, 1e9 B/s)
+    plain = profile()
+    assert plain.tp_link() == (1e-5, 1e9) and plain.layer_overhead_s == 0
+    assert predict_strategy_cost(PASS_Q, 1000, 3000, TINY, 2, plain, tp_size=2).tp_allreduce_s == pytest.approx(
+        2 * (1e-5 + 64_000 / 1e9))
+
+
+def test_short_prompt_on_a_long_cache_pays_the_fixed_costs():
+    # A 64-token question on a 1M-token Llama3-405B cache, CP16 x TP8 on h100-rdma: n = 4 rows a
+    # rank. pass-Q's layer is 15 ring SendRecvs (latency 10 us + 16 KB at 50 GB/s each, longer
+    # than the 4 us of compute they overlap), 15 All2All latencies, 2 TP all-reduces
+    # (20 us + 2*7/8*4*16384*2 B at 450 GB/s) and the 40 us overhead; the FLOPs explain little.
+    hw = load_profile("h100-rdma")
+    q = predict_strategy_cost(PASS_Q, 64, 10**6, L405, 16, hw, tp_size=8, weight_dtype="float8")
+    allreduce = 2e-5 + 2 * 7 / 8 * 4 * 16384 * 2 / 450e9
+    assert q.tp_allreduce_s == pytest.approx(2 * allreduce) and q.layer_overhead_s == 4e-5
+    assert q.sendrecv_s == pytest.approx(1e-5 + 4 * 16 * 128 * 2 / 50e9) and q.sendrecv_s > q.compute_s
+    assert q.all2all_s == pytest.approx(15 * 1e-5 + q.all2all_bytes / 50e9)
+    flops_only = 16 * q.compute_s + q.linear_s
+    assert q.layer_s == pytest.approx(15 * q.sendrecv_s + q.compute_s + q.all2all_s + q.linear_s + 2 * allreduce + 4e-5)
+    assert q.layer_s > 5 * flops_only
+    assert choose_strategy(64, 10**6, L405, 16, hw, "cost", tp_size=8).strategy == PASS_Q
 
 
 def test_predict_cost_rejects_unknown_strategy():
@@ -395,7 +512,7 @@ def test_fitting_grid():
 
 def test_alg5_predicate_matches_choose_strategy():
     hw = load_profile("h100-tcp")
-    C, BW = hw.achieved_flops("bfloat16"), hw.bandwidth_bytes_per_s
+    C, BW = hw.peak("bfloat16"), hw.bandwidth_bytes_per_s
     for T, P in ((1, 0), (1, 10**6), (8192, 65536), (8192, 73728), (50000, 10**6)):
         expect = choose_strategy(T, P, L405, 4, hw).strategy == PASS_KV
         assert bool(alg5_prefers_pass_kv(T, P, 4, C, 128, 8, 2, BW)) == expect
@@ -435,6 +552,10 @@ def test_builtin_profiles_load_with_documented_numbers():
     for hw in (rdma, tcp, h200, cpu):
         assert hw.latency_s > 0 and hw.memory_bytes > 0 and 0 < hw.achieved_fraction <= 1
         assert hw.source_path and hw.source_path.endswith(f"{hw.name}.json")
+        assert hw.tp_latency_s > 0 and hw.layer_overhead_s > 0
+    for gpu in (rdma, tcp, h200):  # NVLink 4 inside the host, 30-50 us of launches a layer
+        assert gpu.tp_link() == (2e-5, 450e9) and 30e-6 <= gpu.layer_overhead_s <= 50e-6
+    assert cpu.tp_link()[1] < 10e9  # a memory copy between local processes
 
 
 def test_dtypes():
@@ -494,6 +615,9 @@ def _valid() -> dict:
     (lambda d: d["empirical_rules"][3].pop("c"), r"field 'empirical_rules\[3\]' must have exactly the fields"),
     (lambda d: d["empirical_rules"][0].update(cp_size=0), r"field 'empirical_rules\[0\].cp_size' must be a positive"),
     (lambda d: d["empirical_rules"][0].update(agreement=2), r"field 'empirical_rules\[0\].agreement' must be"),
+    (lambda d: d.update(tp_bandwidth_bytes_per_s=0), "field 'tp_bandwidth_bytes_per_s' must be > 0"),
+    (lambda d: d.update(tp_latency_s=-1e-6), "field 'tp_latency_s' must be >= 0"),
+    (lambda d: d.update(layer_overhead_s="40us"), "field 'layer_overhead_s' must be a finite number"),
 ])
 def test_malformed_profiles_name_file_and_field(tmp_path, mutate, match):
     data = _valid()
@@ -502,6 +626,21 @@ def test_malformed_profiles_name_file_and_field(tmp_path, mutate, match):
     with pytest.raises(ValueError, match=match) as err:
         load_profile(path)
     assert "bad.json" in str(err.value) and "fix the file" in str(err.value)
+
+
+def test_profiles_without_the_tp_link_fields_still_load(tmp_path):
+    # files written before tp_bandwidth_bytes_per_s / tp_latency_s / layer_overhead_s existed
+    data = _valid()
+    for key in ("tp_bandwidth_bytes_per_s", "tp_latency_s", "layer_overhead_s"):
+        del data[key]
+    hw = load_profile(_write(tmp_path, data))
+    assert hw.tp_bandwidth_bytes_per_s is None and hw.tp_latency_s is None and hw.layer_overhead_s == 0
+    assert hw.tp_link() == (hw.latency_s, hw.bandwidth_bytes_per_s)
+    data.update(tp_bandwidth_bytes_per_s=None, tp_latency_s=None)  # as save_profile writes them
+    assert load_profile(_write(tmp_path, data)).tp_link() == (hw.latency_s, hw.bandwidth_bytes_per_s)
+    with_link = dataclasses.replace(hw, tp_bandwidth_bytes_per_s=3e11, tp_latency_s=0.0, layer_overhead_s=1e-5)
+    assert load_profile(str(save_profile(with_link, tmp_path / "link.json"))) == dataclasses.replace(
+        with_link, source_path=str(tmp_path / "link.json"))
 
 
 def test_invalid_json_names_file_and_line(tmp_path):

@@ -42,6 +42,10 @@ from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
 STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
+RING_KINDS = ("ring-kv", "ring-q", "all2all")
+"""CommStats kinds of the ring attention's messages."""
+TP_KINDS = ("all-reduce", "tp-embed", "tp-logits")
+"""CommStats kinds of the tensor-parallel collectives (ringctx.model.tensor_parallel)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,12 @@ class PrefillStats:
     """Storage of the KV cache."""
     chunks: list[ChunkStats] = field(default_factory=list)
     bytes_sent_per_rank: list[int] = field(default_factory=list)
-    """Bytes each rank sent (ring messages, all-to-alls, checks, hand-off)."""
+    """Bytes each rank sent (ring messages, all-to-alls, TP collectives, checks, hand-off)."""
+    ring_bytes_per_rank: list[int] = field(default_factory=list)
+    """Part of bytes_sent_per_rank that the ring attention sent (ring shifts and pass-Q's all-to-all)."""
+    tp_bytes_per_rank: list[int] = field(default_factory=list)
+    """Part of bytes_sent_per_rank that the tensor-parallel collectives sent (all-reduces of the
+    layers and the embedding, the logits' all-gather), as a ring all-reduce moves them."""
     peak_rss_bytes_per_rank: list[int] = field(default_factory=list)
     """Peak resident memory of each rank while it prefilled the chunks (from the start of the
     prefill to the last chunk's logits; Linux VmHWM window, else the process's lifetime peak)."""
@@ -315,9 +324,12 @@ def cp_prefill(
     stats.ttft_s = time.perf_counter() - t_start
 
     slice_rows = out_cache.length if out_cache is not None else 0
-    per_rank = all_gather_ints([comm.bytes_sent(), prefill_peak_rss, window_peak_rss_bytes(), shard_bytes,
-                             moved["sent"], moved["cross_host"], slice_rows], group, world)
-    (stats.bytes_sent_per_rank, stats.peak_rss_bytes_per_rank, stats.handoff_peak_rss_bytes_per_rank,
+    ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
+    tp = sum(comm.bytes_sent(kind) for kind in TP_KINDS)
+    per_rank = all_gather_ints([comm.bytes_sent(), ring, tp, prefill_peak_rss, window_peak_rss_bytes(), shard_bytes,
+                                moved["sent"], moved["cross_host"], slice_rows], group, world)
+    (stats.bytes_sent_per_rank, stats.ring_bytes_per_rank, stats.tp_bytes_per_rank, stats.peak_rss_bytes_per_rank,
+     stats.handoff_peak_rss_bytes_per_rank,
      stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
      stats.decode_slice_rows_per_rank) = (list(column) for column in zip(*per_rank))
     all_ids = token_ids.cpu()

@@ -146,7 +146,8 @@ class Generation:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.model = model
-        self.prompt_ids = encode_prompt(model.tokenizer, prompt, chat=chat, device=model.device)
+        tokenizer = model.tokenizer if isinstance(prompt, str) else _tokenizer_if_any(model)
+        self.prompt_ids = encode_prompt(tokenizer, prompt, chat=chat, device=model.device)
         if self.prompt_ids.numel() == 0:
             raise ValueError("the prompt is empty: give at least one token")
         self.max_new_tokens = max_new_tokens
@@ -177,7 +178,8 @@ class Generation:
 
     def _generate(self) -> Iterator[str]:
         model, decoder = self.model, self.decoder
-        detok = IncrementalDecoder(model.tokenizer) if model.tokenizer is not None else None
+        tokenizer = _tokenizer_if_any(model)
+        detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         new_ids: list[int] = []
         texts: list[str] = []
         token_times: list[float] = []
@@ -313,3 +315,12 @@ def sequence_logits(model, token_ids) -> torch.Tensor:
 def _causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain causal self-attention of one sequence (no cache to fill)."""
     return attention_block(q, k, v, causal=True)[0]
+
+
+def _tokenizer_if_any(model):
+    """The model's tokenizer, or None when it has none or none can be built (token-id prompts then
+    generate token ids, with no text pieces)."""
+    try:
+        return model.tokenizer
+    except ValueError:
+        return None

@@ -6,15 +6,20 @@ conditions):
     attention   attention_block (the engine's kernel) on the model's heads and dtype: full blocks
                 of q rows x max(q, 1024) keys and square causal blocks, by q rows; one tiny
                 call gives the per-call overhead. One thread, the other ranks idle.
-    linear      one decoder block of the model (random weights, attention replaced by zeros) at a
-                few token counts: linear FLOPs / time, so that norms, RoPE and elementwise work
-                are priced too. The plain GEMMs of the block's shapes are reported alongside.
+    linear      one decoder block of the model (random weights, attention replaced by zeros) at one
+                token and a few token counts; time = overhead + linear FLOPs / rate is fitted to them
+                (`fit_linear_block`): the rate prices norms, RoPE and elementwise work too, the
+                overhead is the fixed cost of a layer (layer_overhead_s: what a one-token block
+                takes beyond its FLOPs). The plain GEMMs of the block's shapes are reported alongside.
     threads     the same block and an attention call with all host cores vs one thread (a
                 single-rank engine uses every core): the compute scale of a ring of 1.
     live group  on N ranks at once (RankPool of N gloo ranks, or the torchrun group):
                 ring SendRecv (Ring.start_shift) over message sizes -> latency + bytes/BW fit;
-                all_to_all over sizes -> latency + bytes/BW fit; the same compute on every rank
-                at once vs rank 0 alone -> compute scale of N ranks sharing the host; a SendRecv
+                all_to_all over sizes -> latency + bytes/BW fit; all_reduce over sizes -> the
+                tensor-parallel link among local ranks (tp_latency_s, tp_bandwidth_bytes_per_s:
+                latency + 2*(N-1)/N*bytes/BW, as the cost model prices a TP all-reduce); the same
+                compute on every rank at once vs rank 0 alone -> compute scale of N ranks sharing
+                the host; a SendRecv
                 during attention compute -> the share of the transfer that hides (comm_overlap);
                 tiny ring_attention calls per strategy -> fixed overhead per call.
     ring model  ring_attention itself, both strategies, on a small (T, P) design: the fixed cost
@@ -255,11 +260,17 @@ def _zero_attend(layer, q, k, v):
     return torch.zeros_like(q)
 
 
+LAYER_OVERHEAD_TOKENS = 1
+"""Token count of the smallest decoder-block measurement: its time beyond its FLOPs is the fixed
+cost of a layer (the intercept of `fit_linear_block`)."""
+
+
 def measure_linear(model: ModelConfig, dtype: str, tokens: tuple[int, ...], repeats: int, net=None) -> dict[str, Any]:
     """Decoder-block time without attention, and plain GEMMs of its shapes, by token count.
 
-    Returns {"block": [(tokens, seconds, flops_per_s)], "gemm": [(tokens, seconds, flops_per_s)]}
-    with FLOPs = 2 * tokens * linear_params_per_layer.
+    `tokens` and LAYER_OVERHEAD_TOKENS are measured. Returns {"block": [(tokens, seconds,
+    flops_per_s)], "gemm": [(tokens, seconds, flops_per_s)]} with FLOPs = 2 * tokens *
+    linear_params_per_layer, token counts ascending.
     """
     from ringctx.parallel.strategy import linear_params_per_layer
 
@@ -271,7 +282,7 @@ def measure_linear(model: ModelConfig, dtype: str, tokens: tuple[int, ...], repe
                block.feed_forward.w2.weight]
     out = {"block": [], "gemm": []}
     with torch.inference_mode():
-        for t in tokens:
+        for t in sorted({LAYER_OVERHEAD_TOKENS, *tokens}):
             x = torch.randn(t, model.dim).to(tdtype)
             rope = net.rope(torch.arange(t))
             secs = median_seconds(lambda: block(x, rope, _zero_attend, 0), repeats)
@@ -280,6 +291,16 @@ def measure_linear(model: ModelConfig, dtype: str, tokens: tuple[int, ...], repe
             secs = median_seconds(lambda: [torch.nn.functional.linear(i, w) for i, w in zip(inputs, weights)], repeats)
             out["gemm"].append((t, secs, 2 * t * params / secs))
     return out
+
+
+def fit_linear_block(block: list, params_per_layer: int) -> tuple[float, float]:
+    """(layer_overhead_s, flops_per_s) from measure_linear's block rows: seconds = overhead + FLOPs / rate.
+
+    The same fit as messages' latency + bytes / bandwidth (`fit_latency_bandwidth`, relative
+    errors, overhead >= 0), with FLOPs = 2 * tokens * params_per_layer in place of bytes.
+    """
+    flops = [2 * t * params_per_layer for t, _s, _f in block]
+    return fit_latency_bandwidth(flops, [secs for _t, secs, _f in block])
 
 
 def measure_thread_scaling(model: ModelConfig, dtype: str, repeats: int, cores: int, net=None,
@@ -357,8 +378,10 @@ def live_group_job(rank: int, world: int, settings: dict) -> dict[str, Any]:
     esize = torch.empty(0, dtype=dtype).element_size()
     out: dict[str, Any] = {"world": world, "threads": torch.get_num_threads()}
     if world > 1:
+        from ringctx.parallel.strategy import allreduce_bus_bytes
+
         ring = Ring(None)
-        sendrecv, a2a = [], []
+        sendrecv, a2a, allreduce = [], [], []
         for nb in settings["message_bytes"]:
             send = torch.zeros(max(1, nb // esize), dtype=dtype)
             recv = torch.empty_like(send)
@@ -366,7 +389,12 @@ def live_group_job(rank: int, world: int, settings: dict) -> dict[str, Any]:
             per_peer = max(1, nb // esize // (world - 1))
             chunks = torch.zeros(world, per_peer, dtype=dtype)
             a2a.append(((world - 1) * per_peer * esize, _timed_collective(lambda: all_to_all_equal(chunks, None), repeats)))
-        out["sendrecv"], out["all2all"] = sendrecv, a2a
+            # a TP all-reduce of an nb-byte activation buffer among the local ranks, priced by the
+            # bytes each rank moves (as the cost model's tp_allreduce_bytes counts them)
+            buffer = torch.zeros(max(1, nb // esize), dtype=dtype)
+            allreduce.append((allreduce_bus_bytes(buffer.numel() * esize, world),
+                              _timed_collective(lambda: dist.all_reduce(buffer), repeats)))
+        out["sendrecv"], out["all2all"], out["allreduce"] = sendrecv, a2a, allreduce
 
     # compute: rank 0 alone (the others wait at a barrier), then every rank at once
     q, k, v = _qkv(256, 1024, model, dtype, seed=rank)
@@ -718,14 +746,17 @@ def _host_info(cores: int) -> dict[str, Any]:
 
 def _compute_profile(settings: CalibrationSettings, compute: dict, scaling: dict, cores: int,
                      name: str | None) -> HardwareProfile:
+    from ringctx.parallel.strategy import linear_params_per_layer
+
     full, causal, linear, peak = {}, {}, {}, {}
-    overheads = []
+    overheads, layer_overheads = [], []
     for dtype, c in compute.items():
         att = c["attention"]
         overheads.append(att["overhead_s"])
         full[dtype] = tuple(ThroughputPoint(r, f) for r, _k, _t, f in att["full"])
         causal[dtype] = tuple(ThroughputPoint(r, f) for r, _t, f in att["causal"])
-        linear[dtype] = max(c["linear"]["block"])[2]  # at the largest token count
+        layer_overhead, linear[dtype] = fit_linear_block(c["linear"]["block"], linear_params_per_layer(settings.model))
+        layer_overheads.append(layer_overhead)
         peak[dtype] = max([f for *_, f in att["full"]] + [f for *_, f in c["linear"]["gemm"]])
     single = RingCalibration(cp_size=1, threads_per_rank=cores, compute_scale=scaling["speedup"], latency_s=0.0,
                              bandwidth_bytes_per_s=1e9, all2all_latency_s=0.0, all2all_bandwidth_bytes_per_s=1e9,
@@ -738,7 +769,7 @@ def _compute_profile(settings: CalibrationSettings, compute: dict, scaling: dict
         calibrated=True, peak_flops=peak, achieved_fraction=1.0, bandwidth_bytes_per_s=1e9, latency_s=0.0,
         memory_bytes=_host_memory_bytes(), attention_throughput=full, attention_causal_throughput=causal,
         attention_call_overhead_s=statistics.median(overheads), linear_flops_per_s=linear, host_cores=cores,
-        ring_sizes={1: single},
+        ring_sizes={1: single}, layer_overhead_s=statistics.median(layer_overheads),
     )
 
 
@@ -754,17 +785,23 @@ def _finish_profile(profile: HardwareProfile, rings: dict[int, RingCalibration],
         f"model shapes of {settings.model.name}, dtypes {', '.join(settings.dtypes)}, {settings.repeats} repeats"
         f"{' (quick run: rough numbers)' if settings.quick else ''}. "
         "Compute tables: one thread with the other ranks idle; peak_flops = the best of them (achieved_fraction 1). "
-        "linear_flops_per_s: whole decoder blocks without attention (norms, RoPE, SiLU included); plain GEMMs gave "
+        "linear_flops_per_s and layer_overhead_s: time = overhead + FLOPs / rate fitted to whole decoder blocks "
+        "without attention (norms, RoPE, SiLU included) from one token up; plain GEMMs gave "
         + ", ".join(f"{d} {g / 1e9:.3g} GFLOP/s" for d, g in gemm.items()) + ". "
+        "tp_latency_s and tp_bandwidth_bytes_per_s: all_reduce among the local ranks of the smallest measured "
+        "group, latency + 2*(N-1)/N*bytes / bandwidth. "
         "memory_bytes is the host RAM, shared by the local ranks (the planner divides it by N). "
         f"Ring sizes measured: {', '.join(str(n) for n in measured) or 'none'}; others are scaled from the nearest "
         "(HardwareProfile.ring). Rerun `ringctx calibrate` after changing the machine, the torch version or the load."
     )
     if primary is None:
         return dataclasses.replace(profile, ring_sizes=rings, notes=notes)
+    tp_latency, tp_bandwidth = fit_latency_bandwidth(*zip(*samples["live"][str(measured[0])]["allreduce"]))
+    samples["tp_link"] = {"group_size": measured[0], "latency_s": tp_latency, "bandwidth_bytes_per_s": tp_bandwidth}
     return dataclasses.replace(profile, ring_sizes=rings, latency_s=primary.latency_s,
                                bandwidth_bytes_per_s=primary.bandwidth_bytes_per_s,
-                               comm_overlap=primary.comm_overlap, notes=notes)
+                               comm_overlap=primary.comm_overlap, tp_latency_s=tp_latency,
+                               tp_bandwidth_bytes_per_s=tp_bandwidth, notes=notes)
 
 
 # ----------------------------------------------------------------------------- strategy timings (benchmarks)

@@ -398,13 +398,18 @@ TP_ALLREDUCES_PER_LAYER = 2
 MLP down projection (row-parallel layers each sum partial products over the TP GPUs)."""
 
 
-def tp_allreduce_bytes(tokens: int, dim: int, elem_bytes: int, tp_size: int) -> float:
-    """Bytes one GPU moves in one all-reduce of `tokens` activation rows: 2*(TP-1)/TP * tokens*dim*e.
+def allreduce_bus_bytes(buffer_bytes: float, group_size: int) -> float:
+    """Bytes one member sends in an all-reduce of a `buffer_bytes` buffer: 2*(G-1)/G * buffer_bytes.
 
-    A ring (or NVLink-switch) all-reduce sends and receives 2*(TP-1)/TP of the buffer per GPU
-    (reduce-scatter, then all-gather); 0 when TP = 1.
+    A ring all-reduce is a reduce-scatter then an all-gather, each passing (G-1)/G of the buffer
+    through every member's link (NCCL's "bus bandwidth" counts the same); 0 when G = 1.
     """
-    return 2 * (tp_size - 1) / tp_size * tokens * dim * elem_bytes
+    return 2 * (group_size - 1) / group_size * buffer_bytes
+
+
+def tp_allreduce_bytes(tokens: int, dim: int, elem_bytes: int, tp_size: int) -> float:
+    """Bytes one GPU moves in one all-reduce of `tokens` activation rows: 2*(TP-1)/TP * tokens*dim*e."""
+    return allreduce_bus_bytes(tokens * dim * elem_bytes, tp_size)
 
 
 def tp_allreduce_seconds(tokens: int, model: ModelConfig, tp_size: int, hw: HardwareProfile, elem_bytes: int) -> float:
