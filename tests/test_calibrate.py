@@ -22,8 +22,8 @@ from ringctx.parallel.hardware import (
 )
 from ringctx.parallel.planner import plan_prefill, resolve_model_config
 from ringctx.parallel.strategy import (
-    PASS_KV, PASS_Q, attention_flops, attention_seconds_per_rank, choose_strategy, overlapped_seconds,
-    predict_costs,
+    PASS_KV, PASS_Q, attention_flops, attention_seconds_per_rank, choose_strategy, linear_params_per_layer,
+    overlapped_seconds, predict_costs,
 )
 
 SMOL = get_preset("smollm2-135m")
@@ -238,8 +238,7 @@ def test_quick_calibration_writes_a_profile_the_planner_uses(rank_pool, tmp_path
     # the layer overhead: the intercept of the decoder-block times, one token included
     block = result.samples["compute"]["bfloat16"]["linear"]["block"]
     assert [t for t, *_ in block] == [LAYER_OVERHEAD_TOKENS, *settings.linear_tokens]
-    overhead, rate = fit_linear_block(block, SMOL.n_layers and __import__(
-        "ringctx.parallel.strategy", fromlist=["x"]).linear_params_per_layer(SMOL))
+    overhead, rate = fit_linear_block(block, linear_params_per_layer(SMOL))
     assert again.layer_overhead_s == pytest.approx(overhead) and again.linear_flops_per_s["bfloat16"] == rate
     assert plan_prefill("smollm2-135m", 2, again, tokens=64).layer_overhead_ms == pytest.approx(
         SMOL.n_layers * again.layer_overhead_s * 1e3)

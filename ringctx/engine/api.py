@@ -483,7 +483,8 @@ class Engine:
         config = PrefillConfig(chunk_tokens=chunk_tokens or self.chunk_tokens, strategy=strategy or self.strategy,
                                hardware=self.hardware, rule=self.rule, decode_rank=self.decode_rank,
                                decode_ranks=self.decode_ranks, decode_room=decode_room, kv_dtype=self.kv_dtype,
-                               ranks_per_host=self.ranks_per_host, attn_backend=self.attn_backend, trace=trace)
+                               ranks_per_host=self.ranks_per_host // self.tp_size,  # CP ranks per host
+                               attn_backend=self.attn_backend, trace=trace)
         if config.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {config.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
         return config

@@ -83,7 +83,7 @@ def one_process_reference(token_ids: torch.Tensor):
     return engine.prefill(token_ids, chunk_tokens=64), engine.model
 
 
-def check_outputs(results, world_size: int) -> None:
+def check_outputs(results, world_size: int, tp: int = 1) -> None:
     from safetensors.torch import load_file
 
     from ringctx.engine.documents import read_document
@@ -94,8 +94,10 @@ def check_outputs(results, world_size: int) -> None:
     assert all((host0 / name).exists() for name in OUTPUTS), sorted(os.listdir(host0))
     assert not any((host1 / name).exists() for name in OUTPUTS), "outputs are written by rank 0 on host 0 only"
     stats = json.loads((host0 / "out.json").read_text())
+    cp = world_size // tp  # per-rank lists have one entry per CP rank
     assert stats["world_size"] == world_size and stats["tokens"] == 301
-    assert len(stats["bytes_sent_per_rank"]) == world_size and min(stats["bytes_sent_per_rank"]) > 0
+    assert (stats["cp_size"], stats["tp_size"]) == (cp, tp)
+    assert len(stats["bytes_sent_per_rank"]) == cp and min(stats["bytes_sent_per_rank"]) > 0
     saved = load_file(str(host0 / "logits.safetensors"))
     ids = torch.randint(0, 256, (301,), generator=torch.Generator().manual_seed(0))  # prefill --seed 0
     assert torch.equal(saved["token_ids"], ids)
@@ -103,7 +105,7 @@ def check_outputs(results, world_size: int) -> None:
     torch.testing.assert_close(saved["logits"], reference.logits, atol=2e-5, rtol=1e-5)
     assert int(saved["logits"].argmax()) == int(reference.logits.argmax())
     # Host 0's ranks decode: they kept their shards, only host 1's ranks sent theirs (across the pair).
-    per_host = world_size // 2
+    per_host = cp // 2
     sent, crossed = stats["handoff_bytes_per_rank"], stats["handoff_cross_host_bytes_per_rank"]
     assert sent[:per_host] == [0] * per_host and min(sent[per_host:]) > 0 and crossed == sent
     rows = stats["decode_slice_rows_per_rank"]
@@ -122,6 +124,12 @@ def test_two_hosts_one_rank_each_match_one_process(hosts, tmp_path):
 
 def test_two_hosts_two_ranks_each_match_one_process(hosts, tmp_path):
     check_outputs(run_on_hosts(hosts, ENDPOINT_COMMAND, tmp_path), world_size=4)
+
+
+def test_two_hosts_tp2_each_cp_across_match_one_process(hosts, tmp_path):
+    """TP inside each host (2 ranks), the ring across the hosts: CP 2 x TP 2."""
+    command = ENDPOINT_COMMAND.replace("29400", "29402").replace("--timeout 60", "--timeout 60 --tp 2")
+    check_outputs(run_on_hosts(hosts, command, tmp_path), world_size=4, tp=2)
 
 
 def test_a_rank_killed_on_host_1_stops_both_hosts_naming_it(hosts, tmp_path):
