@@ -68,7 +68,8 @@ def _gb(x: float) -> str:
                    "CP across hosts, the smallest TP that fits) and show every alternative. Not with --cp.")
 @click.option("--gpus-per-host", type=click.IntRange(min=1), default=None,
               help="GPUs (ranks) of one host; a TP group lies inside one [default: the profile's devices_per_host].")
-@click.option("--cp", "cp_size", type=int, default=None, help="Context-parallel ranks N (forces the mesh) [default: 1].")
+@click.option("--cp", "cp_size", type=int, default=None,
+              help="Context-parallel ranks N (forces the mesh) [default: 1].")
 @click.option("--tp", "tp_size", type=int, default=None,
               help="Tensor-parallel degree inside each CP rank, a divisor of --gpus-per-host (forces it; with "
                    "--hosts, cp = hosts x gpus-per-host / tp) [default: 1, or proposed with --hosts].")
@@ -315,10 +316,13 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
               help="Compute dtype to measure (repeat for several; communication uses the first).")
 @click.option("--out", "out_path", default=DEFAULT_PROFILE_PATH, show_default=True, help="Profile JSON to write.")
 @click.option("--name", default=None, help="Profile name [default: calibrated-<hostname>].")
+@click.option("--tp", "tp_size", type=int, default=0,
+              help="Measure the tensor-parallel all-reduce (tp_latency_s, tp_bandwidth_bytes_per_s) among this many "
+                   "local ranks, as `--tp` runs them [default: the smallest --nproc group].")
 @click.option("--quick", is_flag=True, help="A few seconds: fewer sizes and repeats (rough numbers; for tests).")
 @click.option("--repeats", type=int, default=None, help="Timed repeats per measurement [default: 5, quick: 2].")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile and the raw measurements as JSON.")
-def calibrate(nproc, model, dtypes, out_path, name, quick, repeats, as_json):
+def calibrate(nproc, model, dtypes, out_path, name, tp_size, quick, repeats, as_json):
     """Measure compute, ring SendRecv and All2All here; write a hardware profile for --hardware."""
     from .parallel.calibrate import CalibrationSettings, calibrate as run_calibration, calibrate_spmd
     from .parallel.hardware import load_profile, save_profile
@@ -328,7 +332,8 @@ def calibrate(nproc, model, dtypes, out_path, name, quick, repeats, as_json):
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     sizes = _parse_sizes(nproc)
     try:
-        settings = CalibrationSettings.make(model, dtypes=dtypes, cp_sizes=sizes, quick=quick, repeats=repeats)
+        settings = CalibrationSettings.make(model, dtypes=dtypes, cp_sizes=sizes, quick=quick, repeats=repeats,
+                                            tp_size=tp_size)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
     out_dir = os.path.dirname(os.path.abspath(out_path))
@@ -371,8 +376,8 @@ def render_calibration(result, path: str) -> None:
     info.add_row("matrix engines", ", ".join(host.get("cpu_features", [])) or "none (no AMX, no avx512_bf16)")
     info.add_row("layer overhead", f"{hw.layer_overhead_s * 1e6:.0f} us a decoder layer beyond its FLOPs")
     if hw.tp_bandwidth_bytes_per_s is not None:
-        info.add_row("TP all-reduce", f"{hw.tp_latency_s * 1e6:.0f} us + bytes at {hw.tp_bandwidth_bytes_per_s / 1e9:.2f} "
-                                      "GB/s among the local ranks")
+        info.add_row("TP all-reduce", f"{hw.tp_latency_s * 1e6:.0f} us + bytes at "
+                                      f"{hw.tp_bandwidth_bytes_per_s / 1e9:.2f} GB/s among the local ranks")
     info.add_row("profile written", path)
     console.print(info)
 

@@ -414,6 +414,11 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192,
         bos_token_id=1, eos_token_ids=(2,),
     ),
+    "llama3.2-1b": ModelConfig(
+        name="llama3.2-1b", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+        head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+        max_seq_len=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
     "llama3-8b": ModelConfig(
         name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
         rope_theta=500000.0, rope_scaling=RopeScaling(), max_seq_len=131072,

@@ -272,3 +272,12 @@ def test_calibrate_spmd_uses_the_existing_group(rank_pool):
     assert results[0].samples["ring_fit"]["2"]["cases"] >= 1
     assert hw.tp_bandwidth_bytes_per_s > 0 and results[0].samples["tp_link"]["group_size"] == 2
     HardwareProfile.from_dict(json.loads(json.dumps(hw.to_dict())))
+
+
+def test_tp_size_adds_its_group_to_the_measured_sizes():
+    from ringctx.parallel.calibrate import CalibrationSettings
+
+    settings = CalibrationSettings.make("tiny", cp_sizes=(2,), tp_size=3, quick=True)
+    assert settings.cp_sizes == (2, 3) and settings.tp_size == 3
+    with pytest.raises(ValueError, match="--tp must be at least 2"):
+        CalibrationSettings.make("tiny", cp_sizes=(2,), tp_size=1)

@@ -278,7 +278,8 @@ def test_plan_paper_follow_up_question_picks_pass_q():
 @pytest.mark.parametrize("args, message", [
     (["--hosts", "2", "--cp", "4"], "--hosts and --cp both set the CP size"),
     (["--hosts", "2", "--tp", "3"], "--tp 3 does not divide the 8 GPUs of one host"),
-    (["--hosts", "2", "--gpus-per-host", "4", "--tp", "8"], "--tp 8 is more than the 4 GPUs of one host (--gpus-per-host)"),
+    (["--hosts", "2", "--gpus-per-host", "4", "--tp", "8"],
+     "--tp 8 is more than the 4 GPUs of one host (--gpus-per-host)"),
     (["--cp", "4", "--tp", "16"], "--tp 16 is more than the 8 GPUs of one host (devices_per_host of profile 'h200'"),
     (["--cp", "4", "--gpus-per-host", "6", "--tp", "4"], "--tp 4 does not divide the 6 GPUs of one host"),
     (["--hosts", "0"], "Invalid value for '--hosts'"),

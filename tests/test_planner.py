@@ -419,6 +419,10 @@ def test_nothing_fits_on_one_host():
     line = decode_problem(plan)
     assert "no setting on one 'h100-rdma' host fits: even --decode-ranks 8 --kv-dtype fp8 needs 811.8 GB" in line
     assert "devices of 901.9 GB would do" in line and "\n" not in line
+    tail = "a larger TP size, a shorter context or a smaller model"
+    assert line.endswith(f"use 8-bit weights (--weight-dtype float8), {tail}")
+    fp8 = decode_problem(plan_prefill(L405, 1, "h100-rdma", tokens=1000, weight_dtype="float8"))
+    assert "--weight-dtype float8" not in fp8 and fp8.endswith(f"use {tail}")
     # an 8-bit cache is never swapped for the other 8-bit format (same size)
     plan = plan_prefill(L8, 64, "h200", tokens=20_000_000, kv_dtype="int8")
     assert plan.decode_suggestion is None

@@ -215,7 +215,8 @@ def test_chunked_prefill_moves_from_pass_kv_to_pass_q_once():
     hw = load_profile("h100-tcp")
     strategies = [choose_strategy(8192, 8192 * k, L405, 4, hw).strategy for k in range(64)]
     assert strategies == [PASS_KV] * 9 + [PASS_Q] * 55
-    assert choose_strategy(8192, 0, L405, 4, hw).compute_threshold_tokens == pytest.approx(4 * 800e12 * 16 / (256 * 3e9))
+    assert choose_strategy(8192, 0, L405, 4, hw).compute_threshold_tokens == pytest.approx(
+        4 * 800e12 * 16 / (256 * 3e9))
     assert choose_strategy(8192, 8 * 8192, L405, 4, hw).alg5_miss_rate_threshold == pytest.approx(
         0.125 - 0.01536 * (1 - 1 / 18))
 

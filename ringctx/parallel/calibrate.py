@@ -19,9 +19,9 @@ conditions):
                 tensor-parallel link among local ranks (tp_latency_s, tp_bandwidth_bytes_per_s:
                 latency + 2*(N-1)/N*bytes/BW, as the cost model prices a TP all-reduce); the same
                 compute on every rank at once vs rank 0 alone -> compute scale of N ranks sharing
-                the host; a SendRecv
-                during attention compute -> the share of the transfer that hides (comm_overlap);
-                tiny ring_attention calls per strategy -> fixed overhead per call.
+                the host; a SendRecv during attention compute -> the share of the transfer that
+                hides (comm_overlap); tiny ring_attention calls per strategy -> fixed overhead
+                per call.
     ring model  ring_attention itself, both strategies, on a small (T, P) design: the fixed cost
                 per call of each strategy, the compute factor inside the ring and the effective
                 bandwidth of the travelling bytes are fitted to it (`fit_ring_model`) and replace
@@ -85,10 +85,13 @@ class CalibrationSettings:
     """Miss rates T/(T+P) of those cases."""
     ring_case_seconds: float = 0.3
     """Cases predicted (before the fit) to take longer than this per call are left out."""
+    tp_size: int = 0
+    """Group size whose all_reduce gives the tensor-parallel link (tp_latency_s, tp_bandwidth_bytes_per_s);
+    0: the smallest measured group. It is measured as one of cp_sizes."""
 
     @classmethod
     def make(cls, model: "ModelConfig | str" = "smollm2-135m", *, dtypes=("bfloat16",), cp_sizes=(2,),
-             quick: bool = False, repeats: int | None = None) -> "CalibrationSettings":
+             quick: bool = False, repeats: int | None = None, tp_size: int = 0) -> "CalibrationSettings":
         model = resolve_model_config(model)
         dtypes = tuple(dict.fromkeys(canonical_dtype(d) for d in dtypes))
         if not dtypes:
@@ -97,13 +100,15 @@ class CalibrationSettings:
             if d == "float8":
                 raise ValueError("float8 attention is not measurable with the torch CPU kernels; "
                                  "calibrate bfloat16, float16 or float32")
-        cp_sizes = tuple(sorted(set(int(n) for n in cp_sizes)))
+        if tp_size and tp_size < 2:
+            raise ValueError(f"--tp must be at least 2 to measure a tensor-parallel all-reduce, got {tp_size}")
+        cp_sizes = tuple(sorted(set(int(n) for n in cp_sizes) | ({tp_size} if tp_size else set())))
         if any(n < 1 for n in cp_sizes):
             raise ValueError(f"ring sizes must be >= 1, got {list(cp_sizes)}")
         if quick:
             return cls(model, dtypes, cp_sizes, repeats or 2, (16, 128), (128,), (4096, 262144, 1048576), True,
-                       (32, 256), (0.05, 1.0), 0.1)
-        return cls(model, dtypes, cp_sizes, repeats or 5)
+                       (32, 256), (0.05, 1.0), 0.1, tp_size)
+        return cls(model, dtypes, cp_sizes, repeats or 5, tp_size=tp_size)
 
 
 @dataclass
@@ -788,16 +793,17 @@ def _finish_profile(profile: HardwareProfile, rings: dict[int, RingCalibration],
         "linear_flops_per_s and layer_overhead_s: time = overhead + FLOPs / rate fitted to whole decoder blocks "
         "without attention (norms, RoPE, SiLU included) from one token up; plain GEMMs gave "
         + ", ".join(f"{d} {g / 1e9:.3g} GFLOP/s" for d, g in gemm.items()) + ". "
-        "tp_latency_s and tp_bandwidth_bytes_per_s: all_reduce among the local ranks of the smallest measured "
-        "group, latency + 2*(N-1)/N*bytes / bandwidth. "
+        f"tp_latency_s and tp_bandwidth_bytes_per_s: all_reduce among {settings.tp_size or 'the smallest measured group of'} "
+        "local ranks, latency + 2*(N-1)/N*bytes / bandwidth. "
         "memory_bytes is the host RAM, shared by the local ranks (the planner divides it by N). "
         f"Ring sizes measured: {', '.join(str(n) for n in measured) or 'none'}; others are scaled from the nearest "
         "(HardwareProfile.ring). Rerun `ringctx calibrate` after changing the machine, the torch version or the load."
     )
     if primary is None:
         return dataclasses.replace(profile, ring_sizes=rings, notes=notes)
-    tp_latency, tp_bandwidth = fit_latency_bandwidth(*zip(*samples["live"][str(measured[0])]["allreduce"]))
-    samples["tp_link"] = {"group_size": measured[0], "latency_s": tp_latency, "bandwidth_bytes_per_s": tp_bandwidth}
+    tp_group = settings.tp_size if str(settings.tp_size) in samples["live"] else measured[0]
+    tp_latency, tp_bandwidth = fit_latency_bandwidth(*zip(*samples["live"][str(tp_group)]["allreduce"]))
+    samples["tp_link"] = {"group_size": tp_group, "latency_s": tp_latency, "bandwidth_bytes_per_s": tp_bandwidth}
     return dataclasses.replace(profile, ring_sizes=rings, latency_s=primary.latency_s,
                                bandwidth_bytes_per_s=primary.bandwidth_bytes_per_s,
                                comm_overlap=primary.comm_overlap, tp_latency_s=tp_latency,

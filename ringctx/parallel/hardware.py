@@ -239,7 +239,8 @@ class HardwareProfile:
     layer_overhead_s: float = 0.0
     """Fixed cost of one decoder layer on one device beyond its FLOPs and transfers: kernel launches
     on GPUs (tens of microseconds a layer), Python and weight reads on CPUs. It dominates short
-    prompts on a long cache (a follow-up question). 0 in profiles written before the field."""
+    prompts on a long cache (a follow-up question). Taken as is for every ring size (not scaled by
+    `ring(N).compute_scale`). 0 in profiles written before the field."""
     notes: str = ""
     """Free text: caveats, how to recalibrate."""
     source_path: str | None = field(default=None, compare=False)
@@ -330,9 +331,9 @@ class HardwareProfile:
         The profile's tp_* numbers; a profile without them prices the all-reduce at its inter-rank
         latency and bandwidth, the slower link as far as the profile knows (never optimistic).
         """
-        latency = self.latency_s if self.tp_latency_s is None else self.tp_latency_s
-        bandwidth = self.bandwidth_bytes_per_s if self.tp_bandwidth_bytes_per_s is None else self.tp_bandwidth_bytes_per_s
-        return latency, bandwidth
+        latency, bandwidth = self.tp_latency_s, self.tp_bandwidth_bytes_per_s
+        return (self.latency_s if latency is None else latency,
+                self.bandwidth_bytes_per_s if bandwidth is None else bandwidth)
 
     def host_devices(self) -> int:
         """Ranks of one host: `devices_per_host`, else `host_cores` (at most one rank per core),

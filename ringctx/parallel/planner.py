@@ -12,6 +12,9 @@ host, each holding the weights (/ TP) and a balanced slice of every layer's K/V;
 estimates one such device and the plan fits only when both the prefill ranks and the decode
 devices do. `kv_dtype` ("model", a float, "fp8", "int8") is how both sides store the cache.
 
+`propose_mesh` chooses the mesh for a number of hosts: it plans every (cp, tp) with TP inside a
+host and proposes the smallest TP whose prefill GPU fits (the paper's TP inside, CP across hosts).
+
     >>> from ringctx.config import get_preset
     >>> plan = plan_prefill(get_preset("llama3-8b"), 4, "h100-rdma", tokens=131072, chunk_tokens=32768)
     >>> [e.strategy for e in plan.entries]
@@ -575,9 +578,10 @@ def decode_problem(plan: Plan) -> str | None:
     kv = d.kv_dtype if is_quantized(d.kv_dtype) else FALLBACK_KV_DTYPE
     best = _decode_memory(plan.model, plan.hardware, d.context_tokens, DecodeSetting(d.max_decode_ranks, kv),
                           plan.tp_size, plan.dtype, plan.weight_dtype)
+    eight_bit = "8-bit weights (--weight-dtype float8), " if element_bytes(plan.weight_dtype) > 1 else ""
     return line + (f"no setting on {host} fits: even --decode-ranks {best.decode_ranks} --kv-dtype {kv} needs "
                    f"{_gb(best.total_bytes)} per device of {_gb(best.usable_bytes)} usable (devices of "
-                   f"{_gb(best.total_bytes / MEMORY_USABLE_FRACTION)} would do); use a larger TP size, "
+                   f"{_gb(best.total_bytes / MEMORY_USABLE_FRACTION)} would do); use {eight_bit}a larger TP size, "
                    f"a shorter context or a smaller model")
 
 
@@ -747,8 +751,8 @@ class MeshOption:
 class MeshProposal:
     """The (cp, tp) proposed for `hosts` hosts of `gpus_per_host` GPUs, next to every alternative.
 
-    The paper's rule: TP inside a host, CP across hosts, and no more TP than memory needs (each
-    doubling of TP adds all-reduce traffic and halves the work per all-reduce; CP scales better).
+    The paper's rule: TP inside a host, CP across hosts, and no more TP than memory needs: TP adds
+    two all-reduces a layer on the critical path, while CP's ring transfers hide under attention.
     """
 
     hosts: int
@@ -771,7 +775,8 @@ class MeshProposal:
             return self.problem() or ""
         c = self.chosen
         if self.forced:
-            return f"TP {c.tp_size} forced: CP {c.cp_size} = {self.hosts} hosts x {self.gpus_per_host} GPUs / TP {c.tp_size}"
+            return (f"TP {c.tp_size} forced: CP {c.cp_size} = {self.hosts} hosts x {self.gpus_per_host} GPUs "
+                    f"/ TP {c.tp_size}")
         smaller = [o.tp_size for o in self.options if o.tp_size < c.tp_size]
         why = (f"TP {', '.join(map(str, smaller))} need{'s' if len(smaller) == 1 else ''} more memory than a GPU has; "
                if smaller else "")

@@ -97,8 +97,8 @@ def alg5_miss_rate_threshold(new_tokens: int, cached_tokens: int, cp_size: int, 
         2*(T+P)*D*(NKV/NH)*e/BW <= T*D*e/BW + attention FLOPs / (N*C).
     The paper counts the attention FLOPs as 4*T*(T+P)*D, the new tokens' own T x T block in full,
     and gets 2*NKV/NH - 4*T*BW/(N*C*e). That block is causal: half of it is masked and never
-    computed (`attention_flops` = 4*T*(T+P)*D*(1 - m/2)), so less compute hides the KV transfer
-    and the threshold rises by the factor (1 - m/2) on the second term. It changes nothing when
+    computed (`attention_flops` = 4*T*(T+P)*D*(1 - m/2)), so less compute hides the KV transfer:
+    the subtracted term shrinks by the factor (1 - m/2) and the threshold rises. It changes nothing when
     P >> T (m -> 0); it is what decides the paper's CP4 partial prefill of 3200 new tokens on a
     124,800-token cache (m = 2.5%, where the paper's form gives exactly 0.125 - 0.1 = m, a tie that
     Algorithm 5's >= hands to pass-KV) for pass-Q, the faster one in the paper's measurements.
@@ -220,7 +220,8 @@ def tp_heads_note(model: ModelConfig, tp_size: int) -> str:
     if tp_size == 1:
         return ""
     heads, kv_heads = local_heads(model, tp_size)
-    note = f"; heads per TP rank (TP {tp_size}): NH={heads}, NKV={kv_heads} of the model's {model.n_heads}/{model.n_kv_heads}"
+    note = (f"; heads per TP rank (TP {tp_size}): NH={heads}, NKV={kv_heads} "
+            f"of the model's {model.n_heads}/{model.n_kv_heads}")
     if tp_size > model.n_kv_heads:
         note += (f" (TP > NKV: each GPU keeps a replica of one KV head for its {heads} query heads, "
                  f"so NKV/NH = {tp_size}/{model.n_heads}, not {model.n_kv_heads}/{model.n_heads})")
