@@ -414,6 +414,11 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192,
         bos_token_id=1, eos_token_ids=(2,),
     ),
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+        rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_seq_len=32768,
+        eos_token_ids=(151643, 151645),
+    ),
     "llama3.2-1b": ModelConfig(
         name="llama3.2-1b", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
         head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,

@@ -9,12 +9,16 @@ memory: for each TP size, T fresh ranks (gloo, one process each) build the (1, T
 shard of the model (a TP rank reads only its slices of a GGUF or safetensors file; presets draw
 only their slices of the random weights), then prefill --tokens synthetic tokens. Reported per
 rank: the peak RSS (Linux VmHWM) over loading and prefill, less the RSS of the same process after
-it imported torch and joined the group (the runtime every rank pays at any T), against the
+it imported everything and ran a tiny model (the runtime every rank pays at any T), against the
 target "weights / T + what is not sharded" = the bytes of the rank's own parameters (norms whole,
-vocabulary, heads and MLP split) + the prefill's activations and KV cache estimate.
+vocabulary, heads and MLP split) + its KV cache. For GGUF files it also prints what the gguf
+package's reader takes to parse the file's metadata (the tokenizer's vocabulary): every rank pays
+that while loading, at any T (the reader is dropped before the weights arrive, so the load peaks
+at the larger of the two).
 
-prefill: the same --tokens prefill (SmolLM2, chunks of 4096) at (cp, tp) = (2, 1) and (1, 2) on
-2 ranks, alternating for --rounds rounds (a noisy machine slows both alike); the ratio is taken
+prefill: the same --tokens prefill (chunks of 4096) at (cp, tp) = (2, 1) and (1, 2) on 2 ranks, of
+the qwen2.5-0.5b preset (random weights; 14 query / 2 KV heads: SmolLM2's 9 query heads do not
+split over 2 TP ranks), alternating for --rounds rounds (a noisy machine slows both alike); the ratio is taken
 within each round, then the median.
 """
 
@@ -37,7 +41,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["memory", "prefill"])
     p.add_argument("--model", nargs="+", default=None,
-                   help="memory: models (default smollm2-135m and the llama3.2-1b preset, random weights)")
+                   help="memory: models (default smollm2-135m and the llama3.2-1b preset, random weights); "
+                        "prefill: the model (default the qwen2.5-0.5b preset)")
     p.add_argument("--tp", type=int, nargs="+", default=None, help="memory: TP sizes (default per model)")
     p.add_argument("--dtype", default=None, help="default: float32 for memory, bfloat16 for prefill")
     p.add_argument("--tokens", type=int, default=None, help="default: 2048 for memory, 16384 for prefill")
@@ -84,6 +89,19 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
     store = dist.TCPStore("127.0.0.1", port, tp, is_master=rank == 0, timeout=datetime.timedelta(seconds=600))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=tp)
     mesh = build_mesh(tp, rank, tp, "cpu")
+    # The runtime every rank pays at any T: modules, the CPU kernels, the allocator's arenas. A tiny
+    # model's prefill in this process brings them in before the baseline is read.
+    import gc
+
+    import gguf  # noqa: F401  (the GGUF reader's modules)
+
+    from ringctx.telemetry import release_free_memory
+
+    warm = load_model("tiny", dtype=dtype, device="cpu")
+    cp_prefill(warm, torch.arange(64), PrefillConfig(chunk_tokens=64), group="local")
+    del warm
+    gc.collect()
+    release_free_memory()
     dist.barrier()
     reset_peak_rss()
     baseline = rss_bytes("VmRSS")
@@ -98,11 +116,26 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
     result = cp_prefill(model, ids, config, group=mesh.cp_group)
     prefill_s = time.perf_counter() - t0
     kv_bytes = result.cache.length * result.cache.bytes_per_token if result.cache is not None else 0
-    peak = rss_bytes("VmHWM")
+    peak = max(after_load, rss_bytes("VmHWM"))  # the prefill starts a new window (cp_prefill resets it)
     dist.destroy_process_group()
     return {"rank": rank, "baseline_rss": baseline, "load_peak_over_baseline": after_load - baseline,
             "peak_over_baseline": peak - baseline, "param_bytes": param_bytes, "kv_bytes": kv_bytes,
             "load_s": load_s, "prefill_s": prefill_s}
+
+
+def gguf_reader_bytes(name: str) -> int:
+    """Resident memory the gguf package's reader takes to parse a GGUF file's metadata (in a fresh
+    process; 0 for models that are not GGUF files). Every rank pays it while loading, at any T."""
+    from ringctx.config import PRESETS
+
+    if name in PRESETS and name != "smollm2-135m":
+        return 0
+    code = ("import gguf, sys; sys.path.insert(0, %r); from bench_tp import rss_bytes; "
+            "from ringctx.model.loader import embedded_gguf_path, _classify_path; "
+            "p = embedded_gguf_path() if %r == 'smollm2-135m' else _classify_path(%r)[1]; "
+            "b = rss_bytes('VmRSS'); r = gguf.GGUFReader(p); print(rss_bytes('VmRSS') - b)"
+            % (os.path.dirname(os.path.abspath(__file__)), name, name))
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def run_memory(models: list[str], tps: list[int] | None, dtype: str, tokens: int) -> list[dict]:
@@ -112,6 +145,9 @@ def run_memory(models: list[str], tps: list[int] | None, dtype: str, tokens: int
     for name in models:
         full = load_model(name, dtype=dtype, device="meta")
         whole_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+        parse = gguf_reader_bytes(name)
+        if parse:
+            print(f"{name}: the gguf reader's metadata parse alone takes {parse / 2**20:.1f} MiB", flush=True)
         for tp in tps or DEFAULT_TP.get(name, [1, 2]):
             port = 29700 + tp + 10 * len(rows)
             procs = [subprocess.Popen([sys.executable, __file__, "memory", "--rank-job", name, str(tp), str(r), str(port),
@@ -119,7 +155,8 @@ def run_memory(models: list[str], tps: list[int] | None, dtype: str, tokens: int
                      for r in range(tp)]
             results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
             for r in results:
-                r.update(model=name, tp=tp, dtype=dtype, tokens=tokens, whole_param_bytes=whole_bytes)
+                r.update(model=name, tp=tp, dtype=dtype, tokens=tokens, whole_param_bytes=whole_bytes,
+                         gguf_reader_bytes=parse)
                 # weights / T + the unsharded rest: this rank's own parameters; plus its KV cache
                 r["target"] = r["param_bytes"] + r["kv_bytes"]
                 r["peak_over_target"] = r["peak_over_baseline"] / r["target"]
@@ -135,10 +172,10 @@ def run_memory(models: list[str], tps: list[int] | None, dtype: str, tokens: int
 # --------------------------------------------------------------------------------------- prefill
 
 
-def one_prefill(cp: int, tp: int, tokens: int, dtype: str) -> dict:
+def one_prefill(model: str, cp: int, tp: int, tokens: int, dtype: str) -> dict:
     """A fresh `ringctx prefill` at (cp, tp) on cp * tp ranks; its JSON stats."""
     out = f"/tmp/ringctx-bench-tp-{os.getpid()}.json"
-    cmd = [sys.executable, "-m", "ringctx", "prefill", "--tokens", str(tokens), "--chunk-tokens", "4096",
+    cmd = [sys.executable, "-m", "ringctx", "prefill", "--model", model, "--tokens", str(tokens), "--chunk-tokens", "4096",
            "--nproc", str(cp * tp), "--tp", str(tp), "--dtype", dtype, "--json", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(out) as f:
@@ -147,13 +184,13 @@ def one_prefill(cp: int, tp: int, tokens: int, dtype: str) -> dict:
     return stats
 
 
-def run_prefill(tokens: int, rounds: int, dtype: str) -> list[dict]:
+def run_prefill(model: str, tokens: int, rounds: int, dtype: str) -> list[dict]:
     rows = []
     for round_index in range(rounds):
         order = [(2, 1), (1, 2)] if round_index % 2 == 0 else [(1, 2), (2, 1)]
         times = {}
         for cp, tp in order:
-            stats = one_prefill(cp, tp, tokens, dtype)
+            stats = one_prefill(model, cp, tp, tokens, dtype)
             times[cp, tp] = stats["ttft_s"]
             rows.append({"round": round_index, "cp": cp, "tp": tp, "ttft_s": stats["ttft_s"],
                          "bytes_sent_per_rank": stats["bytes_sent_per_rank"],
@@ -179,7 +216,8 @@ def main() -> None:
         rows = run_memory(args.model or ["smollm2-135m", "llama3.2-1b"], args.tp, args.dtype or "float32",
                           args.tokens or 2048)
     else:
-        rows = run_prefill(args.tokens or 16384, args.rounds, args.dtype or "bfloat16")
+        rows = run_prefill((args.model or ["qwen2.5-0.5b"])[0], args.tokens or 16384, args.rounds,
+                           args.dtype or "bfloat16")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "what": args.what,

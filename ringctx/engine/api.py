@@ -463,7 +463,9 @@ class Engine:
 
         Returns:
             PrefillResult with .logits (float32 [vocab], last prompt token), .cache (this decode
-            rank's KV cache: the whole sequence with one decode rank, else its slice), .stats.
+            rank's KV cache: the whole sequence with one decode rank, else its slice; under tensor
+            parallelism only this rank's KV heads: `whole_cache(result.document)` gathers every
+            head), .stats.
 
         Raises:
             ValueError: bad input or not enough memory (on every rank; the engine stays usable).
@@ -682,7 +684,8 @@ class Engine:
                                 lambda: self._on_load(os.fspath(path), keep, decode_room), decode_only=True)
 
     def _on_load(self, path, keep, decode_room) -> Document:
-        local = self.decode_ranks if self.mode != "torchrun" else min(self.decode_ranks, self.ranks_per_host)
+        on_host = self.decode_ranks * self.tp_size  # every TP rank of the decode ranks loads its heads' share
+        local = on_host if self.mode != "torchrun" else min(on_host, self.ranks_per_host)
         cache, token_ids, extra = load_document_slices(
             path, self.model, group=self._decode_group, rank=self._decode_index, world=self.decode_ranks,
             room=decode_room, kv_dtype=self.kv_dtype if self.kv_dtype != "model" else None,

@@ -46,6 +46,10 @@ from .prefill import PrefillConfig, cp_prefill
 from .shm_exchange import ShmExchange, shm_supported
 
 
+SAME_AS_GROUP = object()
+"""ShardedDecoder's default control group: the decode group itself."""
+
+
 class ShardedDecoder:
     """Prefill and decode steps of one sequence whose KV cache is split over `group`'s ranks.
 
@@ -61,16 +65,16 @@ class ShardedDecoder:
             group's size and decode_rank 0).
         timeout_s: how long a merge waits for a rank that stops answering.
         control_group: the ranks the leader's tokens go to (default: `group`); under tensor
-            parallelism every TP rank of the decode ranks. "local": this rank alone.
+            parallelism every TP rank of the decode ranks. None: the world; "local": this rank alone.
         leader: the global rank that samples (default: rank 0 of `group`).
     """
 
     def __init__(self, model, cache: KVCache, length: int, group, prefill_config: PrefillConfig,
-                 timeout_s: float = 300.0, control_group=None, leader: int | None = None):
+                 timeout_s: float = 300.0, control_group=SAME_AS_GROUP, leader: int | None = None):
         self.model, self.cache, self.length, self.group = model, cache, length, group
         self.config = prefill_config
         self.rank, self.world = rank_and_world(group)
-        self.control_group = group if control_group is None and leader is None else control_group
+        self.control_group = group if control_group is SAME_AS_GROUP else control_group
         if leader is None:
             leader = dist.get_global_rank(group, 0) if isinstance(group, dist.ProcessGroup) else 0
         self.leader = leader

@@ -14,6 +14,7 @@ Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, read_gguf_field
+from ..telemetry import release_free_memory
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take
 
@@ -111,44 +113,60 @@ def dequantize_tensor(tensor, take: Take | None = None) -> torch.Tensor:
     shape order (float32, or F16/BF16 as is).
 
     GGUF stores each row (PyTorch's last dimension) as whole quantization blocks, so a slice of
-    rows is read alone; a slice of columns is dequantized ROWS_PER_READ rows at a time."""
+    rows is read alone; a slice of columns is read and dequantized ROWS_PER_READ rows at a time.
+    Rows are read with plain file reads rather than through the reader's memory map: every mapped
+    page a process touches counts in its resident memory until the map is closed, so a TP rank
+    that cuts columns out of every row would otherwise hold the whole file's pages."""
     expected_bytes = _tensor_bytes(tensor)
     if tensor.data.nbytes != expected_bytes:
         raise ValueError(f"tensor {tensor.name!r} has {tensor.data.nbytes} bytes of data, expected "
                          f"{expected_bytes}; the file is truncated")
     shape = gguf_tensor_shape(tensor)
     if take is None:
-        return _dequantize_rows(tensor, tensor.data, shape)
-    data = tensor.data.reshape(shape[0], -1)  # one row (its blocks or values) per line
+        return _dequantize_rows(tensor, _read_rows(tensor, 0, shape[0]), shape)
     if take.dim == 0:
-        return _dequantize_rows(tensor, data[take.start:take.stop], (take.stop - take.start, *shape[1:]))
+        rows = _read_rows(tensor, take.start, take.stop)
+        return _dequantize_rows(tensor, rows, (take.stop - take.start, *shape[1:]))
     parts = []
     for first in range(0, shape[0], ROWS_PER_READ):
         last = min(first + ROWS_PER_READ, shape[0])
-        parts.append(_dequantize_rows(tensor, data[first:last], (last - first, shape[1]))[:, take.start:take.stop]
-                     .clone())
+        rows = _dequantize_rows(tensor, _read_rows(tensor, first, last), (last - first, shape[1]))
+        parts.append(rows[:, take.start:take.stop].clone())
     return torch.cat(parts)
 
 
-def _dequantize_rows(tensor, data, shape: tuple[int, ...]) -> torch.Tensor:
-    """Raw GGUF data (whole rows) -> a tensor of `shape`."""
+def _read_rows(tensor, start: int, stop: int) -> np.ndarray:
+    """The stored bytes of rows [start, stop) of a GGUF tensor: [rows, bytes per row] uint8."""
+    rows = gguf_tensor_shape(tensor)[0]
+    row_bytes = _tensor_bytes(tensor) // rows
+    path = getattr(tensor.data, "filename", None)
+    if path is None:  # a reader over something other than a file: its memory map it is
+        return np.array(tensor.data.reshape(rows, -1).view(np.uint8)[start:stop])
+    data = np.fromfile(path, dtype=np.uint8, count=(stop - start) * row_bytes,
+                       offset=int(tensor.data_offset) + start * row_bytes)
+    if data.size != (stop - start) * row_bytes:
+        raise ValueError(f"tensor {tensor.name!r}: the file ends inside its data; the file is truncated")
+    return data.reshape(stop - start, row_bytes)
+
+
+def _dequantize_rows(tensor, data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Stored bytes of whole rows ([rows, bytes per row] uint8) -> a tensor of `shape`."""
     import gguf
     from gguf.quants import dequantize
 
     kind = tensor.tensor_type
+    if kind == gguf.GGMLQuantizationType.F32:
+        return torch.from_numpy(data.view(np.float32).reshape(shape))
     if kind == gguf.GGMLQuantizationType.F16:
-        return torch.from_numpy(np.array(data).view(np.float16).reshape(shape))
+        return torch.from_numpy(data.view(np.float16).reshape(shape))
     if kind == gguf.GGMLQuantizationType.BF16:
-        return torch.from_numpy(np.array(data).view(np.int16).reshape(shape)).view(torch.bfloat16)
+        return torch.from_numpy(data.view(np.int16).reshape(shape)).view(torch.bfloat16)
     try:
         values = dequantize(data, kind)
     except NotImplementedError:
         raise ValueError(f"tensor {tensor.name!r} has type {kind.name}, which the installed gguf package "
                          "cannot dequantize; upgrade gguf or re-quantize the file") from None
-    values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
-    if not values.flags.writeable:  # F32 data is a view of the read-only memory map
-        values = values.copy()
-    return torch.from_numpy(values)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
 
 
 def _tensor_bytes(tensor) -> int:
@@ -168,26 +186,25 @@ def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf_weights(model, path: str, reader, arch: str) -> None:
+def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     """Fill `model` (built from this file's config; a TP rank's shard reads only its slices) with
-    the file's dequantized tensors."""
+    the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
     expected = expected_gguf_tensors(model.full_config, arch, model.tp)
     filler = WeightFiller(model, path, {name: piece for name, (piece, _) in expected.items()})
-    for shard in gguf_shards(path, reader):
-        for tensor in shard.tensors:
-            if tensor.name in _NOT_PARAMETERS:
-                continue
-            piece = filler.piece(tensor.name)
-            filler.check_shape(piece, gguf_tensor_shape(tensor))
-            try:
-                value = dequantize_tensor(tensor, piece.take)
-            except ValueError as e:
-                raise ValueError(f"{path}: {e}") from None
-            heads = expected[tensor.name][1]
-            if heads is not None:
-                value = unpermute_rotary_rows(value, heads)
-            filler.put(piece, value)
-            del value  # one dequantized tensor alive at a time
+    for tensor in tensors:
+        if tensor.name in _NOT_PARAMETERS:
+            continue
+        piece = filler.piece(tensor.name)
+        filler.check_shape(piece, gguf_tensor_shape(tensor))
+        try:
+            value = dequantize_tensor(tensor, piece.take)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        heads = expected[tensor.name][1]
+        if heads is not None:
+            value = unpermute_rotary_rows(value, heads)
+        filler.put(piece, value)
+        del value  # one dequantized tensor alive at a time
     filler.finish()
 
 
@@ -201,7 +218,14 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str 
     reader = open_gguf(path)
     config = ModelConfig.from_gguf(reader, name=name or os.path.basename(path))
     arch = read_gguf_field(reader.fields["general.architecture"])
+    meta = torch.device(device).type == "meta"
+    tensors = [] if meta else [t for shard in gguf_shards(path, reader) for t in shard.tensors]
+    # The reader's parsed metadata (the tokenizer's vocabulary, ~150 MiB of objects for a 49K
+    # vocabulary) goes before the weights arrive: the peak is the larger of the two, not their sum.
+    del reader
+    gc.collect()
+    release_free_memory()  # hand the freed objects' pages back to the OS (malloc_trim)
     model = empty_model(config, dtype=dtype, device=device, tp=tp)
-    if torch.device(device).type != "meta":
-        load_gguf_weights(model, path, reader, arch)
+    if not meta:
+        load_gguf_weights(model, path, tensors, arch)
     return config, model
