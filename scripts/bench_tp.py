@@ -28,13 +28,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+from bench_decode import cpu_model  # scripts/ is on the path of a script run from it
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,16 +51,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--rank-job", nargs=5, help=argparse.SUPPRESS)  # internal: model tp rank port dtype
     return p.parse_args()
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def rss_bytes(field: str) -> int:

@@ -3,7 +3,6 @@ of the GGUF file: logits equal tp = 1's to 1e-4 relative, and the fact hidden in
 is found."""
 
 import pytest
-import torch
 
 from ringctx.engine import Engine
 from tests.engine.test_engine_smollm2 import QUESTION, long_document
