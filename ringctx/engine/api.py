@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, load_model
-from ..model.tensor_parallel import gather_kv_heads
+from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..model.generate import Generation
 from ..model.kvfile import share_weights_digest, weights_digest
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
@@ -655,23 +655,15 @@ class Engine:
 
     def _on_save(self, document_id, path, document=None) -> None:
         document = document or self._document(document_id)
-        # Documents hold every KV head: under TP, TP rank 0 of each decode rank writes its slice.
-        whole_heads = gather_kv_heads(document.rewind(), self.model)
-        problem = None
-        if whole_heads is not None:
-            try:
-                save_document_slices(path, whole_heads, document.token_ids, self.model, document.frame,
-                                     group=self._decode_group, rank=self._decode_index, world=self.decode_ranks)
-            except ValueError as exc:
-                problem = str(exc)
-        self._agree_on_decode_host("save", problem)
-
-    def _agree_on_decode_host(self, what: str, problem: str | None) -> None:
-        """Raise `problem` on every rank of the decode host (all TP ranks) if any of them had one."""
-        if self.tp_size > 1:
-            agree_across_ranks(what, problem, what, self._control_group)
-        elif problem:
-            raise ValueError(problem)
+        # Every rank of the decode host writes its own rows of its own KV heads (a replicated KV
+        # head by the first TP rank that holds it): nothing is gathered, the writes run in parallel.
+        tp, full = self.model.tp, self.model.full_config
+        heads = tp.kv_heads(full)
+        writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
+        save_document_slices(path, document.rewind(), document.token_ids, self.model, document.frame,
+                             group=self._control_group, rank=self._decode_index * self.tp_size + tp.rank,
+                             world=self.decode_ranks * self.tp_size, tp_size=self.tp_size, heads=heads,
+                             writes=writes)
 
     def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
         """A Document saved with `save_document` (by any number of decode ranks), split over this

@@ -10,10 +10,14 @@ A document is a directory (no pickle anywhere):
         slice-00000.safetensors    one decode rank's rows: k.{layer}, v.{layer} [rows, Hkv, D] as
         slice-00001.safetensors    stored (8-bit caches also k_scale.{layer}, v_scale.{layer}
         ...                        [rows, Hkv]) and positions [rows] int64
+        slice-00000-kv-002-004.safetensors   under tensor parallelism: a decode rank's rows for KV
+                                   heads 2..3, written by the TP rank that holds them (the manifest
+                                   lists a slice's "parts" and their heads)
 
-Every decode rank writes its own slice, so no rank ever holds more than its slice and the writes
-run in parallel. Loading on M decode ranks: rank m takes rows m*R/M .. (m+1)*R/M - 1 of the
-slices taken in order (R rows in all), reading only those rows (safetensors slices, memory-mapped);
+Every decode rank (every TP rank of it) writes its own slice (its own heads), so no rank ever
+holds more than its share and the writes run in parallel. Loading on M decode ranks: rank m takes rows m*R/M .. (m+1)*R/M - 1 of the
+slices taken in order (R rows in all), and of them the KV heads its TP rank holds (all of them
+without TP), whatever TP size saved them, reading only those rows (plain file reads);
 each slice file's checksum is verified by one of the loading ranks, streaming the file. With one
 decode rank the rows are put in sequence order, as a single-rank cache is kept.
 
@@ -70,16 +74,29 @@ def _slice_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def part_name(index: int, heads: tuple[int, int] | None) -> str:
+    """The file of decode rank `index`'s rows: all KV heads (None), or heads [a, b) under TP."""
+    return slice_name(index) if heads is None else f"slice-{index:05d}-kv-{heads[0]:03d}-{heads[1]:03d}.safetensors"
+
+
 def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, model, extra: dict, *, group,
-                         rank: int, world: int) -> None:
-    """Write this decode rank's slice; the leader (rank 0 of `group`) also writes the tokens and the
-    manifest and swaps the finished directory in. Call on every decode rank."""
+                         rank: int, world: int, tp_size: int = 1, heads: tuple[int, int] | None = None,
+                         writes: bool = True) -> None:
+    """Write this rank's part of the document; the leader (rank 0 of `group`) also writes the
+    tokens and the manifest and swaps the finished directory in. Call on every rank of `group`.
+
+    group, rank, world: every rank that holds part of the cache, in (decode rank, TP rank) order
+    (the decode ranks alone without tensor parallelism). Under TP (`tp_size` > 1) this rank's
+    cache holds KV `heads` [a, b) of the model's; `writes` is False for a rank whose heads another
+    TP rank of its decode rank already writes (KV heads replicated when TP > KV heads).
+    """
     from safetensors.torch import save_file
 
     from .. import __version__
 
     path = os.path.abspath(os.fspath(path))
     partial = path + ".partial"
+    index, own_heads = rank // tp_size, (heads if tp_size > 1 else None)
     problem = None
     if rank == 0:
         try:
@@ -88,31 +105,34 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
         except OSError as exc:
             problem = f"cannot create {partial!r}: {exc}"
     _agree("save", problem, group, world)
-    sha = ""
-    try:
-        file = os.path.join(partial, slice_name(rank))
-        save_file(_slice_tensors(cache), file, metadata={"format": FORMAT, "slice": str(rank)})
-        sha = file_sha256(file)
-    except Exception as exc:  # disk full, permissions: every rank must hear of it
-        problem = f"rank {rank} could not write its slice: {exc}"
+    record = ""
+    if writes:
+        try:
+            name = part_name(index, own_heads)
+            file = os.path.join(partial, name)
+            save_file(_slice_tensors(cache), file, metadata={"format": FORMAT, "slice": str(index)})
+            kv = list(own_heads or (0, cache.n_kv_heads))
+            record = json.dumps({"index": index, "file": name, "heads": kv, "rows": cache.length,
+                                 "sha256": file_sha256(file)})
+        except Exception as exc:  # disk full, permissions: every rank must hear of it
+            problem = f"rank {rank} could not write its slice: {exc}"
     _agree("save", problem, group, world)
-    rows = [r.decode() for r in all_gather_bytes(f"{cache.length}:{sha}".encode(), group, world)]
+    records = [json.loads(r) for r in all_gather_bytes(record.encode(), group, world) if r]
     if rank == 0:
         try:
             save_file({"token_ids": torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu().contiguous()},
                       os.path.join(partial, TOKENS))
-            slices = [{"file": slice_name(i), "rows": int(r.split(":")[0]), "sha256": r.split(":")[1]}
-                      for i, r in enumerate(rows)]
             manifest = {
                 "format": FORMAT, "ringctx_version": __version__, "model": model.full_config.name,
                 "model_fingerprint": model.full_config.fingerprint(), "weights_digest": weights_digest(model),
                 "dtype": str(cache.dtype).removeprefix("torch."), "kv_dtype": cache.kv_dtype,
                 "length": int(torch.as_tensor(token_ids).numel()), "n_layers": cache.n_layers,
-                "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": slices, "extra": extra,
+                "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": _slices(records),
+                "extra": extra,
             }
-            if sum(s["rows"] for s in slices) != manifest["length"]:
-                raise ValueError(f"the slices hold {sum(s['rows'] for s in slices)} rows but the document has "
-                                 f"{manifest['length']} tokens")
+            if sum(s["rows"] for s in manifest["slices"]) != manifest["length"]:
+                raise ValueError(f"the slices hold {sum(s['rows'] for s in manifest['slices'])} rows but the "
+                                 f"document has {manifest['length']} tokens")
             with open(os.path.join(partial, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
                 f.flush()
@@ -122,6 +142,25 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
             problem = f"could not finish {path!r}: {exc}"
             shutil.rmtree(partial, ignore_errors=True)
     _agree("save", problem, group, world)
+
+
+def _slices(records: list[dict]) -> list[dict]:
+    """The manifest's slices from every written part: one entry per decode rank, with its file (all
+    KV heads) or its parts (one per TP rank that wrote heads)."""
+    slices = []
+    for index in sorted({r["index"] for r in records}):
+        parts = sorted((r for r in records if r["index"] == index), key=lambda r: r["heads"][0])
+        if len(parts) == 1:
+            slices.append({"file": parts[0]["file"], "rows": parts[0]["rows"], "sha256": parts[0]["sha256"]})
+        else:
+            slices.append({"rows": parts[0]["rows"],
+                           "parts": [{"file": r["file"], "heads": r["heads"], "sha256": r["sha256"]} for r in parts]})
+    return slices
+
+
+def slice_parts(entry: dict, n_kv_heads: int) -> list[dict]:
+    """A manifest slice's files with the KV heads each holds (a single file holds all of them)."""
+    return entry.get("parts") or [{"file": entry["file"], "heads": [0, n_kv_heads], "sha256": entry["sha256"]}]
 
 
 def _swap_in(partial: str, path: str) -> None:
@@ -212,12 +251,15 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
                               kv_dtype=kv_dtype, sliced=world > 1)
     if memory_check is not None:
         problem = memory_check(hi - lo + room, cache.bytes_per_token)
-    # Checksums: slice file i is verified by rank i mod world, the tokens file by rank 0.
+    n_kv_heads = model.full_config.n_kv_heads
+    files = [part for s in slices for part in slice_parts(s, n_kv_heads)]
+    # Checksums: file i is verified by rank i mod world, the tokens file by rank 0.
     try:
         if problem is None:
-            for i, s in enumerate(slices):
-                if i % world == rank and file_sha256(os.path.join(path, s["file"])) != s["sha256"]:
-                    problem = f"document {path!r}: {s['file']} fails its checksum (altered or truncated); save it again"
+            for i, part in enumerate(files):
+                if i % world == rank and file_sha256(os.path.join(path, part["file"])) != part["sha256"]:
+                    problem = (f"document {path!r}: {part['file']} fails its checksum (altered or truncated); "
+                               "save it again")
             if rank == 0 and problem is None and \
                     file_sha256(os.path.join(path, TOKENS)) != manifest["tokens_sha256"]:
                 problem = f"document {path!r}: {TOKENS} fails its checksum; save it again"
@@ -226,12 +268,12 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     _agree("load", problem, group, world)
 
     names = ["k", "v"] + (["k_scale", "v_scale"] if saved_as in ("fp8", "int8") else [])
-    heads = slice(*model.tp.kv_heads(model.full_config))  # every KV head without tensor parallelism
+    heads = model.tp.kv_heads(model.full_config)  # every KV head without tensor parallelism
     filled, start = 0, 0
     for s in slices:  # copy the rows of [lo, hi) that this slice holds, a block of rows at a time
         a, b = max(lo, start), min(hi, start + s["rows"])
         if a < b:
-            with SliceReader(os.path.join(path, s["file"])) as f:
+            with HeadReader(path, slice_parts(s, n_kv_heads), heads) as f:
                 positions = f.rows("positions", a - start, b - start)
                 for layer in range(cache.n_layers):
                     for r0 in range(0, b - a, LOAD_BLOCK_ROWS):
@@ -239,7 +281,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
                         # one decode rank: rows at their positions (sequence order); several: in file order
                         where = positions[r0:r1].to(model.device) if world == 1 else \
                             slice(filled + r0, filled + r1)
-                        rows = [f.rows(f"{name}.{layer}", a - start + r0, a - start + r1)[:, heads].to(model.device)
+                        rows = [f.rows(f"{name}.{layer}", a - start + r0, a - start + r1).to(model.device)
                                 for name in names]
                         if saved_as == kv_dtype:  # as stored: no conversion
                             for target, part in zip(cache.storage_tensors(layer), rows):
@@ -295,6 +337,33 @@ class SliceReader:
 
     def __exit__(self, *exc) -> None:
         self.file.close()
+
+
+class HeadReader:
+    """Row ranges of KV heads [a, b) of one decode rank's slice, from the files of its parts (one
+    file with every head, or one per TP rank that saved it): each part read with a SliceReader."""
+
+    def __init__(self, path: str, parts: list[dict], heads: tuple[int, int]):
+        self.heads = heads
+        wanted = [p for p in parts if p["heads"][0] < heads[1] and heads[0] < p["heads"][1]]
+        self.parts = [(p["heads"], SliceReader(os.path.join(path, p["file"]))) for p in wanted]
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of tensor `name`, of this reader's KV heads (positions: as stored)."""
+        if name == "positions":
+            return self.parts[0][1].rows(name, start, stop)
+        pieces = []
+        for (a, b), reader in self.parts:  # in head order: the overlap of each part with ours
+            lo, hi = max(a, self.heads[0]), min(b, self.heads[1])
+            pieces.append(reader.rows(name, start, stop)[:, lo - a:hi - a])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def __enter__(self) -> "HeadReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, reader in self.parts:
+            reader.__exit__()
 
 
 def _agree(what: str, problem: str | None, group, world: int) -> None:

@@ -93,6 +93,14 @@ def test_documents_move_between_tp_sizes(mesh_run, tmp_path):
     engine, got, want = mesh_run
     path = str(tmp_path / "doc.kv")
     engine.save_document(got["document"], path)
+    # every TP rank wrote its own KV heads (one file for replicated heads): parts cover the heads once
+    from ringctx.engine.documents import read_manifest, slice_parts
+
+    hkv = engine.model.full_config.n_kv_heads
+    for entry in read_manifest(path)["slices"]:
+        heads = [tuple(part["heads"]) for part in slice_parts(entry, hkv)]
+        assert heads == [(h, h + hkv // len(heads)) for h in range(0, hkv, hkv // len(heads))]
+        assert len(heads) == (1 if engine.tp_size == 1 else min(engine.tp_size, hkv))
     single = Engine(engine.model_name, dtype="float32")
     loaded = single.load_document(path)
     generation = single.generate(loaded, QUESTION, **GREEDY)
