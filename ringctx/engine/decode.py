@@ -83,7 +83,8 @@ class ShardedDecoder:
         self.steps = 0
         # every rank's slice length, then tracked without messages
         self.rows = [r[0] for r in all_gather_ints([cache.length], group, self.world)]
-        self._control = torch.zeros(2, dtype=torch.long)
+        # (token, go): on the GPU under NCCL, which moves device tensors only
+        self._control = torch.zeros(2, dtype=torch.long, device=model.device if model.device.type == "cuda" else "cpu")
         self._closed = self._prefilled = False
         self._fused: FusedStep | None = None  # the fused CPU step over this slice, where it applies
         self._fused_cache: KVCache | None = None

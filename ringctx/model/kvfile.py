@@ -66,9 +66,9 @@ def _gather_over_tp(weight: torch.Tensor, tp, dim: int) -> torch.Tensor:
     padded = mine.new_zeros(rows, weight.shape[1])
     padded[:mine.shape[0]] = mine
     pieces = [torch.empty_like(padded) for _ in range(tp.size)]
-    counts = [torch.zeros(1, dtype=torch.long) for _ in range(tp.size)]
+    counts = [torch.zeros(1, dtype=torch.long, device=weight.device) for _ in range(tp.size)]
     dist.all_gather(pieces, padded, group=tp.group)
-    dist.all_gather(counts, torch.tensor([mine.shape[0]]), group=tp.group)
+    dist.all_gather(counts, torch.tensor([mine.shape[0]], device=weight.device), group=tp.group)
     if dim == 1:
         return torch.cat(pieces, dim=1)
     return torch.cat([p[:int(c)] for p, c in zip(pieces, counts)])[:rows]

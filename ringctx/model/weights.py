@@ -204,7 +204,8 @@ def init_random(model: Transformer, seed: int = 0) -> None:
                 n = min(block, full_shape[0] - first)
                 values = torch.empty((n, *full_shape[1:]), dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
                 values = values[rows[wanted] - first]
-                param[wanted] = (values if cols is None else values[:, cols]).to(param.dtype)
+                values = values if cols is None else values[:, cols]
+                param[wanted.to(param.device)] = values.to(param.device, param.dtype)
 
 
 def _full_rows(model: Transformer, name: str) -> tuple[tuple[int, ...], torch.Tensor, slice | None]:
