@@ -37,7 +37,9 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache
 from ..parallel import CommStats, ShardLayout, ring_attention
-from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints, nbytes, rank_and_world
+from ..parallel.comm import (
+    agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
+)
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
@@ -171,7 +173,7 @@ def _even_split(total: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def _broadcast_int(value: int, src: int, group) -> int:
-    t = torch.tensor([value], dtype=torch.long)
+    t = torch.tensor([value], dtype=torch.long, device=collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, src) if group else src, group=group)
     return int(t.item())
 

@@ -57,11 +57,18 @@ def rank_and_world(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def collective_device(group) -> torch.device:
+    """Where small tensors of a collective over `group` must live: NCCL moves GPU tensors only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_ints(values: list[int], group, world: int) -> list[list[int]]:
     """Every rank's `values` (the same count on each), in rank order; no communication at world 1."""
-    mine = torch.tensor(values, dtype=torch.long)
     if world == 1:
-        return [mine.tolist()]
+        return [list(map(int, values))]
+    mine = torch.tensor(values, dtype=torch.long, device=collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=group)
     return [t.tolist() for t in everyone]
@@ -74,6 +81,7 @@ def all_gather_bytes(data: bytes, group, world: int) -> list[bytes]:
     sizes = [s[0] for s in all_gather_ints([len(data)], group, world)]
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
+    padded = padded.to(collective_device(group))
     everyone = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(everyone, padded, group=group)
     return [bytes(t[:n].tolist()) for t, n in zip(everyone, sizes)]
@@ -132,7 +140,7 @@ def agree_across_ranks(what: str, problem: str | None, signature: str, group: di
     slot = torch.zeros(_CHECK_BYTES, dtype=torch.uint8)
     slot[0] = 0 if problem else 1
     slot[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = collective_device(group)
     gathered = torch.empty(world * _CHECK_BYTES, dtype=torch.uint8, device=device)
     # all_gather_single is the current name (torch >= 2.12); older releases call it all_gather_into_tensor.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
