@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..model import KVCache
 from ..attention.quant import dequantize_rows
 from ..model.kvcache import write_rows
+from ..model.tensor_parallel import split_range
 from ..model.kvfile import check_made_with, load_kv_cache, weights_digest
 from ..parallel.comm import agree_across_ranks, all_gather_bytes
 
@@ -211,11 +212,6 @@ def read_document(path: str, model, room: int = 0) -> tuple[KVCache, torch.Tenso
     return load_document_slices(path, model, group=None, rank=0, world=1, room=room)
 
 
-def rows_for_rank(total: int, rank: int, world: int) -> tuple[int, int]:
-    """The contiguous share of `total` rows that loading rank `rank` of `world` takes."""
-    return rank * total // world, (rank + 1) * total // world
-
-
 def load_document_slices(path: str, model, *, group, rank: int, world: int, room: int,
                          memory_check=None, kv_dtype: str | None = None) -> tuple[KVCache, torch.Tensor, dict]:
     """This decode rank's share of a saved document: (cache, token_ids, extra). Call on every
@@ -245,7 +241,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     _agree("load", problem, group, world)
 
     slices, length = manifest["slices"], int(manifest["length"])
-    lo, hi = rows_for_rank(length, rank, world)
+    lo, hi = split_range(length, world, rank)  # loading rank `rank` takes a contiguous share
     saved_as, kv_dtype = manifest["kv_dtype"], kv_dtype or manifest["kv_dtype"]
     cache = KVCache.for_model(model.config, hi - lo + room, dtype=model.dtype, device=model.device,
                               kv_dtype=kv_dtype, sliced=world > 1)

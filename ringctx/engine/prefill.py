@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache
+from ..model.tensor_parallel import split_range
 from ..parallel import CommStats, ShardLayout, ring_attention
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
@@ -168,10 +169,6 @@ class PrefillResult:
     """The Engine's Document of this prefill on the decode ranks, when it was asked to keep one."""
 
 
-def _even_split(total: int, world: int, rank: int) -> tuple[int, int]:
-    return rank * total // world, (rank + 1) * total // world
-
-
 def _broadcast_int(value: int, src: int, group) -> int:
     t = torch.tensor([value], dtype=torch.long, device=collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, src) if group else src, group=group)
@@ -230,7 +227,7 @@ def cp_prefill(
         if distributed:
             valid_decode_rank = config.decode_rank if 0 <= config.decode_rank < world else 0
             cached_len = _broadcast_int(cached_len, valid_decode_rank, group)
-        held = [b - a for a, b in (_even_split(cached_len, world, r) for r in range(world))]
+        held = [b - a for a, b in (split_range(cached_len, world, r) for r in range(world))]
     cached_len = sum(held)
     if distributed:
         agree_across_ranks("prefill", problem, _signature(model, token_ids, config, cached_len), group, comm)
@@ -429,7 +426,7 @@ def _last_token_logits(model, x, layout, rank, world, group, logits):
 
 def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, comm) -> None:
     """Split the decode rank's whole cache evenly (contiguous rows) over the ranks, layer by layer."""
-    bounds = [_even_split(cached_len, world, r) for r in range(world)]
+    bounds = [split_range(cached_len, world, r) for r in range(world)]
     rows = max(b - a for a, b in bounds)
     lo, hi = bounds[rank]
     src = dist.get_global_rank(group, decode_rank) if (group is not None and world > 1) else decode_rank

@@ -192,7 +192,7 @@ def init_random(model: Transformer, seed: int = 0) -> None:
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            full_shape, rows, cols = _full_rows(model, name)
+            full_shape, rows, cols = _full_rows(model, name, param)
             row_numel = math.prod(full_shape[1:])
             block = max(1, (1 << 20) // max(row_numel, 1))
             for first in range(0, full_shape[0], block):
@@ -208,12 +208,12 @@ def init_random(model: Transformer, seed: int = 0) -> None:
                 param[wanted.to(param.device)] = values.to(param.device, param.dtype)
 
 
-def _full_rows(model: Transformer, name: str) -> tuple[tuple[int, ...], torch.Tensor, slice | None]:
-    """Where parameter `name` of this (possibly TP-sharded) model comes from in the whole model:
-    (the whole parameter's shape, the whole parameter's row of each of our rows, the columns we
-    keep or None for all)."""
-    param = dict(model.named_parameters())[name]
-    full, local, tp = model.full_config, model.config, model.tp
+def _full_rows(model: Transformer, name: str,
+               param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor, slice | None]:
+    """Where parameter `name` (`param`) of this (possibly TP-sharded) model comes from in the whole
+    model: (the whole parameter's shape, the whole parameter's row of each of our rows, the columns
+    we keep or None for all)."""
+    full, tp = model.full_config, model.tp
     if tp.size == 1:
         return tuple(param.shape), torch.arange(param.shape[0]), None
     shape = list(param.shape)
