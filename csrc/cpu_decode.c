@@ -1,5 +1,5 @@
-/* One decode step of a Llama-family decoder, every layer in one call, for CPUs with AVX-512
- * (built with cpu_kernels.c by ringctx/cpu_kernels.py, driven by ringctx/model/decode_step.py).
+/* One decode step of a Llama-family decoder, every layer in one call (built with cpu_kernels.c by
+ * ringctx/cpu_kernels.py, once per variant, see cpu_simd.h; driven by ringctx/model/decode_step.py).
  *
  * Why: a decode step should take the time to read the weights and the KV cache once. Run as
  * PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
@@ -102,9 +102,8 @@ int64_t ringctx_decode_work_floats(const ringctx_decoder_shape *s, int threads) 
     return shared_floats(s) + (threads < 1 ? 1 : threads > 256 ? 256 : threads) * thread_floats(s);
 }
 
-RINGCTX_AVX512 static inline float hmax(__m512 v) { return _mm512_reduce_max_ps(v); }
-
-RINGCTX_AVX512 static inline float exp1(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+/* exp(x) by the kernels' vector exp, so that every exponential of a step is computed alike. */
+static inline float exp1(float x) { return vexp(vset1(x))[0]; }
 
 /* y = round(x W^T + b), or resid = round(resid + round(x W^T + b)) when resid is given; the output
  * rows are shared out over the threads of the enclosing parallel region. */
@@ -181,7 +180,7 @@ static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decod
 
 /* One thread's share of attention: the q rows (all heads) against cache keys [j0, j1), as a
  * running (max m, sum l, output acc) per row, tile by tile. */
-RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const float *q,
+static void attend_keys(const ringctx_decoder_shape *s, const float *q,
                                        const ringctx_decoder_layer *layer, int64_t j0, int64_t j1, float *m, float *l,
                                        float *alpha, float *acc, float *tile_out, float *scores) {
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, group = hq / hkv;
@@ -200,27 +199,25 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
             scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n);
         for (int64_t r = 0; r < hq; ++r) {
             float *sr = scores + r * KEY_TILE;
-            __m512 vmax = _mm512_set1_ps(-INFINITY);
+            vfloat vmaxes = vset1(-INFINITY);
             int64_t j = 0;
-            for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(sr + j));
-            float tile_max = hmax(vmax);
+            for (; j + VW <= n; j += VW) vmaxes = vmax(vmaxes, vload(sr + j));
+            float tile_max = vhmax(vmaxes);
             for (; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
             const float m_new = m[r] > tile_max ? m[r] : tile_max;
             alpha[r] = m[r] == -INFINITY ? 0.0f : exp1(m[r] - m_new);
-            const __m512 vm = _mm512_set1_ps(m_new);
-            __m512 vsum = _mm512_setzero_ps();
-            for (j = 0; j + 16 <= n; j += 16) {
-                const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm));
-                _mm512_storeu_ps(sr + j, p);
-                vsum = _mm512_add_ps(vsum, p);
+            vfloat vsums = vzero();
+            for (j = 0; j + VW <= n; j += VW) {
+                const vfloat p = vexp(vload(sr + j) - m_new);
+                vstore(sr + j, p);
+                vsums += p;
             }
-            if (j < n) {
-                const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1u);
-                const __m512 p = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sr + j), vm));
-                _mm512_mask_storeu_ps(sr + j, tail, p);
-                vsum = _mm512_mask_add_ps(vsum, tail, vsum, p);
+            float tail_sum = 0.0f;
+            for (; j < n; ++j) {
+                sr[j] = exp1(sr[j] - m_new);
+                tail_sum += sr[j];
             }
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(vsum);
+            l[r] = l[r] * alpha[r] + (vsum(vsums) + tail_sum);
             m[r] = m_new;
         }
         if (q8 >= 0)
@@ -229,11 +226,8 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
         else
             pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n);
         for (int64_t r = 0; r < hq; ++r) {
-            const __m512 a = _mm512_set1_ps(alpha[r]);
-            for (int64_t c = 0; c < d; c += 16) {
-                float *out = acc + r * d + c;
-                _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_loadu_ps(out), a, _mm512_loadu_ps(tile_out + r * d + c)));
-            }
+            const vfloat a = vset1(alpha[r]);
+            for (int64_t c = 0; c < d; c += VW) vstore(acc + r * d + c, vfma(vload(acc + r * d + c), a, vload(tile_out + r * d + c)));
         }
     }
 }
@@ -241,7 +235,7 @@ RINGCTX_AVX512 static void attend_keys(const ringctx_decoder_shape *s, const flo
 /* attn[r] = round(sum_t acc_t[r] e^(m_t - M) / sum_t l_t e^(m_t - M)) over the threads' partials.
  * partial: leave attn unrounded and write lse[r] = M + log(sum_t l_t e^(m_t - M)) (-inf and a zero
  * output for a row that saw no key: this rank may hold none). */
-RINGCTX_AVX512 static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, int n_threads,
+static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, int n_threads,
                                          int partial) {
     const int64_t hq = s->n_heads, d = s->head_dim;
 #pragma omp for schedule(static)
@@ -327,8 +321,8 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
  * the caches (it attends to rows 0..position). cos, sin: [head_dim] rotary factors for that
  * position in the model dtype, laid out as ringctx's RopeAngles. work: at least
  * ringctx_decode_work_floats(shape, threads) floats.
- * Returns 0, -1 when this CPU lacks AVX-512, -2 for an unsupported shape (the caller then runs
- * the PyTorch path). */
+ * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape (the caller
+ * then runs the PyTorch path). */
 int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
                         void *x, int64_t position, const void *cos, const void *sin, float *work, int threads) {
     return decode_layers(s, layers, n_layers, x, position, position + 1, cos, sin, work, threads, NULL);

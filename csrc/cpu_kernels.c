@@ -1,11 +1,12 @@
-/* ringctx's CPU kernels for decode steps, for CPUs with AVX-512 (built by ringctx/cpu_kernels.py).
+/* ringctx's CPU kernels for decode steps (built by ringctx/cpu_kernels.py once per variant: avx512,
+ * avx2, portable; see cpu_simd.h).
  *
  * 1. Weights (bf16 bits or float32) times a few float32 activation rows.
  *
  * A decode step multiplies one activation row by every weight matrix once, so its time is the
  * time to stream the weights from memory. PyTorch's bf16 matmul on CPUs without bf16 units
- * emulates bf16 and streamed the weights at half the memory's speed here (no faster than the
- * float32 matmul, which reads twice the bytes). This kernel widens each bf16 weight to float32 in
+ * emulates bf16 and streamed the weights at half the memory's speed (no faster than the float32
+ * matmul, which reads twice the bytes). This kernel widens each bf16 weight to float32 in
  * registers (a bf16 value is the top half of a float32: zero-extend, shift left 16), accumulates
  * in float32 and prefetches the next rows, so it runs at the memory's speed.
  *
@@ -16,29 +17,22 @@
  *
  * cpu_decode.c builds a whole decode step of a Llama-family model from these pieces.
  *
- * Built by ringctx/cpu_kernels.py with the system C compiler (no PyTorch headers) and called
- * through ctypes; the caller checks shapes, dtypes and contiguity and rounds the results.
+ * Built with the system C compiler (no PyTorch headers) and called through ctypes; the caller
+ * checks shapes, dtypes and contiguity and rounds the results.
  */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "cpu_kernels.h"
 
-#define BLOCK GEMV_BLOCK /* output rows per step: four independent accumulators hide the FMA latency */
-
-int ringctx_cpu_kernels_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-}
+#define BLOCK GEMV_BLOCK
 
 /* One block of up to BLOCK output rows [o, o + n) for every activation row. */
-RINGCTX_AVX512 void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out,
-                               float *y, int64_t o, int64_t n) {
-    const int64_t full = in - in % 16, esize = bf16 ? 2 : 4, row_bytes = in * esize;
-    const __mmask16 tail = (__mmask16)((1u << (in % 16)) - 1u);
+void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out, float *y, int64_t o,
+                int64_t n) {
+    const int64_t full = in - in % VW, esize = bf16 ? 2 : 4, row_bytes = in * esize;
     /* Software prefetch of the next block's rows while this one is summed: the hardware
-     * prefetchers alone kept this at ~60% of the memory bandwidth (measured: 1.6x faster with). */
+     * prefetchers alone kept this at ~60% of the memory bandwidth (AVX-512: 1.6x faster with). */
     const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * row_bytes : 0;
     /* Rows past the end of the block re-read the last real row; their sums are dropped. */
     const char *w0 = (const char *)w + o * row_bytes;
@@ -47,42 +41,40 @@ RINGCTX_AVX512 void gemv_block(const float *x, int64_t rows, int64_t in, const v
     const char *w3 = w0 + (n > 3 ? 3 : 0) * row_bytes;
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * in;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-        for (int64_t i = 0; i < full; i += 16) {
-            const __m512 xv = _mm512_loadu_ps(xr + i);
-            if (r == 0) {
-                for (int64_t b = 0; b < 16 * esize; b += 64) {
-                    _mm_prefetch(w0 + ahead + i * esize + b, _MM_HINT_T0);
-                    _mm_prefetch(w1 + ahead + i * esize + b, _MM_HINT_T0);
-                    _mm_prefetch(w2 + ahead + i * esize + b, _MM_HINT_T0);
-                    _mm_prefetch(w3 + ahead + i * esize + b, _MM_HINT_T0);
-                }
+        vfloat a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        for (int64_t i = 0; i < full; i += VW) {
+            const vfloat xv = vload(xr + i);
+            if (r == 0 && ((i * esize) & 63) < VW * esize) {  /* the first vector of a cache line */
+                __builtin_prefetch(w0 + ahead + i * esize, 0, 3);
+                __builtin_prefetch(w1 + ahead + i * esize, 0, 3);
+                __builtin_prefetch(w2 + ahead + i * esize, 0, 3);
+                __builtin_prefetch(w3 + ahead + i * esize, 0, 3);
             }
-            a0 = _mm512_fmadd_ps(load_any(w0, bf16, i), xv, a0);
-            a1 = _mm512_fmadd_ps(load_any(w1, bf16, i), xv, a1);
-            a2 = _mm512_fmadd_ps(load_any(w2, bf16, i), xv, a2);
-            a3 = _mm512_fmadd_ps(load_any(w3, bf16, i), xv, a3);
+            a0 = vfma(load_any(w0, bf16, i), xv, a0);
+            a1 = vfma(load_any(w1, bf16, i), xv, a1);
+            a2 = vfma(load_any(w2, bf16, i), xv, a2);
+            a3 = vfma(load_any(w3, bf16, i), xv, a3);
         }
-        if (tail) {
-            const __m512 xv = _mm512_maskz_loadu_ps(tail, xr + full);
-            a0 = _mm512_fmadd_ps(load_any_tail(w0, bf16, full, tail), xv, a0);
-            a1 = _mm512_fmadd_ps(load_any_tail(w1, bf16, full, tail), xv, a1);
-            a2 = _mm512_fmadd_ps(load_any_tail(w2, bf16, full, tail), xv, a2);
-            a3 = _mm512_fmadd_ps(load_any_tail(w3, bf16, full, tail), xv, a3);
+        if (full < in) {
+            const int64_t rest = in - full;
+            const vfloat xv = load_any_part(xr, 0, full, rest);
+            a0 = vfma(load_any_part(w0, bf16, full, rest), xv, a0);
+            a1 = vfma(load_any_part(w1, bf16, full, rest), xv, a1);
+            a2 = vfma(load_any_part(w2, bf16, full, rest), xv, a2);
+            a3 = vfma(load_any_part(w3, bf16, full, rest), xv, a3);
         }
         float *yr = y + r * out + o;
-        yr[0] = _mm512_reduce_add_ps(a0);
-        if (n > 1) yr[1] = _mm512_reduce_add_ps(a1);
-        if (n > 2) yr[2] = _mm512_reduce_add_ps(a2);
-        if (n > 3) yr[3] = _mm512_reduce_add_ps(a3);
+        yr[0] = vsum(a0);
+        if (n > 1) yr[1] = vsum(a1);
+        if (n > 2) yr[2] = vsum(a2);
+        if (n > 3) yr[3] = vsum(a3);
     }
 }
 
 /* y = x w^T for w float32 (w_bf16 = 0) or bf16 bits (w_bf16 = 1). Returns 0 on success, -1 when
- * this CPU lacks AVX-512 (the caller then uses PyTorch). */
-int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_bf16, int64_t out,
-                 float *y, int threads) {
+ * this CPU cannot run this variant (the caller then uses PyTorch). */
+int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_bf16, int64_t out, float *y,
+                 int threads) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     const int64_t blocks = (out + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -109,76 +101,53 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
  * ------------------------------------------------------------------------------------------ */
 #define PREFETCH_BYTES 2048 /* how far ahead of the rows in use (one key at a time) */
 
-/* Lane i of the result is the sum of the 16 lanes of a[i]: a tree of adds over shuffled pairs,
- * 46 instructions for 16 sums (one _mm512_reduce_add_ps each takes about 8). */
-RINGCTX_AVX512 static inline __m512 sum_each_16(const __m512 *a) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; ++i)  /* quarters of b[i]: a[2i] (2 partials), a[2i+1] (2 partials) */
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 4; ++i)  /* quarter j of c[i]: 4 partial sums of a[4i + j] */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* within each quarter j: 2 partials of a[j], a[4 + j] (e01) and of a[8 + j], a[12 + j] (e23) */
-    const __m512 e01 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e23 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                     _mm512_shuffle_ps(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* lane 4j + m: the whole sum of a[4m + j]; permute it to lane 4m + j */
-    const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(e01, e23, _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(e01, e23, _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, g);
-}
-
-/* Scores of head h's R rows against 16 keys j0..j0+15, a vector store per row; NV = D / 16 is a
- * constant at each call, so the q row and the 16 dot products stay in registers. */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void scores_16(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
-                             float scale, float *scores, int64_t j0, int64_t h, const int NV) {
-    const int64_t D = 16 * NV;
+/* Scores of head h's R rows against the VW keys j0 .. j0 + VW - 1, a vector store per row. NV =
+ * D / VW is a constant at each call, so the loops unroll and the VW dot products stay in
+ * registers while the q row's vectors are read in turn. */
+SIMD_INLINE void scores_block(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S, float scale,
+                              float *scores, int64_t j0, int64_t h, const int NV) {
+    const int64_t D = VW * NV;
     for (int64_t r = 0; r < R; ++r) {
-        __m512 qv[8], dots[16];
-        for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + (h * R + r) * D + 16 * c);
-        for (int kk = 0; kk < 16; ++kk) {
-            const int64_t row = ((j0 + kk) * Hkv + h) * D;
-            __m512 acc = _mm512_mul_ps(qv[0], load_any(k, bf16, row));
-            for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(qv[c], load_any(k, bf16, row + 16 * c), acc);
-            dots[kk] = acc;
+        const float *qr = q + (h * R + r) * D;
+        vfloat dots[VW];
+#pragma GCC unroll 16
+        for (int kk = 0; kk < VW; ++kk) dots[kk] = vzero();
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; ++c) {
+            const vfloat qc = vload(qr + VW * c);
+#pragma GCC unroll 16
+            for (int kk = 0; kk < VW; ++kk)
+                dots[kk] = vfma(qc, load_any(k, bf16, ((j0 + kk) * Hkv + h) * D + VW * c), dots[kk]);
         }
-        _mm512_storeu_ps(scores + (h * R + r) * S + j0, _mm512_mul_ps(_mm512_set1_ps(scale), sum_each_16(dots)));
+        vstore(scores + (h * R + r) * S + j0, vsum_each(dots) * scale);
     }
 }
 
-/* Scores of every head and row against one key j (any D). */
-RINGCTX_AVX512 static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
-                                    int64_t S, float scale, float *scores, int64_t j) {
-    const int64_t nv = D / 16;
-    __m512 kv[MAX_D / 16];
+/* Scores of every head and row against one key j (any D a multiple of VW). */
+static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S,
+                     float scale, float *scores, int64_t j) {
     for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t row = (j * Hkv + h) * D;
-        for (int64_t c = 0; c < nv; ++c) kv[c] = load_any(k, bf16, row + 16 * c);
         const float *qh = q + h * R * D;
         for (int64_t r = 0; r < R; ++r) {
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
-            for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * c), kv[c], acc);
-            scores[(h * R + r) * S + j] = scale * _mm512_reduce_add_ps(acc);
+            vfloat acc = vzero();
+            for (int64_t c = 0; c < D; c += VW) acc = vfma(vload(qh + r * D + c), load_any(k, bf16, row + c), acc);
+            scores[(h * R + r) * S + j] = scale * vsum(acc);
         }
     }
 }
 
-RINGCTX_AVX512 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
-                                 int64_t S, float scale, float *scores, int64_t j0, int64_t j1) {
-    const int64_t nv = D / 16;
+void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
+                  float *scores, int64_t j0, int64_t j1) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     int64_t j = j0;
-    if (nv == 4 || nv == 8) {  /* the common head widths, 64 and 128: 16 keys at a time */
-        for (; j + 16 <= j1; j += 16) {
+    if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
+        for (; j + VW <= j1; j += VW) {
             /* the cache lines of the block after this one */
-            if (j + 32 <= j1) prefetch_span((const char *)k + (j + 16) * key_bytes, 16 * key_bytes);
+            if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
             for (int64_t h = 0; h < Hkv; ++h) {
-                if (nv == 4) scores_16(q, Hkv, R, k, bf16, S, scale, scores, j, h, 4);
-                else scores_16(q, Hkv, R, k, bf16, S, scale, scores, j, h, 8);
+                if (D == 64) scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW);
+                else scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW);
             }
         }
     }
@@ -189,70 +158,69 @@ RINGCTX_AVX512 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t
     }
 }
 
-#define PV_BLOCK 32 /* keys whose V rows are read once for all heads before moving on */
+#define PV_BLOCK 32                   /* keys whose V rows are read once for all heads before moving on */
+#define PV_ROWS 4                     /* query rows of a register tile */
+#define PV_VECS (VREGS / 2 / PV_ROWS) /* vectors of D per tile row: the tile takes half the registers */
 
-/* acc rows [r0, r0 + RT) of head h += p . v over keys [j0, j1), the RT x NV accumulators in
- * registers (NV = D / 16; the caller passes constants, so the loops unroll). */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
-                           float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, const int RT, const int NV) {
-    __m512 a[4][8];
+/* acc rows [r0, r0 + RT) of head h, elements [c0, c0 + NC VW) of D, += p . v over keys [j0, j1),
+ * the RT x NC accumulators in registers (RT, NC constants: the loops unroll). */
+SIMD_INLINE void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
+                         float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, int64_t c0, const int RT,
+                         const int NC) {
+    vfloat a[PV_ROWS][PV_VECS > 0 ? PV_VECS : 1];
+#pragma GCC unroll 4
     for (int r = 0; r < RT; ++r)
-        for (int c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + (h * R + r0 + r) * D + 16 * c);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + (h * R + r0 + r) * D + c0 + VW * c);
     for (int64_t j = j0; j < j1; ++j) {
-        const int64_t row = (j * Hkv + h) * D;
-        __m512 vv[8];
-        for (int c = 0; c < NV; ++c) vv[c] = load_any(v, bf16, row + 16 * c);
-        for (int r = 0; r < RT; ++r) {
-            const __m512 w = _mm512_set1_ps(p[(h * R + r0 + r) * S + j]);
-            for (int c = 0; c < NV; ++c) a[r][c] = _mm512_fmadd_ps(w, vv[c], a[r][c]);
+        const int64_t row = (j * Hkv + h) * D + c0;
+        vfloat w[PV_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; ++r) w[r] = vset1(p[(h * R + r0 + r) * S + j]);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+            const vfloat vv = load_any(v, bf16, row + VW * c);
+#pragma GCC unroll 4
+            for (int r = 0; r < RT; ++r) a[r][c] = vfma(w[r], vv, a[r][c]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < RT; ++r)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (h * R + r0 + r) * D + 16 * c, a[r][c]);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) vstore(acc + (h * R + r0 + r) * D + c0 + VW * c, a[r][c]);
 }
 
-/* acc of every head's rows += p . v over keys [j0, j1). */
-RINGCTX_AVX512 static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16,
-                                    int64_t D, float *acc, int64_t j0, int64_t j1) {
-    const int64_t nv = D / 16;
-    for (int64_t h = 0; h < Hkv; ++h) {
-        int64_t r0 = 0;
-        /* Register tiles for the common head widths (64 and 128); 4 query rows at a time. */
-        if (nv == 4) {
-            for (; r0 < R; r0 += 4) {
-                switch (R - r0) {  /* constant tile heights, so each case compiles to registers */
-                    case 1: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 1, 4); break;
-                    case 2: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 2, 4); break;
-                    case 3: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 3, 4); break;
-                    default: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 4, 4);
-                }
-            }
-        } else if (nv == 8) {
-            for (; r0 < R; r0 += 2) {
-                if (R - r0 == 1) pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 1, 8);
-                else pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, 2, 8);
-            }
-        }
-        /* Any other width: accumulate through memory (L1), row by row. */
-        for (; r0 < R; ++r0) {
-            float *a = acc + (h * R + r0) * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const __m512 w = _mm512_set1_ps(p[(h * R + r0) * S + j]);
-                const int64_t row = (j * Hkv + h) * D;
-                for (int64_t c = 0; c < nv; ++c)
-                    _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, load_any(v, bf16, row + 16 * c),
-                                                                 _mm512_loadu_ps(a + 16 * c)));
-            }
+/* One tile of `rows` (1 .. PV_ROWS) rows over all of D, NC vectors at a time. */
+SIMD_INLINE void pv_rows(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
+                         float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, int64_t rows, const int NC) {
+    for (int64_t c0 = 0; c0 < D; c0 += VW * NC) {
+        switch (rows) {  /* constant tile heights, so each case compiles to registers */
+            case 1: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 1, NC); break;
+            case 2: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 2, NC); break;
+            case 3: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 3, NC); break;
+            default: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, PV_ROWS, NC);
         }
     }
+}
+
+/* acc of every head's rows += p . v over keys [j0, j1): register tiles of PV_ROWS rows by
+ * PV_VECS vectors (one vector wide where D / VW is not a multiple of PV_VECS). */
+static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
+                     int64_t j0, int64_t j1) {
+    const int wide = (D / VW) % PV_VECS == 0;
+    for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS) {
+            const int64_t rows = R - r0 < PV_ROWS ? R - r0 : PV_ROWS;
+            if (wide) pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, PV_VECS);
+            else pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, 1);
+        }
 }
 
 /* The cache holds a key's heads side by side, so V is walked in blocks of PV_BLOCK keys, every
  * head of a block before the next block: each cache line comes from memory once, in order (one
  * pass per head over the whole range ran at half the memory's speed). */
-RINGCTX_AVX512 void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
-                             float *acc, int64_t j0, int64_t j1) {
+void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
+              int64_t j0, int64_t j1) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {
@@ -265,8 +233,8 @@ RINGCTX_AVX512 void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, 
 /* Split keys evenly over the threads: thread t of n takes [S*t/n, S*(t+1)/n). */
 static inline int64_t split(int64_t S, int t, int n) { return S * t / n; }
 
-int ringctx_decode_scores(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int k_bf16,
-                          int64_t S, float scale, float *scores, int threads) {
+int ringctx_decode_scores(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int k_bf16, int64_t S,
+                          float scale, float *scores, int threads) {
     if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R) return -1;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
@@ -317,118 +285,103 @@ int ringctx_decode_pv(const float *p, int64_t Hkv, int64_t R, int64_t S, const v
  * Why kernels: a decode step's time is the time to read the cache, and an 8-bit cache is half
  * the bytes of a bf16 one only if it is read as it is stored; dequantizing it first (in PyTorch)
  * writes and reads a float copy on top of reading the 8-bit data. Here each byte is widened in
- * registers (load_q8) and the scales are applied once per key: to the 16 dot products of a
- * block of keys at once (scores), and to the weight p of each key (PV). fp8 data is widened to
- * its value / 256 (exact), so 256 is folded into those scales.
+ * registers (load_q8) and the scales are applied once per key: to the dot products of a block
+ * of keys at once (scores), and to the weight p of each key (PV). fp8 data is widened to its
+ * value / FP8_FOLD (exact), so FP8_FOLD is folded into those scales.
  *
  * Widening is not free: int8 -> float32 is a conversion on the floating-point ports (bf16 is an
  * integer shift), fp8 four instructions. Where the bf16 kernel re-reads each key for each query
- * row, the scores here take up to four rows of a KV head at a time against a few keys (16 dot
+ * row, the scores here take up to four rows of a KV head at a time against a few keys (VW dot
  * products, one reduction), so a key row is widened once per four rows, in registers. Widening 16
  * keys into a float32 tile in L1 for the rows to read instead took 1.4x (int8) and 1.15x (fp8)
- * the time at 3 rows per KV head (SmolLM2's GQA group), data in cache.
+ * the time at 3 rows per KV head (SmolLM2's GQA group), data in cache (AVX-512).
  * ------------------------------------------------------------------------------------------ */
 
-/* The scales of keys j0..j0+15 for head h, times `mul`. */
-RINGCTX_AVX512 static inline __m512 scales_16(const float *s, int64_t Hkv, int64_t j0, int64_t h, float mul) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)Hkv));
-    return _mm512_mul_ps(_mm512_i32gather_ps(idx, s + j0 * Hkv + h, 4), _mm512_set1_ps(mul));
-}
 
-/* Scores of rows [r0, r0 + RT) of head h against the KB keys from jb + off, RT * KB <= 16 dot
- * products reduced together: lane r * KB + kk of the sum is row r0 + r against key jb + off + kk.
- * `sc` holds the scales of the block's 16 keys (lane i: key jb + i). RT, KB (a power of 2), NV and
- * KIND are constants, so the loops unroll and dots[] stays in registers. */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void scores_q8_tile(const float *q, int64_t Hkv, int64_t R, const int8_t *k, int64_t S, __m512 sc,
-                                  float *scores, int64_t jb, int off, int64_t h, int64_t r0, const int RT,
-                                  const int KB, const int NV, const int KIND) {
-    const int64_t D = 16 * NV;
-    __m512 dots[16];
+/* Scores of rows [r0, r0 + RT) of head h against the KB keys from jb, RT * KB <= VW dot products
+ * reduced together: lane r * KB + kk of the sum is row r0 + r against key jb + kk; sc[kk] is that
+ * key's scale. RT, KB, NV and KIND are constants, so the loops unroll and the dot products stay in
+ * registers; each key vector is widened once for the RT rows. */
+SIMD_INLINE void scores_q8_tile(const float *q, int64_t Hkv, int64_t R, const int8_t *k, const float *sc, int64_t S,
+                                float *scores, int64_t jb, int64_t h, int64_t r0, const int RT, const int KB,
+                                const int NV, const int KIND) {
+    const int64_t D = VW * NV;
+    vfloat dots[VW];
 #pragma GCC unroll 16
-    for (int i = RT * KB; i < 16; ++i) dots[i] = _mm512_setzero_ps();
+    for (int i = 0; i < VW; ++i) dots[i] = vzero();
 #pragma GCC unroll 16
-    for (int kk = 0; kk < KB; ++kk) {
-        const int64_t row = ((jb + off + kk) * Hkv + h) * D;
-        __m512 kv[8];
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; c += 2) load_q8_pair(k, KIND, row + 16 * c, &kv[c], &kv[c + 1]);
+    for (int c = 0; c < NV; ++c) {
+        vfloat qc[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < RT; ++r) {
-            const float *qr = q + (h * R + r0 + r) * D;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-#pragma GCC unroll 8
-            for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], acc);
-            dots[r * KB + kk] = acc;
+        for (int r = 0; r < RT; ++r) qc[r] = vload(q + (h * R + r0 + r) * D + VW * c);
+#pragma GCC unroll 16
+        for (int kk = 0; kk < KB; ++kk) {
+            const vfloat kv = load_q8(k, KIND, ((jb + kk) * Hkv + h) * D + VW * c);
+#pragma GCC unroll 4
+            for (int r = 0; r < RT; ++r) dots[r * KB + kk] = vfma(qc[r], kv, dots[r * KB + kk]);
         }
     }
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i which = _mm512_add_epi32(_mm512_set1_epi32(off), _mm512_and_si512(lane, _mm512_set1_epi32(KB - 1)));
-    const __m512 sums = _mm512_mul_ps(_mm512_permutexvar_ps(which, sc), sum_each_16(dots));
+    vfloat scale_lanes;
+#pragma GCC unroll 16
+    for (int i = 0; i < VW; ++i) scale_lanes[i] = sc[i % KB];
+    float sums[VW];
+    vstore(sums, vsum_each(dots) * scale_lanes);
 #pragma GCC unroll 4
-    for (int r = 0; r < RT; ++r) {  /* lanes r * KB .. r * KB + KB - 1, moved down to lane 0 */
-        const __m512 mine = _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(r * KB)), sums);
-        _mm512_mask_storeu_ps(scores + (h * R + r0 + r) * S + jb + off, (__mmask16)((1u << KB) - 1u), mine);
-    }
+    for (int r = 0; r < RT; ++r) memcpy(scores + (h * R + r0 + r) * S + jb, sums + r * KB, KB * sizeof(float));
 }
 
-/* Scores of head h's R rows against the 16 keys j0..j0+15 (NV = D / 16 and KIND constants). */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void scores_q8_16(const float *q, int64_t Hkv, int64_t R, const int8_t *k, const float *ks, int64_t S,
-                                float mul, float *scores, int64_t j0, int64_t h, const int NV, const int KIND) {
-    const __m512 sc = scales_16(ks, Hkv, j0, h, mul);
+/* Scores of head h's R rows against the VW keys j0 .. j0 + VW - 1 (NV = D / VW and KIND constants). */
+SIMD_INLINE void scores_q8_block(const float *q, int64_t Hkv, int64_t R, const int8_t *k, const float *ks, int64_t S,
+                                 float mul, float *scores, int64_t j0, int64_t h, const int NV, const int KIND) {
+    float sc[VW];
+    for (int i = 0; i < VW; ++i) sc[i] = mul * ks[(j0 + i) * Hkv + h];
+    enum { KB = VW / 4 }; /* keys per tile of 3 or 4 rows */
     int64_t r0 = 0;
-    /* Several rows: 4 keys at a time (2 rows against 8 keys, filling all 16 lanes, ran 2.5x slower
-     * with the keys coming from memory, for no reason found). */
+    /* Several rows: VW / 4 keys at a time (2 rows against 8 keys, filling all 16 lanes of an
+     * AVX-512 vector, ran 2.5x slower with the keys coming from memory, for no reason found). */
     for (; R - r0 >= 4; r0 += 4)
-        for (int off = 0; off < 16; off += 4) scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, off, h, r0, 4, 4, NV, KIND);
+        for (int off = 0; off < VW; off += KB) scores_q8_tile(q, Hkv, R, k, sc + off, S, scores, j0 + off, h, r0, 4, KB, NV, KIND);
     switch (R - r0) {
         case 3:
-            for (int off = 0; off < 16; off += 4) scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, off, h, r0, 3, 4, NV, KIND);
+            for (int off = 0; off < VW; off += KB) scores_q8_tile(q, Hkv, R, k, sc + off, S, scores, j0 + off, h, r0, 3, KB, NV, KIND);
             break;
         case 2:
-            for (int off = 0; off < 16; off += 4) scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, off, h, r0, 2, 4, NV, KIND);
+            for (int off = 0; off < VW; off += KB) scores_q8_tile(q, Hkv, R, k, sc + off, S, scores, j0 + off, h, r0, 2, KB, NV, KIND);
             break;
-        case 1: scores_q8_tile(q, Hkv, R, k, S, sc, scores, j0, 0, h, r0, 1, 16, NV, KIND); break;
+        case 1: scores_q8_tile(q, Hkv, R, k, sc, S, scores, j0, h, r0, 1, VW, NV, KIND); break;
         default: break;
     }
 }
 
-/* Scores of every head and row against one key j (any D a multiple of 16). */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void scores_q8_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k, const float *ks,
-                               int64_t S, float mul, float *scores, int64_t j, const int KIND) {
-    const int64_t nv = D / 16;
-    __m512 kv[MAX_D / 16];
+/* Scores of every head and row against one key j (any D a multiple of VW). */
+SIMD_INLINE void scores_q8_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k, const float *ks,
+                             int64_t S, float mul, float *scores, int64_t j, const int KIND) {
     for (int64_t h = 0; h < Hkv; ++h) {
         const int64_t row = (j * Hkv + h) * D;
-        for (int64_t c = 0; c < nv; ++c) kv[c] = load_q8(k, KIND, row + 16 * c);
         const float *qh = q + h * R * D;
         const float s = mul * ks[j * Hkv + h];
         for (int64_t r = 0; r < R; ++r) {
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh + r * D), kv[0]);
-            for (int64_t c = 1; c < nv; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + r * D + 16 * c), kv[c], acc);
-            scores[(h * R + r) * S + j] = s * _mm512_reduce_add_ps(acc);
+            vfloat acc = vzero();
+            for (int64_t c = 0; c < D; c += VW) acc = vfma(vload(qh + r * D + c), load_q8(k, KIND, row + c), acc);
+            scores[(h * R + r) * S + j] = s * vsum(acc);
         }
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void scores_q8_range_kind(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
-                                        const float *ks, int64_t S, float mul, float *scores, int64_t j0, int64_t j1,
-                                        const int KIND) {
-    const int64_t nv = D / 16, key_bytes = Hkv * D;
+SIMD_INLINE void scores_q8_range_kind(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
+                                      const float *ks, int64_t S, float mul, float *scores, int64_t j0, int64_t j1,
+                                      const int KIND) {
+    const int64_t key_bytes = Hkv * D;
     int64_t j = j0;
-    if (nv == 4 || nv == 8) {  /* head widths 64 and 128: 16 keys at a time */
-        for (; j + 16 <= j1; j += 16) {
-            if (j + 32 <= j1) {
-                prefetch_span((const char *)(k + (j + 16) * key_bytes), 16 * key_bytes);
-                prefetch_span((const char *)(ks + (j + 16) * Hkv), 16 * Hkv * (int64_t)sizeof(float));
+    if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
+        for (; j + VW <= j1; j += VW) {
+            if (j + 2 * VW <= j1) {
+                prefetch_span((const char *)(k + (j + VW) * key_bytes), VW * key_bytes);
+                prefetch_span((const char *)(ks + (j + VW) * Hkv), VW * Hkv * (int64_t)sizeof(float));
             }
             for (int64_t h = 0; h < Hkv; ++h) {
-                if (nv == 4) scores_q8_16(q, Hkv, R, k, ks, S, mul, scores, j, h, 4, KIND);
-                else scores_q8_16(q, Hkv, R, k, ks, S, mul, scores, j, h, 8, KIND);
+                if (D == 64) scores_q8_block(q, Hkv, R, k, ks, S, mul, scores, j, h, 64 / VW, KIND);
+                else scores_q8_block(q, Hkv, R, k, ks, S, mul, scores, j, h, 128 / VW, KIND);
             }
         }
     }
@@ -439,54 +392,56 @@ static inline void scores_q8_range_kind(const float *q, int64_t Hkv, int64_t R, 
     }
 }
 
-RINGCTX_AVX512 void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
-                                    const float *ks, int kind, int64_t S, float scale, float *scores, int64_t j0,
-                                    int64_t j1) {
+void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k, const float *ks, int kind,
+                     int64_t S, float scale, float *scores, int64_t j0, int64_t j1) {
     if (kind == Q8_INT8) scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale, scores, j0, j1, Q8_INT8);
-    else scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale * Q8_FP8_FOLD, scores, j0, j1, Q8_FP8);
+    else scores_q8_range_kind(q, Hkv, R, D, k, ks, S, scale * FP8_FOLD, scores, j0, j1, Q8_FP8);
 }
 
-/* acc rows [r0, r0 + RT) of head h += p * v_scale * v over keys [j0, j1), in registers (RT, NV and
- * KIND constants). */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void pv_q8_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
-                              float mul, int64_t D, float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0,
-                              const int RT, const int NV, const int KIND) {
-    __m512 a[4][8];
+/* acc rows [r0, r0 + RT) of head h, elements [c0, c0 + NC VW), += p * v_scale * v over keys
+ * [j0, j1), in registers (RT, NC and KIND constants). */
+SIMD_INLINE void pv_q8_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
+                            float mul, int64_t D, float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0,
+                            int64_t c0, const int RT, const int NC, const int KIND) {
+    vfloat a[PV_ROWS][PV_VECS > 0 ? PV_VECS : 1];
+#pragma GCC unroll 4
     for (int r = 0; r < RT; ++r)
-        for (int c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + (h * R + r0 + r) * D + 16 * c);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + (h * R + r0 + r) * D + c0 + VW * c);
     for (int64_t j = j0; j < j1; ++j) {
-        const int64_t row = (j * Hkv + h) * D;
+        const int64_t row = (j * Hkv + h) * D + c0;
         const float s = mul * vs[j * Hkv + h];
-        __m512 vv[8];
-        for (int c = 0; c < NV; c += 2) load_q8_pair(v, KIND, row + 16 * c, &vv[c], &vv[c + 1]);
-        for (int r = 0; r < RT; ++r) {
-            const __m512 w = _mm512_set1_ps(s * p[(h * R + r0 + r) * S + j]);
-            for (int c = 0; c < NV; ++c) a[r][c] = _mm512_fmadd_ps(w, vv[c], a[r][c]);
+        vfloat w[PV_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; ++r) w[r] = vset1(s * p[(h * R + r0 + r) * S + j]);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) {
+            const vfloat vv = load_q8(v, KIND, row + VW * c);
+#pragma GCC unroll 4
+            for (int r = 0; r < RT; ++r) a[r][c] = vfma(w[r], vv, a[r][c]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < RT; ++r)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (h * R + r0 + r) * D + 16 * c, a[r][c]);
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) vstore(acc + (h * R + r0 + r) * D + c0 + VW * c, a[r][c]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
-                               float mul, int64_t D, float *acc, int64_t j0, int64_t j1, const int KIND) {
-    const int64_t nv = D / 16;
-    /* Rows go in register tiles of 4 (D 64) or 2 (D 128), one at a time at other widths. With more
-     * rows than one tile, widening each V row once per tile cost more than the products (int8's
-     * conversion shares the floating-point ports with them), so the block is widened once into
-     * float32 in L1, scales applied, and the float32 kernel reads that: 1.5x faster at 8 rows per
-     * KV head, D 128 (32K keys, 8 KV heads). The block is PV_BLOCK x D floats, 16 KB at D 128. */
-    const int one_tile = nv == 4 ? R <= 4 : nv == 8 ? R <= 2 : R == 1;
-    if (!one_tile) {
+SIMD_INLINE void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
+                             float mul, int64_t D, float *acc, int64_t j0, int64_t j1, const int KIND) {
+    /* When the rows and D fit one register tile (SmolLM2's 3 rows at D 64 on AVX-512), each V
+     * vector is widened once, in registers. Otherwise every tile would widen the block again
+     * (int8's conversion shares the floating-point ports with the products), so the block is
+     * widened once into float32 in L1, scales applied, and the float32 kernel reads that: 1.5x
+     * faster at 8 rows per KV head, D 128 (32K keys, 8 KV heads; AVX-512). The block is PV_BLOCK
+     * x D floats, 16 KB at D 128. */
+    if (!(R <= PV_ROWS && D == VW * PV_VECS)) {
         float tile[PV_BLOCK * MAX_D] __attribute__((aligned(64)));
         for (int64_t h = 0; h < Hkv; ++h) {
             for (int64_t j = j0; j < j1; ++j) {
                 const int64_t row = (j * Hkv + h) * D;
-                const __m512 sv = _mm512_set1_ps(mul * vs[j * Hkv + h]);
-                for (int64_t c = 0; c < nv; ++c)
-                    _mm512_store_ps(tile + (j - j0) * D + 16 * c, _mm512_mul_ps(sv, load_q8(v, KIND, row + 16 * c)));
+                const vfloat sv = vset1(mul * vs[j * Hkv + h]);
+                for (int64_t c = 0; c < D; c += VW) vstore(tile + (j - j0) * D + c, sv * load_q8(v, KIND, row + c));
             }
             /* the float32 kernel on the tile: one head, keys 0 .. j1 - j0 */
             pv_heads(p + h * R * S + j0, 1, R, S, tile, 0, D, acc + h * R * D, 0, j1 - j0);
@@ -494,38 +449,18 @@ static inline void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S
         return;
     }
     for (int64_t h = 0; h < Hkv; ++h) {
-        int64_t r0 = 0;
-        if (nv == 4) {
-            for (; r0 < R; r0 += 4) {
-                switch (R - r0) {
-                    case 1: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 1, 4, KIND); break;
-                    case 2: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 2, 4, KIND); break;
-                    case 3: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 3, 4, KIND); break;
-                    default: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 4, 4, KIND);
-                }
-            }
-        } else if (nv == 8) {
-            for (; r0 < R; r0 += 2) {
-                if (R - r0 == 1) pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 1, 8, KIND);
-                else pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, r0, 2, 8, KIND);
-            }
-        }
-        for (; r0 < R; ++r0) {  /* other widths: through memory (L1), row by row */
-            float *a = acc + (h * R + r0) * D;
-            for (int64_t j = j0; j < j1; ++j) {
-                const __m512 w = _mm512_set1_ps(mul * vs[j * Hkv + h] * p[(h * R + r0) * S + j]);
-                const int64_t row = (j * Hkv + h) * D;
-                for (int64_t c = 0; c < nv; ++c)
-                    _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, load_q8(v, KIND, row + 16 * c),
-                                                                 _mm512_loadu_ps(a + 16 * c)));
-            }
+        switch (R) {
+            case 1: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, 0, 0, 1, PV_VECS, KIND); break;
+            case 2: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, 0, 0, 2, PV_VECS, KIND); break;
+            case 3: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, 0, 0, 3, PV_VECS, KIND); break;
+            default: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, 0, 0, PV_ROWS, PV_VECS, KIND);
         }
     }
 }
 
 /* Blocks of PV_BLOCK keys, every head of a block before the next (as pv_range). */
-RINGCTX_AVX512 void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
-                                int kind, int64_t D, float *acc, int64_t j0, int64_t j1) {
+void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs, int kind,
+                 int64_t D, float *acc, int64_t j0, int64_t j1) {
     const int64_t key_bytes = Hkv * D;
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {
@@ -535,12 +470,12 @@ RINGCTX_AVX512 void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t 
             prefetch_span((const char *)(vs + end * Hkv), PV_BLOCK * Hkv * (int64_t)sizeof(float));
         }
         if (kind == Q8_INT8) pv_q8_heads(p, Hkv, R, S, v, vs, 1.0f, D, acc, j, end, Q8_INT8);
-        else pv_q8_heads(p, Hkv, R, S, v, vs, Q8_FP8_FOLD, D, acc, j, end, Q8_FP8);
+        else pv_q8_heads(p, Hkv, R, S, v, vs, FP8_FOLD, D, acc, j, end, Q8_FP8);
     }
 }
 
-int ringctx_decode_scores_q8(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
-                             const float *k_scale, int kind, int64_t S, float scale, float *scores, int threads) {
+int ringctx_decode_scores_q8(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k, const float *k_scale,
+                             int kind, int64_t S, float scale, float *scores, int threads) {
     if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R || (kind != Q8_INT8 && kind != Q8_FP8))
         return -1;
     if (threads < 1) threads = 1;

@@ -1,4 +1,4 @@
-/* The per-token operations of a Llama-family block on AVX-512 CPUs: RMSNorm, rotate-half RoPE and
+/* The per-token operations of a Llama-family block: RMSNorm, rotate-half RoPE and
  * the SwiGLU gate, one token at a time (used by the fused decode step, cpu_decode.c) and over many
  * rows (exported for prefill, called by ringctx/model/transformer.py).
  *
@@ -18,47 +18,39 @@
 
 #include "cpu_kernels.h"
 
-RINGCTX_AVX512 void token_rms_norm(const void *x, int x_bf16, const void *w, int bf16, int64_t n, float eps,
-                                   void *out, int out_bf16) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m512 v = load_any_tail(x, x_bf16, i, first_lanes(n - i));
-        acc = _mm512_fmadd_ps(v, v, acc);
+void token_rms_norm(const void *x, int x_bf16, const void *w, int bf16, int64_t n, float eps, void *out,
+                    int out_bf16) {
+    vfloat acc = vzero();
+    for (int64_t i = 0; i < n; i += VW) {
+        const vfloat v = load_any_n(x, x_bf16, i, n - i);
+        acc = vfma(v, v, acc);
     }
-    const float r = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps);
-    const __m512 vr = _mm512_set1_ps(r);
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = first_lanes(n - i);
-        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_any_tail(x, x_bf16, i, m), vr), load_any_tail(w, bf16, i, m));
-        store_any(out, out_bf16, i, round512(y, bf16), m);
+    const float r = 1.0f / sqrtf(vsum(acc) / (float)n + eps);
+    for (int64_t i = 0; i < n; i += VW) {
+        const vfloat y = load_any_n(x, x_bf16, i, n - i) * r * load_any_n(w, bf16, i, n - i);
+        store_any_n(out, out_bf16, i, round_any(y, bf16), n - i);
     }
 }
 
-RINGCTX_AVX512 void token_rope(void *x, int x_bf16, const void *cos, const void *sin, int bf16, int64_t d) {
+void token_rope(void *x, int x_bf16, const void *cos, const void *sin, int bf16, int64_t d) {
     const int64_t half = d / 2;
-    float v[MAX_D], rotated[MAX_D];
-    for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(v + i, load_any_tail(x, x_bf16, i, first_lanes(d - i)));
-    for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 m = first_lanes(d - i);
-        float partner[16];
-        for (int64_t j = 0; j < 16 && i + j < d; ++j) partner[j] = i + j < half ? v[i + j + half] : v[i + j - half];
-        const __m512 xc = round512(_mm512_mul_ps(_mm512_loadu_ps(v + i), load_any_tail(cos, bf16, i, m)), bf16);
-        const __m512 r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, partner), load_any_tail(sin, bf16, i, m), xc);
-        _mm512_mask_storeu_ps(rotated + i, m, round512(r, bf16));
+    float v[MAX_D + VW], partner[MAX_D + VW], rotated[MAX_D + VW]; /* + VW: room for a partial last vector */
+    for (int64_t i = 0; i < d; ++i) v[i] = load_one(x, x_bf16, i);
+    for (int64_t i = 0; i < d; ++i) partner[i] = i < half ? v[i + half] : v[i - half];
+    for (int64_t i = 0; i < d; i += VW) {
+        const vfloat xc = round_any(vload(v + i) * load_any_n(cos, bf16, i, d - i), bf16);
+        vstore(rotated + i, round_any(vfma(vload(partner + i), load_any_n(sin, bf16, i, d - i), xc), bf16));
     }
-    for (int64_t i = 0; i < d; i += 16) store_any(x, x_bf16, i, _mm512_loadu_ps(rotated + i), first_lanes(d - i));
+    for (int64_t i = 0; i < d; i += VW) store_any_n(x, x_bf16, i, vload(rotated + i), d - i);
 }
 
-RINGCTX_AVX512 void token_swiglu(const void *gate, const void *up, int in_bf16, int bf16, int64_t n, void *out,
-                                 int out_bf16) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = first_lanes(n - i);
-        const __m512 g = load_any_tail(gate, in_bf16, i, m);
+void token_swiglu(const void *gate, const void *up, int in_bf16, int bf16, int64_t n, void *out, int out_bf16) {
+    for (int64_t i = 0; i < n; i += VW) {
+        const vfloat g = load_any_n(gate, in_bf16, i, n - i);
         /* silu(x) = x / (1 + exp(-x)), as PyTorch computes it */
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        const __m512 y = _mm512_mul_ps(round512(silu, bf16), load_any_tail(up, in_bf16, i, m));
-        store_any(out, out_bf16, i, round512(y, bf16), m);
+        const vfloat silu = g / (vexp(-g) + 1.0f);
+        const vfloat y = round_any(silu, bf16) * load_any_n(up, in_bf16, i, n - i);
+        store_any_n(out, out_bf16, i, round_any(y, bf16), n - i);
     }
 }
 

@@ -1,7 +1,7 @@
-"""Decode-step kernels for CPUs with AVX-512 (csrc/cpu_*.c), with PyTorch as the fallback.
+"""ringctx's CPU kernels (csrc/cpu_*.c), built for this CPU's vector ISA, with PyTorch as the fallback.
 
-A decode step should take the time to read the weights and the KV cache once. Where PyTorch on an
-AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
+A decode step should take the time to read the weights and the KV cache once. Where PyTorch on a
+CPU falls short of that (measured, docs/BENCHMARKS.md):
 
     small_linear           x [T <= 8, in] @ W^T. PyTorch's bf16 GEMV streamed the weights at half
                            the memory's speed, on CPUs with bf16 units (AMX) and without; its
@@ -27,25 +27,36 @@ AVX-512 CPU falls short of that (measured, docs/BENCHMARKS.md):
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
 
-How: the C files have no PyTorch headers, so the system C compiler builds them in about a second
-the first time they are needed; the library is cached under ~/.cache/ringctx (or
+Variants: the kernels are written once, on GCC/Clang vector types (csrc/cpu_simd.h), and built
+once per vector ISA with that ISA's -m flags (VARIANTS): "avx512" (16 floats a vector; also holds
+the AMX attention), "avx2" (8: AVX2, FMA, F16C: x86-64 CPUs since 2013-2015, AMD Zen 1-3) and
+"portable" (4: the target's baseline, SSE2 on x86-64, NEON on arm64). The first variant that this
+CPU runs is used (`choose_variant`); RINGCTX_CPU_ISA names another.
+
+How: the C files have no PyTorch headers, so the system C compiler builds a variant in a few
+seconds the first time it is needed; the library is cached under ~/.cache/ringctx (or
 $RINGCTX_CACHE_DIR), keyed by a hash of the sources and flags, written atomically, and called
-through ctypes (which releases the GIL). Without a C compiler or AVX-512, `small_linear` returns
-None, `decode_kernels_apply` False and `library()` None, and callers use PyTorch;
-`kernel_error()` says why.
+through ctypes (which releases the GIL). Without a C compiler or a variant this CPU runs,
+`small_linear` returns None, `decode_kernels_apply` False and `library()` None, and callers use
+PyTorch; `kernel_error()` says why.
 
 Environment:
     RINGCTX_CPU_KERNELS=0   never build or use the kernels
+    RINGCTX_CPU_ISA         avx512, avx2 or portable: use that variant (default: auto, the widest
+                            this CPU runs)
     RINGCTX_AMX=0           never use the AMX attention kernel (bf16 attention then uses PyTorch's op)
-    RINGCTX_CACHE_DIR       where the built library is kept (default ~/.cache/ringctx)
+    RINGCTX_CACHE_DIR       where the built libraries are kept (default ~/.cache/ringctx)
     CC                      the C compiler (default: cc, then gcc)
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -58,14 +69,104 @@ MAX_ROWS = 8
 """Most activation rows `small_linear` takes (decode steps and short inputs). Measured against
 PyTorch's bf16 matmul on a CPU without bf16 units: 1.5-2x faster at 1, 3 and 8 rows."""
 
-_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c", "cpu_attention_amx.c")
-_HEADERS = ("cpu_kernels.h",)
-_CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c")
+_AMX_SOURCE = "cpu_attention_amx.c"
+_DETECT_SOURCE = "cpu_detect.c"
+_HEADERS = ("cpu_kernels.h", "cpu_simd.h")
+_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=gnu11")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One build of the kernels for one vector ISA (see csrc/cpu_simd.h)."""
+
+    name: str
+    """What RINGCTX_CPU_ISA calls it, and `ringctx info` shows."""
+    vector_floats: int
+    """Floats per vector (RINGCTX_VEC of the C sources)."""
+    flags: tuple[str, ...]
+    """The compiler's ISA flags for every source but cpu_detect.c."""
+    cpu_flags: frozenset[str]
+    """The /proc/cpuinfo flags an x86-64 CPU must report to run it (none: any CPU)."""
+    x86_only: bool
+    """Only for x86-64 CPUs (the portable variant builds for any target)."""
+    amx: bool
+    """The library also holds the AMX bf16 attention kernel."""
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return _SOURCES + ((_AMX_SOURCE,) if self.amx else ())
+
+
+VARIANTS = (
+    Variant("avx512", 16, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
+            frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}), x86_only=True, amx=True),
+    Variant("avx2", 8, ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"}), x86_only=True, amx=False),
+    Variant("portable", 4, (), frozenset(), x86_only=False, amx=False),
+)
+"""Widest first: the order `choose_variant` tries them in."""
+
+_VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_error: str | None = None
-_tried = False
+_libraries: dict[str, ctypes.CDLL | None] = {}  # variant name -> library, None when it failed
+_errors: dict[str, str] = {}                    # variant name -> why it is unavailable
+_forced: str | None = None                      # use_variant's choice, overriding RINGCTX_CPU_ISA
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split(":", 1)[-1].split())
+    except OSError:
+        return frozenset()
+
+
+def _is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def runs_here(variant: Variant) -> str | None:
+    """None when this CPU runs `variant`, else why not (the flags it lacks)."""
+    if variant.x86_only and not _is_x86_64():
+        return f"{variant.name} is for x86-64 CPUs; this one is {platform.machine()}"
+    missing = sorted(variant.cpu_flags - cpu_flags())
+    return f"this CPU has no {', '.join(missing)}" if missing else None
+
+
+def choose_variant() -> tuple[Variant | None, str]:
+    """The variant to use here and why: use_variant's or RINGCTX_CPU_ISA's choice, else the widest
+    this CPU runs. (None, reason) when the kernels are off or the named variant cannot run."""
+    if os.environ.get("RINGCTX_CPU_KERNELS", "1") == "0":
+        return None, "disabled by RINGCTX_CPU_KERNELS=0"
+    asked = _forced or os.environ.get("RINGCTX_CPU_ISA", "auto").strip().lower() or "auto"
+    if asked != "auto":
+        variant = _VARIANTS_BY_NAME.get(asked)
+        if variant is None:
+            return None, f"RINGCTX_CPU_ISA={asked!r} is not a variant; use auto, {', '.join(_VARIANTS_BY_NAME)}"
+        why_not = runs_here(variant)
+        if why_not:
+            return None, f"RINGCTX_CPU_ISA={asked} cannot run here: {why_not}"
+        return variant, f"named by {'use_variant' if _forced else 'RINGCTX_CPU_ISA'}"
+    skipped = []
+    for variant in VARIANTS:
+        why_not = runs_here(variant)
+        if why_not is None:
+            return variant, "the widest this CPU runs" + (f" ({'; '.join(skipped)})" if skipped else "")
+        skipped.append(f"not {variant.name}: {why_not}")
+    return None, "; ".join(skipped)  # not reached: portable runs anywhere
+
+
+def use_variant(name: str | None) -> None:
+    """Use variant `name` from now on in this process (None: back to RINGCTX_CPU_ISA / auto). For
+    tests and benchmarks that compare variants on one machine; ranks started later inherit
+    RINGCTX_CPU_ISA, not this."""
+    global _forced
+    if name is not None and name not in _VARIANTS_BY_NAME:
+        raise ValueError(f"unknown CPU kernel variant {name!r}; use one of {', '.join(_VARIANTS_BY_NAME)}")
+    _forced = name
 
 
 def _source_dir() -> Path | None:
@@ -73,7 +174,7 @@ def _source_dir() -> Path | None:
     cuda_ext.csrc_dir)."""
     from .attention.cuda_ext import csrc_dir  # at call time: ringctx.attention imports this module
 
-    return csrc_dir(_SOURCES + _HEADERS)
+    return csrc_dir(_SOURCES + (_AMX_SOURCE, _DETECT_SOURCE) + _HEADERS)
 
 
 def _cache_dir() -> Path:
@@ -83,106 +184,145 @@ def _cache_dir() -> Path:
     return Path(base) / "ringctx"
 
 
-def _compile(directory: Path) -> Path:
-    """The library built from the sources in `directory`: compiled once into the cache,
-    atomically, then reused."""
+def _run_compiler(args: list[str], directory: Path) -> None:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{args[0]} failed on {directory}: {done.stderr.strip()[-2000:]}")
+
+
+def _compile(directory: Path, variant: Variant) -> Path:
+    """The library of `variant` built from the sources in `directory`: compiled once into the
+    cache, atomically, then reused."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (install gcc, or set CC)")
-    digest = hashlib.sha256(" ".join((compiler, *_CFLAGS)).encode())
-    for name in _SOURCES + _HEADERS:
+    vec = f"-DRINGCTX_VEC={variant.vector_floats}"
+    digest = hashlib.sha256(" ".join((compiler, *_CFLAGS, vec, *variant.flags)).encode())
+    for name in variant.sources + (_DETECT_SOURCE,) + _HEADERS:
         digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
-    key = digest.hexdigest()[:16]
-    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{variant.name}-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".so.tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        sources = [str(directory / name) for name in _SOURCES]
-        done = subprocess.run([compiler, *_CFLAGS, *sources, "-lm", "-o", tmp], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {directory}: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # concurrent ranks each write their own file; the last one wins
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(prefix=target.stem + ".", dir=target.parent) as tmp:
+        # cpu_detect.c without the variant's flags: it must run on any CPU to say whether the rest can.
+        detect = os.path.join(tmp, "detect.o")
+        _run_compiler([compiler, *_CFLAGS, vec, "-c", str(directory / _DETECT_SOURCE), "-o", detect], directory)
+        built = os.path.join(tmp, target.name)
+        _run_compiler([compiler, *_CFLAGS, "-shared", vec, *variant.flags,
+                       *(str(directory / name) for name in variant.sources), detect, "-lm", "-o", built], directory)
+        os.replace(built, target)  # concurrent ranks each build their own file; the last one wins
     return target
 
 
-def _load() -> ctypes.CDLL | None:
-    global _library, _error, _tried
-    if _tried:
-        return _library
+def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
+    """Declare the argument and result types of the library's entry points."""
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.ringctx_gemv.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, i32]
+    lib.ringctx_decode_scores.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, f32, ptr, i32]
+    lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
+    lib.ringctx_decode_scores_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, f32, ptr, i32]
+    lib.ringctx_decode_pv_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i32]
+    shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
+    lib.ringctx_decode_work_floats.argtypes = [shape, i32]
+    lib.ringctx_decode_work_floats.restype = i64
+    lib.ringctx_decode_step.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32]
+    lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
+    lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
+    lib.ringctx_encode_e4m3.restype = None
+    lib.ringctx_decode_attn_offset.argtypes = [shape]
+    lib.ringctx_decode_attn_offset.restype = i64
+    lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
+    lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
+    lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
+    if variant.amx:
+        lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
+                                              i32, f32, ptr, i64, i64, ptr, i32]
+    # ringctx_gemv, ringctx_decode_*, the *_rows kernels, ringctx_amx_available: int (ctypes' default)
+
+
+def _load_variant(variant: Variant) -> ctypes.CDLL | None:
+    """The built and checked library of `variant` (once per process), or None (see _errors)."""
     with _lock:
-        if _tried:
-            return _library
+        if variant.name in _libraries:
+            return _libraries[variant.name]
+        lib = None
         try:
-            if os.environ.get("RINGCTX_CPU_KERNELS", "1") == "0":
-                raise RuntimeError("disabled by RINGCTX_CPU_KERNELS=0")
             directory = _source_dir()
             if directory is None:
-                raise RuntimeError(f"csrc/{', '.join(_SOURCES + _HEADERS)} not found (set RINGCTX_CSRC_DIR)")
-            lib = ctypes.CDLL(str(_compile(directory)))
-            ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-            lib.ringctx_gemv.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, i32]
-            lib.ringctx_gemv.restype = ctypes.c_int
-            lib.ringctx_decode_scores.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, f32, ptr, i32]
-            lib.ringctx_decode_scores.restype = ctypes.c_int
-            lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
-            lib.ringctx_decode_pv.restype = ctypes.c_int
-            lib.ringctx_decode_scores_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, f32, ptr, i32]
-            lib.ringctx_decode_scores_q8.restype = ctypes.c_int
-            lib.ringctx_decode_pv_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i32]
-            lib.ringctx_decode_pv_q8.restype = ctypes.c_int
-            shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
-            lib.ringctx_decode_work_floats.argtypes = [shape, i32]
-            lib.ringctx_decode_work_floats.restype = i64
-            lib.ringctx_decode_step.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32]
-            lib.ringctx_decode_step.restype = ctypes.c_int
-            lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
-            lib.ringctx_decode_step_split.restype = ctypes.c_int
-            lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
-            lib.ringctx_encode_e4m3.restype = None
-            lib.ringctx_decode_attn_offset.argtypes = [shape]
-            lib.ringctx_decode_attn_offset.restype = i64
-            lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                                  i32, f32, ptr, i64, i64, ptr, i32]
-            lib.ringctx_amx_attention.restype = ctypes.c_int
-            lib.ringctx_amx_available.restype = ctypes.c_int
-            lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
-            lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
-            lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
-            for name in ("ringctx_rms_norm_rows", "ringctx_rope_rows", "ringctx_swiglu_rows"):
-                getattr(lib, name).restype = ctypes.c_int
-            if not lib.ringctx_cpu_kernels_supported():
-                raise RuntimeError("this CPU has no AVX-512 (F, BW and VL)")
-            _library = lib
+                raise RuntimeError("the C sources (csrc/cpu_*.c) were not found (set RINGCTX_CSRC_DIR)")
+            lib = ctypes.CDLL(str(_compile(directory, variant)))
+            _bind(lib, variant)
+            if lib.ringctx_simd_width() != variant.vector_floats or not lib.ringctx_cpu_kernels_supported():
+                raise RuntimeError(f"the {variant.name} library does not run on this CPU")
         except Exception as e:  # noqa: BLE001 - no compiler, compile error, unsupported CPU: use PyTorch
-            _error = f"CPU kernels unavailable: {e}"
-        _tried = True
-        return _library
+            lib = None
+            _errors[variant.name] = f"CPU kernels unavailable: {e}"
+        _libraries[variant.name] = lib
+        return lib
 
 
-def cpu_kernels_status() -> str:
-    """One line for `ringctx info`: whether the kernels are in use here, or why not (builds them)."""
-    if _load() is not None:
-        reason = amx_unavailable_reason()
-        amx = "; AMX bf16 attention" if reason is None else f" (bf16 attention uses PyTorch's op: {reason})"
-        return ("available: fused decode step, GEMV, decode attention over float, int8 and fp8 caches (AVX-512; "
-                f"csrc/cpu_*.c, built with the system C compiler){amx}")
-    return _error or "not in use"
+def _load() -> ctypes.CDLL | None:
+    """The library of the variant `choose_variant` picks (built on first use), or None."""
+    variant, _ = choose_variant()
+    return None if variant is None else _load_variant(variant)
+
+
+def active_variant() -> Variant | None:
+    """The variant the kernels run as here (None when they do not run)."""
+    variant, _ = choose_variant()
+    return variant if variant is not None and _load_variant(variant) is not None else None
 
 
 def kernel_error() -> str | None:
     """Why the kernels are not in use (None when they are, or were not tried yet)."""
-    return _error
+    variant, why = choose_variant()
+    if variant is None:
+        return f"CPU kernels unavailable: {why}"
+    return _errors.get(variant.name)
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library (built on first use), or None where it is unavailable."""
     return _load()
+
+
+KERNEL_NAMES = ("fused decode step", "GEMV", "decode attention (model dtype)", "decode attention (int8, fp8)",
+                "RMSNorm/RoPE/SwiGLU rows", "AMX bf16 attention")
+"""What `cpu_kernels_report` says of, one entry each."""
+
+
+def cpu_kernels_report() -> dict:
+    """What runs on this CPU, for `ringctx info` (builds the kernels): the variant and why it was
+    chosen, the variants this CPU runs, and for each kernel "in use" or why it is not."""
+    variant, why = choose_variant()
+    lib = None if variant is None else _load_variant(variant)
+    if lib is None:
+        reason = kernel_error() or why
+        kernels = {name: f"not in use: {reason} (PyTorch runs instead)" for name in KERNEL_NAMES}
+    else:
+        kernels = {name: "in use" for name in KERNEL_NAMES}
+        amx_reason = amx_unavailable_reason()
+        if amx_reason is not None:
+            kernels["AMX bf16 attention"] = f"not in use: {amx_reason} (bf16 attention uses PyTorch's op)"
+    return {
+        "variant": None if lib is None else variant.name,
+        "vector_floats": None if lib is None else variant.vector_floats,
+        "why": why if lib is not None else (kernel_error() or why),
+        "variants_this_cpu_runs": [v.name for v in VARIANTS if runs_here(v) is None],
+        "kernels": kernels,
+    }
+
+
+def cpu_kernels_status() -> str:
+    """One line of `cpu_kernels_report`: the variant in use, or why none is."""
+    report = cpu_kernels_report()
+    if report["variant"] is None:
+        return report["why"]
+    off = [f"{name} ({state[len('not in use: '):]})" for name, state in report["kernels"].items() if state != "in use"]
+    return (f"{report['variant']} ({report['vector_floats']} floats a vector; {report['why']}): "
+            + ", ".join(name for name, state in report["kernels"].items() if state == "in use")
+            + (f"; not in use: {'; '.join(off)}" if off else ""))
 
 
 MERGE_FN = ctypes.CFUNCTYPE(None)
@@ -427,7 +567,8 @@ def amx_available() -> bool:
     if os.environ.get("RINGCTX_AMX", "1") == "0":
         return False
     lib = _load()
-    return lib is not None and bool(lib.ringctx_amx_available())
+    variant = active_variant()
+    return lib is not None and variant.amx and bool(lib.ringctx_amx_available())
 
 
 def amx_unavailable_reason() -> str | None:
@@ -436,7 +577,12 @@ def amx_unavailable_reason() -> str | None:
         return None
     if os.environ.get("RINGCTX_AMX", "1") == "0":
         return "disabled by RINGCTX_AMX=0"
-    return kernel_error() or "this CPU has no AMX-BF16, or Linux did not grant the tile state"
+    if kernel_error():
+        return kernel_error()
+    variant = active_variant()
+    if variant is not None and not variant.amx:
+        return f"the {variant.name} variant has no AMX kernel"
+    return "this CPU has no AMX-BF16, or Linux did not grant the tile state"
 
 
 def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -1,32 +1,25 @@
-"""csrc/cpu_kernels.c (decode-step kernels for AVX-512 CPUs) against float64 references.
+"""csrc/cpu_kernels.c and cpu_token_ops.c (decode-step kernels) against float64 references, once
+per kernel variant this CPU runs (avx512, avx2, portable; tests/conftest.py's kernel_variant).
 
-The kernels are built with the system C compiler on first use. On a CPU without AVX-512 F/BW/VL
-or without a C compiler they are unavailable by design (callers use PyTorch); these tests then
-check only that fallback.
+The kernels are built with the system C compiler on first use. Without a C compiler they are
+unavailable by design (callers use PyTorch); these tests then check only that fallback.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
 from ringctx import cpu_kernels
 from ringctx.attention import kernels as attention_kernels
+from tests.conftest import KERNEL_VARIANTS
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-BUILDABLE = {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags() and bool(shutil.which("cc") or shutil.which("gcc"))
-needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="needs an AVX-512 (F, BW, VL) CPU and a C compiler")
+BUILDABLE = bool(KERNEL_VARIANTS)
+needs_kernels = pytest.mark.skipif(not BUILDABLE, reason="needs a C compiler (the portable variant runs on any CPU)")
+pytestmark = pytest.mark.usefixtures("kernel_variant")
 
 
 @needs_kernels
@@ -145,9 +138,6 @@ def test_decode_kernels_decline_unsupported_inputs():
 
 def test_switched_off_means_pytorch(monkeypatch):
     monkeypatch.setenv("RINGCTX_CPU_KERNELS", "0")
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_library", None)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
     q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
     assert not cpu_kernels.decode_kernels_apply(q, k, k)
     assert "RINGCTX_CPU_KERNELS=0" in cpu_kernels.kernel_error()
@@ -156,9 +146,8 @@ def test_switched_off_means_pytorch(monkeypatch):
 def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("RINGCTX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_library", None)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setattr(cpu_kernels, "_libraries", {})
+    monkeypatch.setattr(cpu_kernels, "_errors", {})
     assert cpu_kernels.small_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None
     assert cpu_kernels.library() is None
     assert "no-such-compiler" in cpu_kernels.kernel_error()
@@ -172,7 +161,7 @@ def test_the_c_sources_ship_inside_the_package():
     import ringctx
 
     package_csrc = Path(ringctx.__file__).parent / "csrc"
-    for name in cpu_kernels._SOURCES + cpu_kernels._HEADERS:
+    for name in cpu_kernels._SOURCES + (cpu_kernels._AMX_SOURCE, cpu_kernels._DETECT_SOURCE) + cpu_kernels._HEADERS:
         assert (package_csrc / name).is_file(), name
 
 
@@ -236,3 +225,57 @@ def test_row_ops_decline_what_they_do_not_cover():
     assert cpu_kernels.rms_norm(x, torch.ones(8).bfloat16(), 1e-5) is None  # mixed dtypes
     assert not cpu_kernels.swiglu_(torch.randn(4, 10), 4)  # not [T, 2 ffn]
     assert not cpu_kernels.rope_(torch.randn(4, 2, 8), torch.randn(4, 1, 6), torch.randn(4, 1, 6))
+
+
+# ---------------------------------------------------------------- which variant runs here
+
+
+def test_the_variant_in_use_is_the_widest_this_cpu_runs():
+    """avx512 on an AVX-512 CPU, avx2 on an AVX2-only one, portable elsewhere (arm64 included):
+    the library that loads says which it is, and `info` names it."""
+    cpu_kernels.use_variant(None)
+    if not BUILDABLE:
+        assert cpu_kernels.library() is None and cpu_kernels.cpu_kernels_report()["variant"] is None
+        return
+    widest = KERNEL_VARIANTS[0]
+    assert cpu_kernels.active_variant().name == widest
+    assert cpu_kernels.library().ringctx_simd_width() == cpu_kernels.active_variant().vector_floats
+    report = cpu_kernels.cpu_kernels_report()
+    assert report["variant"] == widest and report["variants_this_cpu_runs"] == KERNEL_VARIANTS
+    assert report["kernels"]["fused decode step"] == "in use"
+    assert widest in cpu_kernels.cpu_kernels_status()
+
+
+def test_kernel_variant_fixture_runs_the_named_library(kernel_variant):
+    if kernel_variant is None:
+        pytest.skip("no C compiler: no variant to run")
+    widths = {v.name: v.vector_floats for v in cpu_kernels.VARIANTS}
+    assert cpu_kernels.library().ringctx_simd_width() == widths[kernel_variant]
+
+
+def test_an_avx2_only_cpu_gets_the_avx2_variant(monkeypatch):
+    if not cpu_kernels._is_x86_64():
+        pytest.skip("x86-64 variants")
+    cpu_kernels.use_variant(None)
+    zen3 = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "bmi2"})  # no AVX-512
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: zen3)
+    variant, why = cpu_kernels.choose_variant()
+    assert variant.name == "avx2"
+    assert "not avx512: this CPU has no avx512bw, avx512f, avx512vl" in why
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert cpu_kernels.choose_variant()[0].name == "portable"
+
+
+def test_a_variant_this_cpu_cannot_run_is_refused_with_the_flags_it_lacks(monkeypatch):
+    cpu_kernels.use_variant(None)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))
+    monkeypatch.setenv("RINGCTX_CPU_ISA", "avx512")
+    variant, why = cpu_kernels.choose_variant()
+    if cpu_kernels._is_x86_64():
+        assert variant is None and why == "RINGCTX_CPU_ISA=avx512 cannot run here: this CPU has no avx512bw, avx512f, avx512vl"
+    monkeypatch.setenv("RINGCTX_CPU_ISA", "sse9")
+    assert cpu_kernels.choose_variant()[0] is None and "not a variant" in cpu_kernels.choose_variant()[1]
+    monkeypatch.setenv("RINGCTX_CPU_ISA", "portable")
+    assert cpu_kernels.choose_variant()[0].name == "portable"
+    with pytest.raises(ValueError, match="unknown CPU kernel variant"):
+        cpu_kernels.use_variant("avx1024")

@@ -22,6 +22,8 @@ from ringctx.model.weights import empty_model
 from tests.model_helpers import rel_err
 from tests.test_cpu_kernels import needs_kernels
 
+pytestmark = pytest.mark.usefixtures("kernel_variant")  # once per CPU kernel variant here
+
 TINY = get_preset("tiny")
 
 # Head widths 16/32/48 take the kernels' generic paths, 64 and 128 their register tiles; group

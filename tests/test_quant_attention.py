@@ -21,6 +21,8 @@ from ringctx.attention import quant
 from ringctx.attention.quant import attention_block_quantized, dequantize_rows, quantize_rows
 from tests.test_cpu_kernels import BUILDABLE
 
+pytestmark = pytest.mark.usefixtures("kernel_variant")  # once per CPU kernel variant here
+
 KINDS = ("int8", "fp8")
 
 
@@ -265,9 +267,6 @@ def test_kernel_path_is_the_default_for_decode_steps(monkeypatch):
 
 def test_switched_off_kernels_leave_the_blocked_path(monkeypatch):
     monkeypatch.setenv("RINGCTX_CPU_KERNELS", "0")
-    monkeypatch.setattr(cpu_kernels, "_tried", False)
-    monkeypatch.setattr(cpu_kernels, "_library", None)
-    monkeypatch.setattr(cpu_kernels, "_error", None)
     kd, ks, vd, vs = _quantized(50, 3, 64, "fp8", seed=2)
     q = torch.randn(1, 9, 64)
     assert not cpu_kernels.decode_q8_kernels_apply(q, kd, ks, vd, vs)
