@@ -388,7 +388,8 @@ def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 def info(as_json: bool) -> None:
-    """Devices, attention backends, distributed backends and versions."""
+    """Devices, attention and distributed backends, versions, the CPU kernels that run here and why
+    any does not, and what --dtype auto picks on this machine and why (measured once, then cached)."""
     from .environment import environment_report
 
     report = environment_report()
@@ -399,12 +400,19 @@ def info(as_json: bool) -> None:
     table.add_column("what", style="bold")
     table.add_column("value")
     for key, value in report.items():
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}: {v}" for k, v in value.items())
-        elif isinstance(value, list):
-            value = ", ".join(map(str, value)) or "none"
-        table.add_row(key, str(value))
+        table.add_row(key, _cell(value))
     console.print(table)
+
+
+def _cell(value, indent: str = "") -> str:
+    """A report value as table text: lists joined, dicts one "key: value" line each (nested ones
+    indented below their key)."""
+    if isinstance(value, dict):
+        return "\n".join(f"{indent}{k}:\n{_cell(v, indent + '  ')}" if isinstance(v, dict) else f"{indent}{k}: {_cell(v)}"
+                         for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
 
 
 from .cli_planning import calibrate, plan  # noqa: E402  (the planner's commands live beside this file)

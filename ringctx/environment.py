@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
 import os
@@ -11,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .attention.kernels import flash_attn_available
-from .cpu_features import cpu_has_fast_bf16
-from .cpu_kernels import cpu_kernels_status
+from .cpu_kernels import cpu_kernels_report
+from .machine_speed import auto_dtype, cpu_model
 
 
 def _version(package: str) -> str:
@@ -38,17 +39,16 @@ def environment_report() -> dict:
         "ringctx": _version("ringctx"),
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "gguf", "safetensors", "triton", "flash-attn")},
-        "cpu": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "cpu": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
         "gpus": gpus,
         "attention_backends": attention,
         "distributed_backends": distributed,
-        "cpu_kernels": cpu_kernels_status(),
+        "cpu_kernels": cpu_kernels_report(),
+        "dtype_auto": dataclasses.asdict(auto_dtype()),
     }
 
 
 def preferred_dtype(device: str | None = None) -> str:
-    """The fastest exact-enough dtype here: bfloat16 on GPUs and bf16-capable CPUs, else float32."""
-    import torch
-
-    on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    return "bfloat16" if on_gpu or cpu_has_fast_bf16() else "float32"
+    """What dtype="auto" means here: bfloat16 on GPUs; on a CPU the dtype that decodes fastest,
+    measured once (see ringctx.machine_speed.auto_dtype)."""
+    return auto_dtype(device).dtype

@@ -43,4 +43,8 @@ def test_info_json():
     assert result.exit_code == 0
     report = json.loads(result.output)
     assert "gloo" in report["distributed_backends"] and report["versions"]["torch"]
-    assert report["cpu_kernels"]  # available, or why not
+    kernels = report["cpu_kernels"]  # the variant in use and each kernel's state, or why none runs
+    assert set(kernels) == {"variant", "vector_floats", "why", "variants_this_cpu_runs", "kernels"}
+    assert kernels["variant"] in kernels["variants_this_cpu_runs"] + [None] and kernels["why"]
+    assert all(state == "in use" or state.startswith("not in use: ") for state in kernels["kernels"].values())
+    assert report["dtype_auto"]["dtype"] in ("bfloat16", "float32") and report["dtype_auto"]["why"]
