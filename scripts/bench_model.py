@@ -9,9 +9,16 @@ the same model. The two alternate for `--rounds` rounds, so that a shared machin
 drifts slows both alike; the table shows medians over rounds and the median of the per-round
 ratios ("paired"), which cancels most of the drift. Prints a table and optionally writes JSON.
 
+Beside each decode row: the floor, the time to read what a decode step must read once (every
+weight but the embedding table, whose one row is negligible, and the KV cache at the row's mean
+context) at this machine's read bandwidth (ringctx.machine_speed.read_bandwidth, measured before
+and after the rows; the larger counts), and ringctx's step as a multiple of it.
+`--cpu-isa avx2` runs ringctx's AVX2 kernels on an AVX-512 machine (see ringctx.cpu_kernels).
+
     python scripts/bench_model.py                       # SmolLM2-135M, 2K and 8K, bf16 and fp32
     python scripts/bench_model.py --quick               # 256-token prompt, 8 decode steps
     python scripts/bench_model.py --prefill 2048 --dtypes bf16 --json out/bench_model.json
+    python scripts/bench_model.py --cpu-isa avx2        # the AVX2 kernels on this machine
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-transformers", action="store_true", help="time ringctx only")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of ringctx and transformers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-isa", default=None, help="CPU kernel variant: avx512, avx2 or portable (default: auto)")
     args = p.parse_args()
     if args.quick:
         args.prefill, args.decode, args.rounds = [256], 8, 1
@@ -114,11 +122,29 @@ def time_transformers(hf, ids: torch.Tensor, n_decode: int) -> dict:
             "first_token": first}
 
 
+def decode_bytes_per_token(model, context: float) -> float:
+    """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
+    read; a tied table is read whole as the output head, and counted once), plus K and V of
+    `context` cached tokens in every layer."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not config.tie_embeddings:
+        weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    kv = 2 * config.n_layers * context * config.n_kv_heads * config.head_dim * model.tok_embeddings.weight.element_size()
+    return weights + kv
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
+    from ringctx import cpu_kernels
+    from ringctx.machine_speed import read_bandwidth
     from ringctx.model import load_model, resolve_dtype
 
+    cpu_kernels.use_variant(args.cpu_isa)
+    bandwidths = [read_bandwidth(threads=args.threads)]
+    print(f"read bandwidth {bandwidths[0] / 1e9:.1f} GB/s ({args.threads} threads); CPU kernels: "
+          f"{cpu_kernels.cpu_kernels_status()}", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for dtype_name in args.dtypes:
@@ -137,13 +163,23 @@ def main() -> None:
                 if hf is not None:
                     rounds[-1]["transformers"] = time_transformers(hf, ids, args.decode)
             row = {"dtype": str(dtype).replace("torch.", ""), "prompt_tokens": n, "decode_tokens": args.decode,
+                   "decode_bytes_per_token": decode_bytes_per_token(model, n + args.decode / 2),
                    "rounds": rounds, **summarize(rounds)}
             rows.append(row)
             print_row(row)
         del model, hf
+    bandwidths.append(read_bandwidth(threads=args.threads))
+    bandwidth = max(bandwidths)
+    for row in rows:  # the floor at the better of the two readings: a step can be no faster
+        row["floor_ms"] = 1e3 * row["decode_bytes_per_token"] / bandwidth
+        if row["ringctx"]["decode_ms_per_token"] is not None:
+            row["ringctx_over_floor"] = row["ringctx"]["decode_ms_p50"] / row["floor_ms"]
+    from ringctx.machine_speed import cpu_model
+
     report = {
         "model": args.model, "threads": args.threads, "torch": torch.__version__,
-        "transformers": _version("transformers"), "cpu": platform.processor() or platform.machine(),
+        "transformers": _version("transformers"), "cpu": cpu_model(), "machine": platform.machine(),
+        "read_bandwidth_bytes_per_s": bandwidths, "cpu_kernel_variant": getattr(cpu_kernels.active_variant(), "name", None),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rounds": args.rounds,
         "cpu_flags": _cpu_features(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": rows,
     }
@@ -209,21 +245,24 @@ def print_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{report['model']}: ringctx vs transformers, {report['threads']} threads, "
-                        f"{report['cpu_capability']} (medians of {report['rounds']} alternating rounds)")
-    for col in ("dtype", "prompt", "metric", "ringctx", "transformers", "paired ratio"):
+    bandwidth = max(report["read_bandwidth_bytes_per_s"]) / 1e9
+    table = Table(title=f"{report['model']}: ringctx vs transformers, {report['date']}, {report['cpu']}, "
+                        f"{report['threads']} threads, ringctx kernels {report['cpu_kernel_variant']}, "
+                        f"read {bandwidth:.1f} GB/s (medians of {report['rounds']} alternating rounds)")
+    for col in ("dtype", "prompt", "metric", "ringctx", "transformers", "paired ratio", "floor", "ringctx / floor"):
         table.add_column(col, justify="right")
     for row in report["results"]:
         r, t, paired = row["ringctx"], row.get("transformers"), row.get("paired", {})
         prompt = f"{row['prompt_tokens']:,}"
         speedup = f"{paired['prefill_speedup']:.2f}x faster" if t else "-"
         table.add_row(row["dtype"], prompt, "prefill tok/s", f"{r['prefill_tokens_per_s']:,.0f}",
-                      f"{t['prefill_tokens_per_s']:,.0f}" if t else "-", speedup)
+                      f"{t['prefill_tokens_per_s']:,.0f}" if t else "-", speedup, "", "")
         if r["decode_ms_per_token"] is not None:
             ratio = f"{paired['decode_time_ratio']:.2f} of the time" if t else "-"
             table.add_row(row["dtype"], prompt, f"decode ms/token, median step ({row['decode_tokens']})",
-                          f"{r['decode_ms_p50']:.1f}", f"{t['decode_ms_p50']:.1f}" if t else "-", ratio)
-    Console(width=160).print(table)
+                          f"{r['decode_ms_p50']:.1f}", f"{t['decode_ms_p50']:.1f}" if t else "-", ratio,
+                          f"{row['floor_ms']:.1f} ms", f"{row['ringctx_over_floor']:.2f}x")
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":
