@@ -19,7 +19,8 @@ from rich.table import Table
 console = Console()
 err_console = Console(stderr=True)
 
-DEFAULT_PREFILL_TOKENS = 16384  # about a minute with the embedded model on a 2-core laptop CPU
+DEFAULT_PREFILL_TOKENS = 12288  # about a minute with the embedded model on 2 ranks of a 2-core CPU
+DEFAULT_FOLLOW_UP_TOKENS = 48   # a question's length: on a CPU pair of ranks, pass-Q's case
 
 
 class _Group(click.Group):
@@ -71,9 +72,30 @@ def main() -> None:
     """ringctx: exact context-parallel prefill of very long prompts (ring pass-KV / pass-Q)."""
 
 
+class _RankCount(click.ParamType):
+    """--nproc: a positive integer, or "auto" (one rank per GPU; 2 on a CPU with 2+ cores)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of ranks nor 'auto'", param, ctx)
+        if n < 1:
+            self.fail(f"must be >= 1, got {n}", param, ctx)
+        return n
+
+
 # Options that `ask` shares with the commands of engine_options.
-NPROC_OPTION = click.option("--nproc", default=1, show_default=True, type=int,
-                            help="Local ranks to spawn (ignored under torchrun, which sets the world).")
+def nproc_option(default):
+    return click.option("--nproc", default=default, show_default=True, type=_RankCount(),
+                        help="Local ranks to spawn: a number, or auto (one per GPU; 2 on a CPU with 2+ cores, "
+                             "each with half the threads). Ignored under torchrun, which sets the world.")
+
+
 TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
                               help="Seconds before a stuck or dead rank ends the job with an error.")
 TP_OPTION = click.option(
@@ -91,7 +113,7 @@ def engine_options(f):
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Preset name, GGUF file or Hugging Face directory."),
-        NPROC_OPTION,
+        nproc_option("auto"),
         TP_OPTION,
         click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
         click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
@@ -169,8 +191,9 @@ def _run_prefill(engine, token_ids, *, show_progress, **kwargs):
         return engine.prefill(token_ids, on_chunk=on_chunk, **kwargs)
 
 
-def stats_tables(stats, title: str) -> list[Table]:
-    """The summary table and the per-chunk table of a PrefillStats."""
+def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
+    """The summary table and the per-chunk table of a PrefillStats (and of the follow-up prefilled
+    on top of it, whose chunks are numbered +0, +1, ...)."""
     summary = Table(title=title, show_header=False)
     summary.add_column("what", style="bold")
     summary.add_column("value", justify="right")
@@ -197,6 +220,11 @@ def stats_tables(stats, title: str) -> list[Table]:
         ("peak RSS per rank (prefill)", ", ".join(_fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
         ("peak RSS per rank (hand-off)", ", ".join(_fmt_bytes(b) for b in stats.handoff_peak_rss_bytes_per_rank)),
     ]
+    if follow_up is not None:
+        follow_mix = ", ".join(sorted({c.strategy for c in follow_up.chunks}))
+        rows.append((f"follow-up: {follow_up.tokens:,} tokens on {follow_up.cached:,} cached",
+                     f"{follow_up.ttft_s:.2f} s ({follow_mix}), sent "
+                     + ", ".join(_fmt_bytes(b) for b in follow_up.bytes_sent_per_rank)))
     for k, v in rows:
         summary.add_row(k, v)
     chunks = Table(title="chunks")
@@ -207,30 +235,44 @@ def stats_tables(stats, title: str) -> list[Table]:
         if len(stats.chunks) > 24 and i == 12:
             chunks.add_row("...", "", "", "", "", f"({len(stats.chunks) - 24} more chunks)")
         chunks.add_row(str(c.index), f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", c.reason)
+    for c in follow_up.chunks if follow_up is not None else ():
+        chunks.add_row(f"+{c.index}", f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", c.reason)
     return [summary, chunks]
 
 
 @main.command()
 @click.option("--tokens", default=DEFAULT_PREFILL_TOKENS, show_default=True, type=int,
               help="Synthetic prompt length (random token ids).")
+@click.option("--follow-up", "follow_up", default=DEFAULT_FOLLOW_UP_TOKENS, show_default=True, type=int,
+              help="Then prefill this many more synthetic tokens on top of the cached prompt, as a question about "
+                   "a document is (0: none); a short follow-up on a long cache is what pass-Q is for.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic token ids.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
-              help="Write a Chrome/Perfetto trace of compute and communication per rank.")
+              help="Write a Chrome/Perfetto trace of compute and communication per rank (the prompt's prefill).")
 @click.option("--save-logits", "logits_path", type=click.Path(dir_okay=False),
-              help="Write the last token's logits (float32) and the token ids as safetensors here.")
+              help="Write the prompt's last token's logits (float32) and the token ids as safetensors here.")
 @click.option("--save-kv", "kv_path", type=click.Path(),
-              help="Write the KV cache the decode ranks hold (a ringctx document directory, one slice per rank) here.")
+              help="Write the prompt's KV cache the decode ranks hold (a ringctx document directory, one slice per "
+                   "rank) here.")
 @engine_options
-def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp, chunk_tokens, strategy, hardware,
-            rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
-    """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`."""
+def prefill(tokens, follow_up, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp, chunk_tokens,
+            strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
+    """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`.
+
+    With no options: the embedded model on every GPU of this machine (2 ranks on a CPU), about a
+    minute on a 2-core CPU, then a short follow-up on top of the cached prompt."""
     import torch
 
+    from .engine import auto_nproc
     from .engine.failures import RankFailure
 
     if tokens < 1:
         raise _AgreedBadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
+    if follow_up < 0:
+        raise _AgreedBadParameter(f"must be >= 0, got {follow_up}", param_hint="--follow-up")
+    if nproc == "auto":
+        nproc = auto_nproc(device, tp)
     world = int(os.environ.get("WORLD_SIZE", nproc))
     if world > tokens:
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
@@ -238,17 +280,22 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
                           decode_ranks, kv_dtype, tp)
     printing = _is_printing_rank()
+    follow_stats = None
     try:
-        ids = torch.randint(0, engine.model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, engine.model.config.vocab_size, (tokens + follow_up,), generator=generator)
         if printing:
             err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {model} ({engine.model.dtype}) "
                               f"on {_mesh_words(engine)}, chunks of {engine.chunk_tokens:,} tokens, KV cache "
-                              f"left on {engine.decode_ranks} decode rank(s)[/dim]")
+                              f"left on {engine.decode_ranks} decode rank(s)"
+                              + (f", then {follow_up:,} more on top of it" if follow_up else "") + "[/dim]")
         try:
-            result = _run_prefill(engine, ids, show_progress=printing, trace=bool(trace_path),
-                                  as_document=bool(kv_path))
+            result = _run_prefill(engine, ids[:tokens], show_progress=printing, trace=bool(trace_path),
+                                  as_document=bool(kv_path or follow_up))
             if kv_path:
                 engine.save_document(result.document, kv_path)
+            if follow_up and result.document is not None:
+                follow_stats = engine.extend(result.document, ids[tokens:])
         except (ValueError, RankFailure) as exc:
             raise _rank_error(exc) from None
     finally:
@@ -256,11 +303,11 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
     if not printing:
         return
     stats = result.stats
-    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens"):
+    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats):
         console.print(table)
     if json_path:
         _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
-                                **stats.to_dict()})
+                                **stats.to_dict(), "follow_up": follow_stats.to_dict() if follow_stats else None})
     if logits_path:
         _save_logits(logits_path, result)
     if trace_path:
@@ -268,7 +315,7 @@ def prefill(tokens, seed, json_path, trace_path, logits_path, kv_path, model, np
 
         write_chrome_trace(trace_path, result.trace_events)
         err_console.print(f"trace written to {trace_path} (open in ui.perfetto.dev)")
-    if tokens == DEFAULT_PREFILL_TOKENS and engine.world_size == 1:
+    if tokens == DEFAULT_PREFILL_TOKENS:
         err_console.print("[dim]Go bigger: `ringctx prefill --tokens 1000000 --nproc N` on a machine with N GPUs or "
                           "cores, torchrun across hosts (see README), and `ringctx plan` to size it first.[/dim]")
 
@@ -342,7 +389,7 @@ def _ingest_with_progress(engine, text, chat):
 @click.argument("question")
 @click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
-@NPROC_OPTION
+@nproc_option(1)
 @TP_OPTION
 @DECODE_RANKS_OPTION
 @click.option("--max-new-tokens", default=256, show_default=True)

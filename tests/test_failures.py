@@ -114,7 +114,8 @@ def test_idle_engine_survives_its_timeout_and_a_stuck_rank_times_out(monkeypatch
         engine.prefill(IDS)
     message = str(info.value)
     assert "RINGCTX_MEMORY_LIMIT=96KiB" in message and "KV shard" in message
-    assert "bfloat16" not in message and "fp8" not in message  # neither would fit in 96 KiB: not suggested
+    assert "no setting of this host fits 300 tokens" in message  # bf16, fp8, ranks: none fits in 96 KiB
+    assert "use --" not in message
     time.sleep(4)  # idle for longer than timeout_s
     small = engine.prefill(IDS[:12], decode_room=0)  # fits: the engine is still usable
     reference = Engine("tiny", dtype="float32").prefill(IDS[:12], decode_room=0)
@@ -142,14 +143,15 @@ def test_memory_is_checked_against_what_is_available(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", "64KiB")
     with pytest.raises(ValueError, match="not enough memory") as info:
         engine.prefill(IDS, chunk_tokens=64)
-    assert "decode rank's KV cache" in str(info.value) and "--dtype bfloat16" not in str(info.value)
+    assert "decode rank's KV cache" in str(info.value) and "use --dtype bfloat16" not in str(info.value)
+    assert "no setting of this host fits 300 tokens (the longest prompt that fits here is about" in str(info.value)
     # Between what bf16 and float32 need: bf16 is suggested, and only because it fits.
     need = {dtype: prefill_memory_need(engine.model.config, dtype, 1, 300, 0, 64, decode_room=256, local_ranks=1,
                                        decode_here=True)["total"] for dtype in ("float32", "bfloat16")}
     monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", str(int((need["float32"] + need["bfloat16"]) / 2 / 0.9)))
     with pytest.raises(ValueError, match="not enough memory") as info:
         engine.prefill(IDS, chunk_tokens=64)
-    assert "--dtype bfloat16" in str(info.value) and "--kv-dtype fp8" in str(info.value)
+    assert "use --dtype bfloat16" in str(info.value)  # the fewest settings that fit: bf16 alone
     monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", "64KiB")
     monkeypatch.setenv("RINGCTX_MEMORY_CHECK", "0")
     assert engine.prefill(IDS, chunk_tokens=64).cache.length == 300
@@ -163,6 +165,66 @@ def test_memory_is_checked_against_what_is_available(monkeypatch, tmp_path):
     monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", "lots")
     with pytest.raises(ValueError, match="RINGCTX_MEMORY_LIMIT='lots': not a size"):
         engine.prefill(IDS)
+
+
+def _settings_in(message: str) -> dict:
+    """The settings a memory refusal suggests, as memory_problem arguments."""
+    import re
+
+    if "no setting of this host" in message:  # the settings of the longest prompt that fits
+        fix = message.split(", with ")[1].split(")")[0] if ", with " in message else ""
+    else:
+        fix = message.split("; use ")[-1]
+    return dict(re.findall(r"--(dtype|kv-dtype|chunk-tokens|nproc) (\S+)", fix))
+
+
+@pytest.mark.parametrize("cores", [1, 4])
+def test_memory_refusals_suggest_only_settings_that_fit(monkeypatch, cores):
+    # cores: more local ranks are among the settings tried only where the cores could run them
+    """Over limits from far too small to nearly enough: whatever a refusal suggests (one setting,
+    several together, more local ranks) fits when applied, by the same check; when nothing on
+    this host fits it says so, and the longest prompt it names fits while a little more does not."""
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    models = {dtype: Engine("tiny", dtype=dtype).model for dtype in ("float32", "bfloat16")}
+    tokens, chunk = 3000, 1024
+    kinds = set()
+    for limit_kib in (1, 100, 400, 1000, 1500, 1700, 1800, 2000, 2500, 3000, 4000, 6000):
+        monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", f"{limit_kib}KiB")
+        message = memory_problem(models["float32"], tokens, 0, chunk, 1, 0, 0, 256)
+        if message is None:
+            continue
+        settings = _settings_in(message)
+        n = int(settings.get("nproc", 1))
+        assert n <= cores
+        args = dict(local_ranks=n, local_decode=True, decode_ranks=n, kv_dtype=settings.get("kv-dtype", "model"))
+        model = models[settings.get("dtype", "float32")]
+        n_chunk = int(settings.get("chunk-tokens", chunk))
+        if "no setting of this host fits 3,000 tokens" in message:
+            kinds.add("none " + " ".join(sorted(settings)))
+            if "not even a short prompt" in message:
+                continue
+            longest = int(message.split("about ")[-1].split(" tokens")[0].replace(",", ""))
+            assert 0 < longest < tokens
+            assert memory_problem(model, longest, 0, n_chunk, n, 0, 0, 256, **args) is None
+            assert memory_problem(model, longest + 20, 0, n_chunk, n, 0, 0, 256, **args) is not None
+        else:
+            kinds.add(" ".join(sorted(settings)))
+            assert memory_problem(model, tokens, 0, n_chunk, n, 0, 0, 256, **args) is None, (message, settings)
+    assert any(kind.startswith("none") for kind in kinds) and len(kinds) >= 4, kinds  # the limits cover refusals of several kinds
+
+
+def test_more_ranks_on_this_cpu_are_suggested_where_they_fit(monkeypatch):
+    """One rank keeps its KV shard and the whole decode cache: 2 local ranks that split both fit
+    where 1 does not (the 1M-token SmolLM2 case of a 24 GiB laptop), checked like the others."""
+    from ringctx import load_model
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("RINGCTX_MEMORY_LIMIT", "22GiB")
+    model = load_model("smollm2-135m", dtype=torch.bfloat16)
+    message = memory_problem(model, 1_000_000, 0, 4096, 1, 0, 0, 256)
+    assert message and message.endswith("; use --kv-dtype fp8 --nproc 2"), message
+    assert memory_problem(model, 1_000_000, 0, 4096, 2, 0, 0, 256, local_ranks=2, local_decode=True, decode_ranks=2,
+                          kv_dtype="fp8") is None
 
 
 # ----------------------------------------------------------------------------- ranks that do not match

@@ -1,8 +1,8 @@
 """The product: chunked context-parallel prefill, KV hand-off, and the Engine API."""
 
-from .api import Document, Engine, default_chunk_tokens
+from .api import Document, Engine, auto_nproc, default_chunk_tokens
 from .failures import RankFailure
 from .prefill import ChunkStats, PrefillConfig, PrefillResult, PrefillStats, cp_prefill
 
 __all__ = ["ChunkStats", "Document", "Engine", "PrefillConfig", "PrefillResult", "PrefillStats", "RankFailure", "cp_prefill",
-           "default_chunk_tokens"]
+           "auto_nproc", "default_chunk_tokens"]

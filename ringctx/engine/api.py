@@ -68,6 +68,18 @@ def default_chunk_tokens(model, world: int) -> int:
     return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
 
 
+def auto_nproc(device=None, tp: int = 1) -> int:
+    """Local ranks for nproc="auto": one per GPU; on a CPU with 2 or more cores, 2 ranks, each with
+    half of the cores' threads (a CPU host gains little from more ranks than threads would give it,
+    and every rank holds a copy of the weights); 1 on a single core. A mesh needs a multiple of
+    `tp`: GPUs round down to one (never more ranks than GPUs, at least tp), CPU ranks round up."""
+    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
+    if on_gpu:
+        return max(tp, torch.cuda.device_count() // tp * tp)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return -(-(2 if cores >= 2 else 1) // tp) * tp
+
+
 @dataclass
 class Document:
     """A prefilled document ready for questions: its KV cache and what a question must append.
@@ -116,7 +128,8 @@ class Engine:
 
     Args:
         model: preset name, GGUF path or Hugging Face directory (see ringctx.load_model).
-        nproc: local ranks to spawn (this process is rank 0); ignored under torchrun.
+        nproc: local ranks to spawn (this process is rank 0), or "auto" (see `auto_nproc`); ignored
+            under torchrun.
         tp: tensor-parallel ranks per model copy (consecutive ranks of one host; 1: none). The
             job's ranks form a (world / tp) x tp mesh: context parallelism runs across the
             copies, each TP rank in the ring of its own heads. `decode_rank` and `decode_ranks`
@@ -154,8 +167,10 @@ class Engine:
         check_kv_dtype(kv_dtype)
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
+        if nproc == "auto":
+            nproc = auto_nproc(device, tp)
         if not isinstance(nproc, int) or nproc < 1:
-            raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+            raise ValueError(f"nproc must be a positive integer or 'auto', got {nproc!r}")
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if not timeout_s or timeout_s <= 0:
@@ -560,6 +575,47 @@ class Engine:
         if document is not None:
             document.question_suffix, document.metadata = suffix, {"chat": chat}
         return document
+
+    def extend(self, document: Document, token_ids, *, decode_room: int = 256, on_chunk=None):
+        """Prefill `token_ids` on top of `document` and keep them in it (a follow-up turn, or the
+        next part of a long document): the document's cache is cut back to the document first
+        (an answer's rows are dropped), then the new tokens attend to all of it. The decode ranks
+        run it together, each on its own slice, with the strategy chosen per chunk (a short
+        follow-up on a long cache is the case pass-Q is for). Returns the PrefillStats on the
+        (first) decode rank, None on the others; call it on every decode rank (torchrun).
+
+        Example:
+            >>> engine = Engine("tiny", dtype="float32")
+            >>> document = engine.ingest(list(range(100)))
+            >>> stats = engine.extend(document, [5, 6, 7])
+            >>> document.length, stats.cached, [c.strategy for c in stats.chunks]
+            (103, 100, ['pass-kv'])
+        """
+        ids = torch.as_tensor(list(map(int, token_ids)) if not torch.is_tensor(token_ids) else token_ids,
+                              dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("nothing to extend the document with: give at least one token id")
+        if not self._is_decode_rank():
+            if self.mode == "spawn":
+                raise RuntimeError("extend runs on the decode ranks only")
+            return None
+        return self._collective("extend", ("extend", document.id, ids.numpy().tobytes(), decode_room),
+                                lambda: self._on_extend(document.id, ids, decode_room, document, on_chunk),
+                                decode_only=True)
+
+    def _on_extend(self, document_id, ids, decode_room, document=None, on_chunk=None):
+        """Every decode rank's part of `extend`: prefill over the decode group, on this rank's slice."""
+        document = document or self._document(document_id)
+        if isinstance(ids, bytes):
+            ids = torch.frombuffer(bytearray(ids), dtype=torch.long)
+        config = PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=self.strategy, hardware=self.hardware,
+                               rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=decode_room,
+                               kv_dtype=document.cache.kv_dtype, attn_backend=self.attn_backend)
+        result = cp_prefill(self.model, ids, config, group=self._decode_group, shard=document.rewind(),
+                            on_chunk=on_chunk)
+        document.cache, document.rows = result.cache, result.cache.length
+        document.token_ids = torch.cat([document.token_ids, ids])
+        return result.stats
 
     def _new_document_id(self) -> int:
         """The next document number: every rank makes the same calls, so they count alike."""

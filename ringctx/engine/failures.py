@@ -490,10 +490,17 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
     local_ranks = 1 if on_gpu else max(1, local_ranks)
     decode_here = (rank == decode_rank) if (local_decode is None or on_gpu) else local_decode
 
-    def need_at(n_world: int, n_chunk: int, dtype: str = dtype_name, kv: str = kv_dtype) -> int:
-        return prefill_memory_need(cfg, dtype, n_world, tokens, cached, n_chunk, decode_room=decode_room,
-                                   local_ranks=local_ranks, decode_here=decode_here, decode_ranks=decode_ranks,
-                                   kv_dtype=kv)["total"]
+    weight_bytes = cfg.n_params * _element_bytes(dtype_name)
+
+    def need_at(n_world: int, n_chunk: int, dtype: str = dtype_name, kv: str = kv_dtype, n_tokens: int = tokens,
+                n_local: int = local_ranks) -> int:
+        """The need with some settings changed; n_local > local_ranks: more ranks on this CPU host,
+        each with its own copy of the weights and, when every local rank decodes, its decode slice."""
+        n_decode = decode_ranks * n_local // local_ranks if decode_ranks == local_ranks else decode_ranks
+        extra_weights = (n_local - local_ranks) * weight_bytes * _element_bytes(dtype) // _element_bytes(dtype_name)
+        return extra_weights + prefill_memory_need(
+            cfg, dtype, n_world * n_local // local_ranks, n_tokens, cached, n_chunk, decode_room=decode_room,
+            local_ranks=n_local, decode_here=decode_here, decode_ranks=n_decode, kv_dtype=kv)["total"]
 
     try:
         free, where = available_memory(model.device)
@@ -511,23 +518,82 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
     if need["decode_cache"]:
         parts += (f", + the decode rank's KV cache {fmt_bytes(need['decode_cache'])}" if decode_ranks == 1 else
                   f", + what the hand-off brings the {decode_ranks} decode ranks {fmt_bytes(need['decode_cache'])}")
-    fixes = []
-    for factor in (2, 4, 8, 16, 32, 64):
-        if need_at(world * factor, chunk) <= usable:
-            fixes.append(f"about {world * factor} ranks in all (more hosts or GPUs)")
-            break
-    smaller = chunk
-    while smaller > 256:
-        smaller //= 2
-        if need_at(world, smaller) <= usable:
-            fixes.append(f"chunks of {smaller} tokens (--chunk-tokens / chunk_tokens)")
-            break
-    if dtype_name == "float32" and need_at(world, chunk, "bfloat16") <= usable:
-        fixes.append("--dtype bfloat16 (halves KV cache and activations)")
-    if kv_dtype not in ("fp8", "int8") and need_at(world, chunk, kv="fp8") <= usable:
-        fixes.append("--kv-dtype fp8 (8-bit KV cache: about half of bf16's bytes)")
-    if not fixes:
-        fixes.append("a machine with more memory for the decode rank, more ranks, or a shorter prompt")
-    return (f"not enough memory for a prefill of {tokens:,} tokens on {world} rank(s): it needs about "
-            f"{fmt_bytes(need['total'])} ({parts}) but {where} has {fmt_bytes(free)} available "
-            f"({fmt_bytes(usable)} usable); use {' or '.join(fixes)}")
+    header = (f"not enough memory for a prefill of {tokens:,} tokens on {world} rank(s): it needs about "
+              f"{fmt_bytes(need['total'])} ({parts}) but {where} has {fmt_bytes(free)} available "
+              f"({fmt_bytes(usable)} usable)")
+    more_local = [n for n in (2 * local_ranks, 4 * local_ranks) if n <= (os.cpu_count() or 1)] \
+        if not on_gpu and world == local_ranks else []  # one CPU host: its cores could run more ranks
+    return f"{header}; {_memory_fixes(need_at, usable, world, chunk, dtype_name, kv_dtype, tokens, cached, more_local)}"
+
+
+# 8-bit KV storage is the smallest ringctx has; a chunk below this many tokens only adds ring steps.
+_SMALLEST_KV, _SMALLEST_CHUNK = "fp8", 256
+
+
+def _memory_fixes(need_at, usable: int, world: int, chunk: int, dtype: str, kv_dtype: str, tokens: int,
+                  cached: int, more_local: list[int]) -> str:
+    """What to change so that the prefill fits: the fewest settings of this host that do (smaller
+    chunks, bf16, an 8-bit KV cache, more ranks on this CPU host), else more ranks over more hosts;
+    when nothing on this host fits, say so and give the longest prompt that does. Every suggestion
+    is checked with the same memory model (need_at)."""
+    import itertools
+
+    options: list[list[tuple[str, dict]]] = []  # per setting, its choices: (flag, need_at changes)
+    if dtype == "float32":
+        options.append([("--dtype bfloat16", {"dtype": "bfloat16"})])
+    if kv_dtype not in ("fp8", "int8"):
+        options.append([(f"--kv-dtype {_SMALLEST_KV}", {"kv": _SMALLEST_KV})])
+    if more_local:
+        options.append([(f"--nproc {n}", {"n_local": n}) for n in more_local])
+    chunks = [chunk // 2 ** i for i in range(1, 8) if chunk // 2 ** i >= _SMALLEST_CHUNK]
+
+    def fitting(changes: dict) -> str | None:
+        """The flags that fit with `changes` (and the largest chunk that then fits), or None."""
+        for n_chunk in [chunk, *chunks]:
+            if need_at(**{"n_world": world, "n_chunk": n_chunk, **changes}) <= usable:
+                return "" if n_chunk == chunk else f"--chunk-tokens {n_chunk}"
+        return None
+
+    for count in range(len(options) + 1):  # the fewest settings first
+        for group in itertools.combinations(options, count):
+            for combo in itertools.product(*group):
+                changes = {k: v for _, change in combo for k, v in change.items()}
+                chunk_flag = fitting(changes)
+                if chunk_flag is not None and (combo or chunk_flag):
+                    return "use " + " ".join([flag for flag, _ in combo] + ([chunk_flag] if chunk_flag else []))
+    hosts = next((f for f in (2, 4, 8, 16, 32, 64, 128) if need_at(world * f, chunk) <= usable), None)
+    if hosts:
+        return f"use about {world * hosts} ranks in all over more hosts or GPUs (see `ringctx plan`)"
+    # Nothing fits: the longest prompt that does, every setting at its smallest (more local ranks
+    # only where they let a longer prompt fit: each brings its own copy of the weights).
+    least = {"n_world": world, "n_chunk": min([chunk, *chunks])}
+    flags = []
+    for setting in options:
+        flag, change = setting[-1]
+        if "n_local" not in change:
+            least.update(change)
+            flags.append(flag)
+
+    def longest_at(settings: dict) -> int:
+        return _longest_prompt(lambda n: need_at(**settings, n_tokens=n) <= usable, tokens)
+
+    longest, best_local = longest_at(least), None
+    for n_local in more_local:
+        if (n := longest_at({**least, "n_local": n_local})) > longest:
+            longest, best_local = n, n_local
+    if best_local:
+        flags.append(f"--nproc {best_local}")
+    flags.append(f"--chunk-tokens {least['n_chunk']}")
+    fits = (f"the longest prompt that fits here is about {longest + cached:,} tokens, with {' '.join(flags)}"
+            if longest else "not even a short prompt fits here")
+    return (f"no setting of this host fits {tokens + cached:,} tokens ({fits}); use more ranks over more hosts "
+            "or GPUs (see `ringctx plan`)")
+
+
+def _longest_prompt(fits, tokens: int) -> int:
+    """The largest n < tokens with fits(n) (0 if none): fits is monotone in n."""
+    low, high = 0, tokens
+    while high - low > max(1, tokens // 1000):
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

@@ -140,3 +140,22 @@ def test_documents_the_caller_lets_go_of_are_dropped_on_every_rank(split_engine)
         assert gone in split_engine._forgotten
     document = split_engine.ingest(DOC)  # this command first tells the workers to drop theirs
     assert split_engine._forgotten == [] and list(split_engine._documents) == [document.id]
+
+
+def test_extend_prefills_on_top_of_the_split_document_like_one_rank(split_engine, reference):
+    """A document extended on its decode ranks equals one process's prefill of the whole text: the
+    cache, the answer; an answer's rows are dropped first; a short follow-up goes pass-Q."""
+    head, tail = DOC[:237], DOC[237:]
+    document = split_engine.ingest(head)
+    answer(split_engine, document)  # rows that extend must drop
+    stats = split_engine.extend(document, tail)
+    assert document.length == len(DOC) and document.token_ids.tolist() == DOC
+    assert stats.cached == len(head) and sum(c.tokens for c in stats.chunks) == len(tail)
+    assert sum(split_engine.document_rows(document)) == len(DOC)
+    assert_same_cache(split_engine.whole_cache(document), reference["cache"], len(DOC))
+    assert_same_logits(answer(split_engine, document), reference["greedy"])
+    if split_engine.decode_ranks > 1:  # 64 new tokens on 237 cached: the query is the cheaper to pass
+        assert [c.strategy for c in stats.chunks] == ["pass-q"]
+    with pytest.raises(ValueError, match="nothing to extend the document with"):
+        split_engine.extend(document, [])
+    split_engine.drop_document(document)

@@ -137,3 +137,18 @@ def test_kv_file_dtype_mismatch_is_named(tmp_path):
     with pytest.raises(ValueError, match="made with model 'tiny'"):  # same shapes, other random weights
         from ringctx.model import load_model
         load_kv_cache(path, load_model("tiny", dtype="float32", seed=1))
+
+
+def test_auto_nproc_is_one_rank_per_gpu_and_two_on_a_multicore_cpu(monkeypatch):
+    from ringctx.engine import auto_nproc
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert auto_nproc("cpu") == 2 and auto_nproc("cpu", tp=4) == 4  # a mesh needs a multiple of tp
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    assert auto_nproc("cpu") == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert auto_nproc() == 3 and auto_nproc("cuda") == 3 and auto_nproc(None, tp=2) == 2  # never more than the GPUs
+    assert auto_nproc("cpu") == 1  # --device cpu on a GPU machine counts cores
+    with pytest.raises(ValueError, match="nproc must be a positive integer or 'auto', got 'all'"):
+        Engine("tiny", nproc="all")
