@@ -137,11 +137,66 @@ static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const vo
     }
 }
 
+/* scores_block for a bf16 cache, its keys widened in pairs (vload_bf16_pairs): qs is q with each
+ * run of 2 VW elements split into its even then its odd elements (split_pairs). */
+SIMD_INLINE void scores_block_pairs(const float *qs, int64_t Hkv, int64_t R, const uint16_t *k, int64_t S,
+                                    float scale, float *scores, int64_t j0, int64_t h, const int NV) {
+    const int64_t D = VW * NV;
+    for (int64_t r = 0; r < R; ++r) {
+        const float *qr = qs + (h * R + r) * D;
+        vfloat dots[VW];
+#pragma GCC unroll 16
+        for (int kk = 0; kk < VW; ++kk) dots[kk] = vzero();
+#pragma GCC unroll 8
+        for (int c = 0; c < NV; c += 2) {
+            const vfloat q_even = vload(qr + VW * c), q_odd = vload(qr + VW * (c + 1));
+#pragma GCC unroll 16
+            for (int kk = 0; kk < VW; ++kk) {
+                vfloat k_even, k_odd;
+                vload_bf16_pairs(k + ((j0 + kk) * Hkv + h) * D + VW * c, &k_even, &k_odd);
+                dots[kk] = vfma(q_odd, k_odd, vfma(q_even, k_even, dots[kk]));
+            }
+        }
+        vstore(scores + (h * R + r) * S + j0, vsum_each(dots) * scale);
+    }
+}
+
+/* Rows of D floats, each run of 2 VW elements reordered as its even then its odd elements (the
+ * order vload_bf16_pairs widens a bf16 row in), and back. */
+static void split_pairs(const float *x, int64_t rows, int64_t D, float *out) {
+    for (int64_t i = 0; i < rows * D; i += 2 * VW)
+        for (int l = 0; l < VW; ++l) out[i + l] = x[i + 2 * l], out[i + VW + l] = x[i + 2 * l + 1];
+}
+
+static void join_pairs(float *x, int64_t rows, int64_t D) {
+    float run[2 * VW];
+    for (int64_t i = 0; i < rows * D; i += 2 * VW) {
+        for (int l = 0; l < VW; ++l) run[2 * l] = x[i + l], run[2 * l + 1] = x[i + VW + l];
+        memcpy(x + i, run, sizeof run);
+    }
+}
+
+/* bf16 rows widen in pairs where D is a whole number of pair runs and the split q fits a stack
+ * buffer (every decode shape: Hkv R D <= 8192 covers 8 KV heads x 8 rows x 128). */
+#define PAIRS_MAX_Q 8192
+static inline int widen_in_pairs(int bf16, int64_t D) { return bf16 && D % (2 * VW) == 0; }
+
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
                   float *scores, int64_t j0, int64_t j1) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
+        if (widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q) {
+            float qs[PAIRS_MAX_Q];
+            split_pairs(q, Hkv * R, D, qs);
+            for (; j + VW <= j1; j += VW) {
+                if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
+                for (int64_t h = 0; h < Hkv; ++h) {
+                    if (D == 64) scores_block_pairs(qs, Hkv, R, (const uint16_t *)k, S, scale, scores, j, h, 64 / VW);
+                    else scores_block_pairs(qs, Hkv, R, (const uint16_t *)k, S, scale, scores, j, h, 128 / VW);
+                }
+            }
+        }
         for (; j + VW <= j1; j += VW) {
             /* the cache lines of the block after this one */
             if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
@@ -166,7 +221,7 @@ void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void 
  * the RT x NC accumulators in registers (RT, NC constants: the loops unroll). */
 SIMD_INLINE void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
                          float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, int64_t c0, const int RT,
-                         const int NC) {
+                         const int NC, const int pairs) {
     vfloat a[PV_ROWS][PV_VECS > 0 ? PV_VECS : 1];
 #pragma GCC unroll 4
     for (int r = 0; r < RT; ++r)
@@ -177,6 +232,16 @@ SIMD_INLINE void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
         vfloat w[PV_ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < RT; ++r) w[r] = vset1(p[(h * R + r0 + r) * S + j]);
+        if (pairs) {  /* acc holds each run of 2 VW elements split: even, then odd (see split_pairs) */
+#pragma GCC unroll 8
+            for (int c = 0; c < NC; c += 2) {
+                vfloat v_even, v_odd;
+                vload_bf16_pairs((const uint16_t *)v + row + VW * c, &v_even, &v_odd);
+#pragma GCC unroll 4
+                for (int r = 0; r < RT; ++r) a[r][c] = vfma(w[r], v_even, a[r][c]), a[r][c + 1] = vfma(w[r], v_odd, a[r][c + 1]);
+            }
+            continue;
+        }
 #pragma GCC unroll 8
         for (int c = 0; c < NC; ++c) {
             const vfloat vv = load_any(v, bf16, row + VW * c);
@@ -190,29 +255,34 @@ SIMD_INLINE void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
         for (int c = 0; c < NC; ++c) vstore(acc + (h * R + r0 + r) * D + c0 + VW * c, a[r][c]);
 }
 
-/* One tile of `rows` (1 .. PV_ROWS) rows over all of D, NC vectors at a time. */
+/* One tile of `rows` (1 .. PV_ROWS) rows over all of D, NC vectors at a time (pairs: NC even, bf16
+ * rows widened in pairs). */
 SIMD_INLINE void pv_rows(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
-                         float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, int64_t rows, const int NC) {
+                         float *acc, int64_t j0, int64_t j1, int64_t h, int64_t r0, int64_t rows, const int NC,
+                         const int pairs) {
     for (int64_t c0 = 0; c0 < D; c0 += VW * NC) {
         switch (rows) {  /* constant tile heights, so each case compiles to registers */
-            case 1: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 1, NC); break;
-            case 2: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 2, NC); break;
-            case 3: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 3, NC); break;
-            default: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, PV_ROWS, NC);
+            case 1: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 1, NC, pairs); break;
+            case 2: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 2, NC, pairs); break;
+            case 3: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, 3, NC, pairs); break;
+            default: pv_tile(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, c0, PV_ROWS, NC, pairs);
         }
     }
 }
 
 /* acc of every head's rows += p . v over keys [j0, j1): register tiles of PV_ROWS rows by
- * PV_VECS vectors (one vector wide where D / VW is not a multiple of PV_VECS). */
+ * PV_VECS vectors (one vector wide where D / VW is not a multiple of PV_VECS; two, widened in
+ * pairs, for bf16 rows: see widen_in_pairs). */
 static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
                      int64_t j0, int64_t j1) {
-    const int wide = (D / VW) % PV_VECS == 0;
+    const int wide = (D / VW) % PV_VECS == 0, pairs = widen_in_pairs(bf16, D);
     for (int64_t h = 0; h < Hkv; ++h)
         for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS) {
             const int64_t rows = R - r0 < PV_ROWS ? R - r0 : PV_ROWS;
-            if (wide) pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, PV_VECS);
-            else pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, 1);
+            if (pairs && wide) pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, PV_VECS, 1);
+            else if (pairs) pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, 2, 1);
+            else if (wide) pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, PV_VECS, 0);
+            else pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, 1, 0);
         }
 }
 
@@ -228,6 +298,7 @@ void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, 
         if (end + PV_BLOCK <= j1) prefetch_span((const char *)v + end * key_bytes, PV_BLOCK * key_bytes);
         pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end);
     }
+    if (widen_in_pairs(bf16, D)) join_pairs(acc, Hkv * R, D);
 }
 
 /* Split keys evenly over the threads: thread t of n takes [S*t/n, S*(t+1)/n). */
