@@ -122,7 +122,9 @@ def test_cli_ingest_and_ask(tmp_path):
     doc.write_text(long_document(60))
     kv = tmp_path / "doc.kv"
     runner = CliRunner()
-    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float32", "--chunk-tokens", "256"])
+    # one rank (not --nproc auto's two): this module's two-rank engine holds this process's group
+    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float32", "--chunk-tokens", "256",
+                                  "--nproc", "1"])
     assert result.exit_code == 0, result.output
     assert "time to first token" in result.output and kv.exists()
     result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16"])
