@@ -632,6 +632,27 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0, rope_scaling=RopeScaling(), max_seq_len=131072,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
     ),
+    # Shapes of published checkpoints, from their config.json files on the Hugging Face hub
+    # (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen2.5-7B-Instruct-1M); parameter counts
+    # 8.03B, 8.19B and 7.62B. Qwen3-8B's own config has plain RoPE over 40,960 positions (its
+    # model card adds yarn, factor 4 over 32,768, for 128K); Qwen2.5-7B-Instruct-1M's
+    # dual_chunk_attention_config is vLLM's sparse approximation, which transformers and ringctx
+    # do not apply (full attention).
+    "llama3.1-8b": ModelConfig(
+        name="llama3.1-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        rope_theta=500000.0, rope_scaling=RopeScaling(), norm_eps=1e-5, max_seq_len=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+        head_dim=128, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40960,
+        bos_token_id=151643, eos_token_ids=(151645,),
+    ),
+    "qwen2.5-7b-instruct-1m": ModelConfig(
+        name="qwen2.5-7b-instruct-1m", vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+        ffn_dim=18944, rope_theta=10000000.0, norm_eps=1e-5, qkv_bias=True, max_seq_len=1010000,
+        bos_token_id=151643, eos_token_ids=(151645,),
+    ),
     "llama3-70b": ModelConfig(
         name="llama3-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
         rope_theta=500000.0, rope_scaling=RopeScaling(), max_seq_len=131072,
