@@ -49,3 +49,13 @@ def test_dynamic_rope_past_its_context_is_refused_on_every_rank(saved):
         with torch.no_grad():
             ref = hf(ids[None]).logits[0, -1:]
         assert rel_err(engine.prefill(ids, chunk_tokens=32, strategy="pass-q").logits, ref) < 1e-4
+
+
+def test_qwen3_under_tensor_parallelism_matches_transformers(saved):
+    """TP 2 splits the heads; each rank holds the whole [head_dim] q/k norm weights."""
+    directory, hf = saved["qwen3-yarn-tied"]
+    ids = prompt(PAST)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, -1:]
+    with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
+        assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4
