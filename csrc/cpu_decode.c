@@ -13,6 +13,7 @@
  *
  *   xn   = round(x * rsqrt(mean(x^2) + eps) * w_norm)     RMSNorm, float32 inside
  *   qkv  = round(xn Wqkv^T + b)                           float32 accumulation (gemv_block)
+ *   q, k = round(q * rsqrt(mean(q^2) + eps) * w_qnorm)    per head, Qwen3 only (likewise k)
  *   q, k = round(round(x cos) + roll(x, D/2) sin)         rotate-half RoPE, sin = (-sin, sin)
  *   K, V cache row `position` = k, v        (8-bit caches: quantized per head, with its scale)
  *   o    = round(softmax(q K^T scale) V)                  over cache rows 0..position
@@ -52,6 +53,7 @@ typedef struct {
     const void *w2;             /* [dim, ffn] */
     void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
     float *k_scale, *v_scale;   /* [max_tokens, Hkv] for 8-bit caches, else NULL */
+    const void *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before RoPE (Qwen3), else NULL */
 } ringctx_decoder_layer;
 
 #define KEY_TILE 256 /* keys per online-softmax step: the tile's scores stay in L1 */
@@ -155,8 +157,9 @@ static void store_q8(int kind, const float *x, int64_t d, int8_t *data, float *s
     }
 }
 
-/* RoPE on the q and k heads of qkv (in place), then the new k and v into cache row `row` (none
- * when row < 0: another rank stores this token). */
+/* RoPE on the q and k heads of qkv (in place), each head first RMS-normalised when the layer has
+ * q/k norm weights (Qwen3), then the new k and v into cache row `row` (none when row < 0: another
+ * rank stores this token). */
 static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, float *qkv,
                              int64_t row, const void *cos, const void *sin) {
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
@@ -164,6 +167,8 @@ static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decod
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < hq + 2 * hkv; ++h) {
         float *x = qkv + h * d;
+        const void *head_norm = h < hq ? layer->q_norm : h < hq + hkv ? layer->k_norm : NULL;
+        if (head_norm) token_rms_norm(x, 0, head_norm, bf16, d, s->norm_eps, x, 0); /* in place: reads first */
         if (h < hq + hkv) token_rope(x, 0, cos, sin, bf16, d);
         if (h >= hq && row >= 0) {  /* a k head (rotated above) or a v head: into the cache */
             const int is_v = h >= hq + hkv;

@@ -62,7 +62,8 @@ def _gb(x: float) -> str:
 
 @click.command()
 @click.option("--model", default="smollm2-135m", show_default=True,
-              help="Model preset name, GGUF file or Hugging Face directory (only its config is read).")
+              help="Model preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging Face "
+                   "cache (only its config is read).")
 @click.option("--hosts", type=click.IntRange(min=1), default=None,
               help="Hosts of the job: propose (cp, tp) for hosts x --gpus-per-host GPUs (TP inside a host, "
                    "CP across hosts, the smallest TP that fits) and show every alternative. Not with --cp.")

@@ -339,11 +339,12 @@ class DecoderShape(ctypes.Structure):
 
 class DecoderLayer(ctypes.Structure):
     """ringctx_decoder_layer of csrc/cpu_decode.c: data pointers of one layer's weights and KV cache
-    (NULL for an absent bias, and for the scales of a cache in the model dtype)."""
+    (NULL for an absent bias, for the scales of a cache in the model dtype, and for the q/k norms
+    of models without them)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache", "k_scale",
-        "v_scale")]
+        "v_scale", "q_norm", "k_norm")]
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ringctx import cpu_kernels
-from ringctx.config import get_preset
+from ringctx.config import RopeScaling, get_preset, yarn_attention_factor
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.decode_step import DecodeStep, FusedStep
 from ringctx.model.weights import empty_model
@@ -35,6 +35,11 @@ SHAPES = {
                                               attn_out_bias=True, tie_embeddings=True),
     "gqa4-d128": dataclasses.replace(TINY, dim=96, n_heads=4, n_kv_heads=1, head_dim=128, ffn_dim=200),
     "gqa3-d48-odd-ffn": dataclasses.replace(TINY, dim=80, n_heads=3, n_kv_heads=1, head_dim=48, ffn_dim=77),
+    # Qwen3: per-head q/k norms in the kernel; YaRN's factor on cos/sin, past its original 64 positions.
+    "qwen3-qknorm-yarn": dataclasses.replace(TINY, n_heads=4, n_kv_heads=2, head_dim=32, qk_norm=True,
+                                             rope_scaling=RopeScaling(factor=4.0, original_max_position=64,
+                                                                      rope_type="yarn",
+                                                                      attention_factor=yarn_attention_factor(4.0))),
 }
 PROMPT = 300  # crosses the kernels' 16-key blocks, 32-key V blocks and 256-key softmax tiles
 

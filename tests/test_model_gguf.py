@@ -55,10 +55,11 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_gguf(path, config: ModelConfig, arch: str = "llama", types=(Q.F32,), seed: int = 0,
                rope_freqs: list[float] | None = None, extra: dict[str, np.ndarray] | None = None,
-               weights: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+               weights: dict[str, np.ndarray] | None = None, add_keys=None) -> dict[str, np.ndarray]:
     """A model of `config` as a GGUF file; matrices cycle through `types`. Returns the stored tensors.
 
     weights: llama.cpp-named float tensors in Hugging Face row order; random ones by default.
+    add_keys: called with the GGUFWriter to add header keys (RoPE scaling, say).
     """
     rng = np.random.default_rng(seed)
     D, hq, hkv = config.head_dim, config.n_heads, config.n_kv_heads
@@ -75,6 +76,9 @@ def write_gguf(path, config: ModelConfig, arch: str = "llama", types=(Q.F32,), s
             if config.qkv_bias:
                 tensors[f"{b}.{name}.bias"] = rng.normal(0, 0.05, rows)
         tensors[f"{b}.attn_output.weight"] = rng.normal(0, 0.02, (config.dim, hq * D))
+        if config.qk_norm:
+            tensors[f"{b}.attn_q_norm.weight"] = rng.uniform(0.5, 1.5, D)
+            tensors[f"{b}.attn_k_norm.weight"] = rng.uniform(0.5, 1.5, D)
         tensors[f"{b}.ffn_gate.weight"] = rng.normal(0, 0.02, (config.ffn_dim, config.dim))
         tensors[f"{b}.ffn_up.weight"] = rng.normal(0, 0.02, (config.ffn_dim, config.dim))
         tensors[f"{b}.ffn_down.weight"] = rng.normal(0, 0.02, (config.dim, config.ffn_dim))
@@ -91,10 +95,14 @@ def write_gguf(path, config: ModelConfig, arch: str = "llama", types=(Q.F32,), s
     writer.add_head_count_kv(hkv)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_rope_dimension_count(D)
+    writer.add_key_length(D)  # as llama.cpp writes it: head_dim may differ from dim / heads
+    writer.add_value_length(D)
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if add_keys is not None:
+        add_keys(writer)
     matrix_index = 0
     for name, w in tensors.items():
         w = w.astype(np.float32)
@@ -217,6 +225,8 @@ def gguf_weights_from_hf(hf, config: ModelConfig) -> dict[str, np.ndarray]:
     names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+    if config.qk_norm:
+        names.update(attn_q_norm="self_attn.q_norm", attn_k_norm="self_attn.k_norm")
     for i in range(config.n_layers):
         for ours, theirs in names.items():
             out[f"blk.{i}.{ours}.weight"] = sd[f"model.layers.{i}.{theirs}.weight"]

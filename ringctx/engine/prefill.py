@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache
 from ..model.tensor_parallel import split_range
+from ..model.transformer import rope_position_problem
 from ..parallel import CommStats, ShardLayout, ring_attention
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
@@ -229,6 +230,8 @@ def cp_prefill(
             cached_len = _broadcast_int(cached_len, valid_decode_rank, group)
         held = [b - a for a, b in (split_range(cached_len, world, r) for r in range(world))]
     cached_len = sum(held)
+    if problem is None:  # every rank knows the whole length: all refuse together, before the ring
+        problem = rope_position_problem(model.config, cached_len + int(token_ids.numel()))
     if distributed:
         agree_across_ranks("prefill", problem, _signature(model, token_ids, config, cached_len), group, comm)
     elif problem:

@@ -11,7 +11,7 @@ on a CPU their dispatch costs about as much as reading the weights (docs/BENCHMA
 the fused kernel applies (`FusedStep.build`: a CPU model in float32 or bf16 with head_dim a
 multiple of 16, the kernels built, see ringctx/cpu_kernels.py), the step runs every layer in one
 call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
-and the output head stay in PyTorch (two calls). Everywhere else it is `forward_with_cache` on one
+and the output head stay in PyTorch (two calls). Qwen3's per-head q/k norms run in the kernel too. Everywhere else it is `forward_with_cache` on one
 token.
 
 The fused step holds the data pointers of the model's weights and the cache's buffers: build it
@@ -81,7 +81,9 @@ class FusedStep:
                 ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
                 w2=mlp.w2.weight.data_ptr(), k_cache=cache.k[i].data_ptr(), v_cache=cache.v[i].data_ptr(),
                 k_scale=_pointer(cache.k_scale[i] if cache.quantized else None),
-                v_scale=_pointer(cache.v_scale[i] if cache.quantized else None))
+                v_scale=_pointer(cache.v_scale[i] if cache.quantized else None),
+                q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
+                k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
         self.threads = 0
         self.work = torch.empty(0)
         self.x = torch.empty(config.dim, dtype=model.dtype)
@@ -187,4 +189,6 @@ def _block_tensors(block) -> list[torch.Tensor]:
     attention, mlp = block.attention, block.feed_forward
     tensors = [block.attention_norm.weight, attention.wqkv.weight, attention.wo.weight, block.ffn_norm.weight,
                mlp.w13.weight, mlp.w2.weight]
-    return tensors + [b for b in (attention.wqkv.bias, attention.wo.bias) if b is not None]
+    optional = (attention.wqkv.bias, attention.wo.bias, attention.q_norm and attention.q_norm.weight,
+                attention.k_norm and attention.k_norm.weight)
+    return tensors + [t for t in optional if t is not None]

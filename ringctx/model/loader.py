@@ -1,4 +1,5 @@
-"""`load_model`: a preset name, a GGUF file or a Hugging Face directory -> a ready Transformer."""
+"""`load_model`: a preset name, a GGUF file, a Hugging Face directory or a Hugging Face model name
+(`ORG/NAME`, from the local cache) -> a ready Transformer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import torch
 
 from ..config import PRESETS, get_preset
+from ..hub import looks_like_repo_id, resolve_cached_model
 from .tensor_parallel import NO_TP, TensorParallel
 from .tokenizer import load_tokenizer
 from .transformer import Transformer
@@ -63,8 +65,9 @@ def load_model(
 
     Args:
         name_or_path: "smollm2-135m" (the embedded SmolLM2-135M-Instruct, real weights), another
-            preset name (real shapes, random weights from `seed`), a .gguf file, or a Hugging
-            Face directory with config.json and *.safetensors.
+            preset name (real shapes, random weights from `seed`), a .gguf file, a Hugging
+            Face directory with config.json and *.safetensors, or a Hugging Face model name
+            "ORG/NAME" found in the local Hugging Face cache (never downloaded).
         dtype: weights and activations. None: float32 for GGUF files (dequantized values are
             exact in it), the checkpoint's own dtype for Hugging Face directories, bfloat16 for
             random presets.
@@ -110,11 +113,13 @@ def load_model(
 
 
 def _classify_path(key: str) -> tuple[str, str]:
-    """('gguf', file) or ('hf', directory) for a user-given path; clear errors otherwise."""
+    """('gguf', file) or ('hf', directory) for a user-given path or cached ORG/NAME; clear errors otherwise."""
+    if looks_like_repo_id(key):
+        key = resolve_cached_model(key)
     if not os.path.exists(key):
         raise FileNotFoundError(
             f"{key!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor an existing path; "
-            "name a .gguf file or a Hugging Face model directory")
+            "name a .gguf file, a Hugging Face model directory or a cached ORG/NAME")
     if os.path.isdir(key):
         if os.path.isfile(os.path.join(key, "config.json")):
             return "hf", key

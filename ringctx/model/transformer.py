@@ -13,7 +13,7 @@ RoPE at explicit global positions, SwiGLU MLP, output head) is per token.
 
 The prefill engine can drive these pieces layer by layer; `Transformer.forward` runs them all.
 
-Numerics follow Hugging Face transformers' LlamaForCausalLM / Qwen2ForCausalLM (RMSNorm accumulated
+Numerics follow Hugging Face transformers' Llama / Mistral / Qwen2 / Qwen3 ForCausalLM (RMSNorm accumulated
 in float32, rotate-half RoPE with cos/sin cast to the activation dtype, SwiGLU and residual adds in
 the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The rotary
 angles are computed in float64, more accurate than transformers' float32 at long positions.
@@ -120,6 +120,8 @@ class Attention(nn.Module):
     wqkv.weight: [(Hq + 2*Hkv) * D, dim], rows ordered q heads, k heads, v heads (each head's D
     rows in Hugging Face rotate-half order). wo.weight: [dim, Hq * D]. Under tensor parallelism
     `config` is this rank's shard (its heads) and wo's partial outputs are summed over `tp`.
+    With `config.qk_norm` (Qwen3), q_norm and k_norm (weights [D], the same for every head, so
+    every TP rank holds them whole) RMS-normalise each head's q and k before RoPE.
     """
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
@@ -128,12 +130,17 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.attn_out_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
 
     def project(self, x: torch.Tensor, rope: RopeAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE), v [T, Hkv, D]."""
         T = x.shape[0]
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias).view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         split = self.n_heads + self.n_kv_heads
+        if self.q_norm is not None:  # per head, before RoPE (Qwen3); rows of [T * H, D] for the kernel
+            for norm, heads in ((self.q_norm, qkv[:, : self.n_heads]), (self.k_norm, qkv[:, self.n_heads : split])):
+                heads.copy_(norm.forward(heads.reshape(-1, self.head_dim)).view(heads.shape))
         qk = apply_rotary_(qkv[:, :split], rope)  # one rotation for q and k heads together, in place
         return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
 
@@ -282,6 +289,8 @@ class Transformer(nn.Module):
         # float64 so that angles stay exact at million-token positions; not a registered buffer,
         # so dtype casts of the module leave it alone and meta-device construction costs nothing.
         self._inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float64, device="cpu")
+        self._rope_factor = config.rope_attention_factor  # YaRN multiplies cos and sin by it
+        self._rope_limit = config.rope_scaling.position_limit if config.rope_scaling else None
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -313,13 +322,21 @@ class Transformer(nn.Module):
         return self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0), "tp-embed")
 
     def rope(self, positions: torch.Tensor) -> RopeAngles:
-        """Rotary cos/sin for positions [T] long (global positions), in the activation dtype."""
+        """Rotary cos/sin for positions [T] long (global positions), in the activation dtype.
+
+        Global positions make ring attention exact with any scaling: a rank holding tokens past
+        the original context gets the angles one device would. A ValueError for positions the
+        scaling cannot compute exactly (dynamic RoPE past its original context, see RopeScaling).
+        """
+        check_rope_positions(self.config, positions)
         device = positions.device
         math_device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
         if self._inv_freq.device != math_device:
             self._inv_freq = self._inv_freq.to(math_device)
         angles = positions.to(math_device, torch.float64)[:, None] * self._inv_freq[None, :]  # [T, D/2]
         cos, sin = angles.cos(), angles.sin()
+        if self._rope_factor != 1.0:
+            cos, sin = cos * self._rope_factor, sin * self._rope_factor
         cos = torch.cat((cos, cos), dim=-1).to(device, self.dtype)
         sin = torch.cat((-sin, sin), dim=-1).to(device, self.dtype)
         return RopeAngles(cos[:, None, :], sin[:, None, :])
@@ -397,6 +414,25 @@ class Transformer(nn.Module):
         from .generate import stream
 
         return stream(self, prompt, **kwargs)
+
+
+def rope_position_problem(config: ModelConfig, length: int) -> str | None:
+    """Why a sequence of `length` tokens cannot run with this config's RoPE, or None when it can."""
+    limit = config.rope_scaling.position_limit if config.rope_scaling else None
+    if limit is None or length <= limit:
+        return None
+    return (f"{length} tokens go past position {limit}, where rope_type "
+            f"{config.rope_scaling.rope_type!r} makes every angle depend on the sequence's total length "
+            "(transformers recomputes it per length); ringctx runs such a model up to that length only")
+
+
+def check_rope_positions(config: ModelConfig, positions: torch.Tensor) -> None:
+    """Raise rope_position_problem's ValueError when a position is past the scaling's limit."""
+    if config.rope_scaling is None or config.rope_scaling.position_limit is None or positions.numel() == 0:
+        return
+    problem = rope_position_problem(config, int(positions.max()) + 1)
+    if problem:
+        raise ValueError(problem)
 
 
 def check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:

@@ -6,8 +6,8 @@ I-quants. Float types are viewed directly without a float32 detour.
 
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-architecture models
 so that each head's rotary pairs are adjacent (GPT-J "interleaved" order); ringctx, like
-transformers, uses the rotate-half order, so those rows are permuted back. Qwen2 files keep the
-Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not touched.
+transformers, uses the rotate-half order, so those rows are permuted back. Qwen2 and Qwen3 files
+keep the Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not touched.
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
 """
@@ -85,6 +85,9 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
                 local.n_kv_heads if unpermute else None, "k")
             add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "v"), kind="v")
         add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o")
+        if config.qk_norm:  # Qwen3: [head_dim] each, replicated under TP
+            add(f"{blk}.attn_q_norm.weight", f"{ours}.attention.q_norm.weight")
+            add(f"{blk}.attn_k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
         add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), kind="gate")

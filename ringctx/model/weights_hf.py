@@ -24,7 +24,7 @@ _NOT_PARAMETERS_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict[str, WeightPiece]:
-    """Hugging Face tensor name -> where it goes (LlamaForCausalLM / Qwen2ForCausalLM naming), and
+    """Hugging Face tensor name -> where it goes (Llama / Mistral / Qwen2 / Qwen3 naming), and
     which slice of it TP rank `tp.rank` holds. `config` is the whole model's."""
     pieces: dict[str, WeightPiece] = {}
     local = tp.shard_config(config)
@@ -45,6 +45,9 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict
                 add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
                     which)
         add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight", kind="o")
+        if config.qk_norm:  # [head_dim], shared by all heads: every TP rank reads it whole
+            add(f"{hf}.self_attn.q_norm.weight", f"{ours}.attention.q_norm.weight")
+            add(f"{hf}.self_attn.k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
         add(f"{hf}.mlp.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")

@@ -1,0 +1,61 @@
+"""The prefill engine on a Qwen3 model with YaRN, and a Llama model with dynamic RoPE, at W = 1
+and 2 with pass-KV and pass-Q, against transformers: a rank holding tokens past the original
+context gets what one device would (RoPE at global positions), and dynamic RoPE past its context
+is refused by every rank together, before any ring communication."""
+
+import pytest
+import torch
+
+from ringctx.engine import Engine
+from tests.model_helpers import rel_err
+from tests.test_model_families import INSIDE, PAST, prompt, random_hf_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{case: (directory, transformers model)} for the two cases."""
+    models = {}
+    for name in ("qwen3-yarn-tied", "llama-dynamic"):
+        directory = tmp_path_factory.mktemp(name)
+        hf = random_hf_model(name)
+        hf.save_pretrained(directory)
+        models[name] = (str(directory), hf)
+    return models
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"W{w}")
+def test_qwen3_yarn_prefill_matches_transformers_inside_and_past_the_context(saved, world):
+    directory, hf = saved["qwen3-yarn-tied"]
+    with Engine(directory, nproc=world, dtype="float32", decode_ranks=1) as engine:
+        for n in (INSIDE, PAST):
+            ids = prompt(n)
+            with torch.no_grad():
+                ref = hf(ids[None]).logits[0, -1:]
+            for strategy in ("pass-kv", "pass-q"):
+                result = engine.prefill(ids, chunk_tokens=37, strategy=strategy)
+                assert rel_err(result.logits, ref) < 1e-4, (world, n, strategy)
+                assert int(result.logits.argmax()) == int(ref.argmax())
+                if world > 1:
+                    assert {c.strategy for c in result.stats.chunks} == {strategy}
+
+
+def test_dynamic_rope_past_its_context_is_refused_on_every_rank(saved):
+    directory, hf = saved["llama-dynamic"]
+    limit = hf.config.max_position_embeddings
+    with Engine(directory, nproc=2, dtype="float32", decode_ranks=1) as engine:
+        with pytest.raises(ValueError, match=rf"{limit + 5} tokens go past position {limit}"):
+            engine.prefill(prompt(limit + 5), strategy="pass-kv")
+        ids = prompt(limit)  # the engine survives, and runs up to the limit
+        with torch.no_grad():
+            ref = hf(ids[None]).logits[0, -1:]
+        assert rel_err(engine.prefill(ids, chunk_tokens=32, strategy="pass-q").logits, ref) < 1e-4
+
+
+def test_qwen3_under_tensor_parallelism_matches_transformers(saved):
+    """TP 2 splits the heads; each rank holds the whole [head_dim] q/k norm weights."""
+    directory, hf = saved["qwen3-yarn-tied"]
+    ids = prompt(PAST)
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, -1:]
+    with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
+        assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4
