@@ -65,7 +65,7 @@ typedef void (*ringctx_merge_fn)(void);
 
 typedef struct {
     float *resid, *xn, *qkv, *attn, *lse, *gate_up, *act;
-    float *threads; /* per thread: row max, row sum, rescale, output, tile output, tile scores */
+    float *threads; /* per thread: row max, row sum, rescale, output, tile output, tile scores, split input */
     int64_t per_thread;
 } work_layout;
 
@@ -75,8 +75,15 @@ static int64_t shared_floats(const ringctx_decoder_shape *s) {
            3 * s->ffn_dim;
 }
 
+/* The widest input of the step's matrix-vector products: a thread splits it there for the bf16
+ * pair path (see linear). */
+static int64_t widest_input(const ringctx_decoder_shape *s) {
+    const int64_t attn = s->n_heads * s->head_dim, wide = s->dim > s->ffn_dim ? s->dim : s->ffn_dim;
+    return wide > attn ? wide : attn;
+}
+
 static int64_t thread_floats(const ringctx_decoder_shape *s) {
-    return 3 * s->n_heads + 2 * s->n_heads * s->head_dim + s->n_heads * KEY_TILE;
+    return 3 * s->n_heads + 2 * s->n_heads * s->head_dim + s->n_heads * KEY_TILE + widest_input(s);
 }
 
 static work_layout layout_work(const ringctx_decoder_shape *s, float *base) {
@@ -108,14 +115,19 @@ int64_t ringctx_decode_work_floats(const ringctx_decoder_shape *s, int threads) 
 static inline float exp1(float x) { return vexp(vset1(x))[0]; }
 
 /* y = round(x W^T + b), or resid = round(resid + round(x W^T + b)) when resid is given; the output
- * rows are shared out over the threads of the enclosing parallel region. */
+ * rows are shared out over the threads of the enclosing parallel region. bf16 weights whose rows
+ * widen in pairs read x split into `split` (this thread's [in] floats), each thread its own copy,
+ * so no thread waits for another. */
 static void linear(const float *x, int64_t in, const void *w, const void *b, int64_t out, int bf16, float *y,
-                   float *resid) {
+                   float *resid, float *split) {
     const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
+    const int pairs = widen_in_pairs(bf16, in);
+    if (pairs) split_pairs(x, 1, in, split);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
-        gemv_block(x, 1, in, w, bf16, out, y, o, n);
+        if (pairs) gemv_block_pairs(split, 1, in, (const uint16_t *)w, out, y, o, n);
+        else gemv_block(x, 1, in, w, bf16, out, y, o, n);
         for (int64_t i = o; i < o + n; ++i) {
             const float v = round_to(b ? y[i] + load_one(b, bf16, i) : y[i], bf16);
             if (resid) resid[i] = round_to(resid[i] + v, bf16);
@@ -293,11 +305,12 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *mine = w.threads + t * w.per_thread;
+        float *split = mine + 3 * hq + 2 * hq * d + hq * KEY_TILE; /* see thread_floats */
         for (int64_t li = 0; li < n_layers; ++li) {
             const ringctx_decoder_layer *layer = layers + li;
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL);
+            linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
             rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
             attend_keys(s, w.qkv, layer, keys * t / nt, keys * (t + 1) / nt, mine,
                         mine + hq, mine + 2 * hq, mine + 3 * hq, mine + 3 * hq + hq * d, mine + 3 * hq + 2 * hq * d);
@@ -309,12 +322,12 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
                 merge();
 #pragma omp barrier
             }
-            linear(w.attn, hq * d, layer->wo, layer->bo, dim, bf16, w.xn, w.resid);
+            linear(w.attn, hq * d, layer->wo, layer->bo, dim, bf16, w.xn, w.resid, split);
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->w13, NULL, 2 * ffn, bf16, w.gate_up, NULL);
+            linear(w.xn, dim, layer->w13, NULL, 2 * ffn, bf16, w.gate_up, NULL, split);
             swiglu(w.gate_up, ffn, bf16, w.act);
-            linear(w.act, ffn, layer->w2, NULL, dim, bf16, w.xn, w.resid);
+            linear(w.act, ffn, layer->w2, NULL, dim, bf16, w.xn, w.resid, split);
         }
     }
     for (int64_t i = 0; i < dim; ++i) store_one(x, bf16, i, w.resid[i]);

@@ -71,17 +71,61 @@ void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf1
     }
 }
 
+/* gemv_block for bf16 weights widened in pairs (vload_bf16_pairs, half the widening instructions,
+ * which bounded the bf16 GEMV's speed): xs holds the activation rows with each run of 2 VW
+ * elements split into its even then its odd elements (split_pairs); `in` is a multiple of 2 VW.
+ * Even and odd products go to accumulators of their own, so that no FMA waits on another. */
+void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out, float *y, int64_t o,
+                      int64_t n) {
+    const int64_t row_bytes = in * 2;
+    const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * row_bytes : 0;
+    const uint16_t *w0 = w + o * in;
+    const uint16_t *w1 = w0 + (n > 1 ? 1 : 0) * in, *w2 = w0 + (n > 2 ? 2 : 0) * in, *w3 = w0 + (n > 3 ? 3 : 0) * in;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = xs + r * in;
+        vfloat e0 = vzero(), e1 = vzero(), e2 = vzero(), e3 = vzero();
+        vfloat o0 = vzero(), o1 = vzero(), o2 = vzero(), o3 = vzero();
+        for (int64_t i = 0; i < in; i += 2 * VW) {
+            const vfloat x_even = vload(xr + i), x_odd = vload(xr + i + VW);
+            if (r == 0 && ((i * 2) & 63) == 0) {  /* the first run of a cache line */
+                __builtin_prefetch((const char *)(w0 + i) + ahead, 0, 3);
+                __builtin_prefetch((const char *)(w1 + i) + ahead, 0, 3);
+                __builtin_prefetch((const char *)(w2 + i) + ahead, 0, 3);
+                __builtin_prefetch((const char *)(w3 + i) + ahead, 0, 3);
+            }
+            vfloat w_even, w_odd;
+            vload_bf16_pairs(w0 + i, &w_even, &w_odd);
+            e0 = vfma(w_even, x_even, e0), o0 = vfma(w_odd, x_odd, o0);
+            vload_bf16_pairs(w1 + i, &w_even, &w_odd);
+            e1 = vfma(w_even, x_even, e1), o1 = vfma(w_odd, x_odd, o1);
+            vload_bf16_pairs(w2 + i, &w_even, &w_odd);
+            e2 = vfma(w_even, x_even, e2), o2 = vfma(w_odd, x_odd, o2);
+            vload_bf16_pairs(w3 + i, &w_even, &w_odd);
+            e3 = vfma(w_even, x_even, e3), o3 = vfma(w_odd, x_odd, o3);
+        }
+        float *yr = y + r * out + o;
+        yr[0] = vsum(e0 + o0);
+        if (n > 1) yr[1] = vsum(e1 + o1);
+        if (n > 2) yr[2] = vsum(e2 + o2);
+        if (n > 3) yr[3] = vsum(e3 + o3);
+    }
+}
+
 /* y = x w^T for w float32 (w_bf16 = 0) or bf16 bits (w_bf16 = 1). Returns 0 on success, -1 when
  * this CPU cannot run this variant (the caller then uses PyTorch). */
 int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_bf16, int64_t out, float *y,
                  int threads) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     const int64_t blocks = (out + BLOCK - 1) / BLOCK;
+    float *xs = widen_in_pairs(w_bf16, in) ? (float *)malloc((size_t)(rows * in) * sizeof(float)) : NULL;
+    if (xs != NULL) split_pairs(x, rows, in, xs);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t o = b * BLOCK;
-        gemv_block(x, rows, in, w, w_bf16, out, y, o, out - o < BLOCK ? out - o : BLOCK);
+        const int64_t o = b * BLOCK, n = out - o < BLOCK ? out - o : BLOCK;
+        if (xs != NULL) gemv_block_pairs(xs, rows, in, (const uint16_t *)w, out, y, o, n);
+        else gemv_block(x, rows, in, w, w_bf16, out, y, o, n);
     }
+    free(xs);
     return 0;
 }
 
@@ -161,25 +205,9 @@ SIMD_INLINE void scores_block_pairs(const float *qs, int64_t Hkv, int64_t R, con
     }
 }
 
-/* Rows of D floats, each run of 2 VW elements reordered as its even then its odd elements (the
- * order vload_bf16_pairs widens a bf16 row in), and back. */
-static void split_pairs(const float *x, int64_t rows, int64_t D, float *out) {
-    for (int64_t i = 0; i < rows * D; i += 2 * VW)
-        for (int l = 0; l < VW; ++l) out[i + l] = x[i + 2 * l], out[i + VW + l] = x[i + 2 * l + 1];
-}
-
-static void join_pairs(float *x, int64_t rows, int64_t D) {
-    float run[2 * VW];
-    for (int64_t i = 0; i < rows * D; i += 2 * VW) {
-        for (int l = 0; l < VW; ++l) run[2 * l] = x[i + l], run[2 * l + 1] = x[i + VW + l];
-        memcpy(x + i, run, sizeof run);
-    }
-}
-
-/* bf16 rows widen in pairs where D is a whole number of pair runs and the split q fits a stack
- * buffer (every decode shape: Hkv R D <= 8192 covers 8 KV heads x 8 rows x 128). */
+/* The split q of scores_range's pair path lives on the stack: Hkv R D <= 8192 floats covers every
+ * decode shape (8 KV heads x 8 rows x 128). */
 #define PAIRS_MAX_Q 8192
-static inline int widen_in_pairs(int bf16, int64_t D) { return bf16 && D % (2 * VW) == 0; }
 
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
                   float *scores, int64_t j0, int64_t j1) {

@@ -111,11 +111,34 @@ RINGCTX_INTERNAL void token_rope(void *x, int x_bf16, const void *cos, const voi
 RINGCTX_INTERNAL void token_swiglu(const void *gate, const void *up, int in_bf16, int bf16, int64_t n, void *out,
                                    int out_bf16);
 
+/* bf16 rows widen in pairs (vload_bf16_pairs) where a row is a whole number of runs of 2 VW
+ * elements; the other operand is then split alike and outputs joined back (below). */
+static inline int widen_in_pairs(int bf16, int64_t row) { return bf16 && row % (2 * VW) == 0; }
+
+/* rows of `row` floats, each run of 2 VW elements reordered as its even then its odd elements (the
+ * order vload_bf16_pairs widens a bf16 row in), and back. */
+static inline void split_pairs(const float *x, int64_t rows, int64_t row, float *out) {
+    for (int64_t i = 0; i < rows * row; i += 2 * VW)
+        for (int l = 0; l < VW; ++l) out[i + l] = x[i + 2 * l], out[i + VW + l] = x[i + 2 * l + 1];
+}
+
+static inline void join_pairs(float *x, int64_t rows, int64_t row) {
+    float run[2 * VW];
+    for (int64_t i = 0; i < rows * row; i += 2 * VW) {
+        for (int l = 0; l < VW; ++l) run[2 * l] = x[i + l], run[2 * l + 1] = x[i + VW + l];
+        memcpy(x + i, run, sizeof run);
+    }
+}
+
 /* y[r, o .. o+n) = x[r] . w[o .. o+n) for every activation row r (n <= 4 output rows); see
  * ringctx_gemv in cpu_kernels.c. */
 RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out,
                                  float *y, int64_t o, int64_t n);
 #define GEMV_BLOCK 4 /* output rows per gemv_block call: four independent sums hide the FMA latency */
+
+/* gemv_block over bf16 weights widened in pairs, xs split by split_pairs (widen_in_pairs(1, in)). */
+RINGCTX_INTERNAL void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
+                                       float *y, int64_t o, int64_t n);
 
 /* scores[h, r, j] = scale * q[h, r] . k[j, h] for keys j in [j0, j1); see cpu_kernels.c. */
 RINGCTX_INTERNAL void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
