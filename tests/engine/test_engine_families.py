@@ -59,3 +59,26 @@ def test_qwen3_under_tensor_parallelism_matches_transformers(saved):
         ref = hf(ids[None]).logits[0, -1:]
     with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
         assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4
+
+
+def test_qwen3_yarn_greedy_answer_on_two_decode_ranks_equals_transformers(saved):
+    """Ingested at W = 2, the cache split over both ranks, which decode together (the fused CPU step
+    with q/k norms where the kernels are built) past the original context: transformers' tokens,
+    and every decode step's logits within 1e-4 relative of transformers'."""
+    directory, hf = saved["qwen3-yarn-tied"]
+    document_ids, question = prompt(PAST - 10, seed=3).tolist(), [7, 11, 13]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([document_ids + question]), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref_tokens = ref.sequences[0, len(document_ids) + len(question):].tolist()
+    with Engine(directory, nproc=2, dtype="float32", decode_ranks=2, chunk_tokens=32) as engine:
+        document = engine.ingest(document_ids)
+        assert document.stats.decode_slice_rows_per_rank[1] > 0  # both ranks hold part of the cache
+        generation = engine.generate(document, question, max_new_tokens=8, stop_token_ids=[], keep_logits=True)
+        "".join(generation)
+    assert generation.result.token_ids == ref_tokens
+    # step 0's logits come from the question's prefill (the prefill tests above check those); the
+    # later ones from the decode steps this test is about
+    decoded = list(zip(generation.result.step_logits, ref.logits, strict=True))[1:]
+    for step, (got, want) in enumerate(decoded, start=1):
+        assert rel_err(got, want[0]) < 1e-4, step
