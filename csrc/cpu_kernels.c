@@ -147,9 +147,10 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
 
 /* Scores of head h's R rows against the VW keys j0 .. j0 + VW - 1, a vector store per row. NV =
  * D / VW is a constant at each call, so the loops unroll and the VW dot products stay in
- * registers while the q row's vectors are read in turn. */
+ * registers while the q row's vectors are read in turn. pairs (a constant too): the cache is bf16,
+ * its rows widened in pairs (vload_bf16_pairs), and q is split alike (split_pairs). */
 SIMD_INLINE void scores_block(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S, float scale,
-                              float *scores, int64_t j0, int64_t h, const int NV) {
+                              float *scores, int64_t j0, int64_t h, const int NV, const int pairs) {
     const int64_t D = VW * NV;
     for (int64_t r = 0; r < R; ++r) {
         const float *qr = q + (h * R + r) * D;
@@ -157,11 +158,19 @@ SIMD_INLINE void scores_block(const float *q, int64_t Hkv, int64_t R, const void
 #pragma GCC unroll 16
         for (int kk = 0; kk < VW; ++kk) dots[kk] = vzero();
 #pragma GCC unroll 16
-        for (int c = 0; c < NV; ++c) {
-            const vfloat qc = vload(qr + VW * c);
+        for (int c = 0; c < NV; c += pairs ? 2 : 1) {
+            const vfloat qc = vload(qr + VW * c), q_odd = pairs ? vload(qr + VW * (c + 1)) : vzero();
 #pragma GCC unroll 16
-            for (int kk = 0; kk < VW; ++kk)
-                dots[kk] = vfma(qc, load_any(k, bf16, ((j0 + kk) * Hkv + h) * D + VW * c), dots[kk]);
+            for (int kk = 0; kk < VW; ++kk) {
+                const int64_t at = ((j0 + kk) * Hkv + h) * D + VW * c;
+                if (pairs) {
+                    vfloat k_even, k_odd;
+                    vload_bf16_pairs((const uint16_t *)k + at, &k_even, &k_odd);
+                    dots[kk] = vfma(q_odd, k_odd, vfma(qc, k_even, dots[kk]));
+                } else {
+                    dots[kk] = vfma(qc, load_any(k, bf16, at), dots[kk]);
+                }
+            }
         }
         vstore(scores + (h * R + r) * S + j0, vsum_each(dots) * scale);
     }
@@ -181,32 +190,8 @@ static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const vo
     }
 }
 
-/* scores_block for a bf16 cache, its keys widened in pairs (vload_bf16_pairs): qs is q with each
- * run of 2 VW elements split into its even then its odd elements (split_pairs). */
-SIMD_INLINE void scores_block_pairs(const float *qs, int64_t Hkv, int64_t R, const uint16_t *k, int64_t S,
-                                    float scale, float *scores, int64_t j0, int64_t h, const int NV) {
-    const int64_t D = VW * NV;
-    for (int64_t r = 0; r < R; ++r) {
-        const float *qr = qs + (h * R + r) * D;
-        vfloat dots[VW];
-#pragma GCC unroll 16
-        for (int kk = 0; kk < VW; ++kk) dots[kk] = vzero();
-#pragma GCC unroll 8
-        for (int c = 0; c < NV; c += 2) {
-            const vfloat q_even = vload(qr + VW * c), q_odd = vload(qr + VW * (c + 1));
-#pragma GCC unroll 16
-            for (int kk = 0; kk < VW; ++kk) {
-                vfloat k_even, k_odd;
-                vload_bf16_pairs(k + ((j0 + kk) * Hkv + h) * D + VW * c, &k_even, &k_odd);
-                dots[kk] = vfma(q_odd, k_odd, vfma(q_even, k_even, dots[kk]));
-            }
-        }
-        vstore(scores + (h * R + r) * S + j0, vsum_each(dots) * scale);
-    }
-}
-
 /* The split q of scores_range's pair path lives on the stack: Hkv R D <= 8192 floats covers every
- * decode shape (8 KV heads x 8 rows x 128). */
+ * decode shape (8 KV heads x 8 rows x 128); a larger q takes the in-order widening. */
 #define PAIRS_MAX_Q 8192
 
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
@@ -214,23 +199,17 @@ void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void 
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
-        if (widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q) {
-            float qs[PAIRS_MAX_Q];
-            split_pairs(q, Hkv * R, D, qs);
-            for (; j + VW <= j1; j += VW) {
-                if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
-                for (int64_t h = 0; h < Hkv; ++h) {
-                    if (D == 64) scores_block_pairs(qs, Hkv, R, (const uint16_t *)k, S, scale, scores, j, h, 64 / VW);
-                    else scores_block_pairs(qs, Hkv, R, (const uint16_t *)k, S, scale, scores, j, h, 128 / VW);
-                }
-            }
-        }
+        const int pairs = widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q;
+        float qs[pairs ? Hkv * R * D : 1];
+        if (pairs) split_pairs(q, Hkv * R, D, qs);
         for (; j + VW <= j1; j += VW) {
             /* the cache lines of the block after this one */
             if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
-            for (int64_t h = 0; h < Hkv; ++h) {
-                if (D == 64) scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW);
-                else scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW);
+            for (int64_t h = 0; h < Hkv; ++h) {  /* each call with constant NV and pairs: unrolled */
+                if (pairs && D == 64) scores_block(qs, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW, 1);
+                else if (pairs) scores_block(qs, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW, 1);
+                else if (D == 64) scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW, 0);
+                else scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW, 0);
             }
         }
     }

@@ -11,8 +11,8 @@ on a CPU their dispatch costs about as much as reading the weights (docs/BENCHMA
 the fused kernel applies (`FusedStep.build`: a CPU model in float32 or bf16 with head_dim a
 multiple of 16, the kernels built, see ringctx/cpu_kernels.py), the step runs every layer in one
 call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
-and the output head stay in PyTorch (two calls). Qwen3's per-head q/k norms run in the kernel too. Everywhere else it is `forward_with_cache` on one
-token.
+and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
+too. Everywhere else it is `forward_with_cache` on one token.
 
 The fused step holds the data pointers of the model's weights and the cache's buffers: build it
 after both are final (it is rebuilt for every generation).
