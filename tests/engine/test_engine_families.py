@@ -1,7 +1,8 @@
-"""The prefill engine on a Qwen3 model with YaRN, and a Llama model with dynamic RoPE, at W = 1
-and 2 with pass-KV and pass-Q, against transformers: a rank holding tokens past the original
-context gets what one device would (RoPE at global positions), and dynamic RoPE past its context
-is refused by every rank together, before any ring communication."""
+"""The prefill engine on every model family and RoPE type of tests/test_model_families.py (Qwen3
+with YaRN or biases, Llama with YaRN or linear RoPE, Mistral with a wide head_dim, Llama with
+dynamic RoPE) at W = 1 and 2 with pass-KV and pass-Q, against transformers: a rank holding tokens
+past the original context gets what one device would (RoPE at global positions), and dynamic RoPE
+past its context is refused by every rank together, before any ring communication."""
 
 import pytest
 import torch
@@ -11,21 +12,33 @@ from tests.model_helpers import rel_err
 from tests.test_model_families import INSIDE, PAST, prompt, random_hf_model
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{case: (directory, transformers model)} for the two cases."""
-    models = {}
-    for name in ("qwen3-yarn-tied", "llama-dynamic"):
-        directory = tmp_path_factory.mktemp(name)
+class SavedModels(dict):
+    """case -> (directory, transformers model), each saved with save_pretrained on first use."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name):
+        directory = self.tmp_path_factory.mktemp(name)
         hf = random_hf_model(name)
         hf.save_pretrained(directory)
-        models[name] = (str(directory), hf)
-    return models
+        self[name] = (str(directory), hf)
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return SavedModels(tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"W{w}")
-def test_qwen3_yarn_prefill_matches_transformers_inside_and_past_the_context(saved, world):
-    directory, hf = saved["qwen3-yarn-tied"]
+@pytest.mark.parametrize("case", ["qwen3-yarn-tied", "qwen3-bias", "llama-yarn-mscale", "llama-linear",
+                                  "mistral-head-dim"])
+def test_prefill_matches_transformers_inside_and_past_the_context(saved, case, world):
+    """Every family and RoPE type (dynamic: below) through the engine, both strategies, with
+    chunks (37 tokens) that put tokens past the original context (32) on every rank."""
+    directory, hf = saved[case]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=1) as engine:
         for n in (INSIDE, PAST):
             ids = prompt(n)
@@ -33,7 +46,7 @@ def test_qwen3_yarn_prefill_matches_transformers_inside_and_past_the_context(sav
                 ref = hf(ids[None]).logits[0, -1:]
             for strategy in ("pass-kv", "pass-q"):
                 result = engine.prefill(ids, chunk_tokens=37, strategy=strategy)
-                assert rel_err(result.logits, ref) < 1e-4, (world, n, strategy)
+                assert rel_err(result.logits, ref) < 1e-4, (case, world, n, strategy)
                 assert int(result.logits.argmax()) == int(ref.argmax())
                 if world > 1:
                     assert {c.strategy for c in result.stats.chunks} == {strategy}
