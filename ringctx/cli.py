@@ -62,7 +62,10 @@ def _rank_error(exc: Exception) -> click.ClickException:
     """One clear line for an error out of the engine (RankFailure lines are per rank: all print)."""
     from .engine.failures import CLOSED, RankFailure
 
-    text = str(exc).strip("'\"").removesuffix(CLOSED)  # the CLI ends anyway: no "create a new Engine"
+    text = str(exc)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":  # str(KeyError) quotes its message
+        text = text[1:-1]
+    text = text.removesuffix(CLOSED)  # the CLI ends anyway: no "create a new Engine"
     return click.ClickException(text) if isinstance(exc, RankFailure) else _AgreedError(text)
 
 

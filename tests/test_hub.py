@@ -56,6 +56,17 @@ def test_uncached_name_is_one_line_naming_the_cache_and_the_fetch_command(hub_ca
         assert "\n" not in message and str(cache) in message and "huggingface-cli download org/missing" in message
 
 
+def test_cli_shows_the_uncached_name_whole(hub_cache):
+    """The command line prints the same line, the quoted name included."""
+    from click.testing import CliRunner
+
+    from ringctx.cli import main
+
+    result = CliRunner().invoke(main, ["prefill", "--model", "org/missing", "--tokens", "10", "--nproc", "1"])
+    assert result.exit_code != 0
+    assert "Error: 'org/missing' is not in the local Hugging Face cache" in result.output, result.output
+
+
 def test_what_counts_as_a_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert looks_like_repo_id("Qwen/Qwen3-8B") and looks_like_repo_id("meta-llama/Llama-3.1-8B")
