@@ -245,7 +245,10 @@ SIMD_INLINE void pv_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
                 vfloat v_even, v_odd;
                 vload_bf16_pairs((const uint16_t *)v + row + VW * c, &v_even, &v_odd);
 #pragma GCC unroll 4
-                for (int r = 0; r < RT; ++r) a[r][c] = vfma(w[r], v_even, a[r][c]), a[r][c + 1] = vfma(w[r], v_odd, a[r][c + 1]);
+                for (int r = 0; r < RT; ++r) {
+                    a[r][c] = vfma(w[r], v_even, a[r][c]);
+                    a[r][c + 1] = vfma(w[r], v_odd, a[r][c + 1]);
+                }
             }
             continue;
         }

@@ -115,7 +115,8 @@ def engine_options(f):
     """Options shared by every command that builds an Engine."""
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
-                     help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging Face cache."),
+                     help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging "
+                          "Face cache."),
         nproc_option("auto"),
         TP_OPTION,
         click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
