@@ -159,7 +159,8 @@ SIMD_INLINE vfloat vload_bf16(const uint16_t *p) {
 /* 2 VW bf16 values (raw bits) from p, as float32 in two vectors: `even` holds elements 0, 2, 4,
  * ..., `odd` elements 1, 3, 5, ... A 32-bit lane of the row holds element 2i in its low half and
  * 2i + 1 in its high half, so one shift (even) or one mask (odd) widens VW values: half the
- * instructions of vload_bf16's in-order widening, which bounded bf16 decode attention. Callers
+ * instructions of vload_bf16's in-order widening (bf16 decode attention's two products took
+ * 0.82-0.87x the time with it, docs/BENCHMARKS.md). Callers
  * split their other operand alike (a dot product does not care about the order of its terms) or
  * put their output rows back in order at the end (split_pairs / join_pairs in cpu_kernels.h). */
 typedef uint32_t vuint_u __attribute__((vector_size(4 * VW), aligned(4), may_alias));
