@@ -47,3 +47,9 @@ def resolve_cached_model(repo_id: str, revision: str | None = None) -> str:
             f"{repo_id!r} is not in the local Hugging Face cache {cache} and ringctx never downloads: run "
             f"`huggingface-cli download {repo_id}` (on a machine with access; copy the cache here or point "
             "HF_HUB_CACHE / HF_HOME at it), or name a local directory, .gguf file or preset") from None
+
+
+def local_model_path(name_or_path: str) -> str:
+    """`name_or_path` itself, or for ORG/NAME (see looks_like_repo_id) its snapshot directory in the
+    local cache (resolve_cached_model's error when it is not there): what every model loader reads."""
+    return resolve_cached_model(name_or_path) if looks_like_repo_id(name_or_path) else name_or_path

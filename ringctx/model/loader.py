@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..config import PRESETS, get_preset
-from ..hub import looks_like_repo_id, resolve_cached_model
+from ..hub import local_model_path
 from .tensor_parallel import NO_TP, TensorParallel
 from .tokenizer import load_tokenizer
 from .transformer import Transformer
@@ -114,8 +114,7 @@ def load_model(
 
 def _classify_path(key: str) -> tuple[str, str]:
     """('gguf', file) or ('hf', directory) for a user-given path or cached ORG/NAME; clear errors otherwise."""
-    if looks_like_repo_id(key):
-        key = resolve_cached_model(key)
+    key = local_model_path(key)
     if not os.path.exists(key):
         raise FileNotFoundError(
             f"{key!r} is neither a model preset ({', '.join(sorted(PRESETS))}) nor an existing path; "

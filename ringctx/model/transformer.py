@@ -290,7 +290,6 @@ class Transformer(nn.Module):
         # so dtype casts of the module leave it alone and meta-device construction costs nothing.
         self._inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float64, device="cpu")
         self._rope_factor = config.rope_attention_factor  # YaRN multiplies cos and sin by it
-        self._rope_limit = config.rope_scaling.position_limit if config.rope_scaling else None
 
     # -- pieces ------------------------------------------------------------------------------
 

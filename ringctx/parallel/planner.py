@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ringctx.attention.quant import check_kv_dtype, is_quantized, kv_element_bytes
 from ringctx.config import PRESETS, ModelConfig, get_preset
-from ringctx.hub import looks_like_repo_id, resolve_cached_model
+from ringctx.hub import local_model_path
 from ringctx.parallel.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
 from ringctx.parallel.strategy import (
     LSE_BYTES, PASS_KV, PASS_Q, RULES, STRATEGIES, StrategyChoice, StrategyCost, all2all_bytes_per_rank,
@@ -490,8 +490,7 @@ def resolve_model_config(model: "ModelConfig | str | os.PathLike") -> ModelConfi
     text = os.fspath(model)
     if text in PRESETS:
         return get_preset(text)
-    if looks_like_repo_id(text):  # ORG/NAME: the local Hugging Face cache's snapshot
-        text = resolve_cached_model(text)
+    text = local_model_path(text)  # ORG/NAME: the local Hugging Face cache's snapshot
     if not os.path.exists(text):
         raise ValueError(f"unknown model {text!r}: not a preset ({', '.join(sorted(PRESETS))}) and no such file; "
                          "name a preset, a .gguf file or a Hugging Face model directory")
