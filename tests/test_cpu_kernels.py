@@ -78,7 +78,10 @@ def _reference(q, k, v, scale):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (3, 8, 2, 64), (1, 4, 4, 128), (2, 6, 2, 32), (5, 12, 3, 16), (1, 4, 2, 80)])
+# R = T Hq / Hkv query rows per KV head: 1-4 take the grouped scores kernel (each key read once for
+# all rows of its group; 1-2 on the portable variant), the rest the per-row one.
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (3, 8, 2, 64), (1, 4, 4, 128), (2, 6, 2, 32), (5, 12, 3, 16),
+                                        (1, 4, 2, 80), (1, 8, 4, 64), (2, 8, 4, 128), (1, 32, 8, 128)])
 @pytest.mark.parametrize("S", [1, 37, 1000])
 def test_decode_attention_kernels_match_float64(dtype, T, Hq, Hkv, D, S):
     """attention_block's few-query path, through the kernels, against a float64 reference."""
