@@ -281,10 +281,4 @@ static inline void prefetch_span(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-/* The same into the L2 cache (PREFETCHT2): for lines used a tile of keys later, so that the next
- * tile's K and V stream in while this one is computed. */
-static inline void prefetch_span_l2(const char *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
-}
-
 #endif
