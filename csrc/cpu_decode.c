@@ -213,7 +213,7 @@ static void attend_keys(const ringctx_decoder_shape *s, const float *q,
             scores_q8_range(q, hkv, group, d, (const int8_t *)k_tile, layer->k_scale + t0 * hkv, q8, KEY_TILE,
                             s->softmax_scale, scores, 0, n);
         else
-            scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n);
+            scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n, j1 - t0);
         for (int64_t r = 0; r < hq; ++r) {
             float *sr = scores + r * KEY_TILE;
             vfloat vmaxes = vset1(-INFINITY);
@@ -241,7 +241,7 @@ static void attend_keys(const ringctx_decoder_shape *s, const float *q,
             pv_q8_range(scores, hkv, group, KEY_TILE, (const int8_t *)v_tile, layer->v_scale + t0 * hkv, q8, d,
                         tile_out, 0, n);
         else
-            pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n);
+            pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n, j1 - t0);
         for (int64_t r = 0; r < hq; ++r) {
             const vfloat a = vset1(alpha[r]);
             for (int64_t c = 0; c < d; c += VW) vstore(acc + r * d + c, vfma(vload(acc + r * d + c), a, vload(tile_out + r * d + c)));

@@ -144,6 +144,12 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
  * R is the number of query rows per KV head (GQA group size times query tokens). D must be a
  * multiple of 16 and at most MAX_D (checked by the caller).
  * ------------------------------------------------------------------------------------------ */
+/* Which variants score a KV head's query rows together (scores_group): avx2, where the whole
+ * decode step took 0.96x the time with it (SmolLM2 bf16 at 8K keys: 8 floats per vector, the
+ * attention bound by instructions); on avx512 it took 1.05x, bound by memory there, where the
+ * per-row loop's block-at-a-time prefetch reads the cache faster. */
+#define GROUPED_SCORES (VW == 8)
+#define L2_AHEAD 256 /* keys ahead of use that K and V are asked into L2 for, up to ahead_end */
 #define PREFETCH_BYTES 2048 /* how far ahead of the rows in use (one key at a time) */
 
 /* Scores of head h's R rows against the VW keys j0 .. j0 + VW - 1, a vector store per row. NV =
@@ -177,6 +183,68 @@ SIMD_INLINE void scores_block(const float *q, int64_t Hkv, int64_t R, const void
     }
 }
 
+/* Scores of head h's RT rows against KB keys from j0 (RT KB <= VW), every row reading each key
+ * as it is widened: the key is loaded (and, bf16 in pairs, widened) once for all RT rows of its
+ * group instead of once per row, and the RT KB dot products are reduced together at the end
+ * (vsum_each), lane r KB + kk holding row r's score of key j0 + kk. NV = D / VW, RT, KB, pairs:
+ * constants at each call, so the loops unroll into registers (q is read from L1 as it goes). */
+SIMD_INLINE void scores_group(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                              float scale, float *scores, int64_t j0, int64_t h, const int NV, const int RT,
+                              const int KB, const int pairs) {
+    const int64_t D = VW * NV;
+    const float *qh = q + h * R * D;
+    vfloat dots[VW];
+#pragma GCC unroll 16
+    for (int i = 0; i < VW; ++i) dots[i] = vzero();
+#pragma GCC unroll 16
+    for (int kk = 0; kk < KB; ++kk) {
+        const int64_t row = ((j0 + kk) * Hkv + h) * D;
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c += pairs ? 2 : 1) {
+            vfloat k_even, k_odd = vzero();
+            if (pairs) vload_bf16_pairs((const uint16_t *)k + row + VW * c, &k_even, &k_odd);
+            else k_even = load_any(k, bf16, row + VW * c);
+#pragma GCC unroll 8
+            for (int r = 0; r < RT; ++r) {
+                vfloat dot = vfma(vload(qh + r * D + VW * c), k_even, dots[r * KB + kk]);
+                if (pairs) dot = vfma(vload(qh + r * D + VW * (c + 1)), k_odd, dot);
+                dots[r * KB + kk] = dot;
+            }
+        }
+    }
+    float sums[VW];
+    vstore(sums, vsum_each(dots) * scale);
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r) memcpy(scores + (h * R + r) * S + j0, sums + r * KB, KB * sizeof(float));
+}
+
+/* scores_group over keys [j, j1) while KB of them remain: returns the first key left over. */
+SIMD_INLINE int64_t scores_groups(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                                  float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end,
+                                  const int NV, const int RT, const int pairs) {
+    const int KB = VW / RT;
+    const int64_t key_bytes = Hkv * VW * NV * (bf16 ? 2 : 4);
+    for (; j + KB <= j1; j += KB) {
+        if (j + 3 * KB <= j1) prefetch_span((const char *)k + (j + 2 * KB) * key_bytes, KB * key_bytes);
+        if (j + L2_AHEAD + KB <= ahead_end) prefetch_span_l2((const char *)k + (j + L2_AHEAD) * key_bytes, KB * key_bytes);
+        for (int64_t h = 0; h < Hkv; ++h) scores_group(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, RT, KB, pairs);
+    }
+    return j;
+}
+
+/* The group kernels for D = VW NV: one call per row count, each compiled with its constants. */
+SIMD_INLINE int64_t scores_by_rows(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                                   float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
+                                   const int pairs) {
+    switch (R) {
+        case 1: return scores_groups(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, 1, pairs);
+        case 2: return scores_groups(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, 2, pairs);
+        case 3: return scores_groups(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, 3, pairs);
+        case 4: return scores_groups(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, 4, pairs);
+        default: return j;
+    }
+}
+
 /* Scores of every head and row against one key j (any D a multiple of VW). */
 static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S,
                      float scale, float *scores, int64_t j) {
@@ -196,16 +264,24 @@ static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const vo
 #define PAIRS_MAX_Q 8192
 
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
-                  float *scores, int64_t j0, int64_t j1) {
+                  float *scores, int64_t j0, int64_t j1, int64_t ahead_end) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
         const int pairs = widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q;
         float qs[pairs ? Hkv * R * D : 1];
         if (pairs) split_pairs(q, Hkv * R, D, qs);
+        const float *qp = pairs ? qs : q;
+        if (GROUPED_SCORES && R <= 4) {
+            if (pairs && D == 64) j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 1);
+            else if (pairs) j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 1);
+            else if (D == 64) j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 0);
+            else j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 0);
+        }
         for (; j + VW <= j1; j += VW) {
             /* the cache lines of the block after this one */
             if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
+            if (j + L2_AHEAD + VW <= ahead_end) prefetch_span_l2((const char *)k + (j + L2_AHEAD) * key_bytes, VW * key_bytes);
             for (int64_t h = 0; h < Hkv; ++h) {  /* each call with constant NV and pairs: unrolled */
                 if (pairs && D == 64) scores_block(qs, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW, 1);
                 else if (pairs) scores_block(qs, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW, 1);
@@ -301,12 +377,13 @@ static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
  * head of a block before the next block: each cache line comes from memory once, in order (one
  * pass per head over the whole range ran at half the memory's speed). */
 void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
-              int64_t j0, int64_t j1) {
+              int64_t j0, int64_t j1, int64_t ahead_end) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {
         const int64_t end = j + PV_BLOCK < j1 ? j + PV_BLOCK : j1;
         if (end + PV_BLOCK <= j1) prefetch_span((const char *)v + end * key_bytes, PV_BLOCK * key_bytes);
+        if (j + L2_AHEAD + PV_BLOCK <= ahead_end) prefetch_span_l2((const char *)v + (j + L2_AHEAD) * key_bytes, PV_BLOCK * key_bytes);
         pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end);
     }
     if (widen_in_pairs(bf16, D)) join_pairs(acc, Hkv * R, D);
@@ -322,7 +399,7 @@ int ringctx_decode_scores(const float *q, int64_t Hkv, int64_t R, int64_t D, con
 #pragma omp parallel num_threads(threads)
     {
         int n = omp_get_num_threads(), t = omp_get_thread_num();
-        scores_range(q, Hkv, R, D, k, k_bf16, S, scale, scores, split(S, t, n), split(S, t + 1, n));
+        scores_range(q, Hkv, R, D, k, k_bf16, S, scale, scores, split(S, t, n), split(S, t + 1, n), split(S, t + 1, n));
     }
     return 0;
 }
@@ -340,7 +417,7 @@ static int pv_over_threads(const float *p, int64_t Hkv, int64_t R, int64_t S, co
     {
         int n = omp_get_num_threads(), t = omp_get_thread_num();
         float *mine = partial + t * n_out;
-        if (q8_kind < 0) pv_range(p, Hkv, R, S, v, v_bf16, D, mine, split(S, t, n), split(S, t + 1, n));
+        if (q8_kind < 0) pv_range(p, Hkv, R, S, v, v_bf16, D, mine, split(S, t, n), split(S, t + 1, n), split(S, t + 1, n));
         else pv_q8_range(p, Hkv, R, S, (const int8_t *)v, v_scale, q8_kind, D, mine, split(S, t, n), split(S, t + 1, n));
     }
     memcpy(out, partial, (size_t)n_out * sizeof(float));

@@ -140,13 +140,14 @@ RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const
 RINGCTX_INTERNAL void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
                                        float *y, int64_t o, int64_t n);
 
-/* scores[h, r, j] = scale * q[h, r] . k[j, h] for keys j in [j0, j1); see cpu_kernels.c. */
+/* scores[h, r, j] = scale * q[h, r] . k[j, h] for keys j in [j0, j1); see cpu_kernels.c. Rows of k
+ * before ahead_end (>= j1: the caller's whole range) may be prefetched into L2 ahead of use. */
 RINGCTX_INTERNAL void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,
-                                   int64_t S, float scale, float *scores, int64_t j0, int64_t j1);
+                                   int64_t S, float scale, float *scores, int64_t j0, int64_t j1, int64_t ahead_end);
 
-/* acc[h, r] = sum_j p[h, r, j] v[j, h] over keys [j0, j1), overwriting acc; see cpu_kernels.c. */
+/* acc[h, r] = sum_j p[h, r, j] v[j, h] over keys [j0, j1), overwriting acc; ahead_end as above. */
 RINGCTX_INTERNAL void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D,
-                               float *acc, int64_t j0, int64_t j1);
+                               float *acc, int64_t j0, int64_t j1, int64_t ahead_end);
 
 /* The same two over an 8-bit cache (kind Q8_INT8 or Q8_FP8, scales [S, Hkv]); see cpu_kernels.c. */
 RINGCTX_INTERNAL void scores_q8_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const int8_t *k,
