@@ -440,7 +440,8 @@ def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
 def info(as_json: bool) -> None:
     """Devices, attention and distributed backends, versions, the CPU kernels that run here and why
-    any does not, and what --dtype auto picks on this machine and why (measured once, then cached)."""
+    any does not, whether weights and KV caches go to 2 MiB pages, and what --dtype auto picks on
+    this machine and why (measured once, then cached)."""
     from .environment import environment_report
 
     report = environment_report()

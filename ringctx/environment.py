@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .attention.kernels import flash_attn_available
 from .cpu_kernels import cpu_kernels_report
+from .host_memory import huge_pages_report
 from .machine_speed import auto_dtype, cpu_model
 
 
@@ -44,6 +45,7 @@ def environment_report() -> dict:
         "attention_backends": attention,
         "distributed_backends": distributed,
         "cpu_kernels": cpu_kernels_report(),
+        "huge_pages": huge_pages_report(),
         "dtype_auto": dataclasses.asdict(auto_dtype()),
     }
 

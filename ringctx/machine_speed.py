@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from .host_memory import host_tensors, huge_pages_enabled, move_to_host_arena
+
 BF16_MARGIN = 0.9
 """bfloat16 is chosen when its median step takes less than this fraction of float32's."""
 
@@ -44,13 +46,15 @@ _PROBE_BYTES = 512 * 2 ** 20
 
 def read_bandwidth(*, threads: int | None = None, nbytes: int = _PROBE_BYTES, repeats: int = 7) -> float:
     """The read bandwidth of this machine in bytes/s, with `threads` threads (default: torch's):
-    the best of `repeats` float32 sums over `nbytes` of memory, well past the caches."""
+    the best of `repeats` float32 sums over `nbytes` of memory, well past the caches, placed as
+    ringctx places weights and KV caches (ringctx.host_memory)."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        x = torch.full((nbytes // 4,), 0.5, dtype=torch.float32)
-        x.sum()  # page the buffer in
+        # in 2 MiB pages where offered, like the weights and caches a decode step reads
+        (x,) = host_tensors([((nbytes // 4,), torch.float32)])
+        x.fill_(0.5)  # page the buffer in
         best = min(_seconds(lambda: x.sum()) for _ in range(repeats))
     finally:
         torch.set_num_threads(before)
@@ -140,7 +144,7 @@ def _probe_step(dtype: torch.dtype):
 
     config = dataclasses.replace(get_preset("tiny"), name="dtype-probe", vocab_size=1024, dim=768, n_layers=6,
                                  n_heads=12, n_kv_heads=4, head_dim=64, ffn_dim=3072)
-    model = empty_model(config, dtype=dtype, device="cpu")
+    model = move_to_host_arena(empty_model(config, dtype=dtype, device="cpu"))  # placed as load_model does
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(0.01)
@@ -175,5 +179,5 @@ def _choice_path() -> Path:
 
     lib = cpu_kernels.library()  # its file name carries the hash of the kernel sources and flags
     key = "|".join((cpu_model(), ",".join(sorted(cpu_kernels.cpu_flags())), getattr(lib, "_name", "no kernels"),
-                    torch.__version__, str(torch.get_num_threads())))
+                    torch.__version__, str(torch.get_num_threads()), f"huge pages {huge_pages_enabled()}"))
     return cpu_kernels._cache_dir() / f"dtype-choice-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -1,0 +1,136 @@
+"""Host memory for the big, long-lived CPU tensors: model weights and KV caches in 2 MiB pages.
+
+A CPU decode step reads every weight and the whole KV cache once per token, as fast as memory
+delivers. In ordinary 4 KiB pages that read is slower than it need be: the TLB covers a few MiB,
+so a step walks the page tables every 4 KiB, and the hardware prefetchers stop at each page
+boundary. Linux backs anonymous memory with 2 MiB pages (transparent huge pages) where the
+memory asks for them (madvise MADV_HUGEPAGE) and the system allows it
+(/sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise"). On a Sapphire Rapids
+class Xeon, a float32 sum read 1.37x faster from such memory, and SmolLM2's decode step took
+0.87-0.89 of the time (docs/BENCHMARKS.md).
+
+PyTorch's CPU allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE=1 is set before its
+first allocation, which a library cannot arrange. So ringctx places these tensors itself:
+`host_tensors` carves several tensors out of one anonymous mapping that asks for 2 MiB pages,
+back to back (a tensor smaller than 2 MiB still lands in huge pages, beside its neighbours);
+`move_to_host_arena` does it for a model's parameters after loading. The mapping is private and
+anonymous: the OS fills it with zeros, pages it in on first touch (rows of a KV cache never
+written cost no memory, as with torch.empty), and unmaps it when the last tensor viewing it is
+freed.
+
+Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0), the same calls
+return ordinary tensors, one allocation each: the values and the code paths are the same.
+
+    k, v = host_tensors([((tokens, 8, 128), torch.bfloat16)] * 2)
+    move_to_host_arena(model)         # every parameter of a CPU model, ties kept
+    huge_pages_report()               # what `ringctx info` prints
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+ALIGN = 64
+"""Bytes each tensor's start is aligned to inside an arena (a cache line: whole-vector loads)."""
+ENV = "RINGCTX_HUGE_PAGES"
+"""Set to 0 to place nothing in huge pages (to measure what they bring, say)."""
+
+
+def thp_mode() -> str:
+    """The system's transparent huge page setting: "always", "madvise", "never", or "unavailable"
+    (no such setting: another OS, or a kernel without THP)."""
+    try:
+        text = THP_SETTING.read_text()
+    except OSError:
+        return "unavailable"
+    selected = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return selected[0] if selected else "unavailable"
+
+
+def huge_pages_enabled() -> bool:
+    """True when ringctx's host tensors ask for 2 MiB pages and the system gives them."""
+    return (os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+            and thp_mode() in ("always", "madvise"))
+
+
+def huge_pages_report() -> dict:
+    """For `ringctx info`: whether weights and KV caches go to 2 MiB pages here, and why."""
+    mode = thp_mode()
+    if os.environ.get(ENV, "1") == "0":
+        why = f"off: {ENV}=0"
+    elif not hasattr(mmap, "MADV_HUGEPAGE"):
+        why = "off: this OS has no madvise(MADV_HUGEPAGE)"
+    elif mode in ("always", "madvise"):
+        why = f"on: transparent huge pages are '{mode}'"
+    else:
+        why = f"off: transparent huge pages are '{mode}' ({THP_SETTING})"
+    return {"enabled": huge_pages_enabled(), "thp_mode": mode, "why": why}
+
+
+def host_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], *, zero: bool = False) -> list[torch.Tensor]:
+    """New contiguous CPU tensors of the given (shape, dtype)s, in one huge-page arena where offered.
+
+    Args:
+        specs: (shape, dtype) of each tensor.
+        zero: the tensors must start as zeros (the arena always does; the fallback then uses
+            torch.zeros instead of torch.empty).
+
+    Returns:
+        one tensor per spec, in order. Each is a view of the arena, which stays mapped while any
+        of them lives; writing one never touches another.
+    """
+    sizes = [math.prod(shape) * _itemsize(dtype) for shape, dtype in specs]
+    if not huge_pages_enabled() or sum(sizes) == 0:
+        make = torch.zeros if zero else torch.empty
+        return [make(tuple(shape), dtype=dtype) for shape, dtype in specs]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // ALIGN) * ALIGN
+    arena = _huge_page_bytes(total)
+    return [arena[at:at + size].view(dtype).view(tuple(shape))
+            for (shape, dtype), at, size in zip(specs, offsets, sizes)]
+
+
+def move_to_host_arena(module: nn.Module) -> nn.Module:
+    """Copy every parameter of a CPU module into one huge-page arena (in place; ties kept).
+
+    Parameters shared between submodules (tied embeddings) are one Parameter and move once.
+    Each old tensor is dropped as soon as it is copied, so the peak is about the model plus its
+    largest tensor, not twice the model. A no-op where huge pages are not offered, and for
+    modules with parameters off the CPU."""
+    params = list(module.parameters())
+    if not huge_pages_enabled() or not params or any(p.device.type != "cpu" for p in params):
+        return module
+    placed = host_tensors([(p.shape, p.dtype) for p in params])
+    with torch.no_grad():
+        for p, new in zip(params, placed):
+            new.copy_(p.data)
+            p.data = new
+    return module
+
+
+def _huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over a fresh private anonymous mapping of nbytes that asks for 2 MiB pages.
+
+    The tensor holds the mmap object (torch.frombuffer keeps a reference), so the mapping lives
+    exactly as long as the tensor's storage. The advice comes before any page is touched: pages
+    already faulted in as 4 KiB stay so until the kernel's background collapse."""
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # refused (an old kernel, a sandbox): ordinary pages, the same memory
+        pass
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
