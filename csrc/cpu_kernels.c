@@ -149,7 +149,12 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
  * attention bound by instructions); on avx512 it took 1.05x, bound by memory there, where the
  * per-row loop's block-at-a-time prefetch reads the cache faster. */
 #define GROUPED_SCORES (VW == 8)
-#define L2_AHEAD 256 /* keys ahead of use that K and V are asked into L2 for, up to ahead_end */
+/* Keys ahead of use that K and V are asked into L2 for (PREFETCHT2), up to ahead_end. The
+ * hardware prefetchers alone left the attention at 1.4x the time (C harness over SmolLM2's 30
+ * caches at 8K keys); 32-96 keys ahead measured alike, and 64 took 0.85-0.97x the time of 256
+ * (bf16 and float32, 2K and 8K keys; the farther requests presumably hold line fill buffers
+ * that the nearer ones need). */
+#define L2_AHEAD 64
 #define PREFETCH_BYTES 2048 /* how far ahead of the rows in use (one key at a time) */
 
 /* Scores of head h's R rows against the VW keys j0 .. j0 + VW - 1, a vector store per row. NV =
