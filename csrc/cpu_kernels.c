@@ -150,8 +150,8 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
  * per-row loop's block-at-a-time prefetch reads the cache faster. */
 #define GROUPED_SCORES (VW == 8)
 /* Keys ahead of use that K and V are asked into L2 for (PREFETCHT2), up to ahead_end. The
- * hardware prefetchers alone left the attention at 1.4x the time (C harness over SmolLM2's 30
- * caches at 8K keys); 32-96 keys ahead measured alike, and 64 took 0.85-0.97x the time of 256
+ * hardware prefetchers alone left the attention at 1.36x the time (C harness over SmolLM2's 30
+ * caches at 8K keys); 32-96 keys ahead measured alike, and 64 took 0.85-0.98x the time of 256
  * (bf16 and float32, 2K and 8K keys; the farther requests presumably hold line fill buffers
  * that the nearer ones need). */
 #define L2_AHEAD 64

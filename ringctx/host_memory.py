@@ -69,7 +69,7 @@ def huge_pages_report() -> dict:
     elif not hasattr(mmap, "MADV_HUGEPAGE"):
         why = "off: this OS has no madvise(MADV_HUGEPAGE)"
     elif mode in ("always", "madvise"):
-        why = f"on: transparent huge pages are '{mode}'"
+        why = f"on: CPU weights and KV caches in 2 MiB pages (transparent huge pages: '{mode}')"
     else:
         why = f"off: transparent huge pages are '{mode}' ({THP_SETTING})"
     return {"enabled": huge_pages_enabled(), "thp_mode": mode, "why": why}

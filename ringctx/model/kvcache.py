@@ -68,9 +68,8 @@ class KVCache:
         stored = storage_dtype(kv_dtype, dtype)
         # empty, not zeros: rows at or past `length` are never read, and pages never written cost
         # no memory, so a cache sized for prompt + decode room fills in as the hand-off writes it.
-        # On a CPU all of them share one mapping in 2 MiB pages (ringctx.host_memory): a decode
-        # step reads the whole cache, and reads it faster so.
-        # Layer by layer, K then V (then their scales), in the order a step reads them.
+        # On a CPU they share one mapping in 2 MiB pages (ringctx.host_memory), layer by layer, K
+        # then V (then their scales): a decode step reads the whole cache, and faster from there.
         per_layer = [(shape, stored)] * 2 + ([(shape[:2], torch.float32)] * 2 if is_quantized(kv_dtype) else [])
         buffers = _empty_buffers(per_layer * n_layers, device)
         stride = len(per_layer)
