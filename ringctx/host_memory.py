@@ -13,7 +13,8 @@ PyTorch's CPU allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE=1 is 
 first allocation, which a library cannot arrange. So ringctx places these tensors itself:
 `host_tensors` carves several tensors out of one anonymous mapping that asks for 2 MiB pages,
 back to back (a tensor smaller than 2 MiB still lands in huge pages, beside its neighbours);
-`move_to_host_arena` does it for a model's parameters after loading. The mapping is private and
+`place_in_host_arena` does it for a model's parameters (`empty_model` calls it for CPU models,
+before the loaders fill them). The mapping is private and
 anonymous: the OS fills it with zeros, pages it in on first touch (rows of a KV cache never
 written cost no memory, as with torch.empty), and unmaps it when the last tensor viewing it is
 freed.
@@ -22,7 +23,7 @@ Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0)
 return ordinary tensors, one allocation each: the values and the code paths are the same.
 
     k, v = host_tensors([((tokens, 8, 128), torch.bfloat16)] * 2)
-    move_to_host_arena(model)         # every parameter of a CPU model, ties kept
+    place_in_host_arena(model)        # every parameter of a model, ties kept
     huge_pages_report()               # what `ringctx info` prints
 """
 
@@ -100,21 +101,26 @@ def host_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], *, zero: bo
             for (shape, dtype), at, size in zip(specs, offsets, sizes)]
 
 
-def move_to_host_arena(module: nn.Module) -> nn.Module:
-    """Copy every parameter of a CPU module into one huge-page arena (in place; ties kept).
+def place_in_host_arena(module: nn.Module) -> nn.Module:
+    """Give every parameter of a module new CPU storage in one huge-page arena (in place).
 
-    Parameters shared between submodules (tied embeddings) are one Parameter and move once.
-    Each old tensor is dropped as soon as it is copied, so the peak is about the model plus its
-    largest tensor, not twice the model. A no-op where huge pages are not offered, and for
-    modules with parameters off the CPU."""
-    params = list(module.parameters())
-    if not huge_pages_enabled() or not params or any(p.device.type != "cpu" for p in params):
-        return module
+    Parameters on the meta device get uninitialised storage (`empty_model` builds models so, and
+    the loaders then fill them in place: the weights are written once, where they stay); others
+    are copied. Parameters shared between submodules (tied embeddings) are one Parameter and stay
+    one. Where huge pages are not offered, each parameter gets an ordinary allocation instead.
+    Returns the module."""
+    params = list(module.parameters())  # each shared Parameter once
     placed = host_tensors([(p.shape, p.dtype) for p in params])
+    replacement = {}
     with torch.no_grad():
-        for p, new in zip(params, placed):
-            new.copy_(p.data)
-            p.data = new
+        for p, storage in zip(params, placed):
+            if p.device.type != "meta":
+                storage.copy_(p)
+            replacement[id(p)] = nn.Parameter(storage, requires_grad=p.requires_grad)
+    for submodule in module.modules():
+        for name, p in list(submodule._parameters.items()):
+            if p is not None:
+                submodule._parameters[name] = replacement[id(p)]
     return module
 
 

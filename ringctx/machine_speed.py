@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .host_memory import host_tensors, huge_pages_enabled, move_to_host_arena
+from .host_memory import host_tensors, huge_pages_enabled
 
 BF16_MARGIN = 0.9
 """bfloat16 is chosen when its median step takes less than this fraction of float32's."""
@@ -144,7 +144,7 @@ def _probe_step(dtype: torch.dtype):
 
     config = dataclasses.replace(get_preset("tiny"), name="dtype-probe", vocab_size=1024, dim=768, n_layers=6,
                                  n_heads=12, n_kv_heads=4, head_dim=64, ffn_dim=3072)
-    model = move_to_host_arena(empty_model(config, dtype=dtype, device="cpu"))  # placed as load_model does
+    model = empty_model(config, dtype=dtype, device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(0.01)

@@ -10,7 +10,7 @@ import torch
 
 from ringctx import host_memory
 from ringctx.config import get_preset
-from ringctx.host_memory import host_tensors, huge_pages_enabled, huge_pages_report, move_to_host_arena, thp_mode
+from ringctx.host_memory import host_tensors, huge_pages_enabled, huge_pages_report, place_in_host_arena, thp_mode
 from ringctx.model import KVCache
 from ringctx.model.weights import empty_model, init_random
 
@@ -115,29 +115,48 @@ def test_thp_mode_reads_the_selected_word(tmp_path, monkeypatch):
     assert thp_mode() == "unavailable"
 
 
+def _one_storage(model) -> bool:
+    return len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+
+
 @pytest.mark.parametrize("tied", [True, False])
-def test_move_to_host_arena_keeps_values_ties_and_results(tied):
+def test_place_in_host_arena_keeps_values_ties_and_results(tied):
     config = tiny_config(tie_embeddings=tied)
     model = empty_model(config, dtype=torch.float32, device="cpu")
     init_random(model, 3)
     ids = torch.arange(11) % config.vocab_size
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    old_storage = model.output.weight.untyped_storage().data_ptr()
     logits = model.logits(ids)
-    move_to_host_arena(model)
+    place_in_host_arena(model)  # a second time: a new arena, the values copied over
+    assert model.output.weight.untyped_storage().data_ptr() != old_storage
     assert (model.output.weight is model.tok_embeddings.weight) == tied
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-        assert isinstance(p, torch.nn.Parameter) and p.is_contiguous()
+        assert isinstance(p, torch.nn.Parameter) and p.is_contiguous() and not p.requires_grad
     assert torch.equal(model.logits(ids), logits)
+    assert _one_storage(model) == huge_pages_enabled()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_place_in_host_arena_gives_meta_parameters_cpu_storage(tied):
+    model = empty_model(tiny_config(tie_embeddings=tied), dtype=torch.bfloat16, device="meta")
+    shapes = {name: (p.shape, p.dtype) for name, p in model.named_parameters()}
+    place_in_host_arena(model)
+    assert {name: (p.shape, p.dtype) for name, p in model.named_parameters()} == shapes
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
+    assert _one_storage(model) == huge_pages_enabled()
+
+
+def test_cpu_models_are_built_and_loaded_in_one_arena():
+    from ringctx.model import load_model
+
+    assert _one_storage(empty_model(tiny_config(), dtype=torch.float32, device="cpu")) == huge_pages_enabled()
+    model = load_model("tiny", dtype=torch.float32, device="cpu", seed=1)
+    assert _one_storage(model) == huge_pages_enabled()
     if huge_pages_enabled():
-        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        assert len(storages) == 1, "every parameter lives in the one arena"
-
-
-def test_move_to_host_arena_leaves_meta_models_alone():
-    model = empty_model(tiny_config(), dtype=torch.float32, device="meta")
-    move_to_host_arena(model)
-    assert all(p.device.type == "meta" for p in model.parameters())
+        assert " hg" in _mapping(model.tok_embeddings.weight.data_ptr())[2]
 
 
 @pytest.mark.parametrize("kv_dtype", ["model", "int8"])

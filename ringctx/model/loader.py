@@ -9,7 +9,6 @@ import os
 import torch
 
 from ..config import PRESETS, get_preset
-from ..host_memory import move_to_host_arena
 from ..hub import local_model_path
 from .tensor_parallel import NO_TP, TensorParallel
 from .tokenizer import load_tokenizer
@@ -107,8 +106,6 @@ def load_model(
         else:
             _, model = load_hf(path, dtype=dtype, device=device, tp=tp)
         tokenizer_path = path
-    if device.type == "cpu":  # a decode step reads every weight: from 2 MiB pages it reads them faster
-        move_to_host_arena(model)
     model.source = tokenizer_path or key
     if tokenizer_path is not None:
         model._tokenizer_loader = lambda: load_tokenizer(tokenizer_path)
