@@ -7,17 +7,16 @@ boundary. Linux backs anonymous memory with 2 MiB pages (transparent huge pages)
 memory asks for them (madvise MADV_HUGEPAGE) and the system allows it
 (/sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise"). On a Sapphire Rapids
 class Xeon, a float32 sum read 1.37x faster from such memory, and SmolLM2's decode step took
-0.87-0.89 of the time (docs/BENCHMARKS.md).
+0.88-0.94x the time (0.99x in float32 at 8K keys; docs/BENCHMARKS.md).
 
 PyTorch's CPU allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE=1 is set before its
 first allocation, which a library cannot arrange. So ringctx places these tensors itself:
 `host_tensors` carves several tensors out of one anonymous mapping that asks for 2 MiB pages,
-back to back (a tensor smaller than 2 MiB still lands in huge pages, beside its neighbours);
+back to back (so tensors smaller than 2 MiB share huge pages with their neighbours);
 `place_in_host_arena` does it for a model's parameters (`empty_model` calls it for CPU models,
-before the loaders fill them). The mapping is private and
-anonymous: the OS fills it with zeros, pages it in on first touch (rows of a KV cache never
-written cost no memory, as with torch.empty), and unmaps it when the last tensor viewing it is
-freed.
+before the loaders fill them). The mapping is private and anonymous: the OS fills it with zeros,
+pages it in on first touch (rows of a KV cache never written cost no memory, as with
+torch.empty), and unmaps it when the last tensor viewing it is freed.
 
 Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0), the same calls
 return ordinary tensors, one allocation each: the values and the code paths are the same.
@@ -113,10 +112,10 @@ def place_in_host_arena(module: nn.Module) -> nn.Module:
     placed = host_tensors([(p.shape, p.dtype) for p in params])
     replacement = {}
     with torch.no_grad():
-        for p, storage in zip(params, placed):
+        for p, new in zip(params, placed):
             if p.device.type != "meta":
-                storage.copy_(p)
-            replacement[id(p)] = nn.Parameter(storage, requires_grad=p.requires_grad)
+                new.copy_(p)
+            replacement[id(p)] = nn.Parameter(new, requires_grad=p.requires_grad)
     for submodule in module.modules():
         for name, p in list(submodule._parameters.items()):
             if p is not None:
