@@ -52,7 +52,6 @@ def read_bandwidth(*, threads: int | None = None, nbytes: int = _PROBE_BYTES, re
     if threads:
         torch.set_num_threads(threads)
     try:
-        # in 2 MiB pages where offered, like the weights and caches a decode step reads
         (x,) = host_tensors([((nbytes // 4,), torch.float32)])
         x.fill_(0.5)  # page the buffer in
         best = min(_seconds(lambda: x.sum()) for _ in range(repeats))
