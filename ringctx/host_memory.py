@@ -129,7 +129,12 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
     The tensor holds the mmap object (torch.frombuffer keeps a reference), so the mapping lives
     exactly as long as the tensor's storage. The advice comes before any page is touched: pages
     already faulted in as 4 KiB stay so until the kernel's background collapse."""
-    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:
+        raise MemoryError(f"cannot map {nbytes / 2**30:.2f} GiB of host memory for weights or a KV cache "
+                          f"({exc.strerror}); check what fits first with `ringctx plan`, or use fewer tokens, "
+                          "a smaller model or more ranks") from exc
     try:
         buffer.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # refused (an old kernel, a sandbox): ordinary pages, the same memory

@@ -195,3 +195,9 @@ def test_loaded_model_and_cache_decode_as_before_with_huge_pages_off(monkeypatch
     monkeypatch.setenv(host_memory.ENV, "0")
     off = run()
     assert on[0] == off[0] and torch.equal(on[1], off[1])
+
+
+@linux_thp
+def test_a_mapping_larger_than_the_machine_is_a_clear_memory_error():
+    with pytest.raises(MemoryError, match=r"cannot map 1048576\.00 GiB of host memory .*ringctx plan"):
+        host_tensors([((2 ** 50,), torch.uint8)])
