@@ -6,8 +6,9 @@ so a step walks the page tables every 4 KiB, and the hardware prefetchers stop a
 boundary. Linux backs anonymous memory with 2 MiB pages (transparent huge pages) where the
 memory asks for them (madvise MADV_HUGEPAGE) and the system allows it
 (/sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise"). On a Sapphire Rapids
-class Xeon, a float32 sum read 1.37x faster from such memory, and SmolLM2's decode step took
-0.88-0.94x the time (0.99x in float32 at 8K keys; docs/BENCHMARKS.md).
+class Xeon, SmolLM2's decode step took 0.88-0.95x the time from such memory (bf16, and float32 at
+2K keys; 0.99x in float32 at 8K), in every run; a plain sequential read gained 1.37x in one
+measurement and nothing in another (docs/BENCHMARKS.md).
 
 PyTorch's CPU allocator asks for huge pages only when THP_MEM_ALLOC_ENABLE=1 is set before its
 first allocation, which a library cannot arrange. So ringctx places these tensors itself:
