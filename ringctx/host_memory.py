@@ -88,7 +88,7 @@ def host_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], *, zero: bo
         one tensor per spec, in order. Each is a view of the arena, which stays mapped while any
         of them lives; writing one never touches another.
     """
-    sizes = [math.prod(shape) * _itemsize(dtype) for shape, dtype in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
     if not huge_pages_enabled() or sum(sizes) == 0:
         make = torch.zeros if zero else torch.empty
         return [make(tuple(shape), dtype=dtype) for shape, dtype in specs]
@@ -141,7 +141,3 @@ def _huge_page_bytes(nbytes: int) -> torch.Tensor:
     except OSError:  # refused (an old kernel, a sandbox): ordinary pages, the same memory
         pass
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
