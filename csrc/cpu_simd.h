@@ -281,8 +281,8 @@ static inline void prefetch_span(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
-/* The same into the L2 cache (PREFETCHT2): for lines used a tile of keys later, so that the next
- * tile's K and V stream in while this one is computed. */
+/* The same into the L2 cache (PREFETCHT2): for lines used some keys later (L2_AHEAD in
+ * cpu_kernels.c), so that K and V stream in while the keys before them are computed. */
 static inline void prefetch_span_l2(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }

@@ -58,22 +58,26 @@ def thp_mode() -> str:
 
 def huge_pages_enabled() -> bool:
     """True when ringctx's host tensors ask for 2 MiB pages and the system gives them."""
-    return (os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
-            and thp_mode() in ("always", "madvise"))
+    return _why_off() is None
 
 
 def huge_pages_report() -> dict:
     """For `ringctx info`: whether weights and KV caches go to 2 MiB pages here, and why."""
-    mode = thp_mode()
+    mode, off = thp_mode(), _why_off()
+    why = f"off: {off}" if off else f"on: CPU weights and KV caches in 2 MiB pages (transparent huge pages: '{mode}')"
+    return {"enabled": off is None, "thp_mode": mode, "why": why}
+
+
+def _why_off() -> str | None:
+    """Why host tensors get ordinary pages here, or None when they get huge pages."""
     if os.environ.get(ENV, "1") == "0":
-        why = f"off: {ENV}=0"
-    elif not hasattr(mmap, "MADV_HUGEPAGE"):
-        why = "off: this OS has no madvise(MADV_HUGEPAGE)"
-    elif mode in ("always", "madvise"):
-        why = f"on: CPU weights and KV caches in 2 MiB pages (transparent huge pages: '{mode}')"
-    else:
-        why = f"off: transparent huge pages are '{mode}' ({THP_SETTING})"
-    return {"enabled": huge_pages_enabled(), "thp_mode": mode, "why": why}
+        return f"{ENV}=0"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "this OS has no madvise(MADV_HUGEPAGE)"
+    mode = thp_mode()
+    if mode not in ("always", "madvise"):
+        return f"transparent huge pages are '{mode}' ({THP_SETTING})"
+    return None
 
 
 def host_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], *, zero: bool = False) -> list[torch.Tensor]:
