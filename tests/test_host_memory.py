@@ -3,7 +3,6 @@ lifetime, the fallback where huge pages are not offered, and unchanged results."
 
 import dataclasses
 import gc
-import sys
 
 import pytest
 import torch
@@ -181,7 +180,6 @@ def test_kv_cache_from_tensors_with_room_starts_zero_past_the_given_rows():
         assert torch.equal(dst[:4], src[:4]) and bool((dst[4:] == 0).all())
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_loaded_model_and_cache_decode_as_before_with_huge_pages_off(monkeypatch):
     """The same greedy tokens and logits from weights and caches in huge pages and in ordinary ones."""
     from ringctx.model import load_model
