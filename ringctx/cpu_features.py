@@ -12,6 +12,7 @@ arithmetic it saves.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,15 +24,24 @@ the weight costs about as much as a 32-row native bf16 matmul here (measured: 64
 native time, 8-32 rows about equal, 1 row 1.8x)."""
 
 
+# oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) under which its matmuls still have bf16 units.
+_ONEDNN_BF16_ISAS = {"ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                     "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16",
+                     "AVX10_2_512", "AVX10_2_512_AMX_2"}
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AMX or AVX512-BF16); read once from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
+    """True when PyTorch computes bf16 natively here: the CPU has AMX or AVX512-BF16 (from
+    /proc/cpuinfo) and PyTorch may use them. It may not when ATEN_CPU_CAPABILITY caps ATen below
+    AVX-512 or ONEDNN_MAX_CPU_ISA caps oneDNN below its bf16 instruction sets: PyTorch then emulates
+    bf16 as on an AVX2-only CPU, and ringctx treats the machine as one."""
+    from .cpu_kernels import cpu_flags
+
+    if not cpu_flags() & {"amx_bf16", "avx512_bf16"}:
         return False
-    return any(flag in flags.split() for flag in ("amx_bf16", "avx512_bf16"))
+    onednn_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and onednn_cap in _ONEDNN_BF16_ISAS
 
 
 def computes_in_float32(x: torch.Tensor) -> bool:

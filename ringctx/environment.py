@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .attention.kernels import flash_attn_available
+from .cpu_features import cpu_has_fast_bf16
 from .cpu_kernels import cpu_kernels_report
 from .host_memory import huge_pages_report
 from .machine_speed import auto_dtype, cpu_model
@@ -40,7 +41,9 @@ def environment_report() -> dict:
         "ringctx": _version("ringctx"),
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "gguf", "safetensors", "triton", "flash-attn")},
-        "cpu": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "cpu": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+               f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}, big bf16 matmuls "
+               + ("native (bf16 units)" if cpu_has_fast_bf16() else "in float32 (no bf16 units PyTorch may use)"),
         "gpus": gpus,
         "attention_backends": attention,
         "distributed_backends": distributed,

@@ -178,5 +178,6 @@ def _choice_path() -> Path:
 
     lib = cpu_kernels.library()  # its file name carries the hash of the kernel sources and flags
     key = "|".join((cpu_model(), ",".join(sorted(cpu_kernels.cpu_flags())), getattr(lib, "_name", "no kernels"),
-                    torch.__version__, str(torch.get_num_threads()), f"huge pages {huge_pages_enabled()}"))
+                    torch.__version__, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                    str(torch.get_num_threads()), f"huge pages {huge_pages_enabled()}"))
     return cpu_kernels._cache_dir() / f"dtype-choice-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

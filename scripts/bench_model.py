@@ -13,12 +13,16 @@ Beside each decode row: the floor, the time to read what a decode step must read
 weight but the embedding table, whose one row is negligible, and the KV cache at the row's mean
 context) at this machine's read bandwidth (ringctx.machine_speed.read_bandwidth, measured before
 and after the rows; the larger counts), and ringctx's step as a multiple of it.
-`--cpu-isa avx2` runs ringctx's AVX2 kernels on an AVX-512 machine (see ringctx.cpu_kernels).
+`--cpu-isa avx2` runs ringctx's AVX2 kernels on an AVX-512 machine (see ringctx.cpu_kernels);
+`--torch-isa avx2` keeps PyTorch, oneDNN and MKL to AVX2 as well (so transformers runs the code it
+runs on an AVX2-only CPU: no AVX-512, no AMX, no bf16 units). With both, every instruction either
+side executes is one an AVX2-only machine has; the memory system is still this machine's.
 
     python scripts/bench_model.py                       # SmolLM2-135M, 2K and 8K, bf16 and fp32
     python scripts/bench_model.py --quick               # 256-token prompt, 8 decode steps
     python scripts/bench_model.py --prefill 2048 --dtypes bf16 --json out/bench_model.json
     python scripts/bench_model.py --cpu-isa avx2        # the AVX2 kernels on this machine
+    python scripts/bench_model.py --cpu-isa avx2 --torch-isa avx2   # both sides as on an AVX2 CPU
 """
 
 from __future__ import annotations
@@ -28,9 +32,28 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
+
+
+# The switches that cap each of PyTorch's CPU code paths, read once when each library starts.
+TORCH_ISA_ENV = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2",          # ATen's own vectorised kernels
+             "ONEDNN_MAX_CPU_ISA": "AVX2",           # oneDNN matmul/linear (no AVX-512, no AMX)
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},     # MKL BLAS
+}
+
+
+def cap_torch_isa(name: str) -> None:
+    """Restart this script with PyTorch's instruction set capped at `name`: the switches are read
+    when the libraries start, so they must be in the environment before this process imports torch."""
+    wanted = TORCH_ISA_ENV[name]
+    if all(os.environ.get(key) == value for key, value in wanted.items()):
+        return
+    os.environ.update(wanted)
+    os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of ringctx and transformers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-isa", default=None, help="CPU kernel variant: avx512, avx2 or portable (default: auto)")
+    p.add_argument("--torch-isa", choices=sorted(TORCH_ISA_ENV), default=None,
+                   help="keep PyTorch, oneDNN and MKL to this instruction set (default: what the CPU has)")
     args = p.parse_args()
     if args.quick:
         args.prefill, args.decode, args.rounds = [256], 8, 1
@@ -136,6 +161,8 @@ def decode_bytes_per_token(model, context: float) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.torch_isa:
+        cap_torch_isa(args.torch_isa)
     torch.set_num_threads(args.threads)
     from ringctx import cpu_kernels
     from ringctx.machine_speed import read_bandwidth
@@ -180,7 +207,9 @@ def main() -> None:
         "model": args.model, "threads": args.threads, "torch": torch.__version__,
         "transformers": _version("transformers"), "cpu": cpu_model(), "machine": platform.machine(),
         "read_bandwidth_bytes_per_s": bandwidths, "cpu_kernel_variant": getattr(cpu_kernels.active_variant(), "name", None),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rounds": args.rounds,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_isa_env": {key: os.environ[key] for env in TORCH_ISA_ENV.values() for key in env if key in os.environ},
+        "rounds": args.rounds,
         "cpu_flags": _cpu_features(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "results": rows,
     }
     print_table(report)
@@ -248,6 +277,8 @@ def print_table(report: dict) -> None:
     bandwidth = max(report["read_bandwidth_bytes_per_s"]) / 1e9
     table = Table(title=f"{report['model']}: ringctx vs transformers, {report['date']}, {report['cpu']}, "
                         f"{report['threads']} threads, ringctx kernels {report['cpu_kernel_variant']}, "
+                        f"torch kernels {report['cpu_capability']}"
+                        f"{' (oneDNN, MKL capped too)' if report['torch_isa_env'] else ''}, "
                         f"read {bandwidth:.1f} GB/s (medians of {report['rounds']} alternating rounds)")
     for col in ("dtype", "prompt", "metric", "ringctx", "transformers", "paired ratio", "floor", "ringctx / floor"):
         table.add_column(col, justify="right")

@@ -391,3 +391,32 @@ def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32):
     torch.testing.assert_close(got.float(), exact.float(), rtol=2 ** -7, atol=1e-3)
     if in_float32:
         assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()).bfloat16())
+
+
+@pytest.mark.parametrize("flags, aten, onednn, fast", [
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", None, True),
+    ({"avx2", "avx512f", "amx_bf16"}, "AVX512", "AVX512_CORE_AMX", True),
+    ({"avx2", "avx512f", "avx512_bf16"}, "AVX2", None, False),       # ATEN_CPU_CAPABILITY=avx2
+    ({"avx2", "avx512f", "amx_bf16"}, "AVX512", "avx2", False),      # ONEDNN_MAX_CPU_ISA=avx2
+    ({"avx2", "avx512f", "amx_bf16"}, "AVX512", "AVX512_CORE", False),
+    ({"avx2", "avx512f"}, "AVX512", None, False),                    # AVX-512 without bf16 units
+    ({"avx2", "fma"}, "AVX2", None, False),                          # AVX2-only
+])
+def test_fast_bf16_needs_the_units_and_pytorch_allowed_to_use_them(monkeypatch, flags, aten, onednn, fast):
+    """bf16 matmuls run natively only where the CPU has bf16 units and neither of PyTorch's caps
+    (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) keeps it off them; otherwise ringctx upcasts."""
+    from ringctx import cpu_features, cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if onednn is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn)
+    cpu_features.cpu_has_fast_bf16.cache_clear()
+    try:
+        assert cpu_features.cpu_has_fast_bf16() is fast
+        assert cpu_features.computes_in_float32(torch.zeros(1, dtype=torch.bfloat16)) is not fast
+    finally:
+        cpu_features.cpu_has_fast_bf16.cache_clear()
