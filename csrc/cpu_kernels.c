@@ -264,37 +264,41 @@ static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const vo
     }
 }
 
+/* Scores of keys [j, j1) for D = VW NV, VW keys at a time: on avx2 the grouped kernel for up to 4
+ * rows per KV head, then the per-row one for the rest. NV and pairs are constants at each call, so
+ * each of scores_range's four calls compiles to its own unrolled loops. Returns the first key left
+ * over (fewer than VW). */
+SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                                float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
+                                const int pairs) {
+    const int64_t key_bytes = Hkv * VW * NV * (bf16 ? 2 : 4);
+    if (GROUPED_SCORES && R <= 4) j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, pairs);
+    for (; j + VW <= j1; j += VW) {
+        /* the cache lines of the block after this one */
+        if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
+        if (j + L2_AHEAD + VW <= ahead_end) prefetch_span_l2((const char *)k + (j + L2_AHEAD) * key_bytes, VW * key_bytes);
+        for (int64_t h = 0; h < Hkv; ++h) scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, pairs);
+    }
+    return j;
+}
+
 /* The split q of scores_range's pair path lives on the stack: Hkv R D <= 8192 floats covers every
  * decode shape (8 KV heads x 8 rows x 128); a larger q takes the in-order widening. */
 #define PAIRS_MAX_Q 8192
 
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
                   float *scores, int64_t j0, int64_t j1, int64_t ahead_end) {
-    const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
         const int pairs = widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q;
         float qs[pairs ? Hkv * R * D : 1];
         if (pairs) split_pairs(q, Hkv * R, D, qs);
-        const float *qp = pairs ? qs : q;
-        if (GROUPED_SCORES && R <= 4) {
-            if (pairs && D == 64) j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 1);
-            else if (pairs) j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 1);
-            else if (D == 64) j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 0);
-            else j = scores_by_rows(qp, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 0);
-        }
-        for (; j + VW <= j1; j += VW) {
-            /* the cache lines of the block after this one */
-            if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
-            if (j + L2_AHEAD + VW <= ahead_end) prefetch_span_l2((const char *)k + (j + L2_AHEAD) * key_bytes, VW * key_bytes);
-            for (int64_t h = 0; h < Hkv; ++h) {  /* each call with constant NV and pairs: unrolled */
-                if (pairs && D == 64) scores_block(qs, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW, 1);
-                else if (pairs) scores_block(qs, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW, 1);
-                else if (D == 64) scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 64 / VW, 0);
-                else scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, 128 / VW, 0);
-            }
-        }
+        if (pairs && D == 64) j = scores_wide(qs, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 1);
+        else if (pairs) j = scores_wide(qs, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 1);
+        else if (D == 64) j = scores_wide(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 0);
+        else j = scores_wide(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 0);
     }
+    const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes; /* in keys */
     for (; j < j1; ++j) {
         if (j + ahead < j1) prefetch_span((const char *)k + (j + ahead) * key_bytes, key_bytes);
