@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from .cpu_features import cpu_has_fast_bf16
 from .host_memory import host_tensors, huge_pages_enabled
 
 BF16_MARGIN = 0.9
@@ -178,6 +179,6 @@ def _choice_path() -> Path:
 
     lib = cpu_kernels.library()  # its file name carries the hash of the kernel sources and flags
     key = "|".join((cpu_model(), ",".join(sorted(cpu_kernels.cpu_flags())), getattr(lib, "_name", "no kernels"),
-                    torch.__version__, torch.backends.cpu.get_cpu_capability(), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                    torch.__version__, torch.backends.cpu.get_cpu_capability(), f"bf16 units {cpu_has_fast_bf16()}",
                     str(torch.get_num_threads()), f"huge pages {huge_pages_enabled()}"))
     return cpu_kernels._cache_dir() / f"dtype-choice-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
