@@ -1,0 +1,205 @@
+"""What the HTTP layer asks of the engine side: the contract between `ringctx.serve.app` and the
+serving backend that owns the Engine's ranks (`ringctx.serve.service.EngineBackend`).
+
+The HTTP layer (app.py) only validates, authenticates, limits and formats; everything that
+touches tokens, documents or ranks goes through a `Backend`. Tests of the HTTP layer run against
+a small fake that honours this contract; the real one drives the Engine's scheduler.
+
+Threading: the app calls these methods from its request handlers (worker threads, never the event
+loop); every method is thread-safe and returns promptly except the iterators of `generate`, which
+block between events.
+
+Errors: every method raises a `BackendError` subclass for what a client did or can wait out; the
+app maps each to an OpenAI error object with the status given here. Anything else is a server
+fault (500), and `RankLost` ends the server (503, then a non-zero exit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+
+class BackendError(Exception):
+    """A request the backend refuses; `status` and `type`/`code` are those of the OpenAI error object."""
+
+    status = 400
+    type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class BadRequest(BackendError):
+    """The request cannot be served as written (empty prompt, context too long, bad sampling)."""
+
+
+class NotFound(BackendError):
+    """No such document (or model)."""
+
+    status, code = 404, "not_found"
+
+
+class TooLarge(BackendError):
+    """The document can never fit the decode ranks (or is over the server's token limit)."""
+
+    status, code = 413, "document_too_large"
+
+
+class Overloaded(BackendError):
+    """The queue is full; try again after `retry_after_s`."""
+
+    status, type, code = 429, "rate_limit_error", "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0, param: str | None = None):
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(BackendError):
+    """The backend cannot serve now (starting, draining, or a rank is lost)."""
+
+    status, type, code = 503, "server_error", "unavailable"
+
+
+class RankLost(Unavailable):
+    """A rank died or stopped answering: the message names it. The server must exit non-zero."""
+
+    code = "rank_lost"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick an answer's tokens (validated by the app; the backend re-checks ranges)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    """OpenAI's default is 1.0; 0 means greedy."""
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One chat or completion request, as the client sent it (the backend renders and tokenizes)."""
+
+    messages: tuple[dict, ...] | None = None
+    """Chat: [{"role": ..., "content": str}, ...]; None for a completion."""
+    prompt: str | None = None
+    """Completion: the prompt text; None for a chat."""
+    document: str | None = None
+    """A document id ("doc-..."): its KV cache is the prompt's prefix."""
+    sampling: Sampling = Sampling()
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Newly final answer text (may be "" when a token completes no character yet)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every answer."""
+
+    finish_reason: str
+    """"stop" (EOS or a stop string) or "length" (max_tokens)."""
+    prompt_tokens: int
+    """Prompt tokens of the request, the document's included."""
+    completion_tokens: int
+    cached_tokens: int
+    """Of prompt_tokens, those that came from a document's cache (not prefilled for this request)."""
+    time_to_first_token_s: float = 0.0
+
+
+class Answer(Protocol):
+    """An answer being produced: iterate for `Piece`s then one `Finished`; `cancel()` frees its rows."""
+
+    def __iter__(self) -> Iterator[Piece | Finished]: ...
+
+    def cancel(self) -> None: ...
+
+
+@dataclass
+class DocumentInfo:
+    """What the documents API shows of one document."""
+
+    id: str
+    name: str
+    status: str
+    """"ingesting", "ready" (in the decode ranks' memory), "on_disk" (saved, not in memory) or "failed"."""
+    created: int
+    """Unix seconds."""
+    tokens: int = 0
+    chunks_done: int = 0
+    chunks_total: int = 0
+    chunk_strategies: list[str] = field(default_factory=list)
+    chunk_seconds: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    """Ingest time so far (or in all, once ready)."""
+    eta_s: float | None = None
+    """Seconds left of the ingest (None when not ingesting)."""
+    kv_bytes_per_rank: list[int] = field(default_factory=list)
+    """KV bytes each decode rank holds for it (empty when not in memory)."""
+    decode_ranks: list[int] = field(default_factory=list)
+    """The global ranks that hold it in memory."""
+    bytes_on_disk: int = 0
+    error: str | None = None
+    """Why it failed."""
+
+
+@dataclass
+class BackendStats:
+    """Numbers for /metrics and /health."""
+
+    healthy: bool
+    ranks: int
+    queue_depth: int
+    running: int
+    documents_by_status: dict[str, int]
+    kv_bytes_per_rank: list[int]
+    kv_budget_bytes: int
+    prefill_tokens: int
+    """Tokens prefilled since start (documents and prompts)."""
+    prefill_seconds: float
+    document_chunks_prefilled: int
+    """Document chunks prefilled since start (0 after a restart that only reloaded documents)."""
+    problem: str | None = None
+    """Why it is not healthy."""
+
+
+class Backend(Protocol):
+    """The engine side of `ringctx serve` (see the module docstring for threads and errors)."""
+
+    model_id: str
+    """The name /v1/models lists and requests may name in "model"."""
+    max_context_tokens: int
+    """The model's context length (prompt + answer)."""
+
+    def add_document(self, text: str, name: str = "") -> DocumentInfo:
+        """Tokenize and queue an ingest; returns at once with status "ingesting". Raises TooLarge
+        before any prefill when the document could never fit, BadRequest when it is empty."""
+
+    def document(self, doc_id: str) -> DocumentInfo:
+        """One document (NotFound)."""
+
+    def documents(self) -> list[DocumentInfo]:
+        """Every document, oldest first."""
+
+    def delete_document(self, doc_id: str) -> DocumentInfo:
+        """Forget a document everywhere (memory, disk); an ingest in progress is cancelled (NotFound)."""
+
+    def generate(self, request: GenerateRequest) -> Answer:
+        """Queue an answer; returns at once (BadRequest, NotFound, Overloaded, Unavailable)."""
+
+    def stats(self) -> BackendStats:
+        """Current numbers (never raises)."""
+
+    def close(self, drain_s: float = 10.0) -> None:
+        """Finish in-flight answers for up to drain_s, then stop every rank."""
+
