@@ -123,7 +123,7 @@ def run_one(spec: dict) -> dict:
 
     n, kv_dtype = spec["decode_ranks"], spec["kv_dtype"]
     with Engine(MODEL, nproc=n, dtype="bfloat16", decode_ranks=n, kv_dtype=kv_dtype) as engine:
-        pids = [os.getpid()] + [w.pid for w in engine._workers]
+        pids = [os.getpid()] + [w.pid for w in engine.worker_processes]
         for pid in pids:
             reset_hwm(pid)
         t0 = time.perf_counter()

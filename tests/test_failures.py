@@ -73,7 +73,7 @@ def _pgid(pid: int) -> int | None:
 def test_a_rank_killed_mid_prefill_is_named_and_every_rank_ends(monkeypatch):
     monkeypatch.setenv("RINGCTX_TEST_KILL", "2:chunk2")  # rank 2 SIGKILLs itself after chunk 2 of 6
     engine = Engine("tiny", nproc=3, dtype="float32", timeout_s=60)
-    workers = list(engine._workers)
+    workers = list(engine.worker_processes)
     start_time = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 2 of 3 was killed by SIGKILL during prefill") as info:
         engine.prefill(IDS, chunk_tokens=50)
@@ -120,7 +120,7 @@ def test_idle_engine_survives_its_timeout_and_a_stuck_rank_times_out(monkeypatch
     small = engine.prefill(IDS[:12], decode_room=0)  # fits: the engine is still usable
     reference = Engine("tiny", dtype="float32").prefill(IDS[:12], decode_room=0)
     torch.testing.assert_close(small.logits, reference.logits, atol=2e-5, rtol=1e-5)
-    worker = engine._workers[0]
+    worker = engine.worker_processes[0]
     os.kill(worker.pid, signal.SIGSTOP)  # alive but silent
     try:
         start_time = time.monotonic()

@@ -24,103 +24,29 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import signal
-import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, load_model
-from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..model.generate import Generation
 from ..model.kvfile import share_weights_digest, weights_digest
-from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
+from ..parallel.comm import agree_across_ranks
 from ..parallel.launch import default_backend
-from ..parallel.mesh import Mesh, build_mesh, check_mesh, decode_groups
-from .decode import ShardedDecoder
-from .documents import load_document_slices, save_document_slices
-from .failures import (
-    CLOSED, Health, ProcessWatch, RankFailure, available_memory, first_line, fmt_bytes, maybe_die, memory_problem,
-    with_test_hook,
-)
-from .handoff import gather_in_order
-from .prefill import STRATEGY_CHOICES, PrefillConfig, PrefillResult, cp_prefill
+from ..parallel.mesh import build_mesh, check_mesh, decode_groups
+from . import commands
+from .commands import Command, ids_to_bytes
+from .document import Document, chat_frame
+from .failures import CLOSED, Health, RankFailure, first_line
+from .prefill import STRATEGY_CHOICES, ChunkStats, PrefillResult
+from .rank_state import EngineSettings, RankState
+from .workers import SpawnedRanks, rank_device, set_collective_timeout
 
-_STOP = "stop"  # the other commands rank 0 sends its spawned workers are Engine._on_<name> methods
-
-
-def default_chunk_tokens(model, world: int) -> int:
-    """Chunk size: large enough to keep attention efficient, small enough that activations stay
-    small next to the weights and KV shard (the per-rank activation peak is ~ chunk/N tokens of
-    the MLP's 3*ffn_dim plus the logits of one token).
-
-    On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
-    chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
-    get up to 64K tokens within a 1 GiB activation budget per rank.
-    """
-    per_token = (3 * model.config.ffn_dim + 4 * model.config.dim) * torch.finfo(model.dtype).bits // 8
-    budget = 1 << 30  # 1 GiB of chunk activations per rank
-    by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
-    return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
-
-
-def auto_nproc(device=None, tp: int = 1) -> int:
-    """Local ranks for nproc="auto": one per GPU; on a CPU with 2 or more cores, 2 ranks, each with
-    half of the cores' threads (a CPU host gains little from more ranks than threads would give it,
-    and every rank holds a copy of the weights); 1 on a single core. A mesh needs a multiple of
-    `tp`: GPUs round down to one (never more ranks than GPUs, at least tp), CPU ranks round up."""
-    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
-    if on_gpu:
-        return max(tp, torch.cuda.device_count() // tp * tp)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return -(-(2 if cores >= 2 else 1) // tp) * tp
-
-
-@dataclass
-class Document:
-    """A prefilled document ready for questions: its KV cache and what a question must append.
-
-    With several decode ranks every one of them holds a Document of its own for the same text,
-    whose `cache` is that rank's slice of the tokens; the engine keeps them in step.
-    """
-
-    cache: KVCache
-    """This rank's KV cache of the document: all tokens in order (one decode rank) or a slice."""
-    token_ids: torch.Tensor
-    """The document's token ids."""
-    question_prefix: str = ""
-    """Text placed before each question (empty for raw documents)."""
-    question_suffix: str = ""
-    """Text placed after each question (the chat template's end of turn and assistant start)."""
-    stats: object | None = None
-    """PrefillStats of the ingest (None when loaded from a file)."""
-    metadata: dict = field(default_factory=dict)
-    id: int = -1
-    """The engine's handle for the document on every decode rank."""
-    rows: int = -1
-    """Rows of `cache` that belong to the document (the rest are an answer's); -1: cache.length."""
-
-    def __post_init__(self):
-        if self.rows < 0:
-            self.rows = self.cache.length
-
-    @property
-    def length(self) -> int:
-        return int(self.token_ids.numel())
-
-    def rewind(self) -> KVCache:
-        """The cache cut back to the document (questions do not see each other)."""
-        self.cache.truncate(self.rows)
-        return self.cache
-
-    @property
-    def frame(self) -> dict:
-        """What a saved document keeps besides the cache: the chat frame and the metadata."""
-        return {"question_prefix": self.question_prefix, "question_suffix": self.question_suffix, **self.metadata}
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+"""How long start-up may take at least (spawning ranks, importing torch, loading the model and the
+ranks' agreement check): on a loaded machine this takes far longer than any collective should."""
 
 
 class Engine:
@@ -150,6 +76,9 @@ class Engine:
             (float8 e4m3) or "int8".
         timeout_s: a collective that does not complete within this many seconds (a dead or stuck
             rank) ends the job with an error.
+        startup_timeout_s: how long start-up may take: spawning or joining the ranks, loading the
+            model on each, and their agreement check (None: the larger of timeout_s and
+            DEFAULT_STARTUP_TIMEOUT_S). A stuck rank is then detected after timeout_s.
         attn_backend: attention backend of the local blocks.
 
     Failures (see ringctx.engine.failures and docs/MULTIHOST.md): ranks that loaded a different
@@ -158,12 +87,16 @@ class Engine:
     the numbers and a fix); a rank that dies, hangs past `timeout_s` or never joins raises
     `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
     the engine stays usable.
+
+    Every public method below is one or more of the commands in ringctx/engine/commands.py, which
+    every rank concerned runs; the engine only validates, sends and collects.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, nproc: int = 1, dtype=None, device=None,
                  chunk_tokens: int | None = None, strategy: str = "auto", hardware=None, rule: str = "alg5",
                  decode_rank: int = 0, decode_ranks: int | None = None, kv_dtype: str = "model",
-                 timeout_s: float = 300.0, attn_backend: str = "auto", tp: int = 1):
+                 timeout_s: float = 300.0, attn_backend: str = "auto", tp: int = 1,
+                 startup_timeout_s: float | None = None):
         check_kv_dtype(kv_dtype)
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
@@ -175,25 +108,18 @@ class Engine:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         if not timeout_s or timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if startup_timeout_s is not None and startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0 seconds, got {startup_timeout_s!r}")
         if dtype == "auto":
             from ..environment import preferred_dtype
 
             dtype = preferred_dtype(None if device is None else str(device))
-        self.model_name, self.dtype, self.strategy, self.rule = str(model), dtype, strategy, rule
-        self.decode_rank, self.timeout_s, self.attn_backend = decode_rank, float(timeout_s), attn_backend
-        self.kv_dtype, self._chunk_tokens_asked = kv_dtype, chunk_tokens
-        self.hardware = _load_hardware(hardware)
-        # This rank's part of every live document, by id: held by the caller (weakly here), and
-        # dropped on the spawned workers once the caller lets go of it (see _keep).
-        self._documents: weakref.WeakValueDictionary[int, Document] = weakref.WeakValueDictionary()
-        self._forgotten: list[int] = []
-        self._next_document = 0
-        self._decode_group = self._control_group = None
-        self.mesh: Mesh = build_mesh(1, 0, 1)
-        self._open_answer: tuple[ShardedDecoder, torch.Tensor] | None = None  # leader: (decoder, question ids)
-        self._workers: list = []      # spawn mode: worker processes, rank i + 1 at index i
-        self._conns: list = []        # spawn mode: rank 0's end of each worker's command pipe
-        self._watch: ProcessWatch | None = None
+        self.model_name, self.dtype = str(model), dtype
+        self._forgotten: list[int] = []  # documents the caller let go of: the workers drop theirs (see _keep)
+        self._ending: list[_LeaderDecoder] = []  # answers that ended here: the followers leave them next
+        self._next_id = 0
+        self._open_answer = None  # weakref to the newest answer's Generation, which a newer question ends
+        self._spawned: SpawnedRanks | None = None
         self._health: Health | None = None
         self._owns_group = False
         self._threads_before = None
@@ -209,9 +135,13 @@ class Engine:
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
             check_mesh(_peek_config(self.model_name, dtype), world, tp, per_host)
-        self.tp_size, self.cp_size = tp, world // tp
-        self.ranks_per_host = per_host
-        self.decode_ranks = resolve_decode_ranks(decode_ranks, decode_rank, self.cp_size, per_host // tp)
+        self.settings = settings = EngineSettings(
+            model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=_load_hardware(hardware),
+            chunk_tokens=chunk_tokens, decode_rank=decode_rank,
+            decode_ranks=resolve_decode_ranks(decode_ranks, decode_rank, world // tp, per_host // tp),
+            kv_dtype=kv_dtype, timeout_s=float(timeout_s),
+            startup_timeout_s=float(startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
+            attn_backend=attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp)
         try:
             if torchrun:
                 self.mode = "torchrun"
@@ -222,18 +152,16 @@ class Engine:
             if self.mode != "single":
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             if self.mode == "torchrun":
-                self._health = Health(self.rank, self.world_size, self.timeout_s)
-            if not 0 <= decode_rank < self.cp_size:
-                raise ValueError(f"decode_rank {decode_rank} is not a CP rank of this {self.cp_size}-CP-rank job")
-            self.device = _rank_device(device, self._local_rank())
-            self.mesh = build_mesh(self.world_size, self.rank, tp, self.device.type)
-            self.model = load_model(model, dtype=dtype, device=self.device, tp=self.mesh.tp)
+                self._health = Health(self.rank, self.world_size, settings.timeout_s)
+            if not 0 <= decode_rank < settings.cp_size:
+                raise ValueError(f"decode_rank {decode_rank} is not a CP rank of this {settings.cp_size}-CP-rank job")
+            self.device = rank_device(device, self._local_rank())
+            self.state = build_rank_state(self.rank, self.world_size, settings, self.device, self.mode)
+            # This rank's part of every live document, by id, held by the caller (weakly here) and
+            # dropped on the spawned workers once the caller lets go of it (see _keep).
+            self.state.documents = weakref.WeakValueDictionary()
             if self.world_size > 1:
-                if tp > 1:
-                    share_weights_digest(self.model)
-                self._startup_check()
-                self._decode_group, self._control_group = decode_groups(self.mesh, self.decode_rank,
-                                                                        self.decode_ranks)
+                set_collective_timeout(settings.timeout_s)
             if self._health is not None:
                 self._health.learn_peers()  # every rank published its place before the check
         except BaseException as exc:
@@ -241,26 +169,31 @@ class Engine:
             if failure is exc:
                 raise
             raise failure from exc
-        self.chunk_tokens = chunk_tokens or default_chunk_tokens(self.model, self.world_size)
 
-    @classmethod
-    def _worker(cls, rank: int, world: int, model_name: str, dtype, device, settings: dict) -> "Engine":
-        """A spawned worker's engine: the group is joined; load the model and check it against the others."""
-        engine = cls.__new__(cls)
-        engine.__dict__.update(settings)
-        engine.model_name, engine.dtype, engine.mode, engine.rank, engine.world_size = \
-            model_name, dtype, "worker", rank, world
-        engine._documents, engine._next_document, engine._closed = {}, 0, None  # strong: rank 0 says when to drop
-        engine._forgotten, engine._open_answer = [], None
-        engine.mesh = build_mesh(world, rank, engine.tp_size, torch.device(device).type)
-        engine.model = load_model(model_name, dtype=dtype, device=device, tp=engine.mesh.tp)
-        if engine.tp_size > 1:
-            share_weights_digest(engine.model)
-        agree_across_ranks("engine start-up", None, _fingerprint(engine.model))
-        engine._decode_group, engine._control_group = decode_groups(engine.mesh, engine.decode_rank,
-                                                                    engine.decode_ranks)
-        engine.chunk_tokens = settings["chunk_tokens"] or default_chunk_tokens(engine.model, world)
-        return engine
+    # ------------------------------------------------------------------ what callers read
+    model = property(lambda self: self.state.model, doc="This rank's Transformer (its TP shard under tp > 1).")
+    mesh = property(lambda self: self.state.mesh, doc="This rank's place in the (cp, tp) mesh.")
+    chunk_tokens = property(lambda self: self.state.chunk_tokens, doc="Tokens per prefill chunk.")
+    strategy = property(lambda self: self.settings.strategy)
+    rule = property(lambda self: self.settings.rule)
+    hardware = property(lambda self: self.settings.hardware)
+    kv_dtype = property(lambda self: self.settings.kv_dtype)
+    timeout_s = property(lambda self: self.settings.timeout_s)
+    attn_backend = property(lambda self: self.settings.attn_backend)
+    decode_rank = property(lambda self: self.settings.decode_rank)
+    decode_ranks = property(lambda self: self.settings.decode_ranks)
+    tp_size = property(lambda self: self.settings.tp_size)
+    cp_size = property(lambda self: self.settings.cp_size)
+    ranks_per_host = property(lambda self: self.settings.ranks_per_host)
+
+    @property
+    def _documents(self):
+        return self.state.documents
+
+    @property
+    def worker_processes(self) -> list:
+        """The spawned ranks' processes (rank i + 1 at index i; empty unless nproc > 1 without torchrun)."""
+        return list(self._spawned.processes) if self._spawned is not None else []
 
     # ------------------------------------------------------------------ launching
     def _local_rank(self) -> int:
@@ -274,13 +207,14 @@ class Engine:
         backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        startup = self.settings.startup_timeout_s
         try:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=startup))
         except Exception as exc:
             where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
             raise RankFailure(
                 f"rank {os.environ.get('RANK', '?')} could not join the {os.environ.get('WORLD_SIZE')}-rank group at "
-                f"{where} within {self.timeout_s:g} s: {first_line(exc)}; start every rank with the same MASTER_ADDR, "
+                f"{where} within {startup:g} s: {first_line(exc)}; start every rank with the same MASTER_ADDR, "
                 "MASTER_PORT and WORLD_SIZE (torchrun does) and check that the port is reachable") from None
         self._owns_group = True
 
@@ -290,44 +224,11 @@ class Engine:
                                "close it first")
         backend = default_backend() if device is None or str(device).startswith("cuda") else "gloo"
         threads = max(1, (os.cpu_count() or 1) // nproc)
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        # Rank 0 hosts the group's store on a port the OS picks (no race for a "free" port).
-        store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False, timeout=timeout)
-        ctx = mp.get_context("spawn")
-        for rank in range(1, nproc):
-            parent_end, child_end = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, daemon=True, name=f"ringctx-rank{rank}",
-                            args=(rank, nproc, store.port, backend, threads, child_end, self.model_name, self.dtype,
-                                  device, self._settings()))
-            p.start()
-            child_end.close()
-            self._workers.append(p)
-            self._conns.append(parent_end)
-        self._watch = ProcessWatch(self._workers, self._conns)
+        self._spawned = SpawnedRanks(nproc, backend, threads, self.settings.startup_timeout_s)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)  # rank 0 shares the cores with its workers; restored by close()
-        if backend == "nccl":
-            torch.cuda.set_device(0)
-        # Wait for every worker to reach the store, watching them: one that dies ends the wait at once.
-        keys = [f"ringctx/joined/{r}" for r in range(1, nproc)]
-        deadline = time.monotonic() + self.timeout_s
-        while not store.check(keys):
-            if self._watch.first_death is not None:
-                raise RuntimeError("a worker died before joining the group")
-            if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(keys, start=1) if not store.check([k])]
-                raise RankFailure(f"start-up: rank(s) {', '.join(map(str, missing))} of {nproc} did not join "
-                                  f"within the {self.timeout_s:g} s timeout", missing)
-            time.sleep(0.02)
-        dist.init_process_group(backend, store=store, rank=0, world_size=nproc, timeout=timeout)
+        self._spawned.start(lambda rank: (self.settings, device, build_rank_state))
         self._owns_group = True
-
-    def _startup_check(self) -> None:
-        """Refuse to run when ranks loaded different models, dtypes or ringctx versions."""
-        try:
-            agree_across_ranks("engine start-up", None, _fingerprint(self.model))
-        except ValueError as exc:
-            raise ValueError(_explain_mismatch(str(exc))) from None
 
     # ------------------------------------------------------------------ failures and closing
     def _fail(self, exc: BaseException, during: str) -> BaseException:
@@ -335,9 +236,10 @@ class Engine:
         and the group, and return what to raise (a RankFailure, or `exc` itself)."""
         failure = None
         if isinstance(exc, Exception) and not isinstance(exc, (ValueError, RankFailure)):
+            timeout = self.settings.startup_timeout_s if during == "start-up" else self.settings.timeout_s
             try:
-                if self._watch is not None:
-                    failure = self._watch.diagnose(exc, during, len(self._workers) + 1, self.timeout_s)
+                if self._spawned is not None and self._spawned.watch is not None:
+                    failure = self._spawned.watch.diagnose(exc, during, self._spawned.nproc, timeout)
                 elif self._health is not None:
                     failure = self._health.diagnose(exc, during)
             except Exception:  # diagnosis is best effort; the original error still goes out
@@ -347,26 +249,11 @@ class Engine:
         return failure or exc
 
     def _shutdown(self, *, graceful: bool, why: str) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-            self._watch = None
         if self._health is not None:
             self._health.stop()
             self._health = None
-        if graceful:
-            for conn in self._conns:
-                try:
-                    conn.send((_STOP,))
-                except (OSError, ValueError):
-                    pass
-        for p in self._workers:
-            p.join(timeout=10 if graceful else 0.2)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        for conn in self._conns:
-            conn.close()
-        self._workers, self._conns = [], []
+        if self._spawned is not None:
+            self._spawned.stop(graceful=graceful)
         if self._owns_group and dist.is_initialized():
             try:
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -398,52 +285,37 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ running on every rank
-    def _settings(self) -> dict:
-        """What a spawned worker needs to act like this engine (sent once, at start-up)."""
-        return dict(rule=self.rule, strategy=self.strategy, chunk_tokens=self._chunk_tokens_asked,
-                    decode_rank=self.decode_rank, decode_ranks=self.decode_ranks,
-                    kv_dtype=self.kv_dtype, timeout_s=self.timeout_s, attn_backend=self.attn_backend,
-                    hardware=self.hardware, ranks_per_host=self.ranks_per_host, tp_size=self.tp_size,
-                    cp_size=self.cp_size)
+    # ------------------------------------------------------------------ running commands
+    def _run(self, during: str, command: Command, *fields, **local):
+        """Run `command` on this rank as its part of a job every rank concerned takes part in.
 
-    def _is_decode_rank(self, rank: int | None = None) -> bool:
-        """Whether global `rank` (default: this one) is on a decode CP rank (any of its TP ranks)."""
-        cp_rank = (self.rank if rank is None else rank) // self.tp_size
-        return self.decode_rank <= cp_rank < self.decode_rank + self.decode_ranks
-
-    @property
-    def _leader(self) -> int:
-        """The global rank that samples and streams the answer: TP rank 0 of the first decode CP rank."""
-        return self.decode_rank * self.tp_size
-
-    @property
-    def _decode_index(self) -> int:
-        """This rank's place among the decode CP ranks (0 .. decode_ranks - 1)."""
-        return self.mesh.cp_rank - self.decode_rank
-
-    def _collective(self, during: str, command: tuple | None, run, *, decode_only: bool = False):
-        """Run `run()` on this rank as its part of a job every rank (or every decode rank) takes
-        part in. Spawn mode: rank 0 first sends `command` to the workers concerned. A ValueError
-        (bad input, the same on every rank) leaves the engine usable; any other failure (a lost or
+        Spawn mode: rank 0 first sends the command's name and fields to the workers concerned
+        (every worker, or only the decode ranks for a decode_only command). A ValueError (bad
+        input, the same on every rank) leaves the engine usable; any other failure (a lost or
         stuck rank, Ctrl-C) releases every rank and is raised as a RankFailure naming the rank."""
         self._check_open()
         try:
-            if self.mode == "spawn" and command is not None:
-                drops = [("drop", document_id) for document_id in self._forgotten]  # documents hold decode ranks only
-                self._forgotten.clear()
-                for r, conn in enumerate(self._conns, start=1):
-                    if self._is_decode_rank(r):
-                        for drop in drops:
-                            conn.send(drop)
-                    if not decode_only or self._is_decode_rank(r):
-                        conn.send(command)
-            return run()
+            self._send(command, fields)
+            return command.run(self.state, *fields, **local)
         except BaseException as exc:
             self._raise_failure(exc, during)
 
+    def _send(self, command: Command, fields: tuple) -> None:
+        """Spawn mode: send `command` to the workers concerned, after what is pending (answers that
+        ended, documents let go of). Never called from a finalizer: sends keep every worker's order."""
+        if self._spawned is None:
+            return
+        ending, self._ending = self._ending, []
+        for decoder in ending:  # each also ends here, with the followers: a collective, so in order
+            self._spawned.send(commands.ANSWER_END, (decoder.id,), self.state.holds_decode)
+            decoder.end_here()
+        forgotten, self._forgotten = self._forgotten, []
+        for document_id in forgotten:
+            self._spawned.send(commands.DROP, (document_id,), self.state.holds_decode)
+        self._spawned.send(command, fields, lambda r: not command.decode_only or self.state.holds_decode(r))
+
     def _guarded(self, pieces, during: str):
-        """An iterator over `pieces` whose failures are handled like `_collective`'s."""
+        """An iterator over `pieces` whose failures are handled like `_run`'s."""
         try:
             yield from pieces
         except BaseException as exc:
@@ -459,6 +331,19 @@ class Engine:
         if failure is exc:
             raise exc
         raise failure from exc
+
+    def _new_id(self) -> int:
+        """The next document, prefill or answer number: every rank makes the same calls, so they count alike."""
+        self._next_id += 1
+        return self._next_id
+
+    def _keep(self, document: Document) -> Document:
+        """A new document on this rank (held weakly in state.documents; the caller holds it): rank 0
+        of a spawned job has the workers drop theirs once the caller lets go of it (at the next command)."""
+        self.state.documents[document.id] = document
+        if self.mode == "spawn":
+            weakref.finalize(document, self._forgotten.append, document.id)
+        return document
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
@@ -492,66 +377,32 @@ class Engine:
             >>> result.logits.shape, result.cache.length, [c.tokens for c in result.stats.chunks]
             (torch.Size([256]), 100, [32, 32, 32, 4])
         """
-        return self._prefill(token_ids, cache=cache, cache_token_ids=cache_token_ids, chunk_tokens=chunk_tokens,
-                             strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk,
-                             keep=self._new_document_id() if as_document else None)
+        job = self.start_prefill(token_ids, cache=cache, cache_token_ids=cache_token_ids, chunk_tokens=chunk_tokens,
+                                 strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk,
+                                 as_document=as_document)
+        while not job.done:
+            job.step()
+        return job.finish()
 
-    def _prefill_config(self, chunk_tokens, strategy, decode_room, trace) -> PrefillConfig:
-        config = PrefillConfig(chunk_tokens=chunk_tokens or self.chunk_tokens, strategy=strategy or self.strategy,
-                               hardware=self.hardware, rule=self.rule, decode_rank=self.decode_rank,
-                               decode_ranks=self.decode_ranks, decode_room=decode_room, kv_dtype=self.kv_dtype,
-                               ranks_per_host=self.ranks_per_host // self.tp_size,  # CP ranks per host
-                               attn_backend=self.attn_backend, trace=trace)
-        if config.strategy not in STRATEGY_CHOICES:
-            raise ValueError(f"unknown strategy {config.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
-        return config
-
-    def _prefill(self, token_ids, *, cache=None, cache_token_ids=None, chunk_tokens=None, strategy=None,
-                 decode_room=256, trace=False, on_chunk=None, keep: int | None = None) -> PrefillResult:
-        """`prefill`; with `keep`, every decode rank also keeps its part as document number `keep`."""
+    def start_prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
+                      chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
+                      trace: bool = False, on_chunk=None, as_document: bool = False) -> "PrefillJob":
+        """`prefill`, a chunk at a time: returns a PrefillJob (call `step()` until `done`, then
+        `finish()`); between two steps the engine may run other commands (another prefill's
+        chunk, an answer's token). Arguments as `prefill`'s; raises the same errors, at start."""
         token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        config = self._prefill_config(chunk_tokens, strategy, decode_room, trace)
+        state = self.state
+        config = state.prefill_config(chunk_tokens, strategy, decode_room, trace)  # validates before sending
         if cache is not None and (self.decode_ranks > 1 or self.tp_size > 1):
             raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 and tp=1 (this engine has "
                              f"{self.decode_ranks} and {self.tp_size}); ask about a Document instead, which stays split")
-        cached = cache.length if cache is not None and self.rank == self._leader else 0
-        command = ("prefill", token_ids.cpu().numpy().tobytes(), config.chunk_tokens, config.strategy, decode_room,
-                   bool(trace), cached, keep)
-
-        def run():
-            return self._run_prefill(token_ids, config, cached, keep, cache=cache, cache_token_ids=cache_token_ids,
-                                     on_chunk=on_chunk)
-
-        if self.mode == "single":  # never join a process group made by someone else
-            return run()
-        return self._collective("prefill", command, run)
-
-    def _on_prefill(self, ids: bytes, chunk_tokens, strategy, decode_room, trace, cached, keep) -> None:
-        """A spawned worker's part of rank 0's `_prefill` (the command's fields)."""
-        token_ids = torch.frombuffer(bytearray(ids), dtype=torch.long) if ids else torch.empty(0, dtype=torch.long)
-        self._run_prefill(token_ids, self._prefill_config(chunk_tokens, strategy, decode_room, trace), cached, keep)
-
-    def _run_prefill(self, token_ids, config, cached, keep, *, cache=None, cache_token_ids=None, on_chunk=None):
-        """This rank's part of a prefill (every rank runs it with the same arguments)."""
-        local_ranks = self.world_size if self.mode != "torchrun" else self.ranks_per_host
-        local_decode = self.mode != "torchrun" or \
-            self._leader // self.ranks_per_host == self.rank // self.ranks_per_host
-        _check_memory(self.model, token_ids, cached, config, self.cp_size, self.mesh.cp_rank, local_ranks=local_ranks,
-                      local_decode=local_decode)
-        result = cp_prefill(self.model, token_ids, config, group=self.mesh.cp_group, cache=cache,
-                            cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, self.rank))
-        if keep is not None and result.cache is not None:
-            result.document = self._keep(Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats,
-                                                  id=keep))
-        return result
-
-    def _keep(self, document: Document) -> Document:
-        """Register this rank's part of a new document; rank 0 of a spawned job has the workers drop
-        theirs once the caller no longer holds it (at the next command)."""
-        self._documents[document.id] = document
-        if self.mode == "spawn":
-            weakref.finalize(document, self._forgotten.append, document.id)
-        return document
+        cached = cache.length if cache is not None and self.rank == state.leader else 0
+        prefill_id, keep = self._new_id(), (self._new_id() if as_document else None)
+        fields = (prefill_id, ids_to_bytes(token_ids), config.chunk_tokens, config.strategy, decode_room, bool(trace),
+                  cached, keep)
+        run = self._run("prefill", commands.PREFILL_START, *fields, cache=cache, cache_token_ids=cache_token_ids,
+                        on_chunk=on_chunk)
+        return PrefillJob(self, prefill_id, run)
 
     # ------------------------------------------------------------------ documents and questions
     def ingest(self, text, *, chat: bool = True, **prefill_kwargs) -> Document | None:
@@ -561,20 +412,31 @@ class Engine:
         question completes that turn and the template's assistant header follows. Returns the
         Document on the decode ranks (each holds its part), None elsewhere.
         """
+        job = self.start_ingest(text, chat=chat, **prefill_kwargs)
+        while not job.done:
+            job.step()
+        return job.finish().document
+
+    def start_ingest(self, text, *, chat: bool = True, **prefill_kwargs) -> "PrefillJob":
+        """`ingest`, a chunk at a time (see `start_prefill`): `finish().document` is the Document."""
+        ids, suffix, chat = self.document_token_ids(text, chat=chat)
+        job = self.start_prefill(ids, as_document=True, **prefill_kwargs)
+        job.frame = (suffix, {"chat": chat})
+        return job
+
+    def document_token_ids(self, text, *, chat: bool = True) -> tuple[list[int], str, bool]:
+        """(token ids, question suffix, chat) of a document as `ingest` prefills it (text, or token ids as they are)."""
         if isinstance(text, str):
             if not text.strip():
                 raise ValueError("the document is empty: give some text to ingest")
             tokenizer = self._tokenizer()
-            prefix, suffix = ("", "") if not chat else _chat_frame(tokenizer)
+            prefix, suffix = ("", "") if not chat else chat_frame(tokenizer)
             ids = tokenizer(prefix + text + ("\n\n" if chat else ""), add_special_tokens=False)["input_ids"]
-        else:  # token ids, taken as they are
-            ids, suffix, chat = list(map(int, text)), "", False
-            if not ids:
-                raise ValueError("the document is empty: give at least one token id")
-        document = self._prefill(ids, keep=self._new_document_id(), **prefill_kwargs).document
-        if document is not None:
-            document.question_suffix, document.metadata = suffix, {"chat": chat}
-        return document
+            return ids, suffix, chat
+        ids = list(map(int, text))
+        if not ids:
+            raise ValueError("the document is empty: give at least one token id")
+        return ids, "", False
 
     def extend(self, document: Document, token_ids, *, decode_room: int = 256, on_chunk=None):
         """Prefill `token_ids` on top of `document` and keep them in it (a follow-up turn, or the
@@ -595,106 +457,75 @@ class Engine:
                               dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("nothing to extend the document with: give at least one token id")
-        if not self._is_decode_rank():
+        if not self.state.is_decode_rank:
             if self.mode == "spawn":
                 raise RuntimeError("extend runs on the decode ranks only")
             return None
-        return self._collective("extend", ("extend", document.id, ids.numpy().tobytes(), decode_room),
-                                lambda: self._on_extend(document.id, ids, decode_room, document, on_chunk),
-                                decode_only=True)
-
-    def _on_extend(self, document_id, ids, decode_room, document=None, on_chunk=None):
-        """Every decode rank's part of `extend`: prefill over the decode group, on this rank's slice."""
-        document = document or self._document(document_id)
-        if isinstance(ids, bytes):
-            ids = torch.frombuffer(bytearray(ids), dtype=torch.long)
-        config = PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=self.strategy, hardware=self.hardware,
-                               rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=decode_room,
-                               kv_dtype=document.cache.kv_dtype, attn_backend=self.attn_backend)
-        result = cp_prefill(self.model, ids, config, group=self._decode_group, shard=document.rewind(),
-                            on_chunk=on_chunk)
-        document.cache, document.rows = result.cache, result.cache.length
-        document.token_ids = torch.cat([document.token_ids, ids])
-        return result.stats
-
-    def _new_document_id(self) -> int:
-        """The next document number: every rank makes the same calls, so they count alike."""
-        self._next_document += 1
-        return self._next_document
+        self._end_open_answer(document)  # it would write into the rows the extension takes
+        return self._run("extend", commands.EXTEND, document.id, ids_to_bytes(ids), decode_room, document=document,
+                         on_chunk=on_chunk)
 
     def generate(self, document: Document, prompt, *, max_new_tokens: int = 256, **sampling):
         """Stream the answer to `prompt` (text, or token ids) appended to the document.
 
         The document's cache is first cut back to the document, so questions do not see each
         other. On the (first) decode rank it returns the model's Generation iterator of text
-        pieces (its `.result` holds token timings once exhausted). With several decode ranks, call
-        it on every rank (torchrun); the other decode ranks take part in every step and get an
-        empty iterator once the answer is complete. sampling: temperature, top_k, top_p, seed, stop.
+        pieces (its `.result` holds token timings once exhausted; `.advance()` runs one token at
+        a time). With several decode ranks, call it on every rank (torchrun); the other decode
+        ranks take part in every step and get an empty iterator once the answer is complete.
+        sampling: temperature, top_k, top_p, seed, stop. A newer question ends an answer not read
+        to its end (reading it further raises ValueError).
         """
         if (isinstance(prompt, str) and not prompt.strip()) or (not isinstance(prompt, str) and len(prompt) == 0):
             raise ValueError("the question is empty: ask something about the document")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         Sampler(**{k: v for k, v in sampling.items() if k in ("temperature", "top_k", "top_p")})  # validates here
-        if not self._is_decode_rank():
+        state = self.state
+        if not state.is_decode_rank:
             if self.mode == "spawn" or self.decode_ranks == 1:
                 raise RuntimeError("generate runs on the decode ranks only")
             return iter(())
-        if self.decode_ranks == 1 and self.tp_size == 1:
-            return self._generate_here(document, prompt, max_new_tokens, sampling)
-        ids = self._question_ids(document, prompt)
-        command = ("generate", document.id, ids.numpy().tobytes(), max_new_tokens)
-        if self._open_answer is not None:  # an answer left unread: release the other ranks from it
-            decoder, pending = self._open_answer
-            self._open_answer = None
-            self._collective("decode", None, lambda: decoder.close(pending))
-        if self.rank != self._leader:  # a follower (torchrun): every step, then nothing to show
-            self._collective("decode", None, lambda: self._on_generate(document.id, ids, max_new_tokens))
+        self._end_open_answer()
+        ids = self.question_ids(document, prompt)
+        if self.decode_ranks == 1 and self.tp_size == 1:  # the whole cache is here: no other rank takes part
+            generation = self._generate_here(document, ids, max_new_tokens, sampling)
+        elif self.rank != state.leader:  # a follower (torchrun): every step, then nothing to show
+            self._run("decode", commands.ANSWER_FOLLOW, document.id, ids, document=document)
             return iter(())
-        decoder = self._collective("decode", command, lambda: self._sharded_decoder(document, ids),
-                                   decode_only=True)
-        self._open_answer = (decoder, ids)
-        generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
-        return _Answer(generation, self._guarded(self._finish_answer(generation, document, decoder), "decode"))
+        else:
+            decoder = _LeaderDecoder(self, document)
+            generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
+        self._open_answer = weakref.ref(generation)
+        return Answer(self, generation)
 
-    def _generate_here(self, document, prompt, max_new_tokens, sampling):
+    def _generate_here(self, document, ids, max_new_tokens, sampling) -> Generation:
         """One decode rank: the whole cache is here; decode without any other rank."""
         cache = document.rewind()
-        ids = self._question_ids(document, prompt)
         need = document.rows + len(ids) + max_new_tokens
         if cache.max_tokens < need:
             document.cache = cache = cache.grown(need)
         return self.model.stream(ids, cache=cache, max_new_tokens=max_new_tokens, **sampling)
 
-    def _question_ids(self, document, prompt) -> torch.Tensor:
+    def _end_open_answer(self, document: Document | None = None) -> None:
+        """The newest answer (of `document`, or of any) holds its document's rows and, split, its
+        place on the other decode ranks: end it (reading it further raises ValueError)."""
+        generation = self._open_answer() if self._open_answer is not None else None
+        if generation is None or (document is not None and getattr(generation.decoder, "document", document)
+                                  is not document):
+            return
+        self._open_answer = None
+        try:
+            generation.close()
+        except BaseException as exc:
+            self._raise_failure(exc, "decode")
+
+    def question_ids(self, document: Document, prompt) -> torch.Tensor:
+        """A question's token ids as `generate` appends them to `document` (text in the document's frame)."""
         if not isinstance(prompt, str):  # token ids, taken as they are
             return torch.as_tensor(list(map(int, prompt)), dtype=torch.long)
         text = document.question_prefix + prompt + document.question_suffix
         return torch.tensor(self._tokenizer()(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-    def _sharded_decoder(self, document: Document, ids: torch.Tensor) -> ShardedDecoder:
-        """This decode rank's decoder of `document` (its slice cut back to the document)."""
-        config = PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=self.strategy, hardware=self.hardware,
-                               rule=self.rule, decode_rank=0, decode_ranks=self.decode_ranks, decode_room=64,
-                               kv_dtype=document.cache.kv_dtype, attn_backend=self.attn_backend)
-        return ShardedDecoder(self.model, document.rewind(), document.length, self._decode_group, config,
-                              timeout_s=self.timeout_s, control_group=self._control_group, leader=self._leader)
-
-    def _finish_answer(self, generation, document, decoder):
-        yield from generation
-        document.cache = decoder.cache  # it may have grown
-        if self._open_answer is not None and self._open_answer[0] is decoder:
-            self._open_answer = None
-
-    def _on_generate(self, document_id, ids, max_new_tokens) -> None:
-        """A decode rank that is not the leader: prefill the question with the others, follow the steps."""
-        if isinstance(ids, bytes):
-            ids = torch.frombuffer(bytearray(ids), dtype=torch.long)
-        document = self._document(document_id)
-        decoder = self._sharded_decoder(document, ids)
-        decoder.prefill(ids)
-        decoder.follow()
-        document.cache = decoder.cache
 
     def ask(self, document: Document, question: str, **kwargs) -> str:
         """The whole answer to `question` about `document` (see `generate`; "" on the other ranks)."""
@@ -704,96 +535,42 @@ class Engine:
         """Save `document` as a directory of per-rank slices (see ringctx.engine.documents), atomically.
 
         Call on every decode rank (torchrun); a document saved by N decode ranks loads on any number."""
-        if not self._is_decode_rank():
+        if not self.state.is_decode_rank:
             return
-        self._collective("save", ("save", document.id, os.fspath(path)),
-                         lambda: self._on_save(document.id, os.fspath(path), document), decode_only=True)
-
-    def _on_save(self, document_id, path, document=None) -> None:
-        document = document or self._document(document_id)
-        # Every rank of the decode host writes its own rows of its own KV heads (a replicated KV
-        # head by the first TP rank that holds it): nothing is gathered, the writes run in parallel.
-        tp, full = self.model.tp, self.model.full_config
-        heads = tp.kv_heads(full)
-        writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
-        save_document_slices(path, document.rewind(), document.token_ids, self.model, document.frame,
-                             group=self._control_group, rank=self._decode_index * self.tp_size + tp.rank,
-                             world=self.decode_ranks * self.tp_size, tp_size=self.tp_size, heads=heads,
-                             writes=writes)
+        self._end_open_answer(document)  # the saved rows are the document's: an answer's are cut off
+        self._run("save", commands.SAVE, document.id, os.fspath(path), document=document)
 
     def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
         """A Document saved with `save_document` (by any number of decode ranks), split over this
         engine's decode ranks and checked against its model; stored in this engine's kv_dtype when it
         is not "model" (a bf16 document loads as fp8, say), else as saved. None off the decode ranks."""
-        if not self._is_decode_rank():
+        if not self.state.is_decode_rank:
             return None
-        keep = self._new_document_id()
-        return self._collective("load", ("load", os.fspath(path), keep, decode_room),
-                                lambda: self._on_load(os.fspath(path), keep, decode_room), decode_only=True)
-
-    def _on_load(self, path, keep, decode_room) -> Document:
-        on_host = self.decode_ranks * self.tp_size  # every TP rank of the decode ranks loads its heads' share
-        local = on_host if self.mode != "torchrun" else min(on_host, self.ranks_per_host)
-        cache, token_ids, extra = load_document_slices(
-            path, self.model, group=self._decode_group, rank=self._decode_index, world=self.decode_ranks,
-            room=decode_room, kv_dtype=self.kv_dtype if self.kv_dtype != "model" else None,
-            memory_check=lambda rows, per_row: _slice_memory_problem(self.model, rows, per_row, local))
-        document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
-                            question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=keep)
+        document = self._run("load", commands.LOAD, os.fspath(path), self._new_id(), decode_room)
         return self._keep(document)
 
     def drop_document(self, document: Document) -> None:
         """Free `document`'s KV cache on every decode rank."""
-        if self._is_decode_rank():
-            self._collective("drop", ("drop", document.id), lambda: self._on_drop(document.id), decode_only=True)
-
-    def _on_drop(self, document_id) -> None:
-        self._documents.pop(document_id, None)
+        if self.state.is_decode_rank:
+            self._run("drop", commands.DROP, document.id)
 
     def document_rows(self, document: Document) -> list[int]:
         """KV rows (tokens) of `document` each decode rank holds now, its answers' rows included."""
-        if not self._is_decode_rank():
+        if not self.state.is_decode_rank:
             return []
         if self.decode_ranks == 1:
             return [document.cache.length]
-        return self._collective("rows", ("rows", document.id), lambda: self._on_rows(document.id), decode_only=True)
-
-    def _on_rows(self, document_id) -> list[int]:
-        length = self._document(document_id).cache.length
-        return [r[0] for r in all_gather_ints([length], self._decode_group, self.decode_ranks)]
+        return self._run("rows", commands.ROWS, document.id)
 
     def whole_cache(self, document: Document) -> KVCache | None:
         """The document's KV cache in sequence order, gathered on the (first) decode rank (None on
         the others): for checks and small documents; the decode itself never gathers it."""
-        if not self._is_decode_rank():
+        if not self.state.is_decode_rank:
             return None
         if self.decode_ranks == 1 and self.tp_size == 1:
             return document.rewind()
-        return self._collective("gather", ("gather", document.id), lambda: self._on_gather(document.id),
-                                decode_only=True)
-
-    def _on_gather(self, document_id) -> KVCache | None:
-        document = self._document(document_id)
-        cache, group, n = document.rewind(), self._decode_group, self.decode_ranks
-        rank = self._decode_index
-        if n > 1:  # the slices in sequence order on the first decode rank (this TP rank's heads)
-            mine = cache.row_positions().cpu().contiguous().numpy().tobytes()
-            positions = [torch.frombuffer(bytearray(b), dtype=torch.long) for b in all_gather_bytes(mine, group, n)]
-            out = KVCache.for_model(self.model.config, document.length, dtype=self.model.dtype,
-                                    device=self.model.device, kv_dtype=cache.kv_dtype) if rank == 0 else None
-            gather_in_order(cache, out, positions, 0, rank, n, 0, group, free=False)
-            if out is not None:
-                out.length = document.length
-            cache = out
-        if self.tp_size > 1 and rank == 0:  # then every head, on the leader
-            cache = gather_kv_heads(cache, self.model)
-        return cache if rank == 0 else None
-
-    def _document(self, document_id) -> Document:
-        document = self._documents.get(document_id)
-        if document is None:
-            raise ValueError(f"document {document_id} is not held by this engine (dropped, or from another engine)")
-        return document
+        self._end_open_answer(document)  # the gathered rows are the document's: an answer's are cut off
+        return self._run("gather", commands.GATHER, document.id)
 
     def _tokenizer(self):
         tokenizer = self.model.tokenizer
@@ -803,11 +580,111 @@ class Engine:
         return tokenizer
 
 
-class _Answer:
-    """The leader's answer iterator: text pieces, and `.result` from the Generation once done."""
+class PrefillJob:
+    """A prefill in progress on rank 0's side (see `Engine.start_prefill`): `step()` runs the next
+    chunk on every rank, `finish()` hands the KV cache off and returns the PrefillResult
+    (`.document` too, for an ingest); `cancel()` gives it up."""
 
-    def __init__(self, generation: Generation, pieces):
-        self.generation, self._pieces = generation, pieces
+    def __init__(self, engine: Engine, prefill_id: int, run):
+        self.engine, self.id, self.run = engine, prefill_id, run
+        self.frame: tuple[str, dict] | None = None  # an ingest's (question suffix, metadata)
+
+    @property
+    def done(self) -> bool:
+        """Whether every chunk has run."""
+        return self.run.done
+
+    @property
+    def chunks_done(self) -> int:
+        return self.run.next_chunk
+
+    @property
+    def total_chunks(self) -> int:
+        return self.run.total_chunks
+
+    def step(self) -> ChunkStats:
+        """The next chunk, on every rank."""
+        return self.engine._run("prefill", commands.PREFILL_CHUNK, self.id)
+
+    def finish(self) -> PrefillResult:
+        """The hand-off to the decode ranks, and the result (`result.document` when it was kept)."""
+        result = self.engine._run("prefill", commands.PREFILL_FINISH, self.id)
+        if result.document is not None:
+            if self.frame is not None:
+                result.document.question_suffix, result.document.metadata = self.frame
+            self.engine._keep(result.document)
+        return result
+
+    def cancel(self) -> None:
+        """Give up the prefill on every rank (no collective runs; the engine stays usable)."""
+        self.engine._run("prefill", commands.PREFILL_CANCEL, self.id)
+
+
+class _LeaderDecoder:
+    """The leader's decoder of an answer over a split cache (the interface Generation drives).
+
+    Spawn mode: each call is one command every decode rank runs (commands.ANSWER_*), so that the
+    engine can run other commands between two tokens; an answer that ends (read to its end, given
+    up, or ended by a newer question) is left by the followers with the next command the engine
+    sends, never from here (this may run in a finalizer, where a send could reorder the workers'
+    commands). Under torchrun the followers are in `follow` (their own generate): nothing is sent
+    and an end releases them at once.
+    """
+
+    def __init__(self, engine: Engine, document: Document):
+        self.engine, self.document = engine, document
+        self.id = engine._new_id()
+        self.inner = None  # the ShardedDecoder, once the question's prefill has started
+        self._closed = False
+
+    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+        self._check_not_closed()
+        engine = self.engine
+        engine._check_open()
+        engine._send(commands.ANSWER_START, (self.id, self.document.id, ids_to_bytes(token_ids)))
+        self.inner = commands.answer_decoder(engine.state, self.document)
+        return self.inner.prefill(token_ids)
+
+    def step(self, token: int) -> torch.Tensor:
+        self._check_not_closed()
+        self.engine._check_open()
+        self.engine._send(commands.ANSWER_STEP, (self.id,))
+        return self.inner.step(token)
+
+    def full(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """The answer is over here (idempotent); see the class docstring for when the followers leave it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.inner is None:
+            return  # never started: no rank holds anything of it
+        if self.engine._spawned is not None:
+            self.engine._ending.append(self)
+        else:
+            self.end_here()
+
+    def end_here(self) -> None:
+        """The leader's part of the end: release the followers' step, keep the (grown) slice."""
+        self.inner.close()
+        self.document.cache = self.inner.cache
+
+    def _check_not_closed(self) -> None:
+        if self._closed:  # the other ranks have left this answer: a newer question ended it
+            raise ValueError("this answer was ended by a newer question on the same engine; read an answer to "
+                             "its end before asking the next")
+
+
+class Answer:
+    """The leader's answer to one question: iterate for its text pieces, or call `advance()` for one
+    token at a time (what a scheduler does); `.result` (a GenerationResult) once it is complete.
+    A lost rank surfaces from either as a RankFailure, as from every Engine method."""
+
+    def __init__(self, engine: Engine, generation: Generation):
+        self.engine, self.generation = engine, generation
+        self._pieces = engine._guarded(iter(generation), "decode")
 
     def __iter__(self):
         return self._pieces
@@ -815,9 +692,68 @@ class _Answer:
     def __next__(self):
         return next(self._pieces)
 
+    def advance(self) -> str | None:
+        """One token (the question's prefill first): the text it made final, or None once complete."""
+        try:
+            return self.generation.advance()
+        except BaseException as exc:
+            self.engine._raise_failure(exc, "decode")
+
+    def close(self) -> None:
+        """Give the answer up (its rows are freed with the next command)."""
+        self.generation.close()
+
+    @property
+    def done(self) -> bool:
+        return self.generation.done
+
     @property
     def result(self):
         return self.generation.result
+
+
+def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
+    """Load this rank's model, check it against every other rank's and make the decode groups."""
+    mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
+    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=mesh.tp)
+    state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
+                      chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
+    if world > 1:
+        if settings.tp_size > 1:
+            share_weights_digest(model)
+        try:
+            agree_across_ranks("engine start-up", None, _fingerprint(model))
+        except ValueError as exc:
+            raise ValueError(_explain_mismatch(str(exc))) from None
+        state.decode_group, state.control_group = decode_groups(mesh, settings.decode_rank, settings.decode_ranks)
+    return state
+
+
+def default_chunk_tokens(model, world: int) -> int:
+    """Chunk size: large enough to keep attention efficient, small enough that activations stay
+    small next to the weights and KV shard (the per-rank activation peak is ~ chunk/N tokens of
+    the MLP's 3*ffn_dim plus the logits of one token).
+
+    On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
+    chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
+    get up to 64K tokens within a 1 GiB activation budget per rank.
+    """
+    per_token = (3 * model.config.ffn_dim + 4 * model.config.dim) * torch.finfo(model.dtype).bits // 8
+    budget = 1 << 30  # 1 GiB of chunk activations per rank
+    by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
+    return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
+
+
+def auto_nproc(device=None, tp: int = 1) -> int:
+    """Local ranks for nproc="auto": one per GPU; on a CPU with 2 or more cores, 2 ranks, each with
+    half of the cores' threads (a CPU host gains little from more ranks than threads would give it,
+    and every rank holds a copy of the weights); 1 on a single core. A mesh needs a multiple of
+    `tp`: GPUs round down to one (never more ranks than GPUs, at least tp), CPU ranks round up."""
+    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
+    if on_gpu:
+        return max(tp, torch.cuda.device_count() // tp * tp)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return -(-(2 if cores >= 2 else 1) // tp) * tp
 
 
 def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int, ranks_per_host: int) -> int:
@@ -845,32 +781,6 @@ def _peek_config(model_name: str, dtype):
     return load_model(model_name, dtype=dtype, device="meta").full_config
 
 
-def _slice_memory_problem(model, rows: int, bytes_per_row: int, local_ranks: int) -> str | None:
-    """A one-line problem when `rows` KV rows (on each of `local_ranks` ranks sharing this memory) do not fit."""
-    if os.environ.get("RINGCTX_MEMORY_CHECK", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    from ..parallel.planner import MEMORY_USABLE_FRACTION
-
-    need = rows * bytes_per_row * local_ranks
-    free, where = available_memory(model.device)
-    if need <= free * MEMORY_USABLE_FRACTION:
-        return None
-    return (f"not enough memory to load the document: {local_ranks} decode rank(s) x {rows:,} KV rows need "
-            f"{fmt_bytes(need)} but {where} has {fmt_bytes(free)} available; use more decode ranks on a host with "
-            f"more memory (--decode-ranks), or an 8-bit KV cache (--kv-dtype fp8)")
-
-
-def _chat_frame(tokenizer) -> tuple[str, str]:
-    """(text before the document, text after a question) from the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return "", ""
-    marker = "\x00RINGCTX_QUESTION\x00"
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                             add_generation_prompt=True)
-    before, after = rendered.split(marker)
-    return before, after
-
-
 def _load_hardware(hardware):
     """The profile "auto" decides with, loaded once (default: the built-in "cpu" or "h200"-like GPU)."""
     from ..parallel.hardware import HardwareProfile, load_profile
@@ -878,14 +788,6 @@ def _load_hardware(hardware):
     if isinstance(hardware, HardwareProfile):
         return hardware
     return load_profile(hardware or ("h200" if torch.cuda.is_available() else "cpu"))
-
-
-def _rank_device(device, rank: int) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
 
 
 def _check_loadable(model_name: str, dtype) -> None:
@@ -921,53 +823,3 @@ def _explain_mismatch(message: str) -> str:
     return (f"engine start-up: rank {rank} does not match rank 0: {what}. Every rank must load the same model "
             f"(--model), dtype (--dtype) and ringctx version; this job is refused rather than computing garbage")
 
-
-def _check_memory(model, token_ids, cached, config, world, rank, *, local_ranks, local_decode) -> None:
-    """Refuse a prefill the memory cannot hold, on every rank alike (see failures.memory_problem)."""
-    problem = memory_problem(model, int(token_ids.numel()), cached, config.chunk_tokens, world, rank,
-                             config.decode_rank, config.decode_room, local_ranks=local_ranks,
-                             local_decode=local_decode, decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype)
-    if world > 1:
-        agree_across_ranks("prefill", problem, "memory check")
-    elif problem:
-        raise ValueError(f"prefill: {problem}")
-
-
-def _worker_main(rank, world, port, backend, threads, conn, model_name, dtype, device, settings) -> None:
-    """A spawned rank: join the group, load the model, then serve rank 0's commands until stop.
-
-    Commands come over a pipe from rank 0 (so an idle engine never times out, and the worker ends
-    when rank 0's process is gone) as (name, *args), run as the Engine's `_on_<name>` method here;
-    tensors travel over the process group. Ctrl-C is rank 0's to handle: it ends the workers. An
-    error is reported back over the pipe before the worker exits.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    timeout = datetime.timedelta(seconds=settings["timeout_s"])
-    try:
-        maybe_die(rank, "join")
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
-        store.set(f"ringctx/joined/{rank}", "1")
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-        engine = Engine._worker(rank, world, model_name, dtype, _rank_device(device, rank), settings)
-        while True:
-            try:
-                command = conn.recv()
-            except (EOFError, OSError):  # rank 0 is gone
-                break
-            if command[0] == _STOP:
-                break
-            try:
-                getattr(engine, f"_on_{command[0]}")(*command[1:])
-            except ValueError:
-                continue  # bad input: every rank raised the same error; rank 0 reports it
-    except BaseException as exc:
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {first_line(exc, 300)}"))
-        except Exception:
-            pass
-        os._exit(1)  # the group is broken: leave without waiting on it
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -113,11 +113,19 @@ class ShardedDecoder:
 
     def follow(self) -> None:
         """Other ranks: run the steps the leader asks for, until it closes the decode."""
-        while True:
-            self._send_control()
-            if int(self._control[1]) == 0:
-                return
-            self._forward(int(self._control[0]))
+        while self.follow_step():
+            pass
+
+    def follow_step(self) -> bool:
+        """Other ranks: take part in the leader's next `step` (True) or `close` (False). A rank
+        driven by commands calls this once per step the leader announces, so that it can run
+        other work between two steps."""
+        self._send_control()
+        if int(self._control[1]) == 0:
+            self._closed = True
+            return False
+        self._forward(int(self._control[0]))
+        return True
 
     def close(self, prompt_ids: torch.Tensor | None = None) -> None:
         """Leader: release the other ranks from `follow` (idempotent). An answer never started

@@ -209,137 +209,194 @@ def cp_prefill(
 
     Returns:
         PrefillResult; `cache` on the decode ranks, full stats on every rank.
+
+    The same prefill a step at a time (what a scheduler interleaves with other work) is
+    `PrefillRun`: this function runs its chunks one after another.
     """
-    rank, world = rank_and_world(group)
-    distributed = world > 1
-    t_start = time.perf_counter()
-    release_free_memory()
-    reset_peak_rss()  # memory is reported per phase: this prefill's chunks, then the hand-off
-    tracer = Tracer(rank) if config.trace else None
-    comm = CommStats()
+    run = PrefillRun(model, token_ids, config, group=group, cache=cache, cache_token_ids=cache_token_ids,
+                     shard=shard, on_chunk=on_chunk)
+    while not run.done:
+        run.step()
+    return run.finish()
 
-    # --- agree on the inputs before any ring communication ------------------------------------
-    problem = _local_problem(model, token_ids, config, world, rank, cache, shard)
-    if shard is not None:
-        held = all_gather_ints([shard.length if problem is None else 0], group, world)
-        held = [h[0] for h in held]
-    else:
-        cached_len = cache.length if (cache is not None and rank == config.decode_rank) else 0
-        if distributed:
-            valid_decode_rank = config.decode_rank if 0 <= config.decode_rank < world else 0
-            cached_len = _broadcast_int(cached_len, valid_decode_rank, group)
-        held = [b - a for a, b in (split_range(cached_len, world, r) for r in range(world))]
-    cached_len = sum(held)
-    if problem is None:  # every rank knows the whole length: all refuse together, before the ring
-        problem = rope_position_problem(model.config, cached_len + int(token_ids.numel()))
-    if distributed:
-        agree_across_ranks("prefill", problem, _signature(model, token_ids, config, cached_len), group, comm)
-    elif problem:
-        raise ValueError(f"prefill: {problem}")
 
-    T = int(token_ids.numel())
-    chunk = config.chunk_tokens
-    chunks = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+class PrefillRun:
+    """One CP prefill on this rank, cut into the steps a scheduler may interleave with other work.
 
-    # --- the sharding plan: every rank computes every chunk's layout (they are tiny) ----------
-    first_new_row = held[rank]
-    layouts = []
-    for s, e in chunks:
-        layout = ShardLayout.balanced([e - s], world, cached_counts=[[h] for h in held])
-        layouts.append(layout)
-        held = [h + layout.num_new(r) for r, h in enumerate(held)]
-    decoders = decode_rank_list(config)
-    spread = config.decode_ranks > 1 and shard is None and world > config.decode_ranks
-    plan = spread_plan(held, decoders) if spread else []
-    rows = held[rank] + received_rows(plan, rank)
+        run = PrefillRun(model, token_ids, config, group=...)   # agree on the inputs, plan the shards
+        while not run.done:
+            run.step()                                           # the next chunk, on every rank
+        result = run.finish()                                    # hand-off to the decode ranks
 
-    cfg = model.config
-    dtype, device = model.dtype, model.device
-    # One rank with a new prompt: its shard is the whole prompt in order, so the shard buffers are
-    # allocated with decode room and become the decode cache without a copy. Decode ranks that
-    # keep their shard (several decode ranks) get their room now too.
-    # A split cache on one rank (a question under tensor parallelism with one decode rank) is its
-    # whole cache, in order, and grows in place too.
-    in_place = world == 1 and (cached_len == 0 or shard is not None)
-    keeps_shard = in_place or (config.decode_ranks > 1 and rank in decoders)
-    if keeps_shard:
-        rows += config.decode_room
-    if shard is not None:
-        shard = shard.grown(rows)
-    else:
-        shard = KVCache.for_model(cfg, max(rows, 1), dtype=dtype, device=device, kv_dtype=config.kv_dtype,
-                                  sliced=not in_place)
-        if cached_len:
-            _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
+    Every rank of `group` makes the same calls in the same order (each is collective); between
+    two calls a rank may run other collectives on other groups or on this one (another prefill's
+    chunk, a decode step), as long as every rank does the same. Arguments as `cp_prefill`'s.
+    Construction raises ValueError on every rank alike for bad input, before any ring message.
+    """
 
-    # --- chunk by chunk, layer by layer -------------------------------------------------------
-    stats = PrefillStats(tokens=T, cached=cached_len, world_size=world * model.tp.size, chunk_tokens=chunk,
-                         decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype, cp_size=world,
-                         tp_size=model.tp.size)
-    logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
-    with torch.inference_mode(), (tracer or contextlib.nullcontext()), _counting_tp(model, comm):
-        for index, ((s, e), layout) in enumerate(zip(chunks, layouts)):
-            t0 = time.perf_counter()
-            strategy, reason = _decide(e - s, cached_len + s, model, world, config)
-            rows_before = layout.num_cached(rank)
-            n_new = layout.num_new(rank)
-            chunk_ids = token_ids[s:e].to(device)
+    def __init__(self, model, token_ids: torch.Tensor, config: PrefillConfig, *,
+                 group: dist.ProcessGroup | str | None = None, cache: KVCache | None = None,
+                 cache_token_ids: torch.Tensor | None = None, shard: KVCache | None = None,
+                 on_chunk: Callable[[int, int, ChunkStats], None] | None = None):
+        rank, world = rank_and_world(group)
+        self.model, self.token_ids, self.config, self.group = model, token_ids, config, group
+        self.rank, self.world, self.cache, self.cache_token_ids = rank, world, cache, cache_token_ids
+        self.on_chunk = on_chunk
+        self.t_start = time.perf_counter()
+        release_free_memory()
+        reset_peak_rss()  # memory is reported per phase: this prefill's chunks, then the hand-off
+        self.tracer = Tracer(rank) if config.trace else None
+        self.comm = comm = CommStats()
 
-            def attend(layer: int, q, k, v, rows_before=rows_before, layout=layout, strategy=strategy):
-                cached = {}
-                if rows_before:  # views of the shard; a dequantized copy of it for 8-bit caches
-                    cached_k, cached_v = shard.read_rows(layer, 0, rows_before)
-                    cached = dict(cached_k=cached_k, cached_v=cached_v)
-                # Inputs were agreed across ranks once for the whole prefill (above): no per-layer check.
-                out, _ = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=comm,
-                                        check_across_ranks=False,
-                                        backend=config.attn_backend, **cached)
-                shard.update(layer, rows_before, k, v)
-                return out
+        # --- agree on the inputs before any ring communication ------------------------------------
+        problem = _local_problem(model, token_ids, config, world, rank, cache, shard)
+        if shard is not None:
+            held = all_gather_ints([shard.length if problem is None else 0], group, world)
+            held = [h[0] for h in held]
+        else:
+            cached_len = cache.length if (cache is not None and rank == config.decode_rank) else 0
+            if world > 1:
+                valid_decode_rank = config.decode_rank if 0 <= config.decode_rank < world else 0
+                cached_len = _broadcast_int(cached_len, valid_decode_rank, group)
+            held = [b - a for a, b in (split_range(cached_len, world, r) for r in range(world))]
+        self.cached_len = cached_len = sum(held)
+        if problem is None:  # every rank knows the whole length: all refuse together, before the ring
+            problem = rope_position_problem(model.config, cached_len + int(token_ids.numel()))
+        if world > 1:
+            agree_across_ranks("prefill", problem, _signature(model, token_ids, config, cached_len), group, comm)
+        elif problem:
+            raise ValueError(f"prefill: {problem}")
 
+        self.T = T = int(token_ids.numel())
+        chunk = config.chunk_tokens
+        self.chunks = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+
+        # --- the sharding plan: every rank computes every chunk's layout (they are tiny) ----------
+        self.first_new_row = held[rank]
+        self.layouts = []
+        for s, e in self.chunks:
+            layout = ShardLayout.balanced([e - s], world, cached_counts=[[h] for h in held])
+            self.layouts.append(layout)
+            held = [h + layout.num_new(r) for r, h in enumerate(held)]
+        decoders = decode_rank_list(config)
+        spread = config.decode_ranks > 1 and shard is None and world > config.decode_ranks
+        self.plan = spread_plan(held, decoders) if spread else []
+        rows = held[rank] + received_rows(self.plan, rank)
+
+        cfg = model.config
+        dtype, device = model.dtype, model.device
+        # One rank with a new prompt: its shard is the whole prompt in order, so the shard buffers are
+        # allocated with decode room and become the decode cache without a copy. Decode ranks that
+        # keep their shard (several decode ranks) get their room now too.
+        # A split cache on one rank (a question under tensor parallelism with one decode rank) is its
+        # whole cache, in order, and grows in place too.
+        in_place = world == 1 and (cached_len == 0 or shard is not None)
+        self.keeps_shard = in_place or (config.decode_ranks > 1 and rank in decoders)
+        if self.keeps_shard:
+            rows += config.decode_room
+        if shard is not None:
+            shard = shard.grown(rows)
+        else:
+            shard = KVCache.for_model(cfg, max(rows, 1), dtype=dtype, device=device, kv_dtype=config.kv_dtype,
+                                      sliced=not in_place)
+            if cached_len:
+                _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
+        self.shard = shard
+        self.stats = PrefillStats(tokens=T, cached=cached_len, world_size=world * model.tp.size, chunk_tokens=chunk,
+                                  decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype, cp_size=world,
+                                  tp_size=model.tp.size)
+        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
+        self.next_chunk = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every chunk has run (then `finish`)."""
+        return self.next_chunk == len(self.chunks)
+
+    @property
+    def total_chunks(self) -> int:
+        return len(self.chunks)
+
+    def step(self) -> ChunkStats:
+        """Run the next chunk on this rank (with every other rank of the group) and return its stats."""
+        if self.done:
+            raise RuntimeError("every chunk of this prefill has run: call finish()")
+        index = self.next_chunk
+        (s, e), layout = self.chunks[index], self.layouts[index]
+        model, rank, world, group, config, shard = self.model, self.rank, self.world, self.group, self.config, self.shard
+        t0 = time.perf_counter()
+        strategy, reason = _decide(e - s, self.cached_len + s, model, world, config)
+        rows_before = layout.num_cached(rank)
+        n_new = layout.num_new(rank)
+        chunk_ids = self.token_ids[s:e].to(model.device)
+
+        def attend(layer: int, q, k, v):
+            cached = {}
+            if rows_before:  # views of the shard; a dequantized copy of it for 8-bit caches
+                cached_k, cached_v = shard.read_rows(layer, 0, rows_before)
+                cached = dict(cached_k=cached_k, cached_v=cached_v)
+            # Inputs were agreed across ranks once for the whole prefill (above): no per-layer check.
+            out, _ = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=self.comm,
+                                    check_across_ranks=False, backend=config.attn_backend, **cached)
+            shard.update(layer, rows_before, k, v)
+            return out
+
+        # The modes are entered per chunk: between two steps this rank may run other work.
+        with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(model, self.comm):
             with span(f"chunk {index}", "compute", strategy=strategy):
                 x = model.embed(layout.shard(chunk_ids, rank))
-                positions = layout.positions(rank).to(device)
+                positions = layout.positions(rank).to(model.device)
                 rope = model.rope(positions)
                 for layer_index, block in enumerate(model.layers):
                     x = block(x, rope, attend, layer_index)
-                if index == len(chunks) - 1:
-                    logits = _last_token_logits(model, x, layout, rank, world, group, logits)
-            if shard.positions is not None:
-                shard.positions[rows_before:rows_before + n_new] = positions.cpu()
-            shard.length = rows_before + n_new
-            record = ChunkStats(index, e - s, cached_len + s, strategy, reason, time.perf_counter() - t0)
-            stats.chunks.append(record)
-            if on_chunk is not None:
-                on_chunk(index + 1, len(chunks), record)
+                if index == len(self.chunks) - 1:
+                    self.logits = _last_token_logits(model, x, layout, rank, world, group, self.logits)
+        if shard.positions is not None:
+            shard.positions[rows_before:rows_before + n_new] = positions.cpu()
+        shard.length = rows_before + n_new
+        record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, time.perf_counter() - t0)
+        self.stats.chunks.append(record)
+        self.next_chunk += 1
+        if self.on_chunk is not None:
+            self.on_chunk(index + 1, len(self.chunks), record)
+        return record
 
-        # --- hand-off ---------------------------------------------------------------------------
-        prefill_peak_rss = window_peak_rss_bytes()
-        shard_bytes = shard.length * shard.bytes_per_token
-        release_free_memory()  # the chunks' freed activations, before the decode ranks fill their caches
-        reset_peak_rss()
-        t_handoff = time.perf_counter()
-        with span("hand-off", "comm"):
-            out_cache, moved = _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, config,
-                                         rank, world, group, comm, keeps_shard)
-        stats.handoff_s = time.perf_counter() - t_handoff
-    stats.ttft_s = time.perf_counter() - t_start
+    def finish(self) -> PrefillResult:
+        """Hand the KV cache off to the decode ranks and gather every rank's numbers (collective)."""
+        if not self.done:
+            raise RuntimeError(f"{len(self.chunks) - self.next_chunk} chunk(s) of this prefill have not run yet")
+        model, rank, world, group, config, shard, comm = (self.model, self.rank, self.world, self.group, self.config,
+                                                          self.shard, self.comm)
+        stats = self.stats
+        with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(model, comm):
+            # --- hand-off ---------------------------------------------------------------------------
+            prefill_peak_rss = window_peak_rss_bytes()
+            shard_bytes = shard.length * shard.bytes_per_token
+            release_free_memory()  # the chunks' freed activations, before the decode ranks fill their caches
+            reset_peak_rss()
+            t_handoff = time.perf_counter()
+            with span("hand-off", "comm"):
+                out_cache, moved = _hand_off(model, self.cache, shard, self.layouts, self.plan, self.first_new_row,
+                                             self.cached_len, self.T, config, rank, world, group, comm,
+                                             self.keeps_shard)
+            stats.handoff_s = time.perf_counter() - t_handoff
+        stats.ttft_s = time.perf_counter() - self.t_start
 
-    slice_rows = out_cache.length if out_cache is not None else 0
-    ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
-    tp = sum(comm.bytes_sent(kind) for kind in TP_KINDS)
-    per_rank = all_gather_ints([comm.bytes_sent(), ring, tp, prefill_peak_rss, window_peak_rss_bytes(), shard_bytes,
-                                moved["sent"], moved["cross_host"], slice_rows], group, world)
-    (stats.bytes_sent_per_rank, stats.ring_bytes_per_rank, stats.tp_bytes_per_rank, stats.peak_rss_bytes_per_rank,
-     stats.handoff_peak_rss_bytes_per_rank,
-     stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
-     stats.decode_slice_rows_per_rank) = (list(column) for column in zip(*per_rank))
-    all_ids = token_ids.cpu()
-    if cache_token_ids is not None:
-        all_ids = torch.cat([cache_token_ids.cpu(), all_ids])
-    trace = _gather_trace(tracer, group, world) if config.trace else None
-    return PrefillResult(logits=logits, cache=out_cache, stats=stats, token_ids=all_ids,
-                         trace_events=trace if rank == config.decode_rank else None)
+        slice_rows = out_cache.length if out_cache is not None else 0
+        ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
+        tp = sum(comm.bytes_sent(kind) for kind in TP_KINDS)
+        per_rank = all_gather_ints([comm.bytes_sent(), ring, tp, prefill_peak_rss, window_peak_rss_bytes(),
+                                    shard_bytes, moved["sent"], moved["cross_host"], slice_rows], group, world)
+        (stats.bytes_sent_per_rank, stats.ring_bytes_per_rank, stats.tp_bytes_per_rank, stats.peak_rss_bytes_per_rank,
+         stats.handoff_peak_rss_bytes_per_rank,
+         stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
+         stats.decode_slice_rows_per_rank) = (list(column) for column in zip(*per_rank))
+        all_ids = self.token_ids.cpu()
+        if self.cache_token_ids is not None:
+            all_ids = torch.cat([self.cache_token_ids.cpu(), all_ids])
+        trace = _gather_trace(self.tracer, group, world) if config.trace else None
+        return PrefillResult(logits=self.logits, cache=out_cache, stats=stats, token_ids=all_ids,
+                             trace_events=trace if rank == config.decode_rank else None)
 
 
 def _local_problem(model, token_ids, config, world, rank, cache, shard) -> str | None:

@@ -169,62 +169,112 @@ class Generation:
         self.keep_logits = keep_logits
         self.cache = cache
         self.result: GenerationResult | None = None
+        self._state: _GenerationState | None = None
+        self._closed = False
 
     def __iter__(self) -> Iterator[str]:
         try:
-            yield from self._generate()
+            while (piece := self.advance()) is not None:
+                if piece:
+                    yield piece
         finally:  # also when the caller stops iterating early: other ranks may be waiting
+            if not self._closed:
+                self.close()
+
+    @property
+    def done(self) -> bool:
+        """Whether the answer is complete (`result` is set) or was closed."""
+        return self.result is not None or self._closed
+
+    def close(self) -> None:
+        """End the generation now (idempotent): the decoder releases any rank waiting in it."""
+        if not self._closed:
+            self._closed = True
             self.decoder.close()
 
-    def _generate(self) -> Iterator[str]:
-        model, decoder = self.model, self.decoder
-        tokenizer = _tokenizer_if_any(model)
-        detok = IncrementalDecoder(tokenizer) if tokenizer is not None else None
-        new_ids: list[int] = []
-        texts: list[str] = []
-        token_times: list[float] = []
-        finish = "length"
-        # inference_mode only around compute: a generator must not leave it switched on for the
-        # caller's code while suspended at a yield.
+    def advance(self) -> str | None:
+        """One step of the generation: the prompt's prefill and first token on the first call, one
+        decode step on each later one. Returns the text that became final with it ("" when the
+        token completes no character yet, or sits in what may start a stop string), or None once
+        the generation is complete (then `result` is set). A scheduler calls this to interleave
+        generations with other work one token at a time; iterating the Generation calls it too."""
+        if self.result is not None:
+            return None
+        if self._closed:  # its ranks have left it (a newer question's answer has its rows now)
+            raise ValueError("this answer was ended by a newer question on the same engine (or closed); read an "
+                             "answer to its end before asking the next")
+        if self._state is None:
+            return self._first_token()
+        state = self._state
+        if state.finish is not None:  # the last token's text has gone out: finish
+            return self._finish()
+        decoder = self.decoder
+        if len(state.new_ids) >= self.max_new_tokens or decoder.full():
+            return self._finish()  # a caller-provided cache that is full stops like max_new_tokens
+        t = time.perf_counter()
+        token = self._sample(decoder.step(state.new_ids[-1])[0])
+        state.token_times.append(time.perf_counter() - t)
+        return self._take(token)
+
+    def _first_token(self) -> str:
+        tokenizer = _tokenizer_if_any(self.model)
+        state = self._state = _GenerationState(IncrementalDecoder(tokenizer) if tokenizer is not None else None,
+                                               [] if self.keep_logits else None)
         t0 = time.perf_counter()
-        kept = [] if self.keep_logits else None
+        token = self._sample(self.decoder.prefill(self.prompt_ids)[0])
+        state.ttft = time.perf_counter() - t0
+        return self._take(token)
 
-        def sample(logits: torch.Tensor) -> int:
-            if kept is not None:
-                kept.append(logits.detach().clone())
-            return self.sampler(logits)
+    def _sample(self, logits: torch.Tensor) -> int:
+        if self._state.kept is not None:
+            self._state.kept.append(logits.detach().clone())
+        return self.sampler(logits)
 
-        token = sample(decoder.prefill(self.prompt_ids)[0])
-        ttft = time.perf_counter() - t0
-        while True:
-            new_ids.append(token)
-            if token in self.stop_ids:
-                finish = "eos"
-                break
-            if detok is not None:
-                piece, stopped = self.stop.feed(detok.push(token))
-                if piece:
-                    texts.append(piece)
-                    yield piece
-                if stopped:
-                    finish = "stop"
-                    break
-            if len(new_ids) >= self.max_new_tokens:
-                break
-            if decoder.full():
-                break  # a caller-provided cache is full: stop like max_new_tokens
-            t = time.perf_counter()
-            token = sample(decoder.step(token)[0])
-            token_times.append(time.perf_counter() - t)
-        if detok is not None and finish != "stop":
-            piece, stopped = self.stop.feed(detok.flush())
+    def _take(self, token: int) -> str:
+        """Record a sampled token; the text it makes final; marks the end where it is one."""
+        state = self._state
+        state.new_ids.append(token)
+        if token in self.stop_ids:
+            state.finish = "eos"
+            return ""
+        piece = ""
+        if state.detok is not None:
+            piece, stopped = self.stop.feed(state.detok.push(token))
+            if stopped:
+                state.finish = "stop"
+        if piece:
+            state.texts.append(piece)
+        return piece
+
+    def _finish(self) -> str | None:
+        """The text held back until the end (an incomplete character, a possible stop string's
+        start), then the result; None when nothing was held back."""
+        state = self._state
+        finish = state.finish or "length"
+        tail = ""
+        if state.detok is not None and finish != "stop":
+            piece, stopped = self.stop.feed(state.detok.flush())
             tail = piece + ("" if stopped else self.stop.flush())
             finish = "stop" if stopped else finish
             if tail:
-                texts.append(tail)
-                yield tail
-        self.result = GenerationResult("".join(texts), new_ids, int(self.prompt_ids.numel()), finish, ttft,
-                                       token_times, kept)
+                state.texts.append(tail)
+        self.result = GenerationResult("".join(state.texts), state.new_ids, int(self.prompt_ids.numel()), finish,
+                                       state.ttft, state.token_times, state.kept)
+        return tail if tail else None
+
+
+@dataclass
+class _GenerationState:
+    """What a Generation has produced so far (set up by its first step)."""
+
+    detok: IncrementalDecoder | None
+    kept: list[torch.Tensor] | None
+    new_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    ttft: float = 0.0
+    finish: str | None = None
+    """"eos" or "stop" once the generation has decided to end (its last text may still be due)."""
 
 
 class LocalDecoder:

@@ -81,7 +81,7 @@ def test_a_decode_rank_that_dies_mid_answer_is_named(monkeypatch):
 def test_a_decode_rank_that_stops_answering_times_out_named(reference):
     engine = Engine("tiny", nproc=2, dtype="float32", timeout_s=3)
     document = engine.ingest(DOC, chunk_tokens=64)
-    worker = engine._workers[0]
+    worker = engine.worker_processes[0]
     os.kill(worker.pid, signal.SIGSTOP)  # alive but silent
     try:
         start = time.monotonic()

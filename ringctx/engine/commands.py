@@ -1,0 +1,266 @@
+"""The engine's commands: every job the ranks of an engine run together, and what each runs on a rank.
+
+A public `Engine` method (api.py) is one or more of these commands. In a spawned job rank 0 sends
+each command's name and fields to the workers concerned over their pipes (workers.py) and runs the
+same function itself; under torchrun every rank calls the Engine method and runs the function
+directly. Either way, every rank concerned runs the same functions in the same order, so their
+collectives match:
+
+    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks, PREFILL_FINISH  ->  engine/prefill.py PrefillRun
+    Engine.extend            ->  EXTEND         ->  cp_prefill over the decode ranks, on a document's slices
+    Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  engine/decode.py ShardedDecoder
+                                 (under torchrun, where every rank calls generate: ANSWER_FOLLOW on the followers)
+    Engine.save_document     ->  SAVE           ->  engine/documents.py save_document_slices
+    Engine.load_document     ->  LOAD           ->  engine/documents.py load_document_slices
+    Engine.drop_document     ->  DROP
+    Engine.document_rows     ->  ROWS
+    Engine.whole_cache       ->  GATHER         ->  engine/handoff.py gather_in_order
+
+A prefill is three commands so that a scheduler can run other commands between two of its
+chunks (a decode step of an answer, a chunk of another prefill); an answer is one command per
+token for the same reason. The leader (the first decode rank) samples each token and its
+decoder's `step(token)` hands it to the followers, whose part of each step is ANSWER_STEP.
+
+Each function takes this rank's `RankState` and the command's fields (ints, strings and bytes:
+the wire format between an engine's own processes), and on the calling rank also objects that
+never travel (`local`: a callback, the caller's cache or Document). A ValueError means bad input,
+raised on every rank alike before any communication; the engine stays usable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..model import KVCache
+from ..model.tensor_parallel import TensorParallel, gather_kv_heads
+from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
+from .decode import ShardedDecoder
+from .document import Document
+from .documents import load_document_slices, save_document_slices
+from .failures import available_memory, fmt_bytes, memory_problem, with_test_hook
+from .handoff import gather_in_order
+from .prefill import PrefillRun, cp_prefill
+from .rank_state import RankState
+
+
+@dataclass(frozen=True)
+class Command:
+    """One kind of job the ranks of an engine run together."""
+
+    name: str
+    """What rank 0 sends (the first field of the message)."""
+    run: Callable[..., Any]
+    """run(state, *fields, **local): this rank's part."""
+    decode_only: bool
+    """Only the decode ranks (every TP rank of them) take part; the others never hear of it."""
+
+
+def ids_from_bytes(data: bytes) -> torch.Tensor:
+    """Token ids as they travel in a command (int64 bytes)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.long) if data else torch.empty(0, dtype=torch.long)
+
+
+def ids_to_bytes(ids: torch.Tensor) -> bytes:
+    return ids.cpu().contiguous().numpy().tobytes()
+
+
+# ------------------------------------------------------------------------------------------ prefill
+def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: int, strategy: str, decode_room: int,
+                  trace: bool, cached: int, keep: int | None, *, cache: KVCache | None = None,
+                  cache_token_ids=None, on_chunk=None) -> PrefillRun:
+    """Check the memory, agree on the inputs and plan the shards of a prefill over every CP rank."""
+    token_ids = ids_from_bytes(ids)
+    config = state.prefill_config(chunk_tokens, strategy, decode_room, trace)
+    _check_memory(state, token_ids, cached, config)
+    run = PrefillRun(state.model, token_ids, config, group=state.mesh.cp_group, cache=cache,
+                     cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, state.rank))
+    run.keep = keep  # the document id to register when it finishes (None: a plain prefill)
+    state.prefills[prefill_id] = run
+    return run
+
+
+def prefill_chunk(state: RankState, prefill_id: int):
+    """The next chunk of a prefill (ChunkStats)."""
+    return state.prefills[prefill_id].step()
+
+
+def prefill_finish(state: RankState, prefill_id: int):
+    """Hand the prefill's KV cache off to the decode ranks; keep it as a document when asked (PrefillResult)."""
+    run = state.prefills.pop(prefill_id)
+    result = run.finish()
+    if run.keep is not None and result.cache is not None:
+        result.document = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats, id=run.keep)
+        state.documents[run.keep] = result.document
+    return result
+
+
+def prefill_cancel(state: RankState, prefill_id: int) -> None:
+    """Forget a prefill that will not finish (no message: every rank drops its part)."""
+    state.prefills.pop(prefill_id, None)
+
+
+def _check_memory(state: RankState, token_ids, cached: int, config) -> None:
+    """Refuse a prefill the memory cannot hold, on every rank alike (see failures.memory_problem)."""
+    s = state.settings
+    torchrun = state.mode == "torchrun"
+    local_ranks = s.ranks_per_host if torchrun else state.world_size
+    local_decode = not torchrun or state.leader // s.ranks_per_host == state.rank // s.ranks_per_host
+    problem = memory_problem(state.model, int(token_ids.numel()), cached, config.chunk_tokens, s.cp_size,
+                             state.mesh.cp_rank, config.decode_rank, config.decode_room, local_ranks=local_ranks,
+                             local_decode=local_decode, decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype)
+    if state.world_size > 1:
+        agree_across_ranks("prefill", problem, "memory check")
+    elif problem:
+        raise ValueError(f"prefill: {problem}")
+
+
+# ------------------------------------------------------------------------------------------ extend
+def extend(state: RankState, document_id: int, ids: bytes, decode_room: int, *, document: Document | None = None,
+           on_chunk=None):
+    """Prefill tokens on top of a document over the decode ranks, each on its own slice (PrefillStats)."""
+    document = document or state.document(document_id)
+    token_ids = ids_from_bytes(ids)
+    config = state.decode_prefill_config(document.cache.kv_dtype, decode_room)
+    result = cp_prefill(state.model, token_ids, config, group=state.decode_group, shard=document.rewind(),
+                        on_chunk=on_chunk)
+    document.cache, document.rows = result.cache, result.cache.length
+    document.token_ids = torch.cat([document.token_ids, token_ids])
+    return result.stats
+
+
+# ------------------------------------------------------------------------------------------ answers
+def answer_decoder(state: RankState, document: Document) -> ShardedDecoder:
+    """This decode rank's decoder of `document` (its slice cut back to the document); collective."""
+    config = state.decode_prefill_config(document.cache.kv_dtype, 64)
+    return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_group, config,
+                          timeout_s=state.settings.timeout_s, control_group=state.control_group, leader=state.leader)
+
+
+def answer_start(state: RankState, answer_id: int, document_id: int, ids: bytes) -> None:
+    """A follower's part of an answer's start: the question's prefill over the decode ranks."""
+    document = state.document(document_id)
+    decoder = answer_decoder(state, document)
+    decoder.prefill(ids_from_bytes(ids))
+    state.answers[answer_id] = (document, decoder)
+
+
+def answer_step(state: RankState, answer_id: int) -> None:
+    """A follower's part of one decode step (the leader's token arrives by broadcast)."""
+    state.answers[answer_id][1].follow_step()
+
+
+def answer_end(state: RankState, answer_id: int) -> None:
+    """A follower's part of an answer's end: the leader's close, then the document keeps the (grown) slice."""
+    document, decoder = state.answers.pop(answer_id)
+    decoder.follow_step()
+    document.cache = decoder.cache
+
+
+def follow_answer(state: RankState, document_id: int, ids: torch.Tensor, *, document: Document | None = None) -> None:
+    """A follower under torchrun, where no command is sent (every rank calls Engine.generate): the
+    question's prefill, then every step the leader broadcasts, until it ends the answer."""
+    document = document or state.document(document_id)
+    decoder = answer_decoder(state, document)
+    decoder.prefill(ids)
+    decoder.follow()
+    document.cache = decoder.cache
+
+
+# ------------------------------------------------------------------------------------------ documents
+def save(state: RankState, document_id: int, path: str, *, document: Document | None = None) -> None:
+    """Every rank of the decode host writes its own rows of its own KV heads (a replicated KV head
+    by the first TP rank that holds it): nothing is gathered, the writes run in parallel."""
+    document = document or state.document(document_id)
+    model, s = state.model, state.settings
+    tp, full = model.tp, model.full_config
+    heads = tp.kv_heads(full)
+    writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
+    save_document_slices(path, document.rewind(), document.token_ids, model, document.frame,
+                         group=state.control_group, rank=state.decode_index * s.tp_size + tp.rank,
+                         world=s.decode_ranks * s.tp_size, tp_size=s.tp_size, heads=heads, writes=writes)
+
+
+def load(state: RankState, path: str, document_id: int, decode_room: int) -> Document:
+    """This decode rank's slice of a saved document, in the engine's kv_dtype unless "model"."""
+    s = state.settings
+    on_host = s.decode_ranks * s.tp_size  # every TP rank of the decode ranks loads its heads' share
+    local = on_host if state.mode != "torchrun" else min(on_host, s.ranks_per_host)
+    cache, token_ids, extra = load_document_slices(
+        path, state.model, group=state.decode_group, rank=state.decode_index, world=s.decode_ranks,
+        room=decode_room, kv_dtype=s.kv_dtype if s.kv_dtype != "model" else None,
+        memory_check=lambda rows, per_row: _slice_memory_problem(state.model, rows, per_row, local))
+    document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
+                        question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=document_id)
+    state.documents[document_id] = document
+    return document
+
+
+def _slice_memory_problem(model, rows: int, bytes_per_row: int, local_ranks: int) -> str | None:
+    """A one-line problem when `rows` KV rows (on each of `local_ranks` ranks sharing this memory) do not fit."""
+    if os.environ.get("RINGCTX_MEMORY_CHECK", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    from ..parallel.planner import MEMORY_USABLE_FRACTION
+
+    need = rows * bytes_per_row * local_ranks
+    free, where = available_memory(model.device)
+    if need <= free * MEMORY_USABLE_FRACTION:
+        return None
+    return (f"not enough memory to load the document: {local_ranks} decode rank(s) x {rows:,} KV rows need "
+            f"{fmt_bytes(need)} but {where} has {fmt_bytes(free)} available; use more decode ranks on a host with "
+            f"more memory (--decode-ranks), or an 8-bit KV cache (--kv-dtype fp8)")
+
+
+def drop(state: RankState, document_id: int) -> None:
+    """Free this rank's part of a document."""
+    state.documents.pop(document_id, None)
+
+
+def rows(state: RankState, document_id: int) -> list[int]:
+    """KV rows of a document each decode rank holds now (its answers' rows included)."""
+    length = state.document(document_id).cache.length
+    return [r[0] for r in all_gather_ints([length], state.decode_group, state.settings.decode_ranks)]
+
+
+def gather(state: RankState, document_id: int) -> KVCache | None:
+    """The document's whole KV cache in sequence order on the first decode rank (None elsewhere)."""
+    document = state.document(document_id)
+    model, n = state.model, state.settings.decode_ranks
+    cache, group, rank = document.rewind(), state.decode_group, state.decode_index
+    if n > 1:  # the slices in sequence order on the first decode rank (this TP rank's heads)
+        mine = cache.row_positions().cpu().contiguous().numpy().tobytes()
+        positions = [torch.frombuffer(bytearray(b), dtype=torch.long) for b in all_gather_bytes(mine, group, n)]
+        out = KVCache.for_model(model.config, document.length, dtype=model.dtype, device=model.device,
+                                kv_dtype=cache.kv_dtype) if rank == 0 else None
+        gather_in_order(cache, out, positions, 0, rank, n, 0, group, free=False)
+        if out is not None:
+            out.length = document.length
+        cache = out
+    if state.settings.tp_size > 1 and rank == 0:  # then every head, on the leader
+        cache = gather_kv_heads(cache, model)
+    return cache if rank == 0 else None
+
+
+# ------------------------------------------------------------------------------------------ the table
+PREFILL_START = Command("prefill_start", prefill_start, decode_only=False)
+PREFILL_CHUNK = Command("prefill_chunk", prefill_chunk, decode_only=False)
+PREFILL_FINISH = Command("prefill_finish", prefill_finish, decode_only=False)
+PREFILL_CANCEL = Command("prefill_cancel", prefill_cancel, decode_only=False)
+EXTEND = Command("extend", extend, decode_only=True)
+ANSWER_START = Command("answer_start", answer_start, decode_only=True)
+ANSWER_STEP = Command("answer_step", answer_step, decode_only=True)
+ANSWER_END = Command("answer_end", answer_end, decode_only=True)
+ANSWER_FOLLOW = Command("answer_follow", follow_answer, decode_only=True)
+SAVE = Command("save", save, decode_only=True)
+LOAD = Command("load", load, decode_only=True)
+DROP = Command("drop", drop, decode_only=True)
+ROWS = Command("rows", rows, decode_only=True)
+GATHER = Command("gather", gather, decode_only=True)
+
+COMMANDS: dict[str, Command] = {c.name: c for c in (
+    PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
+    ANSWER_FOLLOW, SAVE, LOAD, DROP, ROWS, GATHER)}
+"""Every command by the name that travels: what a worker looks up for each message."""

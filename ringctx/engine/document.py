@@ -1,0 +1,63 @@
+"""A prefilled document: its KV cache on a decode rank, its tokens and the frame a question needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import KVCache
+
+
+@dataclass
+class Document:
+    """A prefilled document ready for questions: its KV cache and what a question must append.
+
+    With several decode ranks every one of them holds a Document of its own for the same text,
+    whose `cache` is that rank's slice of the tokens; the engine keeps them in step.
+    """
+
+    cache: KVCache
+    """This rank's KV cache of the document: all tokens in order (one decode rank) or a slice."""
+    token_ids: torch.Tensor
+    """The document's token ids."""
+    question_prefix: str = ""
+    """Text placed before each question (empty for raw documents)."""
+    question_suffix: str = ""
+    """Text placed after each question (the chat template's end of turn and assistant start)."""
+    stats: object | None = None
+    """PrefillStats of the ingest (None when loaded from a file)."""
+    metadata: dict = field(default_factory=dict)
+    id: int = -1
+    """The engine's handle for the document on every decode rank."""
+    rows: int = -1
+    """Rows of `cache` that belong to the document (the rest are an answer's); -1: cache.length."""
+
+    def __post_init__(self):
+        if self.rows < 0:
+            self.rows = self.cache.length
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+    def rewind(self) -> KVCache:
+        """The cache cut back to the document (questions do not see each other)."""
+        self.cache.truncate(self.rows)
+        return self.cache
+
+    @property
+    def frame(self) -> dict:
+        """What a saved document keeps besides the cache: the chat frame and the metadata."""
+        return {"question_prefix": self.question_prefix, "question_suffix": self.question_suffix, **self.metadata}
+
+
+def chat_frame(tokenizer) -> tuple[str, str]:
+    """(text before the document, text after a question) from the tokenizer's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", ""
+    marker = "\x00RINGCTX_QUESTION\x00"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
+                                             add_generation_prompt=True)
+    before, after = rendered.split(marker)
+    return before, after
