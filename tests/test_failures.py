@@ -72,12 +72,12 @@ def _pgid(pid: int) -> int | None:
 
 def test_a_rank_killed_mid_prefill_is_named_and_every_rank_ends(monkeypatch):
     monkeypatch.setenv("RINGCTX_TEST_KILL", "2:chunk2")  # rank 2 SIGKILLs itself after chunk 2 of 6
-    engine = Engine("tiny", nproc=3, dtype="float32", timeout_s=60)
+    engine = Engine("tiny", nproc=3, dtype="float32", timeout_s=240)
     workers = list(engine.worker_processes)
     start_time = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 2 of 3 was killed by SIGKILL during prefill") as info:
         engine.prefill(IDS, chunk_tokens=50)
-    assert time.monotonic() - start_time < 20  # moments, not the 60 s timeout
+    assert time.monotonic() - start_time < 120  # moments, not the 240 s timeout (loose: the machine may be loaded)
     assert info.value.lost_ranks == (2,)
     assert all(not p.is_alive() for p in workers)  # the survivor was ended too
     with pytest.raises(RankFailure, match="this engine is closed: rank 2 of 3 was killed"):
@@ -127,7 +127,7 @@ def test_idle_engine_survives_its_timeout_and_a_stuck_rank_times_out(monkeypatch
         with pytest.raises(RankFailure, match=rf"did not complete within the 3 s timeout: rank 1 \(pid {worker.pid}\) "
                                               r"is stopped"):
             engine.prefill(IDS[:12], decode_room=0)
-        assert time.monotonic() - start_time < 20
+        assert time.monotonic() - start_time < 60  # the 3 s timeout and the diagnosis, not a hang
         assert not worker.is_alive()
     finally:
         if worker.is_alive():

@@ -68,12 +68,12 @@ def test_8bit_caches_split_over_two_ranks_equal_one_rank(kv_dtype, reference, tm
 
 def test_a_decode_rank_that_dies_mid_answer_is_named(monkeypatch):
     monkeypatch.setenv("RINGCTX_TEST_KILL", "1:decode5")  # rank 1 SIGKILLs itself before decode step 5
-    engine = Engine("tiny", nproc=2, dtype="float32", timeout_s=60)
+    engine = Engine("tiny", nproc=2, dtype="float32", timeout_s=240)
     document = engine.ingest(DOC, chunk_tokens=64)
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"rank 1 of 2 .*(killed|SIGKILL|exited).* during decode"):
         answer(engine, document)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 120  # moments, not the 240 s timeout (loose: the machine may be loaded)
     with pytest.raises(RankFailure, match="this engine is closed"):
         engine.ingest(DOC)
 
@@ -88,7 +88,7 @@ def test_a_decode_rank_that_stops_answering_times_out_named(reference):
         with pytest.raises(RankFailure, match=rf"did not complete within the 3 s timeout: rank 1 \(pid {worker.pid}\) "
                                               r"is stopped"):
             answer(engine, document)
-        assert time.monotonic() - start < 20
+        assert time.monotonic() - start < 60  # the 3 s timeout and the diagnosis, not a hang
     finally:
         if worker.is_alive():
             worker.kill()
