@@ -1,8 +1,9 @@
 """The product: chunked context-parallel prefill, KV hand-off, and the Engine API."""
 
-from .api import Document, Engine, auto_nproc, default_chunk_tokens
+from .api import Answer, Engine, PrefillJob, auto_nproc, default_chunk_tokens, serving_nproc
+from .document import Document
 from .failures import RankFailure
 from .prefill import ChunkStats, PrefillConfig, PrefillResult, PrefillStats, cp_prefill
 
-__all__ = ["ChunkStats", "Document", "Engine", "PrefillConfig", "PrefillResult", "PrefillStats", "RankFailure", "cp_prefill",
-           "auto_nproc", "default_chunk_tokens"]
+__all__ = ["Answer", "ChunkStats", "Document", "Engine", "PrefillConfig", "PrefillJob", "PrefillResult", "PrefillStats",
+           "RankFailure", "auto_nproc", "cp_prefill", "default_chunk_tokens", "serving_nproc"]

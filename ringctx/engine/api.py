@@ -756,6 +756,20 @@ def auto_nproc(device=None, tp: int = 1) -> int:
     return -(-(2 if cores >= 2 else 1) // tp) * tp
 
 
+def serving_nproc(device=None, tp: int = 1) -> tuple[int, str]:
+    """(local ranks, why) of the layout that serves fastest here: one rank per GPU, and on a CPU one
+    rank with every core. The ranks of a CPU host share its cores and its memory bandwidth, so a
+    second rank brings no compute or bandwidth, only messages: on a 2-core AMD EPYC a decode step of
+    SmolLM2 took 43-47 ms on one rank against 80-92 ms on two, and a first question over an
+    8K-token document 36.8 s against 42.5 s (docs/BENCHMARKS.md). GPUs each bring their own."""
+    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
+    if on_gpu:
+        n = max(tp, torch.cuda.device_count() // tp * tp)
+        return n, f"one rank per GPU ({n}): each brings its own compute and memory"
+    return tp, ("one rank with every core: CPU ranks of one host share its cores and memory bandwidth, so more "
+                "ranks add messages, not speed" + (f" (tp={tp} needs {tp})" if tp > 1 else ""))
+
+
 def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int, ranks_per_host: int) -> int:
     """How many decode ranks: None -> the decode host's ranks from decode_rank on; checked to lie
     on one host and within the job. A ValueError names what to change."""

@@ -78,11 +78,12 @@ class AnswerTicket:
 
 class PrefillTicket:
     """A prefill in the scheduler. `on_chunk(job, chunk_stats)` runs on the scheduler's thread after
-    each chunk; `wait()` returns the PrefillResult (or raises its error); `cancel()` gives it up."""
+    each chunk and `on_done(result)` after the hand-off (it may use the engine: it is on that thread);
+    `wait()` returns the PrefillResult (or raises its error); `cancel()` gives it up."""
 
-    def __init__(self, start: Callable[[], Any], on_chunk=None):
+    def __init__(self, start: Callable[[], Any], on_chunk=None, on_done=None):
         self.start = start  # on the scheduler's thread: -> the Engine's PrefillJob
-        self.on_chunk = on_chunk
+        self.on_chunk, self.on_done = on_chunk, on_done
         self.job = None
         self.cancelled = False
         self.last_chunk = time.monotonic()
@@ -140,9 +141,9 @@ class Scheduler:
         """Queue an answer; `start()` runs on the scheduler's thread and returns the Engine's Answer."""
         return self._submit(self.answers, AnswerTicket(start))
 
-    def submit_prefill(self, start: Callable[[], Any], on_chunk=None) -> PrefillTicket:
+    def submit_prefill(self, start: Callable[[], Any], on_chunk=None, on_done=None) -> PrefillTicket:
         """Queue a prefill; `start()` runs on the scheduler's thread and returns the Engine's PrefillJob."""
-        return self._submit(self.prefills, PrefillTicket(start, on_chunk))
+        return self._submit(self.prefills, PrefillTicket(start, on_chunk, on_done))
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None):
         """Run fn() on the scheduler's thread between two steps and return what it returns (or raise)."""
@@ -269,6 +270,8 @@ class Scheduler:
                     ticket.on_chunk(ticket.job, stats)
                 return
             result = ticket.job.finish()
+            if ticket.on_done is not None:
+                ticket.on_done(result)
         except ValueError as exc:  # bad input, or no memory for it: this prefill only
             self.prefills.popleft()
             ticket._finish(error=exc)

@@ -1,0 +1,143 @@
+"""The step-level scheduler: prefills a chunk at a time and answers a token at a time, interleaved on
+two ranks, give exactly what each gives alone; cancelled work frees its place; a lost rank ends
+every ticket with the RankFailure naming it."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ringctx import Engine
+from ringctx.engine import RankFailure
+from ringctx.engine.scheduler import Done, Scheduler, SchedulerStopped, Text
+
+DOC = [(3 * i) % 250 + 3 for i in range(257)]
+LONG = [(7 * i) % 250 + 3 for i in range(700)]
+QUESTION = [5, 9, 11, 4]
+GREEDY = dict(max_new_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("tiny", nproc=2, dtype="float32", chunk_tokens=64) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """What the engine gives with nothing else running: the answer's tokens and logits, the long prefill's logits."""
+    document = engine.ingest(DOC)
+    generation = engine.generate(document, QUESTION, keep_logits=True, **GREEDY)
+    text = "".join(generation)
+    prefill = engine.prefill(LONG)
+    return {"tokens": generation.result.token_ids, "logits": generation.result.step_logits, "text": text,
+            "long_logits": prefill.logits.clone()}
+
+
+def collect(ticket):
+    events = list(ticket)
+    assert isinstance(events[-1], Done)
+    return "".join(e.text for e in events if isinstance(e, Text)), events[-1].result
+
+
+def test_an_answer_interleaved_with_a_long_prefill_equals_each_alone(engine, alone):
+    order = []
+    scheduler = Scheduler(engine, prefill_every_s=3600)
+    try:
+        document = scheduler.call(lambda: engine.ingest(DOC))
+        prefill = scheduler.submit_prefill(lambda: engine.start_prefill(LONG),
+                                           on_chunk=lambda job, stats: order.append("chunk"))
+
+        def start():
+            order.append("answer")
+            return engine.generate(document, QUESTION, keep_logits=True, **GREEDY)
+
+        answer = scheduler.submit_answer(start)
+        text, result = collect(answer)
+        long = prefill.wait(timeout=300)
+    finally:
+        scheduler.stop()
+    assert result.token_ids == alone["tokens"] and text == alone["text"]
+    for got, want in zip(result.step_logits, alone["logits"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(long.logits, alone["long_logits"], rtol=1e-5, atol=1e-6)
+    # The answer started before the prefill's last chunk (answers come first), and both finished.
+    assert "answer" in order and order.index("answer") < len(order) - 1
+    assert order.count("chunk") == len(range(0, len(LONG), 64))
+
+
+def test_a_prefill_gets_chunks_while_answers_keep_coming(engine):
+    """prefill_every_s=0: a queued prefill gets a chunk between every two tokens."""
+    order = []
+    scheduler = Scheduler(engine, prefill_every_s=0.0)
+    try:
+        document = scheduler.call(lambda: engine.ingest(DOC))
+
+        def start():
+            order.append("answer")
+            return engine.generate(document, QUESTION, **GREEDY)
+
+        answers = [scheduler.submit_answer(start) for _ in range(2)]
+        prefill = scheduler.submit_prefill(lambda: engine.start_prefill(LONG),
+                                           on_chunk=lambda job, stats: order.append("chunk"))
+        for a in answers:
+            collect(a)
+        prefill.wait(timeout=300)
+    finally:
+        scheduler.stop()
+    first_chunk, second_answer = order.index("chunk"), len(order) - 1 - order[::-1].index("answer")
+    assert first_chunk < second_answer  # the prefill did not wait for every answer
+
+
+def test_a_cancelled_answer_ends_at_once_and_the_next_is_unchanged(engine, alone):
+    scheduler = Scheduler(engine)
+    try:
+        document = scheduler.call(lambda: engine.ingest(DOC))
+        first = scheduler.submit_answer(lambda: engine.generate(document, QUESTION, max_new_tokens=5000))
+        while scheduler.running is not first or first.answer is None:  # wait until it decodes
+            time.sleep(0.001)
+        first.cancel()
+        rest = list(first)
+        assert isinstance(rest[-1], Done) and rest[-1].result is None  # ended unfinished
+        text, result = collect(scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)))
+        assert result.token_ids == alone["tokens"]
+        assert scheduler.call(lambda: engine.document_rows(document)) and scheduler.idle()
+    finally:
+        scheduler.stop()
+
+
+def test_bad_input_fails_its_ticket_only(engine):
+    scheduler = Scheduler(engine)
+    try:
+        bad = scheduler.submit_prefill(lambda: engine.start_prefill([10 ** 6]))  # outside the vocabulary
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            bad.wait(timeout=120)
+        with pytest.raises(ValueError, match="bad call"):
+            scheduler.call(_raise_value_error)
+        assert scheduler.stopped is None and scheduler.call(lambda: 41 + 1) == 42
+    finally:
+        scheduler.stop()
+    with pytest.raises(SchedulerStopped):
+        scheduler.submit_answer(lambda: None)
+
+
+def _raise_value_error():
+    raise ValueError("bad call")
+
+
+def test_tickets_are_read_from_other_threads(engine, alone):
+    scheduler = Scheduler(engine)
+    results = {}
+    try:
+        document = scheduler.call(lambda: engine.ingest(DOC))
+        tickets = [scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)) for _ in range(3)]
+        threads = [threading.Thread(target=lambda i=i, t=t: results.__setitem__(i, collect(t))) for i, t in
+                   enumerate(tickets)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        scheduler.stop()
+    assert [results[i][1].token_ids for i in range(3)] == [alone["tokens"]] * 3
