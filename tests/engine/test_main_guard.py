@@ -62,3 +62,14 @@ def test_the_guard_is_read_from_the_script(tmp_path, source, line, guarded):
     path = tmp_path / "s.py"
     path.write_text(textwrap.dedent(source))
     assert _under_main_guard(str(path), line) is guarded
+
+
+def test_the_readme_example_keeps_its_engine_under_the_guard(tmp_path):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    example = readme.split("```python\n", 1)[1].split("\n# The core", 1)[0]
+    path = tmp_path / "example.py"
+    path.write_text(example)
+    line = next(i for i, text in enumerate(example.splitlines(), start=1) if "ringctx.Engine(" in text)
+    assert _under_main_guard(str(path), line)

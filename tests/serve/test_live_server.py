@@ -1,0 +1,249 @@
+"""`ringctx serve` for real: the embedded SmolLM2 on two ranks, the real `openai` client, loopback only.
+
+One server (module-scoped) answers most tests; restarts and faults start servers of their own
+on a store of their own. Answers are greedy in float32, so they must equal Engine.ask's exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+NEEDLE = "The secret code for the vault is 7492, and only Marta knows it."
+FILLER = "Rivers flow past quiet hills and old towns while the lazy dog sleeps in the sun. "
+DOCUMENT = FILLER * 40 + NEEDLE + " " + FILLER * 40
+QUESTION = "What is the secret code for the vault?"
+GREEDY = dict(max_tokens=16, temperature=0)
+LISTENING = re.compile(r"ringctx serve: listening on (http://[\d.]+:\d+)")
+
+
+class Server:
+    """A `ringctx serve` subprocess on 127.0.0.1 with a port the OS picked."""
+
+    def __init__(self, store, *args, env=None, timeout=300):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--nproc", "2", "--dtype", "float32",
+             "--store", str(store), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        self.url = None
+        while self.url is None:
+            for line in list(self.lines):
+                m = LISTENING.search(line)
+                if m:
+                    self.url = m.group(1)
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("the server did not start:\n" + "".join(self.lines)[-4000:])
+            time.sleep(0.1)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        self.http = httpx.Client(base_url=self.url, timeout=300)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def ingest(self, text, name="doc"):
+        r = self.http.post("/v1/documents", json={"text": text, "name": name})
+        assert r.status_code == 202, r.text
+        return r.json()
+
+    def wait_ready(self, doc_id, timeout=300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            doc = self.http.get(f"/v1/documents/{doc_id}").json()
+            if doc["status"] not in ("ingesting",):
+                return doc
+            time.sleep(0.2)
+        raise AssertionError(f"{doc_id} still ingesting after {timeout} s")
+
+    def ask(self, doc_id, question, **kw):
+        return self.client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": question}],
+                                                   extra_body={"document": doc_id}, **{**GREEDY, **kw})
+
+    def metric(self, name):
+        text = self.http.get("/metrics").text
+        values = [float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith(name) and not line.startswith("#")]
+        return sum(values)
+
+    def stop(self, sig=signal.SIGTERM, timeout=120):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.http.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Engine.ask's greedy answer on the same document (one process, float32)."""
+    import ringctx
+
+    with ringctx.Engine(dtype="float32") as engine:
+        document = engine.ingest(DOCUMENT)
+        return {"answer": engine.ask(document, QUESTION, max_new_tokens=16), "tokens": document.length}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("store"))
+    yield server
+    assert server.stop() == 0, "".join(server.lines)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def needle(server):
+    return server.wait_ready(server.ingest(DOCUMENT, name="needle")["id"])
+
+
+def test_models_lists_the_served_model(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+
+
+def test_a_question_on_a_document_equals_engine_ask_and_reports_cached_tokens(server, needle, reference):
+    assert needle["status"] == "ready" and needle["tokens"] == reference["tokens"]
+    assert needle["chunks"]["done"] == needle["chunks"]["total"] >= 1
+    response = server.ask(needle["id"], QUESTION)
+    assert response.choices[0].message.content == reference["answer"]
+    usage = response.usage
+    assert usage.prompt_tokens_details.cached_tokens == reference["tokens"]
+    assert usage.prompt_tokens > reference["tokens"] and usage.completion_tokens == 16
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_the_streamed_answer_is_the_same_and_ends_with_usage(server, needle, reference):
+    stream = server.ask(needle["id"], QUESTION, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["answer"]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == reference["tokens"]
+
+
+def test_a_client_that_resends_the_document_reuses_its_cache(server, needle, reference):
+    """No "document" field: the prompt's tokens begin with the document's, so its rows are reused."""
+    response = server.client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": DOCUMENT + "\n\n" + QUESTION}], **GREEDY)
+    assert response.usage.prompt_tokens_details.cached_tokens == reference["tokens"]
+    assert response.choices[0].message.content == reference["answer"]
+
+
+def test_completions_and_chat_without_a_document(server):
+    completion = server.client.completions.create(model="smollm2-135m", prompt="The capital of France is",
+                                                  max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage.prompt_tokens_details.cached_tokens == 0
+    again = server.client.completions.create(model="smollm2-135m", prompt="The capital of France is",
+                                             max_tokens=8, temperature=0)
+    assert again.choices[0].text == completion.choices[0].text
+    chat = server.client.chat.completions.create(model="smollm2-135m",
+                                                 messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,
+                                                 temperature=0.8, seed=3)
+    assert chat.choices[0].message.content
+    same = server.client.chat.completions.create(model="smollm2-135m",
+                                                 messages=[{"role": "user", "content": "Say hello."}], max_tokens=8,
+                                                 temperature=0.8, seed=3)
+    assert same.choices[0].message.content == chat.choices[0].message.content  # seeded: reproducible
+
+
+def test_an_unknown_document_is_a_404_object(server):
+    r = server.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "document": "doc-" + "0" * 24,
+                                                       "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "document"
+
+
+def test_many_clients_get_their_sequential_answers_while_a_document_is_ingested(server, needle):
+    """Bounded: 8 clients x 2 questions over two documents while a third is ingested."""
+    other = server.wait_ready(server.ingest(FILLER * 20 + "The ferry leaves at noon.", name="ferry")["id"])
+    questions = [(needle["id"], QUESTION), (needle["id"], "Who knows the code?"),
+                 (other["id"], "When does the ferry leave?"), (other["id"], "What flows past the hills?")]
+    sequential = {q: server.ask(*q, max_tokens=8).choices[0].message.content for q in questions}
+    third = server.ingest(FILLER * 120, name="third")
+    answers, waits, errors = [], [], []
+
+    def client(i):
+        try:
+            for j in range(2):
+                q = questions[(i + j) % len(questions)]
+                t = time.monotonic()
+                answers.append((q, server.ask(*q, max_tokens=8).choices[0].message.content))
+                waits.append(time.monotonic() - t)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert len(answers) == 16 and all(text == sequential[q] for q, text in answers)
+    print(f"longest wait for an answer under load: {max(waits):.1f} s")
+    assert server.wait_ready(third["id"])["status"] == "ready"
+
+
+def test_restart_answers_from_the_store_without_prefilling(tmp_path, reference):
+    first = Server(tmp_path)
+    doc = first.wait_ready(first.ingest(DOCUMENT)["id"])
+    assert first.stop() == 0
+    second = Server(tmp_path)
+    try:
+        listed = second.http.get("/v1/documents").json()["data"]
+        assert [(d["id"], d["status"]) for d in listed] == [(doc["id"], "on_disk")]
+        assert second.ask(doc["id"], QUESTION).choices[0].message.content == reference["answer"]
+        assert second.metric("ringctx_document_chunks_prefilled") == 0
+        assert second.http.get(f"/v1/documents/{doc['id']}").json()["status"] == "ready"
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_server_killed_mid_ingest_leaves_no_half_document(tmp_path):
+    first = Server(tmp_path, "--chunk-tokens", "256")
+    doc = first.ingest(FILLER * 300)
+    deadline = time.monotonic() + 120
+    while first.http.get(f"/v1/documents/{doc['id']}").json()["chunks"]["done"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    first.stop(signal.SIGKILL)
+    subprocess.run(["pkill", "-9", "-f", "multiprocessing.spawn"], check=False)  # its orphaned ranks
+    second = Server(tmp_path)
+    try:
+        listed = {d["id"]: d for d in second.http.get("/v1/documents").json()["data"]}
+        assert listed[doc["id"]]["status"] == "failed" and "stopped during the ingest" in listed[doc["id"]]["error"]
+        r = second.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "document": doc["id"],
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "failed" in r.json()["error"]["message"]
+        assert not list(tmp_path.glob("*.partial"))
+    finally:
+        assert second.stop() == 0
+
+
+def test_a_rank_lost_while_answering_is_a_503_naming_it_and_the_server_exits_non_zero(tmp_path):
+    server = Server(tmp_path, env={"RINGCTX_TEST_KILL": "1:decode5"})
+    try:
+        doc = server.wait_ready(server.ingest(FILLER * 10)["id"])
+        r = server.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "document": doc["id"],
+                                                           "messages": [{"role": "user", "content": QUESTION}],
+                                                           "max_tokens": 32, "temperature": 0})
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert "rank 1 of 2" in error["message"] and error["code"] == "rank_lost"
+        assert server.proc.wait(timeout=120) != 0
+    finally:
+        server.stop(signal.SIGKILL)
+    assert (tmp_path / f"{doc['id']}.kv").is_dir()  # the store is intact
+    json.loads((tmp_path / f"{doc['id']}.json").read_text())
