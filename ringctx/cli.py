@@ -474,3 +474,7 @@ main.add_command(calibrate)
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# `ringctx serve` lives in a module of its own (it registers itself on `main`).
+from . import cli_serve  # noqa: E402,F401

@@ -427,16 +427,21 @@ class Engine:
     def document_token_ids(self, text, *, chat: bool = True) -> tuple[list[int], str, bool]:
         """(token ids, question suffix, chat) of a document as `ingest` prefills it (text, or token ids as they are)."""
         if isinstance(text, str):
-            if not text.strip():
-                raise ValueError("the document is empty: give some text to ingest")
-            tokenizer = self._tokenizer()
-            prefix, suffix = ("", "") if not chat else chat_frame(tokenizer)
-            ids = tokenizer(prefix + text + ("\n\n" if chat else ""), add_special_tokens=False)["input_ids"]
+            rendered, suffix = self.document_text(text, chat=chat)
+            ids = self._tokenizer()(rendered, add_special_tokens=False)["input_ids"]
             return ids, suffix, chat
         ids = list(map(int, text))
         if not ids:
             raise ValueError("the document is empty: give at least one token id")
         return ids, "", False
+
+    def document_text(self, text: str, *, chat: bool = True) -> tuple[str, str]:
+        """(the text `ingest` tokenizes for a document, the text that ends a question after it): in
+        chat form the document opens the first user turn and a question follows a blank line."""
+        if not text.strip():
+            raise ValueError("the document is empty: give some text to ingest")
+        prefix, suffix = ("", "") if not chat else chat_frame(self._tokenizer())
+        return prefix + text + ("\n\n" if chat else ""), suffix
 
     def extend(self, document: Document, token_ids, *, decode_room: int = 256, on_chunk=None):
         """Prefill `token_ids` on top of `document` and keep them in it (a follow-up turn, or the

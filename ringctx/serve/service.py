@@ -19,6 +19,7 @@ Every Engine call runs on the scheduler's thread; the handlers only tokenize and
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -36,6 +37,9 @@ KV_BUDGET_SHARE = 0.5
 """Of the memory free once the model is loaded (times the planner's usable fraction), the share the
 documents' KV caches may keep: the rest stays free for an ingest in flight (its shards live on
 every rank until the hand-off) and for answers' rows."""
+
+BOUNDARY_TOKENS = 8
+"""Tokens at a document's end that a prompt resending it may tokenize differently (see _prefix_document)."""
 
 QUESTION_ROOM_TOKENS = 256
 """KV rows a document keeps free for a question and its answer (they grow past it as needed)."""
@@ -107,7 +111,8 @@ class EngineBackend:
         self._check_serving()
         if not text.strip():
             raise api.BadRequest("the document is empty: give some text to ingest", param="text")
-        ids, suffix, _ = self.engine.document_token_ids(text)
+        rendered, suffix = self.engine.document_text(text)
+        ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         n = len(ids)
         need = n * self.bytes_per_token
         if n > self.max_document_tokens or need > self.kv_budget_bytes:
@@ -120,7 +125,8 @@ class EngineBackend:
             raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.max_context_tokens:,}",
                                param="text")
         record = DocumentRecord(id=new_document_id(), name=name or "untitled", created=now(), tokens=n,
-                                chunks_total=-(-n // self.engine.chunk_tokens), kv_dtype=self.engine.kv_dtype)
+                                chunks_total=-(-n // self.engine.chunk_tokens), kv_dtype=self.engine.kv_dtype,
+                                text_chars=len(rendered), text_sha256=_sha256(rendered))
         self.store.write(record)
         ids_tensor = torch.tensor(ids, dtype=torch.long)
         with self._lock:
@@ -353,20 +359,16 @@ class EngineBackend:
                 raise api.BadRequest("the prompt is empty: ask something about the document", param="messages")
             return record.id, torch.tensor(ids, dtype=torch.long)
         if request.messages is not None:
-            ids = tok.apply_chat_template(list(request.messages), tokenize=True, add_generation_prompt=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            text = tok.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
         else:
-            ids = tok(request.prompt or "", add_special_tokens=False)["input_ids"]
+            text = request.prompt or ""
+        ids = tok(text, add_special_tokens=False)["input_ids"]
         if len(ids) < 2:
             raise api.BadRequest("the prompt has fewer than 2 tokens: give a longer prompt",
                                  param="messages" if request.messages is not None else "prompt")
         ids = torch.tensor(ids, dtype=torch.long)
-        doc_id = self._prefix_document(ids)
-        if doc_id is not None:
-            n = self._records[doc_id].tokens
-            if len(ids) > n:
-                return doc_id, ids[n:]
-        return None, ids
+        reuse = self._prefix_document(ids, text)
+        return reuse if reuse is not None else (None, ids)
 
     def _continuation(self, messages: list[dict]) -> str:
         """What follows a document's rows for a chat request: the document opened the first user
@@ -381,17 +383,33 @@ class EngineBackend:
                                                       add_generation_prompt=True)
         return rendered.split(marker, 1)[1]
 
-    def _prefix_document(self, ids: torch.Tensor) -> str | None:
-        """A ready document whose tokens begin `ids` (the longest), for a client that resends it."""
-        best, best_n = None, 0
+    def _prefix_document(self, ids: torch.Tensor, text: str) -> tuple[str, torch.Tensor] | None:
+        """(a ready document the prompt begins with, the prompt's tokens after it), for a client that
+        resends the document, or None. The longest such document wins.
+
+        Tokens alone do not tell: where the document ends, the prompt's text goes on, and BPE merges
+        across that boundary differently ("sun. \n\n" alone, "sun. \n\nWhat" in the prompt). So a
+        document whose tokens begin the prompt's up to its last few is confirmed by its text (the
+        SHA-256 of the prompt's first characters), and the rest of the prompt is tokenized on its own:
+        the tokens Engine.ask would put after the document for that text."""
+        best = None
         with self._lock:
-            candidates = [(d, t) for d, t in self._tokens.items()
+            candidates = [(self._records[d], t) for d, t in self._tokens.items()
                           if d in self._records and self._records[d].status == "ready"]
-        for doc_id, tokens in candidates:
+        for record, tokens in sorted(candidates, key=lambda c: -c[1].numel()):
             n = tokens.numel()
-            if best_n < n < ids.numel() and torch.equal(ids[:n], tokens):
-                best, best_n = doc_id, n
-        return best
+            if n < ids.numel() and torch.equal(ids[:n], tokens):
+                best = (record.id, ids[n:])
+            elif record.text_sha256 and len(text) > record.text_chars:
+                sure = max(0, n - BOUNDARY_TOKENS)
+                if ids.numel() > sure and torch.equal(ids[:sure], tokens[:sure]) and \
+                        _sha256(text[:record.text_chars]) == record.text_sha256:
+                    rest = self.tokenizer(text[record.text_chars:], add_special_tokens=False)["input_ids"]
+                    if rest:
+                        best = (record.id, torch.tensor(rest, dtype=torch.long))
+            if best is not None:
+                return best
+        return None
 
     # ------------------------------------------------------------------ health and closing
     def stats(self) -> api.BackendStats:
@@ -529,6 +547,10 @@ def _prefill_work(engine: Engine, lengths: list[int], chunk: int) -> float:
             total += _chunk_work(engine, t, cached)
             cached += t
     return total
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _fmt(n: float) -> str:

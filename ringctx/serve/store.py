@@ -48,6 +48,10 @@ class DocumentRecord:
     error: str | None = None
     kv_dtype: str = ""
     bytes_on_disk: int = 0
+    text_chars: int = 0
+    """Characters of the text its tokens were made from (the chat frame included)."""
+    text_sha256: str = ""
+    """SHA-256 of that text (UTF-8): how a prompt that resends the document is recognised."""
 
 
 class DocumentStore:

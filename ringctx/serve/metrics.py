@@ -1,0 +1,77 @@
+"""`/metrics` of `ringctx serve`, in Prometheus' text format through prometheus_client.
+
+Per app, one registry (tests run several apps in one process): histograms of time to first token
+and inter-token time, requests by endpoint and status, and what the backend's stats say when
+scraped (queue depth, documents by status, KV bytes per decode rank, prefill tokens and speed).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+"""Seconds: a decode step is 5-100 ms; a first token behind a queue or a long prompt can take minutes."""
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models",
+             "/health": "health", "/metrics": "metrics"}
+
+
+class ServeMetrics:
+    """The metrics of one app over one backend."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, backend):
+        self.registry = CollectorRegistry()
+        self.time_to_first_token = Histogram(
+            "ringctx_time_to_first_token_seconds", "Seconds from a request's arrival to its first answer token",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram(
+            "ringctx_inter_token_seconds", "Seconds between two answer tokens of one request",
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("ringctx_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.registry.register(_BackendCollector(backend))
+
+    @staticmethod
+    def endpoint(path: str) -> str:
+        """A bounded label for a path (document ids are not labels)."""
+        if path.startswith("/v1/documents"):
+            return "documents"
+        return ENDPOINTS.get(path, "other")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _BackendCollector:
+    """The backend's numbers, read when /metrics is scraped."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def collect(self):
+        stats = self.backend.stats()
+        yield GaugeMetricFamily("ringctx_healthy", "1 when every rank is up", value=int(stats.healthy))
+        yield GaugeMetricFamily("ringctx_ranks", "Ranks of the engine", value=stats.ranks)
+        yield GaugeMetricFamily("ringctx_queue_depth", "Answers waiting for their turn", value=stats.queue_depth)
+        yield GaugeMetricFamily("ringctx_running", "Answers being produced", value=stats.running)
+        documents = GaugeMetricFamily("ringctx_documents", "Documents by status", labels=["status"])
+        for status in ("ingesting", "ready", "on_disk", "failed"):
+            documents.add_metric([status], stats.documents_by_status.get(status, 0))
+        yield documents
+        kv = GaugeMetricFamily("ringctx_kv_bytes", "Bytes of document KV cache held in memory, per decode rank",
+                               labels=["decode_rank"])
+        for rank, held in enumerate(stats.kv_bytes_per_rank):
+            kv.add_metric([str(rank)], held)
+        yield kv
+        yield GaugeMetricFamily("ringctx_kv_budget_bytes", "Bytes of KV cache the decode ranks may keep",
+                                value=stats.kv_budget_bytes)
+        yield CounterMetricFamily("ringctx_prefill_tokens", "Tokens prefilled since start", value=stats.prefill_tokens)
+        yield GaugeMetricFamily("ringctx_prefill_tokens_per_second", "Tokens prefilled per second of prefill",
+                                value=stats.prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0)
+        yield CounterMetricFamily("ringctx_document_chunks_prefilled", "Document chunks prefilled since start",
+                                  value=stats.document_chunks_prefilled)
