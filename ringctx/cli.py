@@ -93,10 +93,23 @@ class _RankCount(click.ParamType):
 
 
 # Options that `ask` shares with the commands of engine_options.
-def nproc_option(default):
+def nproc_option(default, serving: bool = False):
+    auto = ("auto (the layout that serves fastest: one rank per GPU, one rank with every core on a CPU)" if serving
+            else "auto (one per GPU; 2 on a CPU with 2+ cores, each with half the threads)")
     return click.option("--nproc", default=default, show_default=True, type=_RankCount(),
-                        help="Local ranks to spawn: a number, or auto (one per GPU; 2 on a CPU with 2+ cores, "
-                             "each with half the threads). Ignored under torchrun, which sets the world.")
+                        help=f"Local ranks to spawn: a number, or {auto}. Ignored under torchrun, which sets the world.")
+
+
+def serving_layout(nproc, device, tp: int) -> tuple:
+    """(ranks, note) for --nproc of the commands that serve questions (ingest, ask, serve): auto is the
+    layout that serves fastest here (ringctx.engine.serving_nproc) and the note says which and why,
+    for the command's closing lines (an error stays one line); a number is taken as it is (note None)."""
+    if nproc != "auto" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return nproc, None
+    from .engine import serving_nproc
+
+    n, why = serving_nproc(device, tp)
+    return n, f"--nproc auto: {n} rank(s): {why}"
 
 
 TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
@@ -111,13 +124,15 @@ DECODE_RANKS_OPTION = click.option(
          "rank of the decode host; 1: the whole cache on rank 0]. A document saved by any number loads on any other.")
 
 
-def engine_options(f):
-    """Options shared by every command that builds an Engine."""
+def engine_options(f=None, *, serving: bool = False):
+    """Options shared by every command that builds an Engine (serving: --nproc auto is the serving layout)."""
+    if f is None:
+        return lambda g: engine_options(g, serving=serving)
     options = [
         click.option("--model", default="smollm2-135m", show_default=True,
                      help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging "
                           "Face cache."),
-        nproc_option("auto"),
+        nproc_option("auto", serving=serving),
         TP_OPTION,
         click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
         click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
@@ -346,7 +361,7 @@ def _write_json(path: str, data: dict) -> None:
 @click.option("--save", "save_path", required=True, type=click.Path(),
               help="Document to write (a directory: one KV slice per decode rank, a manifest, the tokens).")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
-@engine_options
+@engine_options(serving=True)
 def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, hardware, rule, dtype, device,
            attn_backend, timeout_s, decode_ranks, kv_dtype):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
@@ -362,6 +377,7 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
         raise _AgreedError(f"{file} is empty: nothing to ingest")
     from .engine.failures import RankFailure
 
+    nproc, layout_note = serving_layout(nproc, device, tp)
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
                           decode_ranks, kv_dtype, tp)
     printing = _is_printing_rank()
@@ -378,6 +394,8 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
     if printing:
         for table in stats_tables(document.stats, f"ringctx ingest: {file} ({document.length:,} tokens)"):
             console.print(table)
+        if layout_note:
+            err_console.print(f"[dim]{layout_note}[/dim]")
         err_console.print(f"saved the KV cache to {save_path}; ask with: ringctx ask {save_path} \"your question\"")
 
 
@@ -393,7 +411,7 @@ def _ingest_with_progress(engine, text, chat):
 @click.argument("question")
 @click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
-@nproc_option(1)
+@nproc_option("auto", serving=True)
 @TP_OPTION
 @DECODE_RANKS_OPTION
 @click.option("--max-new-tokens", default=256, show_default=True)
@@ -415,6 +433,7 @@ def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens
     engine = None
     try:
         meta = describe_document(kv_file)
+        nproc, layout_note = serving_layout(nproc, None, tp)
         engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
                         kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
         document = engine.load_document(kv_file)
@@ -431,6 +450,8 @@ def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens
         return
     click.echo()
     r = generation.result
+    if layout_note:
+        err_console.print(f"[dim]{layout_note}[/dim]")
     err_console.print(f"[dim]{document.length:,} cached tokens on {engine.decode_ranks} decode rank(s); first token "
                       f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_ms_per_token:.1f} ms/token over "
                       f"{len(r.token_ids)} tokens[/dim]")

@@ -33,7 +33,7 @@ def _log(line: str) -> None:
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging Face cache.")
-@nproc_option("auto")
+@nproc_option("auto", serving=True)
 @TP_OPTION
 @DECODE_RANKS_OPTION
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,

@@ -67,9 +67,9 @@ class EngineBackend:
         from ..engine import serving_nproc
 
         self.log = log or (lambda line: None)
-        if nproc == "auto":
+        if nproc == "auto" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             nproc, why = serving_nproc(None, tp)
-            self.log(f"ringctx serve: {nproc} rank(s): {why}")
+            self.log(f"ringctx serve: --nproc auto: {nproc} rank(s): {why}")
         self.store = DocumentStore(store_dir)  # a bad path fails before any rank starts
         self.engine = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype, dtype=dtype,
                              timeout_s=timeout_s, chunk_tokens=chunk_tokens)
