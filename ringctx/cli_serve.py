@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -72,17 +73,20 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, 
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         _log(f"ringctx serve: warning: listening on {host} without --api-key: anyone who reaches it can use it")
-    try:
-        sock = listen_socket(host, port)
-    except OSError as exc:
-        raise click.ClickException(str(exc)) from None
+    sock = None
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks only follow
+        try:
+            sock = listen_socket(host, port)
+        except OSError as exc:
+            raise click.ClickException(str(exc)) from None
     try:
         backend = EngineBackend(model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
                                 dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                 timeout_s=timeout_s, max_document_tokens=max_document_tokens,
                                 chunk_tokens=chunk_tokens, log=_log)
     except (ValueError, OSError, RankFailure) as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise _rank_error(exc) from None
     if not backend.is_server_rank:  # under torchrun: rank 0 serves, the others follow its commands
         sys.exit(backend.follow())

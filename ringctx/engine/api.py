@@ -42,7 +42,8 @@ from .document import Document, chat_frame
 from .failures import CLOSED, Health, RankFailure, first_line
 from .prefill import STRATEGY_CHOICES, ChunkStats, PrefillResult
 from .rank_state import EngineSettings, RankState
-from .workers import SpawnedRanks, rank_device, set_collective_timeout
+from .workers import (BroadcastRanks, SpawnedRanks, command_group, rank_device, receive_broadcast, run_commands,
+                      set_collective_timeout)
 
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 """How long start-up may take at least (spawning ranks, importing torch, loading the model and the
@@ -119,7 +120,8 @@ class Engine:
         self._ending: list[_LeaderDecoder] = []  # answers that ended here: the followers leave them next
         self._next_id = 0
         self._open_answer = None  # weakref to the newest answer's Generation, which a newer question ends
-        self._spawned: SpawnedRanks | None = None
+        # The ranks this one sends its commands to: spawned workers, or (after lead()) torchrun's other ranks.
+        self._followers: SpawnedRanks | BroadcastRanks | None = None
         self._health: Health | None = None
         self._owns_group = False
         self._threads_before = None
@@ -193,7 +195,7 @@ class Engine:
     @property
     def worker_processes(self) -> list:
         """The spawned ranks' processes (rank i + 1 at index i; empty unless nproc > 1 without torchrun)."""
-        return list(self._spawned.processes) if self._spawned is not None else []
+        return list(self._followers.processes) if self._followers is not None else []
 
     # ------------------------------------------------------------------ launching
     def _local_rank(self) -> int:
@@ -224,11 +226,33 @@ class Engine:
                                "close it first")
         backend = default_backend() if device is None or str(device).startswith("cuda") else "gloo"
         threads = max(1, (os.cpu_count() or 1) // nproc)
-        self._spawned = SpawnedRanks(nproc, backend, threads, self.settings.startup_timeout_s)
+        self._followers = SpawnedRanks(nproc, backend, threads, self.settings.startup_timeout_s)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(threads)  # rank 0 shares the cores with its workers; restored by close()
-        self._spawned.start(lambda rank: (self.settings, device, build_rank_state))
+        self._followers.start(lambda rank: (self.settings, device, build_rank_state))
         self._owns_group = True
+
+    def lead(self) -> None:
+        """Torchrun: from now on rank 0 alone drives the engine, as in spawn mode, while every other
+        rank runs `follow()` (a server: requests arrive at rank 0 only). Call on rank 0 while the
+        others call follow(); both first make the group the commands travel over."""
+        if self.mode != "torchrun" or self.rank != 0:
+            raise ValueError("lead() is for rank 0 of a torchrun job (spawned engines are led already)")
+        self._check_open()
+        self._followers = BroadcastRanks(command_group(), self.world_size)
+
+    def follow(self) -> None:
+        """Torchrun, every rank but 0: run rank 0's commands (see `lead`) until it closes the engine.
+        Returns once rank 0 has stopped; a lost rank is raised as a RankFailure."""
+        if self.mode != "torchrun" or self.rank == 0:
+            raise ValueError("follow() is for the ranks of a torchrun job other than rank 0, which calls lead()")
+        self._check_open()
+        self.state.documents = dict(self.state.documents)  # held here now, as a worker holds them, until DROP
+        try:
+            run_commands(self.state, receive_broadcast(command_group(), self.rank))
+        except BaseException as exc:
+            self._raise_failure(exc, "serving")
+        self.close()
 
     # ------------------------------------------------------------------ failures and closing
     def _fail(self, exc: BaseException, during: str) -> BaseException:
@@ -238,8 +262,8 @@ class Engine:
         if isinstance(exc, Exception) and not isinstance(exc, (ValueError, RankFailure)):
             timeout = self.settings.startup_timeout_s if during == "start-up" else self.settings.timeout_s
             try:
-                if self._spawned is not None and self._spawned.watch is not None:
-                    failure = self._spawned.watch.diagnose(exc, during, self._spawned.nproc, timeout)
+                if self._followers is not None and self._followers.watch is not None:
+                    failure = self._followers.watch.diagnose(exc, during, self._followers.nproc, timeout)
                 elif self._health is not None:
                     failure = self._health.diagnose(exc, during)
             except Exception:  # diagnosis is best effort; the original error still goes out
@@ -252,8 +276,8 @@ class Engine:
         if self._health is not None:
             self._health.stop()
             self._health = None
-        if self._spawned is not None:
-            self._spawned.stop(graceful=graceful)
+        if self._followers is not None:
+            self._followers.stop(graceful=graceful)
         if self._owns_group and dist.is_initialized():
             try:
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -303,16 +327,16 @@ class Engine:
     def _send(self, command: Command, fields: tuple) -> None:
         """Spawn mode: send `command` to the workers concerned, after what is pending (answers that
         ended, documents let go of). Never called from a finalizer: sends keep every worker's order."""
-        if self._spawned is None:
+        if self._followers is None:
             return
         ending, self._ending = self._ending, []
         for decoder in ending:  # each also ends here, with the followers: a collective, so in order
-            self._spawned.send(commands.ANSWER_END, (decoder.id,), self.state.holds_decode)
+            self._followers.send(commands.ANSWER_END, (decoder.id,), self.state.holds_decode)
             decoder.end_here()
         forgotten, self._forgotten = self._forgotten, []
         for document_id in forgotten:
-            self._spawned.send(commands.DROP, (document_id,), self.state.holds_decode)
-        self._spawned.send(command, fields, lambda r: not command.decode_only or self.state.holds_decode(r))
+            self._followers.send(commands.DROP, (document_id,), self.state.holds_decode)
+        self._followers.send(command, fields, lambda r: not command.decode_only or self.state.holds_decode(r))
 
     def _guarded(self, pieces, during: str):
         """An iterator over `pieces` whose failures are handled like `_run`'s."""
@@ -341,7 +365,7 @@ class Engine:
         """A new document on this rank (held weakly in state.documents; the caller holds it): rank 0
         of a spawned job has the workers drop theirs once the caller lets go of it (at the next command)."""
         self.state.documents[document.id] = document
-        if self.mode == "spawn":
+        if self._followers is not None:
             weakref.finalize(document, self._forgotten.append, document.id)
         return document
 
@@ -666,7 +690,7 @@ class _LeaderDecoder:
         self._closed = True
         if self.inner is None:
             return  # never started: no rank holds anything of it
-        if self.engine._spawned is not None:
+        if self.engine._followers is not None:
             self.engine._ending.append(self)
         else:
             self.end_here()

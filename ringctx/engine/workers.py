@@ -15,7 +15,9 @@ multiprocessing, never read from anywhere else).
 from __future__ import annotations
 
 import ast
+import base64
 import datetime
+import json
 import os
 import signal
 import sys
@@ -137,17 +139,7 @@ def worker_main(rank, world, port, backend, threads, conn, settings, device, bui
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         state = build_state(rank, world, settings, rank_device(device, rank))
         set_collective_timeout(settings.timeout_s)
-        while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # rank 0 is gone
-                break
-            if message[0] == STOP:
-                break
-            try:
-                COMMANDS[message[0]].run(state, *message[1:])
-            except ValueError:
-                continue  # bad input: every rank raised the same error; rank 0 reports it
+        run_commands(state, conn.recv)
     except BaseException as exc:
         try:
             conn.send(("error", f"{type(exc).__name__}: {first_line(exc, 300)}"))
@@ -156,6 +148,103 @@ def worker_main(rank, world, port, backend, threads, conn, settings, device, bui
         os._exit(1)  # the group is broken: leave without waiting on it
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_commands(state, receive) -> None:
+    """Run rank 0's commands on this rank until it says stop or is gone (receive() raises EOFError or
+    OSError). A ValueError (bad input, raised on every rank alike) only skips the command."""
+    while True:
+        try:
+            message = receive()
+        except (EOFError, OSError):  # rank 0 is gone
+            return
+        if message[0] == STOP:
+            return
+        try:
+            COMMANDS[message[0]].run(state, *message[1:])
+        except ValueError:
+            continue  # rank 0 reports it
+
+
+class BroadcastRanks:
+    """Rank 0's side of a torchrun job it leads (`ringctx serve` under torchrun): the other ranks run
+    `run_commands` over `receive_broadcast`, as spawned workers do over their pipes.
+
+    Commands travel over a gloo group of their own whose timeout is COMMAND_WAIT: an idle server
+    leaves its followers waiting for the next command far longer than any step may take (the world
+    group keeps the engine's step timeout). A follower whose rank 0 is gone sees the connection
+    close. Messages are JSON (ints, strings; bytes as base64): nothing is unpickled."""
+
+    processes: list = []  # no local processes to watch: torchrun's agent watches the ranks
+    watch = None
+
+    def __init__(self, group, world: int):
+        self.group, self.nproc = group, world
+
+    def send(self, command: Command, fields: tuple, to_rank) -> None:
+        """Send `command` to every follower (those to_rank leaves out skip it: a broadcast reaches all)."""
+        concerned = [r for r in range(1, self.nproc) if to_rank(r)]
+        _broadcast_message(self.group, [command.name, concerned, *fields])
+
+    def stop(self, *, graceful: bool) -> None:
+        if graceful:
+            try:
+                _broadcast_message(self.group, [STOP, list(range(1, self.nproc))])
+            except Exception:
+                pass
+
+
+COMMAND_WAIT = datetime.timedelta(days=30)
+"""How long a follower of a served torchrun job waits for rank 0's next command."""
+
+
+def command_group():
+    """The gloo group rank 0's commands travel over (collective: every rank calls it together)."""
+    return dist.new_group(backend="gloo", timeout=COMMAND_WAIT)
+
+
+def receive_broadcast(group, rank: int):
+    """A follower's receive(): the next command of rank 0 that concerns this rank, as a tuple."""
+    def receive():
+        while True:
+            message = _receive_message(group)
+            name, concerned, *fields = message
+            if rank in concerned:
+                return (name, *fields)
+    return receive
+
+
+def _broadcast_message(group, message: list) -> None:
+    payload = json.dumps([_encode(x) for x in message]).encode()
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=group)
+    dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+
+
+def _receive_message(group) -> list:
+    size = torch.zeros(1, dtype=torch.int64)
+    try:
+        dist.broadcast(size, src=0, group=group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=group)
+    except RuntimeError as exc:  # gloo: the connection to rank 0 closed
+        raise EOFError(f"rank 0 is gone: {first_line(exc)}") from None
+    return [_decode(x) for x in json.loads(payload.numpy().tobytes())]
+
+
+def _encode(x):
+    if isinstance(x, (bytes, bytearray)):
+        return {"b64": base64.b64encode(bytes(x)).decode()}
+    if isinstance(x, (list, tuple)):
+        return {"list": [_encode(v) for v in x]}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"a command field of type {type(x).__name__} cannot be sent (ints, strings, bytes only)")
+
+
+def _decode(x):
+    if isinstance(x, dict):
+        return base64.b64decode(x["b64"]) if "b64" in x else [_decode(v) for v in x["list"]]
+    return x
 
 
 def check_main_guard(nproc: int) -> None:

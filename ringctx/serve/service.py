@@ -70,11 +70,16 @@ class EngineBackend:
         if nproc == "auto" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             nproc, why = serving_nproc(None, tp)
             self.log(f"ringctx serve: --nproc auto: {nproc} rank(s): {why}")
-        self.store = DocumentStore(store_dir)  # a bad path fails before any rank starts
-        self.engine = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype, dtype=dtype,
-                             timeout_s=timeout_s, chunk_tokens=chunk_tokens)
-        self.is_server_rank = True
-        engine = self.engine
+        # Under torchrun every rank builds the Engine; rank 0 serves and leads, the others follow it.
+        self.is_server_rank = int(os.environ.get("RANK", "0")) == 0
+        if self.is_server_rank:
+            self.store = DocumentStore(store_dir)  # a bad path fails before any rank starts
+        self.engine = engine = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
+                                      dtype=dtype, timeout_s=timeout_s, chunk_tokens=chunk_tokens)
+        if not self.is_server_rank:
+            return
+        if engine.mode == "torchrun":
+            engine.lead()
         self.model_id = os.path.basename(str(model).rstrip("/")).removesuffix(".gguf")
         limit = engine.model.config.rope_scaling.position_limit if engine.model.config.rope_scaling else None
         self.max_context_tokens = int(limit or 2**31 - 1)
@@ -467,7 +472,21 @@ class EngineBackend:
         self.scheduler.stop()
         self.engine.close()
 
-    def follow(self) -> int:  # pragma: no cover - every rank of a spawned job is driven by rank 0
+    def follow(self) -> int:
+        """Torchrun, every rank but 0: run rank 0's commands until it stops; the exit status (0, or 1
+        when a rank was lost)."""
+        import signal
+
+        from ..engine import RankFailure
+
+        # Rank 0 leads the stop (it drains, then tells every rank); torchrun signals every rank at once.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.engine.follow()
+        except RankFailure as exc:
+            print(f"ringctx serve: rank {self.engine.rank}: {exc}", flush=True)
+            return 1
         return 0
 
 

@@ -161,3 +161,71 @@ def shows_commands(text: str) -> bool:
 def test_docs_show_the_tested_commands():
     for doc in DOCS_WITH_COMMANDS:
         assert shows_commands(doc.read_text()), f"{doc} must show the commands these tests run"
+
+
+SERVE_COMMAND = ("scripts/launch_multihost.sh --hosts 10.231.0.1,10.231.0.2 --port 29403 --iface IFACE -- "
+                 "serve --port 0 --dtype float32 --store store --timeout 120")
+SERVE_DOCUMENT = "Rivers flow past quiet hills. " * 30 + "The ferry to the island leaves at noon. " + \
+    "Old towns sleep in the sun. " * 30
+SERVE_QUESTION = "When does the ferry leave?"
+# A client on host 0's loopback (the server binds 127.0.0.1 there): ingest, wait, ask; prints the JSON answer.
+SERVE_CLIENT = """
+import json, sys, time, httpx
+url, text, question = sys.argv[1:4]
+with httpx.Client(base_url=url, timeout=300) as http:
+    doc = http.post("/v1/documents", json={"text": text}).json()
+    while (doc := http.get("/v1/documents/" + doc["id"]).json())["status"] == "ingesting":
+        time.sleep(0.2)
+    r = http.post("/v1/chat/completions", json={"model": "smollm2-135m", "document": doc["id"], "max_tokens": 12,
+                  "temperature": 0, "messages": [{"role": "user", "content": question}]})
+    print(json.dumps({"document": doc, "status": r.status_code, "answer": r.json()}))
+"""
+
+
+def test_serve_under_torchrun_on_two_hosts_answers_as_one_process(hosts, tmp_path):
+    """`ringctx serve` launched on both hosts: rank 0 (host 0) serves HTTP and leads, rank 1 (host 1)
+    follows its commands; the document's CP prefill spans both hosts and the answer is one process's."""
+    import ringctx
+
+    env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT))
+    procs = []
+    try:
+        for host in hosts:
+            workdir = tmp_path / f"host{host.index}"
+            workdir.mkdir()
+            argv = SERVE_COMMAND.replace("IFACE", host.iface).split()
+            argv[0] = str(ROOT / argv[0])
+            procs.append(host.popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True))
+        lines, url = [], None
+        deadline = time.monotonic() + 300
+        while url is None:  # host 0's output names the address it listens on
+            line = procs[0].stdout.readline()
+            assert line or procs[0].poll() is None, "host 0 ended:\n" + "".join(lines)[-4000:]
+            assert time.monotonic() < deadline, "no listening line:\n" + "".join(lines)[-4000:]
+            lines.append(line)
+            m = re.search(r"ringctx serve: listening on (http://127\.0\.0\.1:\d+)", line)
+            url = m and m.group(1)
+        client = hosts[0].popen([sys.executable, "-c", SERVE_CLIENT, url, SERVE_DOCUMENT, SERVE_QUESTION],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = client.communicate(timeout=300)
+        assert client.returncode == 0, err[-3000:]
+        served = json.loads(out)
+    finally:
+        for proc in procs:  # SIGTERM: rank 0 drains and stops every rank; then nothing is left
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert served["status"] == 200, served
+    with ringctx.Engine(dtype="float32") as engine:
+        document = engine.ingest(SERVE_DOCUMENT)
+        reference = engine.ask(document, SERVE_QUESTION, max_new_tokens=12)
+    assert served["document"]["tokens"] == document.length
+    assert served["answer"]["choices"][0]["message"]["content"] == reference
+    assert served["answer"]["usage"]["prompt_tokens_details"]["cached_tokens"] == document.length
+    assert (tmp_path / "host0" / "store" / f"{served['document']['id']}.kv").is_dir()  # saved on the decode host
