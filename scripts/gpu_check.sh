@@ -5,7 +5,10 @@
 #
 # 1. The GPU unit tests of tests/test_csrc.py and tests/test_triton_attn.py on the device (the
 #    compile-only tests are CI's job and are left out), capped at 120 s.
-# 2. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
+# 2. One request through `ringctx serve`'s HTTP path (scripts/serve_check.py): an 8K-token document
+#    ingested over POST /v1/documents, one streamed question; capped at 90 s. Writes
+#    OUT_DIR/serve_check.json.
+# 3. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
 #    attention backend and both CUDA kernels against the float64 reference, kernel timings
 #    (TFLOP/s, GB/s), the csrc build (in the background), and a single-GPU chunked prefill of
 #    the SmolLM2-135M shapes at 128K and 1M tokens. Writes OUT_DIR/gpu_check.json.
@@ -45,12 +48,17 @@ START=$(date +%s)
   test_rc=${PIPESTATUS[0]}
   [ "$test_rc" -eq 124 ] && echo "pytest hit its 120 s cap"
 
-  # 2. Checks, timings and the prefill, with the time left (the script skips what cannot fit).
+  # 2. The serving path, capped.
+  echo "== serve: one request over HTTP"
+  timeout 100 "$PY" scripts/serve_check.py --out "$OUT" --budget-s 90 "${DRY[@]}"
+  serve_rc=$?
+
+  # 3. Checks, timings and the prefill, with the time left (the script skips what cannot fit).
   budget=$(( TOTAL_S - ($(date +%s) - START) - 15 ))
   timeout $(( budget + 10 )) "$PY" scripts/gpu_check.py --out "$OUT" --budget-s "$budget" "${DRY[@]}"
   check_rc=$?
   [ "$check_rc" -eq 124 ] && echo "gpu_check.py hit its timeout (partial results are in the JSON)"
-  echo "== done in $(( $(date +%s) - START )) s: gpu_check.py rc=$check_rc, pytest rc=$test_rc"
-  [ "$check_rc" -eq 0 ] && [ "$test_rc" -eq 0 ]
+  echo "== done in $(( $(date +%s) - START )) s: gpu_check.py rc=$check_rc, pytest rc=$test_rc, serve rc=$serve_rc"
+  [ "$check_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$serve_rc" -eq 0 ]
 } 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"
