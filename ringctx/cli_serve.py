@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -68,27 +67,17 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, 
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
     from .engine.failures import RankFailure
     from .serve.protocol import Limits
-    from .serve.server import listen_socket, run_server
-    from .serve.service import EngineBackend
+    from .serve import serve as serve_forever
 
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         _log(f"ringctx serve: warning: listening on {host} without --api-key: anyone who reaches it can use it")
-    sock = None
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun the other ranks only follow
-        try:
-            sock = listen_socket(host, port)
-        except OSError as exc:
-            raise click.ClickException(str(exc)) from None
     try:
-        backend = EngineBackend(model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
-                                dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
-                                timeout_s=timeout_s, max_document_tokens=max_document_tokens,
-                                chunk_tokens=chunk_tokens, log=_log)
+        status = serve_forever(host=host, port=port, api_key=api_key, drain_s=drain_s, log=_log,
+                               limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit),
+                               model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
+                               dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
+                               timeout_s=timeout_s, max_document_tokens=max_document_tokens,
+                               chunk_tokens=chunk_tokens)
     except (ValueError, OSError, RankFailure) as exc:
-        if sock is not None:
-            sock.close()
         raise _rank_error(exc) from None
-    if not backend.is_server_rank:  # under torchrun: rank 0 serves, the others follow its commands
-        sys.exit(backend.follow())
-    limits = Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit)
-    sys.exit(run_server(backend, sock, api_key=api_key, limits=limits, drain_s=drain_s, log=_log))
+    sys.exit(status)
