@@ -100,18 +100,6 @@ def nproc_option(default, serving: bool = False):
                         help=f"Local ranks to spawn: a number, or {auto}. Ignored under torchrun, which sets the world.")
 
 
-def serving_layout(nproc, device, tp: int) -> tuple:
-    """(ranks, note) for --nproc of the commands that serve questions (ingest, ask, serve): auto is the
-    layout that serves fastest here (ringctx.engine.serving_nproc) and the note says which and why,
-    for the command's closing lines (an error stays one line); a number is taken as it is (note None)."""
-    if nproc != "auto" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return nproc, None
-    from .engine import serving_nproc
-
-    n, why = serving_nproc(device, tp)
-    return n, f"--nproc auto: {n} rank(s): {why}"
-
-
 TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
                               help="Seconds before a stuck or dead rank ends the job with an error.")
 TP_OPTION = click.option(
@@ -377,7 +365,9 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
         raise _AgreedError(f"{file} is empty: nothing to ingest")
     from .engine.failures import RankFailure
 
-    nproc, layout_note = serving_layout(nproc, device, tp)
+    from .engine import serving_layout
+
+    nproc, layout_note = serving_layout(nproc, device, tp)  # the note goes with the closing lines
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
                           decode_ranks, kv_dtype, tp)
     printing = _is_printing_rank()
@@ -423,7 +413,7 @@ def _ingest_with_progress(engine, text, chat):
 def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
         timeout_s):
     """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""
-    from .engine import Engine
+    from .engine import Engine, serving_layout
     from .engine.documents import describe_document
     from .engine.failures import RankFailure
 
@@ -493,9 +483,8 @@ from .cli_planning import calibrate, plan  # noqa: E402  (the planner's commands
 main.add_command(plan)
 main.add_command(calibrate)
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # `ringctx serve` lives in a module of its own (it registers itself on `main`).
 from . import cli_serve  # noqa: E402,F401
+
+if __name__ == "__main__":
+    sys.exit(main())

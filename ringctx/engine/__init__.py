@@ -1,9 +1,10 @@
 """The product: chunked context-parallel prefill, KV hand-off, and the Engine API."""
 
-from .api import Answer, Engine, PrefillJob, auto_nproc, default_chunk_tokens, serving_nproc
+from .api import Answer, Engine, PrefillJob, auto_nproc, default_chunk_tokens, serving_layout, serving_nproc
 from .document import Document
 from .failures import RankFailure
 from .prefill import ChunkStats, PrefillConfig, PrefillResult, PrefillStats, cp_prefill
 
 __all__ = ["Answer", "ChunkStats", "Document", "Engine", "PrefillConfig", "PrefillJob", "PrefillResult", "PrefillStats",
-           "RankFailure", "auto_nproc", "cp_prefill", "default_chunk_tokens", "serving_nproc"]
+           "RankFailure", "auto_nproc", "cp_prefill", "default_chunk_tokens", "serving_layout",
+           "serving_nproc"]

@@ -799,6 +799,16 @@ def serving_nproc(device=None, tp: int = 1) -> tuple[int, str]:
                 "ranks add messages, not speed" + (f" (tp={tp} needs {tp})" if tp > 1 else ""))
 
 
+def serving_layout(nproc, device=None, tp: int = 1) -> tuple:
+    """(ranks, note) for nproc="auto" of what serves questions (ingest, ask, serve): serving_nproc's
+    layout and a line saying which and why; a number, or any nproc under torchrun (which sets the
+    world), is taken as it is, with note None."""
+    if nproc != "auto" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return nproc, None
+    n, why = serving_nproc(device, tp)
+    return n, f"--nproc auto: {n} rank(s): {why}"
+
+
 def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int, ranks_per_host: int) -> int:
     """How many decode ranks: None -> the decode host's ranks from decode_rank on; checked to lie
     on one host and within the job. A ValueError names what to change."""

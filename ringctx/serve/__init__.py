@@ -21,12 +21,10 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = No
     backend_options: those of EngineBackend (model, nproc, tp, decode_ranks, kv_dtype, dtype,
     store_dir, kv_budget_bytes, max_queue, timeout_s, max_document_tokens, chunk_tokens). Under
     torchrun call it on every rank: rank 0 serves, the others follow it until it stops."""
-    import os
-
     from .server import listen_socket, run_server
-    from .service import EngineBackend
+    from .service import EngineBackend, is_server_rank
 
-    sock = listen_socket(host, port) if int(os.environ.get("RANK", "0")) == 0 else None
+    sock = listen_socket(host, port) if is_server_rank() else None
     try:
         backend = EngineBackend(log=log, **backend_options)
     except BaseException:

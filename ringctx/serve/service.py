@@ -45,6 +45,11 @@ QUESTION_ROOM_TOKENS = 256
 """KV rows a document keeps free for a question and its answer (they grow past it as needed)."""
 
 
+def is_server_rank() -> bool:
+    """Whether this process serves HTTP: rank 0 of a torchrun launch, or the only process."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 class EngineBackend:
     """The Backend of `ringctx serve`, over an Engine whose ranks start once and stay up.
 
@@ -64,14 +69,14 @@ class EngineBackend:
                  kv_dtype: str = "model", dtype="auto", store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
                  max_document_tokens: int | None = None, chunk_tokens: int | None = None, log=None):
-        from ..engine import serving_nproc
+        from ..engine import serving_layout
 
         self.log = log or (lambda line: None)
-        if nproc == "auto" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            nproc, why = serving_nproc(None, tp)
-            self.log(f"ringctx serve: --nproc auto: {nproc} rank(s): {why}")
+        nproc, note = serving_layout(nproc, None, tp)
+        if note:
+            self.log(f"ringctx serve: {note}")
         # Under torchrun every rank builds the Engine; rank 0 serves and leads, the others follow it.
-        self.is_server_rank = int(os.environ.get("RANK", "0")) == 0
+        self.is_server_rank = is_server_rank()
         if self.is_server_rank:
             self.store = DocumentStore(store_dir)  # a bad path fails before any rank starts
         self.engine = engine = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,

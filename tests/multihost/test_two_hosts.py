@@ -53,15 +53,7 @@ def run_on_hosts(hosts, command: str, tmp_path: Path, *, env_extra=None, timeout
     Returns [(returncode, stderr, directory)] in host order.
     """
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), **(env_extra or {}))
-    procs, dirs = [], []
-    for host in hosts:
-        workdir = tmp_path / f"host{host.index}"
-        workdir.mkdir()
-        argv = command.replace("IFACE", host.iface).split()
-        argv[0] = str(ROOT / argv[0])
-        procs.append(host.popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True))
-        dirs.append(workdir)
+    procs, dirs = start_on_hosts(hosts, command, tmp_path, env, stderr=subprocess.PIPE)
     results = []
     deadline = time.monotonic() + timeout
     try:
@@ -74,6 +66,20 @@ def run_on_hosts(hosts, command: str, tmp_path: Path, *, env_extra=None, timeout
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return results
+
+
+def start_on_hosts(hosts, command: str, tmp_path: Path, env: dict, *, stderr):
+    """Start `command` (IFACE replaced) in each host's namespace, each in tmp_path/host<i>; stdout
+    is a pipe. Returns (processes, directories) in host order."""
+    procs, dirs = [], []
+    for host in hosts:
+        workdir = tmp_path / f"host{host.index}"
+        workdir.mkdir()
+        argv = command.replace("IFACE", host.iface).split()
+        argv[0] = str(ROOT / argv[0])
+        procs.append(host.popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True))
+        dirs.append(workdir)
+    return procs, dirs
 
 
 def one_process_reference(token_ids: torch.Tensor):
@@ -190,13 +196,7 @@ def test_serve_under_torchrun_on_two_hosts_answers_as_one_process(hosts, tmp_pat
     env = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT))
     procs = []
     try:
-        for host in hosts:
-            workdir = tmp_path / f"host{host.index}"
-            workdir.mkdir()
-            argv = SERVE_COMMAND.replace("IFACE", host.iface).split()
-            argv[0] = str(ROOT / argv[0])
-            procs.append(host.popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True))
+        procs, _ = start_on_hosts(hosts, SERVE_COMMAND, tmp_path, env, stderr=subprocess.STDOUT)
         lines, url = [], None
         deadline = time.monotonic() + 300
         while url is None:  # host 0's output names the address it listens on
