@@ -1,5 +1,7 @@
 """The HTTP layer of `ringctx serve`: a FastAPI app over a `Backend` (ringctx/serve/backend.py).
 
+    GET  /                          the page (ringctx/serve/static/): ingest, watch, ask; no key needed to load it
+    GET  /static/{app.js,style.css} its script and style
     GET  /health                    200 when every rank is up, 503 (with the problem) when not; no key needed
     GET  /metrics                   Prometheus text format
     GET  /v1/models                 the one served model
@@ -19,10 +21,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -31,8 +34,20 @@ from .backend import Backend, BackendError, Finished, Overloaded, Piece
 from .metrics import ServeMetrics
 from .protocol import ChatRequest, CompletionRequest, DocumentCreate, Limits, RequestProblem
 
-OPEN_PATHS = frozenset({"/health"})
-"""Paths that need no API key: a supervisor's liveness probe carries none."""
+STATIC = Path(__file__).with_name("static")
+PAGE = {"/": ("index.html", "text/html; charset=utf-8"),
+        "/static/app.js": ("app.js", "text/javascript; charset=utf-8"),
+        "/static/style.css": ("style.css", "text/css; charset=utf-8")}
+"""The page's files by path: a fixed set (no directory is served), all inside the package."""
+PAGE_HEADERS = {
+    # The page runs its own script only: no inline script, no other origin (it works offline).
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"}
+
+OPEN_PATHS = frozenset({"/health", *PAGE})
+"""Paths that need no API key: a supervisor's liveness probe carries none, and the page is static (the
+API calls it makes carry the key, asked of the user when the server answers 401)."""
 
 
 class BodyTooLarge(HTTPException):
@@ -51,6 +66,9 @@ def create_app(backend: Backend, *, api_key: str | None = None, limits: Limits |
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, log=log, metrics=metrics)
     _install_error_handlers(app)
     started = int(time.time())
+
+    for path, (name, media_type) in PAGE.items():
+        app.add_api_route(path, _page_file(STATIC / name, media_type), methods=["GET"], include_in_schema=False)
 
     @app.get("/health")
     async def health():
@@ -100,6 +118,12 @@ def create_app(backend: Backend, *, api_key: str | None = None, limits: Limits |
         return {"id": info.id, "object": "document", "deleted": True}
 
     return app
+
+
+def _page_file(path: Path, media_type: str):
+    async def page_file():
+        return FileResponse(path, media_type=media_type, headers=PAGE_HEADERS)
+    return page_file
 
 
 # ---------------------------------------------------------------------------- answers

@@ -140,8 +140,12 @@ class DocumentInfo:
     chunks_total: int = 0
     chunk_strategies: list[str] = field(default_factory=list)
     chunk_seconds: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    """New tokens of each chunk done."""
     seconds: float = 0.0
     """Ingest time so far (or in all, once ready)."""
+    tokens_per_s: float | None = None
+    """Prefill rate of the chunks done: their tokens over their seconds (None before the first chunk)."""
     eta_s: float | None = None
     """Seconds left of the ingest (None when not ingesting)."""
     kv_bytes_per_rank: list[int] = field(default_factory=list)

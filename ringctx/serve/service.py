@@ -166,6 +166,7 @@ class EngineBackend:
                 return
             record.chunk_strategies.append(stats.strategy)
             record.chunk_seconds.append(round(stats.seconds, 4))
+            record.chunk_tokens.append(stats.tokens)
             record.seconds = round(time.monotonic() - self._progress[doc_id]["started"], 3)
             self._progress[doc_id]["work_done"] += _chunk_work(self.engine, stats.tokens, stats.cached)
             self.prefill_tokens += stats.tokens
@@ -227,7 +228,8 @@ class EngineBackend:
         info = api.DocumentInfo(id=record.id, name=record.name, status=status, created=record.created,
                                 tokens=record.tokens, chunks_done=len(record.chunk_strategies),
                                 chunks_total=record.chunks_total, chunk_strategies=list(record.chunk_strategies),
-                                chunk_seconds=list(record.chunk_seconds), seconds=record.seconds,
+                                chunk_seconds=list(record.chunk_seconds), chunk_tokens=list(record.chunk_tokens),
+                                seconds=record.seconds, tokens_per_s=_rate(record.chunk_tokens, record.chunk_seconds),
                                 bytes_on_disk=record.bytes_on_disk, error=record.error)
         progress = self._progress.get(record.id)
         if record.status == "ingesting" and progress is not None:
@@ -571,6 +573,12 @@ def _prefill_work(engine: Engine, lengths: list[int], chunk: int) -> float:
             total += _chunk_work(engine, t, cached)
             cached += t
     return total
+
+
+def _rate(chunk_tokens: list[int], chunk_seconds: list[float]) -> float | None:
+    """Tokens per second of the chunks done (their own seconds, not time spent waiting behind answers)."""
+    seconds = sum(chunk_seconds[:len(chunk_tokens)])
+    return round(sum(chunk_tokens) / seconds, 1) if chunk_tokens and seconds > 0 else None
 
 
 def _sha256(text: str) -> str:

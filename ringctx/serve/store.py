@@ -44,6 +44,8 @@ class DocumentRecord:
     chunks_total: int = 0
     chunk_strategies: list[str] = field(default_factory=list)
     chunk_seconds: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    """New tokens of each chunk done (a record written before this field has none: its rate is unknown)."""
     seconds: float = 0.0
     error: str | None = None
     kv_dtype: str = ""

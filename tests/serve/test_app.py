@@ -202,7 +202,8 @@ def test_the_documents_api(http):
     listed = http.get("/v1/documents").json()
     assert listed["object"] == "list" and [d["id"] for d in listed["data"]] == [a["id"], b.json()["id"]]
     one = http.get(f"/v1/documents/{a['id']}").json()
-    assert one["status"] == "ready" and one["chunks"] == {"done": 1, "total": 1, "strategies": [], "seconds": []}
+    assert one["status"] == "ready" and one["chunks"] == {"done": 1, "total": 1, "strategies": [], "seconds": [], "tokens": []}
+    assert one["tokens_per_s"] is None
     assert set(one["kv"]) == {"in_memory", "bytes_per_rank", "decode_ranks", "bytes_on_disk"}
     assert http.delete(f"/v1/documents/{a['id']}").json() == {"id": a["id"], "object": "document", "deleted": True}
     assert_error(http.get(f"/v1/documents/{a['id']}"), 404, param="document")

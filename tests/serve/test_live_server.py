@@ -32,10 +32,10 @@ LISTENING = re.compile(r"ringctx serve: listening on (http://[\d.]+:\d+)")
 class Server:
     """A `ringctx serve` subprocess on 127.0.0.1 with a port the OS picked."""
 
-    def __init__(self, store, *args, env=None, timeout=300):
+    def __init__(self, store, *args, env=None, timeout=300, nproc=2):
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--nproc", "2", "--dtype", "float32",
+            [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--nproc", str(nproc), "--dtype", "float32",
              "--store", str(store), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -123,6 +123,7 @@ def test_models_lists_the_served_model(server):
 def test_a_question_on_a_document_equals_engine_ask_and_reports_cached_tokens(server, needle, reference):
     assert needle["status"] == "ready" and needle["tokens"] == reference["tokens"]
     assert needle["chunks"]["done"] == needle["chunks"]["total"] >= 1
+    assert sum(needle["chunks"]["tokens"]) == needle["tokens"] and needle["tokens_per_s"] > 0
     response = server.ask(needle["id"], QUESTION)
     assert response.choices[0].message.content == reference["answer"]
     usage = response.usage
