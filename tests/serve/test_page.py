@@ -197,8 +197,10 @@ def test_a_needle_document_ingested_and_asked_on_the_page(browser, live, tmp_pat
     assert by_id(browser, "p-chunks").text == f"{doc['chunks']['total']} of {doc['chunks']['total']}"
     assert by_id(browser, "p-rate").text == f"{round(doc['tokens_per_s']):,}"
     assert by_id(browser, "p-kv").text.startswith("rank 0: ") and "B" in by_id(browser, "p-kv").text
-    row = browser.find_element("css selector", f'#doc-table tr[data-id="{doc_id}"]')
-    assert row.get_attribute("data-status") == "ready" and f"{doc['tokens']:,}" in row.text
+    # The list is refreshed on its own poll: it may show the end of the ingest a moment later.
+    row = f'#doc-table tr[data-id="{doc_id}"][data-status="ready"]'
+    wait_for(browser, lambda d: d.find_elements("css selector", row), what="the document ready in the list")
+    assert f"{doc['tokens']:,}" in browser.find_element("css selector", row).text
 
     answer, stats = ask(browser, QUESTION, 16, document=doc_id)
     assert "7492" in NEEDLE and "7492" in answer, answer
@@ -288,7 +290,9 @@ def test_the_page_fits_a_narrow_window(browser, fake):
         width = browser.execute_script("return document.documentElement.clientWidth")
         assert width <= 400
         assert browser.execute_script("return document.documentElement.scrollWidth") <= width  # no sideways scroll
-        for element_id in ("ingest", "documents", "ask", "doc-text", "question", "ask-button", "ingest-button"):
+        wait_for(browser, lambda d: d.find_elements("css selector", "#doc-table tbody tr"), what="a document's row")
+        for element_id in ("ingest", "documents", "ask", "doc-text", "question", "ask-button", "ingest-button",
+                           "doc-table"):  # the table with its buttons, not only its scrolling box
             rect = browser.execute_script("return document.getElementById(arguments[0]).getBoundingClientRect().toJSON()",
                                           element_id)
             assert 0 <= rect["left"] and rect["right"] <= width, (element_id, rect, width)

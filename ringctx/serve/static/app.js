@@ -105,12 +105,13 @@ async function errorOf(response) {
 // ------------------------------------------------------------------ the API key
 /** The server wants a key (401): ask for it once, and stop calling the server until it is given. */
 function askForKey(reason) {
-  if (sessionStorage.getItem(KEY_STORAGE)) {  // the key given was refused: say so, and ask again
+  const refused = sessionStorage.getItem(KEY_STORAGE) !== null;
+  if (refused) {  // the key given was refused: say so, and ask again
     sessionStorage.removeItem(KEY_STORAGE);
     showError(`the server refused the API key: ${reason}`);
   }
   state.needKey = true;
-  $("key-reason").textContent = reason;
+  $("key-reason").textContent = refused ? "" : reason;
   $("key-form").hidden = false;
   $("key-input").focus();
 }
