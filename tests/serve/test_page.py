@@ -15,6 +15,7 @@ Set RINGCTX_PAGE_SCREENSHOT=docs/page.png to save the page after its answer (the
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -195,7 +196,7 @@ def test_a_needle_document_ingested_and_asked_on_the_page(browser, live, tmp_pat
     assert [r[1] for r in rows] == doc["chunks"]["strategies"]
     assert [int(r[2].replace(",", "")) for r in rows] == doc["chunks"]["tokens"]
     assert by_id(browser, "p-chunks").text == f"{doc['chunks']['total']} of {doc['chunks']['total']}"
-    assert by_id(browser, "p-rate").text == f"{round(doc['tokens_per_s']):,}"
+    assert by_id(browser, "p-rate").text == f"{math.floor(doc['tokens_per_s'] + 0.5):,}"  # JS Math.round
     assert by_id(browser, "p-kv").text.startswith("rank 0: ") and "B" in by_id(browser, "p-kv").text
     # The list is refreshed on its own poll: it may show the end of the ingest a moment later.
     row = f'#doc-table tr[data-id="{doc_id}"][data-status="ready"]'
@@ -247,8 +248,9 @@ def test_markup_in_a_document_name_and_an_answer_is_shown_as_text(browser, fake)
     set_value(browser, "doc-text", "text " + MARKUP)
     by_id(browser, "ingest-button").click()
     wait_for(browser, lambda d: by_id(d, "p-name").text == MARKUP, what="the document's name in the ingest view")
-    row = browser.find_element("css selector", f'#doc-table tr[data-id="{by_id(browser, "p-id").text}"]')
-    assert row.find_element("css selector", "td.name").text == MARKUP
+    name = f'#doc-table tr[data-id="{by_id(browser, "p-id").text}"] td.name'
+    wait_for(browser, lambda d: d.find_elements("css selector", name), what="the document's row")
+    assert browser.find_element("css selector", name).text == MARKUP
 
     answer, _ = ask(browser, "What is in it?", 10, document=by_id(browser, "p-id").text)
     assert answer == MARKUP
