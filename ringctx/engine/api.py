@@ -112,7 +112,7 @@ class Engine:
         if startup_timeout_s is not None and startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0 seconds, got {startup_timeout_s!r}")
         if dtype == "auto":
-            from ..environment import preferred_dtype
+            from ..planning.machine_speed import preferred_dtype
 
             dtype = preferred_dtype(None if device is None else str(device))
         self.model_name, self.dtype = str(model), dtype
@@ -836,7 +836,7 @@ def _peek_config(model_name: str, dtype):
 
 def _load_hardware(hardware):
     """The profile "auto" decides with, loaded once (default: the built-in "cpu" or "h200"-like GPU)."""
-    from ..parallel.hardware import HardwareProfile, load_profile
+    from ..planning.hardware import HardwareProfile, load_profile
 
     if isinstance(hardware, HardwareProfile):
         return hardware
@@ -845,7 +845,7 @@ def _load_hardware(hardware):
 
 def _check_loadable(model_name: str, dtype) -> None:
     """Raise the loader's ValueError / FileNotFoundError now for an unknown model or dtype (cheap)."""
-    from ..config import PRESETS
+    from ..model.config import PRESETS
     from ..model.loader import DEFAULT_MODEL, _classify_path, resolve_dtype
 
     resolve_dtype(dtype)
@@ -855,7 +855,7 @@ def _check_loadable(model_name: str, dtype) -> None:
 
 def _fingerprint(model) -> str:
     """What every rank must agree on: model (name, shapes, weights), dtype and ringctx version."""
-    from .. import __version__
+    from ..version import __version__
 
     config = model.full_config  # TP ranks hold different shards of the same model
     return (f"model={config.name} config={config.fingerprint()} weights={weights_digest(model)} "

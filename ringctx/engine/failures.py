@@ -11,7 +11,7 @@ Test hook (for tests only, never set it in production): RINGCTX_TEST_KILL="<rank
 makes that rank SIGKILL itself at <point>: "join" (a spawned worker, before it joins the group),
 "chunk<N>" (right after chunk N of a prefill, 1-based) or "decode<N>" (before decode step N over a
 split KV cache). It is how tests kill a rank mid-prefill
-deterministically; tests/test_failures.py and tests/multihost/ use it.
+deterministically; tests/engine/test_failures.py and tests/multihost/ use it.
 """
 
 from __future__ import annotations
@@ -441,8 +441,8 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
     decode rank the whole decode KV cache, with several the rows the other ranks send them plus
     each decode rank's room. Weights are already loaded and not counted again.
     """
-    from ..parallel.planner import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
-    from ..parallel.strategy import STRATEGIES, cached_rows_per_rank, tokens_per_rank
+    from ..planning.planner import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
+    from ..planning.strategy import STRATEGIES, cached_rows_per_rank, tokens_per_rank
 
     chunk = max(1, min(chunk, tokens))
     full, rest = divmod(tokens, chunk)
@@ -463,7 +463,7 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
 
 
 def _element_bytes(dtype_name: str) -> int:
-    from ..parallel.hardware import element_bytes
+    from ..planning.hardware import element_bytes
 
     return element_bytes(dtype_name)
 
@@ -482,7 +482,7 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
         return None
     if tokens < 1 or chunk < 1 or model.device.type == "meta":
         return None
-    from ..parallel.planner import MEMORY_USABLE_FRACTION
+    from ..planning.planner import MEMORY_USABLE_FRACTION
 
     cfg = model.config
     dtype_name = str(model.dtype).removeprefix("torch.")

@@ -63,7 +63,7 @@ class PrefillConfig:
     hardware: object = "cpu"
     """HardwareProfile (or built-in profile name or JSON path) that "auto" uses for C and BW."""
     rule: str = "alg5"
-    """Decision rule of "auto": "alg1", "alg5" or "empirical" (see ringctx.parallel.strategy)."""
+    """Decision rule of "auto": "alg1", "alg5" or "empirical" (see ringctx.planning.strategy)."""
     decode_rank: int = 0
     """The first decode rank: it receives the logits, samples, and leads the decode."""
     decode_ranks: int = 1
@@ -463,7 +463,7 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int, config: Pref
         return "pass-kv", "one rank: nothing travels"
     if config.strategy != "auto":
         return config.strategy, f"forced: strategy={config.strategy}"
-    from ..parallel.strategy import choose_strategy
+    from ..planning.strategy import choose_strategy
 
     dtype = str(model.dtype).removeprefix("torch.")
     # Under tensor parallelism the ring carries this TP rank's heads: the rule sees heads per TP rank.

@@ -547,7 +547,7 @@ def _kv_bytes_per_token(engine: Engine) -> int:
 
 def _auto_kv_budget(engine: Engine) -> int:
     """What the decode ranks may keep of documents: KV_BUDGET_SHARE of the memory free after loading."""
-    from ..parallel.planner import MEMORY_USABLE_FRACTION
+    from ..planning.planner import MEMORY_USABLE_FRACTION
 
     free, _ = available_memory(engine.model.device)
     per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks
@@ -556,7 +556,7 @@ def _auto_kv_budget(engine: Engine) -> int:
 
 def _chunk_work(engine: Engine, tokens: int, cached: int) -> float:
     """FLOPs of one prefill chunk (the cost model's): what the ETA counts, since chunk k attends to all before it."""
-    from ..parallel.strategy import attention_flops, linear_flops
+    from ..planning.strategy import attention_flops, linear_flops
 
     cfg = engine.model.full_config
     return float((linear_flops(tokens, cfg, 1) + attention_flops(tokens, cached, cfg.n_heads * cfg.head_dim))
