@@ -12,12 +12,13 @@ The public API, re-exported from the packages that implement it:
 from .version import __version__
 
 from .attention import attention_block, attention_with_cache, merge_partials, reference_attention
-from .model.config import ModelConfig, get_preset
+from .model.config import ModelConfig
+from .model.presets import get_preset
 from .engine import Document, Engine, PrefillResult, PrefillStats, RankFailure
 from .model import KVCache, load_model
 from .parallel import CommStats, ShardLayout, ring_attention
 from .planning.hardware import HardwareProfile, load_profile
-from .planning.planner import plan_prefill
+from .planning.prefill_plan import plan_prefill
 from .planning.strategy import choose_strategy
 
 __all__ = [

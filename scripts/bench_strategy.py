@@ -36,7 +36,7 @@ from ringctx.planning.empirical import (
 )
 from ringctx.planning.hardware import canonical_dtype, load_profile, save_profile
 from ringctx.parallel.launch import RankPool
-from ringctx.planning.planner import resolve_model_config
+from ringctx.planning.prefill_plan import resolve_model_config
 from ringctx.planning.strategy import PASS_KV, PASS_Q, RULES, choose_strategy, predict_costs
 
 console = Console(width=160)

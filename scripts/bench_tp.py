@@ -117,7 +117,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
 def gguf_reader_bytes(name: str) -> int:
     """Resident memory the gguf package's reader takes to parse a GGUF file's metadata (in a fresh
     process; 0 for models that are not GGUF files). Every rank pays it while loading, at any T."""
-    from ringctx.model.config import PRESETS
+    from ringctx.model.presets import PRESETS
 
     if name in PRESETS and name != "smollm2-135m":
         return 0

@@ -26,7 +26,7 @@ from rich.table import Table
 
 from ringctx.engine import Engine
 from ringctx.planning.hardware import load_profile
-from ringctx.planning.planner import plan_prefill, resolve_model_config
+from ringctx.planning.prefill_plan import plan_prefill, resolve_model_config
 
 console = Console(width=160)
 

@@ -114,7 +114,8 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
       1  bad input (2: a malformed command line or a bad --hosts/--cp/--tp mix)
     """
     from ..planning.hardware import load_profile
-    from ..planning.planner import decode_problem, plan_prefill, propose_mesh, resolve_model_config
+    from ..planning.mesh_proposal import propose_mesh
+    from ..planning.prefill_plan import decode_problem, plan_prefill, resolve_model_config
 
     try:
         config = resolve_model_config(model)

@@ -845,7 +845,7 @@ def _load_hardware(hardware):
 
 def _check_loadable(model_name: str, dtype) -> None:
     """Raise the loader's ValueError / FileNotFoundError now for an unknown model or dtype (cheap)."""
-    from ..model.config import PRESETS
+    from ..model.presets import PRESETS
     from ..model.loader import DEFAULT_MODEL, _classify_path, resolve_dtype
 
     resolve_dtype(dtype)

@@ -203,7 +203,7 @@ def _slice_memory_problem(model, rows: int, bytes_per_row: int, local_ranks: int
     """A one-line problem when `rows` KV rows (on each of `local_ranks` ranks sharing this memory) do not fit."""
     if os.environ.get("RINGCTX_MEMORY_CHECK", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    from ..planning.planner import MEMORY_USABLE_FRACTION
+    from ..planning.memory import MEMORY_USABLE_FRACTION
 
     need = rows * bytes_per_row * local_ranks
     free, where = available_memory(model.device)

@@ -441,7 +441,7 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
     decode rank the whole decode KV cache, with several the rows the other ranks send them plus
     each decode rank's room. Weights are already loaded and not counted again.
     """
-    from ..planning.planner import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
+    from ..planning.memory import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
     from ..planning.strategy import STRATEGIES, cached_rows_per_rank, tokens_per_rank
 
     chunk = max(1, min(chunk, tokens))
@@ -482,7 +482,7 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
         return None
     if tokens < 1 or chunk < 1 or model.device.type == "meta":
         return None
-    from ..planning.planner import MEMORY_USABLE_FRACTION
+    from ..planning.memory import MEMORY_USABLE_FRACTION
 
     cfg = model.config
     dtype_name = str(model.dtype).removeprefix("torch.")

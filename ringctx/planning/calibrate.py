@@ -53,7 +53,7 @@ from ringctx.planning.hardware import (
     RING_STRATEGIES, EmpiricalRuleCoefficients, HardwareProfile, RingCalibration, ThroughputPoint,
     canonical_dtype,
 )
-from ringctx.planning.planner import resolve_model_config
+from ringctx.planning.prefill_plan import resolve_model_config
 
 DEFAULT_PROFILE_PATH = "ringctx-hardware.json"
 """Where `ringctx calibrate` writes the profile unless --out says otherwise."""

@@ -137,7 +137,7 @@ def faster_dtype(step_ms: dict[str, float]) -> tuple[str, float]:
 def _probe_step(dtype: torch.dtype):
     """A decode step over a random model of SmolLM2's head and MLP widths (6 layers, 52M
     parameters: 208 MB in float32, 104 MB in bf16) and a 1K-token cache."""
-    from ..model.config import get_preset
+    from ..model.presets import get_preset
     from ..model import KVCache
     from ..model.decode_step import DecodeStep
     from ..model.weights import empty_model

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringctx.model.config import ModelConfig, get_preset
+from ringctx.model.config import ModelConfig
+from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import (
     EmpiricalRuleCoefficients, HardwareProfile, canonical_dtype, element_bytes, load_profile,
 )

@@ -547,7 +547,7 @@ def _kv_bytes_per_token(engine: Engine) -> int:
 
 def _auto_kv_budget(engine: Engine) -> int:
     """What the decode ranks may keep of documents: KV_BUDGET_SHARE of the memory free after loading."""
-    from ..planning.planner import MEMORY_USABLE_FRACTION
+    from ..planning.memory import MEMORY_USABLE_FRACTION
 
     free, _ = available_memory(engine.model.device)
     per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks

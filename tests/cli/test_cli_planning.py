@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from ringctx.cli.planning import DOES_NOT_FIT_EXIT, calibrate, plan
 from ringctx.planning.hardware import load_profile
-from ringctx.planning.planner import decode_problem, plan_prefill, propose_mesh
+from ringctx.planning.mesh_proposal import propose_mesh
+from ringctx.planning.prefill_plan import decode_problem, plan_prefill
 
 TEN_M = ["--model", "llama3-8b", "--cp", "32", "--hardware", "h200", "--tokens", "10000000"]
 
@@ -54,7 +55,7 @@ def test_plan_json_matches_the_planner():
 
 
 def test_plan_reads_a_model_directory_config(tmp_path):
-    from ringctx.model.config import get_preset
+    from ringctx.model.presets import get_preset
 
     (tmp_path / "config.json").write_text(json.dumps(get_preset("smollm2-135m").to_hf_config()))
     result = run(plan, ["--model", str(tmp_path), "--hardware", "cpu", "--tokens", "1000", "--json",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ringctx import host_memory
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.host_memory import host_tensors, huge_pages_enabled, huge_pages_report, place_in_host_arena, thp_mode
 from ringctx.model import KVCache
 from ringctx.model.weights import empty_model, init_random

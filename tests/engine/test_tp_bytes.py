@@ -5,7 +5,7 @@ two per layer, plus one for the vocabulary-parallel embedding and one logits all
 import pytest
 import torch
 
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.engine import Engine
 
 TOKENS = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(1)).tolist()

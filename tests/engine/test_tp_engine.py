@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.engine import Engine
 from ringctx.model.tensor_parallel import TensorParallel, tp_problem
 from ringctx.parallel.mesh import mesh_problem

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ringctx import cpu_kernels
-from ringctx.model.config import RopeScaling, get_preset, yarn_attention_factor
+from ringctx.model.config import RopeScaling, yarn_attention_factor
+from ringctx.model.presets import get_preset
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.decode_step import DecodeStep, FusedStep
 from ringctx.model.weights import empty_model

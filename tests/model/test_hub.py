@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.hub import looks_like_repo_id
 from ringctx.model import load_model
-from ringctx.planning.planner import plan_prefill, resolve_model_config
+from ringctx.planning.prefill_plan import plan_prefill, resolve_model_config
 from tests.helpers import rel_err
 from tests.model.test_model_families import prompt, random_hf_model
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ringctx.attention import attention_block
-from ringctx.model.config import ModelConfig, RopeScaling, get_preset
+from ringctx.model.config import ModelConfig, RopeScaling
+from ringctx.model.presets import get_preset
 from ringctx.model import KVCache, forward_with_cache, load_model
 from ringctx.model.generate import Sampler, StopStrings
 from ringctx.model.weights import empty_model, init_random

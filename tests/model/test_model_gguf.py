@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from ringctx.model.config import ModelConfig, RopeScaling, get_preset
+from ringctx.model.config import ModelConfig, RopeScaling
+from ringctx.model.presets import get_preset
 from ringctx.model import load_model
 from ringctx.model.weights_gguf import unpermute_rotary_rows
 from tests.helpers import one_thread_for_module, rel_err

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.model import embedded_gguf_path, load_model, load_tokenizer
 from ringctx.model.tokenizer import _load_cached
 from ringctx.model.weights import empty_model

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.planning.calibrate import (
     LAYER_OVERHEAD_TOKENS, CalibrationSettings, calibrate, fit_latency_bandwidth, fit_linear_block, ring_strategy_job,
 )
@@ -20,7 +20,7 @@ from ringctx.planning.empirical import (
 from ringctx.planning.hardware import (
     HardwareProfile, RingCalibration, ThroughputPoint, load_profile, save_profile,
 )
-from ringctx.planning.planner import plan_prefill, resolve_model_config
+from ringctx.planning.prefill_plan import plan_prefill, resolve_model_config
 from ringctx.planning.strategy import (
     PASS_KV, PASS_Q, attention_flops, attention_seconds_per_rank, choose_strategy, linear_params_per_layer,
     overlapped_seconds, predict_costs,

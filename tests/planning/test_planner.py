@@ -7,12 +7,17 @@ import json
 
 import pytest
 
-from ringctx.model.config import get_preset
+from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import DEFAULT_DEVICES_PER_HOST, load_profile
-from ringctx.planning.planner import (
-    DECODE_ROOM_TOKENS, DEQUANT_BLOCK_TOKENS, MEMORY_USABLE_FRACTION, MIN_DEFAULT_CHUNK_TOKENS, DecodeSetting,
-    activation_bytes_per_rank, decode_problem, default_chunk_tokens, default_decode_ranks, kv_cache_bytes_per_rank,
-    kv_row_bytes, mesh_tp_sizes, plan_decode, plan_prefill, propose_mesh, split_chunks, weight_bytes_per_rank,
+from ringctx.planning.decode_plan import (
+    DECODE_ROOM_TOKENS, DEQUANT_BLOCK_TOKENS, DecodeSetting, default_decode_ranks, plan_decode,
+)
+from ringctx.planning.memory import (
+    MEMORY_USABLE_FRACTION, activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes, weight_bytes_per_rank,
+)
+from ringctx.planning.mesh_proposal import mesh_tp_sizes, propose_mesh
+from ringctx.planning.prefill_plan import (
+    MIN_DEFAULT_CHUNK_TOKENS, decode_problem, default_chunk_tokens, plan_prefill, split_chunks,
 )
 from ringctx.planning.strategy import PASS_KV, PASS_Q, STRATEGIES, choose_strategy, predict_costs, tokens_per_rank
 

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from ringctx.model.config import ModelConfig, get_preset
+from ringctx.model.config import ModelConfig
+from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import (
     EmpiricalRuleCoefficients, HardwareProfile, ThroughputPoint, builtin_profiles, canonical_dtype,
     element_bytes, interpolate_throughput, load_profile, save_profile,

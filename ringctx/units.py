@@ -1,0 +1,23 @@
+"""Byte counts as text, the one place that says how ringctx writes a size.
+
+Two styles, each kept where people read it already: binary units for what a process holds or
+may hold (`fmt_bytes`: RSS, free memory, a KV budget), decimal gigabytes for the planner's
+per-device figures, which profiles state in decimal bytes (`fmt_gb`).
+"""
+
+from __future__ import annotations
+
+
+def fmt_bytes(n: float) -> str:
+    """n bytes in the largest binary unit below 1024 of it: '512 B', '1.5 KiB' ... '3.0 TiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_gb(n: float) -> str:
+    """n bytes in decimal gigabytes: '141.1 GB' from 1 GB up (thousands separated), else three
+    significant digits ('0.0123 GB')."""
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e9:.3g} GB"
