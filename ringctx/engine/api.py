@@ -32,10 +32,11 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, load_model
 from ..model.generate import Generation
+from ..model.tensor_parallel import NO_TP, TensorParallel, tp_problem
 from ..model.kvfile import share_weights_digest, weights_digest
 from ..parallel.comm import agree_across_ranks
 from ..parallel.launch import default_backend
-from ..parallel.mesh import build_mesh, check_mesh, decode_groups
+from ..parallel.mesh import Mesh, build_mesh, decode_groups, mesh_problem
 from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
@@ -136,7 +137,9 @@ class Engine:
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
-            check_mesh(_peek_config(self.model_name, dtype), world, tp, per_host)
+            problem = mesh_problem(world, tp, per_host) or tp_problem(_peek_config(self.model_name, dtype), tp)
+            if problem:
+                raise ValueError(problem)
         self.settings = settings = EngineSettings(
             model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=_load_hardware(hardware),
             chunk_tokens=chunk_tokens, decode_rank=decode_rank,
@@ -741,10 +744,17 @@ class Answer:
         return self.generation.result
 
 
+def tensor_parallel(mesh: Mesh) -> TensorParallel:
+    """The model's TensorParallel over this rank's TP group of the mesh (NO_TP without TP)."""
+    if mesh.tp_size == 1:
+        return NO_TP
+    return TensorParallel(size=mesh.tp_size, rank=mesh.tp_rank, group=mesh.tp_group)
+
+
 def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
     """Load this rank's model, check it against every other rank's and make the decode groups."""
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
-    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=mesh.tp)
+    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh))
     state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
                       chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
     if world > 1:
