@@ -17,7 +17,10 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def fmt_gb(n: float) -> str:
-    """n bytes in decimal gigabytes: '141.1 GB' from 1 GB up (thousands separated), else three
-    significant digits ('0.0123 GB')."""
+def fmt_gb(n: float, places: int | None = None) -> str:
+    """n bytes in decimal gigabytes, thousands separated. In prose (places None): one decimal from
+    1 GB up ('141.1 GB'), three significant digits below ('0.0123 GB'). In a table column (places
+    given): that many decimals below 100 GB ('0.012 GB'), whole gigabytes from there ('1,234 GB')."""
+    if places is not None:
+        return f"{n / 1e9:,.{places}f} GB" if n < 1e11 else f"{n / 1e9:,.0f} GB"
     return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e9:.3g} GB"

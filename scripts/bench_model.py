@@ -201,7 +201,7 @@ def main() -> None:
         row["floor_ms"] = 1e3 * row["decode_bytes_per_token"] / bandwidth
         if row["ringctx"]["decode_ms_per_token"] is not None:
             row["ringctx_over_floor"] = row["ringctx"]["decode_ms_p50"] / row["floor_ms"]
-    from ringctx.planning.machine_speed import cpu_model
+    from ringctx.cpu_features import cpu_model
 
     report = {
         "model": args.model, "threads": args.threads, "torch": torch.__version__,

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ..attention.kernels import flash_attn_available
-from ..cpu_features import cpu_has_fast_bf16
+from ..cpu_features import cpu_has_fast_bf16, cpu_model
 from ..cpu_kernels import cpu_kernels_report
 from ..host_memory import huge_pages_report
-from ..planning.machine_speed import auto_dtype, cpu_model
+from ..planning.machine_speed import auto_dtype
 
 
 def _version(package: str) -> str:

@@ -13,6 +13,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
+from ..units import fmt_bytes
 from rich.console import Console
 from rich.table import Table
 
@@ -169,14 +170,6 @@ def _is_printing_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 def _progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -214,24 +207,24 @@ def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
         ("time to first token", f"{stats.ttft_s:.2f} s (hand-off {stats.handoff_s:.2f} s)"),
         ("prefill throughput", f"{stats.tokens_per_s:,.0f} tokens/s"),
         ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
-        ("bytes sent per rank", ", ".join(_fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
-        *([("  of which TP all-reduces per rank", ", ".join(_fmt_bytes(b) for b in stats.tp_bytes_per_rank))]
+        ("bytes sent per rank", ", ".join(fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
+        *([("  of which TP all-reduces per rank", ", ".join(fmt_bytes(b) for b in stats.tp_bytes_per_rank))]
           if stats.tp_size > 1 else []),
-        ("KV shard per rank", ", ".join(_fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)
+        ("KV shard per rank", ", ".join(fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)
          + ("" if stats.kv_dtype == "model" else f" ({stats.kv_dtype})")),
         ("decode ranks: KV tokens each", ", ".join(f"{n:,}" for n in stats.decode_slice_rows_per_rank if n)
          + f" ({stats.decode_ranks} rank{'s' if stats.decode_ranks > 1 else ''})"),
         ("hand-off sent per rank (across hosts)", ", ".join(
-            f"{_fmt_bytes(b)} ({_fmt_bytes(c)})" for b, c in zip(stats.handoff_bytes_per_rank,
+            f"{fmt_bytes(b)} ({fmt_bytes(c)})" for b, c in zip(stats.handoff_bytes_per_rank,
                                                                  stats.handoff_cross_host_bytes_per_rank))),
-        ("peak RSS per rank (prefill)", ", ".join(_fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
-        ("peak RSS per rank (hand-off)", ", ".join(_fmt_bytes(b) for b in stats.handoff_peak_rss_bytes_per_rank)),
+        ("peak RSS per rank (prefill)", ", ".join(fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
+        ("peak RSS per rank (hand-off)", ", ".join(fmt_bytes(b) for b in stats.handoff_peak_rss_bytes_per_rank)),
     ]
     if follow_up is not None:
         follow_mix = ", ".join(sorted({c.strategy for c in follow_up.chunks}))
         rows.append((f"follow-up: {follow_up.tokens:,} tokens on {follow_up.cached:,} cached",
                      f"{follow_up.ttft_s:.2f} s ({follow_mix}), sent "
-                     + ", ".join(_fmt_bytes(b) for b in follow_up.bytes_sent_per_rank)))
+                     + ", ".join(fmt_bytes(b) for b in follow_up.bytes_sent_per_rank)))
     for k, v in rows:
         summary.add_row(k, v)
     chunks = Table(title="chunks")

@@ -1,6 +1,6 @@
 """`ringctx plan` and `ringctx calibrate`: standalone click commands.
 
-ringctx/cli.py registers them with `main.add_command(plan)` and `main.add_command(calibrate)`.
+cli/main.py registers them with `main.add_command(plan)` and `main.add_command(calibrate)`.
 Both render rich tables, or machine-readable JSON with --json. Bad input (unknown preset, tokens
 <= 0, malformed profile, ...) ends with one "Error: ..." line and exit status 1; a plan whose
 decode side does not fit ends with one such line and exit status DOES_NOT_FIT_EXIT.
@@ -17,11 +17,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..planning.hardware import DEFAULT_PROFILE_PATH
+from ..planning.strategy import RULES
+from ..units import fmt_gb
+
 console = Console()
 err_console = Console(stderr=True)
 
-RULE_CHOICES = ("alg1", "alg5", "empirical", "cost")
-DEFAULT_PROFILE_PATH = "ringctx-hardware.json"
 DOES_NOT_FIT_EXIT = 3
 """Exit status of `plan` when the decode side does not fit: apart from bad input (1) and usage
 errors (2), so a script can tell "wrong command" from "this setting would run out of memory"."""
@@ -49,12 +51,12 @@ def _default_hardware() -> str:
         return "cpu"
 
 
+def _table_gb(x: float) -> str:
+    return fmt_gb(x, places=3)
+
+
 def _ms(x: float) -> str:
     return f"{x:,.4g}" if x < 1000 else f"{x:,.0f}"
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.3f} GB" if x < 1e11 else f"{x / 1e9:,.0f} GB"
 
 
 # ----------------------------------------------------------------------------- plan
@@ -81,7 +83,7 @@ def _gb(x: float) -> str:
 @click.option("--cached", type=int, default=0, show_default=True, help="Tokens P already in the KV cache.")
 @click.option("--chunk-tokens", type=int, default=None,
               help="Prefill in chunks of this many tokens [default: one (partial) prefill of all T].")
-@click.option("--rule", type=click.Choice(RULE_CHOICES), default="alg5", show_default=True,
+@click.option("--rule", type=click.Choice(RULES), default="alg5", show_default=True,
               help="Strategy rule: paper Algorithm 1 or 5, the empirical fit, or the cost model.")
 @click.option("--dtype", default="bfloat16", show_default=True,
               help="Activation/attention dtype (and the KV cache's with --kv-dtype model).")
@@ -262,11 +264,11 @@ def render_plan(result) -> None:
     mem = Table(title="prefill memory per rank", show_header=False)
     mem.add_column("what", style="bold")
     mem.add_column("bytes", justify="right")
-    mem.add_row("weights", _gb(m.weights_bytes))
-    mem.add_row("KV-cache shard", _gb(m.kv_cache_bytes))
-    mem.add_row("activations (one layer)", _gb(m.activation_bytes))
-    mem.add_row("total", _gb(m.total_bytes))
-    mem.add_row("usable of capacity", f"{_gb(m.usable_bytes)} of {_gb(m.capacity_bytes)}")
+    mem.add_row("weights", _table_gb(m.weights_bytes))
+    mem.add_row("KV-cache shard", _table_gb(m.kv_cache_bytes))
+    mem.add_row("activations (one layer)", _table_gb(m.activation_bytes))
+    mem.add_row("total", _table_gb(m.total_bytes))
+    mem.add_row("usable of capacity", f"{_table_gb(m.usable_bytes)} of {_table_gb(m.capacity_bytes)}")
     mem.add_row("fits", _yes_no(m.fits))
     console.print(mem)
     render_decode(result)
@@ -283,11 +285,11 @@ def render_decode(result) -> None:
     mem.add_column("bytes", justify="right")
     mem.add_row("decode ranks", f"{d.decode_ranks} of {d.max_decode_ranks} on one host{tp}")
     mem.add_row("KV cache", kv)
-    mem.add_row("weights", _gb(d.weights_bytes))
-    mem.add_row(f"KV slice ({d.slice_tokens:,} tokens)", _gb(d.kv_slice_bytes))
-    mem.add_row("workspace (one decode step)", _gb(d.workspace_bytes))
-    mem.add_row("total", _gb(d.total_bytes))
-    mem.add_row("usable of capacity", f"{_gb(d.usable_bytes)} of {_gb(d.capacity_bytes)}")
+    mem.add_row("weights", _table_gb(d.weights_bytes))
+    mem.add_row(f"KV slice ({d.slice_tokens:,} tokens)", _table_gb(d.kv_slice_bytes))
+    mem.add_row("workspace (one decode step)", _table_gb(d.workspace_bytes))
+    mem.add_row("total", _table_gb(d.total_bytes))
+    mem.add_row("usable of capacity", f"{_table_gb(d.usable_bytes)} of {_table_gb(d.capacity_bytes)}")
     mem.add_row("fits", _yes_no(d.fits))
     console.print(mem)
 

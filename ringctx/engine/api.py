@@ -37,6 +37,7 @@ from ..model.kvfile import share_weights_digest, weights_digest
 from ..parallel.comm import agree_across_ranks
 from ..parallel.launch import default_backend
 from ..parallel.mesh import Mesh, build_mesh, decode_groups, mesh_problem
+from ..planning.prefill_plan import default_chunk_tokens
 from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
@@ -766,21 +767,6 @@ def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mo
             raise ValueError(_explain_mismatch(str(exc))) from None
         state.decode_group, state.control_group = decode_groups(mesh, settings.decode_rank, settings.decode_ranks)
     return state
-
-
-def default_chunk_tokens(model, world: int) -> int:
-    """Chunk size: large enough to keep attention efficient, small enough that activations stay
-    small next to the weights and KV shard (the per-rank activation peak is ~ chunk/N tokens of
-    the MLP's 3*ffn_dim plus the logits of one token).
-
-    On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
-    chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
-    get up to 64K tokens within a 1 GiB activation budget per rank.
-    """
-    per_token = (3 * model.config.ffn_dim + 4 * model.config.dim) * torch.finfo(model.dtype).bits // 8
-    budget = 1 << 30  # 1 GiB of chunk activations per rank
-    by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
-    return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
 
 
 def auto_nproc(device=None, tp: int = 1) -> int:

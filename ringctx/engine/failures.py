@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.launch import describe_exit
+from ..units import fmt_bytes
 
 TEST_KILL_ENV = "RINGCTX_TEST_KILL"
 MEMORY_LIMIT_ENV = "RINGCTX_MEMORY_LIMIT"
@@ -403,14 +404,6 @@ def parse_bytes(text: str) -> int:
     except (KeyError, ValueError):
         raise ValueError(f"{MEMORY_LIMIT_ENV}={text!r}: not a size; write e.g. 512MiB, 16GiB or a number of bytes") \
             from None
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:

@@ -38,14 +38,14 @@ from ..attention.quant import check_kv_dtype
 from ..model import KVCache
 from ..model.tensor_parallel import split_range
 from ..model.transformer import rope_position_problem
-from ..parallel import CommStats, ShardLayout, ring_attention
+from ..parallel import STRATEGIES, CommStats, ShardLayout, ring_attention
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
 )
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
-STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
+STRATEGY_CHOICES = ("auto", *STRATEGIES)
 RING_KINDS = ("ring-kv", "ring-q", "all2all")
 """CommStats kinds of the ring attention's messages."""
 TP_KINDS = ("all-reduce", "tp-embed", "tp-logits")

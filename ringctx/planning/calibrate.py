@@ -48,15 +48,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ringctx.cpu_features import cpu_model
 from ringctx.model.config import ModelConfig
+from ringctx.parallel.ring import STRATEGIES
 from ringctx.planning.hardware import (
-    RING_STRATEGIES, EmpiricalRuleCoefficients, HardwareProfile, RingCalibration, ThroughputPoint,
+    EmpiricalRuleCoefficients, HardwareProfile, RingCalibration, ThroughputPoint,
     canonical_dtype,
 )
 from ringctx.planning.prefill_plan import resolve_model_config
-
-DEFAULT_PROFILE_PATH = "ringctx-hardware.json"
-"""Where `ringctx calibrate` writes the profile unless --out says otherwise."""
 
 
 @dataclass(frozen=True)
@@ -180,17 +179,6 @@ def _host_memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 8e9
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_features() -> list[str]:
@@ -460,7 +448,7 @@ def live_group_job(rank: int, world: int, settings: dict) -> dict[str, Any]:
         T = 8 * 2 * world
         layout = ShardLayout.balanced([T], world)
         qq, kk, vv = _qkv(layout.num_new(rank), layout.num_new(rank), model, dtype, seed=7 + rank)
-        for strategy in RING_STRATEGIES:
+        for strategy in STRATEGIES:
             tiny[strategy] = _timed_collective(
                 lambda: ring_attention(qq, kk, vv, layout, strategy=strategy), max(repeats, 5))
         out["tiny_ring"] = {"new_tokens": T, "seconds": tiny}
@@ -524,13 +512,13 @@ def fit_ring_model(measurements: list[dict[str, Any]], hw: HardwareProfile, mode
     from ringctx.planning.strategy import PASS_KV, predict_strategy_cost
 
     ring = hw.ring_sizes[world]
-    base = dataclasses.replace(ring, comm_overlap=0.0, overhead_s={s: 0.0 for s in RING_STRATEGIES},
+    base = dataclasses.replace(ring, comm_overlap=0.0, overhead_s={s: 0.0 for s in STRATEGIES},
                                attention_factor=1.0)
     probe = dataclasses.replace(hw, ring_sizes={**hw.ring_sizes, world: base})
     cases = []
     for m in measurements:
         T, P = m["new_tokens"], m["cached_tokens"]
-        for s in RING_STRATEGIES:
+        for s in STRATEGIES:
             c = predict_strategy_cost(s, T, P, model, world, probe, dtype=dtype)
             fixed = 2 * ring.all2all_latency_s if s != PASS_KV else 0.0
             cases.append((s, c, fixed, m["seconds"][s]))
@@ -566,7 +554,7 @@ def fit_ring_model(measurements: list[dict[str, Any]], hw: HardwareProfile, mode
     check = dataclasses.replace(hw, ring_sizes={**hw.ring_sizes, world: fitted})
     errors = []
     for m in measurements:
-        for s in RING_STRATEGIES:
+        for s in STRATEGIES:
             pred = predict_strategy_cost(s, m["new_tokens"], m["cached_tokens"], model, world, check,
                                          dtype=dtype).attention_s
             errors.append(pred / m["seconds"][s] - 1)
@@ -587,7 +575,7 @@ def _ring_calibration(live: dict[str, Any], hw: HardwareProfile, model: ModelCon
         return RingCalibration(cp_size=1, threads_per_rank=live["threads"], compute_scale=scale, latency_s=0.0,
                                bandwidth_bytes_per_s=hw.bandwidth_bytes_per_s, all2all_latency_s=0.0,
                                all2all_bandwidth_bytes_per_s=hw.bandwidth_bytes_per_s, comm_overlap=1.0,
-                               overhead_s={s: 0.0 for s in RING_STRATEGIES})
+                               overhead_s={s: 0.0 for s in STRATEGIES})
     lat, bw = fit_latency_bandwidth(*zip(*live["sendrecv"]))
     a2a_lat, a2a_bw = fit_latency_bandwidth(*zip(*live["all2all"]))
     ov = live["overlap"]
@@ -595,11 +583,11 @@ def _ring_calibration(live: dict[str, Any], hw: HardwareProfile, model: ModelCon
     overlap = min(1.0, max(0.0, hidden / max(1e-12, min(ov["compute_s"], ov["comm_s"]))))
     ring = RingCalibration(cp_size=world, threads_per_rank=live["threads"], compute_scale=scale, latency_s=lat,
                            bandwidth_bytes_per_s=bw, all2all_latency_s=a2a_lat, all2all_bandwidth_bytes_per_s=a2a_bw,
-                           comm_overlap=overlap, overhead_s={s: 0.0 for s in RING_STRATEGIES})
+                           comm_overlap=overlap, overhead_s={s: 0.0 for s in STRATEGIES})
     probe = dataclasses.replace(hw, ring_sizes={**hw.ring_sizes, world: ring})
     T = live["tiny_ring"]["new_tokens"]
     overhead = {}
-    for s in RING_STRATEGIES:
+    for s in STRATEGIES:
         cost = predict_strategy_cost(s, T, 0, model, world, probe, dtype=dtype)
         overhead[s] = max(0.0, live["tiny_ring"]["seconds"][s] - cost.attention_s)
     return dataclasses.replace(ring, overhead_s=overhead)
@@ -744,7 +732,7 @@ def _host_info(cores: int) -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = None
-    return {"hostname": socket.gethostname(), "cpu": _cpu_name(), "cores": cores, "cpu_features": cpu_features(),
+    return {"hostname": socket.gethostname(), "cpu": cpu_model(), "cores": cores, "cpu_features": cpu_features(),
             "torch": torch.__version__, "load_average": load,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
@@ -765,11 +753,11 @@ def _compute_profile(settings: CalibrationSettings, compute: dict, scaling: dict
         peak[dtype] = max([f for *_, f in att["full"]] + [f for *_, f in c["linear"]["gemm"]])
     single = RingCalibration(cp_size=1, threads_per_rank=cores, compute_scale=scaling["speedup"], latency_s=0.0,
                              bandwidth_bytes_per_s=1e9, all2all_latency_s=0.0, all2all_bandwidth_bytes_per_s=1e9,
-                             comm_overlap=1.0, overhead_s={s: 0.0 for s in RING_STRATEGIES})
+                             comm_overlap=1.0, overhead_s={s: 0.0 for s in STRATEGIES})
     host = socket.gethostname()
     return HardwareProfile(
         name=name or f"calibrated-{host}",
-        description=(f"calibrated by `ringctx calibrate` on {host}: {_cpu_name()}, {cores} cores shared by the "
+        description=(f"calibrated by `ringctx calibrate` on {host}: {cpu_model()}, {cores} cores shared by the "
                      f"local ranks, gloo, torch {torch.__version__}"),
         calibrated=True, peak_flops=peak, achieved_fraction=1.0, bandwidth_bytes_per_s=1e9, latency_s=0.0,
         memory_bytes=_host_memory_bytes(), attention_throughput=full, attention_causal_throughput=causal,
@@ -838,7 +826,7 @@ def ring_strategy_job(rank: int, world: int, settings: dict) -> list[dict[str, A
         if c:
             _, ck, cv = _qkv(1, c, model, dtype, seed=2000 + rank)
             cached = dict(cached_k=ck, cached_v=cv)
-        samples: dict[str, list[float]] = {s: [] for s in RING_STRATEGIES}
+        samples: dict[str, list[float]] = {s: [] for s in STRATEGIES}
 
         def run(strategy: str) -> float:
             dist.barrier()
@@ -846,12 +834,12 @@ def ring_strategy_job(rank: int, world: int, settings: dict) -> list[dict[str, A
             ring_attention(q, k, v, layout, strategy=strategy, **cached)
             return _max_over_ranks(time.perf_counter() - t0)
 
-        for s in RING_STRATEGIES:  # warm-up
+        for s in STRATEGIES:  # warm-up
             run(s)
         for i in range(repeats):
-            for s in (RING_STRATEGIES if i % 2 == 0 else RING_STRATEGIES[::-1]):
+            for s in (STRATEGIES if i % 2 == 0 else STRATEGIES[::-1]):
                 samples[s].append(run(s))
-        ratios = [a / b for a, b in zip(samples[RING_STRATEGIES[0]], samples[RING_STRATEGIES[1]])]
+        ratios = [a / b for a, b in zip(samples[STRATEGIES[0]], samples[STRATEGIES[1]])]
         results.append({"new_tokens": T, "cached_tokens": P,
                         "seconds": {s: statistics.median(v) for s, v in samples.items()},
                         "kv_over_q": statistics.median(ratios), "samples": samples})

@@ -28,8 +28,14 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from ringctx.parallel.ring import STRATEGIES
+
 SCHEMA_VERSION = 1
 """Version of the profile JSON format; bumped when a field changes meaning."""
+
+DEFAULT_PROFILE_PATH = "ringctx-hardware.json"
+"""Where `ringctx calibrate` writes a profile unless --out says otherwise, and the profile `ringctx plan`
+reads when it finds one there (in the working directory)."""
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "hardware"
 """Where the built-in profiles live (package data ``ringctx/hardware/*.json``)."""
@@ -111,10 +117,6 @@ class EmpiricalRuleCoefficients:
         """Whether these coefficients were fitted for this GQA ratio, ring size and dtype."""
         same_ratio = Fraction(self.n_kv_heads, self.n_heads) == Fraction(n_kv_heads, n_heads)
         return same_ratio and self.cp_size == cp_size and self.dtype == canonical_dtype(dtype)
-
-
-RING_STRATEGIES = ("pass-kv", "pass-q")
-"""Strategy names as keys of `RingCalibration.overhead_s` (the same as ringctx.planning.strategy)."""
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,7 @@ class HardwareProfile:
             return RingNumbers(cp_size, r.compute_scale, r.latency_s, r.bandwidth_bytes_per_s, r.all2all_latency_s,
                                r.all2all_bandwidth_bytes_per_s, r.comm_overlap, dict(r.overhead_s),
                                f"measured at N={cp_size}", r.attention_factor)
-        zero = {s: 0.0 for s in RING_STRATEGIES}
+        zero = {s: 0.0 for s in STRATEGIES}
         if self.host_cores is None:
             return RingNumbers(cp_size, 1.0, self.latency_s, self.bandwidth_bytes_per_s, None,
                                self.bandwidth_bytes_per_s, self.comm_overlap, zero, "profile")
@@ -558,7 +560,7 @@ def _ring_sizes(d: dict, where: str) -> dict[int, RingCalibration]:
         if str(key) != str(n):
             raise _fail(where, label, f"is keyed {key!r} but its cp_size is {n}")
         overhead = r["overhead_s"]
-        if not isinstance(overhead, dict) or set(overhead) != set(RING_STRATEGIES):
+        if not isinstance(overhead, dict) or set(overhead) != set(STRATEGIES):
             raise _fail(where, f"{label}.overhead_s", f"must be {{'pass-kv': s, 'pass-q': s}}, got {overhead!r}")
         out[n] = RingCalibration(
             cp_size=n, threads_per_rank=_positive_int(r["threads_per_rank"], where, f"{label}.threads_per_rank"),
@@ -571,7 +573,7 @@ def _ring_sizes(d: dict, where: str) -> dict[int, RingCalibration]:
                                                   label=f"{label}.all2all_bandwidth_bytes_per_s"),
             comm_overlap=_number(r, "comm_overlap", where, lo_inclusive=True, hi=1.0, label=f"{label}.comm_overlap"),
             overhead_s={s: _number(overhead, s, where, lo_inclusive=True, label=f"{label}.overhead_s.{s}")
-                        for s in RING_STRATEGIES},
+                        for s in STRATEGIES},
             attention_factor=(_number(r, "attention_factor", where, label=f"{label}.attention_factor")
                               if "attention_factor" in r else 1.0),
         )

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_features import cpu_has_fast_bf16
+from ..cpu_features import cpu_has_fast_bf16, cpu_model
 from ..host_memory import host_tensors, huge_pages_enabled
 
 BF16_MARGIN = 0.9
@@ -166,18 +166,6 @@ def preferred_dtype(device: str | None = None) -> str:
     """What dtype="auto" means here: bfloat16 on GPUs; on a CPU the dtype that decodes fastest,
     measured once (see auto_dtype above)."""
     return auto_dtype(device).dtype
-
-
-def cpu_model() -> str:
-    """The CPU's model name (lscpu's "Model name"), or the architecture where it is not known."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _choice_path() -> Path:

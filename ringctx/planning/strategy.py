@@ -40,14 +40,10 @@ import numpy as np
 
 from ringctx.model.config import ModelConfig
 from ringctx.model.presets import get_preset
+from ringctx.parallel.ring import PASS_KV, PASS_Q, STRATEGIES
 from ringctx.planning.hardware import (
     EmpiricalRuleCoefficients, HardwareProfile, canonical_dtype, element_bytes, load_profile,
 )
-
-PASS_KV = "pass-kv"
-PASS_Q = "pass-q"
-STRATEGIES = (PASS_KV, PASS_Q)
-"""The two ring strategies, as spelled everywhere (plans, telemetry, ring_attention)."""
 
 RULES = ("alg1", "alg5", "empirical", "cost")
 """Names accepted by `choose_strategy(rule=...)`."""

@@ -17,7 +17,7 @@ from ringctx.planning.memory import (
 )
 from ringctx.planning.mesh_proposal import mesh_tp_sizes, propose_mesh
 from ringctx.planning.prefill_plan import (
-    MIN_DEFAULT_CHUNK_TOKENS, decode_problem, default_chunk_tokens, plan_prefill, split_chunks,
+    MIN_DEFAULT_CHUNK_TOKENS, decode_problem, fitting_chunk_tokens, plan_prefill, split_chunks,
 )
 from ringctx.planning.strategy import PASS_KV, PASS_Q, STRATEGIES, choose_strategy, predict_costs, tokens_per_rank
 
@@ -229,13 +229,13 @@ def test_plan_validates_inputs(kwargs, match):
 
 
 def test_default_chunk_is_the_whole_prompt_when_it_fits():
-    assert default_chunk_tokens("smollm2-135m", 2, "cpu", 20_000, dtype="float32") == 20_000
+    assert fitting_chunk_tokens("smollm2-135m", 2, "cpu", 20_000, dtype="float32") == 20_000
 
 
 def test_default_chunk_is_the_largest_fitting_power_of_two():
     hw = dataclasses.replace(load_profile("h100-rdma"), memory_bytes=80e9)
     kwargs = dict(tokens=1 << 20, tp_size=8, weight_dtype="float8")
-    chunk = default_chunk_tokens(L405, 4, hw, **kwargs)
+    chunk = fitting_chunk_tokens(L405, 4, hw, **kwargs)
     assert chunk < 1 << 20 and chunk & (chunk - 1) == 0 and chunk >= MIN_DEFAULT_CHUNK_TOKENS
     # the chunk size is about the prefill ranks (the bf16 cache of 1M tokens does not fit one decode host)
     assert plan_prefill(L405, 4, hw, chunk_tokens=chunk, **kwargs).memory.fits
@@ -250,7 +250,7 @@ def test_default_chunk_is_the_largest_fitting_power_of_two():
 
 def test_default_chunk_refuses_when_nothing_fits():
     with pytest.raises(ValueError, match="does not fit 'h100-rdma'.*more CP ranks"):
-        default_chunk_tokens(L405, 1, "h100-rdma", 100_000)
+        fitting_chunk_tokens(L405, 1, "h100-rdma", 100_000)
 
 
 # ----------------------------------------------------------------------------- sanity against the paper
@@ -317,8 +317,8 @@ def test_default_chunk_counts_the_kv_dtype():
     # 1M tokens on 4 ranks of 60 GB (54 GB usable): weights 16.1 GB + a bf16 shard of 262,144 rows
     # (34.4 GB) leave room for 32K-token chunks; the fp8 shard (17.7 GB) for 256K-token ones
     hw = dataclasses.replace(load_profile("h100-rdma"), memory_bytes=60e9)
-    assert default_chunk_tokens(L8, 4, hw, 1 << 20) == 32_768
-    assert default_chunk_tokens(L8, 4, hw, 1 << 20, kv_dtype="fp8") == 262_144
+    assert fitting_chunk_tokens(L8, 4, hw, 1 << 20) == 32_768
+    assert fitting_chunk_tokens(L8, 4, hw, 1 << 20, kv_dtype="fp8") == 262_144
 
 
 # ----------------------------------------------------------------------------- the decode side
