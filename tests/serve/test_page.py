@@ -97,7 +97,12 @@ class MarkupBackend(FakeBackend):
 
 
 @pytest.fixture(scope="module")
-def fake():
+def fake_backend():
+    return MarkupBackend()
+
+
+@pytest.fixture(scope="module")
+def fake(fake_backend):
     """The app over MarkupBackend with API key KEY, served by uvicorn on a loopback port: its URL."""
     import uvicorn
 
@@ -105,7 +110,7 @@ def fake():
     from ringctx.serve.server import listen_socket
 
     sock = listen_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(MarkupBackend(), api_key=KEY, log=lambda line: None),
+    server = uvicorn.Server(uvicorn.Config(create_app(fake_backend, api_key=KEY, log=lambda line: None),
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -282,6 +287,43 @@ def test_an_error_from_the_server_is_shown_as_a_message(browser, fake):
     by_id(browser, "ingest-button").click()
     wait_for(browser, lambda d: errors_shown(d), what="the refusal shown")
     assert errors_shown(browser) == ["could not ingest: the document has 3,001+ tokens; this server keeps at most 3,000"]
+
+
+def drop_file(driver, name, text):
+    """Drop a file named `name` holding `text` on the page's drop zone (a drop event, as a user's)."""
+    driver.execute_script("""
+        const transfer = new DataTransfer();
+        transfer.items.add(new File([arguments[1]], arguments[0], {type: "text/plain"}));
+        const zone = document.getElementById("drop");
+        for (const type of ["dragover", "drop"])
+          zone.dispatchEvent(new DragEvent(type, {dataTransfer: transfer, bubbles: true, cancelable: true}));
+        """, name, text)
+
+
+def test_a_dropped_file_is_ingested_and_only_text_files_are_taken(browser, fake, fake_backend):
+    open_page(browser, fake, key=KEY)
+    drop_file(browser, "notes.md", "# Notes\nfirst second third")
+    wait_for(browser, lambda d: by_id(d, "p-name").text == "notes.md", what="the dropped file's ingest")
+    ingested = fake_backend.docs[by_id(browser, "p-id").text]
+    assert ingested.name == "notes.md" and ingested.tokens == 5  # the fake counts words: the file's text arrived
+    drop_file(browser, "report.pdf", "%PDF-1.7")
+    wait_for(browser, lambda d: errors_shown(d), what="the refusal of a .pdf")
+    assert errors_shown(browser) == ["report.pdf is not a .txt or .md file: give plain text"]
+    assert "report.pdf" not in [d.name for d in fake_backend.docs.values()]
+
+
+def test_an_error_in_the_middle_of_an_answer_is_shown_after_its_first_words(browser, fake, fake_backend):
+    open_page(browser, fake, key=KEY)
+    fake_backend.fail_after = 1  # the stream's error event after one piece (a rank lost)
+    try:
+        set_value(browser, "question", "Go on.")
+        by_id(browser, "ask-button").click()
+        wait_for(browser, lambda d: by_id(d, "answer").get_attribute("data-state") == "error", what="the answer's error")
+    finally:
+        fake_backend.fail_after = None
+    assert by_id(browser, "answer").text == MARKUP[:40]
+    assert errors_shown(browser) == ["could not answer: rank 1 of 2 has exited (code -9)"]
+    assert by_id(browser, "ask-button").is_enabled() and not by_id(browser, "stop-button").is_enabled()
 
 
 def test_the_page_fits_a_narrow_window(browser, fake):
