@@ -20,6 +20,7 @@
  * Built with the system C compiler (no PyTorch headers) and called through ctypes; the caller
  * checks shapes, dtypes and contiguity and rounds the results.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
@@ -660,4 +661,142 @@ int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
     if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R || (kind != Q8_INT8 && kind != Q8_FP8))
         return -1;
     return pv_over_threads(p, Hkv, R, S, v, 0, v_scale, kind, D, out, threads);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Decode attention in one pass: R query rows per KV head (a GQA group times B query tokens: the
+ * questions about one document decoded together) against a token-major cache, in the model dtype
+ * (float32, bf16) or 8-bit with scales, returning the normalised output and the log-sum-exp.
+ *
+ *   out[h, r] = sum_j softmax_j(scale q[h, r] . k[j, h]) v[j, h]      out: [Hkv, R, D] float32
+ *   lse[h, r] = log sum_j exp(scale q[h, r] . k[j, h])                 lse: [Hkv, R] float32
+ *
+ * Why one pass: the two-pass kernels above write R x S scores out and read them back, and the
+ * softmax between them ran as PyTorch ops over [Hkv, R, S]; at 8 questions of SmolLM2 (R = 24) and
+ * 32K keys those scores are 9 MB a layer, more than an fp8 cache's K and V together. Here the keys
+ * go through in tiles small enough that a tile's scores stay in L1/L2: scores of every row of every
+ * head against the tile (each K row read from memory once for all R rows), an online-softmax
+ * update per row, then P V over the tile (each V row read once for all R rows). The keys are split
+ * over the threads; each keeps its running (max, sum, output) per row, and the partials are
+ * merged by log-sum-exp in thread order (the same bits every run).
+ * ------------------------------------------------------------------------------------------ */
+
+/* A tile's scores (rows x tile floats, rows = Hkv R) are kept under this many floats (64 KB). */
+#define TILE_SCORES_FLOATS 16384
+
+int64_t attend_tile_keys(int64_t rows) {
+    int64_t tile = TILE_SCORES_FLOATS / (rows > 0 ? rows : 1);
+    tile -= tile % PV_BLOCK;
+    return tile < PV_BLOCK ? PV_BLOCK : tile > ATTEND_MAX_TILE ? ATTEND_MAX_TILE : tile;
+}
+
+int64_t attend_range_floats(int64_t Hkv, int64_t R, int64_t D) {
+    const int64_t rows = Hkv * R;
+    return rows + rows * D + rows * attend_tile_keys(rows); /* alpha, tile output, tile scores */
+}
+
+void attend_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v, int bf16, int q8,
+                  const float *ks, const float *vs, float scale, int64_t j0, int64_t j1, float *m, float *l,
+                  float *acc, float *buf) {
+    const int64_t rows = Hkv * R, tile = attend_tile_keys(rows);
+    const int64_t row_bytes = Hkv * D * (q8 >= 0 ? 1 : bf16 ? 2 : 4);
+    float *alpha = buf, *tile_out = alpha + rows, *scores = tile_out + rows * D;
+    for (int64_t r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+    for (int64_t t0 = j0; t0 < j1; t0 += tile) {
+        const int64_t n = j1 - t0 < tile ? j1 - t0 : tile;
+        const char *k_tile = (const char *)k + t0 * row_bytes, *v_tile = (const char *)v + t0 * row_bytes;
+        if (q8 >= 0)
+            scores_q8_range(q, Hkv, R, D, (const int8_t *)k_tile, ks + t0 * Hkv, q8, tile, scale, scores, 0, n);
+        else
+            scores_range(q, Hkv, R, D, k_tile, bf16, tile, scale, scores, 0, n, j1 - t0);
+        for (int64_t r = 0; r < rows; ++r) {  /* online softmax: p = e^(s - m_new) in place */
+            float *sr = scores + r * tile;
+            vfloat vmaxes = vset1(-INFINITY);
+            int64_t j = 0;
+            for (; j + VW <= n; j += VW) vmaxes = vmax(vmaxes, vload(sr + j));
+            float tile_max = vhmax(vmaxes);
+            for (; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
+            const float m_new = m[r] > tile_max ? m[r] : tile_max;
+            alpha[r] = m[r] == -INFINITY ? 0.0f : vexp(vset1(m[r] - m_new))[0];
+            vfloat vsums = vzero();
+            for (j = 0; j + VW <= n; j += VW) {
+                const vfloat p = vexp(vload(sr + j) - m_new);
+                vstore(sr + j, p);
+                vsums += p;
+            }
+            float tail_sum = 0.0f;
+            for (; j < n; ++j) {
+                sr[j] = vexp(vset1(sr[j] - m_new))[0];
+                tail_sum += sr[j];
+            }
+            l[r] = l[r] * alpha[r] + (vsum(vsums) + tail_sum);
+            m[r] = m_new;
+        }
+        if (q8 >= 0)
+            pv_q8_range(scores, Hkv, R, tile, (const int8_t *)v_tile, vs + t0 * Hkv, q8, D, tile_out, 0, n);
+        else
+            pv_range(scores, Hkv, R, tile, v_tile, bf16, D, tile_out, 0, n, j1 - t0);
+        for (int64_t r = 0; r < rows; ++r) {
+            const vfloat a = vset1(alpha[r]);
+            for (int64_t c = 0; c < D; c += VW)
+                vstore(acc + r * D + c, vfma(vload(acc + r * D + c), a, vload(tile_out + r * D + c)));
+        }
+    }
+}
+
+/* Keys per thread below which fewer threads take the range: a thread's share should outweigh
+ * starting it and merging its partial. */
+#define MIN_KEYS_PER_THREAD 128
+
+int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v,
+                             int bf16, const float *k_scale, const float *v_scale, int q8, int64_t S, float scale,
+                             float *out, float *lse, int threads) {
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R < 1 || R > MAX_R || Hkv < 1 ||
+        (q8 != -1 && q8 != Q8_INT8 && q8 != Q8_FP8) || (q8 >= 0 && (k_scale == NULL || v_scale == NULL)))
+        return -1;
+    const int64_t rows = Hkv * R;
+    if (S <= 0) {  /* no key: out 0, lse -inf */
+        memset(out, 0, (size_t)(rows * D) * sizeof(float));
+        for (int64_t r = 0; r < rows; ++r) lse[r] = -INFINITY;
+        return 0;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    if (S / MIN_KEYS_PER_THREAD < threads) threads = S / MIN_KEYS_PER_THREAD > 1 ? (int)(S / MIN_KEYS_PER_THREAD) : 1;
+    /* per thread: m [rows], l [rows], acc [rows D], then attend_range's buffer */
+    const int64_t per_thread = 2 * rows + rows * D + attend_range_floats(Hkv, R, D);
+    float *work = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
+    if (work == NULL) return -2;
+    int used = threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+        used = nt;
+        float *mine = work + t * per_thread;
+        attend_range(q, Hkv, R, D, k, v, bf16, q8, k_scale, v_scale, scale, split(S, t, nt), split(S, t + 1, nt), mine,
+                     mine + rows, mine + 2 * rows, mine + 2 * rows + rows * D);
+    }
+    /* merge the threads' partials by log-sum-exp, in thread order */
+    for (int64_t r = 0; r < rows; ++r) {
+        float top = -INFINITY;
+        for (int t = 0; t < used; ++t) top = work[t * per_thread + r] > top ? work[t * per_thread + r] : top;
+        float total = 0.0f, weight[256];
+        for (int t = 0; t < used; ++t) {
+            const float mt = work[t * per_thread + r];
+            weight[t] = mt == -INFINITY ? 0.0f : vexp(vset1(mt - top))[0];
+            total += work[t * per_thread + rows + r] * weight[t];
+        }
+        lse[r] = total > 0.0f ? top + logf(total) : -INFINITY;
+        const vfloat divisor = vset1(total > 0.0f ? total : 1.0f); /* a row with no key keeps its zeros */
+        for (int64_t c = 0; c < D; c += VW) {
+            vfloat sum = vzero();
+            for (int t = 0; t < used; ++t)
+                sum = vfma(vload(work + t * per_thread + 2 * rows + r * D + c), vset1(weight[t]), sum);
+            vstore(out + r * D + c, sum / divisor);
+        }
+    }
+    free(work);
+    return 0;
 }
