@@ -273,7 +273,11 @@ SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const vo
                                 float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
                                 const int pairs) {
     const int64_t key_bytes = Hkv * VW * NV * (bf16 ? 2 : 4);
-    if (GROUPED_SCORES && R <= 4) j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, pairs);
+    /* The grouped kernel stops where the per-row one would (a whole number of VW-key blocks), so
+     * that the keys left for scores_1 are the same whatever R: a row's scores are the same bits
+     * alone or in a batch (the two kernels sum each dot product in the same order). */
+    if (GROUPED_SCORES && R <= 4)
+        j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j + (j1 - j) / VW * VW, ahead_end, NV, pairs);
     for (; j + VW <= j1; j += VW) {
         /* the cache lines of the block after this one */
         if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
@@ -283,21 +287,25 @@ SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const vo
     return j;
 }
 
-/* The split q of scores_range's pair path lives on the stack: Hkv R D <= 8192 floats covers every
- * decode shape (8 KV heads x 8 rows x 128); a larger q takes the in-order widening. */
+/* The split q of scores_range's pair path lives on the stack up to Hkv R D = 8192 floats (8 KV
+ * heads x 8 rows x 128), on the heap above: every number of rows takes the same path, so that a
+ * row's scores do not depend on how many rows share the call. */
 #define PAIRS_MAX_Q 8192
 
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
                   float *scores, int64_t j0, int64_t j1, int64_t ahead_end) {
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
-        const int pairs = widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q;
-        float qs[pairs ? Hkv * R * D : 1];
+        float on_stack[PAIRS_MAX_Q], *on_heap = NULL, *qs = on_stack;
+        if (widen_in_pairs(bf16, D) && Hkv * R * D > PAIRS_MAX_Q)
+            qs = on_heap = (float *)malloc((size_t)(Hkv * R * D) * sizeof(float));
+        const int pairs = widen_in_pairs(bf16, D) && qs != NULL; /* out of memory: in-order widening */
         if (pairs) split_pairs(q, Hkv * R, D, qs);
         if (pairs && D == 64) j = scores_wide(qs, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 1);
         else if (pairs) j = scores_wide(qs, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 1);
         else if (D == 64) j = scores_wide(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 0);
         else j = scores_wide(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 0);
+        free(on_heap);
     }
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes; /* in keys */
@@ -579,13 +587,15 @@ SIMD_INLINE void pv_q8_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, c
         for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + (h * R + r0 + r) * D + c0 + VW * c);
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t row = (j * Hkv + h) * D + c0;
-        const float s = mul * vs[j * Hkv + h];
+        /* the scale times V, then p times that: the rounding of pv_q8_heads' tile path, so that a
+         * row's output is the same bits whichever path its number of rows takes */
+        const vfloat s = vset1(mul * vs[j * Hkv + h]);
         vfloat w[PV_ROWS];
 #pragma GCC unroll 4
-        for (int r = 0; r < RT; ++r) w[r] = vset1(s * p[(h * R + r0 + r) * S + j]);
+        for (int r = 0; r < RT; ++r) w[r] = vset1(p[(h * R + r0 + r) * S + j]);
 #pragma GCC unroll 8
         for (int c = 0; c < NC; ++c) {
-            const vfloat vv = load_q8(v, KIND, row + VW * c);
+            const vfloat vv = s * load_q8(v, KIND, row + VW * c);
 #pragma GCC unroll 4
             for (int r = 0; r < RT; ++r) a[r][c] = vfma(w[r], vv, a[r][c]);
         }
@@ -681,13 +691,13 @@ int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
  * merged by log-sum-exp in thread order (the same bits every run).
  * ------------------------------------------------------------------------------------------ */
 
-/* A tile's scores (rows x tile floats, rows = Hkv R) are kept under this many floats (64 KB). */
-#define TILE_SCORES_FLOATS 16384
-
+/* Keys per tile: ATTEND_MAX_TILE whatever the number of rows, so that a row's sums run over the
+ * same tiles in the same order whether it is decoded alone or in a batch (its output is the same
+ * bits: continuous batching never changes an answer). A tile's scores, rows x 256 floats, stay in
+ * L2 (27 KB for SmolLM2's 9 heads, 150 KB at 16 questions). */
 int64_t attend_tile_keys(int64_t rows) {
-    int64_t tile = TILE_SCORES_FLOATS / (rows > 0 ? rows : 1);
-    tile -= tile % PV_BLOCK;
-    return tile < PV_BLOCK ? PV_BLOCK : tile > ATTEND_MAX_TILE ? ATTEND_MAX_TILE : tile;
+    (void)rows;
+    return ATTEND_MAX_TILE;
 }
 
 int64_t attend_range_floats(int64_t Hkv, int64_t R, int64_t D) {
@@ -753,8 +763,8 @@ int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, 
                              int bf16, const float *k_scale, const float *v_scale, int q8, int64_t S, float scale,
                              float *out, float *lse, int threads) {
     if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R < 1 || R > MAX_R || Hkv < 1 ||
-        (q8 != -1 && q8 != Q8_INT8 && q8 != Q8_FP8) || (q8 >= 0 && (k_scale == NULL || v_scale == NULL)))
-        return -1;
+        (q8 != -1 && q8 != Q8_INT8 && q8 != Q8_FP8) || (S > 0 && q8 >= 0 && (k_scale == NULL || v_scale == NULL)))
+        return -1; /* (an empty tensor's data pointer may be NULL) */
     const int64_t rows = Hkv * R;
     if (S <= 0) {  /* no key: out 0, lse -inf */
         memset(out, 0, (size_t)(rows * D) * sizeof(float));
