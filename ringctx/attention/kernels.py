@@ -15,10 +15,14 @@ Backends:
     "amx"         ringctx's bf16 flash kernel for CPUs with AMX (csrc/cpu_attention_amx.c), 1.2-1.9x
                   PyTorch's CPU op there (scripts/bench_cpu_attention.py); head_dim a multiple of 32
     "flash-attn"  Dao-AILab flash-attn (CUDA), if installed: native GQA, token-major layout
-    "triton"      ringctx's own Triton kernel (CUDA; TRITON_INTERPRET=1 on CPU for tests)
+    "triton"      ringctx's own Triton kernels (CUDA; TRITON_INTERPRET=1 on CPU for tests): full blocks
+                  of a few query rows per KV head (decode) split over the keys, the rest the
+                  flash-attention forward
     "reference"   float64 reference (tests)
-    "auto"        flash-attn on CUDA when installed, else "torch"; on the CPU "amx" for the bf16
-                  blocks it takes, else "torch"
+    "auto"        flash-attn on CUDA when installed, else "torch" (decode blocks: the Triton
+                  decode kernel where triton is installed); on the CPU the decode kernel for full
+                  blocks of a few query rows per KV head, "amx" for the other bf16 blocks it
+                  takes, else "torch"
 """
 
 from __future__ import annotations
@@ -108,10 +112,21 @@ def attention_block(
     if backend == "flash-attn":
         return _flash_attn_block(q, k, v, causal, scale)
     if backend == "triton":
-        from .triton_attn import triton_attention_block
+        from .triton_attn import decode_applies, triton_attention_block, triton_decode_attention
 
+        if not causal and decode_applies(q, k):  # decode: B query tokens against a long K/V
+            return triton_decode_attention(q, k, v, softmax_scale=scale)
         return triton_attention_block(q, k, v, causal=causal, softmax_scale=scale)
     if q.device.type == "cuda":
+        if requested == "auto" and not causal:
+            # No flash-attn here: decode blocks take ringctx's split-K Triton kernel, which reads
+            # each K/V row once for every query row, where PyTorch's op would expand the KV heads
+            # (a copy of the whole block) and give each query head a program of its own.
+            from .triton_attn import decode_applies, triton_available, triton_decode_attention
+
+            if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.dtype == k.dtype == v.dtype \
+                    and decode_applies(q, k) and triton_available(q.device):
+                return triton_decode_attention(q, k, v, softmax_scale=scale)
         return _torch_cuda_block(q, k, v, causal, scale)
     if backend != "amx" and not causal and cpu_kernels.decode_kernels_apply(q, k, v):
         done = _decode_kernel_block(q, k, v, scale)
