@@ -17,7 +17,7 @@ out and back.
 Old and new alternate call by call (the order flips every round), so that both see the same
 machine state on a shared VM; shown are the median time of each, the median over rounds of the
 per-round ratio new / old, and the bytes of K and V (with fp8's scales) read per call over the
-median time as a fraction of the read bandwidth (ringctx.machine_speed.read_bandwidth, measured in
+median time as a fraction of the read bandwidth (ringctx.planning.machine_speed.read_bandwidth, measured in
 the same run with the same threads). Each call reads the next of several layers' caches, together
 at least twice the last-level cache, so that K and V come from memory as in a real decode step.
 """
@@ -38,7 +38,7 @@ from ringctx import cpu_kernels
 from ringctx.attention import attention_block
 from ringctx.attention.kernels import group_queries, ungroup_rows
 from ringctx.attention.quant import attention_block_quantized, quantize_rows
-from ringctx.machine_speed import read_bandwidth
+from ringctx.planning.machine_speed import read_bandwidth
 
 HQ, HKV, D = 9, 3, 64
 ROTATION_BYTES = 1 << 30  # the caches one shape's calls rotate over (> 2x this VM's 480 MiB L3)

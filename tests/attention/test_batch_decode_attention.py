@@ -17,7 +17,7 @@ import torch
 from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
 from ringctx.attention.quant import attention_block_quantized, dequantize_rows, quantize_rows
-from tests.test_cpu_kernels import needs_kernels
+from tests.core.test_cpu_kernels import needs_kernels
 
 pytestmark = [pytest.mark.usefixtures("kernel_variant"), needs_kernels]
 
