@@ -154,7 +154,7 @@ def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:
     kv * group + g of token t. The layout of the CPU decode attention kernels."""
     T, Hq, D = q.shape
     group = Hq // Hkv
-    return q.float().view(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D).contiguous()
+    return q.float().reshape(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D).contiguous()
 
 
 def ungroup_rows(out: torch.Tensor, lse: torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

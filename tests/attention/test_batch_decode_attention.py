@@ -158,3 +158,14 @@ def test_rows_past_the_kernel_take_the_other_paths(monkeypatch):
     assert not calls
     _check(out, lse, *reference_attention(q.double(), k.double(), v.double()), q, out_tol=1e-5)
     assert math.isfinite(lse.min().item())
+
+
+def test_queries_may_be_a_strided_view(monkeypatch):
+    """q as the engine may hold it, the query heads of a fused [B, Hq + 2 Hkv, D] projection."""
+    qkv, k, v = _inputs(4, 5, 300, 64, seed=6)  # [4, 15, 64]: 9 query heads, then 6 more
+    q = qkv[:, :9]
+    assert not q.is_contiguous()
+    calls = _spy(monkeypatch, "decode_attention")
+    out, lse = attention_block(q, k, v)
+    assert calls
+    _check(out, lse, *reference_attention(q.double(), k.double(), v.double()), q, out_tol=1e-5)
