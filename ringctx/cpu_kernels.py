@@ -401,7 +401,8 @@ MAX_QUERY_ROWS_PER_KV_HEAD = 64
 
 
 def decode_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when `decode_scores` and `decode_pv` take these inputs (and the kernels are built):
+    """True when `decode_attention` (and the two-pass `decode_scores`, `decode_pv`) take these inputs
+    (and the kernels are built):
     q [T, Hq, D], k and v [S, Hkv, D] contiguous, all float32 or all bf16, on the CPU, S >= 1,
     D a multiple of 16 up to 256, at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head."""
     T, Hq, D = q.shape
@@ -494,7 +495,8 @@ code in csrc/cpu_kernels.c."""
 
 def decode_q8_kernels_apply(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
                             v_scale: torch.Tensor) -> bool:
-    """True when `decode_scores_q8` and `decode_pv_q8` take these inputs (and the kernels are built):
+    """True when `decode_attention_q8` (K and V in one format; and the two-pass `decode_scores_q8`,
+    `decode_pv_q8`) take these inputs (and the kernels are built):
     q [T, Hq, D] float32, bf16 or fp16; k_data and v_data [S, Hkv, D] int8 or float8_e4m3fn (each
     its own), contiguous; k_scale and v_scale [S, Hkv] float32 contiguous; all on the CPU, S >= 1, D
     a multiple of 16 up to 256, at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head."""
