@@ -776,8 +776,18 @@ int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, 
     if (S / MIN_KEYS_PER_THREAD < threads) threads = S / MIN_KEYS_PER_THREAD > 1 ? (int)(S / MIN_KEYS_PER_THREAD) : 1;
     /* per thread: m [rows], l [rows], acc [rows D], then attend_range's buffer */
     const int64_t per_thread = 2 * rows + rows * D + attend_range_floats(Hkv, R, D);
-    float *work = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
-    if (work == NULL) return -2;
+    /* Kept from call to call (per calling thread): a fresh buffer of this size (~100 KB a thread
+     * at SmolLM2's shape) comes from mmap, and faulting its pages in took a noticeable share of a
+     * call that reads a few MB. */
+    static __thread float *kept = NULL;
+    static __thread int64_t kept_floats = 0;
+    if (threads * per_thread > kept_floats) {
+        free(kept);
+        kept = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
+        kept_floats = kept == NULL ? 0 : threads * per_thread;
+        if (kept == NULL) return -2;
+    }
+    float *const work = kept; /* not the thread-local itself: the OpenMP threads each have their own */
     int used = threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -807,6 +817,5 @@ int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, 
             vstore(out + r * D + c, sum / divisor);
         }
     }
-    free(work);
     return 0;
 }
