@@ -56,8 +56,6 @@ typedef struct {
     const void *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before RoPE (Qwen3), else NULL */
 } ringctx_decoder_layer;
 
-#define KEY_TILE 256 /* keys per online-softmax step: the tile's scores stay in L1 */
-
 /* Where each piece of the float32 work buffer lives. */
 /* Split caches: replace attn [Hq D] (this rank's float32 partial output, lse [Hq] beside it) by
  * the output merged over every rank, rounded to the model dtype. */
@@ -65,7 +63,7 @@ typedef void (*ringctx_merge_fn)(void);
 
 typedef struct {
     float *resid, *xn, *qkv, *attn, *lse, *gate_up, *act;
-    float *threads; /* per thread: row max, row sum, rescale, output, tile output, tile scores, split input */
+    float *threads; /* per thread: row max, row sum, output (attend_range's), its scratch, split input */
     int64_t per_thread;
 } work_layout;
 
@@ -82,9 +80,12 @@ static int64_t widest_input(const ringctx_decoder_shape *s) {
     return wide > attn ? wide : attn;
 }
 
-static int64_t thread_floats(const ringctx_decoder_shape *s) {
-    return 3 * s->n_heads + 2 * s->n_heads * s->head_dim + s->n_heads * KEY_TILE + widest_input(s);
+static int64_t attend_floats(const ringctx_decoder_shape *s) {
+    const int64_t hkv = s->n_kv_heads > 0 ? s->n_kv_heads : 1; /* decode_layers refuses a shape without */
+    return 2 * s->n_heads + s->n_heads * s->head_dim + attend_range_floats(hkv, s->n_heads / hkv, s->head_dim);
 }
+
+static int64_t thread_floats(const ringctx_decoder_shape *s) { return attend_floats(s) + widest_input(s); }
 
 static work_layout layout_work(const ringctx_decoder_shape *s, float *base) {
     work_layout w;
@@ -195,60 +196,6 @@ static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decod
     }
 }
 
-/* One thread's share of attention: the q rows (all heads) against cache keys [j0, j1), as a
- * running (max m, sum l, output acc) per row, tile by tile. */
-static void attend_keys(const ringctx_decoder_shape *s, const float *q,
-                                       const ringctx_decoder_layer *layer, int64_t j0, int64_t j1, float *m, float *l,
-                                       float *alpha, float *acc, float *tile_out, float *scores) {
-    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, group = hq / hkv;
-    const int bf16 = s->bf16, q8 = s->kv_q8;
-    const void *k_cache = layer->k_cache, *v_cache = layer->v_cache;
-    const int64_t row_bytes = hkv * d * (q8 >= 0 ? 1 : bf16 ? 2 : 4);
-    for (int64_t r = 0; r < hq; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-    memset(acc, 0, (size_t)(hq * d) * sizeof(float));
-    for (int64_t t0 = j0; t0 < j1; t0 += KEY_TILE) {
-        const int64_t n = j1 - t0 < KEY_TILE ? j1 - t0 : KEY_TILE;
-        const char *k_tile = (const char *)k_cache + t0 * row_bytes, *v_tile = (const char *)v_cache + t0 * row_bytes;
-        if (q8 >= 0)
-            scores_q8_range(q, hkv, group, d, (const int8_t *)k_tile, layer->k_scale + t0 * hkv, q8, KEY_TILE,
-                            s->softmax_scale, scores, 0, n);
-        else
-            scores_range(q, hkv, group, d, k_tile, bf16, KEY_TILE, s->softmax_scale, scores, 0, n, j1 - t0);
-        for (int64_t r = 0; r < hq; ++r) {
-            float *sr = scores + r * KEY_TILE;
-            vfloat vmaxes = vset1(-INFINITY);
-            int64_t j = 0;
-            for (; j + VW <= n; j += VW) vmaxes = vmax(vmaxes, vload(sr + j));
-            float tile_max = vhmax(vmaxes);
-            for (; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-            const float m_new = m[r] > tile_max ? m[r] : tile_max;
-            alpha[r] = m[r] == -INFINITY ? 0.0f : exp1(m[r] - m_new);
-            vfloat vsums = vzero();
-            for (j = 0; j + VW <= n; j += VW) {
-                const vfloat p = vexp(vload(sr + j) - m_new);
-                vstore(sr + j, p);
-                vsums += p;
-            }
-            float tail_sum = 0.0f;
-            for (; j < n; ++j) {
-                sr[j] = exp1(sr[j] - m_new);
-                tail_sum += sr[j];
-            }
-            l[r] = l[r] * alpha[r] + (vsum(vsums) + tail_sum);
-            m[r] = m_new;
-        }
-        if (q8 >= 0)
-            pv_q8_range(scores, hkv, group, KEY_TILE, (const int8_t *)v_tile, layer->v_scale + t0 * hkv, q8, d,
-                        tile_out, 0, n);
-        else
-            pv_range(scores, hkv, group, KEY_TILE, v_tile, bf16, d, tile_out, 0, n, j1 - t0);
-        for (int64_t r = 0; r < hq; ++r) {
-            const vfloat a = vset1(alpha[r]);
-            for (int64_t c = 0; c < d; c += VW) vstore(acc + r * d + c, vfma(vload(acc + r * d + c), a, vload(tile_out + r * d + c)));
-        }
-    }
-}
-
 /* attn[r] = round(sum_t acc_t[r] e^(m_t - M) / sum_t l_t e^(m_t - M)) over the threads' partials.
  * partial: leave attn unrounded and write lse[r] = M + log(sum_t l_t e^(m_t - M)) (-inf and a zero
  * output for a row that saw no key: this rank may hold none). */
@@ -271,7 +218,7 @@ static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, 
         if (partial) w->lse[r] = total > 0.0f ? top + logf(total) : -INFINITY;
         for (int64_t c = 0; c < d; ++c) {
             float sum = 0.0f;
-            for (int t = 0; t < n_threads; ++t) sum += w->threads[t * w->per_thread + 3 * hq + r * d + c] * weight[t];
+            for (int t = 0; t < n_threads; ++t) sum += w->threads[t * w->per_thread + 2 * hq + r * d + c] * weight[t];
             w->attn[r * d + c] = partial ? (total > 0.0f ? sum / total : 0.0f) : round_to(sum / total, s->bf16);
         }
     }
@@ -305,15 +252,18 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         float *mine = w.threads + t * w.per_thread;
-        float *split = mine + 3 * hq + 2 * hq * d + hq * KEY_TILE; /* see thread_floats */
+        float *split = mine + attend_floats(s); /* see thread_floats */
         for (int64_t li = 0; li < n_layers; ++li) {
             const ringctx_decoder_layer *layer = layers + li;
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
             linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
             rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
-            attend_keys(s, w.qkv, layer, keys * t / nt, keys * (t + 1) / nt, mine,
-                        mine + hq, mine + 2 * hq, mine + 3 * hq, mine + 3 * hq + hq * d, mine + 3 * hq + 2 * hq * d);
+            /* this thread's share of the keys, every query head at once (the decode attention of
+             * cpu_kernels.c: each K and V row read once for the whole GQA group) */
+            attend_range(w.qkv, hkv, hq / hkv, d, layer->k_cache, layer->v_cache, bf16, s->kv_q8, layer->k_scale,
+                         layer->v_scale, s->softmax_scale, keys * t / nt, keys * (t + 1) / nt, mine, mine + hq,
+                         mine + 2 * hq, mine + 2 * hq + hq * d);
 #pragma omp barrier
             merge_threads(s, &w, nt, merge != NULL);
             if (merge != NULL) {

@@ -20,6 +20,7 @@
  * Built with the system C compiler (no PyTorch headers) and called through ctypes; the caller
  * checks shapes, dtypes and contiguity and rounds the results.
  */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
@@ -272,7 +273,11 @@ SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const vo
                                 float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
                                 const int pairs) {
     const int64_t key_bytes = Hkv * VW * NV * (bf16 ? 2 : 4);
-    if (GROUPED_SCORES && R <= 4) j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, NV, pairs);
+    /* The grouped kernel stops where the per-row one would (a whole number of VW-key blocks), so
+     * that the keys left for scores_1 are the same whatever R: a row's scores are the same bits
+     * alone or in a batch (the two kernels sum each dot product in the same order). */
+    if (GROUPED_SCORES && R <= 4)
+        j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j + (j1 - j) / VW * VW, ahead_end, NV, pairs);
     for (; j + VW <= j1; j += VW) {
         /* the cache lines of the block after this one */
         if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
@@ -282,21 +287,25 @@ SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const vo
     return j;
 }
 
-/* The split q of scores_range's pair path lives on the stack: Hkv R D <= 8192 floats covers every
- * decode shape (8 KV heads x 8 rows x 128); a larger q takes the in-order widening. */
+/* The split q of scores_range's pair path lives on the stack up to Hkv R D = 8192 floats (8 KV
+ * heads x 8 rows x 128), on the heap above: every number of rows takes the same path, so that a
+ * row's scores do not depend on how many rows share the call. */
 #define PAIRS_MAX_Q 8192
 
 void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16, int64_t S, float scale,
                   float *scores, int64_t j0, int64_t j1, int64_t ahead_end) {
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
-        const int pairs = widen_in_pairs(bf16, D) && Hkv * R * D <= PAIRS_MAX_Q;
-        float qs[pairs ? Hkv * R * D : 1];
+        float on_stack[PAIRS_MAX_Q], *on_heap = NULL, *qs = on_stack;
+        if (widen_in_pairs(bf16, D) && Hkv * R * D > PAIRS_MAX_Q)
+            qs = on_heap = (float *)malloc((size_t)(Hkv * R * D) * sizeof(float));
+        const int pairs = widen_in_pairs(bf16, D) && qs != NULL; /* out of memory: in-order widening */
         if (pairs) split_pairs(q, Hkv * R, D, qs);
         if (pairs && D == 64) j = scores_wide(qs, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 1);
         else if (pairs) j = scores_wide(qs, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 1);
         else if (D == 64) j = scores_wide(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 0);
         else j = scores_wide(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 0);
+        free(on_heap);
     }
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
     const int64_t ahead = (PREFETCH_BYTES + key_bytes - 1) / key_bytes; /* in keys */
@@ -578,13 +587,15 @@ SIMD_INLINE void pv_q8_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, c
         for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + (h * R + r0 + r) * D + c0 + VW * c);
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t row = (j * Hkv + h) * D + c0;
-        const float s = mul * vs[j * Hkv + h];
+        /* the scale times V, then p times that: the rounding of pv_q8_heads' tile path, so that a
+         * row's output is the same bits whichever path its number of rows takes */
+        const vfloat s = vset1(mul * vs[j * Hkv + h]);
         vfloat w[PV_ROWS];
 #pragma GCC unroll 4
-        for (int r = 0; r < RT; ++r) w[r] = vset1(s * p[(h * R + r0 + r) * S + j]);
+        for (int r = 0; r < RT; ++r) w[r] = vset1(p[(h * R + r0 + r) * S + j]);
 #pragma GCC unroll 8
         for (int c = 0; c < NC; ++c) {
-            const vfloat vv = load_q8(v, KIND, row + VW * c);
+            const vfloat vv = s * load_q8(v, KIND, row + VW * c);
 #pragma GCC unroll 4
             for (int r = 0; r < RT; ++r) a[r][c] = vfma(w[r], vv, a[r][c]);
         }
@@ -660,4 +671,151 @@ int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
     if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R > MAX_R || (kind != Q8_INT8 && kind != Q8_FP8))
         return -1;
     return pv_over_threads(p, Hkv, R, S, v, 0, v_scale, kind, D, out, threads);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Decode attention in one pass: R query rows per KV head (a GQA group times B query tokens: the
+ * questions about one document decoded together) against a token-major cache, in the model dtype
+ * (float32, bf16) or 8-bit with scales, returning the normalised output and the log-sum-exp.
+ *
+ *   out[h, r] = sum_j softmax_j(scale q[h, r] . k[j, h]) v[j, h]      out: [Hkv, R, D] float32
+ *   lse[h, r] = log sum_j exp(scale q[h, r] . k[j, h])                 lse: [Hkv, R] float32
+ *
+ * Why one pass: the two-pass kernels above write R x S scores out and read them back, and the
+ * softmax between them ran as PyTorch ops over [Hkv, R, S]; at 8 questions of SmolLM2 (R = 24) and
+ * 32K keys those scores are 9 MB a layer, more than an fp8 cache's K and V together. Here the keys
+ * go through in tiles small enough that a tile's scores stay in L1/L2: scores of every row of every
+ * head against the tile (each K row read from memory once for all R rows), an online-softmax
+ * update per row, then P V over the tile (each V row read once for all R rows). The keys are split
+ * over the threads; each keeps its running (max, sum, output) per row, and the partials are
+ * merged by log-sum-exp in thread order (the same bits every run).
+ * ------------------------------------------------------------------------------------------ */
+
+/* Keys per tile: ATTEND_MAX_TILE whatever the number of rows, so that a row's sums run over the
+ * same tiles in the same order whether it is decoded alone or in a batch (its output is the same
+ * bits: continuous batching never changes an answer). A tile's scores, rows x 256 floats, stay in
+ * L2 (27 KB for SmolLM2's 9 heads, 150 KB at 16 questions). */
+int64_t attend_tile_keys(int64_t rows) {
+    (void)rows;
+    return ATTEND_MAX_TILE;
+}
+
+int64_t attend_range_floats(int64_t Hkv, int64_t R, int64_t D) {
+    const int64_t rows = Hkv * R;
+    return rows + rows * D + rows * attend_tile_keys(rows); /* alpha, tile output, tile scores */
+}
+
+void attend_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v, int bf16, int q8,
+                  const float *ks, const float *vs, float scale, int64_t j0, int64_t j1, float *m, float *l,
+                  float *acc, float *buf) {
+    const int64_t rows = Hkv * R, tile = attend_tile_keys(rows);
+    const int64_t row_bytes = Hkv * D * (q8 >= 0 ? 1 : bf16 ? 2 : 4);
+    float *alpha = buf, *tile_out = alpha + rows, *scores = tile_out + rows * D;
+    for (int64_t r = 0; r < rows; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+    for (int64_t t0 = j0; t0 < j1; t0 += tile) {
+        const int64_t n = j1 - t0 < tile ? j1 - t0 : tile;
+        const char *k_tile = (const char *)k + t0 * row_bytes, *v_tile = (const char *)v + t0 * row_bytes;
+        if (q8 >= 0)
+            scores_q8_range(q, Hkv, R, D, (const int8_t *)k_tile, ks + t0 * Hkv, q8, tile, scale, scores, 0, n);
+        else
+            scores_range(q, Hkv, R, D, k_tile, bf16, tile, scale, scores, 0, n, j1 - t0);
+        for (int64_t r = 0; r < rows; ++r) {  /* online softmax: p = e^(s - m_new) in place */
+            float *sr = scores + r * tile;
+            vfloat vmaxes = vset1(-INFINITY);
+            int64_t j = 0;
+            for (; j + VW <= n; j += VW) vmaxes = vmax(vmaxes, vload(sr + j));
+            float tile_max = vhmax(vmaxes);
+            for (; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
+            const float m_new = m[r] > tile_max ? m[r] : tile_max;
+            alpha[r] = m[r] == -INFINITY ? 0.0f : vexp(vset1(m[r] - m_new))[0];
+            vfloat vsums = vzero();
+            for (j = 0; j + VW <= n; j += VW) {
+                const vfloat p = vexp(vload(sr + j) - m_new);
+                vstore(sr + j, p);
+                vsums += p;
+            }
+            float tail_sum = 0.0f;
+            for (; j < n; ++j) {
+                sr[j] = vexp(vset1(sr[j] - m_new))[0];
+                tail_sum += sr[j];
+            }
+            l[r] = l[r] * alpha[r] + (vsum(vsums) + tail_sum);
+            m[r] = m_new;
+        }
+        if (q8 >= 0)
+            pv_q8_range(scores, Hkv, R, tile, (const int8_t *)v_tile, vs + t0 * Hkv, q8, D, tile_out, 0, n);
+        else
+            pv_range(scores, Hkv, R, tile, v_tile, bf16, D, tile_out, 0, n, j1 - t0);
+        for (int64_t r = 0; r < rows; ++r) {
+            const vfloat a = vset1(alpha[r]);
+            for (int64_t c = 0; c < D; c += VW)
+                vstore(acc + r * D + c, vfma(vload(acc + r * D + c), a, vload(tile_out + r * D + c)));
+        }
+    }
+}
+
+/* Keys per thread below which fewer threads take the range: a thread's share should outweigh
+ * starting it and merging its partial. */
+#define MIN_KEYS_PER_THREAD 128
+
+int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v,
+                             int bf16, const float *k_scale, const float *v_scale, int q8, int64_t S, float scale,
+                             float *out, float *lse, int threads) {
+    if (!ringctx_cpu_kernels_supported() || D % 16 || D > MAX_D || R < 1 || R > MAX_R || Hkv < 1 ||
+        (q8 != -1 && q8 != Q8_INT8 && q8 != Q8_FP8) || (S > 0 && q8 >= 0 && (k_scale == NULL || v_scale == NULL)))
+        return -1; /* (an empty tensor's data pointer may be NULL) */
+    const int64_t rows = Hkv * R;
+    if (S <= 0) {  /* no key: out 0, lse -inf */
+        memset(out, 0, (size_t)(rows * D) * sizeof(float));
+        for (int64_t r = 0; r < rows; ++r) lse[r] = -INFINITY;
+        return 0;
+    }
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    if (S / MIN_KEYS_PER_THREAD < threads) threads = S / MIN_KEYS_PER_THREAD > 1 ? (int)(S / MIN_KEYS_PER_THREAD) : 1;
+    /* per thread: m [rows], l [rows], acc [rows D], then attend_range's buffer */
+    const int64_t per_thread = 2 * rows + rows * D + attend_range_floats(Hkv, R, D);
+    /* Kept from call to call (per calling thread): a fresh buffer of this size (~100 KB a thread
+     * at SmolLM2's shape) comes from mmap, and faulting its pages in took a noticeable share of a
+     * call that reads a few MB. */
+    static __thread float *kept = NULL;
+    static __thread int64_t kept_floats = 0;
+    if (threads * per_thread > kept_floats) {
+        free(kept);
+        kept = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
+        kept_floats = kept == NULL ? 0 : threads * per_thread;
+        if (kept == NULL) return -2;
+    }
+    float *const work = kept; /* not the thread-local itself: the OpenMP threads each have their own */
+    int used = threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+        used = nt;
+        float *mine = work + t * per_thread;
+        attend_range(q, Hkv, R, D, k, v, bf16, q8, k_scale, v_scale, scale, split(S, t, nt), split(S, t + 1, nt), mine,
+                     mine + rows, mine + 2 * rows, mine + 2 * rows + rows * D);
+    }
+    /* merge the threads' partials by log-sum-exp, in thread order */
+    for (int64_t r = 0; r < rows; ++r) {
+        float top = -INFINITY;
+        for (int t = 0; t < used; ++t) top = work[t * per_thread + r] > top ? work[t * per_thread + r] : top;
+        float total = 0.0f, weight[256];
+        for (int t = 0; t < used; ++t) {
+            const float mt = work[t * per_thread + r];
+            weight[t] = mt == -INFINITY ? 0.0f : vexp(vset1(mt - top))[0];
+            total += work[t * per_thread + rows + r] * weight[t];
+        }
+        lse[r] = total > 0.0f ? top + logf(total) : -INFINITY;
+        const vfloat divisor = vset1(total > 0.0f ? total : 1.0f); /* a row with no key keeps its zeros */
+        for (int64_t c = 0; c < D; c += VW) {
+            vfloat sum = vzero();
+            for (int t = 0; t < used; ++t)
+                sum = vfma(vload(work + t * per_thread + 2 * rows + r * D + c), vset1(weight[t]), sum);
+            vstore(out + r * D + c, sum / divisor);
+        }
+    }
+    return 0;
 }

@@ -156,6 +156,27 @@ RINGCTX_INTERNAL void scores_q8_range(const float *q, int64_t Hkv, int64_t R, in
 RINGCTX_INTERNAL void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
                                   int kind, int64_t D, float *acc, int64_t j0, int64_t j1);
 
+/* One-pass decode attention (cpu_kernels.c): one thread's share, keys [j0, j1) of a token-major cache
+ * k, v [S, Hkv, D] (bf16 bits or float32 with q8 = -1; 8-bit data of kind q8 with scales ks, vs
+ * [S, Hkv] otherwise) against q [Hkv, R, D] float32, in tiles of attend_tile_keys(Hkv R) keys.
+ * Leaves per row (Hkv R of them) the running max m, the sum l of e^(s - m) and the unnormalised
+ * output acc [Hkv R, D] (m = -inf, l = 0, acc = 0 for an empty range); buf holds
+ * attend_range_floats(Hkv, R, D) floats of scratch. */
+#define ATTEND_MAX_TILE 256 /* most keys of a tile */
+RINGCTX_INTERNAL int64_t attend_tile_keys(int64_t rows);
+RINGCTX_INTERNAL int64_t attend_range_floats(int64_t Hkv, int64_t R, int64_t D);
+RINGCTX_INTERNAL void attend_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v,
+                                   int bf16, int q8, const float *ks, const float *vs, float scale, int64_t j0,
+                                   int64_t j1, float *m, float *l, float *acc, float *buf);
+
+/* The whole attention of R query rows per KV head, keys split over the threads and merged by
+ * log-sum-exp: out [Hkv, R, D] float32 normalised, lse [Hkv, R] natural log (S = 0: zeros and
+ * -inf). Cache as attend_range. Return 0, or -1 (this CPU lacks the variant's ISA, or D / R out of
+ * range), -2 (out of memory). */
+int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v,
+                             int bf16, const float *k_scale, const float *v_scale, int q8, int64_t S, float scale,
+                             float *out, float *lse, int threads);
+
 /* Decode attention over an 8-bit cache (cpu_kernels.c): data [S, Hkv, D] int8 or fp8 e4m3 (kind
  * Q8_INT8 or Q8_FP8) with a float32 scale [S, Hkv] per token and KV head.
  *   scores[h, r, j] = scale * k_scale[j, h] * sum_d q[h, r, d] * k[j, h, d]

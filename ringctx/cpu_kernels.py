@@ -8,14 +8,20 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            float32 one at 0.8-1x. The kernel widens bf16 weights to float32 in
                            registers, prefetches the next rows, accumulates in float32 and rounds
                            once (the contract of a native bf16 GEMM).
-    decode_scores,         a few queries over a token-major [S, Hkv, D] KV cache. PyTorch's bmm
-    decode_pv              walked the cache strided and, in bf16, converted it to float32 first.
-                           The kernels compute QK^T and PV reading each cache row once, in place;
-                           the softmax between them stays in PyTorch (attention/kernels.py).
-    decode_scores_q8,      the same over an 8-bit cache (int8 or fp8 e4m3 data with a float32 scale
-    decode_pv_q8           per token and KV head, attention/quant.py), widened in registers, so a
-                           step reads half the bytes of a bf16 one; dequantizing in PyTorch first
-                           would write and read a float copy of the cache.
+    decode_attention,      a few query rows per KV head (a GQA group times B query tokens: one
+    decode_attention_q8    token each of B questions about one document) over a token-major
+                           [S, Hkv, D] KV cache in the model dtype, or 8-bit (int8 or fp8 e4m3 data
+                           with a float32 scale per token and KV head, attention/quant.py), in one
+                           pass: each K and V row is read once, in place, for all the rows, the
+                           softmax is online over tiles of keys, the keys are split over the
+                           threads and merged by log-sum-exp; returns the output and the LSE.
+                           PyTorch's bmm walked the cache strided and, in bf16, converted it to
+                           float32 first; dequantizing an 8-bit cache in PyTorch would write and
+                           read a float copy of it.
+    decode_scores,         the two-pass form (QK^T written out, the softmax in PyTorch, then PV)
+    decode_pv, *_q8        that decode_attention replaced: kept as the baseline that
+                           scripts/bench_batch_attention.py measures it against, and as products
+                           the tests check alone.
     decode_step            a whole decode step of a Llama-family model (csrc/cpu_decode.c, driven
                            by ringctx/model/decode_step.py): every layer in one call, so that the
                            ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
@@ -223,6 +229,7 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
     lib.ringctx_decode_scores_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, f32, ptr, i32]
     lib.ringctx_decode_pv_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i32]
+    lib.ringctx_decode_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, ptr, ptr, i32, i64, f32, ptr, ptr, i32]
     shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
     lib.ringctx_decode_work_floats.argtypes = [shape, i32]
     lib.ringctx_decode_work_floats.restype = i64
@@ -394,7 +401,8 @@ MAX_QUERY_ROWS_PER_KV_HEAD = 64
 
 
 def decode_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when `decode_scores` and `decode_pv` take these inputs (and the kernels are built):
+    """True when `decode_attention` (and the two-pass `decode_scores`, `decode_pv`) take these inputs
+    (and the kernels are built):
     q [T, Hq, D], k and v [S, Hkv, D] contiguous, all float32 or all bf16, on the CPU, S >= 1,
     D a multiple of 16 up to 256, at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head."""
     T, Hq, D = q.shape
@@ -407,6 +415,43 @@ def decode_kernels_apply(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     return _load() is not None
+
+
+def decode_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """softmax(scale Q K^T) V per KV head and its log-sum-exp, in one pass over the token-major cache
+    (see decode_kernels_apply; S == 0 allowed).
+
+    qg: [Hkv, R, D] float32 contiguous, the query rows grouped by the KV head they read; k, v:
+    [S, Hkv, D] float32 or bf16. Returns (out [Hkv, R, D] float32, lse [Hkv, R] float32, natural
+    log; zeros and -inf when S == 0), or None if the kernel refused.
+    """
+    return _decode_attention(qg, k, v, None, None, -1, int(k.dtype == torch.bfloat16), scale)
+
+
+def decode_attention_q8(qg: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
+                        v_scale: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`decode_attention` over an 8-bit cache read in place (see decode_q8_kernels_apply; S == 0
+    allowed): k_data, v_data [S, Hkv, D] int8 or float8_e4m3fn (one format for both), k_scale,
+    v_scale [S, Hkv] float32 contiguous. Returns (out [Hkv, R, D], lse [Hkv, R]) float32, or None
+    if the kernel refused (K and V in different formats)."""
+    if k_data.dtype != v_data.dtype:
+        return None
+    return _decode_attention(qg, k_data, v_data, k_scale, v_scale, Q8_KINDS[k_data.dtype], 0, scale)
+
+
+def _decode_attention(qg, k, v, k_scale, v_scale, q8_kind: int, bf16: int, scale: float):
+    lib = _load()
+    if lib is None:
+        return None
+    Hkv, rows, D = qg.shape
+    out = torch.empty(Hkv, rows, D)
+    lse = torch.empty(Hkv, rows)
+    status = lib.ringctx_decode_attention(
+        qg.data_ptr(), Hkv, rows, D, k.data_ptr(), v.data_ptr(), bf16,
+        None if k_scale is None else k_scale.data_ptr(), None if v_scale is None else v_scale.data_ptr(),
+        q8_kind, k.shape[0], scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+    return (out, lse) if status == 0 else None
 
 
 def decode_scores(qg: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -450,7 +495,8 @@ code in csrc/cpu_kernels.c."""
 
 def decode_q8_kernels_apply(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
                             v_scale: torch.Tensor) -> bool:
-    """True when `decode_scores_q8` and `decode_pv_q8` take these inputs (and the kernels are built):
+    """True when `decode_attention_q8` (K and V in one format; and the two-pass `decode_scores_q8`,
+    `decode_pv_q8`) take these inputs (and the kernels are built):
     q [T, Hq, D] float32, bf16 or fp16; k_data and v_data [S, Hkv, D] int8 or float8_e4m3fn (each
     its own), contiguous; k_scale and v_scale [S, Hkv] float32 contiguous; all on the CPU, S >= 1, D
     a multiple of 16 up to 256, at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head."""

@@ -12,6 +12,11 @@ leaves what it measured; a section that fails is recorded and the next one runs)
               blocks, GQA, head dims 64/80/128, packed sequences
   attention   TFLOP/s of the Triton kernel, PyTorch's flash SDPA op and flash-attn (if installed),
               causal bf16, S = 16K and 64K, head dims 64 and 128
+  decode      decode attention of B = 1..16 query tokens (one per question about one document)
+              against a long K/V: the split-K Triton decode kernel against float64 (bf16 within
+              2x PyTorch's own bf16 error), and its K/V read bandwidth against the Triton block
+              kernel, PyTorch's SDPA (expanded KV heads, what "auto" ran without flash-attn) and
+              flash-attn when installed; SmolLM2 and Llama-3.1-8B shapes at 32K and 256K keys
   build       the csrc CUDA extension (torch.utils.cpp_extension), built in a background thread
               from the start while the sections above use the GPU; this section waits for it
   merge       the merge kernel against float64 (2x rule against the torch float32 merge) and the
@@ -398,6 +403,83 @@ def attention_section(ck: Check) -> dict:
     return {"rows": rows}
 
 
+def decode_section(ck: Check) -> dict:
+    import torch
+
+    from ringctx.attention.kernels import flash_attn_available
+    from ringctx.attention.reference import reference_attention
+    from ringctx.attention.triton_attn import triton_attention_block, triton_decode_attention
+
+    env = ck.results.get("env", {})
+    peak_bw, copy_bw = env.get("datasheet_hbm_gbs"), env.get("measured_copy_gbs")
+    dtype = torch.float32 if ck.dry else torch.bfloat16
+    # correctness first: B tokens x GQA group rows against an odd length, float64 reference
+    checks = []
+    for B, hq, hkv, d, S in [(1, 9, 3, 64, 301), (8, 9, 3, 64, 1001), (16, 32, 8, 128, 777)][: 2 if ck.dry else 3]:
+        q, k, v = _inputs(B, S, hq, hkv, d, dtype, ck.device, seed=B + S)
+        out, lse = triton_decode_attention(q, k, v)
+        ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu())
+        err = (out.cpu().double() - ref_out).abs().max().item()
+        if dtype == torch.float32:
+            ok, bound = err <= 1e-5, 1e-5
+        else:  # the 2x rule against PyTorch's own bf16 computation (expanded KV heads)
+            ke, ve = (x.repeat_interleave(hq // hkv, 1) for x in (k, v))
+            base = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), ke.transpose(0, 1),
+                                                                    ve.transpose(0, 1)).transpose(0, 1)
+            bound = 2 * (base.cpu().double() - ref_out).abs().max().item() + 1e-6
+            ok = err <= bound
+        lse_err = (lse.cpu().double() - ref_lse).abs().max().item()
+        ok = ok and lse_err <= (1e-5 if dtype == torch.float32 else 1e-2)
+        checks.append({"B": B, "hq": hq, "hkv": hkv, "d": d, "S": S, "err": err, "bound": bound, "lse_err": lse_err,
+                       "ok": ok})
+        if not ok:
+            ck.fail(f"decode kernel B={B} S={S} d={d}: error {err:.3g} > {bound:.3g} or lse {lse_err:.3g}")
+    # speed: bytes of K and V read per call / time
+    shapes = [("smollm2", 9, 3, 64, 512)] if ck.dry else [("smollm2", 9, 3, 64, 32768), ("smollm2", 9, 3, 64, 262144),
+                                                            ("llama-3.1-8b", 32, 8, 128, 32768),
+                                                            ("llama-3.1-8b", 32, 8, 128, 262144)]
+    rows = []
+    for name, hq, hkv, d, S in shapes:
+        k, v = (torch.randn(S, hkv, d, device=ck.device, dtype=dtype) for _ in range(2))  # made where they are used
+        ke, ve = (x.repeat_interleave(hq // hkv, 1).transpose(0, 1).unsqueeze(0) for x in (k, v))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        for B in ((1, 4) if ck.dry else (1, 2, 4, 8, 16)):
+            if ck.left() < 30:
+                rows.append({"model": name, "S": S, "B": B, "skipped": "time budget"})
+                continue
+            q = torch.randn(B, hq, d, device=ck.device, dtype=dtype)
+            qb = q.transpose(0, 1).unsqueeze(0)
+            runs = {"triton-decode": lambda: triton_decode_attention(q, k, v),
+                    "triton-block": lambda: triton_attention_block(q, k, v),
+                    # what "auto" ran on CUDA without flash-attn before the decode kernel, KV
+                    # heads expanded outside the timed region (a lower bound on its time)
+                    "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qb, ke, ve)}
+            if not ck.dry and flash_attn_available():
+                from flash_attn import flash_attn_func
+
+                runs["flash-attn"] = lambda: flash_attn_func(q[None], k[None], v[None])
+            row = {"model": name, "S": S, "B": B, "kv_bytes": kv_bytes}
+            for run_name, fn in runs.items():
+                try:
+                    sec = timed(ck, fn)
+                    row[run_name] = {"us": round(sec * 1e6, 1), "gbs": round(kv_bytes / sec / 1e9, 1)}
+                    if peak_bw:
+                        row[run_name]["of_datasheet"] = round(kv_bytes / sec / 1e9 / peak_bw, 3)
+                    if copy_bw:
+                        row[run_name]["of_copy"] = round(kv_bytes / sec / 1e9 / copy_bw, 3)
+                except Exception as e:  # noqa: BLE001
+                    row[run_name] = {"error": f"{type(e).__name__}: {e}"}
+            rows.append(row)
+            print("  " + json.dumps(row), flush=True)
+        del k, v, ke, ve
+    target = next((r for r in rows if r.get("S") == 32768 and r.get("B") == 8 and r.get("model") == "llama-3.1-8b"
+                   and "of_copy" in r.get("triton-decode", {})), None)
+    if target:
+        ck.results["targets"]["triton decode >= 0.6 x copy bandwidth (Llama-8B shapes, 32K keys, B = 8)"] = {
+            "fraction": target["triton-decode"]["of_copy"], "met": target["triton-decode"]["of_copy"] >= 0.6}
+    return {"checks": checks, "rows": rows}
+
+
 def merge_section(ck: Check) -> dict:
     import torch
 
@@ -590,7 +672,7 @@ def main() -> int:
         return 2
     ck = Check(args.out, args.budget_s, args.dry_run)
     sections = [("env", env_section), ("correctness", correctness_section), ("attention", attention_section),
-                ("kv8", kv8_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+                ("decode", decode_section), ("kv8", kv8_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
     if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
         start_build(ck)
     for name, fn in sections:

@@ -15,10 +15,14 @@ Backends:
     "amx"         ringctx's bf16 flash kernel for CPUs with AMX (csrc/cpu_attention_amx.c), 1.2-1.9x
                   PyTorch's CPU op there (scripts/bench_cpu_attention.py); head_dim a multiple of 32
     "flash-attn"  Dao-AILab flash-attn (CUDA), if installed: native GQA, token-major layout
-    "triton"      ringctx's own Triton kernel (CUDA; TRITON_INTERPRET=1 on CPU for tests)
+    "triton"      ringctx's own Triton kernels (CUDA; TRITON_INTERPRET=1 on CPU for tests): full blocks
+                  of a few query rows per KV head (decode) split over the keys, the rest the
+                  flash-attention forward
     "reference"   float64 reference (tests)
-    "auto"        flash-attn on CUDA when installed, else "torch"; on the CPU "amx" for the bf16
-                  blocks it takes, else "torch"
+    "auto"        flash-attn on CUDA when installed, else "torch" (decode blocks: the Triton
+                  decode kernel where triton is installed); on the CPU the decode kernel for full
+                  blocks of a few query rows per KV head, "amx" for the other bf16 blocks it
+                  takes, else "torch"
 """
 
 from __future__ import annotations
@@ -108,11 +112,26 @@ def attention_block(
     if backend == "flash-attn":
         return _flash_attn_block(q, k, v, causal, scale)
     if backend == "triton":
-        from .triton_attn import triton_attention_block
+        from .triton_attn import decode_applies, triton_attention_block, triton_decode_attention
 
+        if not causal and decode_applies(q, k):  # decode: B query tokens against a long K/V
+            return triton_decode_attention(q, k, v, softmax_scale=scale)
         return triton_attention_block(q, k, v, causal=causal, softmax_scale=scale)
     if q.device.type == "cuda":
+        if requested == "auto" and not causal:
+            # No flash-attn here: decode blocks take ringctx's split-K Triton kernel, which reads
+            # each K/V row once for every query row, where PyTorch's op would expand the KV heads
+            # (a copy of the whole block) and give each query head a program of its own.
+            from .triton_attn import decode_applies, triton_available, triton_decode_attention
+
+            if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.dtype == k.dtype == v.dtype \
+                    and decode_applies(q, k) and triton_available(q.device):
+                return triton_decode_attention(q, k, v, softmax_scale=scale)
         return _torch_cuda_block(q, k, v, causal, scale)
+    if backend != "amx" and not causal and cpu_kernels.decode_kernels_apply(q, k, v):
+        done = _decode_kernel_block(q, k, v, scale)
+        if done is not None:
+            return done
     if backend == "amx" or (requested == "auto" and T > SMALL_QUERY_ROWS and cpu_kernels.amx_attention_applies(q, k, v)):
         if not cpu_kernels.amx_attention_applies(q, k, v):
             raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {cpu_kernels.AMX_HEAD_DIMS}; "
@@ -122,38 +141,55 @@ def attention_block(
 
 
 SMALL_QUERY_ROWS = 8
-"""Full blocks with at most this many query rows (decode steps) skip the fused CPU op, whose
-per-call setup dominates at T = 1 (and which has no native bf16 path without AMX)."""
+"""Without the CPU decode kernels, full blocks with at most this many query rows (decode steps)
+skip the fused CPU op, whose per-call setup dominates at T = 1 (and which has no native bf16 path
+without AMX). With them, every full block of at most cpu_kernels.MAX_QUERY_ROWS_PER_KV_HEAD query
+rows per KV head takes the decode kernel, before AMX: B questions decoded together are one call
+that reads the shared K/V once."""
+
+
+def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """q [T, Hq, D] -> [Hkv, group * T, D] float32 contiguous: the query rows of every token grouped by
+    the KV head they read (query head h reads KV head h // group), row g * T + t being head
+    kv * group + g of token t. The layout of the CPU decode attention kernels."""
+    T, Hq, D = q.shape
+    group = Hq // Hkv
+    return q.float().reshape(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D).contiguous()
+
+
+def ungroup_rows(out: torch.Tensor, lse: torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `group_queries` for results: out [Hkv, group * T, D], lse [Hkv, group * T] ->
+    out [T, Hq, D] in `dtype`, lse [Hq, T] float32."""
+    Hkv, rows, D = out.shape
+    group = rows // T
+    lse = lse.reshape(Hkv * group, T)
+    out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hkv * group, D)
+    return out.to(dtype), lse
+
+
+def _decode_kernel_block(q, k, v, scale):
+    """A full block of a few query rows per KV head (decode steps: B query tokens, one per question
+    about this document) through ringctx's one-pass CPU decode attention (csrc/cpu_kernels.c): every
+    K and V row read once, in place, for all B x Hq query rows. None if the kernel refused."""
+    T = q.shape[0]
+    done = cpu_kernels.decode_attention(group_queries(q, k.shape[1]), k, v, scale)
+    return None if done is None else ungroup_rows(*done, T, q.dtype)
 
 
 def _small_query_block(q, k, v, scale):
-    """Full block for a few queries: QK^T, softmax, PV in float32, GQA without expanding KV.
-
-    Query heads are grouped by the KV head they read (h // group), so q becomes [Hkv, group * T, D]
-    and K/V are read per KV head. The two products run in ringctx's CPU kernels where they apply
-    (they read the token-major cache in place; see ringctx/cpu_kernels.py), else as batched
-    matmuls over [Hkv, S, D] views. The softmax is spelled out (max, exp, sum) so that the
-    normaliser and the LSE come from one pass each: a decode step runs this once per layer, and
-    torch.logsumexp plus a separate exp cost a third more here.
-    """
+    """Full block for a few queries without the CPU kernels: QK^T, softmax, PV in float32 as batched
+    matmuls over [Hkv, S, D] views, GQA without expanding KV (query heads grouped by the KV head they
+    read). The softmax is spelled out (max, exp, sum) so that the normaliser and the LSE come from
+    one pass each."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    group = Hq // Hkv
-    qg = q.float().view(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D)
-    in_place = cpu_kernels.decode_kernels_apply(q, k, v)
-    scores = cpu_kernels.decode_scores(qg.contiguous(), k, scale) if in_place else None
-    if scores is None:
-        scores = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(scale)  # [Hkv, group*T, S]
+    qg = group_queries(q, Hkv)
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(scale)  # [Hkv, group*T, S]
     row_max = scores.amax(dim=-1, keepdim=True)
     probs = scores.sub_(row_max).exp_()  # unnormalised
     row_sum = probs.sum(dim=-1, keepdim=True)
-    out = cpu_kernels.decode_pv(probs, v) if in_place else None
-    if out is None:
-        out = torch.bmm(probs, v.float().transpose(0, 1))  # [Hkv, group*T, D]
-    out.div_(row_sum)
-    lse = (row_max + row_sum.log()).view(Hkv, group, T).reshape(Hq, T)
-    out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
-    return out.to(q.dtype), lse
+    out = torch.bmm(probs, v.float().transpose(0, 1)).div_(row_sum)  # [Hkv, group*T, D]
+    return ungroup_rows(out, (row_max + row_sum.log()).squeeze(-1), T, q.dtype)
 
 
 def _torch_cpu_block(q, k, v, causal, scale):

@@ -17,11 +17,11 @@ A row of zeros gets scale 0 and data 0 (dequantizes to exact zeros, never NaN). 
 Attention over such a cache (`attention_block_quantized`) never makes a float copy of the whole
 cache, which would take 2x (bf16) or 4x (float32) the memory of the 8-bit cache itself:
 
-    decode (CPU)   a few query rows (T <= 8, at most MAX_QUERY_ROWS_PER_KV_HEAD per KV head): C
-                   kernels (csrc/cpu_kernels.c, `ringctx_decode_scores_q8` / `_pv_q8`) read the
-                   8-bit rows in place and widen them in registers, so a step reads half the bytes
-                   of a bf16 cache; the softmax between the two products runs in PyTorch, as in
-                   attention/kernels.py's `_small_query_block`.
+    decode (CPU)   a few query rows (at most MAX_QUERY_ROWS_PER_KV_HEAD per KV head: a GQA group
+                   times B query tokens, B questions about one document): the one-pass C kernel
+                   (csrc/cpu_kernels.c, `ringctx_decode_attention`) reads the 8-bit rows in place,
+                   once for all the rows, and widens them in registers, so a step reads half the
+                   bytes of a bf16 cache; as attention/kernels.py's `_decode_kernel_block`.
     otherwise      the keys in blocks of `block_rows` rows: each block is dequantized (to q's dtype,
                    or float32 where ringctx computes half-precision math in float32), attended with
                    `attention_block`, and the partials merged in float32 (`PartialAccumulator`).
@@ -43,7 +43,7 @@ import torch
 
 from .. import cpu_kernels
 from ..cpu_features import computes_in_float32
-from .kernels import SMALL_QUERY_ROWS, attention_block, resolve_backend
+from .kernels import attention_block, group_queries, resolve_backend, ungroup_rows
 from .merge import PartialAccumulator
 
 KV_DTYPES = ("model", "bfloat16", "float16", "float32", "fp8", "int8")
@@ -168,7 +168,7 @@ def attention_block_quantized(
     if T == 0 or S == 0:
         return torch.zeros_like(q), torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device)
     resolve_backend(backend, q.device)  # unknown names and backends this machine lacks: a ValueError
-    if backend in ("auto", "torch") and T <= SMALL_QUERY_ROWS:
+    if backend in ("auto", "torch"):
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # a copy, if any, is 1/D of the data
         if cpu_kernels.decode_q8_kernels_apply(q, k_data, k_scale, v_data, v_scale):
             done = _decode_in_place(q, k_data, k_scale, v_data, v_scale, scale)
@@ -200,25 +200,10 @@ def _check(q, k_data, k_scale, v_data, v_scale, block_rows):
 
 
 def _decode_in_place(q, k_data, k_scale, v_data, v_scale, scale):
-    """A few query rows through the CPU q8 kernels (see `_small_query_block` in attention/kernels.py,
-    which this follows); None if a kernel refused."""
-    T, Hq, D = q.shape
-    Hkv = k_data.shape[1]
-    group = Hq // Hkv
-    qg = q.float().reshape(T, Hkv, group, D).permute(1, 2, 0, 3).reshape(Hkv, group * T, D).contiguous()
-    scores = cpu_kernels.decode_scores_q8(qg, k_data, k_scale, scale)  # [Hkv, group*T, S]
-    if scores is None:
-        return None
-    row_max = scores.amax(dim=-1, keepdim=True)
-    probs = scores.sub_(row_max).exp_()  # unnormalised
-    row_sum = probs.sum(dim=-1, keepdim=True)
-    out = cpu_kernels.decode_pv_q8(probs, v_data, v_scale)  # [Hkv, group*T, D]
-    if out is None:
-        return None
-    out.div_(row_sum)
-    lse = (row_max + row_sum.log()).view(Hkv, group, T).reshape(Hq, T)
-    out = out.view(Hkv, group, T, D).permute(2, 0, 1, 3).reshape(T, Hq, D)
-    return out.to(q.dtype), lse
+    """A few query rows per KV head through the one-pass CPU q8 kernel (see `_decode_kernel_block` in
+    attention/kernels.py, which this follows); None if the kernel refused."""
+    done = cpu_kernels.decode_attention_q8(group_queries(q, k_data.shape[1]), k_data, k_scale, v_data, v_scale, scale)
+    return None if done is None else ungroup_rows(*done, q.shape[0], q.dtype)
 
 
 def _blocked(q, k_data, k_scale, v_data, v_scale, scale, block_rows, backend):

@@ -74,6 +74,98 @@ def triton_attention_block(
     return _forward(q, k, v, plan)
 
 
+DECODE_MAX_ROWS = 64
+"""Most query rows per KV head (GQA group x query tokens) `triton_decode_attention` takes in one
+tile: the B query tokens of the questions about one document, against its K/V."""
+
+
+def decode_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """True when a full block of q [T, Hq, D] against k [S, Hkv, D] is a decode block for
+    `triton_decode_attention`: at most DECODE_MAX_ROWS query rows per KV head, S >= 1, head dim up
+    to 128 (the caller checks dtypes and devices as for `triton_attention_block`)."""
+    T, Hq, D = q.shape
+    S, Hkv = k.shape[:2]
+    return T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and Hq // Hkv * T <= DECODE_MAX_ROWS and D <= _MAX_HEAD_DIM
+
+
+def triton_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A full block of a few query rows per KV head against a long K/V (decode: one token of each of
+    B questions about one document), split over the keys (flash-decoding).
+
+    The block kernel above gives each query head's rows a program of their own that walks all S
+    keys: at T = B a handful of programs stream the whole cache, each KV head read once per query
+    head of its group. Here one program takes every query row of one KV head (the GQA group times
+    the T tokens, one tile) over one slice of the keys, so each K and V row is read once for all the
+    rows, and the slices fill the GPU; a second kernel merges the slices' partial (out, lse) by
+    log-sum-exp.
+
+    Args:
+        q: [T, Hq, D]; k, v: [S, Hkv, D] (float16/bfloat16/float32, one dtype, one device), with
+            Hq // Hkv * T <= DECODE_MAX_ROWS; unit stride along D (others any).
+        softmax_scale: defaults to 1/sqrt(D).
+        splits: key slices (default: enough programs for the GPU's SMs, a few in the interpreter).
+
+    Returns:
+        out [T, Hq, D] in q's dtype and lse [Hq, T] float32 (natural log); S == 0: zeros and -inf.
+    """
+    _plan(q, k, v, False, softmax_scale, None, None)  # validation, as the block kernel's
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    if T and not decode_applies(q, k) and S:
+        raise ValueError(f"triton_decode_attention: {Hq // Hkv * T} query rows per KV head (at most "
+                         f"{DECODE_MAX_ROWS}) or head dim {D} (at most {_MAX_HEAD_DIM}); use triton_attention_block")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    if S == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+
+    import triton
+
+    interp = _interpret_mode()
+    group = Hq // Hkv
+    block_n = 16 if interp else 64
+    block_r = max(16, triton.next_power_of_2(group * T))  # tl.dot needs tiles of at least 16
+    if splits is None:
+        # GPU: about two programs per SM (Hkv of them per slice), slices of at least 4 key tiles
+        programs = 2 * torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        splits = max(1, min(-(-programs // Hkv), triton.cdiv(S, 4 * block_n)))
+    splits = max(1, min(int(splits), triton.cdiv(S, block_n)))
+    slice_keys = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n  # whole tiles per slice
+    splits = triton.cdiv(S, slice_keys)
+    part_out = torch.empty((splits, Hq, T, D), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((splits, Hq, T), dtype=torch.float32, device=q.device)
+    # 16-bit inputs use the tensor cores with float32 accumulation on a GPU; the interpreter has no
+    # working bf16 math, so there (and for float32 inputs) everything is float32, IEEE dots.
+    f32 = interp or q.dtype == torch.float32
+    kernels = _decode_kernels()
+    kernels[0][(splits, Hkv)](
+        q, k, v, part_out, part_lse,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        T, S, slice_keys, scale * _LOG2E,
+        GROUP=group, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_R=block_r, BLOCK_N=block_n,
+        F32_MATH=f32, num_warps=4, num_stages=1 if interp else 3)
+    # The interpreter truncates float32 -> bf16 stores (a GPU rounds to nearest): there the merge
+    # writes float32 and PyTorch rounds.
+    merged = torch.empty((T, Hq, D), device=q.device) if interp and q.dtype != torch.float32 else out
+    kernels[1][(Hq * T,)](
+        part_out, part_lse, merged, lse, merged.stride(0), merged.stride(1), T, splits,
+        HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=4)
+    if merged is not out:
+        out.copy_(merged)
+    return out, lse
+
+
 def triton_available(device: torch.device | str | None = None) -> bool:
     """True when the Triton kernel can run on `device` (default: CUDA if present, else CPU).
 
@@ -259,6 +351,19 @@ class _Kernels:
 
 
 _KERNELS: dict[bool, _Kernels] = {}
+_DECODE_KERNELS: dict[bool, tuple] = {}
+
+
+def _decode_kernels() -> tuple:
+    """(split kernel, merge kernel) of `triton_decode_attention`, jitted on first use (see `_kernels`)."""
+    interp = _interpret_mode()
+    if interp not in _DECODE_KERNELS:
+        import triton
+
+        _DECODE_KERNELS[interp] = (
+            triton.jit(_decode_split_kernel, do_not_specialize=["T", "seqlen_k", "slice_keys"]),
+            triton.jit(_decode_merge_kernel, do_not_specialize=["T", "splits"]))
+    return _DECODE_KERNELS[interp]
 
 
 def _kernels() -> _Kernels:
@@ -416,3 +521,94 @@ def _attn_fwd_kernel(
     tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(Lse + head.to(tl.int64) * lse_stride_h + q_rows, lse, mask=m_ok)
+
+
+def _decode_split_kernel(
+    Q, K, V, PartOut, PartLse,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    T, seqlen_k, slice_keys,
+    qk_scale,  # softmax_scale * log2(e)
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, F32_MATH: tl.constexpr,
+):
+    # One program = every query row of one KV head (row i: head kv * GROUP + i // T, token i % T)
+    # over keys [split * slice_keys, (split + 1) * slice_keys). Grid (splits, Hkv). Partials are
+    # normalised by their own sum; PartOut [splits, Hq, T, D], PartLse [splits, Hq, T] (natural log).
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    r_ok = offs_r < GROUP * T
+    head = kv_head * GROUP + offs_r // T
+    tok = offs_r % T
+    q = tl.load(Q + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    if F32_MATH:
+        q = q.to(tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)  # running max, base-2 units
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    start = split * slice_keys
+    end = tl.minimum(start + slice_keys, seqlen_k)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols < end)[:, None] & d_ok[None, :]
+        kv_off = cols.to(tl.int64)[:, None]
+        kt = tl.load(k_base + kv_off * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        vt = tl.load(v_base + kv_off * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        if F32_MATH:
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(kt)) * qk_scale
+        s = tl.where((cols < end)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile of a slice holds a key
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if F32_MATH:
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+
+    empty = l_i == 0.0  # a slice past the keys (not launched) or padding rows
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    row = split.to(tl.int64) * (tl.num_programs(1) * GROUP * T) + head.to(tl.int64) * T + tok  # [splits, Hq, T]
+    tl.store(PartOut + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(PartLse + row, lse, mask=r_ok)
+
+
+def _decode_merge_kernel(
+    PartOut, PartLse, Out, Lse, stride_ot, stride_oh, T, splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program = one (query head, token) row: out = sum_s e^(lse_s - lse) out_s, lse = log sum_s
+    # e^(lse_s), over the splits in order. Grid (Hq * T,).
+    row = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    top = float("-inf")
+    for s in range(0, splits):
+        top = tl.maximum(top, tl.load(PartLse + s * rows + row))
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, splits):
+        ls = tl.load(PartLse + s * rows + row)
+        w = tl.where(ls == float("-inf"), 0.0, tl.exp(ls - tl.where(top == float("-inf"), 0.0, top)))
+        total += w
+        acc += w * tl.load(PartOut + (s * rows + row) * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)
+    head = row // T
+    tok = row % T
+    tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+    tl.store(Lse + head * T + tok, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, total))))

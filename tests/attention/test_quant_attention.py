@@ -63,13 +63,13 @@ def _kernels_off(monkeypatch):
 
 def _count_kernel_calls(monkeypatch):
     calls = []
-    real = cpu_kernels.decode_scores_q8
+    real = cpu_kernels.decode_attention_q8
 
     def spy(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(cpu_kernels, "decode_scores_q8", spy)
+    monkeypatch.setattr(cpu_kernels, "decode_attention_q8", spy)
     return calls
 
 
@@ -157,7 +157,7 @@ def _assert_matches_reference(out, lse, ref_out, ref_lse, q, lse_atol=1.5e-5, ou
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_matches_float64_on_dequantized_kv(kind, group, D, T, S, path, monkeypatch):
-    """4097 keys cross the default block_rows (4096); T = 17 is past the decode kernels' reach."""
+    """4097 keys cross the default block_rows (4096); T = 17 checks the blocked path at many rows."""
     if path == "kernels":
         require_kernels()
     else:
@@ -261,7 +261,8 @@ def test_kernel_path_is_the_default_for_decode_steps(monkeypatch):
     attention_block_quantized(torch.randn(1, 9, 64).bfloat16(), kd, ks, vd, vs, backend="torch")
     assert len(calls) == 2
     attention_block_quantized(torch.randn(1, 9, 64), kd, ks, vd, vs, backend="reference")
-    attention_block_quantized(torch.randn(9, 9, 64), kd, ks, vd, vs)  # past SMALL_QUERY_ROWS
+    # 22 tokens x a GQA group of 3: past MAX_QUERY_ROWS_PER_KV_HEAD (64) rows per KV head
+    attention_block_quantized(torch.randn(22, 9, 64), kd, ks, vd, vs)
     assert len(calls) == 2
 
 

@@ -92,7 +92,7 @@ def test_decode_attention_kernels_match_float64(dtype, T, Hq, Hkv, D, S):
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
     scale = 1 / math.sqrt(D)
     assert cpu_kernels.decode_kernels_apply(q, k, v)
-    out, lse = attention_kernels._small_query_block(q, k, v, scale)
+    out, lse = attention_kernels._decode_kernel_block(q, k, v, scale)
     assert out.dtype == dtype and out.shape == (T, Hq, D) and lse.shape == (Hq, T) and lse.dtype == torch.float32
     ref_out, ref_lse = _reference(q, k, v, scale)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=0)

@@ -220,14 +220,51 @@ def _compile_sm90(dtype: str, d: int, causal: bool, varlen: bool, bm: int, bn: i
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
+DECODE_AOT_CASES = [
+    ("decode", "bf16", 64, 32, False),   # SmolLM2: 8 tokens x a group of 3 -> 32-row tile
+    ("decode", "bf16", 128, 64, False),  # Llama-3.1-8B: 16 tokens x a group of 4
+    ("decode", "fp32", 128, 16, True),   # float32: IEEE dots
+]
+
+
+def _compile_decode_sm90(_kind: str, dtype: str, d: int, block_r: int, f32: bool):
+    """The decode split and merge kernels for sm_90 (as _compile_sm90)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from ringctx.attention import triton_attn as ta
+
+    fn = JITFunction(ta._decode_split_kernel)
+    ints = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "T", "seqlen_k", "slice_keys"]
+    consts = dict(GROUP=4, HEAD_DIM=d, BLOCK_D=d, BLOCK_R=block_r, BLOCK_N=64, F32_MATH=f32)
+    sig = {n: f"*{dtype}" for n in ("Q", "K", "V")}
+    sig.update(PartOut="*fp32", PartLse="*fp32", qk_scale="fp32", **{n: "i32" for n in ints})
+    sig.update({n: "constexpr" for n in consts})
+    assert set(sig) == set(fn.arg_names), "decode kernel signature changed: update this test"
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ["Q", "K", "V", "PartOut", "PartLse"]}
+    split = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    fn = JITFunction(ta._decode_merge_kernel)
+    consts = dict(HEAD_DIM=d, BLOCK_D=d)
+    sig = dict(PartOut="*fp32", PartLse="*fp32", Out=f"*{dtype}", Lse="*fp32", stride_ot="i32", stride_oh="i32",
+               T="i32", splits="i32", **{n: "constexpr" for n in consts})
+    assert set(sig) == set(fn.arg_names), "decode merge kernel signature changed: update this test"
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=4))
+    return split
+
+
 def _aot_main() -> None:
     """Subprocess entry: compile every AOT case, print one JSON line of facts per case."""
     import json
 
-    for case in AOT_CASES:
+    for case in AOT_CASES + DECODE_AOT_CASES:
         try:
-            k = _compile_sm90(*case)
-            facts = dict(ok=bool(k.asm.get("cubin")), wgmma="wgmma" in k.asm["ptx"], shared=k.metadata.shared)
+            k = _compile_decode_sm90(*case) if case[0] == "decode" else _compile_sm90(*case)
+            facts = dict(ok=bool(k.asm.get("cubin")), wgmma="wgmma" in k.asm["ptx"], shared=k.metadata.shared,
+                         mma="mma.sync" in k.asm["ptx"] or "wgmma" in k.asm["ptx"])
         except ImportError as e:
             facts = dict(ok=None, error=f"triton AOT API unavailable: {e}")
         except Exception as e:  # noqa: BLE001 - reported by the test
@@ -247,7 +284,7 @@ def aot_results():
     r = subprocess.run([sys.executable, "-c", "import tests.gpu.test_triton_attn as t; t._aot_main()"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=600)
     lines = [json.loads(line[4:]) for line in r.stdout.splitlines() if line.startswith("AOT ")]
-    if r.returncode or len(lines) != len(AOT_CASES):
+    if r.returncode or len(lines) != len(AOT_CASES) + len(DECODE_AOT_CASES):
         pytest.fail(f"AOT compile subprocess failed (rc {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
     return {tuple(x["case"]): x for x in lines}
 
@@ -262,3 +299,81 @@ def test_compiles_for_sm90(case, aot_results):
     if case[0] != "fp32":
         assert facts["wgmma"], "16-bit dots should use Hopper tensor cores (wgmma)"
     assert facts["shared"] <= 227 * 1024, "over the H100/H200 shared-memory limit per block"
+
+
+# --- decode blocks: B query tokens against a long K/V (split over the keys) ----------------------
+
+from ringctx.attention.triton_attn import DECODE_MAX_ROWS, triton_decode_attention  # noqa: E402
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("B", [1, 2, 5, 9])
+@pytest.mark.parametrize("S,d", [(1, 64), (37, 128), (301, 64)])
+def test_decode_kernel_gqa_batches_lengths(group, B, S, d):
+    """Every query row of a KV head in one tile, the keys split in slices merged by LSE: B tokens,
+    odd and long lengths (301 keys: 5 slices of whole 16-key tiles in the interpreter)."""
+    hkv = 2
+    q, k, v = _qkv(B, S, group * hkv, hkv, d, seed=B * 100 + S + group)
+    out, lse = triton_decode_attention(q, k, v, splits=5)
+    _check(out, lse, q, k, v, torch.ones(B, S, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, None])
+def test_decode_kernel_any_split_and_strided_views(splits):
+    """Any number of slices (more than the key tiles: clamped), q a strided view of a fused qkv."""
+    T, hq, hkv, d, S = 4, 9, 3, 64, 100
+    qkv, _, _ = _qkv(T, 0, hq + 2 * hkv, 1, d, seed=21)
+    q = qkv[:, :hq]
+    _, k, v = _qkv(1, S, 1, hkv, d, seed=22)
+    assert not q.is_contiguous()
+    out, lse = triton_decode_attention(q, k, v, softmax_scale=0.3, splits=splits)
+    _check(out, lse, q, k, v, torch.ones(T, S, dtype=torch.bool), scale=0.3)
+
+
+def test_decode_kernel_bf16_rounds_once():
+    """bf16 K/V (loaded as float32 in the interpreter, tensor-core dots on a GPU): the output within
+    a bf16 rounding of the float64 result on the same values."""
+    q, k, v = _qkv(6, 200, 12, 3, 64, dtype=torch.bfloat16, seed=23)
+    out, lse = triton_decode_attention(q, k, v, splits=3)
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu())
+    assert out.dtype == torch.bfloat16
+    tol = 2 ** -8 * ref_out.abs().max().item() + (1e-5 if DEVICE == "cpu" else 2e-2)  # GPU: bf16 P in the PV dot
+    assert (out.cpu().double() - ref_out).abs().max().item() <= tol
+    assert (lse.cpu().double() - ref_lse).abs().max().item() <= (1e-5 if DEVICE == "cpu" else 1e-2)
+
+
+def test_decode_kernel_empty_and_refused():
+    q, k, v = _qkv(3, 0, 4, 2, 64)
+    out, lse = triton_decode_attention(q, k, v)
+    assert (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, 3)
+    q, k, v = _qkv(DECODE_MAX_ROWS // 2 + 1, 8, 4, 2, 64)  # 66 rows per KV head
+    with pytest.raises(ValueError, match="query rows per KV head"):
+        triton_decode_attention(q, k, v)
+
+
+def test_decode_blocks_dispatch_to_the_decode_kernel(monkeypatch):
+    """attention_block(q [B, Hq, D], k, v, causal=False, backend="triton") is the decode kernel;
+    causal and wide blocks keep the block kernel."""
+    from ringctx.attention import attention_block, triton_attn
+
+    calls = []
+    real = triton_attn.triton_decode_attention
+    monkeypatch.setattr(triton_attn, "triton_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _qkv(5, 90, 9, 3, 64, seed=24)
+    out, lse = attention_block(q, k, v, causal=False, backend="triton")
+    assert calls == [1]
+    _check(out, lse, q, k, v, torch.ones(5, 90, dtype=torch.bool))
+    q, k, v = _qkv(20, 20, 4, 2, 64, seed=25)
+    attention_block(q, k, v, causal=True, backend="triton")
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("case", DECODE_AOT_CASES, ids=lambda c: f"{c[1]}-d{c[2]}-rows{c[3]}")
+def test_decode_kernels_compile_for_sm90(case, aot_results):
+    facts = aot_results[case]
+    if facts["ok"] is None:
+        pytest.fail(f"{facts['error']}; update _compile_decode_sm90 for this Triton release")
+    assert facts["ok"], facts.get("error")
+    if case[1] != "fp32":  # a tile of 16-32 rows is below wgmma's 64: mma.sync is the tensor-core path there
+        assert facts["mma"], "16-bit dots should use the tensor cores (mma.sync or wgmma)"
+    assert facts["shared"] <= 227 * 1024
