@@ -174,7 +174,8 @@ class Scheduler:
         self.questions: collections.deque[QuestionTicket] = collections.deque()
         self.batched: list[QuestionTicket] = []  # joined, decoding together
         self.last_step_tokens = 0  # tokens the last step ran (decode + prefill): what the budget bounds
-        self.steps = 0
+        self.steps = 0  # decode steps of the batch, and the tokens they decoded (their mean batch: the ratio)
+        self.decoded_tokens = 0
         self.answers: collections.deque[AnswerTicket] = collections.deque()
         self.prefills: collections.deque[PrefillTicket] = collections.deque()
         self.calls: collections.deque[_Call] = collections.deque()
@@ -357,6 +358,7 @@ class Scheduler:
                 spent += cost
         if batch.members:
             by_member = {id(t.member): t for t in self.batched}
+            self.decoded_tokens += sum(m.generation.next_input() is not None for m in batch.members)
             for member, piece in batch.step():
                 ticket = by_member.get(id(member))
                 if ticket is None:
