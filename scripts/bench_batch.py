@@ -17,7 +17,7 @@ step). Per configuration:
     itl_vs_b1          the inter-token time over B = 1's, paired within each round, median
     bytes_per_step     what a step must read at least: the weights once, the document's KV rows
                        once, every question's own rows
-    floor_ms           bytes_per_step / the read bandwidth measured here (ringctx.machine_speed)
+    floor_ms           bytes_per_step / the read bandwidth measured here (ringctx.planning.machine_speed)
     vs_floor           step_ms / floor_ms
 
 The configurations alternate within each round (a machine whose speed drifts slows all alike);
@@ -128,7 +128,8 @@ def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
 
 def main() -> int:
     args = parse_args()
-    from ringctx.machine_speed import cpu_model, read_bandwidth
+    from ringctx.cpu_features import cpu_model
+    from ringctx.planning.machine_speed import read_bandwidth
 
     bandwidth = read_bandwidth()
     print(f"{cpu_model()}: read bandwidth {bandwidth / 1e9:.1f} GB/s; SmolLM2 bf16, {args.tokens} tokens, "

@@ -1,6 +1,6 @@
 """A Llama-family decoder whose attention is a pluggable call.
 
-Layout is token-major with no batch dimension (DESIGN.md): activations are [T, dim] for the T
+Layout is token-major with no batch dimension (docs/ARCHITECTURE.md): activations are [T, dim] for the T
 tokens of one step, which may be one sequence or several packed ones; only the `attend` callable
 knows how tokens relate to each other and to a KV cache. Everything else (embedding, RMSNorm,
 RoPE at explicit global positions, SwiGLU MLP, output head) is per token.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
 from .. import cpu_kernels
 from ..cpu_kernels import MAX_ROWS, small_linear
