@@ -481,7 +481,9 @@ class EngineBackend:
         """Stop taking requests, let answers in flight finish for up to drain_s, then stop every rank."""
         self._draining = True
         deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline and not self.scheduler.idle():
+        scheduler = self.scheduler
+        while time.monotonic() < deadline and (scheduler.running is not None or scheduler.answers
+                                               or scheduler.questions or scheduler.batched):
             time.sleep(0.05)
         for doc_id, ticket in list(self._ingests.items()):  # an ingest cut short is failed, never half-kept
             ticket.cancel()
