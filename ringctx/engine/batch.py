@@ -42,6 +42,7 @@ import torch
 from ..attention import PartialAccumulator
 from ..model import KVCache
 from ..parallel.comm import rank_and_world
+from .decode import merge_across_ranks, step_owner
 from .document import Document
 from .prefill import cp_prefill
 from .shm_exchange import ShmExchange, shm_supported
@@ -66,9 +67,8 @@ class BatchSequence:
     steps: int = 0
 
     def owner(self) -> int:
-        """The decode rank that stores the next token's K/V: ShardedDecoder.owner's rule."""
-        world = len(self.rows)
-        return min(range(world), key=lambda r: (self.rows[r], (r - self.steps) % world))
+        """The decode rank that stores the next token's K/V: a lone decode's rule (`step_owner`)."""
+        return step_owner(self.rows, self.steps)
 
 
 class BatchDecoder:
@@ -183,21 +183,7 @@ class BatchDecoder:
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every rank's partials (out [B, Hq, D], lse [Hq, B] float32) merged exactly: one exchange."""
-        if self.world == 1:
-            return out
-        B, H, D = out.shape
-        packed = torch.cat([out.reshape(-1), lse.reshape(-1)])
-        if self._shm is not None:
-            everyone = self._shm.exchange(packed)
-        else:
-            import torch.distributed as dist
-
-            everyone = [torch.empty_like(packed) for _ in range(self.world)]
-            dist.all_gather(everyone, packed, group=self.group)
-        acc = PartialAccumulator(B, H, D, device=out.device)
-        for part in everyone:  # the same order on every rank: the same bits everywhere
-            acc.add(part[:B * H * D].view(B, H, D), part[B * H * D:].view(H, B))
-        return acc.out
+        return merge_across_ranks(out, lse, self.world, self.group, self._shm)
 
     def _ensure_exchange(self, batch: int) -> None:
         """The shared-memory exchange with room for `batch` sequences (collective when it grows:
