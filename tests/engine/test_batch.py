@@ -146,3 +146,19 @@ def test_bad_questions_are_refused_and_the_batch_goes_on(split_engine):
     while batch.members:
         batch.step()
     assert len(member.result.token_ids) == 2
+
+
+def test_batched_logits_equal_the_whole_sequence_run_at_once():
+    """Against an independent reference: each sequence (document + question + its tokens) run through
+    the model at once with causal attention, no cache (model.generate.sequence_logits)."""
+    from ringctx.model.generate import sequence_logits
+
+    engine = Engine("tiny", dtype="float32")
+    documents = [engine.ingest(d, chunk_tokens=64) for d in DOCS[1:]]
+    plan = [(0, 0, 0, 6, {}), (1, 2, 0, 4, SAMPLED), (None, 1, 1, 5, {}), (0, 3, 2, 3, {})]
+    for (doc, q, _, steps, _), result in zip(plan, run_plan(engine, documents, plan)):
+        prefix = (DOCS[1:][doc] if doc is not None else []) + QUESTIONS[q]
+        want = sequence_logits(engine.model, prefix + result.token_ids[:-1])[len(prefix) - 1:]
+        assert len(result.step_logits) == steps == want.shape[0]
+        for got, row in zip(result.step_logits, want):
+            assert float((got - row).abs().max() / row.abs().max()) < 1e-5
