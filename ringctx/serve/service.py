@@ -11,6 +11,8 @@ What it adds to the Engine:
 - Requests: a chat or completion on a document prefills only its own messages on top of the
   document's cached rows, exactly as Engine.ask; one without a document whose tokens begin with a
   ready document's tokens reuses that document too; any other prompt is prefilled for itself.
+  Requests decode together, one step for all (the Scheduler's batch: --max-batch, within
+  --max-step-tokens per step), each answer what it is alone; a cancelled one frees its rows at once.
 - Limits and faults: a bounded queue (Overloaded), and a lost rank ends every request with
   RankLost and turns the backend unhealthy (the server then exits non-zero).
 
@@ -351,8 +353,8 @@ class EngineBackend:
             return document, ids  # the batch's member keeps the document alive while it runs
 
         try:
-            ticket = self.scheduler.submit_question(start, prompt_tokens=1 if doc_id is None else len(question),
-                                                    **sampling)
+            # the prompt's tokens count against the step's budget (a prompt of its own is ingested in its step)
+            ticket = self.scheduler.submit_question(start, prompt_tokens=len(question), **sampling)
         except SchedulerStopped as exc:
             raise self._stopped_error(str(exc)) from None
         return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached_tokens=doc_tokens)

@@ -196,7 +196,7 @@ def test_many_clients_get_their_sequential_answers_while_a_document_is_ingested(
         t.join(timeout=600)
     assert not errors, errors
     assert len(answers) == 64 and all(text == sequential[q] for q, text in answers)
-    print(f"longest wait for an answer under load: {max(waits):.1f} s (16 clients, one answer decoding at a time)")
+    print(f"longest wait for an answer under load: {max(waits):.1f} s (16 clients, their questions decoded together)")
     assert server.wait_ready(third["id"])["status"] == "ready"
 
 
