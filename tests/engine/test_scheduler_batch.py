@@ -78,6 +78,7 @@ def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
     sizes = [n for n, _ in seen]
     assert max(sizes) == 3 and min(sizes) >= 1
     assert all(tokens <= 70 for _, tokens in seen)  # decode tokens + joins + an ingest's chunk of 64
+    assert any(tokens > 64 for _, tokens in seen)  # a chunk of the ingest ran beside answers decoding
     assert engine.state.batch.sequences == {} and scheduler.rows_reserved == 0
 
 
