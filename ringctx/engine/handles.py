@@ -318,6 +318,7 @@ class ManyAnswers:
                         mine.remove(member)
                     elif piece:
                         yield index[member.id], piece
-        finally:  # stopped early: the rest leave the batch, freeing their rows
-            for member in mine:
-                batch.leave(member)
+        finally:  # stopped early: the rest leave the batch, freeing their rows (unless a lost rank closed it)
+            if self.engine._closed is None:
+                for member in mine:
+                    batch.leave(member)
