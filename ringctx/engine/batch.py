@@ -152,13 +152,16 @@ class BatchDecoder:
                 if document.rows:
                     o, l = document.cache.attend_rows(layer, q[members], document.rows)
                     out[members], lse[:, members] = o.float(), l
-            for i, (s, row) in enumerate(zip(seqs, writes)):  # then each sequence's own rows
+            own_out = torch.zeros_like(out)  # then each sequence's own rows, merged in once for all
+            own_lse = torch.full_like(lse, float("-inf"))
+            for i, (s, row) in enumerate(zip(seqs, writes)):
                 if row is not None:
                     s.own.update(layer, row, k[i:i + 1], v[i:i + 1])
                 keys = s.own.length + int(row is not None)
                 if keys:
                     o, l = s.own.attend_rows(layer, q[i:i + 1], keys)
-                    PartialAccumulator.over(out[i:i + 1], lse[:, i:i + 1]).add(o, l)
+                    own_out[i], own_lse[:, i] = o[0].float(), l[:, 0]
+            PartialAccumulator.over(out, lse).add(own_out, own_lse)
             return self._merge(out, lse).to(q.dtype)
 
         with torch.inference_mode():
