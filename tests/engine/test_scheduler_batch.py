@@ -114,3 +114,19 @@ def test_a_cancelled_question_leaves_at_once_and_frees_its_rows(engine, setup):
         assert scheduler.call(lambda: (dict(engine.state.batch.sequences), scheduler.rows_reserved)) == ({}, 0)
     finally:
         scheduler.stop()
+
+
+def test_prompts_longer_than_the_budget_join_one_per_step(engine, setup):
+    documents, alone = setup
+    scheduler = Scheduler(engine, max_batch=8, max_step_tokens=3)  # every prompt (4 tokens) is longer
+    seen = watch(engine, scheduler)
+    try:
+        tickets, _ = submit_all(scheduler, documents)
+        results = [collect(t)[1] for t in tickets]
+    finally:
+        scheduler.stop()
+        del engine.batch().step
+    assert [r.token_ids for r in results] == alone
+    sizes = [n for n, _ in seen]
+    assert sizes[:3] == [1, 2, 3]  # one joins per step, beside the ones decoding: none is stuck
+    assert all(tokens <= len(QUESTIONS[0]) + n for n, tokens in seen)
