@@ -391,7 +391,7 @@ def _ingest_with_progress(engine, text, chat):
 
 @main.command()
 @click.argument("kv_file", type=click.Path())
-@click.argument("question")
+@click.argument("questions", nargs=-1, required=True)
 @click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
 @nproc_option("auto", serving=True)
@@ -403,15 +403,25 @@ def _ingest_with_progress(engine, text, chat):
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @TIMEOUT_OPTION
-def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
+def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
         timeout_s):
-    """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""
+    """Answer questions about a document saved by `ringctx ingest`: one question streams its answer;
+    several are answered together (one decode step for all, the document read once per step for
+    every question) and the answers are printed labelled, in the order asked, once all are complete."""
     from ..engine import Engine, serving_layout
     from ..engine.documents import describe_document
     from ..engine.failures import RankFailure
 
-    if not question.strip():
-        raise _AgreedBadParameter("the question is empty: ask something about the document", param_hint="QUESTION")
+    for i, question in enumerate(questions):
+        if not question.strip():
+            which = "the question" if len(questions) == 1 else f"the question {i + 1}"
+            raise _AgreedBadParameter(f"{which} is empty: ask something about the document",
+                                      param_hint="QUESTIONS")
+    if len(questions) > 1:
+        return _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s,
+                         dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                              seed=seed))
+    question = questions[0]
     printing = _is_printing_rank()
     engine = None
     try:
@@ -438,6 +448,52 @@ def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens
     err_console.print(f"[dim]{document.length:,} cached tokens on {engine.decode_ranks} decode rank(s); first token "
                       f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_ms_per_token:.1f} ms/token over "
                       f"{len(r.token_ids)} tokens[/dim]")
+
+
+def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, sampling):
+    """`ringctx ask` with several questions: Engine.ask_many (under torchrun rank 0 leads, the others follow)."""
+    import time
+
+    from ..engine import Engine, serving_layout
+    from ..engine.documents import describe_document
+    from ..engine.failures import RankFailure
+
+    printing = _is_printing_rank()
+    engine = None
+    try:
+        meta = describe_document(kv_file)
+        nproc, layout_note = serving_layout(nproc, None, tp)
+        engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
+        document = engine.load_document(kv_file)
+        if engine.mode == "torchrun" and engine.rank != 0:
+            engine.follow()  # rank 0 drives the batch; this rank runs its commands until it closes
+            return
+        if engine.mode == "torchrun":
+            engine.lead()
+        t0 = time.perf_counter()
+        answers = engine.ask_many(document, questions, **sampling)
+        texts = [[] for _ in questions]
+        for i, piece in answers:
+            texts[i].append(piece)
+        seconds = time.perf_counter() - t0
+        for i, question in enumerate(questions):  # each labelled, in the order asked
+            click.echo(f"[{i + 1}] {question}")
+            click.echo("".join(texts[i]))
+            click.echo()
+    except (ValueError, OSError, RankFailure) as exc:
+        raise _rank_error(exc) from None
+    finally:
+        if engine is not None:
+            engine.close()
+    if not printing:
+        return
+    tokens = sum(len(r.token_ids) for r in answers.results if r is not None)
+    if layout_note:
+        err_console.print(f"[dim]{layout_note}[/dim]")
+    err_console.print(f"[dim]{document.length:,} cached tokens on {engine.decode_ranks} decode rank(s); "
+                      f"{len(questions)} questions answered together: {tokens} tokens in {seconds:.1f} s "
+                      f"({tokens / seconds:.1f} tokens/s)[/dim]")
 
 
 @main.command()

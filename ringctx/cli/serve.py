@@ -59,11 +59,19 @@ def _log(line: str) -> None:
               help="Longest document accepted [default: what the KV budget holds].")
 @click.option("--chunk-tokens", type=click.IntRange(1), default=None,
               help="Tokens per prefill chunk (default: from the model's size).")
+@click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1),
+              help="Questions decoded together at most: one step runs every one of them, each document's KV "
+                   "read once for all its questions.")
+@click.option("--max-step-tokens", type=click.IntRange(1), default=None,
+              help="Tokens one step may run: one per question decoding plus the prompt tokens it prefills "
+                   "(questions joining, an ingest's chunk); bounds the prefill work between two tokens of an "
+                   "answer [default: one prefill chunk plus --max-batch].")
 @click.option("--drain", "drain_s", default=30.0, show_default=True,
               help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
 @TIMEOUT_OPTION
 def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, store_dir, kv_budget, max_queue,
-          max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, drain_s, timeout_s):
+          max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, drain_s,
+          timeout_s):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
     from ..engine.failures import RankFailure
     from ..serve.protocol import Limits
@@ -77,7 +85,7 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, 
                                model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
                                dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                timeout_s=timeout_s, max_document_tokens=max_document_tokens,
-                               chunk_tokens=chunk_tokens)
+                               chunk_tokens=chunk_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens)
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None
     sys.exit(status)

@@ -38,7 +38,7 @@ from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
 from .failures import CLOSED, Health, RankFailure, first_line
-from .handles import Answer, LeaderDecoder, PrefillJob
+from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob
 from .prefill import STRATEGY_CHOICES, PrefillResult
 from .rank_state import EngineSettings
 from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
@@ -121,6 +121,7 @@ class Engine:
         self._ending: list[LeaderDecoder] = []  # answers that ended here: the followers leave them next
         self._next_id = 0
         self._open_answer = None  # weakref to the newest answer's Generation, which a newer question ends
+        self._batch: Batch | None = None  # the sequences decoded together (batch(), ask_many)
         # The ranks this one sends its commands to: spawned workers, or (after lead()) torchrun's other ranks.
         self._followers: SpawnedRanks | BroadcastRanks | None = None
         self._health: Health | None = None
@@ -494,6 +495,8 @@ class Engine:
                 raise RuntimeError("extend runs on the decode ranks only")
             return None
         self._end_open_answer(document)  # it would write into the rows the extension takes
+        if self._batch is not None and any(m.document is document for m in self._batch.members):
+            raise ValueError("the document has questions decoding in the batch: extend it once they are answered")
         return self._run("extend", commands.EXTEND, document.id, ids_to_bytes(ids), decode_room, document=document,
                          on_chunk=on_chunk)
 
@@ -551,6 +554,38 @@ class Engine:
             generation.close()
         except BaseException as exc:
             self._raise_failure(exc, "decode")
+
+    def batch(self) -> Batch:
+        """The engine's batch: sequences (questions about documents, or prompts of their own)
+        decoded together, one step for all, each document's rows read once per step for every
+        question on it (engine/batch.py). Rank 0 only, of one process or of spawned ranks (under
+        torchrun after `lead()`); `Scheduler` and `ask_many` drive it."""
+        if self.mode == "worker" or (self.mode == "torchrun" and (self.rank != 0 or self._followers is None)):
+            raise ValueError("a batch is driven by rank 0 alone: under torchrun call lead() on rank 0 and follow() "
+                             "on the others first (as ringctx serve does)")
+        self._check_open()
+        if self._batch is None:
+            self._batch = Batch(self)
+        return self._batch
+
+    def ask_many(self, document: Document | None, questions, *, max_batch: int | None = None,
+                 **kwargs) -> "ManyAnswers":
+        """Answer several questions about `document` together; iterate the result for
+        (question index, text piece) as each piece becomes final, in step order (every running
+        question advances one token per step). `.results[i]` is question i's GenerationResult once
+        the iteration ends. kwargs as `generate`'s (max_new_tokens, temperature, top_k, top_p, seed,
+        stop), the same for every question (each samples with its own generator: a seeded
+        question gets the answer it gets alone). max_batch: at most this many decode at once (the
+        others join as they end; None: all). Each answer equals the question asked alone."""
+        questions = list(questions)
+        if not questions:
+            raise ValueError("ask_many needs at least one question")
+        for i, q in enumerate(questions):
+            if (isinstance(q, str) and not q.strip()) or (not isinstance(q, str) and len(q) == 0):
+                raise ValueError(f"question {i} is empty: ask something about the document")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        return ManyAnswers(self, document, questions, max_batch or len(questions), kwargs)
 
     def question_ids(self, document: Document, prompt) -> torch.Tensor:
         """A question's token ids as `generate` appends them to `document` (text in the document's frame)."""

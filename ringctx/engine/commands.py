@@ -10,6 +10,8 @@ collectives match:
     Engine.extend            ->  EXTEND         ->  cp_prefill over the decode ranks, on a document's slices
     Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  engine/decode.py ShardedDecoder
                                  (under torchrun, where every rank calls generate: ANSWER_FOLLOW on the followers)
+    Engine.batch / ask_many  ->  BATCH_JOIN per question, BATCH_STEP per step of every sequence, BATCH_LEAVE
+                                                                                 ->  engine/batch.py BatchDecoder
     Engine.save_document     ->  SAVE           ->  engine/documents.py save_document_slices
     Engine.load_document     ->  LOAD           ->  engine/documents.py load_document_slices
     Engine.drop_document     ->  DROP
@@ -39,6 +41,7 @@ from ..model import KVCache
 from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
 from ..units import fmt_bytes
+from .batch import BatchDecoder
 from .decode import ShardedDecoder
 from .document import Document
 from .documents import load_document_slices, save_document_slices
@@ -172,6 +175,36 @@ def follow_answer(state: RankState, document_id: int, ids: torch.Tensor, *, docu
     document.cache = decoder.cache
 
 
+# ------------------------------------------------------------------------------------------ batches
+def batch_decoder(state: RankState) -> BatchDecoder:
+    """This decode rank's part of the sequences decoded together (made at first use)."""
+    if state.batch is None:
+        state.batch = BatchDecoder(state.model, state.decode_group if state.world_size > 1 else "local",
+                                   state.settings.timeout_s)
+    return state.batch
+
+
+def batch_join(state: RankState, sequence_id: int, document_id: int, ids: bytes, *,
+               document: Document | None = None) -> torch.Tensor:
+    """A question joins the batch: its prefill over the decode ranks into its own rows; the float32
+    logits [vocab] of its last token. document_id -1: a sequence without a document."""
+    if document is None and document_id >= 0:
+        document = state.document(document_id)
+    config = state.decode_prefill_config(state.settings.kv_dtype, 0)
+    return batch_decoder(state).join(sequence_id, document, ids_from_bytes(ids), config, state.settings.kv_dtype)
+
+
+def batch_step(state: RankState, sequence_ids: bytes, tokens: bytes) -> torch.Tensor | None:
+    """One decode step of every sequence named (the tokens in the same order); logits [B, vocab]
+    on the leader (every TP rank of the first decode rank), None elsewhere."""
+    return batch_decoder(state).step(ids_from_bytes(sequence_ids).tolist(), ids_from_bytes(tokens).tolist())
+
+
+def batch_leave(state: RankState, sequence_id: int) -> None:
+    """A sequence leaves the batch: its own rows are freed (no message between ranks)."""
+    batch_decoder(state).leave(sequence_id)
+
+
 # ------------------------------------------------------------------------------------------ documents
 def save(state: RankState, document_id: int, path: str, *, document: Document | None = None) -> None:
     """Every rank of the decode host writes its own rows of its own KV heads (a replicated KV head
@@ -256,6 +289,9 @@ ANSWER_START = Command("answer_start", answer_start, decode_only=True)
 ANSWER_STEP = Command("answer_step", answer_step, decode_only=True)
 ANSWER_END = Command("answer_end", answer_end, decode_only=True)
 ANSWER_FOLLOW = Command("answer_follow", follow_answer, decode_only=True)
+BATCH_JOIN = Command("batch_join", batch_join, decode_only=True)
+BATCH_STEP = Command("batch_step", batch_step, decode_only=True)
+BATCH_LEAVE = Command("batch_leave", batch_leave, decode_only=True)
 SAVE = Command("save", save, decode_only=True)
 LOAD = Command("load", load, decode_only=True)
 DROP = Command("drop", drop, decode_only=True)
@@ -264,5 +300,5 @@ GATHER = Command("gather", gather, decode_only=True)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
-    ANSWER_FOLLOW, SAVE, LOAD, DROP, ROWS, GATHER)}
+    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, LOAD, DROP, ROWS, GATHER)}
 """Every command by the name that travels: what a worker looks up for each message."""

@@ -152,8 +152,8 @@ class ShardedDecoder:
         return False
 
     def owner(self) -> int:
-        """The rank that stores this step's K/V: fewest rows, ties broken round-robin."""
-        return min(range(self.world), key=lambda r: (self.rows[r], (r - self.steps) % self.world))
+        """The rank that stores this step's K/V (see `step_owner`)."""
+        return step_owner(self.rows, self.steps)
 
     def _forward(self, token: int) -> torch.Tensor | None:
         maybe_die(dist.get_rank(), f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
@@ -209,16 +209,31 @@ class ShardedDecoder:
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""
-        T, H, D = out.shape
-        if self.world == 1:  # the whole cache is here: the partial is the answer
-            return out.float()
-        packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
-        if self._shm is not None:
-            everyone = self._shm.exchange(packed)
-        else:
-            everyone = [torch.empty_like(packed) for _ in range(self.world)]
-            dist.all_gather(everyone, packed, group=self.group)
-        acc = PartialAccumulator(T, H, D, device=out.device)
-        for part in everyone:  # the same order on every rank: the same bits everywhere
-            acc.add(part[:T * H * D].view(T, H, D), part[T * H * D:].view(H, T))
-        return acc.out
+        return merge_across_ranks(out, lse, self.world, self.group, self._shm)
+
+
+def step_owner(rows: list[int], steps: int) -> int:
+    """The decode rank that stores a sequence's next K/V row, given every rank's rows of it and the
+    steps decoded so far: the fewest rows, ties broken round-robin (offset by one each step), so the
+    slices stay level as the answer grows."""
+    world = len(rows)
+    return min(range(world), key=lambda r: (rows[r], (r - steps) % world))
+
+
+def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, world: int, group, shm: ShmExchange | None) -> torch.Tensor:
+    """Every decode rank's partial (out [T, Hq, D], lse [Hq, T]) merged exactly, in float32 [T, Hq, D]:
+    one exchange (shared memory, or the group's all-gather), then the LSE merge in rank order (the
+    same bits on every rank). T: the step's tokens (1 for one sequence, B for a batch)."""
+    T, H, D = out.shape
+    if world == 1:  # the whole cache is here: the partial is the answer
+        return out.float()
+    packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
+    if shm is not None:
+        everyone = shm.exchange(packed)
+    else:
+        everyone = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(everyone, packed, group=group)
+    acc = PartialAccumulator(T, H, D, device=out.device)
+    for part in everyone:
+        acc.add(part[:T * H * D].view(T, H, D), part[T * H * D:].view(H, T))
+    return acc.out

@@ -1,9 +1,11 @@
 """What the Engine's long calls hand back on rank 0: `PrefillJob` (a prefill a chunk at a time),
 `Answer` (an answer a token at a time) and `LeaderDecoder`, through which an answer's steps become
-commands every decode rank runs (engine/commands.py)."""
+commands every decode rank runs (engine/commands.py); `Batch` (sequences decoded together, one
+step for all: engine/batch.py) with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many)."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -148,3 +150,175 @@ class Answer:
     @property
     def result(self):
         return self.generation.result
+
+
+# ------------------------------------------------------------------------------------------ batches
+class BatchMember:
+    """One sequence of a `Batch` on rank 0: its Generation (sampling, stop strings, max tokens)."""
+
+    def __init__(self, batch: "Batch", sequence_id: int, document: Document | None, generation: Generation,
+                 reserved_rows: int):
+        self.batch, self.id, self.document, self.generation = batch, sequence_id, document, generation
+        self.reserved_rows = reserved_rows
+        """Rows it may hold at most (question + max_new_tokens): what a scheduler budgets."""
+        self.first_piece: str | None = None
+        """The text its first token (sampled at join) made final."""
+        self.left = False
+
+    @property
+    def done(self) -> bool:
+        return self.generation.done
+
+    @property
+    def result(self):
+        """The GenerationResult once complete (None before, or when it was cancelled)."""
+        return self.generation.result
+
+
+class _JoinDecoder:
+    """The decoder a member's Generation drives itself: only the question's prefill (a JOIN); the
+    steps come from Batch.step, which feeds every member's token at once."""
+
+    def __init__(self, batch: "Batch", sequence_id: int, document: Document | None):
+        self.batch, self.id, self.document = batch, sequence_id, document
+
+    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.batch._join(self.id, self.document, token_ids)[None]
+
+    def step(self, token: int) -> torch.Tensor:
+        raise RuntimeError("a batch member's steps run in Batch.step, for every member at once")
+
+    def full(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class Batch:
+    """Rank 0's handle of the sequences an engine decodes together (see the module docstring).
+
+        batch = engine.batch()
+        a = batch.join(document, "Who signed it?", max_new_tokens=64)   # prefill + first token
+        b = batch.join(document, "When?", temperature=0.7, seed=1)
+        while batch.members:
+            for member, piece in batch.step():                         # one step for all
+                ...   # piece: text that became final; None: the member is complete and has left
+
+    `engine` is the Engine (its `_run` sends each command to the decode ranks and runs this rank's
+    part). One Batch per engine: every decode rank holds one BatchDecoder.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.members: list[BatchMember] = []
+        self.steps = 0
+        self.last_step_s = 0.0
+
+    def join(self, document: Document | None, prompt, *, max_new_tokens: int = 256, **sampling) -> BatchMember:
+        """Add a sequence: its question's prefill and first token now (`first_piece`); it then
+        advances with every `step`. prompt: question text (in the document's chat frame) or token ids."""
+        engine = self.engine
+        ids = engine.question_ids(document, prompt) if document is not None else _prompt_ids(engine, prompt)
+        if ids.numel() == 0:
+            raise ValueError("the question is empty: ask something")
+        sequence_id = engine._new_id()
+        generation = Generation(engine.model, ids, max_new_tokens=max_new_tokens,
+                                decoder=_JoinDecoder(self, sequence_id, document), **sampling)
+        member = BatchMember(self, sequence_id, document, generation, int(ids.numel()) + max_new_tokens)
+        member.first_piece = generation.advance()  # the JOIN; a ValueError leaves nothing behind
+        self.members.append(member)
+        return member
+
+    def step(self) -> list[tuple[BatchMember, str | None]]:
+        """One decode step for every member: [(member, text that became final)], and
+        (member, None) for each member that completed (it has left the batch, rows freed)."""
+        events: list[tuple[BatchMember, str | None]] = []
+        feeding: list[tuple[BatchMember, int]] = []
+        for member in list(self.members):
+            token = member.generation.next_input()
+            if token is not None:
+                feeding.append((member, token))
+                continue
+            while (piece := member.generation.advance()) is not None:  # its held-back text, then the end
+                events.append((member, piece))
+            self.leave(member)
+            events.append((member, None))
+        if feeding:
+            t0 = time.perf_counter()
+            logits = self.engine._run("decode", commands.BATCH_STEP, _ints([m.id for m, _ in feeding]),
+                                      _ints([t for _, t in feeding]))
+            self.last_step_s = seconds = time.perf_counter() - t0
+            self.steps += 1
+            for i, (member, _) in enumerate(feeding):
+                events.append((member, member.generation.accept(logits[i], seconds)))
+        return events
+
+    def leave(self, member: BatchMember) -> None:
+        """Take a member out now (complete or cancelled): every decode rank frees its rows."""
+        if member.left:
+            return
+        member.left = True
+        if member in self.members:
+            self.members.remove(member)
+        member.generation.close()
+        self.engine._run("decode", commands.BATCH_LEAVE, member.id)
+
+    @property
+    def rows_reserved(self) -> int:
+        """Rows the members may hold at most together (their questions plus max_new_tokens)."""
+        return sum(m.reserved_rows for m in self.members)
+
+    def _join(self, sequence_id: int, document: Document | None, token_ids: torch.Tensor) -> torch.Tensor:
+        engine = self.engine
+        if document is not None:
+            engine._end_open_answer(document)  # a lone answer's rows sit where the question's go for a moment
+        return engine._run("decode", commands.BATCH_JOIN, sequence_id, -1 if document is None else document.id,
+                           _ints(token_ids.tolist()), document=document)
+
+
+def _ints(values) -> bytes:
+    return torch.tensor(list(values), dtype=torch.long).numpy().tobytes()
+
+
+def _prompt_ids(engine, prompt) -> torch.Tensor:
+    """A prompt of its own (no document): token ids as given, or text tokenized as it is."""
+    if isinstance(prompt, str):
+        return torch.tensor(engine._tokenizer()(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return torch.as_tensor(list(map(int, prompt)), dtype=torch.long)
+
+
+class ManyAnswers:
+    """Engine.ask_many's answers: iterate for (question index, text piece); `results` after."""
+
+    def __init__(self, engine: Engine, document, questions: list, max_batch: int, kwargs: dict):
+        self.engine, self.document, self.questions, self.max_batch, self.kwargs = (
+            engine, document, questions, max_batch, kwargs)
+        self.results: list = [None] * len(questions)
+
+    def __iter__(self):
+        batch = self.engine.batch()
+        index: dict[int, int] = {}  # member id -> question index
+        waiting = list(range(len(self.questions)))
+        mine: list[BatchMember] = []
+        try:
+            while waiting or mine:
+                while waiting and len(mine) < self.max_batch:  # joins between two steps
+                    i = waiting.pop(0)
+                    member = batch.join(self.document, self.questions[i], **self.kwargs)
+                    index[member.id] = i
+                    mine.append(member)
+                    if member.first_piece:
+                        yield i, member.first_piece
+                for member, piece in batch.step():
+                    if member.id not in index:
+                        continue  # another caller's member of the same batch
+                    if piece is None:
+                        self.results[index[member.id]] = member.result
+                        mine.remove(member)
+                    elif piece:
+                        yield index[member.id], piece
+        finally:  # stopped early: the rest leave the batch, freeing their rows (unless a lost rank closed it)
+            if self.engine._closed is None:
+                for member in mine:
+                    batch.leave(member)

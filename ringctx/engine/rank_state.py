@@ -73,6 +73,8 @@ class RankState:
     """Prefill id -> the PrefillRun in progress on this rank (commands.PREFILL_*)."""
     answers: dict = field(default_factory=dict)
     """Answer id -> (Document, ShardedDecoder) a following decode rank takes part in (commands.ANSWER_*)."""
+    batch: object = None
+    """This decode rank's BatchDecoder (engine/batch.py): the sequences decoded together (commands.BATCH_*)."""
 
     @property
     def is_decode_rank(self) -> bool:

@@ -1,17 +1,32 @@
 """A step-level scheduler over an Engine: one thread runs the engine's work a step at a time.
 
-    submit_prefill(...) / submit_answer(...) / call(fn)     from any thread: returns a ticket at once
-    the scheduler's thread, each turn:
-        an answer is running     -> one token of it (Answer.advance: one decode step on the decode ranks)
-        else a prefill is queued -> one chunk of it (PrefillJob.step: one chunk on every CP rank)
-        calls (save, load, drop) -> run between two steps, in the order they came
+    submit_question(...) / submit_prefill(...) / submit_answer(...) / call(fn)
+                                from any thread: returns a ticket at once
+    the scheduler's thread, each turn (a step):
+        calls (save, load, drop)   run between two steps, in the order they came
+        questions (the batch)      cancelled ones leave at once (their rows freed); waiting ones
+                                   join while the batch has room (max_batch), the rows they may
+                                   take fit (max_rows) and their prompt fits the step's token
+                                   budget; then ONE decode step for every running question
+                                   (Engine.batch: each document's rows read once for all its
+                                   questions); finished ones leave
+        a prefill (an ingest)      one chunk of it in the same step when the budget has room for
+                                   it after the decode tokens and the joins, when no question is
+                                   running, or when `prefill_every_s` have passed since its last
+        a lone answer              (submit_answer: an Engine.generate Answer) one token per turn,
+                                   one at a time, when no question is in the batch
 
-Answers come first: a question about a ready document waits for at most the chunk in progress
-of a long ingest, never for the ingest. So that a steady stream of questions cannot stall an
-ingest for ever, a prefill also gets one chunk whenever `prefill_every_s` seconds have passed
-since its last one. One answer decodes at a time (the next one starts when it ends); a
-prefill's chunk sets the worst wait: about the time of one chunk at the document's current
-length (each chunk attends to every token before it).
+The step's token budget (`max_step_tokens`, like vLLM's max_num_batched_tokens) counts one token
+for each running question plus every prompt token a step prefills (a question joining, an
+ingest's chunk). A running answer waits between two tokens for exactly one step, so the budget
+bounds the prefill work placed between two of its tokens: a burst of new questions joins over
+several steps, and an ingest advances a chunk at a time beside the answers. Default
+(`default_step_tokens`): one prefill chunk of the engine plus one token per sequence of a full
+batch, so an ingest's chunk fits beside a full batch. A prompt longer than the whole budget joins
+alone, in a step that prefills nothing else (it is never stuck). `max_rows` bounds the KV rows
+the running questions may hold together (each counts its prompt plus its max_new_tokens): when
+they run out, questions wait in the queue rather than run out of memory (a question alone always
+runs).
 
 The Engine is not thread-safe: only the scheduler's thread touches it once the scheduler runs.
 Tickets are how other threads see the work: an AnswerTicket is an iterator of events (text
@@ -76,6 +91,22 @@ class AnswerTicket:
         self._events.put(event)
 
 
+class QuestionTicket(AnswerTicket):
+    """A question for the batch: `start()` (on the scheduler's thread) returns (document or None,
+    token ids to prefill after it); it then joins the batch with `sampling` (max_new_tokens,
+    temperature, top_k, top_p, seed, stop). prompt_tokens: the ids' count (the budget it takes)."""
+
+    def __init__(self, start: Callable[[], Any], prompt_tokens: int, sampling: dict):
+        super().__init__(start)
+        self.prompt_tokens, self.sampling = prompt_tokens, sampling
+        self.member = None  # the engine's BatchMember once it has joined
+
+    @property
+    def rows(self) -> int:
+        """KV rows it may hold at most: its prompt and every token it may generate."""
+        return self.prompt_tokens + int(self.sampling.get("max_new_tokens", 256))
+
+
 class PrefillTicket:
     """A prefill in the scheduler. `on_chunk(job, chunk_stats)` runs on the scheduler's thread after
     each chunk and `on_done(result)` after the hand-off (it may use the engine: it is on that thread);
@@ -121,12 +152,30 @@ class Scheduler:
         engine: the Engine (rank 0's); only this scheduler's thread uses it from now on.
         prefill_every_s: a queued prefill gets a chunk at least this often, even while answers run.
         on_failure: called once (on the scheduler's thread) with the RankFailure that ended it.
+        max_batch: questions decoded together at most (the others wait).
+        max_step_tokens: tokens one step may run: one per running question plus the prompts it
+            prefills (see the module docstring; None: `default_step_tokens`).
+        max_rows: KV rows the running questions may hold together (None: no bound).
     """
 
-    def __init__(self, engine, *, prefill_every_s: float = 30.0, on_failure: Callable[[BaseException], None] = None):
+    def __init__(self, engine, *, prefill_every_s: float = 30.0, on_failure: Callable[[BaseException], None] = None,
+                 max_batch: int = 16, max_step_tokens: int | None = None, max_rows: int | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_step_tokens is not None and max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.engine = engine
         self.prefill_every_s = prefill_every_s
         self.on_failure = on_failure
+        self.max_batch, self.max_rows = max_batch, max_rows
+        self.max_step_tokens = max_step_tokens or default_step_tokens(engine, max_batch)
+        self.questions: collections.deque[QuestionTicket] = collections.deque()
+        self.batched: list[QuestionTicket] = []  # joined, decoding together
+        self.last_step_tokens = 0  # tokens the last step ran (decode + prefill): what the budget bounds
+        self.steps = 0  # decode steps of the batch, and the tokens they decoded (their mean batch: the ratio)
+        self.decoded_tokens = 0
         self.answers: collections.deque[AnswerTicket] = collections.deque()
         self.prefills: collections.deque[PrefillTicket] = collections.deque()
         self.calls: collections.deque[_Call] = collections.deque()
@@ -140,6 +189,11 @@ class Scheduler:
     def submit_answer(self, start: Callable[[], Any]) -> AnswerTicket:
         """Queue an answer; `start()` runs on the scheduler's thread and returns the Engine's Answer."""
         return self._submit(self.answers, AnswerTicket(start))
+
+    def submit_question(self, start: Callable[[], Any], *, prompt_tokens: int, **sampling) -> QuestionTicket:
+        """Queue a question for the batch; `start()` runs on the scheduler's thread and returns
+        (the Engine's Document or None, the token ids to prefill after it); prompt_tokens: their count."""
+        return self._submit(self.questions, QuestionTicket(start, prompt_tokens, sampling))
 
     def submit_prefill(self, start: Callable[[], Any], on_chunk=None, on_done=None) -> PrefillTicket:
         """Queue a prefill; `start()` runs on the scheduler's thread and returns the Engine's PrefillJob."""
@@ -156,7 +210,13 @@ class Scheduler:
 
     @property
     def queued_answers(self) -> int:
-        return len(self.answers)
+        """Answers and questions waiting for their turn."""
+        return len(self.answers) + len(self.questions)
+
+    @property
+    def rows_reserved(self) -> int:
+        """KV rows the running questions may hold together (their prompts and max_new_tokens)."""
+        return sum(t.rows for t in self.batched)
 
     def stop(self, reason: str = "the server is stopping") -> None:
         """Stop after the current step; everything still queued ends with SchedulerStopped."""
@@ -168,7 +228,8 @@ class Scheduler:
             self._thread.join(timeout=60)
 
     def idle(self) -> bool:
-        return self.running is None and not self.answers and not self.prefills and not self.calls
+        return (self.running is None and not self.answers and not self.prefills and not self.calls
+                and not self.questions and not self.batched)
 
     def _submit(self, where: collections.deque, item):
         with self._wake:
@@ -213,6 +274,9 @@ class Scheduler:
                 raise
             call.done.set()
             return
+        if self.running is None and (self.questions or self.batched):
+            self._batch_turn()
+            return
         prefill = self.prefills[0] if self.prefills else None
         overdue = prefill is not None and time.monotonic() - prefill.last_chunk >= self.prefill_every_s
         if (self.running is not None or self.answers) and not overdue:
@@ -249,6 +313,77 @@ class Scheduler:
         elif piece:
             ticket._put(Text(piece))
 
+    # ------------------------------------------------------------------ the batch
+    def _batch_turn(self) -> None:
+        """One step of the batch: leaves, joins within the budget, maybe an ingest's chunk, one decode step."""
+        batch = self.engine.batch()
+        for ticket in [t for t in self.batched if t.cancelled]:  # a client gone: its rows are freed now
+            self._leave(batch, ticket, None)
+        budget = self.max_step_tokens - len(self.batched)
+        spent = len(self.batched)
+        joined = 0
+        while self.questions and len(self.batched) < self.max_batch:
+            ticket = self.questions[0]
+            if ticket.cancelled:
+                self.questions.popleft()
+                ticket._put(Done(None))
+                continue
+            # A prompt longer than any step's budget joins as the step's only prefill; a question
+            # the rows cannot hold waits until others leave (one alone always runs).
+            too_long = joined == 0 and ticket.prompt_tokens > self.max_step_tokens - len(self.batched)
+            no_rows = self.batched and self.max_rows is not None and self.rows_reserved + ticket.rows > self.max_rows
+            if no_rows or (ticket.prompt_tokens > budget and not too_long):
+                break  # the next step (FIFO: a later, smaller question does not overtake it)
+            self.questions.popleft()
+            self.batched.append(ticket)  # a lost rank during the join reaches it too (_fail_all)
+            ticket.started = time.monotonic()
+            try:
+                document, ids = ticket.start()
+                ticket.member = batch.join(document, ids, **ticket.sampling)
+            except ValueError as exc:  # bad input: this question only
+                self.batched.remove(ticket)
+                ticket._put(exc)
+                continue
+            budget -= ticket.prompt_tokens
+            spent += ticket.prompt_tokens
+            joined += 1
+            if ticket.member.first_piece:
+                ticket._put(Text(ticket.member.first_piece))
+        prefill = self.prefills[0] if self.prefills else None
+        if prefill is not None:
+            cost = self._chunk_tokens(prefill)
+            overdue = time.monotonic() - prefill.last_chunk >= self.prefill_every_s
+            if cost <= budget or overdue or not self.batched:
+                self._prefill_step(prefill)
+                spent += cost
+        if batch.members:
+            by_member = {id(t.member): t for t in self.batched}
+            self.decoded_tokens += sum(m.generation.next_input() is not None for m in batch.members)
+            for member, piece in batch.step():
+                ticket = by_member.get(id(member))
+                if ticket is None:
+                    continue
+                if piece is None:
+                    self._leave(batch, ticket, member.result)
+                elif piece:
+                    ticket._put(Text(piece))
+            self.steps += 1
+        self.last_step_tokens = spent
+
+    def _leave(self, batch, ticket: QuestionTicket, result) -> None:
+        if ticket in self.batched:
+            self.batched.remove(ticket)
+        batch.leave(ticket.member)
+        ticket._put(Done(result))
+
+    def _chunk_tokens(self, ticket: PrefillTicket) -> int:
+        """Tokens the prefill's next step prefills (its first: the engine's chunk size)."""
+        run = getattr(ticket.job, "run", None)
+        if run is None or run.done:
+            return 0 if run is not None else self.engine.state.chunk_tokens
+        start, end = run.chunks[run.next_chunk]
+        return end - start
+
     def _end_answer(self, ticket: AnswerTicket, result) -> None:
         self.running = None
         ticket._put(Done(result))
@@ -283,7 +418,9 @@ class Scheduler:
         """End everything still queued or running with `error`."""
         with self._wake:
             answers, prefills, calls = list(self.answers), list(self.prefills), list(self.calls)
-            self.answers.clear(), self.prefills.clear(), self.calls.clear()
+            answers += list(self.batched) + list(self.questions)
+            self.answers.clear(), self.prefills.clear(), self.calls.clear(), self.questions.clear()
+            self.batched = []
             running, self.running = self.running, None
         for ticket in ([running] if running is not None else []) + answers:
             ticket._put(error)
@@ -292,3 +429,8 @@ class Scheduler:
         for call in calls:
             call.error = error
             call.done.set()
+
+
+def default_step_tokens(engine, max_batch: int) -> int:
+    """The default step budget: one prefill chunk of the engine beside a full batch's decode tokens."""
+    return int(engine.state.chunk_tokens) + max_batch

@@ -79,10 +79,12 @@ class ShmExchange:
         return cls(slots, seqs, pids, rank, timeout_s)
 
     def exchange(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's t [F] as a [N, F] view of the shared buffer (valid until the next exchange
-        but one: copy what must outlive it)."""
+        """Every rank's t [F'] (F' <= F, the same on every rank: a batch of a varying size) as a
+        [N, F'] view of the shared buffer (valid until the next exchange but one: copy what must
+        outlive it)."""
         self.step += 1
-        buffer = self.slots[self.step % 2]
+        n = t.numel()
+        buffer = self.slots[self.step % 2, :, :n]
         buffer[self.rank].copy_(t)
         self.seqs[self.rank] = self.step  # after the data: x86 keeps the two stores in this order
         self._wait()

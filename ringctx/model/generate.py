@@ -208,13 +208,30 @@ class Generation:
         state = self._state
         if state.finish is not None:  # the last token's text has gone out: finish
             return self._finish()
-        decoder = self.decoder
-        if len(state.new_ids) >= self.max_new_tokens or decoder.full():
-            return self._finish()  # a caller-provided cache that is full stops like max_new_tokens
+        token = self.next_input()
+        if token is None:
+            return self._finish()
         t = time.perf_counter()
-        token = self._sample(decoder.step(state.new_ids[-1])[0])
-        state.token_times.append(time.perf_counter() - t)
-        return self._take(token)
+        logits = self.decoder.step(token)[0]
+        return self.accept(logits, time.perf_counter() - t)
+
+    def next_input(self) -> int | None:
+        """After the first token: the token the next decode step feeds (the last one sampled), or
+        None when the generation decodes no more (`advance()` then finishes it). With `accept`, the
+        two halves of `advance` for a caller that runs the decode step itself (a batch of
+        generations decoded together, engine/batch.py)."""
+        state = self._state
+        if state is None or self._closed or self.result is not None or state.finish is not None:
+            return None
+        if len(state.new_ids) >= self.max_new_tokens or self.decoder.full():
+            return None  # a caller-provided cache that is full stops like max_new_tokens
+        return state.new_ids[-1]
+
+    def accept(self, logits: torch.Tensor, seconds: float = 0.0) -> str:
+        """The decode step's float32 logits [vocab] for `next_input()`'s token: sample the next
+        token and return the text it made final (as `advance`); `seconds` is the step's time."""
+        self._state.token_times.append(seconds)
+        return self._take(self._sample(logits))
 
     def _first_token(self) -> str:
         tokenizer = _tokenizer_if_any(self.model)

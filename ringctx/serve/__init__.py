@@ -19,7 +19,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = No
     """Serve until Ctrl-C / SIGTERM (or a lost rank); returns the exit status (0, or 1 after a lost rank).
 
     backend_options: those of EngineBackend (model, nproc, tp, decode_ranks, kv_dtype, dtype,
-    store_dir, kv_budget_bytes, max_queue, timeout_s, max_document_tokens, chunk_tokens). Under
+    store_dir, kv_budget_bytes, max_queue, timeout_s, max_document_tokens, chunk_tokens, max_batch,
+    max_step_tokens). Under
     torchrun call it on every rank: rank 0 serves, the others follow it until it stops."""
     from .server import listen_socket, run_server
     from .service import EngineBackend, is_server_rank

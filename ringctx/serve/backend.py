@@ -175,6 +175,21 @@ class BackendStats:
     """Document chunks prefilled since start (0 after a restart that only reloaded documents)."""
     problem: str | None = None
     """Why it is not healthy."""
+    batch_size: int = 0
+    """Questions decoding together now (one step runs them all)."""
+    max_batch: int = 0
+    max_step_tokens: int = 0
+    """Tokens one step may run (decode tokens plus prompt tokens prefilled): the step budget."""
+    step_tokens: int = 0
+    """Tokens the last step ran."""
+    answer_rows: int = 0
+    """KV rows the running questions may hold (prompts and max_tokens); freed when they leave."""
+    max_answer_rows: int = 0
+    """The bound on answer_rows beyond which questions wait (0: none)."""
+    decode_steps: int = 0
+    """Batched decode steps since start."""
+    decoded_tokens: int = 0
+    """Tokens those steps decoded (decoded_tokens / decode_steps: the mean batch)."""
 
 
 class Backend(Protocol):

@@ -2,7 +2,8 @@
 
 Per app, one registry (tests run several apps in one process): histograms of time to first token
 and inter-token time, requests by endpoint and status, and what the backend's stats say when
-scraped (queue depth, documents by status, KV bytes per decode rank, prefill tokens and speed).
+scraped (queue depth, documents by status, KV bytes per decode rank, the batch and its step budget,
+prefill tokens and speed).
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ class _BackendCollector:
         yield kv
         yield GaugeMetricFamily("ringctx_kv_budget_bytes", "Bytes of KV cache the decode ranks may keep",
                                 value=stats.kv_budget_bytes)
+        yield GaugeMetricFamily("ringctx_batch_size", "Questions decoding together (one step runs them all)",
+                                value=stats.batch_size)
+        yield GaugeMetricFamily("ringctx_max_batch", "Questions that may decode together (--max-batch)",
+                                value=stats.max_batch)
+        yield GaugeMetricFamily("ringctx_max_step_tokens", "Tokens one step may run: decode tokens plus prompt "
+                                "tokens prefilled (--max-step-tokens)", value=stats.max_step_tokens)
+        yield GaugeMetricFamily("ringctx_step_tokens", "Tokens the last step ran", value=stats.step_tokens)
+        yield GaugeMetricFamily("ringctx_answer_rows", "KV rows the running questions may hold (prompts and "
+                                "max_tokens)", value=stats.answer_rows)
+        yield GaugeMetricFamily("ringctx_max_answer_rows", "KV rows of running questions beyond which new ones wait",
+                                value=stats.max_answer_rows)
+        yield CounterMetricFamily("ringctx_decode_steps", "Batched decode steps since start", value=stats.decode_steps)
+        yield CounterMetricFamily("ringctx_decoded_tokens", "Tokens the batched decode steps decoded (over "
+                                  "ringctx_decode_steps: the mean batch)", value=stats.decoded_tokens)
         yield CounterMetricFamily("ringctx_prefill_tokens", "Tokens prefilled since start", value=stats.prefill_tokens)
         yield GaugeMetricFamily("ringctx_prefill_tokens_per_second", "Tokens prefilled per second of prefill",
                                 value=stats.prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0)

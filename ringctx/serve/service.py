@@ -11,6 +11,8 @@ What it adds to the Engine:
 - Requests: a chat or completion on a document prefills only its own messages on top of the
   document's cached rows, exactly as Engine.ask; one without a document whose tokens begin with a
   ready document's tokens reuses that document too; any other prompt is prefilled for itself.
+  Requests decode together, one step for all (the Scheduler's batch: --max-batch, within
+  --max-step-tokens per step), each answer what it is alone; a cancelled one frees its rows at once.
 - Limits and faults: a bounded queue (Overloaded), and a lost rank ends every request with
   RankLost and turns the backend unhealthy (the server then exits non-zero).
 
@@ -42,6 +44,10 @@ every rank until the hand-off) and for answers' rows."""
 BOUNDARY_TOKENS = 8
 """Tokens at a document's end that a prompt resending it may tokenize differently (see _prefix_document)."""
 
+ANSWER_ROWS_SHARE = 0.25
+"""KV rows the questions decoding together may hold (prompts and max_tokens), as a share of the
+documents' KV budget: beyond it new questions wait in the queue (see Scheduler's max_rows)."""
+
 QUESTION_ROOM_TOKENS = 256
 """KV rows a document keeps free for a question and its answer (they grow past it as needed)."""
 
@@ -63,13 +69,19 @@ class EngineBackend:
         max_queue: answers that may wait for their turn; more are refused with Overloaded.
         max_document_tokens: the longest document accepted (None: what the KV budget holds).
         chunk_tokens: prefill chunk size (None: the engine's default).
+        max_batch: questions decoded together at most (each step runs every one of them).
+        max_step_tokens: tokens one step may run: one per question decoding plus the prompt tokens
+            it prefills (questions joining, an ingest's chunk); None: the Scheduler's default (one
+            prefill chunk beside a full batch). It bounds the prefill work between two tokens of
+            an answer in flight.
         log: where one-line notices go (layout, documents loaded), e.g. print.
     """
 
     def __init__(self, *, model: str = "smollm2-135m", nproc="auto", tp: int = 1, decode_ranks=None,
                  kv_dtype: str = "model", dtype="auto", store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
-                 max_document_tokens: int | None = None, chunk_tokens: int | None = None, log=None):
+                 max_document_tokens: int | None = None, chunk_tokens: int | None = None, max_batch: int = 16,
+                 max_step_tokens: int | None = None, log=None):
         from ..engine import serving_layout
 
         self.log = log or (lambda line: None)
@@ -114,7 +126,9 @@ class EngineBackend:
         self.running = 0
         for record in self.store.open():
             self._records[record.id] = record
-        self.scheduler = Scheduler(engine, on_failure=self._lost)
+        answer_rows = max(1, int(self.kv_budget_bytes * ANSWER_ROWS_SHARE) // self.bytes_per_token)
+        self.scheduler = Scheduler(engine, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens,
+                                   max_rows=answer_rows)
         self._reload_tokens()
 
     # ------------------------------------------------------------------ documents
@@ -338,12 +352,11 @@ class EngineBackend:
                 with self._lock:
                     self.prefill_tokens += len(question) - 1
                     self.prefill_seconds += document.stats.ttft_s if document.stats else 0.0
-            answer = self.engine.generate(document, ids, **sampling)
-            answer.document = document  # kept alive while the answer runs
-            return answer
+            return document, ids  # the batch's member keeps the document alive while it runs
 
         try:
-            ticket = self.scheduler.submit_answer(start)
+            # the prompt's tokens count against the step's budget (a prompt of its own is ingested in its step)
+            ticket = self.scheduler.submit_question(start, prompt_tokens=len(question), **sampling)
         except SchedulerStopped as exc:
             raise self._stopped_error(str(exc)) from None
         return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached_tokens=doc_tokens)
@@ -440,7 +453,11 @@ class EngineBackend:
             return api.BackendStats(
                 healthy=problem is None, ranks=self.engine.world_size, queue_depth=self.scheduler.queued_answers,
                 running=self.running, documents_by_status=by_status, kv_bytes_per_rank=per_rank,
-                kv_budget_bytes=self.kv_budget_bytes, prefill_tokens=self.prefill_tokens,
+                kv_budget_bytes=self.kv_budget_bytes, batch_size=len(self.scheduler.batched),
+                max_batch=self.scheduler.max_batch, max_step_tokens=self.scheduler.max_step_tokens,
+                step_tokens=self.scheduler.last_step_tokens, answer_rows=self.scheduler.rows_reserved,
+                max_answer_rows=self.scheduler.max_rows or 0, decode_steps=self.scheduler.steps,
+                decoded_tokens=self.scheduler.decoded_tokens, prefill_tokens=self.prefill_tokens,
                 prefill_seconds=self.prefill_seconds, document_chunks_prefilled=self.document_chunks_prefilled,
                 problem=problem)
 
@@ -468,7 +485,9 @@ class EngineBackend:
         """Stop taking requests, let answers in flight finish for up to drain_s, then stop every rank."""
         self._draining = True
         deadline = time.monotonic() + drain_s
-        while time.monotonic() < deadline and (self.scheduler.running is not None or self.scheduler.answers):
+        scheduler = self.scheduler
+        while time.monotonic() < deadline and (scheduler.running is not None or scheduler.answers
+                                               or scheduler.questions or scheduler.batched):
             time.sleep(0.05)
         for doc_id, ticket in list(self._ingests.items()):  # an ingest cut short is failed, never half-kept
             ticket.cancel()

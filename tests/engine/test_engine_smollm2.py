@@ -140,6 +140,27 @@ def test_cli_ingest_and_ask(tmp_path):
     assert result.exit_code != 0 and "the question is empty" in result.output
 
 
+def test_cli_asks_several_questions_together(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(long_document(30))
+    kv = tmp_path / "doc.kv"
+    runner = CliRunner()
+    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float32", "--nproc", "1"])
+    assert result.exit_code == 0, result.output
+    questions = [QUESTION, "Who knows the code?"]
+    alone = [runner.invoke(main, ["ask", str(kv), q, "--max-new-tokens", "12"]) for q in questions]
+    assert all(r.exit_code == 0 for r in alone), alone[0].output
+    # both at once on two decode ranks, in a process of its own (this module's engine holds the group)
+    both = subprocess.run([sys.executable, "-m", "ringctx", "ask", str(kv), *questions, "--max-new-tokens", "12",
+                           "--nproc", "2"], capture_output=True, text=True, timeout=300)
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert "2 questions answered together" in both.stderr
+    expected = "".join(f"[{i + 1}] {q}\n{r.stdout.strip()}\n\n" for i, (q, r) in enumerate(zip(questions, alone)))
+    assert both.stdout == expected and "7492" in both.stdout
+    result = runner.invoke(main, ["ask", str(kv), QUESTION, " ", "--max-new-tokens", "4"])
+    assert result.exit_code != 0 and "the question 2 is empty" in result.output
+
+
 @pytest.mark.parametrize("content,message", [(b"", "is empty"), (b"\xff\xfe\x00bad", "not UTF-8"), (None, "no such file")])
 def test_cli_ingest_bad_documents(tmp_path, content, message):
     doc = tmp_path / "doc.txt"

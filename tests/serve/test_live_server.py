@@ -197,8 +197,52 @@ def test_many_clients_get_their_sequential_answers_while_a_document_is_ingested(
         t.join(timeout=600)
     assert not errors, errors
     assert len(answers) == 64 and all(text == sequential[q] for q, text in answers)
-    print(f"longest wait for an answer under load: {max(waits):.1f} s (16 clients, one answer decoding at a time)")
+    print(f"longest wait for an answer under load: {max(waits):.1f} s (16 clients, their questions decoded together)")
     assert server.wait_ready(third["id"])["status"] == "ready"
+
+
+def test_eight_streaming_clients_on_one_document_get_their_sequential_answers(server, needle):
+    """Eight questions at once stream from one batch (each step decodes every running one); each
+    answer equals the one the same request gets alone, greedy and seeded."""
+    questions = [QUESTION, "Who knows the code?", "What does the dog do?", "Where do the rivers flow?",
+                 "What is the code?", "Is the dog lazy?", "Name the keeper of the code.", "What is near the towns?"]
+    sampling = [GREEDY if i % 2 == 0 else dict(max_tokens=16, temperature=0.8, seed=i) for i in range(8)]
+    sequential = [server.ask(needle["id"], q, **kw).choices[0].message.content for q, kw in zip(questions, sampling)]
+    steps, tokens = server.metric("ringctx_decode_steps"), server.metric("ringctx_decoded_tokens")
+    answers, errors = [None] * 8, []
+
+    def client(i):
+        try:
+            stream = server.ask(needle["id"], questions[i], stream=True, **sampling[i])
+            answers[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert answers == sequential
+    steps, tokens = server.metric("ringctx_decode_steps") - steps, server.metric("ringctx_decoded_tokens") - tokens
+    print(f"8 streaming clients: {tokens:.0f} tokens in {steps:.0f} batched steps (mean batch {tokens / steps:.1f})")
+
+
+def test_a_client_that_disconnects_mid_answer_frees_its_rows(server, needle):
+    assert server.metric("ringctx_max_batch") == 16 and server.metric("ringctx_max_step_tokens") > 16
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300, json={
+            "model": "smollm2-135m", "document": needle["id"], "stream": True, "max_tokens": 4000,
+            "messages": [{"role": "user", "content": QUESTION}], "temperature": 0}) as response:
+        # an answer token has arrived: the question is decoding
+        next(line for line in response.iter_lines() if '"content":"' in line and '"content":""' not in line)
+        assert server.metric("ringctx_answer_rows") >= 4000 and server.metric("ringctx_batch_size") == 1
+    # The connection is closed: the server cancels the answer, which leaves the batch at its next step.
+    deadline = time.monotonic() + 120
+    while (server.metric("ringctx_answer_rows"), server.metric("ringctx_batch_size")) != (0, 0):
+        assert time.monotonic() < deadline, "the rows of a disconnected client were never freed"
+        time.sleep(0.2)
+    assert server.ask(needle["id"], QUESTION).choices[0].message.content  # and the server goes on
 
 
 def test_restart_answers_from_the_store_without_prefilling(tmp_path, reference):

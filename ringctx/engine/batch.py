@@ -1,0 +1,213 @@
+"""Many sequences decoded together: one step for every running question, over split documents.
+
+A served document is asked many questions at once. Decode is memory-bound: each step of an answer
+reads its document's whole KV cache, so B answers decoded one after another read it B times per
+token. Here every running sequence advances in one step, and each decode rank reads each
+document's rows once for all the queries on it:
+
+    every decode rank holds        each document's slice (its rows, never written by a question)
+                                   and, for each sequence, its OWN rows (question + answer so far),
+                                   balanced over the decode ranks like the document's slices
+    a question joins (JOIN)        its prefill over the decode ranks on top of the document's
+                                   slices (cp_prefill, as Engine.generate's); its new rows are then
+                                   moved from behind the document's rows into its own rows
+    one step of B sequences (STEP) the layers once with B tokens (the matmuls see B rows); per
+                                   layer on each decode rank:
+                                     for each document: its rows once for all its sequences'
+                                       queries (attention_block with B_doc x Hq query rows)
+                                     for each sequence: its own rows (the step's owner writes the
+                                       token's K/V first), merged with the above by LSE
+                                   ONE all-gather of the [B, Hq, D + 1] partials for the whole
+                                   batch, merged exactly (Eq. 4), as ShardedDecoder does for one
+    the leader                     final norm, LM head for the B tokens; each sequence samples
+                                   with its own Sampler (its seed), stop strings, max tokens
+    a sequence leaves (LEAVE)      its own rows are freed at once; the documents are untouched
+
+Which rank stores a sequence's next token follows ShardedDecoder's rule (the fewest rows of that
+sequence, document rows included; ties round-robin), so a sequence's rows lie where they would lie
+were it decoded alone, and its logits equal its lone decode's up to float rounding (the split of a
+rank's rows into the document's and its own adds one exact LSE merge).
+
+`BatchDecoder` is one decode rank's part (commands.BATCH_*); `Batch` (engine/handles.py) is rank
+0's handle: it sends the commands, runs its own part, and drives each sequence's `Generation`
+(model/generate.py) with the step's logits (`Generation.next_input` / `accept`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..attention import PartialAccumulator
+from ..model import KVCache
+from ..parallel.comm import rank_and_world
+from .decode import merge_across_ranks, step_owner
+from .document import Document
+from .prefill import cp_prefill
+from .shm_exchange import ShmExchange, shm_supported
+
+ANSWER_ROOM_ROWS = 64
+"""Rows a sequence's own slice keeps free on each rank beyond its question (it grows as needed)."""
+
+
+@dataclass
+class BatchSequence:
+    """One decode rank's part of one sequence in the batch."""
+
+    id: int
+    document: Document | None
+    """The document it asks about (its rows are read, never written), or None."""
+    own: KVCache
+    """This rank's own rows of the sequence (its question and answer so far), positions kept."""
+    rows: list[int]
+    """Every decode rank's rows of this sequence, document rows included (where the next token goes)."""
+    length: int
+    """Tokens of the whole sequence so far: the next token's global position."""
+    steps: int = 0
+
+    def owner(self) -> int:
+        """The decode rank that stores the next token's K/V: a lone decode's rule (`step_owner`)."""
+        return step_owner(self.rows, self.steps)
+
+
+class BatchDecoder:
+    """This decode rank's part of every sequence decoded together (one per rank: RankState.batch).
+
+    Call `join`, `step` and `leave` on every decode rank alike, in the same order (join and step
+    are collective over `group`; leave is not).
+
+    Args:
+        model: the Transformer (this rank's TP shard of it).
+        group: the decode ranks of this TP index ("local" or None for one rank alone).
+        timeout_s: how long a merge waits for a rank that stops answering.
+    """
+
+    def __init__(self, model, group, timeout_s: float = 300.0):
+        self.model, self.group, self.timeout_s = model, group, timeout_s
+        self.rank, self.world = rank_and_world(group)
+        self.sequences: dict[int, BatchSequence] = {}
+        self._shm: ShmExchange | None = None
+        self._shm_batch = 0  # sequences the shared buffer has room for
+
+    # -- joining and leaving ------------------------------------------------------------------
+    def join(self, sequence_id: int, document: Document | None, token_ids: torch.Tensor, config,
+             kv_dtype: str) -> torch.Tensor:
+        """Prefill a sequence's question [T] on top of `document` (or of nothing) into its own rows;
+        the float32 logits [vocab] of its last token (on every rank). Collective.
+
+        config: the PrefillConfig of a prefill over the decode ranks (decode_room is ignored);
+        kv_dtype: the storage of a sequence without a document (with one: the document's)."""
+        if sequence_id in self.sequences:
+            raise ValueError(f"sequence {sequence_id} is already in the batch")
+        model = self.model
+        if document is not None:
+            base, start = document.rewind(), document.rows
+        else:
+            base = KVCache.for_model(model.config, 1, dtype=model.dtype, device=model.device, kv_dtype=kv_dtype,
+                                     sliced=True)
+            start = 0
+        config = replace(config, decode_room=0, kv_dtype=base.kv_dtype)
+        result = cp_prefill(model, token_ids, config, group=self.group, shard=base)
+        cache = result.cache
+        if document is not None:  # the question's rows leave the document's cache at once
+            document.cache = cache
+            own = split_off(cache, start, room=ANSWER_ROOM_ROWS)
+        else:
+            own = cache.grown(cache.length + ANSWER_ROOM_ROWS)
+        length = (document.length if document is not None else 0) + int(token_ids.numel())
+        self.sequences[sequence_id] = BatchSequence(sequence_id, document, own,
+                                                    list(result.stats.decode_slice_rows_per_rank), length)
+        return result.logits
+
+    def leave(self, sequence_id: int) -> None:
+        """Forget a sequence: its own rows are freed (not collective; unknown ids are ignored)."""
+        self.sequences.pop(sequence_id, None)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self, sequence_ids: list[int], tokens: list[int]) -> torch.Tensor | None:
+        """Feed tokens[i] to sequence sequence_ids[i], all in one step; float32 logits [B, vocab] of
+        their next positions on the group's first rank (every TP rank of it), None elsewhere."""
+        missing = [i for i in sequence_ids if i not in self.sequences]
+        if missing or len(sequence_ids) != len(tokens) or len(set(sequence_ids)) != len(sequence_ids):
+            raise ValueError(f"a batch step needs one token per running sequence, each once (unknown: {missing})")
+        model = self.model
+        seqs = [self.sequences[i] for i in sequence_ids]
+        owners = [s.owner() for s in seqs]
+        for s, owner in zip(seqs, owners):
+            if owner == self.rank and s.own.length >= s.own.max_tokens:
+                s.own = s.own.grown(s.own.max_tokens + max(ANSWER_ROOM_ROWS, s.own.max_tokens // 8))
+        writes = [s.own.length if owner == self.rank else None for s, owner in zip(seqs, owners)]
+        by_document: dict[int, tuple[Document, list[int]]] = {}
+        for i, s in enumerate(seqs):
+            if s.document is not None:
+                by_document.setdefault(id(s.document), (s.document, []))[1].append(i)
+        self._ensure_exchange(len(seqs))
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            B, H, D = q.shape
+            out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
+            lse = torch.full((H, B), float("-inf"), dtype=torch.float32, device=q.device)
+            for document, members in by_document.values():  # the document's rows once for its queries
+                if document.rows:
+                    o, l = document.cache.attend_rows(layer, q[members], document.rows)
+                    out[members], lse[:, members] = o.float(), l
+            own_out = torch.zeros_like(out)  # then each sequence's own rows, merged in once for all
+            own_lse = torch.full_like(lse, float("-inf"))
+            for i, (s, row) in enumerate(zip(seqs, writes)):
+                if row is not None:
+                    s.own.update(layer, row, k[i:i + 1], v[i:i + 1])
+                keys = s.own.length + int(row is not None)
+                if keys:
+                    o, l = s.own.attend_rows(layer, q[i:i + 1], keys)
+                    own_out[i], own_lse[:, i] = o[0].float(), l[:, 0]
+            PartialAccumulator.over(out, lse).add(own_out, own_lse)
+            return self._merge(out, lse).to(q.dtype)
+
+        with torch.inference_mode():
+            x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
+            rope = model.rope(torch.tensor([s.length for s in seqs], dtype=torch.long, device=model.device))
+            for index, block in enumerate(model.layers):
+                x = block.forward(x, rope, attend, index)
+            logits = model.head(model.norm(x)) if self.rank == 0 else None
+        for s, owner, row in zip(seqs, owners, writes):
+            if row is not None:
+                if s.own.positions is not None:
+                    s.own.positions[row] = s.length
+                s.own.length = row + 1
+            s.rows[owner] += 1
+            s.length += 1
+            s.steps += 1
+        return logits
+
+    def own_rows(self) -> int:
+        """Own rows of every sequence on this rank (what the batch holds besides the documents)."""
+        return sum(s.own.length for s in self.sequences.values())
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Every rank's partials (out [B, Hq, D], lse [Hq, B] float32) merged exactly: one exchange."""
+        return merge_across_ranks(out, lse, self.world, self.group, self._shm)
+
+    def _ensure_exchange(self, batch: int) -> None:
+        """The shared-memory exchange with room for `batch` sequences (collective when it grows:
+        every rank sees the same batch sizes, so every rank grows it at the same step)."""
+        if self.world == 1 or not shm_supported(self.model.device) or batch <= self._shm_batch:
+            return
+        size = max(8, 1 << (batch - 1).bit_length())
+        cfg = self.model.config
+        self._shm = ShmExchange.create(size * cfg.n_heads * (cfg.head_dim + 1), self.group, self.timeout_s)
+        self._shm_batch = size if self._shm is not None else 1 << 62  # None: the process group, for good
+
+
+def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
+    """Move rows start..length-1 of `cache` into a new cache (positions kept, `room` rows free) and
+    cut `cache` back to `start` rows."""
+    n = cache.length - start
+    own = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
+                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=True)
+    for dst, src in zip(own.storage_tensors(), cache.storage_tensors()):
+        dst[:n].copy_(src[start:start + n])
+    own.positions[:n] = cache.row_positions()[start:start + n]
+    own.length = n
+    cache.truncate(start)
+    return own

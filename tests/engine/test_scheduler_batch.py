@@ -1,0 +1,132 @@
+"""The scheduler's batch: questions decode together (max_batch), join within the step's token budget
+beside an ingest's chunks, wait while the rows run out, leave at once when cancelled; every answer
+equals the question asked alone. (Tickets are submitted from a call on the scheduler's own thread, so
+every case starts from the same queue whatever the machine's speed.)"""
+
+import pytest
+
+from ringctx import Engine
+from ringctx.engine.scheduler import Done, Scheduler, Text
+
+DOCS = [[(3 * i) % 250 + 3 for i in range(257)], [(5 * i) % 240 + 7 for i in range(90)]]
+LONG = [(7 * i) % 250 + 3 for i in range(300)]
+QUESTIONS = [[5, 9, 11, 4], [8, 1, 2, 3], [100, 101, 102, 103], [6, 6, 6, 6], [9, 8, 7, 6], [1, 2, 3, 4]]
+SAMPLING = [dict(), dict(temperature=0.8, seed=3), dict(), dict(temperature=0.9, top_k=20, seed=5), dict(), dict()]
+NEW = [12, 7, 10, 5, 9, 3]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("tiny", nproc=2, dtype="float32", chunk_tokens=64) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def setup(engine):
+    """The documents, and each question's answer alone (Engine.generate, nothing else running)."""
+    documents = [engine.ingest(d) for d in DOCS]
+    alone = []
+    for i, q in enumerate(QUESTIONS):
+        generation = engine.generate(documents[i % 2], q, max_new_tokens=NEW[i], stop_token_ids=[], **SAMPLING[i])
+        "".join(generation)
+        alone.append(generation.result.token_ids)
+    return documents, alone
+
+
+def collect(ticket):
+    events = list(ticket)
+    assert isinstance(events[-1], Done)
+    return "".join(e.text for e in events if isinstance(e, Text)), events[-1].result
+
+
+def watch(engine, scheduler):
+    """The batch's size at every decode step, and the tokens of every step before it."""
+    batch, seen = engine.batch(), []
+    step = batch.step
+
+    def counted():
+        seen.append((len(batch.members), scheduler.last_step_tokens))
+        return step()
+
+    batch.step = counted
+    return seen
+
+
+def submit_all(scheduler, documents, ingest=None):
+    def submit():
+        tickets = [scheduler.submit_question(lambda d=documents[i % 2], q=q: (d, q), prompt_tokens=len(q),
+                                             max_new_tokens=NEW[i], stop_token_ids=[], **SAMPLING[i])
+                   for i, q in enumerate(QUESTIONS)]
+        return tickets, ingest() if ingest else None
+    return scheduler.call(submit)
+
+
+def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
+    documents, alone = setup
+    scheduler = Scheduler(engine, prefill_every_s=3600, max_batch=3, max_step_tokens=70)
+    seen = watch(engine, scheduler)
+    try:
+        tickets, prefill = submit_all(scheduler, documents, lambda: scheduler.submit_prefill(
+            lambda: engine.start_prefill(LONG)))
+        results = [collect(t)[1] for t in tickets]
+        long = prefill.wait(timeout=300)
+    finally:
+        scheduler.stop()
+        del engine.batch().step
+    assert [r.token_ids for r in results] == alone
+    assert long.logits.shape[-1] == engine.model.config.vocab_size
+    sizes = [n for n, _ in seen]
+    assert max(sizes) == 3 and min(sizes) >= 1
+    assert all(tokens <= 70 for _, tokens in seen)  # decode tokens + joins + an ingest's chunk of 64
+    assert any(tokens > 64 for _, tokens in seen)  # a chunk of the ingest ran beside answers decoding
+    assert engine.state.batch.sequences == {} and scheduler.rows_reserved == 0
+
+
+def test_questions_wait_while_the_rows_run_out(engine, setup):
+    documents, alone = setup
+    scheduler = Scheduler(engine, max_batch=8, max_rows=4 + 12 + 4 + 7)  # the first two questions' rows
+    seen = watch(engine, scheduler)
+    try:
+        tickets, _ = submit_all(scheduler, documents)
+        results = [collect(t)[1] for t in tickets]
+    finally:
+        scheduler.stop()
+        del engine.batch().step
+    assert [r.token_ids for r in results] == alone
+    assert max(n for n, _ in seen) == 2
+
+
+def test_a_cancelled_question_leaves_at_once_and_frees_its_rows(engine, setup):
+    documents, alone = setup
+    scheduler = Scheduler(engine, max_batch=4)
+    try:
+        long = scheduler.submit_question(lambda: (documents[0], QUESTIONS[0]), prompt_tokens=4,
+                                         max_new_tokens=100000, stop_token_ids=[])
+        while not scheduler.call(lambda: long.member is not None and long.member.generation.next_input() is not None):
+            pass  # until it has joined and is decoding
+        other = scheduler.submit_question(lambda: (documents[1], QUESTIONS[1]), prompt_tokens=4, max_new_tokens=NEW[1],
+                                          stop_token_ids=[], **SAMPLING[1])
+        assert scheduler.call(lambda: scheduler.rows_reserved) >= 4 + 100000
+        long.cancel()
+        rest = list(long)
+        assert isinstance(rest[-1], Done) and rest[-1].result is None
+        assert collect(other)[1].token_ids == alone[1]
+        assert scheduler.call(lambda: (dict(engine.state.batch.sequences), scheduler.rows_reserved)) == ({}, 0)
+    finally:
+        scheduler.stop()
+
+
+def test_prompts_longer_than_the_budget_join_one_per_step(engine, setup):
+    documents, alone = setup
+    scheduler = Scheduler(engine, max_batch=8, max_step_tokens=3)  # every prompt (4 tokens) is longer
+    seen = watch(engine, scheduler)
+    try:
+        tickets, _ = submit_all(scheduler, documents)
+        results = [collect(t)[1] for t in tickets]
+    finally:
+        scheduler.stop()
+        del engine.batch().step
+    assert [r.token_ids for r in results] == alone
+    sizes = [n for n, _ in seen]
+    assert sizes[:3] == [1, 2, 3]  # one joins per step, beside the ones decoding: none is stuck
+    assert all(tokens <= len(QUESTIONS[0]) + n for n, tokens in seen)
