@@ -41,6 +41,7 @@ import torch
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
+from ..model.decode_step import FusedBatchStep
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
 from .document import Document
@@ -81,10 +82,13 @@ class BatchDecoder:
         model: the Transformer (this rank's TP shard of it).
         group: the decode ranks of this TP index ("local" or None for one rank alone).
         timeout_s: how long a merge waits for a rank that stops answering.
+        fused: run the layers in the fused CPU kernel where it applies (False: PyTorch's ops).
     """
 
-    def __init__(self, model, group, timeout_s: float = 300.0):
+    def __init__(self, model, group, timeout_s: float = 300.0, *, fused: bool = True):
         self.model, self.group, self.timeout_s = model, group, timeout_s
+        # the layers of a step in one C call where the kernel applies (else PyTorch, layer by layer)
+        self._fused = FusedBatchStep.build(model) if fused else None
         self.rank, self.world = rank_and_world(group)
         self.sequences: dict[int, BatchSequence] = {}
         self._shm: ShmExchange | None = None
@@ -164,11 +168,15 @@ class BatchDecoder:
             PartialAccumulator.over(out, lse).add(own_out, own_lse)
             return self._merge(out, lse).to(q.dtype)
 
+        positions = [s.length for s in seqs]
         with torch.inference_mode():
-            x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
-            rope = model.rope(torch.tensor([s.length for s in seqs], dtype=torch.long, device=model.device))
-            for index, block in enumerate(model.layers):
-                x = block.forward(x, rope, attend, index)
+            if self._fused is not None and len(seqs) <= self._fused.max_rows:  # every layer in one C call
+                x = self._fused(tokens, positions, attend)
+            else:
+                x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
+                rope = model.rope(torch.tensor(positions, dtype=torch.long, device=model.device))
+                for index, block in enumerate(model.layers):
+                    x = block.forward(x, rope, attend, index)
             logits = model.head(model.norm(x)) if self.rank == 0 else None
         for s, owner, row in zip(seqs, owners, writes):
             if row is not None:
