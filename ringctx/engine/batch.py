@@ -146,16 +146,22 @@ class BatchDecoder:
         for i, s in enumerate(seqs):
             if s.document is not None:
                 by_document.setdefault(id(s.document), (s.document, []))[1].append(i)
+        one_document, members_of_one = next(iter(by_document.values()), (None, []))
         self._ensure_exchange(len(seqs))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             B, H, D = q.shape
-            out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
-            lse = torch.full((H, B), float("-inf"), dtype=torch.float32, device=q.device)
-            for document, members in by_document.values():  # the document's rows once for its queries
-                if document.rows:
-                    o, l = document.cache.attend_rows(layer, q[members], document.rows)
-                    out[members], lse[:, members] = o.float(), l
+            if len(by_document) == 1 and len(members_of_one) == B and one_document.rows:
+                # every sequence asks the one document (ask_many): its result is the partial as is
+                o, l = one_document.cache.attend_rows(layer, q, one_document.rows)
+                out, lse = o.float(), l
+            else:
+                out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
+                lse = torch.full((H, B), float("-inf"), dtype=torch.float32, device=q.device)
+                for document, members in by_document.values():  # the document's rows once for its queries
+                    if document.rows:
+                        o, l = document.cache.attend_rows(layer, q[members], document.rows)
+                        out[members], lse[:, members] = o.float(), l
             own_out = torch.zeros_like(out)  # then each sequence's own rows, merged in once for all
             own_lse = torch.full_like(lse, float("-inf"))
             for i, (s, row) in enumerate(zip(seqs, writes)):
