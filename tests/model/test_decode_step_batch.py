@@ -16,7 +16,13 @@ import torch
 from ringctx.model.decode_step import FusedBatchStep, FusedStep
 from tests.core.test_cpu_kernels import needs_kernels
 from tests.helpers import rel_err
-from tests.model.test_decode_step import SHAPES, copy_of, prefilled, random_model, threads  # noqa: F401
+from tests.model.test_decode_step import (  # noqa: F401
+    SHAPES,
+    copy_of,
+    prefilled,
+    random_model,
+    threads,
+)
 
 pytestmark = pytest.mark.usefixtures("kernel_variant")  # once per CPU kernel variant here
 
