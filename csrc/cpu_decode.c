@@ -306,3 +306,140 @@ int ringctx_decode_step_split(const ringctx_decoder_shape *s, const ringctx_deco
     if (merge == NULL) return -2;
     return decode_layers(s, layers, n_layers, x, write_row, keys, cos, sin, work, threads, merge);
 }
+
+/* ------------------------------------------------------------------------------------------
+ * A batch of B tokens, one per sequence, through every layer (ringctx_decode_step_batch).
+ *
+ * Why: B sequences decoded together should read each weight matrix once per step, not B times,
+ * and pay no per-op dispatch. Each matrix product here runs gemv_block over all B rows: a block
+ * of four weight rows is read from memory once and then from L1 for the other rows, with the sums
+ * of each row in the same order as the lone step's (so a row's result is the lone step's exactly,
+ * up to the attention, which is the caller's). Each row is rotated at its own position.
+ *
+ * The attention is the caller's: a sequence's keys live in caches of their own (a shared
+ * document's rows, its own rows) that the caller attends and merges across ranks. Per layer the
+ * kernel leaves q, k, v of every row in the work buffer (float32 holding model-dtype values),
+ * returns from its parallel region and calls attend(layer), which writes each row's attention
+ * output, rounded to the model dtype, into the buffer's attn rows; then the layer goes on. The
+ * callback runs outside any parallel region so that no kernel thread spins beside the caller's
+ * own (PyTorch) threads while it works.
+ */
+
+/* attend(layer): read q, k, v at ringctx_decode_batch_offsets' qkv ([B, Hq + 2 Hkv, D] floats),
+ * write the rounded attention output at its attn ([B, Hq D] floats). */
+typedef void (*ringctx_attend_fn)(int64_t layer);
+
+#define MAX_BATCH 64
+
+/* Where each [B, .] array of the batch work buffer starts, in floats. */
+typedef struct {
+    int64_t resid, xn, qkv, attn, gate_up, act, split, total;
+} batch_layout;
+
+static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b) {
+    batch_layout l;
+    const int64_t qkv = (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
+    l.resid = 0;
+    l.xn = l.resid + b * s->dim;
+    l.qkv = l.xn + b * s->dim;
+    l.attn = l.qkv + b * qkv;
+    l.gate_up = l.attn + b * s->n_heads * s->head_dim;
+    l.act = l.gate_up + b * 2 * s->ffn_dim;
+    l.split = l.act + b * s->ffn_dim;
+    l.total = l.split + b * widest_input(s);
+    return l;
+}
+
+/* Floats of work buffer that ringctx_decode_step_batch needs for b rows. */
+int64_t ringctx_decode_batch_work_floats(const ringctx_decoder_shape *s, int64_t b) { return layout_batch(s, b).total; }
+
+/* offsets[0] = where qkv starts, offsets[1] = where attn starts (floats into the work buffer). */
+void ringctx_decode_batch_offsets(const ringctx_decoder_shape *s, int64_t b, int64_t *offsets) {
+    const batch_layout l = layout_batch(s, b);
+    offsets[0] = l.qkv, offsets[1] = l.attn;
+}
+
+/* linear over b rows: y [b, out] = round(x [b, in] W^T + bias), or resid [b, out] = round(resid +
+ * that). The split of x for the bf16 pair path is shared (its rows split over the threads first). */
+static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, const void *bias, int64_t out, int bf16,
+                        float *y, float *resid, float *split) {
+    const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
+    const int pairs = widen_in_pairs(bf16, in);
+    if (pairs) {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < b; ++r) split_pairs(x + r * in, 1, in, split + r * in);
+    }
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
+        if (pairs) gemv_block_pairs(split, b, in, (const uint16_t *)w, out, y, o, n);
+        else gemv_block(x, b, in, w, bf16, out, y, o, n);
+        for (int64_t r = 0; r < b; ++r)
+            for (int64_t i = o; i < o + n; ++i) {
+                const float v = round_to(bias ? y[r * out + i] + load_one(bias, bf16, i) : y[r * out + i], bf16);
+                if (resid) resid[r * out + i] = round_to(resid[r * out + i] + v, bf16);
+                else y[r * out + i] = v;
+            }
+    }
+}
+
+/* Run B tokens (one per sequence) through n_layers layers. x [b, dim] (model dtype): the tokens'
+ * embeddings on entry, the last layer's outputs (before the final norm) on return. cos, sin:
+ * [b, head_dim] rotary factors of each row's own position (model dtype, as RopeAngles). work: at
+ * least ringctx_decode_batch_work_floats(shape, b) floats. attend: see ringctx_attend_fn.
+ * The layers' cache pointers are not used. Returns 0, -1 when this CPU cannot run this variant,
+ * -2 for an unsupported shape or b outside 1..MAX_BATCH. */
+int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
+                              void *x, int64_t b, const void *cos, const void *sin, float *work, int threads,
+                              ringctx_attend_fn attend) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    if (attend == NULL || b < 1 || b > MAX_BATCH || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
+        s->n_heads % s->n_kv_heads)
+        return -2;
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    const int bf16 = s->bf16, esize = bf16 ? 2 : 4;
+    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, ffn = s->ffn_dim;
+    const int64_t heads = hq + 2 * hkv, width = heads * d;
+    const batch_layout l = layout_batch(s, b);
+    float *resid = work + l.resid, *xn = work + l.xn, *qkv = work + l.qkv, *attn = work + l.attn;
+    float *gate_up = work + l.gate_up, *act = work + l.act, *split = work + l.split;
+    for (int64_t i = 0; i < b * dim; ++i) resid[i] = load_one(x, bf16, i);
+
+    for (int64_t li = 0; li < n_layers; ++li) {
+        const ringctx_decoder_layer *layer = layers + li;
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < b; ++r)
+                token_rms_norm(resid + r * dim, 0, layer->attention_norm, bf16, dim, s->norm_eps, xn + r * dim, 0);
+            linear_rows(xn, b, dim, layer->wqkv, layer->bqkv, width, bf16, qkv, NULL, split);
+            /* per (row, head): Qwen3's head norm, then RoPE at the row's own position */
+#pragma omp for schedule(static)
+            for (int64_t rh = 0; rh < b * (hq + hkv); ++rh) {
+                const int64_t r = rh / (hq + hkv), h = rh % (hq + hkv);
+                float *xh = qkv + r * width + h * d;
+                const void *head_norm = h < hq ? layer->q_norm : layer->k_norm;
+                if (head_norm) token_rms_norm(xh, 0, head_norm, bf16, d, s->norm_eps, xh, 0);
+                token_rope(xh, 0, (const char *)cos + r * d * esize, (const char *)sin + r * d * esize, bf16, d);
+            }
+        }
+        attend(li); /* the caller's attention over each sequence's caches, into attn */
+#pragma omp parallel num_threads(threads)
+        {
+            linear_rows(attn, b, hq * d, layer->wo, layer->bo, dim, bf16, xn, resid, split);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < b; ++r)
+                token_rms_norm(resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, xn + r * dim, 0);
+            linear_rows(xn, b, dim, layer->w13, NULL, 2 * ffn, bf16, gate_up, NULL, split);
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < b; ++r)
+                for (int64_t i0 = 0; i0 < ffn; i0 += 64)
+                    token_swiglu(gate_up + r * 2 * ffn + i0, gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
+                                 ffn - i0 < 64 ? ffn - i0 : 64, act + r * ffn + i0, 0);
+            linear_rows(act, b, ffn, layer->w2, NULL, dim, bf16, xn, resid, split);
+        }
+    }
+    for (int64_t i = 0; i < b * dim; ++i) store_one(x, bf16, i, resid[i]);
+    return 0;
+}

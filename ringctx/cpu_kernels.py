@@ -237,6 +237,11 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
     lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
     lib.ringctx_encode_e4m3.restype = None
+    lib.ringctx_decode_step_batch.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32, ATTEND_FN]
+    lib.ringctx_decode_batch_work_floats.argtypes = [shape, i64]
+    lib.ringctx_decode_batch_work_floats.restype = i64
+    lib.ringctx_decode_batch_offsets.argtypes = [shape, i64, ptr]
+    lib.ringctx_decode_batch_offsets.restype = None
     lib.ringctx_decode_attn_offset.argtypes = [shape]
     lib.ringctx_decode_attn_offset.restype = i64
     lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
@@ -334,6 +339,12 @@ def cpu_kernels_status() -> str:
 
 MERGE_FN = ctypes.CFUNCTYPE(None)
 """The split decode step's per-layer callback (see ringctx_merge_fn in csrc/cpu_decode.c)."""
+
+ATTEND_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+"""The batched decode step's per-layer callback, given the layer index (ringctx_attend_fn)."""
+
+MAX_BATCH = 64
+"""Most rows `ringctx_decode_step_batch` takes (MAX_BATCH of csrc/cpu_decode.c)."""
 
 
 class DecoderShape(ctypes.Structure):

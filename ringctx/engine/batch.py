@@ -41,6 +41,7 @@ import torch
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
+from ..model.decode_step import FusedBatchStep
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
 from .document import Document
@@ -81,10 +82,13 @@ class BatchDecoder:
         model: the Transformer (this rank's TP shard of it).
         group: the decode ranks of this TP index ("local" or None for one rank alone).
         timeout_s: how long a merge waits for a rank that stops answering.
+        fused: run the layers in the fused CPU kernel where it applies (False: PyTorch's ops).
     """
 
-    def __init__(self, model, group, timeout_s: float = 300.0):
+    def __init__(self, model, group, timeout_s: float = 300.0, *, fused: bool = True):
         self.model, self.group, self.timeout_s = model, group, timeout_s
+        # the layers of a step in one C call where the kernel applies (else PyTorch, layer by layer)
+        self._fused = FusedBatchStep.build(model) if fused else None
         self.rank, self.world = rank_and_world(group)
         self.sequences: dict[int, BatchSequence] = {}
         self._shm: ShmExchange | None = None
@@ -142,16 +146,22 @@ class BatchDecoder:
         for i, s in enumerate(seqs):
             if s.document is not None:
                 by_document.setdefault(id(s.document), (s.document, []))[1].append(i)
+        one_document, members_of_one = next(iter(by_document.values()), (None, []))
         self._ensure_exchange(len(seqs))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             B, H, D = q.shape
-            out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
-            lse = torch.full((H, B), float("-inf"), dtype=torch.float32, device=q.device)
-            for document, members in by_document.values():  # the document's rows once for its queries
-                if document.rows:
-                    o, l = document.cache.attend_rows(layer, q[members], document.rows)
-                    out[members], lse[:, members] = o.float(), l
+            if len(by_document) == 1 and len(members_of_one) == B and one_document.rows:
+                # every sequence asks the one document (ask_many): its result is the partial as is
+                o, l = one_document.cache.attend_rows(layer, q, one_document.rows)
+                out, lse = o.float(), l
+            else:
+                out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
+                lse = torch.full((H, B), float("-inf"), dtype=torch.float32, device=q.device)
+                for document, members in by_document.values():  # the document's rows once for its queries
+                    if document.rows:
+                        o, l = document.cache.attend_rows(layer, q[members], document.rows)
+                        out[members], lse[:, members] = o.float(), l
             own_out = torch.zeros_like(out)  # then each sequence's own rows, merged in once for all
             own_lse = torch.full_like(lse, float("-inf"))
             for i, (s, row) in enumerate(zip(seqs, writes)):
@@ -164,11 +174,15 @@ class BatchDecoder:
             PartialAccumulator.over(out, lse).add(own_out, own_lse)
             return self._merge(out, lse).to(q.dtype)
 
+        positions = [s.length for s in seqs]
         with torch.inference_mode():
-            x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
-            rope = model.rope(torch.tensor([s.length for s in seqs], dtype=torch.long, device=model.device))
-            for index, block in enumerate(model.layers):
-                x = block.forward(x, rope, attend, index)
+            if self._fused is not None and len(seqs) <= self._fused.max_rows:  # every layer in one C call
+                x = self._fused(tokens, positions, attend)
+            else:
+                x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
+                rope = model.rope(torch.tensor(positions, dtype=torch.long, device=model.device))
+                for index, block in enumerate(model.layers):
+                    x = block.forward(x, rope, attend, index)
             logits = model.head(model.norm(x)) if self.rank == 0 else None
         for s, owner, row in zip(seqs, owners, writes):
             if row is not None:

@@ -64,29 +64,11 @@ class FusedStep:
     """The fused kernel's view of one (model, cache) pair: shapes and per-layer data pointers."""
 
     def __init__(self, model, cache: KVCache, lib: ctypes.CDLL):
-        config = model.config
         self.model, self.cache, self.lib = model, cache, lib
-        self.shape = cpu_kernels.DecoderShape(
-            dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-            ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
-            softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16),
-            kv_q8=cpu_kernels.Q8_KINDS[cache.k[0].dtype] if cache.quantized else -1)
-        self.layers = (cpu_kernels.DecoderLayer * config.n_layers)()
-        for i, block in enumerate(model.layers):
-            attention, mlp = block.attention, block.feed_forward
-            self.layers[i] = cpu_kernels.DecoderLayer(
-                attention_norm=block.attention_norm.weight.data_ptr(),
-                wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
-                wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
-                ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
-                w2=mlp.w2.weight.data_ptr(), k_cache=cache.k[i].data_ptr(), v_cache=cache.v[i].data_ptr(),
-                k_scale=_pointer(cache.k_scale[i] if cache.quantized else None),
-                v_scale=_pointer(cache.v_scale[i] if cache.quantized else None),
-                q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
-                k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
+        self.shape, self.layers = _shape_and_layers(model, cache)
         self.threads = 0
         self.work = torch.empty(0)
-        self.x = torch.empty(config.dim, dtype=model.dtype)
+        self.x = torch.empty(model.config.dim, dtype=model.dtype)
         self._merge = None        # split steps: the caller's merge(out, lse), and the error it raised
         self._merge_error = None
         self._callback = cpu_kernels.MERGE_FN(self._on_merge)  # one object, kept alive with the step
@@ -179,6 +161,131 @@ class FusedStep:
             self.threads = threads
         self.x.copy_(self.model.tok_embeddings.weight[token])
         return threads
+
+
+class FusedBatchStep:
+    """B tokens, one per sequence, through every layer in one C call (ringctx_decode_step_batch).
+
+    Each matrix product reads its weights once for all B rows (the lone step's sums, row by row);
+    each row is rotated at its own position. The attention is the caller's: per layer the kernel
+    calls back with q [B, Hq, D], k, v [B, Hkv, D] (model dtype) and takes back the rounded output
+    [B, Hq, D], as `Block.forward`'s `attend` (engine/batch.py: a document's rows once for all its
+    sequences, each sequence's own rows, merged across ranks).
+
+        step = FusedBatchStep.build(model)       # None where the kernel does not apply
+        x = step(tokens, positions, attend)      # [B, dim] model dtype, before the final norm
+    """
+
+    max_rows = cpu_kernels.MAX_BATCH
+    """Most tokens one call takes."""
+
+    def __init__(self, model, lib: ctypes.CDLL):
+        self.model, self.lib = model, lib
+        self.shape, self.layers = _shape_and_layers(model, None)
+        self.rows = 0  # the B the buffers below are sized for
+        self.threads = torch.get_num_threads()
+        self._attend, self._attend_error = None, None
+        self._callback = cpu_kernels.ATTEND_FN(self._on_attend)  # one object, kept alive with the step
+
+    @classmethod
+    def build(cls, model) -> "FusedBatchStep | None":
+        """The fused batch step for this model, or None where the kernel does not apply (the lone
+        step's conditions on the model; no cache is read here)."""
+        config = model.config
+        if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if config.head_dim % 16 or config.head_dim > 256:
+            return None
+        weights = [t for block in model.layers for t in _block_tensors(block)]
+        if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights):
+            return None
+        lib = cpu_kernels.library()
+        return None if lib is None else cls(model, lib)
+
+    def __call__(self, tokens: list[int], positions: list[int], attend) -> torch.Tensor:
+        """tokens[i] at global position positions[i] -> the last layer's outputs [B, dim] (model
+        dtype, before the final norm); attend(layer, q, k, v) -> out [B, Hq, D] as above. B must
+        be 1 .. cpu_kernels.MAX_BATCH."""
+        model = self.model
+        B = len(tokens)
+        if not 1 <= B <= cpu_kernels.MAX_BATCH or len(positions) != B:
+            raise ValueError(f"a fused batch step takes 1..{cpu_kernels.MAX_BATCH} tokens, one position each "
+                             f"(got {B} tokens, {len(positions)} positions)")
+        self._prepare(B)
+        x = model.embed(torch.tensor(tokens, dtype=torch.long)).contiguous()  # a new tensor: the kernel writes it
+        rope = model.rope(torch.tensor(positions, dtype=torch.long))
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        self._attend, self._attend_error = attend, None
+        try:
+            status = self.lib.ringctx_decode_step_batch(
+                ctypes.byref(self.shape), self.layers, len(self.layers), x.data_ptr(), B, cos.data_ptr(),
+                sin.data_ptr(), self.work.data_ptr(), self.threads, self._callback)
+        finally:
+            self._attend = None
+        if self._attend_error is not None:  # a lost rank, say: the kernel finished on garbage
+            raise self._attend_error
+        if status != 0:  # build() checked everything the kernel checks
+            raise RuntimeError(f"ringctx_decode_step_batch failed with status {status}")
+        return x
+
+    def _prepare(self, rows: int) -> None:
+        """The work buffer and its views sized for `rows` (reallocated only when B changes)."""
+        threads = torch.get_num_threads()
+        if rows == self.rows and threads == self.threads:
+            return
+        self.rows, self.threads = rows, threads
+        config, shape = self.model.config, ctypes.byref(self.shape)
+        hq, hkv, d = config.n_heads, config.n_kv_heads, config.head_dim
+        self.work = torch.empty(self.lib.ringctx_decode_batch_work_floats(shape, rows))
+        offsets = (ctypes.c_int64 * 2)()
+        self.lib.ringctx_decode_batch_offsets(shape, rows, offsets)
+        at_qkv, at_attn = offsets[0], offsets[1]
+        self._qkv = self.work[at_qkv:at_qkv + rows * (hq + 2 * hkv) * d].view(rows, hq + 2 * hkv, d)
+        self._attn = self.work[at_attn:at_attn + rows * hq * d].view(rows, hq, d)
+        # what attend sees: the float32 rows themselves, or their model-dtype copy (values are
+        # already rounded to the model dtype, so the copy is exact)
+        same = self.model.dtype == torch.float32
+        self._qkv_model = self._qkv if same else torch.empty(self._qkv.shape, dtype=self.model.dtype)
+        self._q, self._k, self._v = (self._qkv_model[:, :hq], self._qkv_model[:, hq:hq + hkv],
+                                     self._qkv_model[:, hq + hkv:])
+
+    def _on_attend(self, layer: int) -> None:
+        """The kernel's callback: the caller's attention of this layer (errors kept for __call__)."""
+        if self._attend_error is not None:
+            return
+        try:
+            if self._qkv_model is not self._qkv:
+                self._qkv_model.copy_(self._qkv)
+            self._attn.copy_(self._attend(layer, self._q, self._k, self._v))
+        except BaseException as exc:  # no exception may cross back into C
+            self._attend_error = exc
+
+
+def _shape_and_layers(model, cache: KVCache | None):
+    """The kernel's DecoderShape and DecoderLayer array for `model`, with `cache`'s buffers (None:
+    no cache pointers, for the batch step whose caller attends)."""
+    config = model.config
+    shape = cpu_kernels.DecoderShape(
+        dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+        ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
+        softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16),
+        kv_q8=cpu_kernels.Q8_KINDS[cache.k[0].dtype] if cache is not None and cache.quantized else -1)
+    layers = (cpu_kernels.DecoderLayer * config.n_layers)()
+    for i, block in enumerate(model.layers):
+        attention, mlp = block.attention, block.feed_forward
+        quantized = cache is not None and cache.quantized
+        layers[i] = cpu_kernels.DecoderLayer(
+            attention_norm=block.attention_norm.weight.data_ptr(),
+            wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
+            wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
+            ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
+            w2=mlp.w2.weight.data_ptr(), k_cache=_pointer(cache.k[i] if cache is not None else None),
+            v_cache=_pointer(cache.v[i] if cache is not None else None),
+            k_scale=_pointer(cache.k_scale[i] if quantized else None),
+            v_scale=_pointer(cache.v_scale[i] if quantized else None),
+            q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
+            k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
+    return shape, layers
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
+from tests.core.test_cpu_kernels import needs_kernels
 
 DOCS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (301, 130, 57)]
 QUESTIONS = [[5, 17, 99, 3, 42, 7, 8], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13], [77]]
@@ -162,3 +163,27 @@ def test_batched_logits_equal_the_whole_sequence_run_at_once():
         assert len(result.step_logits) == steps == want.shape[0]
         for got, row in zip(result.step_logits, want):
             assert float((got - row).abs().max() / row.abs().max()) < 1e-5
+
+
+@needs_kernels
+def test_fused_batch_step_equals_the_pytorch_batch_path(monkeypatch):
+    """The batch's steps run in the fused CPU kernel where it applies (one call per step) and give
+    the logits of the PyTorch layer-by-layer path (float32, 1e-5 relative), tokens identical."""
+    from ringctx.model.decode_step import FusedBatchStep
+
+    plan = [(0, 0, 0, 6, {}), (1, 2, 0, 4, SAMPLED), (None, 1, 1, 5, {}), (0, 3, 2, 3, {})]
+    calls = []
+    fused_call = FusedBatchStep.__call__
+    monkeypatch.setattr(FusedBatchStep, "__call__", lambda self, *a: calls.append(len(a[0])) or fused_call(self, *a))
+    engine = Engine("tiny", dtype="float32")
+    documents = [engine.ingest(d, chunk_tokens=64) for d in DOCS[1:]]
+    fused = run_plan(engine, documents, plan)
+    assert calls and max(calls) == 4  # every step fused, the widest with all four sequences
+
+    monkeypatch.setattr(FusedBatchStep, "build", classmethod(lambda cls, model: None))
+    engine = Engine("tiny", dtype="float32")
+    documents = [engine.ingest(d, chunk_tokens=64) for d in DOCS[1:]]
+    steps = len(calls)
+    for got, want in zip(fused, run_plan(engine, documents, plan)):
+        assert_same_run(got, want)
+    assert len(calls) == steps  # the second run never entered the kernel
