@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
@@ -45,6 +46,7 @@ from ..model.decode_step import FusedBatchStep
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
 from .document import Document
+from .failures import maybe_die
 from .prefill import cp_prefill
 from .shm_exchange import ShmExchange, shm_supported
 
@@ -93,6 +95,7 @@ class BatchDecoder:
         self.sequences: dict[int, BatchSequence] = {}
         self._shm: ShmExchange | None = None
         self._shm_batch = 0  # sequences the shared buffer has room for
+        self.steps = 0  # batch steps run (the RINGCTX_TEST_KILL hook's "decode<N>" counts them)
 
     # -- joining and leaving ------------------------------------------------------------------
     def join(self, sequence_id: int, document: Document | None, token_ids: torch.Tensor, config,
@@ -135,6 +138,8 @@ class BatchDecoder:
         missing = [i for i in sequence_ids if i not in self.sequences]
         if missing or len(sequence_ids) != len(tokens) or len(set(sequence_ids)) != len(sequence_ids):
             raise ValueError(f"a batch step needs one token per running sequence, each once (unknown: {missing})")
+        self.steps += 1
+        maybe_die(dist.get_rank() if dist.is_initialized() else 0, f"decode{self.steps}")  # tests only
         model = self.model
         seqs = [self.sequences[i] for i in sequence_ids]
         owners = [s.owner() for s in seqs]
