@@ -164,6 +164,12 @@ class StrategyChoice:
     """BW: bytes/s per rank used in the formulas (the ring's bandwidth in the profile)."""
     element_bytes: int
     """e: bytes per element of the attention dtype."""
+    short_reason: str = ""
+    """The reason in under 60 characters for a table cell: the condition that decided, its numbers
+    and the verdict, e.g. "Eq.2: T=4096 >= 1713 -> pass-KV" (the constants are in `formula`)."""
+    formula: str = ""
+    """The rule with its constants (N, C, BW, e, NH, NKV), the same for every chunk of a prefill:
+    printed once below a table of short reasons."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -201,10 +207,14 @@ def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | s
         costs = predict_costs(new_tokens, cached_tokens, model, cp_size, hardware, tp_size=tp_size,
                               dtype=dtype, max_cached_per_rank=max_cached_per_rank)
         strategy, reason = _decide_cost(costs)
+    numbers = dataclasses.replace(numbers, strategy=strategy, rule=rule)
+    short, formula = _short_reason(numbers, costs if rule == "cost" else None), _formula(numbers, hardware)
     reason += tp_heads_note(model, tp_size)
+    formula += tp_heads_note(model, tp_size)
     if cp_size == 1:
         reason += " (cp_size=1: no ring, both strategies run the same local attention)"
-    return dataclasses.replace(numbers, strategy=strategy, rule=rule, reason=reason)
+        short = f"N=1, no ring: {short}"
+    return dataclasses.replace(numbers, reason=reason, short_reason=short, formula=formula)
 
 
 def validate_ring_inputs(new_tokens: int, cached_tokens: int, cp_size: int) -> None:
@@ -270,6 +280,39 @@ def _decide_alg5(n: StrategyChoice) -> tuple[str, str]:
                          f"its exposed KV transfer costs less than pass-Q's All2All")
     return PASS_Q, (f"alg5: pass-Q because {_compute_clause(n, '<')} and miss rate T/(T+P)={n.miss_rate:.4g} < "
                     f"{threshold}: pass-Q's All2All costs less than pass-KV's exposed KV transfer")
+
+
+def _short_reason(n: StrategyChoice, costs: "dict[str, StrategyCost] | None" = None) -> str:
+    """The deciding condition in about 32 characters, e.g. "Eq.2: T=4096 >= 1713 -> pass-KV" or
+    "Alg.5: m=0.0039 < 0.21 -> pass-Q" (pass-Q also had T below Eq. 2's threshold: see `formula`)."""
+    verdict = "pass-KV" if n.strategy == PASS_KV else "pass-Q"
+    if n.rule == "empirical":
+        return f"h(T,m)={n.empirical_score:.3g} {'>' if n.strategy == PASS_KV else '<='} 0 -> {verdict}"
+    if n.rule == "cost":
+        kv, q = costs[PASS_KV].attention_s * 1e3, costs[PASS_Q].attention_s * 1e3
+        return f"cost: {kv:.3g} vs {q:.3g} ms/layer -> {verdict}"
+    if n.new_tokens >= n.compute_threshold_tokens:
+        return f"Eq.2: T={n.new_tokens} >= {n.compute_threshold_tokens:.0f} -> {verdict}"
+    label, threshold = (("Eq.1", n.message_size_threshold) if n.rule == "alg1"
+                        else ("Alg.5", n.alg5_miss_rate_threshold))
+    return f"{label}: m={n.miss_rate:.2g} {'>=' if n.miss_rate >= threshold else '<'} {threshold:.2g} -> {verdict}"
+
+
+def _formula(n: StrategyChoice, hw: HardwareProfile) -> str:
+    """The rule of `n` with its constants, the same for every chunk of one setting."""
+    constants = (f"N={n.cp_size}, C={n.peak_flops:.3g} FLOP/s (peak), BW={n.bandwidth_bytes_per_s:.3g} B/s, "
+                 f"e={n.element_bytes}, NH={n.n_heads}, NKV={n.n_kv_heads}")
+    eq2 = f"T >= N*C*NKV*e/(2*NH*BW) = {n.compute_threshold_tokens:.0f} (Eq. 2)"
+    if n.rule == "alg1":
+        return f"alg1: pass-KV if {eq2} or m=T/(T+P) >= 2*NKV/NH = {n.message_size_threshold:.4g} (Eq. 1); {constants}"
+    if n.rule == "alg5":
+        return (f"alg5: pass-KV if {eq2} or m=T/(T+P) >= 2*NKV/NH - 4*T*BW/(N*C*e)*(1-m/2) (Alg. 5, "
+                f"2*NKV/NH = {n.message_size_threshold:.4g}); {constants}")
+    if n.rule == "empirical":
+        return (f"empirical: pass-KV if h = a*ln T + b*ln m + c > 0, m=T/(T+P), coefficients of profile "
+                f"{hw.name!r} (or fitted to alg5); {constants}")
+    return (f"cost: the strategy with the smaller predicted attention time per layer (ring steps, exposed "
+            f"transfers, pass-Q's All2All) on profile {hw.name!r}")
 
 
 def _decide_empirical(n: StrategyChoice, model: ModelConfig, hw: HardwareProfile, dtype: str):
@@ -373,6 +416,74 @@ def attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int) -> int:
     D = heads * DH of the heads computed (local heads under TP).
     """
     return 2 * new_tokens * attn_dim * (2 * cached_tokens + new_tokens)
+
+
+def chunk_flops(new_tokens: int, cached_tokens: int, model: ModelConfig) -> float:
+    """FLOPs of one prefill chunk of T new tokens on P cached ones, all layers, all ranks together:
+    n_layers * (linear_flops(T) + attention_flops(T, P, NH*DH)). Chunk k of a prompt attends to all
+    k chunks before it, so its cost grows with k: the work a progress bar and an ETA count."""
+    return float(model.n_layers * (linear_flops(new_tokens, model, 1)
+                                   + attention_flops(new_tokens, cached_tokens, model.n_heads * model.head_dim)))
+
+
+def prefill_chunk_flops(lengths: "list[int]", chunk_tokens: int, model: ModelConfig,
+                        cached_tokens: int = 0) -> list[float]:
+    """`chunk_flops` of every chunk of prefills of `lengths` tokens, one after another on a cache
+    of `cached_tokens` (each prefill cut into chunks of `chunk_tokens`, the last one shorter)."""
+    work, cached = [], cached_tokens
+    for n in lengths:
+        for start in range(0, n, chunk_tokens):
+            t = min(chunk_tokens, n - start)
+            work.append(chunk_flops(t, cached, model))
+            cached += t
+    return work
+
+
+class WorkProgress:
+    """How far a chunked prefill is and how long the rest takes, counted in work, not chunks.
+
+    Work is `chunk_flops` of each chunk (chunk k attends to all before it: on a 2-core CPU the
+    first three chunks of a 12,288-token prompt took 29, 48 and 72 s). The seconds left are the
+    FLOPs left at the rate the timed chunks ran, the first one left out once a later one is timed
+    (it pays for warm-up: kernels built, pages touched). The CLI's progress bar and the server's
+    ingest ETA both count this way.
+    """
+
+    def __init__(self, chunk_work: "list[float]"):
+        if not chunk_work or any(w <= 0 for w in chunk_work):
+            raise ValueError(f"every chunk needs positive work, got {chunk_work!r}")
+        self.work = list(chunk_work)
+        """FLOPs of each chunk, in order."""
+        self.seconds: list[float] = []
+        """Measured seconds of the chunks done so far."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.work)
+
+    @property
+    def done(self) -> float:
+        """FLOPs of the chunks done."""
+        return sum(self.work[:len(self.seconds)])
+
+    def chunk_done(self, seconds: float) -> None:
+        """Record the next chunk's measured time."""
+        if len(self.seconds) == len(self.work):
+            raise ValueError(f"all {len(self.work)} chunks are already done")
+        self.seconds.append(max(float(seconds), 0.0))
+
+    def seconds_per_flop(self) -> float | None:
+        """The measured rate: seconds per FLOP of the timed chunks (the first left out when others
+        are timed), or None before any chunk."""
+        first = 1 if len(self.seconds) > 1 else 0
+        work = sum(self.work[first:len(self.seconds)])
+        return sum(self.seconds[first:]) / work if self.seconds else None
+
+    def eta_s(self, since_last_chunk_s: float = 0.0) -> float | None:
+        """Seconds until the last chunk is done, `since_last_chunk_s` after the last timed chunk
+        ended (that much of the next chunk has run), or None before any chunk has been timed."""
+        rate = self.seconds_per_flop()
+        return None if rate is None else max(0.0, rate * (self.total - self.done) - since_last_chunk_s)
 
 
 def linear_params_per_layer(model: ModelConfig) -> int:
