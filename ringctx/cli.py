@@ -361,6 +361,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
 
     from .cpu_features import phase_dtypes
     from .engine import auto_nproc
+    from .engine.efficiency import measure_efficiency, measure_peaks
     from .engine.failures import RankFailure
 
     if tokens < 1:
@@ -394,6 +395,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
             if predicted_s is not None and predicted_s > PREDICTION_NOTICE_S:
                 err_console.print(f"[bold]predicted: {_duration(predicted_s)} on this machine[/bold]; "
                                   f"`ringctx plan` sizes a cluster for it", soft_wrap=True)
+        peaks = measure_peaks(engine) if printing else {}  # the ranks wait for the prefill: the cores are free
         try:
             result = _run_prefill(engine, ids[:tokens], show_progress=printing, trace=bool(trace_path),
                                   as_document=bool(kv_path or follow_up or decode_tokens))
@@ -409,10 +411,8 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
         engine.close()
     if not printing:
         return
-    from .engine.efficiency import measure_efficiency
-
     stats = result.stats
-    efficiency = measure_efficiency(engine, stats, answer)
+    efficiency = measure_efficiency(engine, stats, answer, before=peaks)
     for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
         console.print(table)
     if json_path:

@@ -8,9 +8,9 @@
     decode share  = floor / measured step, floor = bytes a step reads / read bandwidth
                     (every decode rank reads the weights once and its slice of the KV cache)
 
-Both peaks are measured after the run, with the engine's ranks gone, in about a second
-(`machine_speed.matmul_flops_per_s`, `machine_speed.read_bandwidth`). CPU only: on a GPU
-nothing is measured yet (`measure_efficiency` returns None).
+Both peaks are measured before the prefill (its ranks idle) and after the run (its ranks gone),
+about a second each (`machine_speed.matmul_flops_per_s`, `machine_speed.read_bandwidth`); the
+larger counts. CPU only: on a GPU nothing is measured yet (`measure_efficiency` returns None).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ class RunEfficiency:
     prefill_share_of_peak: float
     """prefill_flops_per_s / peak_flops_per_s."""
     read_bandwidth_bytes_per_s: float | None = None
+    """Measured read bandwidth of this host (every core), what the decode floor divides by."""
     decode_ms_per_token: float | None = None
     """Mean decode step of the run's short answer (None when it decoded nothing)."""
     decode_floor_ms: float | None = None
@@ -69,39 +70,61 @@ def prefill_flops(stats, model_config) -> float:
     return sum(chunk_flops(c.tokens, c.cached, model_config) for c in stats.chunks)
 
 
-def measure_efficiency(engine, stats, decode=None) -> RunEfficiency | None:
-    """Measure this host's peaks now and rate `stats` (a PrefillStats of `engine`) against them,
-    and `decode` (a GenerationResult over the prefilled document, or None) against its floor.
-    Call after engine.close(), so that no rank competes for the cores. None off the CPU."""
+def measure_peaks(engine) -> dict:
+    """This host's peaks for `engine`'s model, now: {"gemm_flops_per_s": {dtype: FLOP/s},
+    "read_bandwidth_bytes_per_s": B/s} (GEMMs in float32 and in the prefill's compute dtype), or
+    {} off the CPU. Call with the ranks idle: before a prefill, and after engine.close()."""
     model = engine.model
     if model.device.type != "cpu":
-        return None
-    config = model.full_config
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return {}
+    config, threads = model.full_config, _threads()
     rows = min(engine.chunk_tokens, PEAK_ROWS_MAX)
-    dtype = compute_dtype(model.dtype, "cpu")
-    gemm = {"float32": matmul_flops_per_s(rows, config.dim, config.ffn_dim, torch.float32, threads=threads)}
-    name = str(dtype).removeprefix("torch.")
-    if name not in gemm:
-        gemm[name] = matmul_flops_per_s(rows, config.dim, config.ffn_dim, dtype, threads=threads)
+    gemm = {}
+    for dtype in dict.fromkeys((torch.float32, compute_dtype(model.dtype, "cpu"))):
+        gemm[str(dtype).removeprefix("torch.")] = matmul_flops_per_s(rows, config.dim, config.ffn_dim, dtype,
+                                                                     threads=threads)
+    return {"gemm_flops_per_s": gemm,
+            "read_bandwidth_bytes_per_s": read_bandwidth(threads=threads, nbytes=BANDWIDTH_PROBE_BYTES)}
+
+
+def measure_efficiency(engine, stats, decode=None, before: dict | None = None) -> RunEfficiency | None:
+    """Rate `stats` (a PrefillStats of `engine`) against this host's peaks, measured now and
+    taken together with `before` (measure_peaks before the prefill; the larger counts: a shared
+    machine only ever slows a measurement down), and `decode` (a GenerationResult over the
+    prefilled document, or None) against its floor. Call after engine.close(), so that no rank
+    competes for the cores. None off the CPU."""
+    after = measure_peaks(engine)
+    if not after:
+        return None
+    before = before or {}
+    gemm = {name: max(flops, before.get("gemm_flops_per_s", {}).get(name, 0.0))
+            for name, flops in after["gemm_flops_per_s"].items()}
+    bandwidth = max(after["read_bandwidth_bytes_per_s"], before.get("read_bandwidth_bytes_per_s", 0.0))
+    model, config = engine.model, engine.model.full_config
+    name = str(compute_dtype(model.dtype, "cpu")).removeprefix("torch.")
+    rows = min(engine.chunk_tokens, PEAK_ROWS_MAX)
     flops = prefill_flops(stats, config)
     seconds = sum(c.seconds for c in stats.chunks)
     achieved = flops / seconds if seconds > 0 else 0.0
     result = RunEfficiency(
-        compute_dtype=name, threads=threads,
+        compute_dtype=name, threads=_threads(),
         gemm_shape=f"[{rows}, {config.dim}] x [{config.dim}, {config.ffn_dim}] and its transpose",
         gemm_flops_per_s=gemm, peak_flops_per_s=gemm[name], prefill_flops=flops, prefill_seconds=seconds,
-        prefill_flops_per_s=achieved, prefill_share_of_peak=achieved / gemm[name])
+        prefill_flops_per_s=achieved, prefill_share_of_peak=achieved / gemm[name],
+        read_bandwidth_bytes_per_s=bandwidth)
     if decode is not None and decode.token_times_s:
-        bandwidth = read_bandwidth(threads=threads, nbytes=BANDWIDTH_PROBE_BYTES)
         context = stats.cached + stats.tokens + decode.prompt_tokens + len(decode.token_times_s) / 2
         weights = decode_bytes_per_token(model, 0) * engine.decode_ranks * engine.tp_size
         floor_ms = 1e3 * (weights + context * kv_bytes_per_token(engine)) / bandwidth
-        result.read_bandwidth_bytes_per_s = bandwidth
         result.decode_ms_per_token = decode.decode_ms_per_token
         result.decode_floor_ms = floor_ms
         result.decode_share_of_floor = floor_ms / decode.decode_ms_per_token
     return result
+
+
+def _threads() -> int:
+    """Every core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def kv_bytes_per_token(engine) -> int:
