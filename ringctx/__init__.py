@@ -9,16 +9,17 @@ The public API, re-exported from the packages that implement it:
     attention_block, attention_with_cache, merge_partials, reference_attention   single-device math
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .attention import attention_block, attention_with_cache, merge_partials, reference_attention
-from .config import ModelConfig, get_preset
+from .model.config import ModelConfig
+from .model.presets import get_preset
 from .engine import Document, Engine, PrefillResult, PrefillStats, RankFailure
 from .model import KVCache, load_model
 from .parallel import CommStats, ShardLayout, ring_attention
-from .parallel.hardware import HardwareProfile, load_profile
-from .parallel.planner import plan_prefill
-from .parallel.strategy import choose_strategy
+from .planning.hardware import HardwareProfile, load_profile
+from .planning.prefill_plan import plan_prefill
+from .planning.strategy import choose_strategy
 
 __all__ = [
     "CommStats", "Document", "Engine", "HardwareProfile", "KVCache", "ModelConfig", "PrefillResult", "PrefillStats",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 
 import torch
 
@@ -48,6 +49,18 @@ def computes_in_float32(x: torch.Tensor) -> bool:
     """True when half-precision math on x should run in float32: a CPU tensor of a half dtype on a
     CPU without native bf16 arithmetic."""
     return x.dtype in HALF_DTYPES and x.device.type == "cpu" and not cpu_has_fast_bf16()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's "Model name"), or the architecture where it is not known."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def phase_dtypes(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:

@@ -171,8 +171,8 @@ def use_variant(name: str | None) -> None:
 
 def _source_dir() -> Path | None:
     """The directory with the C sources, found where the CUDA sources are looked for (see
-    cuda_ext.csrc_dir)."""
-    from .attention.cuda_ext import csrc_dir  # at call time: ringctx.attention imports this module
+    kernel_paths.csrc_dir)."""
+    from .kernel_paths import csrc_dir
 
     return csrc_dir(_SOURCES + (_AMX_SOURCE, _DETECT_SOURCE) + _HEADERS)
 

@@ -16,7 +16,7 @@ most of the machine's drift. Configurations are DTYPE:PROMPT[:VARIANT] (VARIANT:
 variant, see ringctx.cpu_kernels; default: the widest this CPU runs). `--base-env KEY=VALUE`
 sets an environment variable in the base side's processes only: with `--base HEAD`, the same code
 with and without a setting. Each process also reports its read bandwidth
-(ringctx.machine_speed.read_bandwidth, where the revision has it), printed per side.
+(ringctx.planning.machine_speed.read_bandwidth, where the revision has it), printed per side.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ model.generate(ids[:256], max_new_tokens=3, stop_token_ids=[])  # build and warm
 result = model.generate(ids, max_new_tokens=65, stop_token_ids=[])
 import ringctx
 try:
-    from ringctx.machine_speed import read_bandwidth
+    from ringctx.planning.machine_speed import read_bandwidth
     read_gbps = read_bandwidth(threads=2) / 1e9
 except ImportError:  # an older revision
     read_gbps = None

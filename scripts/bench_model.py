@@ -11,7 +11,7 @@ ratios ("paired"), which cancels most of the drift. Prints a table and optionall
 
 Beside each decode row: the floor, the time to read what a decode step must read once (every
 weight but the embedding table, whose one row is negligible, and the KV cache at the row's mean
-context) at this machine's read bandwidth (ringctx.machine_speed.read_bandwidth, measured before
+context) at this machine's read bandwidth (ringctx.planning.machine_speed.read_bandwidth, measured before
 and after the rows; the larger counts), and ringctx's step as a multiple of it.
 `--cpu-isa avx2` runs ringctx's AVX2 kernels on an AVX-512 machine (see ringctx.cpu_kernels);
 `--torch-isa avx2` keeps PyTorch, oneDNN and MKL to AVX2 as well (so transformers runs the code it
@@ -153,7 +153,7 @@ def main() -> None:
         cap_torch_isa(args.torch_isa)
     torch.set_num_threads(args.threads)
     from ringctx import cpu_kernels
-    from ringctx.machine_speed import decode_bytes_per_token, read_bandwidth
+    from ringctx.planning.machine_speed import decode_bytes_per_token, read_bandwidth
     from ringctx.model import load_model, resolve_dtype
 
     cpu_kernels.use_variant(args.cpu_isa)
@@ -189,7 +189,7 @@ def main() -> None:
         row["floor_ms"] = 1e3 * row["decode_bytes_per_token"] / bandwidth
         if row["ringctx"]["decode_ms_per_token"] is not None:
             row["ringctx_over_floor"] = row["ringctx"]["decode_ms_p50"] / row["floor_ms"]
-    from ringctx.machine_speed import cpu_model
+    from ringctx.cpu_features import cpu_model
 
     report = {
         "model": args.model, "threads": args.threads, "torch": torch.__version__,

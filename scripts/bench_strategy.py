@@ -30,14 +30,14 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from ringctx.parallel.calibrate import ring_strategy_job
-from ringctx.parallel.empirical import (
+from ringctx.planning.calibrate import ring_strategy_job
+from ringctx.planning.empirical import (
     evaluate_picks, faster, fit_rule_to_measurements, gap, leave_one_out_picks, rule_picks,
 )
-from ringctx.parallel.hardware import canonical_dtype, load_profile, save_profile
+from ringctx.planning.hardware import canonical_dtype, load_profile, save_profile
 from ringctx.parallel.launch import RankPool
-from ringctx.parallel.planner import resolve_model_config
-from ringctx.parallel.strategy import PASS_KV, PASS_Q, RULES, choose_strategy, predict_costs
+from ringctx.planning.prefill_plan import resolve_model_config
+from ringctx.planning.strategy import PASS_KV, PASS_Q, RULES, choose_strategy, predict_costs
 
 console = Console(width=160)
 

@@ -73,6 +73,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
 
     from ringctx.engine.prefill import PrefillConfig, cp_prefill
     from ringctx.model import load_model
+    from ringctx.engine.api import tensor_parallel
     from ringctx.parallel.mesh import build_mesh
     from ringctx.telemetry import reset_peak_rss
 
@@ -97,7 +98,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
     reset_peak_rss()
     baseline = rss_bytes("VmRSS")
     t0 = time.perf_counter()
-    model = load_model(model_name, dtype=dtype, device="cpu", tp=mesh.tp)
+    model = load_model(model_name, dtype=dtype, device="cpu", tp=tensor_parallel(mesh))
     load_s = time.perf_counter() - t0
     after_load = rss_bytes("VmHWM")
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -117,7 +118,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
 def gguf_reader_bytes(name: str) -> int:
     """Resident memory the gguf package's reader takes to parse a GGUF file's metadata (in a fresh
     process; 0 for models that are not GGUF files). Every rank pays it while loading, at any T."""
-    from ringctx.config import PRESETS
+    from ringctx.model.presets import PRESETS
 
     if name in PRESETS and name != "smollm2-135m":
         return 0

@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ringctx.engine import Engine
-from ringctx.parallel.hardware import load_profile
-from ringctx.parallel.planner import plan_prefill, resolve_model_config
+from ringctx.planning.hardware import load_profile
+from ringctx.planning.prefill_plan import plan_prefill, resolve_model_config
 
 console = Console(width=160)
 

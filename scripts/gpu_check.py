@@ -485,7 +485,7 @@ class ChunkAttend:
 
 
 def _model(ck: Check, dtype):
-    from ringctx.config import get_preset
+    from ringctx.model.presets import get_preset
     from ringctx.model.weights import empty_model, init_random
 
     model = empty_model(get_preset("smollm2-135m"), dtype=dtype, device=ck.device)

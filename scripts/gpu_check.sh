@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_check.sh OUT_DIR [--dry-run]
 #
-# 1. The GPU unit tests of tests/test_csrc.py and tests/test_triton_attn.py on the device (the
+# 1. The GPU unit tests of tests/gpu/test_csrc.py and tests/gpu/test_triton_attn.py on the device (the
 #    compile-only tests are CI's job and are left out), capped at 120 s.
 # 2. One request through `ringctx serve`'s HTTP path (scripts/serve_check.py): an 8K-token document
 #    ingested over POST /v1/documents, one streamed question; capped at 90 s. Writes
@@ -44,7 +44,7 @@ START=$(date +%s)
   echo "== GPU unit tests"
   # One tile config per kernel variant: autotuning every test shape would take minutes.
   RINGCTX_TRITON_AUTOTUNE=0 timeout 120 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" \
-    -k "not compile" tests/test_csrc.py tests/test_triton_attn.py 2>&1 | tee "$OUT/pytest.log"
+    -k "not compile" tests/gpu/test_csrc.py tests/gpu/test_triton_attn.py 2>&1 | tee "$OUT/pytest.log"
   test_rc=${PIPESTATUS[0]}
   [ "$test_rc" -eq 124 ] && echo "pytest hit its 120 s cap"
 

@@ -29,6 +29,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .. import kernel_paths
+
 _SOURCES = ("bindings.cpp", "merge_partials.cu", "scatter_kv.cu")
 _HEADERS = ("ringctx_kernels.h", "vec_io.cuh")
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,14 +50,8 @@ _off_in_scope = 0
 
 
 def csrc_dir(files: Sequence[str] = _SOURCES + _HEADERS) -> Path | None:
-    """Where the kernel sources `files` are: $RINGCTX_CSRC_DIR, ringctx/csrc (an installed
-    package), or csrc/ at the repository root (a source checkout). None when none has them all."""
-    here = Path(__file__).resolve()
-    candidates = [os.environ.get("RINGCTX_CSRC_DIR"), here.parents[1] / "csrc", here.parents[2] / "csrc"]
-    for c in candidates:
-        if c and all((Path(c) / s).is_file() for s in files):
-            return Path(c)
-    return None
+    """Where the CUDA kernel sources are (ringctx.kernel_paths.csrc_dir); None when not found."""
+    return kernel_paths.csrc_dir(files)
 
 
 def load_extension(*, verbose: bool | None = None):

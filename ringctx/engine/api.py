@@ -32,10 +32,12 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, load_model
 from ..model.generate import Generation
+from ..model.tensor_parallel import NO_TP, TensorParallel, tp_problem
 from ..model.kvfile import share_weights_digest, weights_digest
 from ..parallel.comm import agree_across_ranks
 from ..parallel.launch import default_backend
-from ..parallel.mesh import build_mesh, check_mesh, decode_groups
+from ..parallel.mesh import Mesh, build_mesh, decode_groups, mesh_problem
+from ..planning.prefill_plan import default_chunk_tokens
 from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
@@ -112,7 +114,7 @@ class Engine:
         if startup_timeout_s is not None and startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0 seconds, got {startup_timeout_s!r}")
         if dtype == "auto":
-            from ..environment import preferred_dtype
+            from ..planning.machine_speed import preferred_dtype
 
             dtype = preferred_dtype(None if device is None else str(device))
         self.model_name, self.dtype = str(model), dtype
@@ -136,7 +138,9 @@ class Engine:
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
-            check_mesh(_peek_config(self.model_name, dtype), world, tp, per_host)
+            problem = mesh_problem(world, tp, per_host) or tp_problem(_peek_config(self.model_name, dtype), tp)
+            if problem:
+                raise ValueError(problem)
         self.settings = settings = EngineSettings(
             model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=_load_hardware(hardware),
             chunk_tokens=chunk_tokens, decode_rank=decode_rank,
@@ -741,10 +745,17 @@ class Answer:
         return self.generation.result
 
 
+def tensor_parallel(mesh: Mesh) -> TensorParallel:
+    """The model's TensorParallel over this rank's TP group of the mesh (NO_TP without TP)."""
+    if mesh.tp_size == 1:
+        return NO_TP
+    return TensorParallel(size=mesh.tp_size, rank=mesh.tp_rank, group=mesh.tp_group)
+
+
 def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
     """Load this rank's model, check it against every other rank's and make the decode groups."""
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
-    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=mesh.tp)
+    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh))
     state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
                       chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
     if world > 1:
@@ -756,21 +767,6 @@ def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mo
             raise ValueError(_explain_mismatch(str(exc))) from None
         state.decode_group, state.control_group = decode_groups(mesh, settings.decode_rank, settings.decode_ranks)
     return state
-
-
-def default_chunk_tokens(model, world: int) -> int:
-    """Chunk size: large enough to keep attention efficient, small enough that activations stay
-    small next to the weights and KV shard (the per-rank activation peak is ~ chunk/N tokens of
-    the MLP's 3*ffn_dim plus the logits of one token).
-
-    On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
-    chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
-    get up to 64K tokens within a 1 GiB activation budget per rank.
-    """
-    per_token = (3 * model.config.ffn_dim + 4 * model.config.dim) * torch.finfo(model.dtype).bits // 8
-    budget = 1 << 30  # 1 GiB of chunk activations per rank
-    by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
-    return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
 
 
 def auto_nproc(device=None, tp: int = 1) -> int:
@@ -836,7 +832,7 @@ def _peek_config(model_name: str, dtype):
 
 def _load_hardware(hardware):
     """The profile "auto" decides with, loaded once (default: the built-in "cpu" or "h200"-like GPU)."""
-    from ..parallel.hardware import HardwareProfile, load_profile
+    from ..planning.hardware import HardwareProfile, load_profile
 
     if isinstance(hardware, HardwareProfile):
         return hardware
@@ -845,7 +841,7 @@ def _load_hardware(hardware):
 
 def _check_loadable(model_name: str, dtype) -> None:
     """Raise the loader's ValueError / FileNotFoundError now for an unknown model or dtype (cheap)."""
-    from ..config import PRESETS
+    from ..model.presets import PRESETS
     from ..model.loader import DEFAULT_MODEL, _classify_path, resolve_dtype
 
     resolve_dtype(dtype)
@@ -855,7 +851,7 @@ def _check_loadable(model_name: str, dtype) -> None:
 
 def _fingerprint(model) -> str:
     """What every rank must agree on: model (name, shapes, weights), dtype and ringctx version."""
-    from .. import __version__
+    from ..version import __version__
 
     config = model.full_config  # TP ranks hold different shards of the same model
     return (f"model={config.name} config={config.fingerprint()} weights={weights_digest(model)} "

@@ -38,10 +38,11 @@ import torch
 from ..model import KVCache
 from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
+from ..units import fmt_bytes
 from .decode import ShardedDecoder
 from .document import Document
 from .documents import load_document_slices, save_document_slices
-from .failures import available_memory, fmt_bytes, memory_problem, with_test_hook
+from .failures import available_memory, memory_problem, with_test_hook
 from .handoff import gather_in_order
 from .prefill import PrefillRun, cp_prefill
 from .rank_state import RankState
@@ -203,7 +204,7 @@ def _slice_memory_problem(model, rows: int, bytes_per_row: int, local_ranks: int
     """A one-line problem when `rows` KV rows (on each of `local_ranks` ranks sharing this memory) do not fit."""
     if os.environ.get("RINGCTX_MEMORY_CHECK", "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    from ..parallel.planner import MEMORY_USABLE_FRACTION
+    from ..planning.memory import MEMORY_USABLE_FRACTION
 
     need = rows * bytes_per_row * local_ranks
     free, where = available_memory(model.device)

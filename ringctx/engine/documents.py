@@ -93,7 +93,7 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
     """
     from safetensors.torch import save_file
 
-    from .. import __version__
+    from ..version import __version__
 
     path = os.path.abspath(os.fspath(path))
     partial = path + ".partial"

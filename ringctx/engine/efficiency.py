@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ..cpu_features import compute_dtype
-from ..machine_speed import decode_bytes_per_token, matmul_flops_per_s, read_bandwidth
-from ..parallel.strategy import chunk_flops
+from ..planning.machine_speed import decode_bytes_per_token, matmul_flops_per_s, read_bandwidth
+from ..planning.strategy import chunk_flops
 
 PEAK_ROWS_MAX = 4096
 """Rows of the peak GEMM: one chunk's, at most this many (enough to reach the GEMM's plateau)."""

@@ -11,7 +11,7 @@ Test hook (for tests only, never set it in production): RINGCTX_TEST_KILL="<rank
 makes that rank SIGKILL itself at <point>: "join" (a spawned worker, before it joins the group),
 "chunk<N>" (right after chunk N of a prefill, 1-based) or "decode<N>" (before decode step N over a
 split KV cache). It is how tests kill a rank mid-prefill
-deterministically; tests/test_failures.py and tests/multihost/ use it.
+deterministically; tests/engine/test_failures.py and tests/multihost/ use it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.launch import describe_exit
+from ..units import fmt_bytes
 
 TEST_KILL_ENV = "RINGCTX_TEST_KILL"
 MEMORY_LIMIT_ENV = "RINGCTX_MEMORY_LIMIT"
@@ -405,14 +406,6 @@ def parse_bytes(text: str) -> int:
             from None
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def available_memory(device: torch.device) -> tuple[int, str]:
     """(bytes free for this rank's tensors, where): the GPU's free memory or the host's available RAM,
     capped by RINGCTX_MEMORY_LIMIT when set."""
@@ -441,8 +434,8 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
     decode rank the whole decode KV cache, with several the rows the other ranks send them plus
     each decode rank's room. Weights are already loaded and not counted again.
     """
-    from ..parallel.planner import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
-    from ..parallel.strategy import STRATEGIES, cached_rows_per_rank, tokens_per_rank
+    from ..planning.memory import activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes
+    from ..planning.strategy import STRATEGIES, cached_rows_per_rank, tokens_per_rank
 
     chunk = max(1, min(chunk, tokens))
     full, rest = divmod(tokens, chunk)
@@ -463,7 +456,7 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
 
 
 def _element_bytes(dtype_name: str) -> int:
-    from ..parallel.hardware import element_bytes
+    from ..planning.hardware import element_bytes
 
     return element_bytes(dtype_name)
 
@@ -482,7 +475,7 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
         return None
     if tokens < 1 or chunk < 1 or model.device.type == "meta":
         return None
-    from ..parallel.planner import MEMORY_USABLE_FRACTION
+    from ..planning.memory import MEMORY_USABLE_FRACTION
 
     cfg = model.config
     dtype_name = str(model.dtype).removeprefix("torch.")

@@ -38,14 +38,14 @@ from ..attention.quant import check_kv_dtype
 from ..model import KVCache
 from ..model.tensor_parallel import split_range
 from ..model.transformer import rope_position_problem
-from ..parallel import CommStats, ShardLayout, ring_attention
+from ..parallel import STRATEGIES, CommStats, ShardLayout, ring_attention
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
 )
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 
-STRATEGY_CHOICES = ("auto", "pass-kv", "pass-q")
+STRATEGY_CHOICES = ("auto", *STRATEGIES)
 RING_KINDS = ("ring-kv", "ring-q", "all2all")
 """CommStats kinds of the ring attention's messages."""
 TP_KINDS = ("all-reduce", "tp-embed", "tp-logits")
@@ -63,7 +63,7 @@ class PrefillConfig:
     hardware: object = "cpu"
     """HardwareProfile (or built-in profile name or JSON path) that "auto" uses for C and BW."""
     rule: str = "alg5"
-    """Decision rule of "auto": "alg1", "alg5" or "empirical" (see ringctx.parallel.strategy)."""
+    """Decision rule of "auto": "alg1", "alg5" or "empirical" (see ringctx.planning.strategy)."""
     decode_rank: int = 0
     """The first decode rank: it receives the logits, samples, and leads the decode."""
     decode_ranks: int = 1
@@ -471,7 +471,7 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int,
     if config.strategy != "auto":
         forced = f"forced: strategy={config.strategy}"
         return config.strategy, forced, forced, ""
-    from ..parallel.strategy import choose_strategy
+    from ..planning.strategy import choose_strategy
 
     dtype = str(model.dtype).removeprefix("torch.")
     # Under tensor parallelism the ring carries this TP rank's heads: the rule sees heads per TP rank.

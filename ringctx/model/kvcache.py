@@ -28,7 +28,7 @@ import torch
 from ..attention import PartialAccumulator, attention_block, attention_with_cache
 from ..attention import quant
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
-from ..config import ModelConfig
+from .config import ModelConfig
 from ..host_memory import host_tensors
 
 

@@ -87,7 +87,7 @@ def save_kv_cache(path: str | os.PathLike, cache: KVCache, model, token_ids: tor
     """Write the first `cache.length` rows of every layer and the token ids to `path` atomically."""
     from safetensors.torch import save_file
 
-    from .. import __version__
+    from ..version import __version__
 
     length = cache.length
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()

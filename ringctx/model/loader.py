@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ..config import PRESETS, get_preset
+from .presets import PRESETS, get_preset
 from ..hub import local_model_path
 from .tensor_parallel import NO_TP, TensorParallel
 from .tokenizer import load_tokenizer

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
+from .config import ModelConfig
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:

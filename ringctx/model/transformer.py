@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
 from .. import cpu_kernels
 from ..cpu_kernels import MAX_ROWS, small_linear

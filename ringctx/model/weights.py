@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from ..host_memory import place_in_host_arena
 from .tensor_parallel import NO_TP, TensorParallel
 from .transformer import Transformer

@@ -21,7 +21,8 @@ import re
 import numpy as np
 import torch
 
-from ..config import ModelConfig, read_gguf_field
+from .config import ModelConfig
+from .config_gguf import read_gguf_field
 from ..telemetry import release_free_memory
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ..config import ModelConfig
+from .config import ModelConfig
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take
 

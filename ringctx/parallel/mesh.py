@@ -8,7 +8,8 @@
 
 Every TP rank runs the prefill's ring inside its own CP group over its own heads, so ring
 messages are 1/tp of the CP-only size, and all-reduces stay on the fast links of one host.
-The groups come from PyTorch's `init_device_mesh` (dimension names "cp" and "tp").
+The groups come from PyTorch's `init_device_mesh` (dimension names "cp" and "tp"). The mesh
+hands out process groups only; the engine wraps the TP group in the model's `TensorParallel`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..model.tensor_parallel import NO_TP, TensorParallel, tp_problem
 
 
 @dataclass
@@ -34,8 +34,8 @@ class Mesh:
     """This rank's index inside its TP group."""
     cp_group: object
     """The ring's group: "local" when cp_size is 1, None (the world) without TP, else the mesh's."""
-    tp: TensorParallel
-    """This rank's TensorParallel (its TP group), NO_TP when tp_size is 1."""
+    tp_group: object | None = None
+    """This rank's TP group (a ProcessGroup), None when tp_size is 1."""
     device_mesh: object | None = None
     """PyTorch's DeviceMesh, when TP made one."""
 
@@ -60,13 +60,6 @@ def mesh_problem(world: int, tp_size: int, ranks_per_host: int) -> str | None:
     return None
 
 
-def check_mesh(config, world: int, tp_size: int, ranks_per_host: int) -> None:
-    """ValueError (one line: what is wrong and what to use) unless this model splits over this mesh."""
-    problem = mesh_problem(world, tp_size, ranks_per_host) or tp_problem(config, tp_size)
-    if problem:
-        raise ValueError(problem)
-
-
 def build_mesh(world: int, rank: int, tp_size: int, device_type: str = "cpu") -> Mesh:
     """This rank's Mesh; every rank of the job calls it (it creates the groups when tp_size > 1).
 
@@ -75,16 +68,15 @@ def build_mesh(world: int, rank: int, tp_size: int, device_type: str = "cpu") ->
     """
     if tp_size == 1:
         group = "local" if world == 1 else None
-        return Mesh(cp_size=world, tp_size=1, cp_rank=rank, tp_rank=0, cp_group=group, tp=NO_TP)
+        return Mesh(cp_size=world, tp_size=1, cp_rank=rank, tp_rank=0, cp_group=group)
     from torch.distributed.device_mesh import init_device_mesh
 
     cp_size = world // tp_size
     mesh = init_device_mesh(device_type, (cp_size, tp_size), mesh_dim_names=("cp", "tp"))
     cp_rank, tp_rank = divmod(rank, tp_size)
-    tp = TensorParallel(size=tp_size, rank=tp_rank, group=mesh["tp"].get_group())
     cp_group = "local" if cp_size == 1 else mesh["cp"].get_group()
-    return Mesh(cp_size=cp_size, tp_size=tp_size, cp_rank=cp_rank, tp_rank=tp_rank, cp_group=cp_group, tp=tp,
-                device_mesh=mesh)
+    return Mesh(cp_size=cp_size, tp_size=tp_size, cp_rank=cp_rank, tp_rank=tp_rank, cp_group=cp_group,
+                tp_group=mesh["tp"].get_group(), device_mesh=mesh)
 
 
 def decode_groups(mesh: Mesh, decode_rank: int, decode_ranks: int):

@@ -31,7 +31,10 @@ from ..telemetry import span
 from .comm import CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, rank_and_world, wait_all
 from .layout import ShardLayout
 
-STRATEGIES = ("pass-kv", "pass-q")
+PASS_KV = "pass-kv"
+PASS_Q = "pass-q"
+STRATEGIES = (PASS_KV, PASS_Q)
+"""The two ring strategies, as spelled everywhere (ring_attention, plans, profiles, telemetry, the CLI)."""
 
 
 def ring_attention(

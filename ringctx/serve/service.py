@@ -30,7 +30,8 @@ from ..engine import Engine
 from ..engine.document import chat_frame
 from ..engine.failures import available_memory
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
-from ..parallel.strategy import WorkProgress, prefill_chunk_flops
+from ..planning.strategy import WorkProgress, prefill_chunk_flops
+from ..units import fmt_bytes
 from . import backend as api
 from .store import DocumentRecord, DocumentStore, new_document_id, now
 
@@ -128,8 +129,8 @@ class EngineBackend:
         need = n * self.bytes_per_token
         if n > self.max_document_tokens or need > self.kv_budget_bytes:
             raise api.TooLarge(
-                f"the document has {n:,} tokens ({_fmt(need)} of KV cache) but this server keeps at most "
-                f"{self.max_document_tokens:,} tokens ({_fmt(self.kv_budget_bytes)} of KV over "
+                f"the document has {n:,} tokens ({fmt_bytes(need)} of KV cache) but this server keeps at most "
+                f"{self.max_document_tokens:,} tokens ({fmt_bytes(self.kv_budget_bytes)} of KV over "
                 f"{self.engine.decode_ranks} decode rank(s), --kv-budget); split it, or start the server with "
                 f"more decode ranks, an 8-bit KV cache (--kv-dtype fp8) or a larger --kv-budget", param="text")
         if n + QUESTION_ROOM_TOKENS > self.max_context_tokens:
@@ -268,7 +269,7 @@ class EngineBackend:
                 victim = victims[0]
                 document = self._in_memory.pop(victim)
             self.engine.drop_document(document)
-            self.log(f"ringctx serve: {victim} left memory (KV budget {_fmt(self.kv_budget_bytes)}); it stays on disk")
+            self.log(f"ringctx serve: {victim} left memory (KV budget {fmt_bytes(self.kv_budget_bytes)}); it stays on disk")
 
     def _resident(self, doc_id: str):
         """Scheduler thread: the Engine's Document of a ready document, loaded from the store if needed."""
@@ -549,7 +550,7 @@ def _kv_bytes_per_token(engine: Engine) -> int:
 
 def _auto_kv_budget(engine: Engine) -> int:
     """What the decode ranks may keep of documents: KV_BUDGET_SHARE of the memory free after loading."""
-    from ..parallel.planner import MEMORY_USABLE_FRACTION
+    from ..planning.memory import MEMORY_USABLE_FRACTION
 
     free, _ = available_memory(engine.model.device)
     per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks
@@ -564,9 +565,3 @@ def _ingest_progress(engine: Engine, tokens: int) -> WorkProgress:
 
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _fmt(n: float) -> str:
-    from ..engine.failures import fmt_bytes
-
-    return fmt_bytes(n)

@@ -1,4 +1,4 @@
-"""The prefill engine on every model family and RoPE type of tests/test_model_families.py (Qwen3
+"""The prefill engine on every model family and RoPE type of tests/model/test_model_families.py (Qwen3
 with YaRN or biases, Llama with YaRN or linear RoPE, Mistral with a wide head_dim, Llama with
 dynamic RoPE) at W = 1 and 2 with pass-KV and pass-Q, against transformers: a rank holding tokens
 past the original context gets what one device would (RoPE at global positions), and dynamic RoPE
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.model_helpers import rel_err
-from tests.test_model_families import INSIDE, PAST, prompt, random_hf_model
+from tests.helpers import rel_err
+from tests.model.test_model_families import INSIDE, PAST, prompt, random_hf_model
 
 
 class SavedModels(dict):

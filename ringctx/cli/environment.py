@@ -1,0 +1,57 @@
+"""What this machine offers ringctx: versions, devices, attention and distributed backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import platform
+
+import torch
+import torch.distributed as dist
+
+from ..attention.kernels import flash_attn_available
+from ..cpu_features import cpu_has_fast_bf16, cpu_model, phase_dtypes
+from ..cpu_kernels import cpu_kernels_report
+from ..host_memory import huge_pages_report
+from ..planning.machine_speed import auto_dtype
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment_report() -> dict:
+    """A flat dict describing the environment (also `ringctx info --json`)."""
+    cuda = torch.cuda.is_available()
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    attention = ["torch (CPU flash op)"]
+    if cuda:
+        attention.append("torch (CUDA flash SDPA)")
+    if flash_attn_available():
+        attention.append("flash-attn")
+    if importlib.util.find_spec("triton") is not None:
+        attention.append("triton" + ("" if cuda else " (interpreter only: TRITON_INTERPRET=1)"))
+    dtype_auto = auto_dtype()
+    distributed = [name for name, ok in [("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())] if ok]
+    return {
+        "ringctx": _version("ringctx"),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in ("torch", "transformers", "gguf", "safetensors", "triton", "flash-attn")},
+        "cpu": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+               f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}, big bf16 matmuls "
+               + ("native (bf16 units)" if cpu_has_fast_bf16() else "in float32 (no bf16 units PyTorch may use)"),
+        "gpus": gpus,
+        "attention_backends": attention,
+        "distributed_backends": distributed,
+        "cpu_kernels": cpu_kernels_report(),
+        "huge_pages": huge_pages_report(),
+        "dtype_auto": dataclasses.asdict(dtype_auto),
+        # what a model in dtype auto's choice computes each phase in here, and why
+        "compute_dtypes": phase_dtypes(getattr(torch, dtype_auto.dtype), "cuda" if cuda else "cpu"),
+    }
+

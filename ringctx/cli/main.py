@@ -1,0 +1,596 @@
+"""The `ringctx` command line: parse options, call the Python API, render with rich.
+
+No logic lives here that the Python API lacks. Under torchrun every rank runs the same command;
+only the decode rank prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from ..attention.quant import KV_DTYPES
+from ..units import fmt_bytes
+from rich.console import Console
+from rich.progress import ProgressColumn
+from rich.table import Table
+from rich.text import Text
+
+console = Console()
+err_console = Console(stderr=True)
+
+DEFAULT_PREFILL_TOKENS = 12288  # about a minute with the embedded model on 2 ranks of a 2-core CPU
+DEFAULT_FOLLOW_UP_TOKENS = 48   # a question's length: on a CPU pair of ranks, pass-Q's case
+DEFAULT_DECODE_TOKENS = 16      # decode steps timed against the memory floor: a fraction of a second
+
+
+class _Group(click.Group):
+    """Ctrl-C ends every command with one line and exit status 130 (the engine has already stopped
+    its local ranks by then: see Engine.prefill)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                err_console.print("ringctx: interrupted; all local ranks stopped")
+            raise click.exceptions.Exit(130) from None
+
+
+class _OnePerHost:
+    """For errors every rank raises alike (bad input, start-up mismatch, memory): under torchrun only
+    local rank 0 of each host prints it, instead of every rank repeating it. The other ranks leave a
+    moment later, so that torchrun does not stop local rank 0 before it has printed."""
+
+    def show(self, file=None) -> None:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            super().show(file)
+        else:
+            import time
+
+            time.sleep(3)
+
+
+class _AgreedError(_OnePerHost, click.ClickException):
+    pass
+
+
+class _AgreedBadParameter(_OnePerHost, click.BadParameter):
+    pass
+
+
+def _rank_error(exc: Exception) -> click.ClickException:
+    """One clear line for an error out of the engine (RankFailure lines are per rank: all print)."""
+    from ..engine.failures import CLOSED, RankFailure
+
+    text = str(exc)
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":  # str(KeyError) quotes its message
+        text = text[1:-1]
+    text = text.removesuffix(CLOSED)  # the CLI ends anyway: no "create a new Engine"
+    return click.ClickException(text) if isinstance(exc, RankFailure) else _AgreedError(text)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ringctx")
+def main() -> None:
+    """ringctx: exact context-parallel prefill of very long prompts (ring pass-KV / pass-Q)."""
+
+
+class _RankCount(click.ParamType):
+    """--nproc: a positive integer, or "auto" (one rank per GPU; 2 on a CPU with 2+ cores)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "auto":
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number of ranks nor 'auto'", param, ctx)
+        if n < 1:
+            self.fail(f"must be >= 1, got {n}", param, ctx)
+        return n
+
+
+# Options that `ask` shares with the commands of engine_options.
+def nproc_option(default, serving: bool = False):
+    auto = ("auto (the layout that serves fastest: one rank per GPU, one rank with every core on a CPU)" if serving
+            else "auto (one per GPU; 2 on a CPU with 2+ cores, each with half the threads)")
+    return click.option("--nproc", default=default, show_default=True, type=_RankCount(),
+                        help=f"Local ranks to spawn: a number, or {auto}. Ignored under torchrun, which sets the world.")
+
+
+TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
+                              help="Seconds before a stuck or dead rank ends the job with an error.")
+TP_OPTION = click.option(
+    "--tp", "tp", default=1, show_default=True, type=int,
+    help="Tensor-parallel ranks per model copy (consecutive ranks of one host; the weights are split over them). "
+         "The ranks form a (ranks / tp) CP x tp TP mesh: under torchrun launch tp x (CP ranks per host) per node.")
+DECODE_RANKS_OPTION = click.option(
+    "--decode-ranks", type=int, default=None,
+    help="Ranks of the decode host that keep the KV cache (split by token) and decode together [default: every "
+         "rank of the decode host; 1: the whole cache on rank 0]. A document saved by any number loads on any other.")
+
+
+def engine_options(f=None, *, serving: bool = False):
+    """Options shared by every command that builds an Engine (serving: --nproc auto is the serving layout)."""
+    if f is None:
+        return lambda g: engine_options(g, serving=serving)
+    options = [
+        click.option("--model", default="smollm2-135m", show_default=True,
+                     help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging "
+                          "Face cache."),
+        nproc_option("auto", serving=serving),
+        TP_OPTION,
+        click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
+        click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
+        click.option("--hardware", default=None, help="Hardware profile for --strategy auto: built-in name or JSON path."),
+        click.option("--rule", type=click.Choice(["alg1", "alg5", "empirical", "cost"]), default="alg5", show_default=True,
+                     help="Decision rule of --strategy auto (paper Alg. 1/5, fitted h(T,P), or the cost model)."),
+        click.option("--dtype", default="auto", show_default=True,
+                     help="auto (bfloat16 on GPUs and bf16-capable CPUs, else float32), bfloat16, float16, float32."),
+        click.option("--device", default=None, help="cpu or cuda (default: one GPU per rank when available)."),
+        click.option("--attn-backend", type=click.Choice(["auto", "torch", "triton", "flash-attn"]), default="auto",
+                     show_default=True, help="Local attention kernels (auto: flash-attn on CUDA when installed, else torch)."),
+        TIMEOUT_OPTION,
+        DECODE_RANKS_OPTION,
+        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
+                     help="KV cache storage: the model's dtype, another float dtype, or 8 bits per value with a "
+                          "float32 scale per token and KV head (fp8 = float8 e4m3, int8)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
+                 decode_ranks=None, kv_dtype="model", tp=1):
+    from ..engine import Engine
+    from ..engine.failures import RankFailure
+
+    try:
+        return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
+                      hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s,
+                      decode_ranks=decode_ranks, kv_dtype=kv_dtype, tp=tp)
+    except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
+        raise _rank_error(exc) from None
+
+
+def _mesh_words(engine) -> str:
+    """"2 rank(s)" or "4 ranks (CP 2 x TP 2)"."""
+    if engine.tp_size == 1:
+        return f"{engine.world_size} rank(s)"
+    return f"{engine.world_size} ranks (CP {engine.cp_size} x TP {engine.tp_size})"
+
+
+def _is_printing_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+PREDICTION_NOTICE_S = 300.0
+"""A run the cost model predicts to take longer than this gets a line in the header saying so."""
+
+
+class _EtaColumn(ProgressColumn):
+    """The bar's ETA: WorkProgress's seconds left (the cost model's work left at the rate the timed
+    chunks ran), counting down between chunks."""
+
+    def render(self, task):
+        import datetime
+        import time
+
+        work = task.fields.get("work")
+        eta = None if work is None else work.eta_s(time.monotonic() - task.fields["last"])
+        shown = "-:--:--" if eta is None else str(datetime.timedelta(seconds=round(eta)))
+        return Text(f"ETA {shown}", style="progress.remaining")
+
+
+def _progress():
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]prefill"), BarColumn(), TextColumn("{task.fields[chunks]} chunks"),
+                    TimeElapsedColumn(), _EtaColumn(), console=err_console, transient=True)
+
+
+def _work_bar(progress, model_config, chunk_tokens: int, tokens: int | None = None):
+    """An on_chunk callback that moves `progress`'s bar by work, not chunks (see WorkProgress).
+    `tokens`: the prefill's length; None (an ingest, tokenized on the ranks) takes every chunk as full."""
+    import time
+
+    from ..planning.strategy import WorkProgress, prefill_chunk_flops
+
+    task = progress.add_task("prefill", total=None, chunks="", work=None, last=time.monotonic())
+
+    def on_chunk(done, total, record):
+        fields = progress.tasks[task].fields
+        if fields["work"] is None:  # the first chunk tells where the prefill starts and how many chunks it has
+            first_cached = record.cached - record.index * chunk_tokens
+            length = tokens if tokens is not None else total * chunk_tokens
+            fields["work"] = WorkProgress(prefill_chunk_flops([length], chunk_tokens, model_config, first_cached))
+        work = fields["work"]
+        work.chunk_done(record.seconds)
+        progress.update(task, total=work.total, completed=work.done, chunks=f"{done}/{total}", last=time.monotonic())
+
+    return on_chunk
+
+
+def _run_prefill(engine, token_ids, *, show_progress, **kwargs):
+    """engine.prefill with a rich progress bar over the chunks' work (printing rank only)."""
+    if not show_progress:
+        return engine.prefill(token_ids, **kwargs)
+    with _progress() as progress:
+        on_chunk = _work_bar(progress, engine.model.full_config, engine.chunk_tokens, len(token_ids))
+        return engine.prefill(token_ids, on_chunk=on_chunk, **kwargs)
+
+
+def _duration(seconds: float) -> str:
+    """"about 25 min", "about 3.2 h", "about 4.1 days"."""
+    if seconds < 3600:
+        return f"about {seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"about {seconds / 3600:.1f} h"
+    return f"about {seconds / 86400:.1f} days"
+
+
+def _predicted_seconds(engine, tokens: int) -> float | None:
+    """The cost model's time to first token of this prefill on the engine's hardware profile (as
+    `ringctx plan` predicts it), or None when the planner cannot plan it."""
+    from ..planning.prefill_plan import plan_prefill
+
+    try:
+        plan = plan_prefill(engine.model.full_config, engine.cp_size, engine.hardware, tokens, 0, engine.chunk_tokens,
+                            tp_size=engine.tp_size, dtype=str(engine.model.dtype).removeprefix("torch."),
+                            rule=engine.rule,
+                            kv_dtype=engine.kv_dtype, decode_ranks=engine.decode_ranks)
+    except ValueError:
+        return None
+    return plan.ttft_ms / 1e3
+
+
+def _short(c) -> str:
+    return c.short_reason or c.reason
+
+
+def stats_tables(stats, title: str, follow_up=None, efficiency=None) -> list:
+    """The summary table and the per-chunk table of a PrefillStats (and of the follow-up prefilled
+    on top of it, whose chunks are numbered +0, +1, ...), each chunk with its short reason, then
+    the rules' formulas with their constants once (the full reasons are in --json). `efficiency`
+    (a RunEfficiency) adds the run's share of this machine's peak."""
+    summary = Table(title=title, show_header=False)
+    summary.add_column("what", style="bold")
+    summary.add_column("value", justify="right")
+    mix = {}
+    for c in stats.chunks:
+        mix[c.strategy] = mix.get(c.strategy, 0) + 1
+    rows = [
+        ("tokens (new / cached before)", f"{stats.tokens:,} / {stats.cached:,}"),
+        ("ranks x chunk tokens", f"{stats.world_size} x {stats.chunk_tokens:,}"
+         + (f" (CP {stats.cp_size} x TP {stats.tp_size})" if stats.tp_size > 1 else "")),
+        ("time to first token", f"{stats.ttft_s:.2f} s (hand-off {stats.handoff_s:.2f} s)"),
+        ("prefill throughput", f"{stats.tokens_per_s:,.0f} tokens/s"),
+        ("strategy mix (chunks)", ", ".join(f"{k}: {v}" for k, v in mix.items())),
+        ("bytes sent per rank", ", ".join(fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
+        *([("  of which TP all-reduces per rank", ", ".join(fmt_bytes(b) for b in stats.tp_bytes_per_rank))]
+          if stats.tp_size > 1 else []),
+        ("KV shard per rank", ", ".join(fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)
+         + ("" if stats.kv_dtype == "model" else f" ({stats.kv_dtype})")),
+        ("decode ranks: KV tokens each", ", ".join(f"{n:,}" for n in stats.decode_slice_rows_per_rank if n)
+         + f" ({stats.decode_ranks} rank{'s' if stats.decode_ranks > 1 else ''})"),
+        ("hand-off sent per rank (across hosts)", ", ".join(
+            f"{fmt_bytes(b)} ({fmt_bytes(c)})" for b, c in zip(stats.handoff_bytes_per_rank,
+                                                                 stats.handoff_cross_host_bytes_per_rank))),
+        ("peak RSS per rank (prefill)", ", ".join(fmt_bytes(b) for b in stats.peak_rss_bytes_per_rank)),
+        ("peak RSS per rank (hand-off)", ", ".join(fmt_bytes(b) for b in stats.handoff_peak_rss_bytes_per_rank)),
+    ]
+    if follow_up is not None:
+        follow_mix = ", ".join(sorted({c.strategy for c in follow_up.chunks}))
+        rows.append((f"follow-up: {follow_up.tokens:,} tokens on {follow_up.cached:,} cached",
+                     f"{follow_up.ttft_s:.2f} s ({follow_mix})"))
+        rows.append(("follow-up: bytes sent per rank", ", ".join(fmt_bytes(b) for b in follow_up.bytes_sent_per_rank)))
+    if efficiency is not None:
+        rows += _efficiency_rows(efficiency)
+    for k, v in rows:
+        summary.add_row(k, v)
+    chunks = Table(title="chunks")
+    for col in ("#", "tokens", "cached", "strategy", "seconds", "reason"):
+        chunks.add_column(col, justify="right" if col in ("#", "tokens", "cached", "seconds") else "left")
+    shown = stats.chunks if len(stats.chunks) <= 24 else stats.chunks[:12] + stats.chunks[-12:]
+    for i, c in enumerate(shown):
+        if len(stats.chunks) > 24 and i == 12:
+            chunks.add_row("...", "", "", "", "", f"({len(stats.chunks) - 24} more chunks)")
+        chunks.add_row(str(c.index), f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", _short(c))
+    for c in follow_up.chunks if follow_up is not None else ():
+        chunks.add_row(f"+{c.index}", f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", _short(c))
+    every = stats.chunks + (follow_up.chunks if follow_up is not None else [])
+    formulas = list(dict.fromkeys(c.formula for c in every if c.formula))
+    return [summary, chunks, *(f"[dim]{formula}[/dim]" for formula in formulas)]
+
+
+def _efficiency_rows(e) -> list[tuple[str, str]]:
+    """Summary rows of a RunEfficiency: the prefill against the GEMM peak, the decode step against its floor."""
+    rows = [("prefill FLOP/s (cost model)", f"{e.prefill_flops_per_s / 1e9:,.1f} GFLOP/s, "
+                                            f"{e.prefill_share_of_peak:.0%} of peak"),
+            (f"peak: {e.compute_dtype} GEMM, {e.threads} thread{'s' if e.threads > 1 else ''}",
+             f"{e.peak_flops_per_s / 1e9:,.1f} GFLOP/s")]
+    if e.decode_ms_per_token is not None:
+        rows.append(("decode step / memory floor", f"{e.decode_ms_per_token:.1f} / {e.decode_floor_ms:.1f} ms "
+                                                   f"({e.decode_share_of_floor:.0%})"))
+    return rows
+
+
+@main.command()
+@click.option("--tokens", default=DEFAULT_PREFILL_TOKENS, show_default=True, type=int,
+              help="Synthetic prompt length (random token ids).")
+@click.option("--follow-up", "follow_up", default=DEFAULT_FOLLOW_UP_TOKENS, show_default=True, type=int,
+              help="Then prefill this many more synthetic tokens on top of the cached prompt, as a question about "
+                   "a document is (0: none); a short follow-up on a long cache is what pass-Q is for.")
+@click.option("--decode", "decode_tokens", default=DEFAULT_DECODE_TOKENS, show_default=True, type=int,
+              help="Then decode this many greedy tokens on the cached prompt, to report the decode step against "
+                   "its memory floor (0: none).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the synthetic token ids.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
+              help="Write a Chrome/Perfetto trace of compute and communication per rank (the prompt's prefill).")
+@click.option("--save-logits", "logits_path", type=click.Path(dir_okay=False),
+              help="Write the prompt's last token's logits (float32) and the token ids as safetensors here.")
+@click.option("--save-kv", "kv_path", type=click.Path(),
+              help="Write the prompt's KV cache the decode ranks hold (a ringctx document directory, one slice per "
+                   "rank) here.")
+@engine_options
+def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp,
+            chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
+    """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`.
+
+    With no options: the embedded model on every GPU of this machine (2 ranks on a CPU), about a
+    minute on a 2-core CPU, then a short follow-up on top of the cached prompt and a few decode
+    steps; the table says how close both ran to this machine's measured peak."""
+    import torch
+
+    from ..cpu_features import phase_dtypes
+    from ..engine import auto_nproc
+    from ..engine.efficiency import measure_efficiency, measure_peaks
+    from ..engine.failures import RankFailure
+
+    if tokens < 1:
+        raise _AgreedBadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
+    if follow_up < 0:
+        raise _AgreedBadParameter(f"must be >= 0, got {follow_up}", param_hint="--follow-up")
+    if decode_tokens < 0:
+        raise _AgreedBadParameter(f"must be >= 0, got {decode_tokens}", param_hint="--decode")
+    if nproc == "auto":
+        nproc = auto_nproc(device, tp)
+    world = int(os.environ.get("WORLD_SIZE", nproc))
+    if world > tokens:
+        raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
+                                 param_hint="--nproc")
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
+                          decode_ranks, kv_dtype, tp)
+    printing = _is_printing_rank()
+    follow_stats = answer = None
+    dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))
+    predicted_s = _predicted_seconds(engine, tokens)
+    try:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, engine.model.config.vocab_size, (tokens + follow_up,), generator=generator)
+        if printing:
+            err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {model} ({engine.model.dtype}) "
+                              f"on {_mesh_words(engine)}, chunks of {engine.chunk_tokens:,} tokens, KV cache "
+                              f"left on {engine.decode_ranks} decode rank(s)"
+                              + (f", then {follow_up:,} more on top of it" if follow_up else "") + "[/dim]")
+            for phase in ("prefill", "decode"):
+                err_console.print(f"[dim]{phase} computes in {dtypes[phase]}[/dim]")
+            if predicted_s is not None and predicted_s > PREDICTION_NOTICE_S:
+                err_console.print(f"[bold]predicted: {_duration(predicted_s)} on this machine[/bold]; "
+                                  f"`ringctx plan` sizes a cluster for it", soft_wrap=True)
+        peaks = measure_peaks(engine) if printing else {}  # the ranks wait for the prefill: the cores are free
+        try:
+            result = _run_prefill(engine, ids[:tokens], show_progress=printing, trace=bool(trace_path),
+                                  as_document=bool(kv_path or follow_up or decode_tokens))
+            if kv_path:
+                engine.save_document(result.document, kv_path)
+            if follow_up and result.document is not None:
+                follow_stats = engine.extend(result.document, ids[tokens:])
+            if decode_tokens and result.document is not None and engine.state.is_decode_rank:
+                answer = _decode_steps(engine, result.document, ids[:1], decode_tokens)
+        except (ValueError, RankFailure) as exc:
+            raise _rank_error(exc) from None
+    finally:
+        engine.close()
+    if not printing:
+        return
+    stats = result.stats
+    efficiency = measure_efficiency(engine, stats, answer, before=peaks)
+    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
+        console.print(table)
+    if json_path:
+        _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                                **stats.to_dict(), "follow_up": follow_stats.to_dict() if follow_stats else None,
+                                "compute_dtypes": dtypes, "predicted_s": predicted_s,
+                                "efficiency": efficiency.to_dict() if efficiency else None})
+    if logits_path:
+        _save_logits(logits_path, result)
+    if trace_path:
+        from ..telemetry import write_chrome_trace
+
+        write_chrome_trace(trace_path, result.trace_events)
+        err_console.print(f"trace written to {trace_path} (open in ui.perfetto.dev)")
+    if tokens == DEFAULT_PREFILL_TOKENS:
+        err_console.print("[dim]Go bigger: `ringctx prefill --tokens 1000000 --nproc N` on a machine with N GPUs or "
+                          "cores, torchrun across hosts (see README), and `ringctx plan` to size it first.[/dim]")
+
+
+def _decode_steps(engine, document, prompt_ids, steps: int):
+    """`steps` greedy decode steps after `prompt_ids` on the document (no stop token): the
+    GenerationResult on the leading decode rank, None elsewhere."""
+    generation = engine.generate(document, prompt_ids.tolist(), max_new_tokens=steps + 1, stop_token_ids=[])
+    for _ in generation:
+        pass
+    return getattr(generation, "result", None)
+
+
+def _save_logits(path: str, result) -> None:
+    """The last token's logits and the prompt's token ids as safetensors, written atomically."""
+    from safetensors.torch import save_file
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    save_file({"logits": result.logits.detach().float().cpu().contiguous(),
+               "token_ids": result.token_ids.cpu().contiguous()}, tmp)
+    os.replace(tmp, path)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--save", "save_path", required=True, type=click.Path(),
+              help="Document to write (a directory: one KV slice per decode rank, a manifest, the tokens).")
+@click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
+@engine_options(serving=True)
+def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, hardware, rule, dtype, device,
+           attn_backend, timeout_s, decode_ranks, kv_dtype):
+    """Prefill a document and save its KV cache, to `ask` questions about it later."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")
+    except FileNotFoundError:
+        raise _AgreedError(f"{file}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise _AgreedError(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
+    if not text.strip():
+        raise _AgreedError(f"{file} is empty: nothing to ingest")
+    from ..engine.failures import RankFailure
+
+    from ..engine import serving_layout
+
+    nproc, layout_note = serving_layout(nproc, device, tp)  # the note goes with the closing lines
+    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
+                          decode_ranks, kv_dtype, tp)
+    printing = _is_printing_rank()
+    try:
+        try:
+            document = engine.ingest(text, chat=not no_chat, on_chunk=None) if not printing else \
+                _ingest_with_progress(engine, text, chat=not no_chat)
+            if document is not None:
+                engine.save_document(document, save_path)
+        except (ValueError, RankFailure) as exc:
+            raise _rank_error(exc) from None
+    finally:
+        engine.close()
+    if printing:
+        for table in stats_tables(document.stats, f"ringctx ingest: {file} ({document.length:,} tokens)"):
+            console.print(table)
+        if layout_note:
+            err_console.print(f"[dim]{layout_note}[/dim]")
+        err_console.print(f"saved the KV cache to {save_path}; ask with: ringctx ask {save_path} \"your question\"")
+
+
+def _ingest_with_progress(engine, text, chat):
+    with _progress() as progress:
+        return engine.ingest(text, chat=chat, on_chunk=_work_bar(progress, engine.model.full_config,
+                                                                 engine.chunk_tokens))
+
+
+@main.command()
+@click.argument("kv_file", type=click.Path())
+@click.argument("question")
+@click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
+@click.option("--dtype", default=None, help="Default: the document's dtype.")
+@nproc_option("auto", serving=True)
+@TP_OPTION
+@DECODE_RANKS_OPTION
+@click.option("--max-new-tokens", default=256, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--seed", default=None, type=int)
+@TIMEOUT_OPTION
+def ask(kv_file, question, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
+        timeout_s):
+    """Answer a question about a document saved by `ringctx ingest` (streams the answer)."""
+    from ..engine import Engine, serving_layout
+    from ..engine.documents import describe_document
+    from ..engine.failures import RankFailure
+
+    if not question.strip():
+        raise _AgreedBadParameter("the question is empty: ask something about the document", param_hint="QUESTION")
+    printing = _is_printing_rank()
+    engine = None
+    try:
+        meta = describe_document(kv_file)
+        nproc, layout_note = serving_layout(nproc, None, tp)
+        engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
+        document = engine.load_document(kv_file)
+        generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, seed=seed) if document is not None else iter(())
+        for piece in generation:
+            click.echo(piece, nl=False)
+    except (ValueError, OSError, RankFailure) as exc:
+        raise _rank_error(exc) from None
+    finally:
+        if engine is not None:
+            engine.close()
+    if not printing:
+        return
+    click.echo()
+    r = generation.result
+    if layout_note:
+        err_console.print(f"[dim]{layout_note}[/dim]")
+    err_console.print(f"[dim]{document.length:,} cached tokens on {engine.decode_ranks} decode rank(s); first token "
+                      f"{r.time_to_first_token_s * 1000:.0f} ms, then {r.decode_ms_per_token:.1f} ms/token over "
+                      f"{len(r.token_ids)} tokens[/dim]")
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
+def info(as_json: bool) -> None:
+    """Devices, attention and distributed backends, versions, the CPU kernels that run here and why
+    any does not, whether weights and KV caches go to 2 MiB pages, and what --dtype auto picks on
+    this machine and why (measured once, then cached)."""
+    from .environment import environment_report
+
+    report = environment_report()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    table = Table(title="ringctx environment", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for key, value in report.items():
+        table.add_row(key, _cell(value))
+    console.print(table)
+
+
+def _cell(value, indent: str = "") -> str:
+    """A report value as table text: lists joined, dicts one "key: value" line each (nested ones
+    indented below their key)."""
+    if isinstance(value, dict):
+        return "\n".join(f"{indent}{k}:\n{_cell(v, indent + '  ')}" if isinstance(v, dict) else f"{indent}{k}: {_cell(v)}"
+                         for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) or "none"
+    return str(value)
+
+
+from .planning import calibrate, plan  # noqa: E402  (the planner's commands live beside this file)
+
+main.add_command(plan)
+main.add_command(calibrate)
+
+# `ringctx serve` lives in a module of its own (it registers itself on `main`).
+from . import serve  # noqa: E402,F401
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`ringctx serve`: the OpenAI-compatible server (ringctx/serve), from the command line."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..attention.quant import KV_DTYPES
+from .main import DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, _rank_error, main, nproc_option
+
+
+class _Bytes(click.ParamType):
+    """A size: 8GiB, 512MiB, 1.5G or a number of bytes."""
+
+    name = "BYTES"
+
+    def convert(self, value, param, ctx):
+        from ..engine.failures import parse_bytes
+
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(str(value))
+        except ValueError:
+            self.fail(f"{value!r} is not a size: write e.g. 8GiB, 512MiB or a number of bytes", param, ctx)
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging Face cache.")
+@nproc_option("auto", serving=True)
+@TP_OPTION
+@DECODE_RANKS_OPTION
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
+              help="KV cache storage of the documents (fp8/int8: 8 bits per value, half the memory of bf16).")
+@click.option("--dtype", default="auto", show_default=True, help="auto, bfloat16, float16 or float32.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface; give --api-key then).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
+@click.option("--api-key", envvar="RINGCTX_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health [env: RINGCTX_API_KEY].")
+@click.option("--store", "store_dir", default="ringctx-store", show_default=True, type=click.Path(file_okay=False),
+              help="Directory of the documents (records and KV caches); a restarted server answers from it.")
+@click.option("--kv-budget", "kv_budget", type=_Bytes(), default=None,
+              help="KV bytes the decode ranks keep in memory [default: half the memory free after loading]; "
+                   "beyond it the least recently used documents wait on disk.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(1),
+              help="Answers that may wait for their turn; more get 429 with Retry-After.")
+@click.option("--max-body-bytes", type=_Bytes(), default="64MiB", show_default=True,
+              help="Largest request body (document uploads included): 413 past it.")
+@click.option("--max-tokens", "max_tokens_limit", default=4096, show_default=True, type=click.IntRange(1),
+              help="Largest max_tokens a request may ask for.")
+@click.option("--max-document-tokens", type=click.IntRange(1), default=None,
+              help="Longest document accepted [default: what the KV budget holds].")
+@click.option("--chunk-tokens", type=click.IntRange(1), default=None,
+              help="Tokens per prefill chunk (default: from the model's size).")
+@click.option("--drain", "drain_s", default=30.0, show_default=True,
+              help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
+@TIMEOUT_OPTION
+def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, store_dir, kv_budget, max_queue,
+          max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, drain_s, timeout_s):
+    """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
+    from ..engine.failures import RankFailure
+    from ..serve.protocol import Limits
+    from ..serve import serve as serve_forever
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        _log(f"ringctx serve: warning: listening on {host} without --api-key: anyone who reaches it can use it")
+    try:
+        status = serve_forever(host=host, port=port, api_key=api_key, drain_s=drain_s, log=_log,
+                               limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit),
+                               model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
+                               dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
+                               timeout_s=timeout_s, max_document_tokens=max_document_tokens,
+                               chunk_tokens=chunk_tokens)
+    except (ValueError, OSError, RankFailure) as exc:
+        raise _rank_error(exc) from None
+    sys.exit(status)

@@ -1,0 +1,79 @@
+"""Presets: the shapes of real models by name. With random weights they serve benchmarks and
+planning without any download.
+
+    >>> cfg = get_preset("llama3-405b")
+    >>> cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    (128, 8, 128)
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig, RopeScaling
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+        rope_theta=10000.0, max_seq_len=4096, bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+        rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192,
+        bos_token_id=1, eos_token_ids=(2,),
+    ),
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+        rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, tie_embeddings=True, max_seq_len=32768,
+        eos_token_ids=(151643, 151645),
+    ),
+    "llama3.2-1b": ModelConfig(
+        name="llama3.2-1b", vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+        head_dim=64, rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
+        max_seq_len=131072, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        rope_theta=500000.0, rope_scaling=RopeScaling(), max_seq_len=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    # Shapes of published checkpoints, from their config.json files on the Hugging Face hub
+    # (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen2.5-7B-Instruct-1M); parameter counts
+    # 8.03B, 8.19B and 7.62B. Qwen3-8B's own config has plain RoPE over 40,960 positions (its
+    # model card adds yarn, factor 4 over 32,768, for 128K); Qwen2.5-7B-Instruct-1M's
+    # dual_chunk_attention_config is vLLM's sparse approximation, which transformers and ringctx
+    # do not apply (full attention).
+    "llama3.1-8b": ModelConfig(
+        name="llama3.1-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+        rope_theta=500000.0, rope_scaling=RopeScaling(), norm_eps=1e-5, max_seq_len=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "qwen3-8b": ModelConfig(
+        name="qwen3-8b", vocab_size=151936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn_dim=12288,
+        head_dim=128, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=40960,
+        bos_token_id=151643, eos_token_ids=(151645,),
+    ),
+    "qwen2.5-7b-instruct-1m": ModelConfig(
+        name="qwen2.5-7b-instruct-1m", vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4,
+        ffn_dim=18944, rope_theta=10000000.0, norm_eps=1e-5, qkv_bias=True, max_seq_len=1010000,
+        bos_token_id=151643, eos_token_ids=(151645,),
+    ),
+    "llama3-70b": ModelConfig(
+        name="llama3-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+        rope_theta=500000.0, rope_scaling=RopeScaling(), max_seq_len=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+    "llama3-405b": ModelConfig(
+        name="llama3-405b", vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+        rope_theta=500000.0, rope_scaling=RopeScaling(), max_seq_len=131072,
+        bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
+    ),
+}
+"""Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset config called `name`; a clear error listing the presets otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None

@@ -1,0 +1,162 @@
+"""Memory of one rank (one GPU under TP) during a prefill: weights, its KV-cache shard and one
+layer's working set, each as the formula its docstring states; and the input checks that every
+plan (prefill, decode, mesh) runs before any arithmetic.
+
+A layer's activations are alive one layer at a time (inference keeps no activations for a
+backward pass), so the working set is one layer's; the KV shard is all layers'. A plan fits when
+the sum is at most MEMORY_USABLE_FRACTION of the profile's memory per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ringctx.attention.quant import check_kv_dtype, kv_element_bytes
+from ringctx.model.config import ModelConfig
+from ringctx.model.presets import get_preset
+from ringctx.planning.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
+from ringctx.planning.strategy import (
+    LSE_BYTES, PASS_KV, PASS_Q, STRATEGIES, all2all_bytes_per_rank, local_heads, tokens_per_rank,
+)
+
+
+MEMORY_USABLE_FRACTION = 0.9
+"""Share of a rank's memory a plan may fill; the rest absorbs allocator fragmentation, the CUDA
+context or Python runtime, and temporaries the estimate leaves out."""
+
+HIDDEN_BUFFERS = 4
+"""Residual-stream-sized buffers alive in one layer: residual, normed input, attention output, MLP
+output."""
+
+
+def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str) -> int:
+    """Weights on one GPU: n_params * e_w / TP (every CP rank holds a full TP shard of the model;
+    embeddings and LM head are taken as vocab-parallel, so they split too)."""
+    return -(-model.n_params * element_bytes(weight_dtype) // tp_size)
+
+
+def kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: str = "model") -> int:
+    """Bytes one token adds to one GPU's KV cache over all layers: 2 * n_layers * NKV_local * DH * e_kv.
+
+    e_kv = kv_element_bytes(kv_dtype, DH, e(dtype)): e(dtype) for "model", the float's own size, or
+    1 + 4/DH for fp8/int8 (one byte per element and a float32 scale per token and KV head), so one
+    head's row is DH * e or DH + 4 bytes, always a whole number.
+    """
+    _, kv_heads = local_heads(model, tp_size)
+    head_row = round(model.head_dim * kv_element_bytes(kv_dtype, model.head_dim, element_bytes(dtype)))
+    return 2 * model.n_layers * kv_heads * head_row
+
+
+def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int, dtype: str,
+                            kv_dtype: str = "model") -> int:
+    """KV shard on one GPU: rows * kv_row_bytes = rows * 2 * n_layers * NKV_local * DH * e_kv.
+
+    With tp_size = 1 and kv_dtype "model" this is rows * model.kv_bytes_per_token(e). The shard is
+    stored in kv_dtype (chunks are quantized as they are appended), while ring messages stay in
+    `dtype` (activation_bytes_per_rank). The planner takes rows = ceil(cached/N) + the sum over
+    chunks of tokens_per_rank(T_k, N) (the fullest rank of each chunk's balanced sharding), which
+    is (cached+tokens)/N when 2N divides every chunk and N the cache.
+    """
+    return rows_per_rank * kv_row_bytes(model, tp_size, dtype, kv_dtype)
+
+
+def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: str) -> int:
+    """One layer's activations for `rows` tokens on one GPU, ring buffers and logits left out:
+    the hidden, qkv, mlp and accumulator terms of `activation_bytes_per_rank` with t = rows."""
+    heads, kv_heads = local_heads(model, tp_size)
+    e, DH = element_bytes(dtype), model.head_dim
+    hidden = HIDDEN_BUFFERS * rows * model.dim * e
+    qkv = rows * (heads + 2 * kv_heads) * DH * e
+    mlp = 3 * rows * (model.ffn_dim // tp_size) * e
+    accumulator = rows * heads * (DH + 1) * LSE_BYTES
+    return hidden + qkv + mlp + accumulator
+
+
+def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, chunk_tokens: int,
+                              max_cached_per_rank: int, strategy: str, dtype: str) -> int:
+    """Working set of one layer for one chunk on one GPU (layers run one after the other in
+    inference, so only one layer's activations are alive). With t = tokens_per_rank(chunk, N)
+    (about chunk/N) and e = bytes per element:
+
+      hidden      4 * t * dim * e                      (HIDDEN_BUFFERS residual-sized buffers)
+      qkv         t * (NH + 2*NKV)_local * DH * e
+      mlp         3 * t * ffn/TP * e                   (gate, up, their product)
+      accumulator t * NH_local * (DH + 1) * 4           (float32 output and LSE of the merge)
+      ring        pass-KV: 2 * (max_i P_i + t) * 2 * NKV_local * DH * e   (send and receive buffer)
+                  pass-Q : 2 * t * NH_local * DH * e  +  2 * All2All bytes  (Q in flight, partials
+                           held for and received from the N-1 other ranks); 0 when N = 1
+      logits      vocab * 4                            (float32, last token only)
+    """
+    heads, kv_heads = local_heads(model, tp_size)
+    e, DH, t = element_bytes(dtype), model.head_dim, tokens_per_rank(chunk_tokens, cp_size)
+    if cp_size == 1:
+        ring = 0
+    elif strategy == PASS_KV:
+        ring = 2 * (max_cached_per_rank + t) * 2 * kv_heads * DH * e
+    elif strategy == PASS_Q:
+        ring = 2 * t * heads * DH * e + 2 * all2all_bytes_per_rank(chunk_tokens, cp_size, heads, DH, e)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    return layer_activation_bytes(model, tp_size, t, dtype) + ring + model.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak memory of one rank (one GPU under TP) during the prefill."""
+
+    weights_bytes: int
+    """Model weights: n_params * e_w / TP."""
+    kv_cache_bytes: int
+    """KV-cache shard after the prefill: (cached + tokens)/N rows of all layers, in the kv dtype."""
+    activation_bytes: int
+    """Largest one-layer working set over the chunks (chunk activations and ring buffers)."""
+    capacity_bytes: float
+    """Memory of one rank in the hardware profile."""
+    usable_bytes: float
+    """capacity * MEMORY_USABLE_FRACTION: what the plan may fill."""
+
+    @property
+    def total_bytes(self) -> int:
+        """weights + KV cache + activations."""
+        return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether total_bytes <= usable_bytes."""
+        return self.total_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "total_bytes": self.total_bytes, "fits": self.fits}
+
+
+def rank_memory_bytes(hardware: HardwareProfile, cp_size: int) -> float:
+    """Memory of one rank: the profile's memory_bytes, divided by N when the ranks share one host
+    (profiles with `host_cores`, where memory_bytes is the host's RAM)."""
+    return hardware.memory_bytes / (cp_size if hardware.host_cores else 1)
+
+
+def validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype):
+    """The inputs the prefill and the decode plans share; returns (model, profile, dtype, weight_dtype)."""
+    model = as_model_config(model)
+    check_integers((("tp_size", tp_size, 1),))
+    local_heads(model, tp_size)  # raises when tp_size does not split the heads / MLP
+    check_kv_dtype(kv_dtype)
+    hw = load_profile(hardware)
+    dtype, weight_dtype = canonical_dtype(dtype), canonical_dtype(weight_dtype or dtype)
+    hw.peak(dtype), hw.peak(weight_dtype)  # raise when the profile lacks the dtype
+    return model, hw, dtype, weight_dtype
+
+
+def as_model_config(model) -> ModelConfig:
+    model = get_preset(model) if isinstance(model, str) else model
+    if not isinstance(model, ModelConfig):
+        raise ValueError(f"model must be a ModelConfig or a preset name, got {type(model).__name__}")
+    return model
+
+
+def check_integers(checks) -> None:
+    """A ValueError for the first (name, value, least) whose value is not an integer >= least."""
+    for name, value, least in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")

@@ -1,0 +1,123 @@
+"""The layering of docs/ARCHITECTURE.md, checked on the source: imports only point down.
+
+    cli  ->  serve  ->  engine  ->  planning  ->  {model, parallel}  ->  attention  ->  core
+
+Every module of ringctx/ is parsed (never imported) and every import it makes is checked, those
+inside functions too: a module may import its own package and the layers below it, never one
+above; `model/` and `parallel/` are siblings that do not import each other; single-device
+attention (`attention/`) imports no `torch.distributed`. A failure names the module, the line and
+the import.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ringctx"
+
+LAYERS = {"core": 0, "attention": 1, "model": 2, "parallel": 2, "planning": 3, "engine": 4, "serve": 5, "cli": 6}
+"""Each part's height; a module imports parts of its height or lower, and at its own height only its own part."""
+
+TOP = {"ringctx", "ringctx.__main__"}
+"""The package's public face and `python -m ringctx`: they sit above every layer and may import any."""
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def part_of(module: str) -> str:
+    """The layer a ringctx module belongs to: its subpackage, or core for ringctx/*.py."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "core"
+
+
+def imports(path: Path, package: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, at any depth; `from X import y`
+    is importing X.y where X.y is a module (`from ringctx import cpu_kernels`), else importing X."""
+    package_root = package
+    module = module_name(path, package)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            for alias in node.names:  # a submodule by its own name, a name by its module's
+                sub = f"{source}.{alias.name}"
+                found.append((node.lineno, sub if is_module(sub, package_root) else source))
+    return list(dict.fromkeys(found))
+
+
+def is_module(name: str, package: Path = PACKAGE) -> bool:
+    """Whether a dotted ringctx name is a module or package of the tree rooted at `package`."""
+    if not name.startswith("ringctx."):
+        return False
+    path = package.joinpath(*name.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def layering_problems(package: Path = PACKAGE) -> list[str]:
+    """One line per import against the layering, e.g. 'ringctx/parallel/mesh.py:20 imports
+    ringctx.model.tensor_parallel (parallel may not import model)'."""
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        module = module_name(path, package)
+        if module in TOP:
+            continue
+        here = part_of(module)
+        where = path.relative_to(package.parent)
+        for line, target in imports(path, package):
+            if here == "attention" and (target == "torch.distributed" or target.startswith("torch.distributed.")):
+                problems.append(f"{where}:{line} imports {target} (single-device attention uses no torch.distributed)")
+            if not target.startswith("ringctx.") or target in TOP:
+                if target in TOP:
+                    problems.append(f"{where}:{line} imports {target} (the package's public face; import "
+                                    "the module that defines the name)")
+                continue
+            there = part_of(target)
+            if there == here:
+                continue
+            if LAYERS[there] >= LAYERS[here]:
+                problems.append(f"{where}:{line} imports {target} ({here} may not import {there})")
+    return problems
+
+
+def test_imports_only_point_down():
+    problems = layering_problems()
+    assert not problems, "imports against the layering of docs/ARCHITECTURE.md:\n" + "\n".join(problems)
+
+
+def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
+    """The walker itself: a lower layer's upward import, relative and inside a function, is found;
+    the same import in a higher layer is not a problem."""
+    root = tmp_path / "ringctx"
+    for part in ("model", "parallel", "engine", "attention"):
+        (root / part).mkdir(parents=True)
+        (root / part / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "model" / "bad.py").write_text("def f():\n    from ..engine import api\n")
+    (root / "model" / "sideways.py").write_text("from ringctx.parallel import comm\n")
+    (root / "engine" / "api.py").write_text("from ..model import bad\n")
+    (root / "parallel" / "comm.py").write_text("")
+    (root / "attention" / "dist.py").write_text("import torch.distributed as dist\n")
+    found = layering_problems(root)
+    assert any(p.startswith("ringctx/model/bad.py:2 imports ringctx.engine") for p in found), found
+    assert any(p.startswith("ringctx/model/sideways.py:1 imports ringctx.parallel") for p in found), found
+    assert any("attention/dist.py:1 imports torch.distributed" in p for p in found), found
+    assert not any(p.startswith("ringctx/engine/") for p in found), found
+
+
+@pytest.mark.parametrize("part", sorted(LAYERS))
+def test_every_part_exists(part):
+    """The layers named here are the packages there are (a renamed package must be named here)."""
+    assert part == "core" or (PACKAGE / part / "__init__.py").is_file()
