@@ -70,6 +70,7 @@ def test_info_json():
     assert kernels["variant"] in kernels["variants_this_cpu_runs"] + [None] and kernels["why"]
     assert all(state == "in use" or state.startswith("not in use: ") for state in kernels["kernels"].values())
     assert report["dtype_auto"]["dtype"] in ("bfloat16", "float32") and report["dtype_auto"]["why"]
+    assert set(report["compute_dtypes"]) == {"prefill", "decode"} and all(report["compute_dtypes"].values())
 
 
 def _lines_at_80_columns(monkeypatch, args):
