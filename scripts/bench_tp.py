@@ -73,7 +73,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
 
     from ringctx.engine.prefill import PrefillConfig, cp_prefill
     from ringctx.model import load_model
-    from ringctx.engine.api import tensor_parallel
+    from ringctx.engine.startup import tensor_parallel
     from ringctx.parallel.mesh import build_mesh
     from ringctx.telemetry import reset_peak_rss
 

@@ -1,6 +1,6 @@
 """Single-device attention blocks: the compute step of every ring algorithm.
 
-Ring attention only ever needs two kinds of block (DESIGN.md):
+Ring attention only ever needs two kinds of block (docs/ARCHITECTURE.md):
 
     full      every query sees every key (a KV block from earlier in the sequence, or the cache)
     diagonal  T == S and query i sees keys 0..i (a chunk against itself)

@@ -1,6 +1,6 @@
 """ringctx's own Triton flash-attention forward kernel, returning (out, lse).
 
-It computes exactly the block kinds ring attention needs (DESIGN.md), in ringctx's conventions:
+It computes exactly the block kinds ring attention needs (docs/ARCHITECTURE.md), in ringctx's conventions:
 
     q [T, Hq, D], k and v [S, Hkv, D], token-major, no batch dim
     out [T, Hq, D] in q's dtype, lse [Hq, T] float32 natural log

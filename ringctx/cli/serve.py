@@ -16,7 +16,7 @@ class _Bytes(click.ParamType):
     name = "BYTES"
 
     def convert(self, value, param, ctx):
-        from ..engine.failures import parse_bytes
+        from ..engine.memory_check import parse_bytes
 
         if isinstance(value, int):
             return value

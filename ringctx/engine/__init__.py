@@ -1,6 +1,9 @@
 """The product: chunked context-parallel prefill, KV hand-off, and the Engine API."""
 
-from .api import Answer, Engine, PrefillJob, auto_nproc, default_chunk_tokens, serving_layout, serving_nproc
+from ..planning.prefill_plan import default_chunk_tokens
+from .api import Engine
+from .handles import Answer, PrefillJob
+from .startup import auto_nproc, serving_layout, serving_nproc
 from .document import Document
 from .failures import RankFailure
 from .prefill import ChunkStats, PrefillConfig, PrefillResult, PrefillStats, cp_prefill

@@ -23,27 +23,26 @@ from __future__ import annotations
 
 import datetime
 import os
-import re
 import weakref
 
 import torch
 import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
-from ..model import KVCache, Sampler, load_model
+from ..model import KVCache, Sampler
 from ..model.generate import Generation
-from ..model.tensor_parallel import NO_TP, TensorParallel, tp_problem
-from ..model.kvfile import share_weights_digest, weights_digest
-from ..parallel.comm import agree_across_ranks
+from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
-from ..parallel.mesh import Mesh, build_mesh, decode_groups, mesh_problem
-from ..planning.prefill_plan import default_chunk_tokens
+from ..parallel.mesh import mesh_problem
 from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
 from .failures import CLOSED, Health, RankFailure, first_line
-from .prefill import STRATEGY_CHOICES, ChunkStats, PrefillResult
-from .rank_state import EngineSettings, RankState
+from .handles import Answer, LeaderDecoder, PrefillJob
+from .prefill import STRATEGY_CHOICES, PrefillResult
+from .rank_state import EngineSettings
+from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
+                      resolve_decode_ranks)
 from .workers import (BroadcastRanks, SpawnedRanks, command_group, rank_device, receive_broadcast, run_commands,
                       set_collective_timeout)
 
@@ -119,7 +118,7 @@ class Engine:
             dtype = preferred_dtype(None if device is None else str(device))
         self.model_name, self.dtype = str(model), dtype
         self._forgotten: list[int] = []  # documents the caller let go of: the workers drop theirs (see _keep)
-        self._ending: list[_LeaderDecoder] = []  # answers that ended here: the followers leave them next
+        self._ending: list[LeaderDecoder] = []  # answers that ended here: the followers leave them next
         self._next_id = 0
         self._open_answer = None  # weakref to the newest answer's Generation, which a newer question ends
         # The ranks this one sends its commands to: spawned workers, or (after lead()) torchrun's other ranks.
@@ -134,15 +133,15 @@ class Engine:
             if decode_rank != 0:  # results come back to this process only
                 raise ValueError(f"with nproc={nproc} this process is rank 0 and the decode rank, so decode_rank "
                                  f"must be 0, got {decode_rank}; choose another decode rank under torchrun")
-            _check_loadable(self.model_name, dtype)  # fail here, before any process starts
+            check_loadable(self.model_name, dtype)  # fail here, before any process starts
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
-            problem = mesh_problem(world, tp, per_host) or tp_problem(_peek_config(self.model_name, dtype), tp)
+            problem = mesh_problem(world, tp, per_host) or tp_problem(peek_config(self.model_name, dtype), tp)
             if problem:
                 raise ValueError(problem)
         self.settings = settings = EngineSettings(
-            model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=_load_hardware(hardware),
+            model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=load_hardware(hardware),
             chunk_tokens=chunk_tokens, decode_rank=decode_rank,
             decode_ranks=resolve_decode_ranks(decode_ranks, decode_rank, world // tp, per_host // tp),
             kv_dtype=kv_dtype, timeout_s=float(timeout_s),
@@ -527,7 +526,7 @@ class Engine:
             self._run("decode", commands.ANSWER_FOLLOW, document.id, ids, document=document)
             return iter(())
         else:
-            decoder = _LeaderDecoder(self, document)
+            decoder = LeaderDecoder(self, document)
             generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
         self._open_answer = weakref.ref(generation)
         return Answer(self, generation)
@@ -611,264 +610,3 @@ class Engine:
             raise ValueError(f"model {self.model_name!r} has no tokenizer (random-weight preset); "
                              "pass token ids to prefill() instead of text")
         return tokenizer
-
-
-class PrefillJob:
-    """A prefill in progress on rank 0's side (see `Engine.start_prefill`): `step()` runs the next
-    chunk on every rank, `finish()` hands the KV cache off and returns the PrefillResult
-    (`.document` too, for an ingest); `cancel()` gives it up."""
-
-    def __init__(self, engine: Engine, prefill_id: int, run):
-        self.engine, self.id, self.run = engine, prefill_id, run
-        self.frame: tuple[str, dict] | None = None  # an ingest's (question suffix, metadata)
-
-    @property
-    def done(self) -> bool:
-        """Whether every chunk has run."""
-        return self.run.done
-
-    @property
-    def chunks_done(self) -> int:
-        return self.run.next_chunk
-
-    @property
-    def total_chunks(self) -> int:
-        return self.run.total_chunks
-
-    def step(self) -> ChunkStats:
-        """The next chunk, on every rank."""
-        return self.engine._run("prefill", commands.PREFILL_CHUNK, self.id)
-
-    def finish(self) -> PrefillResult:
-        """The hand-off to the decode ranks, and the result (`result.document` when it was kept)."""
-        result = self.engine._run("prefill", commands.PREFILL_FINISH, self.id)
-        if result.document is not None:
-            if self.frame is not None:
-                result.document.question_suffix, result.document.metadata = self.frame
-            self.engine._keep(result.document)
-        return result
-
-    def cancel(self) -> None:
-        """Give up the prefill on every rank (no collective runs; the engine stays usable)."""
-        self.engine._run("prefill", commands.PREFILL_CANCEL, self.id)
-
-
-class _LeaderDecoder:
-    """The leader's decoder of an answer over a split cache (the interface Generation drives).
-
-    Spawn mode: each call is one command every decode rank runs (commands.ANSWER_*), so that the
-    engine can run other commands between two tokens; an answer that ends (read to its end, given
-    up, or ended by a newer question) is left by the followers with the next command the engine
-    sends, never from here (this may run in a finalizer, where a send could reorder the workers'
-    commands). Under torchrun the followers are in `follow` (their own generate): nothing is sent
-    and an end releases them at once.
-    """
-
-    def __init__(self, engine: Engine, document: Document):
-        self.engine, self.document = engine, document
-        self.id = engine._new_id()
-        self.inner = None  # the ShardedDecoder, once the question's prefill has started
-        self._closed = False
-
-    def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
-        self._check_not_closed()
-        engine = self.engine
-        engine._check_open()
-        engine._send(commands.ANSWER_START, (self.id, self.document.id, ids_to_bytes(token_ids)))
-        self.inner = commands.answer_decoder(engine.state, self.document)
-        return self.inner.prefill(token_ids)
-
-    def step(self, token: int) -> torch.Tensor:
-        self._check_not_closed()
-        self.engine._check_open()
-        self.engine._send(commands.ANSWER_STEP, (self.id,))
-        return self.inner.step(token)
-
-    def full(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        """The answer is over here (idempotent); see the class docstring for when the followers leave it."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.inner is None:
-            return  # never started: no rank holds anything of it
-        if self.engine._followers is not None:
-            self.engine._ending.append(self)
-        else:
-            self.end_here()
-
-    def end_here(self) -> None:
-        """The leader's part of the end: release the followers' step, keep the (grown) slice."""
-        self.inner.close()
-        self.document.cache = self.inner.cache
-
-    def _check_not_closed(self) -> None:
-        if self._closed:  # the other ranks have left this answer: a newer question ended it
-            raise ValueError("this answer was ended by a newer question on the same engine; read an answer to "
-                             "its end before asking the next")
-
-
-class Answer:
-    """The leader's answer to one question: iterate for its text pieces, or call `advance()` for one
-    token at a time (what a scheduler does); `.result` (a GenerationResult) once it is complete.
-    A lost rank surfaces from either as a RankFailure, as from every Engine method."""
-
-    def __init__(self, engine: Engine, generation: Generation):
-        self.engine, self.generation = engine, generation
-        self._pieces = engine._guarded(iter(generation), "decode")
-
-    def __iter__(self):
-        return self._pieces
-
-    def __next__(self):
-        return next(self._pieces)
-
-    def advance(self) -> str | None:
-        """One token (the question's prefill first): the text it made final, or None once complete."""
-        try:
-            return self.generation.advance()
-        except BaseException as exc:
-            self.engine._raise_failure(exc, "decode")
-
-    def close(self) -> None:
-        """Give the answer up (its rows are freed with the next command)."""
-        self.generation.close()
-
-    @property
-    def done(self) -> bool:
-        return self.generation.done
-
-    @property
-    def result(self):
-        return self.generation.result
-
-
-def tensor_parallel(mesh: Mesh) -> TensorParallel:
-    """The model's TensorParallel over this rank's TP group of the mesh (NO_TP without TP)."""
-    if mesh.tp_size == 1:
-        return NO_TP
-    return TensorParallel(size=mesh.tp_size, rank=mesh.tp_rank, group=mesh.tp_group)
-
-
-def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
-    """Load this rank's model, check it against every other rank's and make the decode groups."""
-    mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
-    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh))
-    state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
-                      chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
-    if world > 1:
-        if settings.tp_size > 1:
-            share_weights_digest(model)
-        try:
-            agree_across_ranks("engine start-up", None, _fingerprint(model))
-        except ValueError as exc:
-            raise ValueError(_explain_mismatch(str(exc))) from None
-        state.decode_group, state.control_group = decode_groups(mesh, settings.decode_rank, settings.decode_ranks)
-    return state
-
-
-def auto_nproc(device=None, tp: int = 1) -> int:
-    """Local ranks for nproc="auto": one per GPU; on a CPU with 2 or more cores, 2 ranks, each with
-    half of the cores' threads (a CPU host gains little from more ranks than threads would give it,
-    and every rank holds a copy of the weights); 1 on a single core. A mesh needs a multiple of
-    `tp`: GPUs round down to one (never more ranks than GPUs, at least tp), CPU ranks round up."""
-    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
-    if on_gpu:
-        return max(tp, torch.cuda.device_count() // tp * tp)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return -(-(2 if cores >= 2 else 1) // tp) * tp
-
-
-def serving_nproc(device=None, tp: int = 1) -> tuple[int, str]:
-    """(local ranks, why) of the layout that serves fastest here: one rank per GPU, and on a CPU one
-    rank with every core. The ranks of a CPU host share its cores and its memory bandwidth, so a
-    second rank brings no compute or bandwidth, only messages: on a 2-core AMD EPYC a decode step of
-    SmolLM2 took 43-47 ms on one rank against 80-92 ms on two, and a first question over an
-    8K-token document 36.8 s against 42.5 s (docs/BENCHMARKS.md). GPUs each bring their own."""
-    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
-    if on_gpu:
-        n = max(tp, torch.cuda.device_count() // tp * tp)
-        return n, f"one rank per GPU ({n}): each brings its own compute and memory"
-    return tp, ("one rank with every core: CPU ranks of one host share its cores and memory bandwidth, so more "
-                "ranks add messages, not speed" + (f" (tp={tp} needs {tp})" if tp > 1 else ""))
-
-
-def serving_layout(nproc, device=None, tp: int = 1) -> tuple:
-    """(ranks, note) for nproc="auto" of what serves questions (ingest, ask, serve): serving_nproc's
-    layout and a line saying which and why; a number, or any nproc under torchrun (which sets the
-    world), is taken as it is, with note None."""
-    if nproc != "auto" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return nproc, None
-    n, why = serving_nproc(device, tp)
-    return n, f"--nproc auto: {n} rank(s): {why}"
-
-
-def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int, ranks_per_host: int) -> int:
-    """How many decode ranks: None -> the decode host's ranks from decode_rank on; checked to lie
-    on one host and within the job. A ValueError names what to change."""
-    if not 0 <= decode_rank < world:
-        raise ValueError(f"decode_rank {decode_rank} is not a rank of this {world}-rank job")
-    host_end = min(world, (decode_rank // ranks_per_host + 1) * ranks_per_host)
-    if decode_ranks is None:
-        return host_end - decode_rank
-    if not isinstance(decode_ranks, int) or decode_ranks < 1:
-        raise ValueError(f"decode_ranks must be a positive number of ranks, got {decode_ranks!r}")
-    if decode_ranks > world - decode_rank:
-        raise ValueError(f"decode_ranks={decode_ranks} asks for more ranks than this {world}-rank job has from decode "
-                         f"rank {decode_rank}; use at most {world - decode_rank} (--decode-ranks)")
-    if decode_rank + decode_ranks > host_end:
-        raise ValueError(f"decode_ranks={decode_ranks} would reach past the decode host (ranks {host_end - ranks_per_host}"
-                         f"-{host_end - 1}); the decode ranks share one host's memory: use at most "
-                         f"{host_end - decode_rank}")
-    return decode_ranks
-
-
-def _peek_config(model_name: str, dtype):
-    """The whole model's config, read from the file's header (no weights loaded)."""
-    return load_model(model_name, dtype=dtype, device="meta").full_config
-
-
-def _load_hardware(hardware):
-    """The profile "auto" decides with, loaded once (default: the built-in "cpu" or "h200"-like GPU)."""
-    from ..planning.hardware import HardwareProfile, load_profile
-
-    if isinstance(hardware, HardwareProfile):
-        return hardware
-    return load_profile(hardware or ("h200" if torch.cuda.is_available() else "cpu"))
-
-
-def _check_loadable(model_name: str, dtype) -> None:
-    """Raise the loader's ValueError / FileNotFoundError now for an unknown model or dtype (cheap)."""
-    from ..model.presets import PRESETS
-    from ..model.loader import DEFAULT_MODEL, _classify_path, resolve_dtype
-
-    resolve_dtype(dtype)
-    if model_name != DEFAULT_MODEL and model_name not in PRESETS:
-        _classify_path(model_name)
-
-
-def _fingerprint(model) -> str:
-    """What every rank must agree on: model (name, shapes, weights), dtype and ringctx version."""
-    from ..version import __version__
-
-    config = model.full_config  # TP ranks hold different shards of the same model
-    return (f"model={config.name} config={config.fingerprint()} weights={weights_digest(model)} "
-            f"dtype={str(model.dtype).removeprefix('torch.')} ringctx={__version__}")
-
-
-def _explain_mismatch(message: str) -> str:
-    """agree_across_ranks' "ranks disagree" message, rewritten to show only what differs."""
-    m = re.search(r"rank 0 has \[(.*)\] but rank (\d+) has \[(.*)\]", message)
-    if not m:
-        return message
-    first, other = (dict(f.split("=", 1) for f in side.split() if "=" in f) for side in (m.group(1), m.group(3)))
-    rank = m.group(2)
-    diff = [k for k in first if first.get(k) != other.get(k)]
-    if not diff:
-        return message
-    what = "; ".join(f"{k}={other.get(k)} on rank {rank} but {k}={first[k]} on rank 0" for k in diff)
-    return (f"engine start-up: rank {rank} does not match rank 0: {what}. Every rank must load the same model "
-            f"(--model), dtype (--dtype) and ringctx version; this job is refused rather than computing garbage")
-

@@ -42,8 +42,9 @@ from ..units import fmt_bytes
 from .decode import ShardedDecoder
 from .document import Document
 from .documents import load_document_slices, save_document_slices
-from .failures import available_memory, memory_problem, with_test_hook
+from .failures import with_test_hook
 from .handoff import gather_in_order
+from .memory_check import available_memory, memory_problem
 from .prefill import PrefillRun, cp_prefill
 from .rank_state import RankState
 
@@ -105,7 +106,7 @@ def prefill_cancel(state: RankState, prefill_id: int) -> None:
 
 
 def _check_memory(state: RankState, token_ids, cached: int, config) -> None:
-    """Refuse a prefill the memory cannot hold, on every rank alike (see failures.memory_problem)."""
+    """Refuse a prefill the memory cannot hold, on every rank alike (see memory_check.memory_problem)."""
     s = state.settings
     torchrun = state.mode == "torchrun"
     local_ranks = s.ranks_per_host if torchrun else state.world_size

@@ -123,7 +123,7 @@ def worker_main(rank, world, port, backend, threads, conn, settings, device, bui
     """A spawned rank: join the group, build this rank's state, then run rank 0's commands until stop.
 
     `build_state(rank, world, settings, device)` loads the model and checks it against the others
-    (a module-level function of api.py, so that this module needs no Engine). Ctrl-C is rank 0's
+    (a module-level function of startup.py, so that this module needs no Engine). Ctrl-C is rank 0's
     to handle: it ends the workers. A failure is reported back over the pipe before the worker
     exits; a ValueError (bad input, raised on every rank alike) only skips the command.
     """

@@ -1,6 +1,6 @@
 """A Llama-family decoder whose attention is a pluggable call.
 
-Layout is token-major with no batch dimension (DESIGN.md): activations are [T, dim] for the T
+Layout is token-major with no batch dimension (docs/ARCHITECTURE.md): activations are [T, dim] for the T
 tokens of one step, which may be one sequence or several packed ones; only the `attend` callable
 knows how tokens relate to each other and to a KV cache. Everything else (embedding, RMSNorm,
 RoPE at explicit global positions, SwiGLU MLP, output head) is per token.

@@ -37,7 +37,6 @@ import dataclasses
 import datetime
 import math
 import os
-import platform
 import socket
 import statistics
 import time

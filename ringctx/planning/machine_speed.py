@@ -13,7 +13,7 @@ prefill's FLOP/s (the cost model's FLOPs over the chunks' seconds) as a share of
 
 `auto_dtype` answers `dtype="auto"` on a CPU: the dtype that decodes fastest here among those
 that meet ringctx's exactness rules, measured. The candidates are float32 and bfloat16 (bf16
-passes DESIGN.md's rule: at most twice the error of the same computation done unsharded in
+passes the rule of docs/ARCHITECTURE.md: at most twice the error of the same computation done unsharded in
 bf16 by PyTorch); float16 is not one, as neither ringctx's CPU kernels nor PyTorch's CPU ops
 compute it natively. Which is faster depends on the CPU: with ringctx's CPU kernels a bf16 step
 reads half the bytes of a float32 one on any x86-64 CPU; without them, PyTorch emulates bf16 on
@@ -33,7 +33,6 @@ import fcntl
 import hashlib
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time

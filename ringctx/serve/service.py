@@ -28,7 +28,7 @@ import torch
 
 from ..engine import Engine
 from ..engine.document import chat_frame
-from ..engine.failures import available_memory
+from ..engine.memory_check import available_memory
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..planning.strategy import WorkProgress, prefill_chunk_flops
 from ..units import fmt_bytes

@@ -2,7 +2,7 @@
 
 It runs only on CPUs with AMX-BF16 (Sapphire Rapids and later) whose kernel grants the tile
 state; elsewhere these tests are skipped and `attention_block` uses PyTorch's op. The bf16 rule
-(DESIGN.md): the error against float64 is at most twice that of PyTorch's own bf16 CPU op on the
+(docs/ARCHITECTURE.md): the error against float64 is at most twice that of PyTorch's own bf16 CPU op on the
 same inputs; the LSE is checked tighter, since it feeds every ring merge.
 """
 

@@ -208,7 +208,7 @@ def test_empty_keys_or_queries(kind, S, T):
 @pytest.mark.parametrize("T,group,D", [(1, 3, 64), (3, 4, 128), (1, 1, 16), (17, 3, 64)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_bf16_error_at_most_twice_pytorch_bf16(kind, T, group, D, S, path, monkeypatch):
-    """DESIGN.md's rule: at most 2x the error of attention_block in bf16 on the same dequantized K/V
+    """The rule of docs/ARCHITECTURE.md: at most 2x the error of attention_block in bf16 on the same dequantized K/V
     cast to bf16, against float64 on the dequantized values."""
     if path == "kernels" and T <= 8:
         require_kernels()

@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 from ringctx.cli import main
 from ringctx.engine import Engine
-from ringctx.engine.failures import RankFailure, memory_problem, prefill_memory_need, process_state
+from ringctx.engine.failures import RankFailure, process_state
+from ringctx.engine.memory_check import memory_problem, prefill_memory_need
 from ringctx.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -231,15 +232,16 @@ def test_more_ranks_on_this_cpu_are_suggested_where_they_fit(monkeypatch):
 
 
 def _startup_job(rank, world, overrides):
-    """In a RankPool rank: build an Engine as under torchrun (WORLD_SIZE set, group given)."""
-    import ringctx
+    """In a RankPool rank: build an Engine as under torchrun (WORLD_SIZE set, group given); a
+    "version" override stands in for another install of ringctx (ringctx/version.py's number)."""
+    from ringctx import version as installed
 
     kwargs = dict(overrides.get(rank, {}))
     version = kwargs.pop("version", None)
-    saved = ringctx.__version__, os.environ.get("WORLD_SIZE")
+    saved = installed.__version__, os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)
     if version:
-        ringctx.__version__ = version
+        installed.__version__ = version
     try:
         engine = Engine(kwargs.pop("model", "tiny"), dtype=kwargs.pop("dtype", "float32"), timeout_s=60)
     except ValueError as exc:
@@ -248,7 +250,7 @@ def _startup_job(rank, world, overrides):
         engine.close()
         return "started"
     finally:
-        ringctx.__version__ = saved[0]
+        installed.__version__ = saved[0]
         if saved[1] is None:
             os.environ.pop("WORLD_SIZE", None)
         else:

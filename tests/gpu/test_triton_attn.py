@@ -35,7 +35,7 @@ from ringctx.attention.reference import reference_attention
 from ringctx.attention.triton_attn import _forward, _plan, triton_attention_block, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = 1e-5  # float32 against float64 (DESIGN.md)
+TOL = 1e-5  # float32 against float64 (docs/ARCHITECTURE.md)
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@ path it replaces (`forward_with_cache` on one token), on random models of many s
 
 float32: the same logits and cache rows to float32 rounding. bf16: the two paths round at the
 same places but sum in other orders, so a bf16 value may land one step away; the rule is the one
-of DESIGN.md: the fused step's error against a float32 computation from the same state is at most
+of docs/ARCHITECTURE.md: the fused step's error against a float32 computation from the same state is at most
 twice the PyTorch bf16 path's.
 """
 
