@@ -15,9 +15,9 @@ import click
 from ..attention.quant import KV_DTYPES
 from ..units import fmt_bytes
 from rich.console import Console
-from rich.progress import ProgressColumn
 from rich.table import Table
-from rich.text import Text
+
+from .progress import prefill_progress, work_bar
 
 console = Console()
 err_console = Console(stderr=True)
@@ -177,55 +177,12 @@ PREDICTION_NOTICE_S = 300.0
 """A run the cost model predicts to take longer than this gets a line in the header saying so."""
 
 
-class _EtaColumn(ProgressColumn):
-    """The bar's ETA: WorkProgress's seconds left (the cost model's work left at the rate the timed
-    chunks ran), counting down between chunks."""
-
-    def render(self, task):
-        import datetime
-        import time
-
-        work = task.fields.get("work")
-        eta = None if work is None else work.eta_s(time.monotonic() - task.fields["last"])
-        shown = "-:--:--" if eta is None else str(datetime.timedelta(seconds=round(eta)))
-        return Text(f"ETA {shown}", style="progress.remaining")
-
-
-def _progress():
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("[bold]prefill"), BarColumn(), TextColumn("{task.fields[chunks]} chunks"),
-                    TimeElapsedColumn(), _EtaColumn(), console=err_console, transient=True)
-
-
-def _work_bar(progress, model_config, chunk_tokens: int, tokens: int | None = None):
-    """An on_chunk callback that moves `progress`'s bar by work, not chunks (see WorkProgress).
-    `tokens`: the prefill's length; None (an ingest, tokenized on the ranks) takes every chunk as full."""
-    import time
-
-    from ..planning.strategy import WorkProgress, prefill_chunk_flops
-
-    task = progress.add_task("prefill", total=None, chunks="", work=None, last=time.monotonic())
-
-    def on_chunk(done, total, record):
-        fields = progress.tasks[task].fields
-        if fields["work"] is None:  # the first chunk tells where the prefill starts and how many chunks it has
-            first_cached = record.cached - record.index * chunk_tokens
-            length = tokens if tokens is not None else total * chunk_tokens
-            fields["work"] = WorkProgress(prefill_chunk_flops([length], chunk_tokens, model_config, first_cached))
-        work = fields["work"]
-        work.chunk_done(record.seconds)
-        progress.update(task, total=work.total, completed=work.done, chunks=f"{done}/{total}", last=time.monotonic())
-
-    return on_chunk
-
-
 def _run_prefill(engine, token_ids, *, show_progress, **kwargs):
     """engine.prefill with a rich progress bar over the chunks' work (printing rank only)."""
     if not show_progress:
         return engine.prefill(token_ids, **kwargs)
-    with _progress() as progress:
-        on_chunk = _work_bar(progress, engine.model.full_config, engine.chunk_tokens, len(token_ids))
+    with prefill_progress(err_console) as progress:
+        on_chunk = work_bar(progress, engine.model.full_config, engine.chunk_tokens, len(token_ids))
         return engine.prefill(token_ids, on_chunk=on_chunk, **kwargs)
 
 
@@ -497,9 +454,9 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
 
 
 def _ingest_with_progress(engine, text, chat):
-    with _progress() as progress:
-        return engine.ingest(text, chat=chat, on_chunk=_work_bar(progress, engine.model.full_config,
-                                                                 engine.chunk_tokens))
+    with prefill_progress(err_console) as progress:
+        return engine.ingest(text, chat=chat, on_chunk=work_bar(progress, engine.model.full_config,
+                                                                engine.chunk_tokens))
 
 
 @main.command()

@@ -23,7 +23,7 @@ import torch
 
 from ..cpu_features import compute_dtype
 from ..planning.machine_speed import decode_bytes_per_token, matmul_flops_per_s, read_bandwidth
-from ..planning.strategy import chunk_flops
+from ..planning.work import chunk_flops
 
 PEAK_ROWS_MAX = 4096
 """Rows of the peak GEMM: one chunk's, at most this many (enough to reach the GEMM's plateau)."""

@@ -30,7 +30,7 @@ from ..engine import Engine
 from ..engine.document import chat_frame
 from ..engine.memory_check import available_memory
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
-from ..planning.strategy import WorkProgress, prefill_chunk_flops
+from ..planning.work import WorkProgress, prefill_chunk_flops
 from ..units import fmt_bytes
 from . import backend as api
 from .store import DocumentRecord, DocumentStore, new_document_id, now

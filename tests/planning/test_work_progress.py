@@ -10,7 +10,7 @@ import torch
 from ringctx.model.presets import get_preset
 from ringctx.engine.prefill import PrefillConfig, cp_prefill
 from ringctx.model.weights import empty_model, init_random
-from ringctx.planning.strategy import WorkProgress, chunk_flops, prefill_chunk_flops
+from ringctx.planning.work import WorkProgress, chunk_flops, prefill_chunk_flops
 
 from tests.helpers import one_thread_for_module
 
