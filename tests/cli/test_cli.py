@@ -173,3 +173,28 @@ def test_prefill_header_warns_of_a_long_predicted_run(monkeypatch):
     assert "predicted: about" in result.output and "`ringctx plan` sizes a cluster for it" in result.output
     assert cli._duration(90) == "about 2 min" and cli._duration(5 * 3600) == "about 5.0 h"
     assert cli._duration(3 * 86400) == "about 3.0 days"
+
+
+def test_the_progress_bar_counts_work_not_chunks():
+    """After 1 of 3 equal-length chunks the bar is at chunk 0's share of the FLOPs (under a third:
+    later chunks attend to more), and its ETA is the FLOPs left at chunk 0's rate."""
+    import io
+
+    from rich.console import Console
+
+    from ringctx.cli.progress import prefill_progress, work_bar
+    from ringctx.engine.prefill import ChunkStats
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.work import prefill_chunk_flops
+
+    cfg = get_preset("smollm2-135m")
+    work = prefill_chunk_flops([12288], 4096, cfg)
+    with prefill_progress(Console(file=io.StringIO())) as progress:
+        on_chunk = work_bar(progress, cfg, 4096, 12288)
+        on_chunk(1, 3, ChunkStats(0, 4096, 0, "pass-kv", "", 10.0))
+        (task,) = progress.tasks
+        assert task.completed == work[0] and task.total == sum(work) and task.completed / task.total < 0.2
+        assert task.fields["chunks"] == "1/3"
+        assert task.fields["work"].eta_s() == pytest.approx(10.0 * (work[1] + work[2]) / work[0])
+        on_chunk(2, 3, ChunkStats(1, 4096, 4096, "pass-kv", "", 18.0))
+        assert task.fields["work"].eta_s() == pytest.approx(18.0 * work[2] / work[1])
