@@ -51,6 +51,7 @@ def test_prefill_by_default_runs_a_ring_and_a_follow_up_on_its_cache(tmp_path, m
     (["--nproc", "many"], "'many' is neither a number of ranks nor 'auto'"),
     (["--nproc", "0"], "must be >= 1, got 0"),
     (["--follow-up", "-1"], "must be >= 0, got -1"),
+    (["--decode", "-2"], "must be >= 0, got -2"),
     (["--model", "llama9-1t"], "neither a model preset"),
     (["--hardware", "no-such-profile", "--tokens", "10"], "no-such-profile"),
 ])
