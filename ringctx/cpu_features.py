@@ -61,3 +61,27 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def phase_dtypes(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
+    """Which dtype each phase computes in, and why, for a model held in `dtype` on `device`:
+    {"prefill": sentence, "decode": sentence} (what `ringctx info` and `ringctx prefill` say)."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in HALF_DTYPES:
+        return {"prefill": f"{name}: the model's dtype", "decode": f"{name}: the model's dtype"}
+    if not str(device).startswith("cpu"):
+        return {"prefill": f"{name}: GPUs compute it natively (tensor cores)",
+                "decode": f"{name}: GPUs compute it natively (tensor cores)"}
+    if cpu_has_fast_bf16():
+        native = f"{name}, natively: this CPU has AMX or AVX512-BF16 units that PyTorch uses"
+        return {"prefill": native, "decode": native}
+    return {"prefill": f"float32, rounded back to {name}: matmuls of >= {UPCAST_MIN_ROWS} rows and attention "
+                       f"blocks, as PyTorch would emulate {name} here (no {name} units it may use)",
+            "decode": f"{name}: one row per matmul, where converting the weights to float32 would cost more "
+                      f"than the arithmetic it saves"}
+
+
+def compute_dtype(dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The dtype a prefill's big matmuls and attention blocks compute in (see `phase_dtypes`)."""
+    on_cpu = str(device).startswith("cpu")
+    return torch.float32 if (dtype in HALF_DTYPES and on_cpu and not cpu_has_fast_bf16()) else dtype

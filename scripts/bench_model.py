@@ -147,25 +147,13 @@ def time_transformers(hf, ids: torch.Tensor, n_decode: int) -> dict:
             "first_token": first}
 
 
-def decode_bytes_per_token(model, context: float) -> float:
-    """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
-    read; a tied table is read whole as the output head, and counted once), plus K and V of
-    `context` cached tokens in every layer."""
-    config = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not config.tie_embeddings:
-        weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
-    kv = 2 * config.n_layers * context * config.n_kv_heads * config.head_dim * model.tok_embeddings.weight.element_size()
-    return weights + kv
-
-
 def main() -> None:
     args = parse_args()
     if args.torch_isa:
         cap_torch_isa(args.torch_isa)
     torch.set_num_threads(args.threads)
     from ringctx import cpu_kernels
-    from ringctx.planning.machine_speed import read_bandwidth
+    from ringctx.planning.machine_speed import decode_bytes_per_token, read_bandwidth
     from ringctx.model import load_model, resolve_dtype
 
     cpu_kernels.use_variant(args.cpu_isa)

@@ -4,6 +4,7 @@
     planning.py     plan and calibrate
     serve.py        serve (the HTTP server of ringctx/serve)
     environment.py  the report behind `ringctx info`
+    progress.py     the prefill's progress bar and ETA, counted in work
 """
 
 from .main import main

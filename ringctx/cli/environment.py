@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.kernels import flash_attn_available
-from ..cpu_features import cpu_has_fast_bf16, cpu_model
+from ..cpu_features import cpu_has_fast_bf16, cpu_model, phase_dtypes
 from ..cpu_kernels import cpu_kernels_report
 from ..host_memory import huge_pages_report
 from ..planning.machine_speed import auto_dtype
@@ -36,6 +36,7 @@ def environment_report() -> dict:
         attention.append("flash-attn")
     if importlib.util.find_spec("triton") is not None:
         attention.append("triton" + ("" if cuda else " (interpreter only: TRITON_INTERPRET=1)"))
+    dtype_auto = auto_dtype()
     distributed = [name for name, ok in [("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())] if ok]
     return {
         "ringctx": _version("ringctx"),
@@ -49,6 +50,8 @@ def environment_report() -> dict:
         "distributed_backends": distributed,
         "cpu_kernels": cpu_kernels_report(),
         "huge_pages": huge_pages_report(),
-        "dtype_auto": dataclasses.asdict(auto_dtype()),
+        "dtype_auto": dataclasses.asdict(dtype_auto),
+        # what a model in dtype auto's choice computes each phase in here, and why
+        "compute_dtypes": phase_dtypes(getattr(torch, dtype_auto.dtype), "cuda" if cuda else "cpu"),
     }
 

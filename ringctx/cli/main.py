@@ -17,11 +17,14 @@ from ..units import fmt_bytes
 from rich.console import Console
 from rich.table import Table
 
+from .progress import prefill_progress, work_bar
+
 console = Console()
 err_console = Console(stderr=True)
 
 DEFAULT_PREFILL_TOKENS = 12288  # about a minute with the embedded model on 2 ranks of a 2-core CPU
 DEFAULT_FOLLOW_UP_TOKENS = 48   # a question's length: on a CPU pair of ranks, pass-Q's case
+DEFAULT_DECODE_TOKENS = 16      # decode steps timed against the memory floor: a fraction of a second
 
 
 class _Group(click.Group):
@@ -170,30 +173,52 @@ def _is_printing_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("[bold]prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"),
-                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=err_console,
-                    transient=True)
+PREDICTION_NOTICE_S = 300.0
+"""A run the cost model predicts to take longer than this gets a line in the header saying so."""
 
 
 def _run_prefill(engine, token_ids, *, show_progress, **kwargs):
-    """engine.prefill with a rich progress bar over chunks (printing rank only)."""
+    """engine.prefill with a rich progress bar over the chunks' work (printing rank only)."""
     if not show_progress:
         return engine.prefill(token_ids, **kwargs)
-    with _progress() as progress:
-        task = progress.add_task("prefill", total=None)
-
-        def on_chunk(done, total, record):
-            progress.update(task, total=total, completed=done)
-
+    with prefill_progress(err_console) as progress:
+        on_chunk = work_bar(progress, engine.model.full_config, engine.chunk_tokens, len(token_ids))
         return engine.prefill(token_ids, on_chunk=on_chunk, **kwargs)
 
 
-def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
+def _duration(seconds: float) -> str:
+    """"about 25 min", "about 3.2 h", "about 4.1 days"."""
+    if seconds < 3600:
+        return f"about {seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"about {seconds / 3600:.1f} h"
+    return f"about {seconds / 86400:.1f} days"
+
+
+def _predicted_seconds(engine, tokens: int) -> float | None:
+    """The cost model's time to first token of this prefill on the engine's hardware profile (as
+    `ringctx plan` predicts it), or None when the planner cannot plan it."""
+    from ..planning.prefill_plan import plan_prefill
+
+    try:
+        plan = plan_prefill(engine.model.full_config, engine.cp_size, engine.hardware, tokens, 0, engine.chunk_tokens,
+                            tp_size=engine.tp_size, dtype=str(engine.model.dtype).removeprefix("torch."),
+                            rule=engine.rule,
+                            kv_dtype=engine.kv_dtype, decode_ranks=engine.decode_ranks)
+    except ValueError:
+        return None
+    return plan.ttft_ms / 1e3
+
+
+def _short(c) -> str:
+    return c.short_reason or c.reason
+
+
+def stats_tables(stats, title: str, follow_up=None, efficiency=None) -> list:
     """The summary table and the per-chunk table of a PrefillStats (and of the follow-up prefilled
-    on top of it, whose chunks are numbered +0, +1, ...)."""
+    on top of it, whose chunks are numbered +0, +1, ...), each chunk with its short reason, then
+    the rules' formulas with their constants once (the full reasons are in --json). `efficiency`
+    (a RunEfficiency) adds the run's share of this machine's peak."""
     summary = Table(title=title, show_header=False)
     summary.add_column("what", style="bold")
     summary.add_column("value", justify="right")
@@ -223,8 +248,10 @@ def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
     if follow_up is not None:
         follow_mix = ", ".join(sorted({c.strategy for c in follow_up.chunks}))
         rows.append((f"follow-up: {follow_up.tokens:,} tokens on {follow_up.cached:,} cached",
-                     f"{follow_up.ttft_s:.2f} s ({follow_mix}), sent "
-                     + ", ".join(fmt_bytes(b) for b in follow_up.bytes_sent_per_rank)))
+                     f"{follow_up.ttft_s:.2f} s ({follow_mix})"))
+        rows.append(("follow-up: bytes sent per rank", ", ".join(fmt_bytes(b) for b in follow_up.bytes_sent_per_rank)))
+    if efficiency is not None:
+        rows += _efficiency_rows(efficiency)
     for k, v in rows:
         summary.add_row(k, v)
     chunks = Table(title="chunks")
@@ -234,10 +261,24 @@ def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
     for i, c in enumerate(shown):
         if len(stats.chunks) > 24 and i == 12:
             chunks.add_row("...", "", "", "", "", f"({len(stats.chunks) - 24} more chunks)")
-        chunks.add_row(str(c.index), f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", c.reason)
+        chunks.add_row(str(c.index), f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", _short(c))
     for c in follow_up.chunks if follow_up is not None else ():
-        chunks.add_row(f"+{c.index}", f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", c.reason)
-    return [summary, chunks]
+        chunks.add_row(f"+{c.index}", f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", _short(c))
+    every = stats.chunks + (follow_up.chunks if follow_up is not None else [])
+    formulas = list(dict.fromkeys(c.formula for c in every if c.formula))
+    return [summary, chunks, *(f"[dim]{formula}[/dim]" for formula in formulas)]
+
+
+def _efficiency_rows(e) -> list[tuple[str, str]]:
+    """Summary rows of a RunEfficiency: the prefill against the GEMM peak, the decode step against its floor."""
+    rows = [("prefill FLOP/s (cost model)", f"{e.prefill_flops_per_s / 1e9:,.1f} GFLOP/s, "
+                                            f"{e.prefill_share_of_peak:.0%} of peak"),
+            (f"peak: {e.compute_dtype} GEMM, {e.threads} thread{'s' if e.threads > 1 else ''}",
+             f"{e.peak_flops_per_s / 1e9:,.1f} GFLOP/s")]
+    if e.decode_ms_per_token is not None:
+        rows.append(("decode step / memory floor", f"{e.decode_ms_per_token:.1f} / {e.decode_floor_ms:.1f} ms "
+                                                   f"({e.decode_share_of_floor:.0%})"))
+    return rows
 
 
 @main.command()
@@ -246,6 +287,9 @@ def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
 @click.option("--follow-up", "follow_up", default=DEFAULT_FOLLOW_UP_TOKENS, show_default=True, type=int,
               help="Then prefill this many more synthetic tokens on top of the cached prompt, as a question about "
                    "a document is (0: none); a short follow-up on a long cache is what pass-Q is for.")
+@click.option("--decode", "decode_tokens", default=DEFAULT_DECODE_TOKENS, show_default=True, type=int,
+              help="Then decode this many greedy tokens on the cached prompt, to report the decode step against "
+                   "its memory floor (0: none).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic token ids.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
@@ -256,21 +300,26 @@ def stats_tables(stats, title: str, follow_up=None) -> list[Table]:
               help="Write the prompt's KV cache the decode ranks hold (a ringctx document directory, one slice per "
                    "rank) here.")
 @engine_options
-def prefill(tokens, follow_up, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp, chunk_tokens,
-            strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
+def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp,
+            chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`.
 
     With no options: the embedded model on every GPU of this machine (2 ranks on a CPU), about a
-    minute on a 2-core CPU, then a short follow-up on top of the cached prompt."""
+    minute on a 2-core CPU, then a short follow-up on top of the cached prompt and a few decode
+    steps; the table says how close both ran to this machine's measured peak."""
     import torch
 
+    from ..cpu_features import phase_dtypes
     from ..engine import auto_nproc
+    from ..engine.efficiency import measure_efficiency, measure_peaks
     from ..engine.failures import RankFailure
 
     if tokens < 1:
         raise _AgreedBadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
     if follow_up < 0:
         raise _AgreedBadParameter(f"must be >= 0, got {follow_up}", param_hint="--follow-up")
+    if decode_tokens < 0:
+        raise _AgreedBadParameter(f"must be >= 0, got {decode_tokens}", param_hint="--decode")
     if nproc == "auto":
         nproc = auto_nproc(device, tp)
     world = int(os.environ.get("WORLD_SIZE", nproc))
@@ -280,7 +329,9 @@ def prefill(tokens, follow_up, seed, json_path, trace_path, logits_path, kv_path
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
                           decode_ranks, kv_dtype, tp)
     printing = _is_printing_rank()
-    follow_stats = None
+    follow_stats = answer = None
+    dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))
+    predicted_s = _predicted_seconds(engine, tokens)
     try:
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens + follow_up,), generator=generator)
@@ -289,13 +340,21 @@ def prefill(tokens, follow_up, seed, json_path, trace_path, logits_path, kv_path
                               f"on {_mesh_words(engine)}, chunks of {engine.chunk_tokens:,} tokens, KV cache "
                               f"left on {engine.decode_ranks} decode rank(s)"
                               + (f", then {follow_up:,} more on top of it" if follow_up else "") + "[/dim]")
+            for phase in ("prefill", "decode"):
+                err_console.print(f"[dim]{phase} computes in {dtypes[phase]}[/dim]")
+            if predicted_s is not None and predicted_s > PREDICTION_NOTICE_S:
+                err_console.print(f"[bold]predicted: {_duration(predicted_s)} on this machine[/bold]; "
+                                  f"`ringctx plan` sizes a cluster for it", soft_wrap=True)
+        peaks = measure_peaks(engine) if printing else {}  # the ranks wait for the prefill: the cores are free
         try:
             result = _run_prefill(engine, ids[:tokens], show_progress=printing, trace=bool(trace_path),
-                                  as_document=bool(kv_path or follow_up))
+                                  as_document=bool(kv_path or follow_up or decode_tokens))
             if kv_path:
                 engine.save_document(result.document, kv_path)
             if follow_up and result.document is not None:
                 follow_stats = engine.extend(result.document, ids[tokens:])
+            if decode_tokens and result.document is not None and engine.state.is_decode_rank:
+                answer = _decode_steps(engine, result.document, ids[:1], decode_tokens)
         except (ValueError, RankFailure) as exc:
             raise _rank_error(exc) from None
     finally:
@@ -303,11 +362,14 @@ def prefill(tokens, follow_up, seed, json_path, trace_path, logits_path, kv_path
     if not printing:
         return
     stats = result.stats
-    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats):
+    efficiency = measure_efficiency(engine, stats, answer, before=peaks)
+    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
         console.print(table)
     if json_path:
         _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
-                                **stats.to_dict(), "follow_up": follow_stats.to_dict() if follow_stats else None})
+                                **stats.to_dict(), "follow_up": follow_stats.to_dict() if follow_stats else None,
+                                "compute_dtypes": dtypes, "predicted_s": predicted_s,
+                                "efficiency": efficiency.to_dict() if efficiency else None})
     if logits_path:
         _save_logits(logits_path, result)
     if trace_path:
@@ -318,6 +380,15 @@ def prefill(tokens, follow_up, seed, json_path, trace_path, logits_path, kv_path
     if tokens == DEFAULT_PREFILL_TOKENS:
         err_console.print("[dim]Go bigger: `ringctx prefill --tokens 1000000 --nproc N` on a machine with N GPUs or "
                           "cores, torchrun across hosts (see README), and `ringctx plan` to size it first.[/dim]")
+
+
+def _decode_steps(engine, document, prompt_ids, steps: int):
+    """`steps` greedy decode steps after `prompt_ids` on the document (no stop token): the
+    GenerationResult on the leading decode rank, None elsewhere."""
+    generation = engine.generate(document, prompt_ids.tolist(), max_new_tokens=steps + 1, stop_token_ids=[])
+    for _ in generation:
+        pass
+    return getattr(generation, "result", None)
 
 
 def _save_logits(path: str, result) -> None:
@@ -383,10 +454,9 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
 
 
 def _ingest_with_progress(engine, text, chat):
-    with _progress() as progress:
-        task = progress.add_task("prefill", total=None)
-        return engine.ingest(text, chat=chat, on_chunk=lambda done, total, _: progress.update(task, total=total,
-                                                                                               completed=done))
+    with prefill_progress(err_console) as progress:
+        return engine.ingest(text, chat=chat, on_chunk=work_bar(progress, engine.model.full_config,
+                                                                engine.chunk_tokens))
 
 
 @main.command()

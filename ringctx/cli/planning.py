@@ -25,6 +25,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 DOES_NOT_FIT_EXIT = 3
+WIDE_TERMINAL_COLUMNS = 120
+"""From this width on, `plan`'s chunk table has a column of short reasons (it needs about 115)."""
 """Exit status of `plan` when the decode side does not fit: apart from bad input (1) and usage
 errors (2), so a script can tell "wrong command" from "this setting would run out of memory"."""
 
@@ -225,25 +227,32 @@ def render_plan(result) -> None:
         one.add_row(f"[bold]{e.strategy}[/bold]", _ms(e.predicted_ms["pass-kv"]), _ms(e.predicted_ms["pass-q"]),
                     f"{e.choice.miss_rate:.3g}")
         console.print(one)
-        console.print(f"[bold]reason:[/bold] {e.choice.reason}")
+        console.print(f"[bold]reason:[/bold] {e.choice.short_reason}")
+        console.print(f"[dim]{e.choice.formula}[/dim]")
     else:
         chunks = Table(title=f"{len(result.entries)} chunks", show_header=True)
-        for col in ("#", "new", "cached", "strategy", "pass-KV ms", "pass-Q ms", "miss rate"):
-            chunks.add_column(col, justify="left" if col == "strategy" else "right")
+        # each chunk's short reason where the terminal has room for it; the lines below the table
+        # name the reason of chunk 0 and of each switch in any case
+        wide = console.width >= WIDE_TERMINAL_COLUMNS
+        for col in ("#", "new", "cached", "strategy", "pass-KV ms", "pass-Q ms", "miss rate") + (("reason",) if wide else ()):
+            chunks.add_column(col, justify="left" if col in ("strategy", "reason") else "right")
         shown = result.entries if len(result.entries) <= 40 else result.entries[:20] + result.entries[-20:]
         for i, e in enumerate(shown):
             if len(result.entries) > 40 and i == 20:
-                chunks.add_row("...", "", "", "", "", "", "")
+                chunks.add_row("...", *[""] * (len(chunks.columns) - 1))
             fast = min(e.predicted_ms, key=e.predicted_ms.get)
             cells = {s: (f"[bold]{_ms(v)}[/bold]" if s == fast else _ms(v)) for s, v in e.predicted_ms.items()}
             chunks.add_row(str(e.index), f"{e.new_tokens:,}", f"{e.cached_tokens:,}", e.strategy, cells["pass-kv"],
-                           cells["pass-q"], f"{e.choice.miss_rate:.3g}")
+                           cells["pass-q"], f"{e.choice.miss_rate:.3g}", *((e.choice.short_reason,) if wide else ()))
         console.print(chunks)
+        # where the strategy switches (rows of a long plan may be left out above), then the rule once
         switches = [e for prev, e in zip(result.entries, result.entries[1:]) if e.strategy != prev.strategy]
         first = result.entries[0]
-        console.print(f"[bold]chunk 0:[/bold] {first.choice.reason}")
+        console.print(f"[bold]chunk 0:[/bold] {first.choice.short_reason}")
         for e in switches[:3]:
-            console.print(f"[bold]chunk {e.index}:[/bold] {e.choice.reason}")
+            console.print(f"[bold]chunk {e.index}:[/bold] {e.choice.short_reason}")
+        for formula in dict.fromkeys(e.choice.formula for e in result.entries):
+            console.print(f"[dim]{formula}[/dim]")
 
     times = Table(title="predicted time to first token", show_header=False)
     times.add_column("what", style="bold")

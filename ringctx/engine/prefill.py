@@ -92,7 +92,12 @@ class ChunkStats:
     """Tokens before the chunk (its P)."""
     strategy: str
     reason: str
+    """Why this strategy, in full: the rule's condition with every number and constant."""
     seconds: float
+    short_reason: str = ""
+    """The reason in under 60 characters (the condition, its numbers, the verdict) for a table cell."""
+    formula: str = ""
+    """The rule with its constants, the same for every chunk of a setting ("" when no rule decided)."""
 
 
 @dataclass
@@ -325,7 +330,7 @@ class PrefillRun:
         (s, e), layout = self.chunks[index], self.layouts[index]
         model, rank, world, group, config, shard = self.model, self.rank, self.world, self.group, self.config, self.shard
         t0 = time.perf_counter()
-        strategy, reason = _decide(e - s, self.cached_len + s, model, world, config)
+        strategy, reason, short_reason, formula = _decide(e - s, self.cached_len + s, model, world, config)
         rows_before = layout.num_cached(rank)
         n_new = layout.num_new(rank)
         chunk_ids = self.token_ids[s:e].to(model.device)
@@ -354,7 +359,8 @@ class PrefillRun:
         if shard.positions is not None:
             shard.positions[rows_before:rows_before + n_new] = positions.cpu()
         shard.length = rows_before + n_new
-        record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, time.perf_counter() - t0)
+        record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, time.perf_counter() - t0,
+                            short_reason, formula)
         self.stats.chunks.append(record)
         self.next_chunk += 1
         if self.on_chunk is not None:
@@ -457,19 +463,21 @@ def _signature(model, token_ids, config, cached_len) -> str:
             f"decode_rank={config.decode_rank} decode_ranks={config.decode_ranks} kv_dtype={config.kv_dtype}")
 
 
-def _decide(new_tokens: int, cached_tokens: int, model, world: int, config: PrefillConfig) -> tuple[str, str]:
-    """The chunk's strategy and the reason, as a sentence."""
+def _decide(new_tokens: int, cached_tokens: int, model, world: int,
+            config: PrefillConfig) -> tuple[str, str, str, str]:
+    """The chunk's strategy, the reason as a sentence, the reason in short, and the rule's formula."""
     if world == 1:
-        return "pass-kv", "one rank: nothing travels"
+        return "pass-kv", "one rank: nothing travels", "one rank: nothing travels", ""
     if config.strategy != "auto":
-        return config.strategy, f"forced: strategy={config.strategy}"
+        forced = f"forced: strategy={config.strategy}"
+        return config.strategy, forced, forced, ""
     from ..planning.strategy import choose_strategy
 
     dtype = str(model.dtype).removeprefix("torch.")
     # Under tensor parallelism the ring carries this TP rank's heads: the rule sees heads per TP rank.
     choice = choose_strategy(new_tokens, cached_tokens, model.full_config, world, config.hardware, config.rule,
                              dtype=dtype, tp_size=model.tp.size)
-    return choice.strategy, choice.reason
+    return choice.strategy, choice.reason, choice.short_reason, choice.formula
 
 
 def _last_token_logits(model, x, layout, rank, world, group, logits):

@@ -4,7 +4,12 @@ A decode step reads every weight and the whole KV cache once, so its floor is
 
     (bytes of weights read per token + bytes of KV cache) / read bandwidth
 
-`read_bandwidth` measures the bandwidth (scripts/bench_model.py prints each row's floor beside it).
+`read_bandwidth` measures the bandwidth (scripts/bench_model.py prints each row's floor beside it,
+`ringctx prefill` its decode step's), `decode_bytes_per_token` counts the bytes.
+
+`matmul_flops_per_s` times this machine's peak for a prefill: a short GEMM of the model's MLP
+shapes, in float32 and, where bf16 matmuls are native, in bf16. `ringctx prefill` reports the
+prefill's FLOP/s (the cost model's FLOPs over the chunks' seconds) as a share of it.
 
 `auto_dtype` answers `dtype="auto"` on a CPU: the dtype that decodes fastest here among those
 that meet ringctx's exactness rules, measured. The candidates are float32 and bfloat16 (bf16
@@ -58,6 +63,43 @@ def read_bandwidth(*, threads: int | None = None, nbytes: int = _PROBE_BYTES, re
     finally:
         torch.set_num_threads(before)
     return x.numel() * 4 / best
+
+
+def matmul_flops_per_s(rows: int, dim: int, ffn_dim: int, dtype: torch.dtype = torch.float32, *,
+                       threads: int | None = None, repeats: int = 5) -> float:
+    """FLOP/s of the MLP's two GEMM shapes of one prefill chunk on this CPU, with `threads`
+    threads (default: torch's): [rows, dim] x [dim, ffn_dim] and [rows, ffn_dim] x [ffn_dim, dim],
+    the best of `repeats` of each (after one warm-up), 2*rows*dim*ffn_dim FLOPs each."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x, w_up = (torch.randn(shape, generator=generator).to(dtype) for shape in ((rows, dim), (dim, ffn_dim)))
+        h, w_down = (torch.randn(shape, generator=generator).to(dtype) for shape in ((rows, ffn_dim), (ffn_dim, dim)))
+        best = 0.0
+        with torch.inference_mode():
+            for a, b in ((x, w_up), (h, w_down)):
+                a @ b  # warm-up: oneDNN picks and builds its kernel
+                best += min(_seconds(lambda: a @ b) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(before)
+    return 2 * (2 * rows * dim * ffn_dim) / best
+
+
+def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | None = None) -> float:
+    """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
+    read; a tied table is read whole as the output head, and counted once), plus K and V of
+    `context` cached tokens in every layer (`kv_bytes_per_token` each; default: in the weights'
+    dtype, every layer and KV head)."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not config.tie_embeddings:
+        weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    if kv_bytes_per_token is None:
+        kv_bytes_per_token = (2 * config.n_layers * config.n_kv_heads * config.head_dim
+                              * model.tok_embeddings.weight.element_size())
+    return weights + context * kv_bytes_per_token
 
 
 def _seconds(fn) -> float:

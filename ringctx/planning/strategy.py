@@ -161,6 +161,12 @@ class StrategyChoice:
     """BW: bytes/s per rank used in the formulas (the ring's bandwidth in the profile)."""
     element_bytes: int
     """e: bytes per element of the attention dtype."""
+    short_reason: str = ""
+    """The reason in under 60 characters for a table cell: the condition that decided, its numbers
+    and the verdict, e.g. "Eq.2: T=4096 >= 1713 -> pass-KV" (the constants are in `formula`)."""
+    formula: str = ""
+    """The rule with its constants (N, C, BW, e, NH, NKV), the same for every chunk of a prefill:
+    printed once below a table of short reasons."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -198,10 +204,14 @@ def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | s
         costs = predict_costs(new_tokens, cached_tokens, model, cp_size, hardware, tp_size=tp_size,
                               dtype=dtype, max_cached_per_rank=max_cached_per_rank)
         strategy, reason = _decide_cost(costs)
+    numbers = dataclasses.replace(numbers, strategy=strategy, rule=rule)
+    short, formula = _short_reason(numbers, costs if rule == "cost" else None), _formula(numbers, hardware)
     reason += tp_heads_note(model, tp_size)
+    formula += tp_heads_note(model, tp_size)
     if cp_size == 1:
         reason += " (cp_size=1: no ring, both strategies run the same local attention)"
-    return dataclasses.replace(numbers, strategy=strategy, rule=rule, reason=reason)
+        short = f"N=1, no ring: {short}"
+    return dataclasses.replace(numbers, reason=reason, short_reason=short, formula=formula)
 
 
 def validate_ring_inputs(new_tokens: int, cached_tokens: int, cp_size: int) -> None:
@@ -267,6 +277,39 @@ def _decide_alg5(n: StrategyChoice) -> tuple[str, str]:
                          f"its exposed KV transfer costs less than pass-Q's All2All")
     return PASS_Q, (f"alg5: pass-Q because {_compute_clause(n, '<')} and miss rate T/(T+P)={n.miss_rate:.4g} < "
                     f"{threshold}: pass-Q's All2All costs less than pass-KV's exposed KV transfer")
+
+
+def _short_reason(n: StrategyChoice, costs: "dict[str, StrategyCost] | None" = None) -> str:
+    """The deciding condition in about 32 characters, e.g. "Eq.2: T=4096 >= 1713 -> pass-KV" or
+    "Alg.5: m=0.0039 < 0.21 -> pass-Q" (pass-Q also had T below Eq. 2's threshold: see `formula`)."""
+    verdict = "pass-KV" if n.strategy == PASS_KV else "pass-Q"
+    if n.rule == "empirical":
+        return f"h(T,m)={n.empirical_score:.3g} {'>' if n.strategy == PASS_KV else '<='} 0 -> {verdict}"
+    if n.rule == "cost":
+        kv, q = costs[PASS_KV].attention_s * 1e3, costs[PASS_Q].attention_s * 1e3
+        return f"cost: {kv:.3g} vs {q:.3g} ms/layer -> {verdict}"
+    if n.new_tokens >= n.compute_threshold_tokens:
+        return f"Eq.2: T={n.new_tokens} >= {n.compute_threshold_tokens:.0f} -> {verdict}"
+    label, threshold = (("Eq.1", n.message_size_threshold) if n.rule == "alg1"
+                        else ("Alg.5", n.alg5_miss_rate_threshold))
+    return f"{label}: m={n.miss_rate:.2g} {'>=' if n.miss_rate >= threshold else '<'} {threshold:.2g} -> {verdict}"
+
+
+def _formula(n: StrategyChoice, hw: HardwareProfile) -> str:
+    """The rule of `n` with its constants, the same for every chunk of one setting."""
+    constants = (f"N={n.cp_size}, C={n.peak_flops:.3g} FLOP/s (peak), BW={n.bandwidth_bytes_per_s:.3g} B/s, "
+                 f"e={n.element_bytes}, NH={n.n_heads}, NKV={n.n_kv_heads}")
+    eq2 = f"T >= N*C*NKV*e/(2*NH*BW) = {n.compute_threshold_tokens:.0f} (Eq. 2)"
+    if n.rule == "alg1":
+        return f"alg1: pass-KV if {eq2} or m=T/(T+P) >= 2*NKV/NH = {n.message_size_threshold:.4g} (Eq. 1); {constants}"
+    if n.rule == "alg5":
+        return (f"alg5: pass-KV if {eq2} or m=T/(T+P) >= 2*NKV/NH - 4*T*BW/(N*C*e)*(1-m/2) (Alg. 5, "
+                f"2*NKV/NH = {n.message_size_threshold:.4g}); {constants}")
+    if n.rule == "empirical":
+        return (f"empirical: pass-KV if h = a*ln T + b*ln m + c > 0, m=T/(T+P), coefficients of profile "
+                f"{hw.name!r} (or fitted to alg5); {constants}")
+    return (f"cost: the strategy with the smaller predicted attention time per layer (ring steps, exposed "
+            f"transfers, pass-Q's All2All) on profile {hw.name!r}")
 
 
 def _decide_empirical(n: StrategyChoice, model: ModelConfig, hw: HardwareProfile, dtype: str):

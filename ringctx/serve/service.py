@@ -32,6 +32,7 @@ from ..engine import Engine
 from ..engine.document import chat_frame
 from ..engine.memory_check import available_memory
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
+from ..planning.work import WorkProgress, prefill_chunk_flops
 from ..units import fmt_bytes
 from . import backend as api
 from .store import DocumentRecord, DocumentStore, new_document_id, now
@@ -157,8 +158,8 @@ class EngineBackend:
         with self._lock:
             self._records[record.id] = record
             self._tokens[record.id] = ids_tensor
-            self._progress[record.id] = {"started": time.monotonic(), "work_done": 0.0,
-                                         "work": _prefill_work(self.engine, [n], self.engine.chunk_tokens)}
+            started = time.monotonic()
+            self._progress[record.id] = {"started": started, "last": started, "work": _ingest_progress(self.engine, n)}
 
         def start():
             job = self.engine.start_prefill(ids_tensor, as_document=True, decode_room=QUESTION_ROOM_TOKENS)
@@ -183,7 +184,10 @@ class EngineBackend:
             record.chunk_seconds.append(round(stats.seconds, 4))
             record.chunk_tokens.append(stats.tokens)
             record.seconds = round(time.monotonic() - self._progress[doc_id]["started"], 3)
-            self._progress[doc_id]["work_done"] += _chunk_work(self.engine, stats.tokens, stats.cached)
+            # wall time between chunks: decode steps the scheduler runs between them slow the rest alike
+            progress, now = self._progress[doc_id], time.monotonic()
+            progress["work"].chunk_done(now - progress["last"])
+            progress["last"] = now
             self.prefill_tokens += stats.tokens
             self.prefill_seconds += stats.seconds
             self.document_chunks_prefilled += 1
@@ -249,9 +253,9 @@ class EngineBackend:
         progress = self._progress.get(record.id)
         if record.status == "ingesting" and progress is not None:
             info.seconds = round(time.monotonic() - progress["started"], 3)
-            done, work = progress["work_done"], progress["work"]
-            if done > 0:
-                info.eta_s = round(info.seconds * (work - done) / done, 1)
+            eta = progress["work"].eta_s(time.monotonic() - progress["last"])
+            if eta is not None:
+                info.eta_s = round(eta, 1)
         if in_memory:
             info.kv_bytes_per_rank = self._rank_bytes(record.tokens)
             info.decode_ranks = self._decode_global_ranks()
@@ -560,11 +564,9 @@ class _Answer:
 
 def _kv_bytes_per_token(engine: Engine) -> int:
     """KV bytes one token of a document takes over all decode ranks (every KV head, every layer)."""
-    from ..model import KVCache
+    from ..engine.efficiency import kv_bytes_per_token
 
-    probe = KVCache.for_model(engine.model.full_config, 1, dtype=engine.model.dtype, device="meta",
-                              kv_dtype=engine.kv_dtype)
-    return int(probe.bytes_per_token)
+    return kv_bytes_per_token(engine)
 
 
 def _auto_kv_budget(engine: Engine) -> int:
@@ -576,23 +578,10 @@ def _auto_kv_budget(engine: Engine) -> int:
     return int(per_device * MEMORY_USABLE_FRACTION * KV_BUDGET_SHARE)
 
 
-def _chunk_work(engine: Engine, tokens: int, cached: int) -> float:
-    """FLOPs of one prefill chunk (the cost model's): what the ETA counts, since chunk k attends to all before it."""
-    from ..planning.strategy import attention_flops, linear_flops
-
-    cfg = engine.model.full_config
-    return float((linear_flops(tokens, cfg, 1) + attention_flops(tokens, cached, cfg.n_heads * cfg.head_dim))
-                 * cfg.n_layers)
-
-
-def _prefill_work(engine: Engine, lengths: list[int], chunk: int) -> float:
-    total, cached = 0.0, 0
-    for n in lengths:
-        for s in range(0, n, chunk):
-            t = min(chunk, n - s)
-            total += _chunk_work(engine, t, cached)
-            cached += t
-    return total
+def _ingest_progress(engine: Engine, tokens: int) -> WorkProgress:
+    """The ETA of an ingest of `tokens` tokens: the cost model's work per chunk (chunk k attends to
+    all before it), at the rate its timed chunks ran (`WorkProgress`, as the CLI's progress bar)."""
+    return WorkProgress(prefill_chunk_flops([tokens], engine.chunk_tokens, engine.model.full_config))
 
 
 def _rate(chunk_tokens: list[int], chunk_seconds: list[float]) -> float | None:

@@ -1,5 +1,6 @@
 """`ringctx prefill` and `ringctx info` through click's runner."""
 
+import importlib
 import json
 
 import pytest
@@ -50,6 +51,7 @@ def test_prefill_by_default_runs_a_ring_and_a_follow_up_on_its_cache(tmp_path, m
     (["--nproc", "many"], "'many' is neither a number of ranks nor 'auto'"),
     (["--nproc", "0"], "must be >= 1, got 0"),
     (["--follow-up", "-1"], "must be >= 0, got -1"),
+    (["--decode", "-2"], "must be >= 0, got -2"),
     (["--model", "llama9-1t"], "neither a model preset"),
     (["--hardware", "no-such-profile", "--tokens", "10"], "no-such-profile"),
 ])
@@ -69,3 +71,131 @@ def test_info_json():
     assert kernels["variant"] in kernels["variants_this_cpu_runs"] + [None] and kernels["why"]
     assert all(state == "in use" or state.startswith("not in use: ") for state in kernels["kernels"].values())
     assert report["dtype_auto"]["dtype"] in ("bfloat16", "float32") and report["dtype_auto"]["why"]
+    assert set(report["compute_dtypes"]) == {"prefill", "decode"} and all(report["compute_dtypes"].values())
+
+
+def _lines_at_80_columns(monkeypatch, args):
+    """`ringctx prefill ARGS` as an 80-column terminal shows it: (exit code, stdout lines, JSON)."""
+    from rich.console import Console
+
+    cli = importlib.import_module("ringctx.cli.main")  # the module: ringctx.cli.main is also the click group
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(cli, "console", Console(width=80))
+    result = CliRunner().invoke(main, ["prefill", *args])
+    return result, result.stdout.splitlines()
+
+
+def test_prefill_table_reads_at_80_columns_with_one_short_reason_per_chunk(tmp_path, monkeypatch):
+    """The default run's table code (a ring of 2 ranks, chunks, a follow-up, the peak's rows) at 80
+    columns: no line is wider, every chunk's short reason sits whole on its row (no wrapped cell),
+    the rule's formula is printed once, and --json keeps the full reasons."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    out = tmp_path / "r.json"
+    result, lines = _lines_at_80_columns(monkeypatch, ["--model", "tiny", "--tokens", "768", "--chunk-tokens", "256",
+                                                       "--dtype", "float32", "--device", "cpu", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    chunks = data["chunks"] + data["follow_up"]["chunks"]
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    for c in chunks:
+        assert 0 < len(c["short_reason"]) < 60 and len(c["reason"]) > len(c["short_reason"])
+        row = [line for line in lines if c["short_reason"] in line]
+        assert len(row) >= 1 and c["strategy"] in row[0], (c["short_reason"], "\n".join(lines))
+    assert chunks[0]["short_reason"].startswith("Eq.2: T=256 >= ")
+    assert chunks[-1]["short_reason"].startswith("Alg.5: m=") and chunks[-1]["short_reason"].endswith("-> pass-Q")
+    formula = chunks[0]["formula"]
+    assert formula.startswith("alg5: pass-KV if T >= N*C*NKV*e/(2*NH*BW)")
+    assert sum(line.startswith("alg5: pass-KV if") for line in lines) == 1  # once, below the table
+    assert "Eq. 2, N*C*NKV*e/(2*NH*BW) with N=2" in chunks[0]["reason"]  # the full text, as before
+
+
+def test_the_default_runs_reasons_fit_80_columns():
+    """The chunks of the default `ringctx prefill` (SmolLM2-135M, 12,288 tokens in chunks of 4,096 on
+    2 ranks, a 48-token follow-up), as the strategy rule explains them for the built-in CPU profile
+    in either dtype, rendered by the same table code at 80 columns: no reason cell wraps."""
+    from rich.console import Console
+
+    from ringctx.cli.main import DEFAULT_FOLLOW_UP_TOKENS, DEFAULT_PREFILL_TOKENS, stats_tables
+    from ringctx.engine.prefill import ChunkStats, PrefillStats
+    from ringctx.planning.strategy import choose_strategy
+
+    def stats(tokens, cached, chunk, dtype):
+        s = PrefillStats(tokens=tokens, cached=cached, world_size=2, chunk_tokens=chunk, ttft_s=61.234,
+                         bytes_sent_per_rank=[123456789, 123456789], kv_shard_bytes_per_rank=[1 << 30, 1 << 30],
+                         decode_slice_rows_per_rank=[6168, 6168], handoff_bytes_per_rank=[0, 0],
+                         handoff_cross_host_bytes_per_rank=[0, 0], peak_rss_bytes_per_rank=[1 << 31, 1 << 31],
+                         handoff_peak_rss_bytes_per_rank=[1 << 31, 1 << 31], decode_ranks=2)
+        for i, start in enumerate(range(0, tokens, chunk)):
+            t = min(chunk, tokens - start)
+            choice = choose_strategy(t, cached + start, "smollm2-135m", 2, "cpu", dtype=dtype)
+            s.chunks.append(ChunkStats(i, t, cached + start, choice.strategy, choice.reason, 123.45,
+                                       choice.short_reason, choice.formula))
+        return s
+
+    for dtype in ("bfloat16", "float32"):
+        prompt = stats(DEFAULT_PREFILL_TOKENS, 0, 4096, dtype)
+        follow = stats(DEFAULT_FOLLOW_UP_TOKENS, DEFAULT_PREFILL_TOKENS, 4096, dtype)
+        console = Console(width=80, record=True)
+        for renderable in stats_tables(prompt, "ringctx prefill: smollm2-135m, 12,288 tokens", follow):
+            console.print(renderable)
+        lines = console.export_text().splitlines()
+        assert [c.strategy for c in prompt.chunks + follow.chunks] == ["pass-kv"] * 3 + ["pass-q"]
+        for c in prompt.chunks + follow.chunks:
+            assert any(c.short_reason in line and c.strategy in line for line in lines), "\n".join(lines)
+        assert all(len(line) <= 80 for line in lines)
+
+
+def test_prefill_reports_its_share_of_the_measured_peak_and_the_dtypes(tmp_path):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["prefill", "--model", "tiny", "--tokens", "300", "--chunk-tokens", "100",
+                                       "--nproc", "1", "--follow-up", "0", "--decode", "4", "--dtype", "float32",
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    e = data["efficiency"]
+    assert e["compute_dtype"] == "float32" and e["gemm_flops_per_s"]["float32"] == e["peak_flops_per_s"] > 0
+    assert e["prefill_flops"] > 0 and e["prefill_seconds"] == pytest.approx(sum(c["seconds"] for c in data["chunks"]))
+    assert e["prefill_share_of_peak"] == pytest.approx(e["prefill_flops"] / e["prefill_seconds"] / e["peak_flops_per_s"])
+    assert e["decode_ms_per_token"] > 0 and e["decode_floor_ms"] > 0 and e["read_bandwidth_bytes_per_s"] > 0
+    assert e["decode_share_of_floor"] == pytest.approx(e["decode_floor_ms"] / e["decode_ms_per_token"])
+    assert set(data["compute_dtypes"]) == {"prefill", "decode"}
+    for text in ("of peak", "peak: float32 GEMM", "decode step / memory floor", "prefill computes in float32"):
+        assert text in result.output, text
+
+
+def test_prefill_header_warns_of_a_long_predicted_run(monkeypatch):
+    cli = importlib.import_module("ringctx.cli.main")  # the module: ringctx.cli.main is also the click group
+
+    monkeypatch.setattr(cli, "PREDICTION_NOTICE_S", 0.0)  # any run counts as long
+    result = CliRunner().invoke(main, ["prefill", "--model", "tiny", "--tokens", "200", "--nproc", "1",
+                                       "--follow-up", "0", "--decode", "0", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert "predicted: about" in result.output and "`ringctx plan` sizes a cluster for it" in result.output
+    assert cli._duration(90) == "about 2 min" and cli._duration(5 * 3600) == "about 5.0 h"
+    assert cli._duration(3 * 86400) == "about 3.0 days"
+
+
+def test_the_progress_bar_counts_work_not_chunks():
+    """After 1 of 3 equal-length chunks the bar is at chunk 0's share of the FLOPs (under a third:
+    later chunks attend to more), and its ETA is the FLOPs left at chunk 0's rate."""
+    import io
+
+    from rich.console import Console
+
+    from ringctx.cli.progress import prefill_progress, work_bar
+    from ringctx.engine.prefill import ChunkStats
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.work import prefill_chunk_flops
+
+    cfg = get_preset("smollm2-135m")
+    work = prefill_chunk_flops([12288], 4096, cfg)
+    with prefill_progress(Console(file=io.StringIO())) as progress:
+        on_chunk = work_bar(progress, cfg, 4096, 12288)
+        on_chunk(1, 3, ChunkStats(0, 4096, 0, "pass-kv", "", 10.0))
+        (task,) = progress.tasks
+        assert task.completed == work[0] and task.total == sum(work) and task.completed / task.total < 0.2
+        assert task.fields["chunks"] == "1/3"
+        assert task.fields["work"].eta_s() == pytest.approx(10.0 * (work[1] + work[2]) / work[0])
+        on_chunk(2, 3, ChunkStats(1, 4096, 4096, "pass-kv", "", 18.0))
+        assert task.fields["work"].eta_s() == pytest.approx(18.0 * work[2] / work[1])

@@ -291,3 +291,24 @@ def test_plan_bad_mesh_combinations_are_usage_errors(args, message):
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
     assert len(errors) == 1 and message in errors[0], result.output
+
+
+def test_plan_reasons_are_short_with_the_formula_once(monkeypatch):
+    """Chunk 0's and each switch's short reason below the table, the rule with its constants once;
+    a terminal of 120+ columns also gets each chunk's short reason in the table; --json keeps the
+    full reasons."""
+    from rich.console import Console
+
+    import ringctx.cli.planning as cli_planning
+
+    args = ["--cp", "2", "--hardware", "cpu", "--tokens", "8192", "--chunk-tokens", "2048", "--dtype", "float32"]
+    for width in (80, 130):
+        monkeypatch.setattr(cli_planning, "console", Console(width=width))
+        lines = run(plan, args).output.splitlines()
+        assert "chunk 0: Eq.2: T=2048 >= 159 -> pass-KV" in lines
+        assert sum(line.startswith("alg5: pass-KV if T >= N*C*NKV*e/(2*NH*BW) = 159") for line in lines) == 1
+        in_table = [line for line in lines if line.startswith("│") and "Eq.2: T=2048 >= 159 -> pass-KV" in line]
+        assert len(in_table) == (4 if width == 130 else 0)
+    d = json.loads(run(plan, [*args, "--json"]).output)
+    choice = d["entries"][0]["choice"]
+    assert choice["short_reason"] == "Eq.2: T=2048 >= 159 -> pass-KV" and "Eq. 2, N*C*NKV*e/(2*NH*BW)" in choice["reason"]

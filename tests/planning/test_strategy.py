@@ -651,3 +651,24 @@ def test_invalid_json_names_file_and_line(tmp_path):
         load_profile(path)
     with pytest.raises(ValueError, match="must be a JSON object"):
         load_profile(_write(tmp_path, "[1, 2]"))
+
+
+def test_short_reasons_name_the_deciding_numbers_in_under_60_characters():
+    """Every rule's short reason: the condition that decided with its numbers and the verdict; the
+    formula carries the constants (once per table); the full reason is unchanged."""
+    for rule in ("alg1", "alg5", "empirical", "cost"):
+        for T, P, N, tp in ((100_000, 900_000, 4, 1), (3200, 124_800, 4, 1), (100, 10_000, 8, 4), (4096, 0, 2, 1),
+                            (48, 12288, 1, 1)):
+            choice = choose_strategy(T, P, L8, N, "h100-rdma", rule, tp_size=tp)
+            short = choice.short_reason
+            assert len(short) < 60 and short.endswith("-> pass-KV" if choice.strategy == PASS_KV else "-> pass-Q")
+            assert choice.formula.startswith(f"{rule}: ") and choice.formula not in choice.reason
+            if rule in ("alg1", "alg5"):
+                assert f"N={N}" in choice.formula and "BW=" in choice.formula
+    at = choose_strategy(4000, 10**9, L405, 4, PAPER_H100, "alg5")
+    assert at.short_reason == "Eq.2: T=4000 >= 4000 -> pass-KV"
+    below = choose_strategy(3200, 124_800, L405, 4, PAPER_H100, "alg5")
+    assert below.strategy == PASS_Q
+    assert below.short_reason == f"Alg.5: m=0.025 < {below.alg5_miss_rate_threshold:.2g} -> pass-Q"
+    assert choose_strategy(3200, 124_800, L405, 4, PAPER_H100, "alg1").short_reason == "Eq.1: m=0.025 < 0.12 -> pass-Q"
+    assert choose_strategy(100, 100, L8, 1, "h100-rdma").short_reason.startswith("N=1, no ring: ")
