@@ -149,7 +149,12 @@ class Scheduler:
     """Runs an Engine's prefills, answers and other calls on one thread, a step at a time.
 
     Args:
-        engine: the Engine (rank 0's); only this scheduler's thread uses it from now on.
+        engine: the Engine (rank 0's), or a function that builds it (and nothing else), which the
+            scheduler then calls on its own thread. Only this scheduler's thread uses the engine
+            from now on. Prefer the function: OpenMP keeps a team of threads per thread that runs a
+            parallel region, and with two teams on a machine's cores GNU OpenMP stops spinning
+            between regions, which cost a decode step 35% at 8K tokens on 2 cores (built on the
+            calling thread: 64-65 ms against 47-48 ms, docs/BENCHMARKS.md).
         prefill_every_s: a queued prefill gets a chunk at least this often, even while answers run.
         on_failure: called once (on the scheduler's thread) with the RankFailure that ended it.
         max_batch: questions decoded together at most (the others wait).
@@ -166,11 +171,9 @@ class Scheduler:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.engine = engine
         self.prefill_every_s = prefill_every_s
         self.on_failure = on_failure
         self.max_batch, self.max_rows = max_batch, max_rows
-        self.max_step_tokens = max_step_tokens or default_step_tokens(engine, max_batch)
         self.questions: collections.deque[QuestionTicket] = collections.deque()
         self.batched: list[QuestionTicket] = []  # joined, decoding together
         self.last_step_tokens = 0  # tokens the last step ran (decode + prefill): what the budget bounds
@@ -182,8 +185,15 @@ class Scheduler:
         self.running: AnswerTicket | None = None
         self.stopped: str | None = None
         self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="ringctx-scheduler", daemon=True)
+        self._built, self._go = threading.Event(), threading.Event()
+        self._build_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(engine,), name="ringctx-scheduler", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
+        self.max_step_tokens = max_step_tokens or default_step_tokens(self.engine, max_batch)
+        self._go.set()
 
     # ------------------------------------------------------------------ from any thread
     def submit_answer(self, start: Callable[[], Any]) -> AnswerTicket:
@@ -240,6 +250,18 @@ class Scheduler:
         return item
 
     # ------------------------------------------------------------------ the scheduler's thread
+    def _run(self, engine) -> None:
+        """Build the engine here when given a function (see the class's Args), then run the loop."""
+        try:
+            self.engine = engine() if callable(engine) else engine
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            self._build_error = exc
+            return
+        finally:
+            self._built.set()
+        self._go.wait()
+        self._loop()
+
     def _loop(self) -> None:
         while True:
             with self._wake:

@@ -93,18 +93,27 @@ class EngineBackend:
         self.is_server_rank = is_server_rank()
         if self.is_server_rank:
             self.store = DocumentStore(store_dir)  # a bad path fails before any rank starts
-        self.engine = engine = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
-                                      dtype=dtype, timeout_s=timeout_s, chunk_tokens=chunk_tokens)
+
+        def build() -> Engine:
+            built = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype, dtype=dtype,
+                           timeout_s=timeout_s, chunk_tokens=chunk_tokens)
+            if self.is_server_rank and built.mode == "torchrun":
+                built.lead()
+            return built
+
         if not self.is_server_rank:
+            self.engine = build()
             return
-        if engine.mode == "torchrun":
-            engine.lead()
+        # Rank 0's engine is built on the scheduler's thread, which runs all of its work (see Scheduler).
+        self.scheduler = Scheduler(build, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens)
+        self.engine = engine = self.scheduler.engine
         self.model_id = os.path.basename(str(model).rstrip("/")).removesuffix(".gguf")
         limit = engine.model.config.rope_scaling.position_limit if engine.model.config.rope_scaling else None
         self.max_context_tokens = int(limit or 2**31 - 1)
         self.max_queue = max_queue
         self.tokenizer = engine.model.tokenizer
         if self.tokenizer is None:
+            self.scheduler.stop()
             engine.close()
             raise ValueError(f"model {model!r} has no tokenizer (a random-weight preset): serve a GGUF file or a "
                              "Hugging Face directory")
@@ -128,8 +137,7 @@ class EngineBackend:
         for record in self.store.open():
             self._records[record.id] = record
         answer_rows = max(1, int(self.kv_budget_bytes * ANSWER_ROWS_SHARE) // self.bytes_per_token)
-        self.scheduler = Scheduler(engine, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                   max_rows=answer_rows)
+        self.scheduler.max_rows = answer_rows  # nothing is submitted before this point
         self._reload_tokens()
 
     # ------------------------------------------------------------------ documents

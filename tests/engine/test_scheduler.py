@@ -141,3 +141,31 @@ def test_tickets_are_read_from_other_threads(engine, alone):
     finally:
         scheduler.stop()
     assert [results[i][1].token_ids for i in range(3)] == [alone["tokens"]] * 3
+
+
+def test_an_engine_given_as_a_function_is_built_on_the_schedulers_thread_and_answers_the_same(alone):
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return Engine("tiny", nproc=1, dtype="float32", chunk_tokens=64)
+
+    scheduler = Scheduler(build)
+    try:
+        assert built_on == [scheduler._thread] and isinstance(scheduler.engine, Engine)
+        engine = scheduler.engine
+        document = scheduler.call(lambda: engine.ingest(DOC))
+        text, result = collect(scheduler.submit_answer(
+            lambda: engine.generate(document, QUESTION, keep_logits=True, **GREEDY)))
+        assert result.token_ids == alone["tokens"]
+    finally:
+        scheduler.stop()
+        scheduler.engine.close()
+
+
+def test_a_build_that_fails_raises_from_the_constructor():
+    def build():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        Scheduler(build)
