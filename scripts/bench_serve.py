@@ -31,7 +31,10 @@ here on the model's own weight shapes and dtype.
     python scripts/bench_serve.py --skip-llama                        # ringctx alone
 
 llama-cpp-python is not a ringctx dependency: install it for the benchmark only
-(pip install llama-cpp-python==0.3.36 starlette-context).
+(pip install llama-cpp-python==0.3.36 starlette-context pydantic-settings sse-starlette). On a CPU
+with AMX, build it without its AMX path, which crashes on the Q4_1 file (the server exits with
+SIGSEGV at the first request): CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF".
 """
 
 from __future__ import annotations
