@@ -478,8 +478,6 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
     """Answer questions about a document saved by `ringctx ingest`: one question streams its answer;
     several are answered together (one decode step for all, the document read once per step for
     every question) and the answers are printed labelled, in the order asked, once all are complete."""
-    from ..engine import Engine, serving_layout
-    from ..engine.documents import describe_document
     from ..engine.failures import RankFailure
 
     for i, question in enumerate(questions):
@@ -495,11 +493,8 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
     printing = _is_printing_rank()
     engine = None
     try:
-        meta = describe_document(kv_file)
-        nproc, layout_note = serving_layout(nproc, None, tp)
-        engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
-                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
-        document = engine.load_document(kv_file)
+        engine, document, layout_note = _engine_with_document(kv_file, model, dtype, nproc, tp, decode_ranks,
+                                                              timeout_s)
         generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed) if document is not None else iter(())
         for piece in generation:
@@ -520,22 +515,35 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
                       f"{len(r.token_ids)} tokens[/dim]")
 
 
+def _engine_with_document(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
+    """(engine, document, layout note) for `ringctx ask`: an Engine in the saved document's dtype and
+    KV dtype (nproc auto: the serving layout), the document loaded on it. The caller closes the
+    engine; this closes it when the document does not load."""
+    from ..engine import Engine, serving_layout
+    from ..engine.documents import describe_document
+
+    meta = describe_document(kv_file)
+    nproc, layout_note = serving_layout(nproc, None, tp)
+    engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
+                    kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
+    try:
+        return engine, engine.load_document(kv_file), layout_note
+    except BaseException:
+        engine.close()
+        raise
+
+
 def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, sampling):
     """`ringctx ask` with several questions: Engine.ask_many (under torchrun rank 0 leads, the others follow)."""
     import time
 
-    from ..engine import Engine, serving_layout
-    from ..engine.documents import describe_document
     from ..engine.failures import RankFailure
 
     printing = _is_printing_rank()
     engine = None
     try:
-        meta = describe_document(kv_file)
-        nproc, layout_note = serving_layout(nproc, None, tp)
-        engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
-                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
-        document = engine.load_document(kv_file)
+        engine, document, layout_note = _engine_with_document(kv_file, model, dtype, nproc, tp, decode_ranks,
+                                                              timeout_s)
         if engine.mode == "torchrun" and engine.rank != 0:
             engine.follow()  # rank 0 drives the batch; this rank runs its commands until it closes
             return
