@@ -15,7 +15,8 @@ step). Per configuration:
     tokens_per_s       aggregate answer tokens per second: B / step
     vs_lone            tokens_per_s over the lone path's, paired within each round, median
     itl_vs_b1          the inter-token time over B = 1's, paired within each round, median
-    bytes_per_step     what a step must read at least: the weights once, the document's KV rows
+    bytes_per_step     what a step must read at least (machine_speed.decode_bytes_per_token, the decode
+                       floor's own count): the weights once, the document's KV rows
                        once, every question's own rows
     floor_ms           bytes_per_step / the read bandwidth measured here (ringctx.planning.machine_speed)
     vs_floor           step_ms / floor_ms
@@ -78,17 +79,9 @@ def time_lone(engine, document, q: list[int], steps: int) -> list[float]:
     return list(generation.result.token_times_s)
 
 
-def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
 def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
     from ringctx.engine import Engine
+    from ringctx.planning.machine_speed import decode_bytes_per_token
 
     rows = []
     with Engine(MODEL, nproc=args.decode_ranks, dtype="bfloat16", kv_dtype=kv_dtype,
@@ -99,7 +92,6 @@ def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
         document = engine.ingest(ids, chunk_tokens=min(args.tokens, 4096))
         print(f"kv {kv_dtype}: {args.tokens} tokens prefilled in {time.perf_counter() - t0:.0f} s", flush=True)
         kv_per_token = document.cache.bytes_per_token  # every KV head of every layer, this storage
-        weights = weight_bytes(engine.model)
         qs = questions(max(args.concurrency), vocab)
         lone, batched = [], {b: [] for b in args.concurrency}
         for _ in range(args.rounds):
@@ -108,7 +100,7 @@ def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
                 batched[b].append(statistics.median(time_batch(engine, document, qs[:b], args.steps)))
         for b in args.concurrency:
             own = b * (QUESTION_TOKENS + args.steps // 2)  # each question's own rows, on average over the steps
-            nbytes = weights + (args.tokens + own) * kv_per_token
+            nbytes = decode_bytes_per_token(engine.model, args.tokens + own, kv_per_token)
             step = statistics.median(batched[b])
             rows.append({
                 "kv_dtype": kv_dtype, "batch": b, "step_ms": 1000 * step, "tokens_per_s": b / step,
@@ -117,7 +109,7 @@ def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
                                                for r in range(args.rounds)),
                 "bytes_per_step": nbytes, "floor_ms": 1000 * nbytes / bandwidth,
                 "vs_floor": step / (nbytes / bandwidth), "step_ms_rounds": [1000 * t for t in batched[b]]})
-        nbytes = weights + (args.tokens + QUESTION_TOKENS + args.steps // 2) * kv_per_token
+        nbytes = decode_bytes_per_token(engine.model, args.tokens + QUESTION_TOKENS + args.steps // 2, kv_per_token)
         rows.append({"kv_dtype": kv_dtype, "batch": "lone", "step_ms": 1000 * statistics.median(lone),
                      "tokens_per_s": 1 / statistics.median(lone), "vs_lone": 1.0, "itl_vs_b1": None,
                      "bytes_per_step": nbytes, "floor_ms": 1000 * nbytes / bandwidth,
