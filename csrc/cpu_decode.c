@@ -311,52 +311,90 @@ int ringctx_decode_step_split(const ringctx_decoder_shape *s, const ringctx_deco
  * A batch of B tokens, one per sequence, through every layer (ringctx_decode_step_batch).
  *
  * Why: B sequences decoded together should read each weight matrix once per step, not B times,
- * and pay no per-op dispatch. Each matrix product here runs gemv_block over all B rows: a block
- * of four weight rows is read from memory once and then from L1 for the other rows, with the sums
- * of each row in the same order as the lone step's (so a row's result is the lone step's exactly,
- * up to the attention, which is the caller's). Each row is rotated at its own position.
+ * and each shared document's KV rows once for all the questions on it, with no per-op dispatch.
+ * Each matrix product runs gemv_block over all B rows: a block of four weight rows is read from
+ * memory once and then from L1 for the other rows, with the sums of each row in the same order as
+ * the lone step's. Each row is rotated at its own position.
  *
- * The attention is the caller's: a sequence's keys live in caches of their own (a shared
- * document's rows, its own rows) that the caller attends and merges across ranks. Per layer the
- * kernel leaves q, k, v of every row in the work buffer (float32 holding model-dtype values),
- * returns from its parallel region and calls attend(layer), which writes each row's attention
- * output, rounded to the model dtype, into the buffer's attn rows; then the layer goes on. The
- * callback runs outside any parallel region so that no kernel thread spins beside the caller's
- * own (PyTorch) threads while it works.
- */
+ * The attention reads a list of sources, each a KV cache (any storage: the model dtype, int8,
+ * fp8) with the batch rows whose queries attend it:
+ *
+ *   sources [0, n_shared)   documents: a document's rows (never written) once for every query on
+ *                           it, the B_doc x Hq query rows as one block per KV head (attend_range
+ *                           with R = B_doc x group), the keys split over the threads;
+ *   sources [n_shared, n)   each one sequence's own rows (its question and answer so far): the
+ *                           row's new k, v go to row write_row first (when this rank stores the
+ *                           token), then its query attends rows 0 .. keys-1;
+ *
+ * and each row's partials are merged by log-sum-exp in source order (its document, then its own
+ * rows) into a float32 (output, lse) per row and head. One rank holding every row: that output,
+ * rounded, is the attention. Several ranks: merge() is called once per layer (outside any parallel
+ * region, so no kernel thread spins beside the caller's); it merges every rank's partials and
+ * writes the rounded output into the attn rows (ringctx_decode_batch_offsets says where).
+ *
+ * A row's sums do not depend on the rest of the batch: a document's keys are split over the
+ * threads by its length alone and attend_range tiles keys the same whatever the number of query
+ * rows, so a sequence's logits are those of a batch of one.
+ * ------------------------------------------------------------------------------------------ */
 
-/* attend(layer): read q, k, v at ringctx_decode_batch_offsets' qkv ([B, Hq + 2 Hkv, D] floats),
- * write the rounded attention output at its attn ([B, Hq D] floats). */
-typedef void (*ringctx_attend_fn)(int64_t layer);
+typedef struct {
+    void *const *k, *const *v;               /* [n_layers]: each layer's rows, [rows, Hkv, D] token-major */
+    float *const *k_scale, *const *v_scale;  /* [n_layers]: the scales [rows, Hkv] of an 8-bit cache, else NULL */
+    const int64_t *rows;                     /* [n_rows]: the batch rows whose queries attend this source */
+    int64_t n_rows;
+    int64_t keys;       /* rows attended: 0 .. keys-1 */
+    int64_t write_row;  /* own rows only (n_rows == 1): the row that takes the token's k, v first; -1: none */
+    int32_t kv_q8;      /* -1: the model dtype; Q8_INT8 / Q8_FP8 */
+} ringctx_attention_source;
 
 #define MAX_BATCH 64
 
+/* Own rows of at least this many keys are split over the threads like a document's; shorter ones
+ * take one thread each (a split's barriers and merge would cost more than it saves). */
+#define OWN_SPLIT_KEYS 1024
+
+/* Sequences whose queries one pass over a document takes: R = that x group query rows per KV head
+ * must stay within MAX_R. */
+static int64_t rows_per_pass(const ringctx_decoder_shape *s, int64_t b) {
+    const int64_t group = s->n_heads / s->n_kv_heads, most = MAX_R / group;
+    return b < most ? b : most;
+}
+
 /* Where each [B, .] array of the batch work buffer starts, in floats. */
 typedef struct {
-    int64_t resid, xn, qkv, attn, gate_up, act, split, total;
+    int64_t resid, xn, qkv, attn, part_out, part_lse, gate_up, act, split, queries, threads, per_thread, total;
 } batch_layout;
 
-static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b) {
+static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b, int threads) {
     batch_layout l;
-    const int64_t qkv = (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
+    const int64_t qkv = (s->n_heads + 2 * s->n_kv_heads) * s->head_dim, hq = s->n_heads, d = s->head_dim;
+    const int64_t r = rows_per_pass(s, b) * (hq / s->n_kv_heads), rows = s->n_kv_heads * r;
     l.resid = 0;
     l.xn = l.resid + b * s->dim;
     l.qkv = l.xn + b * s->dim;
     l.attn = l.qkv + b * qkv;
-    l.gate_up = l.attn + b * s->n_heads * s->head_dim;
+    l.part_out = l.attn + b * hq * d;
+    l.part_lse = l.part_out + b * hq * d;
+    l.gate_up = l.part_lse + hq * b;
     l.act = l.gate_up + b * 2 * s->ffn_dim;
     l.split = l.act + b * s->ffn_dim;
-    l.total = l.split + b * widest_input(s);
+    l.queries = l.split + b * widest_input(s);
+    l.threads = l.queries + rows * d;
+    l.per_thread = 2 * rows + rows * d + attend_range_floats(s->n_kv_heads, r, d);
+    l.total = l.threads + (threads < 1 ? 1 : threads > 256 ? 256 : threads) * l.per_thread;
     return l;
 }
 
-/* Floats of work buffer that ringctx_decode_step_batch needs for b rows. */
-int64_t ringctx_decode_batch_work_floats(const ringctx_decoder_shape *s, int64_t b) { return layout_batch(s, b).total; }
+/* Floats of work buffer that ringctx_decode_step_batch needs for b rows and this thread count. */
+int64_t ringctx_decode_batch_work_floats(const ringctx_decoder_shape *s, int64_t b, int threads) {
+    return layout_batch(s, b, threads).total;
+}
 
-/* offsets[0] = where qkv starts, offsets[1] = where attn starts (floats into the work buffer). */
+/* Where the work buffer's arrays start (floats): offsets[0] qkv [B, Hq + 2 Hkv, D], [1] attn
+ * [B, Hq D], [2] the partial output [B, Hq, D], [3] its lse [Hq, B] (float32 all). */
 void ringctx_decode_batch_offsets(const ringctx_decoder_shape *s, int64_t b, int64_t *offsets) {
-    const batch_layout l = layout_batch(s, b);
-    offsets[0] = l.qkv, offsets[1] = l.attn;
+    const batch_layout l = layout_batch(s, b, 1);
+    offsets[0] = l.qkv, offsets[1] = l.attn, offsets[2] = l.part_out, offsets[3] = l.part_lse;
 }
 
 /* linear over b rows: y [b, out] = round(x [b, in] W^T + bias), or resid [b, out] = round(resid +
@@ -383,63 +421,250 @@ static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, co
     }
 }
 
+/* The float32 state of one batch step's attention, shared by the functions below. */
+typedef struct {
+    const ringctx_decoder_shape *s;
+    int64_t b, width;          /* rows; floats of one row of qkv */
+    float *qkv, *out, *lse;    /* qkv [b, width]; the partial out [b, Hq, D], lse [Hq, b] */
+    float *queries;            /* a document pass's gathered queries [Hkv, R, D] */
+    float *threads;            /* per thread: m, l, acc of attend_range, then its buffer */
+    int64_t per_thread;
+} batch_attention;
+
+/* Merge one partial (o [D] normalised, its lse) into row r, head h of the running state, as
+ * PartialAccumulator.add does: the first partial is copied, later ones weighted by exp(lse - new). */
+static void merge_partial(const batch_attention *a, int64_t r, int64_t h, const float *o, float lse) {
+    const int64_t d = a->s->head_dim, hq = a->s->n_heads;
+    float *acc = a->out + (r * hq + h) * d, *acc_lse = a->lse + h * a->b + r;
+    if (lse == -INFINITY) return;
+    if (*acc_lse == -INFINITY) {
+        memcpy(acc, o, (size_t)d * sizeof(float));
+        *acc_lse = lse;
+        return;
+    }
+    const float top = *acc_lse > lse ? *acc_lse : lse;
+    const float total = top + log1pf(exp1(-fabsf(*acc_lse - lse)));  /* logaddexp */
+    const vfloat w_old = vset1(exp1(*acc_lse - total)), w_new = vset1(exp1(lse - total));
+    for (int64_t c = 0; c < d; c += VW) vstore(acc + c, vfma(vload(acc + c), w_old, vload(o + c) * w_new));
+    *acc_lse = total;
+}
+
+/* The threads' partials (m, l, acc over `rows` query rows, in their slots) merged in thread order
+ * into o [D] and its lse for query row q: sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M). */
+static float merge_thread_row(const batch_attention *a, int64_t rows, int n_threads, int64_t q, float *o) {
+    const int64_t d = a->s->head_dim;
+    float top = -INFINITY, total = 0.0f, weight[256];
+    for (int t = 0; t < n_threads; ++t) {
+        const float mt = a->threads[t * a->per_thread + q];
+        top = mt > top ? mt : top;
+    }
+    for (int t = 0; t < n_threads; ++t) {
+        const float *slot = a->threads + t * a->per_thread;
+        weight[t] = slot[q] == -INFINITY ? 0.0f : exp1(slot[q] - top);
+        total += slot[rows + q] * weight[t];
+    }
+    const vfloat divisor = vset1(total > 0.0f ? total : 1.0f);
+    for (int64_t c = 0; c < d; c += VW) {
+        vfloat sum = vzero();
+        for (int t = 0; t < n_threads; ++t)
+            sum = vfma(vload(a->threads + t * a->per_thread + 2 * rows + q * d + c), vset1(weight[t]), sum);
+        vstore(o + c, sum / divisor);
+    }
+    return total > 0.0f ? top + logf(total) : -INFINITY;
+}
+
+/* A source's keys split over the threads, for the query rows rows[0..n) (at most rows_per_pass):
+ * their queries gathered per KV head, each thread's share of the keys attended, the threads'
+ * partials merged into the rows' running state. Called by every thread of the region. */
+static void attend_split(const batch_attention *a, const ringctx_attention_source *src, int64_t layer,
+                         const int64_t *rows, int64_t n) {
+    const ringctx_decoder_shape *s = a->s;
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, group = hq / hkv, R = n * group;
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const float *q = a->qkv + rows[0] * a->width; /* one row: its heads are already [Hkv, group, D] */
+    if (n > 1) {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; ++i)
+            for (int64_t h = 0; h < hkv; ++h)
+                memcpy(a->queries + ((h * n + i) * group) * d, a->qkv + rows[i] * a->width + h * group * d,
+                       (size_t)(group * d) * sizeof(float));
+        q = a->queries;
+    }
+    float *mine = a->threads + t * a->per_thread;
+    const int64_t qrows = hkv * R, keys = src->keys;
+    attend_range(q, hkv, R, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
+                 src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
+                 s->softmax_scale, keys * t / nt, keys * (t + 1) / nt, mine, mine + qrows, mine + 2 * qrows,
+                 mine + 2 * qrows + qrows * d);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t qr = 0; qr < qrows; ++qr) {  /* qr = (h, i, g): batch row rows[i], head h group + g */
+        const int64_t h = qr / R, i = (qr % R) / group, g = qr % group;
+        float o[MAX_D] __attribute__((aligned(64)));
+        const float lse = merge_thread_row(a, qrows, nt, qr, o);
+        merge_partial(a, rows[i], h * group + g, o, lse);
+    }
+}
+
+/* One short own source on this thread alone: its query row over all its keys. */
+static void attend_alone(const batch_attention *a, const ringctx_attention_source *src, int64_t layer) {
+    const ringctx_decoder_shape *s = a->s;
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, r = src->rows[0];
+    float *mine = a->threads + omp_get_thread_num() * a->per_thread, *m = mine, *l = m + hq, *acc = l + hq;
+    attend_range(a->qkv + r * a->width, hkv, hq / hkv, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
+                 src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
+                 s->softmax_scale, 0, src->keys, m, l, acc, acc + hq * d);
+    for (int64_t h = 0; h < hq; ++h) {
+        if (l[h] <= 0.0f) continue;
+        const vfloat inv = vset1(1.0f / l[h]);
+        for (int64_t c = 0; c < d; c += VW) vstore(acc + h * d + c, vload(acc + h * d + c) * inv);
+        merge_partial(a, r, h, acc + h * d, m[h] + logf(l[h]));
+    }
+}
+
+/* One layer's attention of the batch into a->out / a->lse (every thread of the region calls it). */
+static void attend_sources(const batch_attention *a, const ringctx_attention_source *sources, int64_t n_sources,
+                           int64_t n_shared, int64_t layer) {
+    const ringctx_decoder_shape *s = a->s;
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, b = a->b;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < b; ++r) {  /* no partial yet: zeros, lse -inf (a row may see no key here) */
+        memset(a->out + r * hq * d, 0, (size_t)(hq * d) * sizeof(float));
+        for (int64_t h = 0; h < hq; ++h) a->lse[h * b + r] = -INFINITY;
+    }
+    /* each written own row's k, v first (one row of one cache each: no two threads share a row) */
+#pragma omp for schedule(static)
+    for (int64_t i = n_shared; i < n_sources; ++i) {
+        const ringctx_attention_source *src = sources + i;
+        if (src->write_row < 0) continue;
+        const float *row = a->qkv + src->rows[0] * a->width;
+        for (int64_t kh = 0; kh < hkv; ++kh)
+            for (int is_v = 0; is_v < 2; ++is_v) {
+                const float *x = row + (hq + kh + (is_v ? hkv : 0)) * d;
+                void *cache = is_v ? src->v[layer] : src->k[layer];
+                if (src->kv_q8 >= 0)
+                    store_q8(src->kv_q8, x, d, (int8_t *)cache + (src->write_row * hkv + kh) * d,
+                             (is_v ? src->v_scale[layer] : src->k_scale[layer]) + src->write_row * hkv + kh);
+                else
+                    for (int64_t c = 0; c < d; ++c) store_one(cache, s->bf16, (src->write_row * hkv + kh) * d + c, x[c]);
+            }
+    }
+    /* documents, then long own rows: the keys over the threads, one pass per rows_per_pass rows */
+    const int64_t pass = rows_per_pass(s, b);
+    for (int64_t i = 0; i < n_sources; ++i) {
+        const ringctx_attention_source *src = sources + i;
+        if (src->keys <= 0 || (i >= n_shared && src->keys < OWN_SPLIT_KEYS)) continue;
+        for (int64_t first = 0; first < src->n_rows; first += pass)
+            attend_split(a, src, layer, src->rows + first, src->n_rows - first < pass ? src->n_rows - first : pass);
+    }
+    /* short own rows: one source per thread (each row has one own source: no two threads meet) */
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = n_shared; i < n_sources; ++i)
+        if (sources[i].keys > 0 && sources[i].keys < OWN_SPLIT_KEYS) attend_alone(a, sources + i, layer);
+}
+
+/* The batch's float32 work arrays (see layout_batch). */
+typedef struct {
+    float *resid, *xn, *qkv, *attn, *gate_up, *act, *split;
+} batch_rows;
+
+/* A layer up to its attention: norm, q/k/v projection, Qwen3's head norms, RoPE at each row's own
+ * position (every thread of the region calls it). */
+static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, const batch_rows *w,
+                      int64_t b, const void *cos, const void *sin) {
+    const int bf16 = s->bf16, esize = bf16 ? 2 : 4;
+    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, width = (hq + 2 * hkv) * d;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < b; ++r)
+        token_rms_norm(w->resid + r * dim, 0, layer->attention_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
+    linear_rows(w->xn, b, dim, layer->wqkv, layer->bqkv, width, bf16, w->qkv, NULL, w->split);
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < b * (hq + hkv); ++rh) {
+        const int64_t r = rh / (hq + hkv), h = rh % (hq + hkv);
+        float *xh = w->qkv + r * width + h * d;
+        const void *head_norm = h < hq ? layer->q_norm : layer->k_norm;
+        if (head_norm) token_rms_norm(xh, 0, head_norm, bf16, d, s->norm_eps, xh, 0);
+        token_rope(xh, 0, (const char *)cos + r * d * esize, (const char *)sin + r * d * esize, bf16, d);
+    }
+}
+
+/* The rest of a layer, from the rounded attention output in attn: output projection and residual,
+ * norm, SwiGLU feed-forward and residual (every thread of the region calls it). */
+static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, const batch_rows *w,
+                         int64_t b) {
+    const int bf16 = s->bf16;
+    const int64_t dim = s->dim, ffn = s->ffn_dim;
+    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->bo, dim, bf16, w->xn, w->resid, w->split);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < b; ++r)
+        token_rms_norm(w->resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
+    linear_rows(w->xn, b, dim, layer->w13, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < b; ++r)
+        for (int64_t i0 = 0; i0 < ffn; i0 += 64)
+            token_swiglu(w->gate_up + r * 2 * ffn + i0, w->gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
+                         ffn - i0 < 64 ? ffn - i0 : 64, w->act + r * ffn + i0, 0);
+    linear_rows(w->act, b, ffn, layer->w2, NULL, dim, bf16, w->xn, w->resid, w->split);
+}
+
 /* Run B tokens (one per sequence) through n_layers layers. x [b, dim] (model dtype): the tokens'
  * embeddings on entry, the last layer's outputs (before the final norm) on return. cos, sin:
- * [b, head_dim] rotary factors of each row's own position (model dtype, as RopeAngles). work: at
- * least ringctx_decode_batch_work_floats(shape, b) floats. attend: see ringctx_attend_fn.
- * The layers' cache pointers are not used. Returns 0, -1 when this CPU cannot run this variant,
- * -2 for an unsupported shape or b outside 1..MAX_BATCH. */
+ * [b, head_dim] rotary factors of each row's own position (model dtype, as RopeAngles). sources:
+ * n_sources attention sources, the first n_shared of them documents, the rest own rows (at most
+ * one per batch row), as described above; the layers' cache pointers are not used. merge: NULL
+ * when this rank holds every row, else see above. work: at least
+ * ringctx_decode_batch_work_floats(shape, b, threads) floats.
+ * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape, b outside
+ * 1..MAX_BATCH or a bad source. */
 int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
-                              void *x, int64_t b, const void *cos, const void *sin, float *work, int threads,
-                              ringctx_attend_fn attend) {
+                              void *x, int64_t b, const void *cos, const void *sin,
+                              const ringctx_attention_source *sources, int64_t n_sources, int64_t n_shared,
+                              float *work, int threads, ringctx_merge_fn merge) {
     if (!ringctx_cpu_kernels_supported()) return -1;
-    if (attend == NULL || b < 1 || b > MAX_BATCH || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
-        s->n_heads % s->n_kv_heads)
+    if (b < 1 || b > MAX_BATCH || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
+        s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || n_shared < 0 || n_shared > n_sources)
         return -2;
+    for (int64_t i = 0; i < n_sources; ++i) {
+        const ringctx_attention_source *src = sources + i;
+        if (src->n_rows < 1 || src->keys < 0 || (src->kv_q8 != -1 && src->kv_q8 != Q8_INT8 && src->kv_q8 != Q8_FP8) ||
+            (src->kv_q8 >= 0 && (src->k_scale == NULL || src->v_scale == NULL)) ||
+            (i < n_shared ? src->write_row >= 0 : src->n_rows != 1))
+            return -2;
+        for (int64_t j = 0; j < src->n_rows; ++j)
+            if (src->rows[j] < 0 || src->rows[j] >= b) return -2;
+    }
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
-    const int bf16 = s->bf16, esize = bf16 ? 2 : 4;
-    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, ffn = s->ffn_dim;
-    const int64_t heads = hq + 2 * hkv, width = heads * d;
-    const batch_layout l = layout_batch(s, b);
-    float *resid = work + l.resid, *xn = work + l.xn, *qkv = work + l.qkv, *attn = work + l.attn;
-    float *gate_up = work + l.gate_up, *act = work + l.act, *split = work + l.split;
-    for (int64_t i = 0; i < b * dim; ++i) resid[i] = load_one(x, bf16, i);
+    const int bf16 = s->bf16;
+    const int64_t hq = s->n_heads, d = s->head_dim;
+    const batch_layout l = layout_batch(s, b, threads);
+    const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
+                          work + l.split};
+    const batch_attention a = {s, b, (hq + 2 * s->n_kv_heads) * d, w.qkv, work + l.part_out, work + l.part_lse,
+                               work + l.queries, work + l.threads, l.per_thread};
+    for (int64_t i = 0; i < b * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
 
-    for (int64_t li = 0; li < n_layers; ++li) {
-        const ringctx_decoder_layer *layer = layers + li;
+    if (merge == NULL) {  /* nothing leaves C: one parallel region for the whole step */
 #pragma omp parallel num_threads(threads)
-        {
+        for (int64_t li = 0; li < n_layers; ++li) {
+            layer_qkv(s, layers + li, &w, b, cos, sin);
+            attend_sources(&a, sources, n_sources, n_shared, li);
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < b; ++r)
-                token_rms_norm(resid + r * dim, 0, layer->attention_norm, bf16, dim, s->norm_eps, xn + r * dim, 0);
-            linear_rows(xn, b, dim, layer->wqkv, layer->bqkv, width, bf16, qkv, NULL, split);
-            /* per (row, head): Qwen3's head norm, then RoPE at the row's own position */
-#pragma omp for schedule(static)
-            for (int64_t rh = 0; rh < b * (hq + hkv); ++rh) {
-                const int64_t r = rh / (hq + hkv), h = rh % (hq + hkv);
-                float *xh = qkv + r * width + h * d;
-                const void *head_norm = h < hq ? layer->q_norm : layer->k_norm;
-                if (head_norm) token_rms_norm(xh, 0, head_norm, bf16, d, s->norm_eps, xh, 0);
-                token_rope(xh, 0, (const char *)cos + r * d * esize, (const char *)sin + r * d * esize, bf16, d);
-            }
+            for (int64_t i = 0; i < b * hq * d; ++i) w.attn[i] = round_to(a.out[i], bf16);
+            layer_output(s, layers + li, &w, b);
         }
-        attend(li); /* the caller's attention over each sequence's caches, into attn */
+    } else {  /* each layer's region ends before its merge (no kernel thread spins beside the caller's) */
+        for (int64_t li = 0; li < n_layers; ++li) {
 #pragma omp parallel num_threads(threads)
-        {
-            linear_rows(attn, b, hq * d, layer->wo, layer->bo, dim, bf16, xn, resid, split);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < b; ++r)
-                token_rms_norm(resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, xn + r * dim, 0);
-            linear_rows(xn, b, dim, layer->w13, NULL, 2 * ffn, bf16, gate_up, NULL, split);
-#pragma omp for schedule(static)
-            for (int64_t r = 0; r < b; ++r)
-                for (int64_t i0 = 0; i0 < ffn; i0 += 64)
-                    token_swiglu(gate_up + r * 2 * ffn + i0, gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
-                                 ffn - i0 < 64 ? ffn - i0 : 64, act + r * ffn + i0, 0);
-            linear_rows(act, b, ffn, layer->w2, NULL, dim, bf16, xn, resid, split);
+            {
+                layer_qkv(s, layers + li, &w, b, cos, sin);
+                attend_sources(&a, sources, n_sources, n_shared, li);
+            }
+            merge(); /* writes the rounded, merged attention into attn */
+#pragma omp parallel num_threads(threads)
+            layer_output(s, layers + li, &w, b);
         }
     }
-    for (int64_t i = 0; i < b * dim; ++i) store_one(x, bf16, i, resid[i]);
+    for (int64_t i = 0; i < b * s->dim; ++i) store_one(x, bf16, i, w.resid[i]);
     return 0;
 }

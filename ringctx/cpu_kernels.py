@@ -237,8 +237,9 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
     lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
     lib.ringctx_encode_e4m3.restype = None
-    lib.ringctx_decode_step_batch.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32, ATTEND_FN]
-    lib.ringctx_decode_batch_work_floats.argtypes = [shape, i64]
+    lib.ringctx_decode_step_batch.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ctypes.POINTER(AttentionSource),
+                                              i64, i64, ptr, i32, MERGE_FN]
+    lib.ringctx_decode_batch_work_floats.argtypes = [shape, i64, i32]
     lib.ringctx_decode_batch_work_floats.restype = i64
     lib.ringctx_decode_batch_offsets.argtypes = [shape, i64, ptr]
     lib.ringctx_decode_batch_offsets.restype = None
@@ -338,10 +339,7 @@ def cpu_kernels_status() -> str:
 
 
 MERGE_FN = ctypes.CFUNCTYPE(None)
-"""The split decode step's per-layer callback (see ringctx_merge_fn in csrc/cpu_decode.c)."""
-
-ATTEND_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64)
-"""The batched decode step's per-layer callback, given the layer index (ringctx_attend_fn)."""
+"""The split and batched decode steps' per-layer callback (see ringctx_merge_fn in csrc/cpu_decode.c)."""
 
 MAX_BATCH = 64
 """Most rows `ringctx_decode_step_batch` takes (MAX_BATCH of csrc/cpu_decode.c)."""
@@ -363,6 +361,15 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache", "k_scale",
         "v_scale", "q_norm", "k_norm")]
+
+
+class AttentionSource(ctypes.Structure):
+    """ringctx_attention_source of csrc/cpu_decode.c: one KV cache the batched decode step attends,
+    and which of the batch's rows attend it (see FusedBatchStep in ringctx/model/decode_step.py)."""
+
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("n_rows", ctypes.c_int64),
+                ("keys", ctypes.c_int64), ("write_row", ctypes.c_int64), ("kv_q8", ctypes.c_int32)]
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor | None:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
-from ..model.decode_step import FusedBatchStep
+from ..model.decode_step import AttentionSource, FusedBatchStep
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
 from .document import Document
@@ -181,8 +181,11 @@ class BatchDecoder:
 
         positions = [s.length for s in seqs]
         with torch.inference_mode():
-            if self._fused is not None and len(seqs) <= self._fused.max_rows:  # every layer in one C call
-                x = self._fused(tokens, positions, attend)
+            fused = self._fused_sources(seqs, writes, by_document)
+            if fused is not None:  # every layer and its attention in one C call
+                documents, own = fused
+                merge = None if self.world == 1 else self._merge
+                x = self._fused(tokens, positions, documents, own, merge)
             else:
                 x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
                 rope = model.rope(torch.tensor(positions, dtype=torch.long, device=model.device))
@@ -198,6 +201,23 @@ class BatchDecoder:
             s.length += 1
             s.steps += 1
         return logits
+
+    def _fused_sources(self, seqs: list[BatchSequence], writes: list[int | None],
+                       by_document: dict) -> tuple[list[AttentionSource], list[AttentionSource]] | None:
+        """The fused step's attention sources for this step (each document's rows for its
+        sequences, then each sequence's own rows), or None where the fused step does not apply."""
+        if self._fused is None or len(seqs) > self._fused.max_rows:
+            return None
+        documents = [AttentionSource(document.cache, members, document.rows)
+                     for document, members in by_document.values() if document.rows]
+        own = []
+        for i, (s, row) in enumerate(zip(seqs, writes)):
+            keys = s.own.length + int(row is not None)
+            if keys:
+                own.append(AttentionSource(s.own, [i], keys, row))
+        if not all(self._fused.takes(source.cache) for source in documents + own):
+            return None
+        return documents, own
 
     def own_rows(self) -> int:
         """Own rows of every sequence on this rank (what the batch holds besides the documents)."""

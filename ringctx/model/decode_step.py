@@ -27,6 +27,8 @@ and output projection.
 from __future__ import annotations
 
 import ctypes
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -163,17 +165,35 @@ class FusedStep:
         return threads
 
 
+@dataclass
+class AttentionSource:
+    """One KV cache a batched step attends, and the batch rows whose queries attend it.
+
+    A document's rows: `rows` every sequence asking it, never written (write_row None). A
+    sequence's own rows: `rows` its one batch row; write_row the row that takes the step's K/V
+    (None: another rank stores this token)."""
+
+    cache: KVCache
+    rows: list[int]
+    """Batch rows (indices into the step's tokens) whose queries attend this cache."""
+    keys: int
+    """Cache rows attended: 0 .. keys-1 (a written row included)."""
+    write_row: int | None = None
+
+
 class FusedBatchStep:
-    """B tokens, one per sequence, through every layer in one C call (ringctx_decode_step_batch).
+    """B tokens, one per sequence, through every layer and its attention in one C call
+    (ringctx_decode_step_batch, csrc/cpu_decode.c).
 
     Each matrix product reads its weights once for all B rows (the lone step's sums, row by row);
-    each row is rotated at its own position. The attention is the caller's: per layer the kernel
-    calls back with q [B, Hq, D], k, v [B, Hkv, D] (model dtype) and takes back the rounded output
-    [B, Hq, D], as `Block.forward`'s `attend` (engine/batch.py: a document's rows once for all its
-    sequences, each sequence's own rows, merged across ranks).
+    each row is rotated at its own position. Attention: each document's rows once for all the
+    queries on it, then each sequence's own rows, merged by log-sum-exp, all inside the kernel; a
+    rank holding part of the rows gives `merge`, called once per layer with this rank's float32
+    partial (out [B, Hq, D], lse [Hq, B]) and returning the float32 output merged over every rank
+    (engine/batch.py: one exchange per layer for the whole batch).
 
-        step = FusedBatchStep.build(model)       # None where the kernel does not apply
-        x = step(tokens, positions, attend)      # [B, dim] model dtype, before the final norm
+        step = FusedBatchStep.build(model)                    # None where the kernel does not apply
+        x = step(tokens, positions, documents, own, merge)    # [B, dim] model dtype, before the final norm
     """
 
     max_rows = cpu_kernels.MAX_BATCH
@@ -182,19 +202,19 @@ class FusedBatchStep:
     def __init__(self, model, lib: ctypes.CDLL):
         self.model, self.lib = model, lib
         self.shape, self.layers = _shape_and_layers(model, None)
-        self.rows = 0  # the B the buffers below are sized for
-        self.threads = torch.get_num_threads()
-        self._attend, self._attend_error = None, None
-        self._callback = cpu_kernels.ATTEND_FN(self._on_attend)  # one object, kept alive with the step
+        self.rows, self.threads = 0, 0  # what the work buffer below is sized for
+        self._merge, self._merge_error = None, None
+        self._callback = cpu_kernels.MERGE_FN(self._on_merge)  # one object, kept alive with the step
+        self._pointers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> its layer tables
 
     @classmethod
     def build(cls, model) -> "FusedBatchStep | None":
         """The fused batch step for this model, or None where the kernel does not apply (the lone
-        step's conditions on the model; no cache is read here)."""
+        step's conditions on the model; caches are checked per call by `takes`)."""
         config = model.config
         if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
             return None
-        if config.head_dim % 16 or config.head_dim > 256:
+        if config.head_dim % 16 or config.head_dim > 256 or config.n_heads // config.n_kv_heads > 64:
             return None
         weights = [t for block in model.layers for t in _block_tensors(block)]
         if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights):
@@ -202,63 +222,109 @@ class FusedBatchStep:
         lib = cpu_kernels.library()
         return None if lib is None else cls(model, lib)
 
-    def __call__(self, tokens: list[int], positions: list[int], attend) -> torch.Tensor:
+    def takes(self, cache: KVCache) -> bool:
+        """Whether the kernel reads this cache: rows in the model dtype or 8-bit, on the CPU."""
+        stored = cache.k[0].dtype
+        return cache.device.type == "cpu" and (stored == self.model.dtype or stored in cpu_kernels.Q8_KINDS)
+
+    def __call__(self, tokens: list[int], positions: list[int], documents: list[AttentionSource],
+                 own: list[AttentionSource], merge=None) -> torch.Tensor:
         """tokens[i] at global position positions[i] -> the last layer's outputs [B, dim] (model
-        dtype, before the final norm); attend(layer, q, k, v) -> out [B, Hq, D] as above. B must
-        be 1 .. cpu_kernels.MAX_BATCH."""
+        dtype, before the final norm). documents: the shared caches (never written); own: at most
+        one source per batch row, each with that one row. merge(out, lse) -> float32 [B, Hq, D], or
+        None when these sources hold every key of every row. B must be 1 .. cpu_kernels.MAX_BATCH."""
         model = self.model
         B = len(tokens)
         if not 1 <= B <= cpu_kernels.MAX_BATCH or len(positions) != B:
             raise ValueError(f"a fused batch step takes 1..{cpu_kernels.MAX_BATCH} tokens, one position each "
                              f"(got {B} tokens, {len(positions)} positions)")
+        vocab = model.config.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"a token id is outside the vocabulary [0, {vocab}): tokenize with this model's tokenizer")
         self._prepare(B)
+        sources, keep = self._sources(documents, own, B)
         x = model.embed(torch.tensor(tokens, dtype=torch.long)).contiguous()  # a new tensor: the kernel writes it
         rope = model.rope(torch.tensor(positions, dtype=torch.long))
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
-        self._attend, self._attend_error = attend, None
+        self._merge, self._merge_error = merge, None
         try:
             status = self.lib.ringctx_decode_step_batch(
                 ctypes.byref(self.shape), self.layers, len(self.layers), x.data_ptr(), B, cos.data_ptr(),
-                sin.data_ptr(), self.work.data_ptr(), self.threads, self._callback)
+                sin.data_ptr(), sources, len(sources), len(documents), self.work.data_ptr(), self.threads,
+                self._callback if merge is not None else cpu_kernels.MERGE_FN())
         finally:
-            self._attend = None
-        if self._attend_error is not None:  # a lost rank, say: the kernel finished on garbage
-            raise self._attend_error
-        if status != 0:  # build() checked everything the kernel checks
-            raise RuntimeError(f"ringctx_decode_step_batch failed with status {status}")
+            self._merge = None
+            del keep
+        if self._merge_error is not None:  # a lost rank, say: the kernel finished on garbage
+            raise self._merge_error
+        if status != 0:
+            raise RuntimeError(f"ringctx_decode_step_batch failed with status {status} (a source the kernel "
+                               "refuses: check `takes` and that each own source has one row)")
         return x
 
+    def _sources(self, documents: list[AttentionSource], own: list[AttentionSource], batch: int):
+        """The kernel's source array, and what must stay alive while it runs (the row lists)."""
+        array = (cpu_kernels.AttentionSource * max(1, len(documents) + len(own)))()
+        keep = []
+        for slot, source in zip(array, list(documents) + list(own)):
+            if not self.takes(source.cache):
+                raise ValueError(f"the fused batch step cannot read a {source.cache.k[0].dtype} cache of a "
+                                 f"{self.model.dtype} model")
+            if any(not 0 <= r < batch for r in source.rows) or not 0 <= source.keys <= source.cache.max_tokens:
+                raise ValueError(f"an attention source names rows {source.rows} or {source.keys} keys outside the "
+                                 f"batch of {batch} or its cache of {source.cache.max_tokens} rows")
+            k, v, k_scale, v_scale = self._layer_pointers(source.cache)
+            rows = (ctypes.c_int64 * len(source.rows))(*source.rows)
+            keep.append(rows)
+            slot.k, slot.v, slot.k_scale, slot.v_scale = (ctypes.addressof(k), ctypes.addressof(v),
+                                                          k_scale and ctypes.addressof(k_scale),
+                                                          v_scale and ctypes.addressof(v_scale))
+            slot.rows, slot.n_rows, slot.keys = ctypes.addressof(rows), len(source.rows), source.keys
+            slot.write_row = -1 if source.write_row is None else source.write_row
+            slot.kv_q8 = cpu_kernels.Q8_KINDS.get(source.cache.k[0].dtype, -1)
+        return array, keep
+
+    def _layer_pointers(self, cache: KVCache):
+        """The [n_layers] pointer tables of a cache's k, v (and scales), built once per cache and
+        rebuilt if its buffers were replaced."""
+        kept = self._pointers.get(cache)
+        if kept is None or kept[0] != cache.k[0].data_ptr():
+            n = len(cache.k)
+
+            def table(tensors):
+                return (ctypes.c_void_p * n)(*(t.data_ptr() for t in tensors))
+
+            scales = (table(cache.k_scale), table(cache.v_scale)) if cache.quantized else (None, None)
+            kept = (cache.k[0].data_ptr(), table(cache.k), table(cache.v), *scales)
+            self._pointers[cache] = kept
+        return kept[1:]
+
     def _prepare(self, rows: int) -> None:
-        """The work buffer and its views sized for `rows` (reallocated only when B changes)."""
+        """The work buffer and its views sized for `rows` (reallocated only when B or the thread
+        count changes)."""
         threads = torch.get_num_threads()
         if rows == self.rows and threads == self.threads:
             return
         self.rows, self.threads = rows, threads
         config, shape = self.model.config, ctypes.byref(self.shape)
-        hq, hkv, d = config.n_heads, config.n_kv_heads, config.head_dim
-        self.work = torch.empty(self.lib.ringctx_decode_batch_work_floats(shape, rows))
-        offsets = (ctypes.c_int64 * 2)()
+        hq, d = config.n_heads, config.head_dim
+        self.work = torch.empty(self.lib.ringctx_decode_batch_work_floats(shape, rows, threads))
+        offsets = (ctypes.c_int64 * 4)()
         self.lib.ringctx_decode_batch_offsets(shape, rows, offsets)
-        at_qkv, at_attn = offsets[0], offsets[1]
-        self._qkv = self.work[at_qkv:at_qkv + rows * (hq + 2 * hkv) * d].view(rows, hq + 2 * hkv, d)
-        self._attn = self.work[at_attn:at_attn + rows * hq * d].view(rows, hq, d)
-        # what attend sees: the float32 rows themselves, or their model-dtype copy (values are
-        # already rounded to the model dtype, so the copy is exact)
-        same = self.model.dtype == torch.float32
-        self._qkv_model = self._qkv if same else torch.empty(self._qkv.shape, dtype=self.model.dtype)
-        self._q, self._k, self._v = (self._qkv_model[:, :hq], self._qkv_model[:, hq:hq + hkv],
-                                     self._qkv_model[:, hq + hkv:])
+        self._attn = self.work[offsets[1]:offsets[1] + rows * hq * d].view(rows, hq, d)
+        self._out = self.work[offsets[2]:offsets[2] + rows * hq * d].view(rows, hq, d)
+        self._lse = self.work[offsets[3]:offsets[3] + hq * rows].view(hq, rows)
 
-    def _on_attend(self, layer: int) -> None:
-        """The kernel's callback: the caller's attention of this layer (errors kept for __call__)."""
-        if self._attend_error is not None:
+    def _on_merge(self) -> None:
+        """The kernel's callback: the caller's merge of this layer's partials, rounded into attn
+        (errors kept for __call__)."""
+        if self._merge_error is not None:
             return
         try:
-            if self._qkv_model is not self._qkv:
-                self._qkv_model.copy_(self._qkv)
-            self._attn.copy_(self._attend(layer, self._q, self._k, self._v))
+            merged = self._merge(self._out, self._lse)
+            self._attn.copy_(merged.to(self.model.dtype) if self.model.dtype != torch.float32 else merged)
         except BaseException as exc:  # no exception may cross back into C
-            self._attend_error = exc
+            self._merge_error = exc
 
 
 def _shape_and_layers(model, cache: KVCache | None):
