@@ -491,11 +491,10 @@ static void attend_split(const batch_attention *a, const ringctx_attention_sourc
         q = a->queries;
     }
     float *mine = a->threads + t * a->per_thread;
-    const int64_t qrows = hkv * R, keys = src->keys;
-    attend_range(q, hkv, R, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
-                 src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
-                 s->softmax_scale, keys * t / nt, keys * (t + 1) / nt, mine, mine + qrows, mine + 2 * qrows,
-                 mine + 2 * qrows + qrows * d);
+    const int64_t qrows = hkv * R, keys = src->keys, j0 = keys * t / nt, j1 = keys * (t + 1) / nt;
+    const float *ks = src->k_scale ? src->k_scale[layer] : NULL, *vs = src->v_scale ? src->v_scale[layer] : NULL;
+    attend_range(q, hkv, R, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8, ks, vs, s->softmax_scale, j0, j1,
+                 mine, mine + qrows, mine + 2 * qrows, mine + 2 * qrows + qrows * d);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t qr = 0; qr < qrows; ++qr) {  /* qr = (h, i, g): batch row rows[i], head h group + g */

@@ -47,7 +47,7 @@ def copy_any(cache, dtype=None):
     """A copy of a cache of any storage (8-bit rows stay 8-bit); dtype: a float copy's dtype."""
     if not cache.quantized:
         return copy_of(cache, dtype)
-    other = KVCache(cache.n_layers, cache.max_tokens, cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
+    other = KVCache(cache.n_layers, cache.max_tokens, cache.n_kv_heads, cache.head_dim, dtype=dtype or cache.dtype,
                     kv_dtype=cache.kv_dtype)
     for dst, src in zip(other.storage_tensors(), cache.storage_tensors()):
         dst.copy_(src)
@@ -266,13 +266,15 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
 
 
 @needs_kernels
+@pytest.mark.parametrize("kv_dtype", ["model", "int8", "fp8"])
 @pytest.mark.parametrize("shape", ["gqa2-d16", "gqa3-d64-bias-tied", "qwen3-qknorm-yarn"])
-def test_bf16_batch_is_as_accurate_as_the_pytorch_batch(shape, threads):  # noqa: F811
+def test_bf16_batch_is_as_accurate_as_the_pytorch_batch(shape, kv_dtype, threads):  # noqa: F811
+    """Against a float32 computation from the same state (the same bf16 weights and cache rows)."""
     model = random_model(SHAPES[shape], torch.bfloat16)
     exact_model = random_model(SHAPES[shape], torch.bfloat16).float()  # the same bf16 weights, in float32
     step = FusedBatchStep.build(model)
     assert step is not None
-    state = with_documents(model, 5, 2)
+    state = with_documents(model, 5, 2, kv_dtype)
     tokens = [3, 9, 27, 81, 243]
     fused = fused_batch(step, state.copy(), tokens)
     plain = pytorch_batch(model, state.copy(), tokens)
@@ -314,3 +316,4 @@ def test_an_error_in_merge_is_raised_and_bad_batches_are_refused():
 def test_falls_back_where_the_kernel_does_not_apply():
     model = random_model(SHAPES["gqa2-d16"], torch.float16)
     assert FusedBatchStep.build(model) is None
+
