@@ -14,7 +14,8 @@ document's rows once for all the queries on it:
     one step of B sequences (STEP) the layers once with B tokens (the matmuls see B rows); per
                                    layer on each decode rank:
                                      for each document: its rows once for all its sequences'
-                                       queries (attention_block with B_doc x Hq query rows)
+                                       queries (B_doc x Hq query rows in one pass: on CPUs inside
+                                       the fused C step, FusedBatchStep; else attention_block)
                                      for each sequence: its own rows (the step's owner writes the
                                        token's K/V first), merged with the above by LSE
                                    ONE all-gather of the [B, Hq, D + 1] partials for the whole

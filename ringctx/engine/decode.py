@@ -157,7 +157,7 @@ class ShardedDecoder:
 
     def _forward(self, token: int) -> torch.Tensor | None:
         maybe_die(dist.get_rank(), f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
-        model, cache = self.model, self.cache
+        cache = self.cache
         owner = self.owner()
         mine = owner == self.rank
         if mine and cache.length >= cache.max_tokens:

@@ -35,7 +35,6 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 
 from ..model import KVCache
 from ..attention.quant import dequantize_rows

@@ -12,7 +12,6 @@ naming it instead of hanging the caller.
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import signal
 import socket

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
 import os
 import socket
 import statistics
