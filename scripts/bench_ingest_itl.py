@@ -1,0 +1,172 @@
+"""Inter-token time of answers in flight while `ringctx serve` ingests a new document.
+
+    python scripts/bench_ingest_itl.py [--tokens 8000] [--answers 2] [--max-tokens 96]
+                                       [--chunk-tokens default 256 128] [--json out.json]
+
+For each --chunk-tokens setting (`default`: serve's own), a fresh `ringctx serve --port 0` on the
+embedded SmolLM2 (dtype auto) ingests document A; then, twice over:
+
+    quiet      --answers streamed questions about A, nothing else running
+    ingesting  the same questions, and a new --tokens document B posted once their first tokens
+               arrived (so the ingest runs beside them)
+
+Each answer's inter-token gaps (client side, between streamed content deltas) are split into those
+that fell inside B's ingest (from its POST to `ready`) and the rest. Per setting: the quiet median
+gap, the median and the largest gap during the ingest, their ratios to the quiet median, and how
+long B took to ingest (beside the answers, and alone when nothing else ran). The scheduler places
+at most --max-step-tokens of prefill between two tokens of an answer (serve's default: one chunk
+beside a full batch), so the chunk size sets how far an ingest stretches an answer's gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(HERE, "bench_serve.py"))
+bench_serve = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_serve)
+log, median, make_document, MODEL_ID = bench_serve.log, bench_serve.median, bench_serve.make_document, bench_serve.MODEL_ID
+
+QUESTIONS = ["What is the document about? Answer in detail.", "Summarise the first part of the document at length.",
+             "List the people the document mentions and what they do.", "Describe the places in the document."]
+
+
+def start_serve(store: str, log_path: str, chunk_tokens: str, timeout: float = 600.0):
+    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store]
+    if chunk_tokens != "default":
+        argv += ["--chunk-tokens", chunk_tokens]
+    server = bench_serve.Server("ringctx serve", argv, log_path)
+    deadline = time.monotonic() + timeout
+    while server.url is None:
+        for line in list(server.lines):
+            m = bench_serve.LISTENING.search(line)
+            if m:
+                server.url = m.group(1)
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError("ringctx serve did not start:\n" + "".join(server.lines)[-3000:])
+        time.sleep(0.1)
+    return server
+
+
+def ingest(http, text: str, name: str) -> tuple[str, float, float]:
+    """POST a document and wait until it is ready: (id, POST time, seconds to ready)."""
+    t0 = time.perf_counter()
+    doc = http.post("/v1/documents", json={"text": text, "name": name}).json()
+    while True:
+        info = http.get(f"/v1/documents/{doc['id']}").json()
+        if info["status"] == "ready":
+            return doc["id"], t0, time.perf_counter() - t0
+        if info["status"] == "failed":
+            raise RuntimeError(f"ingest failed: {info}")
+        time.sleep(0.05)
+
+
+def stream(client, question: str, document: str, max_tokens: int, first_token: threading.Event, out: list) -> None:
+    """One streamed greedy answer; appends the arrival time of each content delta to out."""
+    chunks = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": question}],
+                                            extra_body={"document": document}, max_tokens=max_tokens,
+                                            temperature=0, stream=True)
+    for chunk in chunks:
+        for choice in chunk.choices or ():
+            if choice.delta and choice.delta.content:
+                out.append(time.perf_counter())
+                first_token.set()
+
+
+def run_answers(client, http, doc_a: str, args, new_document: str | None) -> dict:
+    """--answers streamed answers about doc_a; with new_document, it is ingested beside them."""
+    times = [[] for _ in range(args.answers)]
+    firsts = [threading.Event() for _ in range(args.answers)]
+    threads = [threading.Thread(target=stream, args=(client, QUESTIONS[i % len(QUESTIONS)], doc_a, args.max_tokens,
+                                                     firsts[i], times[i])) for i in range(args.answers)]
+    for t in threads:
+        t.start()
+    window = None
+    if new_document is not None:
+        for e in firsts:
+            e.wait(timeout=300)
+        _, t0, seconds = ingest(http, new_document, "B")
+        window = (t0, t0 + seconds)
+    for t in threads:
+        t.join()
+    inside, outside = [], []
+    for ts in times:
+        for a, b in zip(ts, ts[1:]):
+            (inside if window and a < window[1] and b > window[0] else outside).append(b - a)
+    return {"gaps_inside": inside, "gaps_outside": outside, "ingest_s": None if window is None else window[1] - window[0],
+            "deltas": [len(ts) for ts in times]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8000, help="the ingested document's length in tokens")
+    p.add_argument("--answers", type=int, default=2, help="answers streaming during the ingest")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
+    p.add_argument("--chunk-tokens", nargs="+", default=["default", "256", "128"],
+                   help="serve --chunk-tokens settings to compare ('default': serve's own)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    import httpx
+    import openai
+
+    from ringctx.cpu_features import cpu_model
+    from ringctx.model.loader import embedded_gguf_path
+    from ringctx.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(embedded_gguf_path())
+    text_a, _ = make_document(2000, 1, tokenizer)
+    log(f"{cpu_model()}, {os.cpu_count()} cores; document B {args.tokens:,} tokens; {args.answers} answers x "
+        f"{args.max_tokens} tokens")
+    rows = []
+    for setting in args.chunk_tokens:
+        work = tempfile.mkdtemp(prefix="bench_ingest_itl_")
+        server = start_serve(os.path.join(work, "store"), os.path.join(work, "serve.log"), setting)
+        try:
+            http = httpx.Client(base_url=server.url, timeout=600)
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
+            doc_a, _, _ = ingest(http, text_a, "A")
+            text_b, _ = make_document(args.tokens, 2, tokenizer)
+            _, _, alone_s = ingest(http, text_b, "B alone")  # warm-up, and the ingest's time alone
+            quiet = run_answers(client, http, doc_a, args, None)
+            busy = run_answers(client, http, doc_a, args, make_document(args.tokens, 3, tokenizer)[0])
+        finally:
+            server.stop()
+            shutil.rmtree(work, ignore_errors=True)
+        q = median(quiet["gaps_outside"])
+        inside = busy["gaps_inside"]
+        row = {"chunk_tokens": setting, "quiet_gap_ms": q * 1e3,
+               "ingest_gap_median_ms": median(inside) * 1e3 if inside else None,
+               "ingest_gap_max_ms": max(inside) * 1e3 if inside else None,
+               "median_ratio": median(inside) / q if inside else None, "max_ratio": max(inside) / q if inside else None,
+               "gaps_during_ingest": len(inside), "ingest_beside_s": busy["ingest_s"], "ingest_alone_s": alone_s}
+        rows.append(row)
+        log(f"chunk {setting}: quiet {row['quiet_gap_ms']:.1f} ms; during the ingest median "
+            f"{row['ingest_gap_median_ms']:.1f} ms ({row['median_ratio']:.2f}x), max {row['ingest_gap_max_ms']:.0f} ms "
+            f"({row['max_ratio']:.1f}x) over {len(inside)} gaps; ingest {busy['ingest_s']:.1f} s beside the answers, "
+            f"{alone_s:.1f} s alone")
+    print(f"\n{'chunk':>8} {'quiet ms':>9} {'ingest med':>11} {'x':>5} {'ingest max':>11} {'x':>6} "
+          f"{'ingest s':>9} {'alone s':>8}")
+    for r in rows:
+        print(f"{r['chunk_tokens']:>8} {r['quiet_gap_ms']:>9.1f} {r['ingest_gap_median_ms']:>11.1f} "
+              f"{r['median_ratio']:>5.2f} {r['ingest_gap_max_ms']:>11.0f} {r['max_ratio']:>6.1f} "
+              f"{r['ingest_beside_s']:>9.1f} {r['ingest_alone_s']:>8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows,
+                       "args": vars(args)}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
