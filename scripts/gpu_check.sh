@@ -11,7 +11,9 @@
 # 3. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
 #    attention backend and both CUDA kernels against the float64 reference, kernel timings
 #    (TFLOP/s, GB/s; the split-K decode kernel's K/V read bandwidth at B = 1..16 query tokens
-#    against a 32K and a 256K-key cache), the csrc build (in the background), and a single-GPU chunked prefill of
+#    against a 32K and a 256K-key cache), continuous batching (8 questions on one 8K-token document
+#    together against each alone: answers and tokens/s), the csrc build (in the background), and a
+#    single-GPU chunked prefill of
 #    the SmolLM2-135M shapes at 128K and 1M tokens. Writes OUT_DIR/gpu_check.json.
 #
 # Everything printed also goes to OUT_DIR/gpu_check.log; pytest's output to OUT_DIR/pytest.log.
