@@ -6,6 +6,7 @@ only the decode rank prints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -195,15 +196,22 @@ def _duration(seconds: float) -> str:
     return f"about {seconds / 86400:.1f} days"
 
 
-def _predicted_seconds(engine, tokens: int) -> float | None:
-    """The cost model's time to first token of this prefill on the engine's hardware profile (as
-    `ringctx plan` predicts it), or None when the planner cannot plan it."""
+def _predicted_seconds(engine, tokens: int, peaks: dict | None = None) -> float | None:
+    """The cost model's time to first token of this prefill (as `ringctx plan` predicts it), or
+    None when the planner cannot plan it. On an uncalibrated profile (the built-in CPU one holds
+    placeholder numbers) `peaks` (measure_peaks: this host's GEMM rate, measured now) stands in
+    for its peak FLOP/s, shared by the ranks."""
     from ..planning.prefill_plan import plan_prefill
 
+    hardware, dtype = engine.hardware, str(engine.model.dtype).removeprefix("torch.")
+    gemm = (peaks or {}).get("gemm_flops_per_s", {})
+    if not hardware.calibrated and gemm:
+        rate = (gemm.get(dtype) or gemm["float32"]) / max(1, engine.cp_size * engine.tp_size)
+        hardware = dataclasses.replace(hardware, peak_flops={**hardware.peak_flops, dtype: rate},
+                                       linear_flops_per_s={**hardware.linear_flops_per_s, dtype: rate})
     try:
-        plan = plan_prefill(engine.model.full_config, engine.cp_size, engine.hardware, tokens, 0, engine.chunk_tokens,
-                            tp_size=engine.tp_size, dtype=str(engine.model.dtype).removeprefix("torch."),
-                            rule=engine.rule,
+        plan = plan_prefill(engine.model.full_config, engine.cp_size, hardware, tokens, 0, engine.chunk_tokens,
+                            tp_size=engine.tp_size, dtype=dtype, rule=engine.rule,
                             kv_dtype=engine.kv_dtype, decode_ranks=engine.decode_ranks)
     except ValueError:
         return None
@@ -331,8 +339,10 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     printing = _is_printing_rank()
     follow_stats = answer = None
     dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))
-    predicted_s = _predicted_seconds(engine, tokens)
     try:
+        # this host's peaks, measured while its ranks wait (the prediction and the run's share of peak use them)
+        peaks = measure_peaks(engine) if printing else {}
+        predicted_s = _predicted_seconds(engine, tokens, peaks)
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens + follow_up,), generator=generator)
         if printing:
@@ -345,7 +355,6 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
             if predicted_s is not None and predicted_s > PREDICTION_NOTICE_S:
                 err_console.print(f"[bold]predicted: {_duration(predicted_s)} on this machine[/bold]; "
                                   f"`ringctx plan` sizes a cluster for it", soft_wrap=True)
-        peaks = measure_peaks(engine) if printing else {}  # the ranks wait for the prefill: the cores are free
         try:
             result = _run_prefill(engine, ids[:tokens], show_progress=printing, trace=bool(trace_path),
                                   as_document=bool(kv_path or follow_up or decode_tokens))

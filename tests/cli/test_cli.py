@@ -199,3 +199,34 @@ def test_the_progress_bar_counts_work_not_chunks():
         assert task.fields["work"].eta_s() == pytest.approx(10.0 * (work[1] + work[2]) / work[0])
         on_chunk(2, 3, ChunkStats(1, 4096, 4096, "pass-kv", "", 18.0))
         assert task.fields["work"].eta_s() == pytest.approx(18.0 * work[2] / work[1])
+
+
+def test_an_uncalibrated_profile_predicts_from_the_gemm_rate_measured_here():
+    """The built-in CPU profile holds placeholder peaks: the header's prediction takes this host's
+    measured GEMM rate instead (shared by the ranks), so twice the rate predicts less time; a
+    calibrated profile keeps its own numbers."""
+    import dataclasses
+    import types
+
+    import torch
+
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.hardware import load_profile
+
+    cli = importlib.import_module("ringctx.cli.main")
+    cpu = load_profile("cpu")
+    assert not cpu.calibrated
+    engine = types.SimpleNamespace(hardware=cpu, model=types.SimpleNamespace(dtype=torch.float32,
+                                                                            full_config=get_preset("smollm2-135m")),
+                                   cp_size=2, tp_size=1, chunk_tokens=4096, rule="alg5", kv_dtype="model",
+                                   decode_ranks=1)
+
+    def predicted(rate, hardware=cpu):
+        engine.hardware = hardware
+        return cli._predicted_seconds(engine, 65536, {"gemm_flops_per_s": {"float32": rate}})
+
+    slow, fast = predicted(1e11), predicted(2e11)
+    assert 1.5 < slow / fast <= 2.0 + 1e-9  # compute-bound, plus the ring's fixed costs
+    assert predicted(1e11) != cli._predicted_seconds(engine, 65536)  # the placeholder peaks differ
+    calibrated = dataclasses.replace(cpu, calibrated=True)
+    assert predicted(1e11, calibrated) == predicted(2e11, calibrated) == cli._predicted_seconds(engine, 65536)
