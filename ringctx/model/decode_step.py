@@ -266,13 +266,20 @@ class FusedBatchStep:
         """The kernel's source array, and what must stay alive while it runs (the row lists)."""
         array = (cpu_kernels.AttentionSource * max(1, len(documents) + len(own)))()
         keep = []
+        owned = [r for source in own for r in source.rows]
+        if len(set(owned)) != len(owned):  # the kernel merges a row's own partial from one thread only
+            raise ValueError(f"own attention sources name a batch row twice ({sorted(owned)}): one own cache per row")
         for slot, source in zip(array, list(documents) + list(own)):
             if not self.takes(source.cache):
                 raise ValueError(f"the fused batch step cannot read a {source.cache.k[0].dtype} cache of a "
                                  f"{self.model.dtype} model")
-            if any(not 0 <= r < batch for r in source.rows) or not 0 <= source.keys <= source.cache.max_tokens:
-                raise ValueError(f"an attention source names rows {source.rows} or {source.keys} keys outside the "
-                                 f"batch of {batch} or its cache of {source.cache.max_tokens} rows")
+            room = source.cache.max_tokens
+            if (any(not 0 <= r < batch for r in source.rows) or len(set(source.rows)) != len(source.rows)
+                    or not 0 <= source.keys <= room
+                    or (source.write_row is not None and not 0 <= source.write_row < min(source.keys, room))):
+                raise ValueError(f"an attention source names rows {source.rows} (each once, inside the batch of "
+                                 f"{batch}), {source.keys} keys or write row {source.write_row} outside its cache "
+                                 f"of {room} rows (the written row must be one of the keys attended)")
             k, v, k_scale, v_scale = self._layer_pointers(source.cache)
             rows = (ctypes.c_int64 * len(source.rows))(*source.rows)
             keep.append(rows)

@@ -303,8 +303,14 @@ def test_an_error_in_merge_is_raised_and_bad_batches_are_refused():
         step([1] * 65, [5] * 65, documents, own)
     with pytest.raises(ValueError, match="vocabulary"):
         step([model.config.vocab_size, 1], [5, 6], documents, own)
-    with pytest.raises(ValueError, match="outside the batch"):
+    with pytest.raises(ValueError, match="inside the batch of 1"):
         step([1], [5], documents, own)  # own[1] names row 1 of a batch of one
+    with pytest.raises(ValueError, match="each once"):  # a document row named twice
+        step([1, 2], [5, 6], [AttentionSource(setup.own[0], [0, 0], 3)], own)
+    with pytest.raises(ValueError, match="write row"):  # a row past the cache's room
+        step([1], [5], [], [AttentionSource(setup.own[0], [0], 3, setup.own[0].max_tokens)])
+    with pytest.raises(ValueError, match="twice"):  # two own caches for one row
+        step([1, 2], [5, 6], [], [AttentionSource(setup.own[0], [0], 3), AttentionSource(setup.own[1], [0], 3)])
     with pytest.raises(RuntimeError, match="refuses"):  # two rows on one own source
         step([1, 2], [5, 6], [], [AttentionSource(setup.own[0], [0, 1], 3)])
     wide = KVCache.for_model(model.config, 8, dtype=torch.float64)
