@@ -61,18 +61,26 @@ def submit_all(scheduler, documents, ingest=None):
     return scheduler.call(submit)
 
 
-def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
-    documents, alone = setup
-    scheduler = Scheduler(engine, prefill_every_s=3600, max_batch=3, max_step_tokens=70)
+def run_questions(engine, scheduler, documents, ingest=None):
+    """Every question through `scheduler`, and `ingest`'s prefill beside them: (each answer's
+    result, the batch size and step tokens at every step, the prefill's result or None). Stops the
+    scheduler and takes the step counter off the batch."""
     seen = watch(engine, scheduler)
     try:
-        tickets, prefill = submit_all(scheduler, documents, lambda: scheduler.submit_prefill(
-            lambda: engine.start_prefill(LONG)))
+        tickets, prefill = submit_all(scheduler, documents, ingest)
         results = [collect(t)[1] for t in tickets]
-        long = prefill.wait(timeout=300)
+        prefilled = prefill.wait(timeout=300) if prefill is not None else None
     finally:
         scheduler.stop()
         del engine.batch().step
+    return results, seen, prefilled
+
+
+def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
+    documents, alone = setup
+    scheduler = Scheduler(engine, prefill_every_s=3600, max_batch=3, max_step_tokens=70)
+    results, seen, long = run_questions(engine, scheduler, documents, lambda: scheduler.submit_prefill(
+        lambda: engine.start_prefill(LONG)))
     assert [r.token_ids for r in results] == alone
     assert long.logits.shape[-1] == engine.model.config.vocab_size
     sizes = [n for n, _ in seen]
@@ -85,13 +93,7 @@ def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
 def test_questions_wait_while_the_rows_run_out(engine, setup):
     documents, alone = setup
     scheduler = Scheduler(engine, max_batch=8, max_rows=4 + 12 + 4 + 7)  # the first two questions' rows
-    seen = watch(engine, scheduler)
-    try:
-        tickets, _ = submit_all(scheduler, documents)
-        results = [collect(t)[1] for t in tickets]
-    finally:
-        scheduler.stop()
-        del engine.batch().step
+    results, seen, _ = run_questions(engine, scheduler, documents)
     assert [r.token_ids for r in results] == alone
     assert max(n for n, _ in seen) == 2
 
@@ -119,13 +121,7 @@ def test_a_cancelled_question_leaves_at_once_and_frees_its_rows(engine, setup):
 def test_prompts_longer_than_the_budget_join_one_per_step(engine, setup):
     documents, alone = setup
     scheduler = Scheduler(engine, max_batch=8, max_step_tokens=3)  # every prompt (4 tokens) is longer
-    seen = watch(engine, scheduler)
-    try:
-        tickets, _ = submit_all(scheduler, documents)
-        results = [collect(t)[1] for t in tickets]
-    finally:
-        scheduler.stop()
-        del engine.batch().step
+    results, seen, _ = run_questions(engine, scheduler, documents)
     assert [r.token_ids for r in results] == alone
     sizes = [n for n, _ in seen]
     assert sizes[:3] == [1, 2, 3]  # one joins per step, beside the ones decoding: none is stuck

@@ -171,6 +171,14 @@ def test_an_unknown_document_is_a_404_object(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "document"
 
 
+def run_clients(count, client):
+    """client(i) for every i < count, each on a thread of its own, all at once; returns when all have."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+
 def test_many_clients_get_their_sequential_answers_while_a_document_is_ingested(server, needle):
     """Bounded: 16 clients x 4 questions over two documents while a third is ingested."""
     other = server.wait_ready(server.ingest(FILLER * 20 + "The ferry leaves at noon.", name="ferry")["id"])
@@ -190,11 +198,7 @@ def test_many_clients_get_their_sequential_answers_while_a_document_is_ingested(
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    run_clients(16, client)
     assert not errors, errors
     assert len(answers) == 64 and all(text == sequential[q] for q, text in answers)
     print(f"longest wait for an answer under load: {max(waits):.1f} s (16 clients, their questions decoded together)")
@@ -218,11 +222,7 @@ def test_eight_streaming_clients_on_one_document_get_their_sequential_answers(se
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    run_clients(8, client)
     assert not errors, errors
     assert answers == sequential
     steps, tokens = server.metric("ringctx_decode_steps") - steps, server.metric("ringctx_decoded_tokens") - tokens
