@@ -6,6 +6,7 @@ only the decode rank prints.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -487,8 +488,6 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
     """Answer questions about a document saved by `ringctx ingest`: one question streams its answer;
     several are answered together (one decode step for all, the document read once per step for
     every question) and the answers are printed labelled, in the order asked, once all are complete."""
-    from ..engine.failures import RankFailure
-
     for i, question in enumerate(questions):
         if not question.strip():
             which = "the question" if len(questions) == 1 else f"the question {i + 1}"
@@ -500,19 +499,12 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
                               seed=seed))
     question = questions[0]
     printing = _is_printing_rank()
-    engine = None
-    try:
-        engine, document, layout_note = _engine_with_document(kv_file, model, dtype, nproc, tp, decode_ranks,
-                                                              timeout_s)
+    with _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s) as (engine, document,
+                                                                                       layout_note):
         generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed) if document is not None else iter(())
         for piece in generation:
             click.echo(piece, nl=False)
-    except (ValueError, OSError, RankFailure) as exc:
-        raise _rank_error(exc) from None
-    finally:
-        if engine is not None:
-            engine.close()
     if not printing:
         return
     click.echo()
@@ -524,35 +516,36 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
                       f"{len(r.token_ids)} tokens[/dim]")
 
 
-def _engine_with_document(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
-    """(engine, document, layout note) for `ringctx ask`: an Engine in the saved document's dtype and
-    KV dtype (nproc auto: the serving layout), the document loaded on it. The caller closes the
-    engine; this closes it when the document does not load."""
+@contextlib.contextmanager
+def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
+    """`ringctx ask`'s engine: yields (engine, document, layout note), an Engine in the saved
+    document's dtype and KV dtype (nproc auto: the serving layout) with the document loaded on it.
+    The engine is closed on leaving; bad input and a lost rank become the command's error."""
     from ..engine import Engine, serving_layout
     from ..engine.documents import describe_document
+    from ..engine.failures import RankFailure
 
-    meta = describe_document(kv_file)
-    nproc, layout_note = serving_layout(nproc, None, tp)
-    engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
-                    kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
+    engine = None
     try:
-        return engine, engine.load_document(kv_file), layout_note
-    except BaseException:
-        engine.close()
-        raise
+        meta = describe_document(kv_file)
+        nproc, layout_note = serving_layout(nproc, None, tp)
+        engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
+        yield engine, engine.load_document(kv_file), layout_note
+    except (ValueError, OSError, RankFailure) as exc:
+        raise _rank_error(exc) from None
+    finally:
+        if engine is not None:
+            engine.close()
 
 
 def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, sampling):
     """`ringctx ask` with several questions: Engine.ask_many (under torchrun rank 0 leads, the others follow)."""
     import time
 
-    from ..engine.failures import RankFailure
-
     printing = _is_printing_rank()
-    engine = None
-    try:
-        engine, document, layout_note = _engine_with_document(kv_file, model, dtype, nproc, tp, decode_ranks,
-                                                              timeout_s)
+    with _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s) as (engine, document,
+                                                                                       layout_note):
         if engine.mode == "torchrun" and engine.rank != 0:
             engine.follow()  # rank 0 drives the batch; this rank runs its commands until it closes
             return
@@ -568,11 +561,6 @@ def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout
             click.echo(f"[{i + 1}] {question}")
             click.echo("".join(texts[i]))
             click.echo()
-    except (ValueError, OSError, RankFailure) as exc:
-        raise _rank_error(exc) from None
-    finally:
-        if engine is not None:
-            engine.close()
     if not printing:
         return
     tokens = sum(len(r.token_ids) for r in answers.results if r is not None)
