@@ -40,24 +40,6 @@ QUESTIONS = ["What is the document about? Answer in detail.", "Summarise the fir
              "List the people the document mentions and what they do.", "Describe the places in the document."]
 
 
-def start_serve(store: str, log_path: str, chunk_tokens: str, timeout: float = 600.0):
-    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store]
-    if chunk_tokens != "default":
-        argv += ["--chunk-tokens", chunk_tokens]
-    server = bench_serve.Server("ringctx serve", argv, log_path)
-    deadline = time.monotonic() + timeout
-    while server.url is None:
-        for line in list(server.lines):
-            m = bench_serve.LISTENING.search(line)
-            if m:
-                server.url = m.group(1)
-        if server.proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError("ringctx serve did not start:\n" + "".join(server.lines)[-3000:])
-        time.sleep(0.1)
-    return server
-
-
 def ingest(http, text: str, name: str) -> tuple[str, float, float]:
     """POST a document and wait until it is ready: (id, POST time, seconds to ready)."""
     t0 = time.perf_counter()
@@ -131,7 +113,9 @@ def main() -> int:
     rows = []
     for setting in args.chunk_tokens:
         work = tempfile.mkdtemp(prefix="bench_ingest_itl_")
-        server = start_serve(os.path.join(work, "store"), os.path.join(work, "serve.log"), setting)
+        extra = () if setting == "default" else ("--chunk-tokens", setting)
+        server = bench_serve.start_ringctx(os.path.join(work, "store"), os.path.join(work, "serve.log"), None, "auto",
+                                           600.0, extra)
         try:
             http = httpx.Client(base_url=server.url, timeout=600)
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)

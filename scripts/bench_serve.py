@@ -214,8 +214,10 @@ class Server:
         return self.proc.returncode
 
 
-def start_ringctx(store: str, log_path: str, nproc, dtype: str, timeout: float) -> Server:
-    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store, "--dtype", dtype]
+def start_ringctx(store: str, log_path: str, nproc, dtype: str, timeout: float,
+                  extra: tuple[str, ...] = ()) -> Server:
+    """`ringctx serve --port 0` (extra: more of its options), once it says where it listens."""
+    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store, "--dtype", dtype, *extra]
     if nproc is not None:
         argv += ["--nproc", str(nproc)]
     server = Server("ringctx serve", argv, log_path)
