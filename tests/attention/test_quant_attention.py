@@ -9,7 +9,6 @@ then checks the blocked PyTorch path.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest

@@ -8,7 +8,6 @@ Ranks are killed at a known point with the RINGCTX_TEST_KILL test hook (ringctx.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal

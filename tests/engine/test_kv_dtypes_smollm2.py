@@ -3,7 +3,6 @@ found, and the first answer token's logits stay close to the bf16 cache's (the b
 the measured error printed)."""
 
 import pytest
-import torch
 
 from ringctx.engine import Engine
 

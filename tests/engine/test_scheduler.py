@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from ringctx import Engine
-from ringctx.engine import RankFailure
 from ringctx.engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 
 DOC = [(3 * i) % 250 + 3 for i in range(257)]

@@ -15,7 +15,6 @@ skip deliberately on a machine that cannot have it).
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest

@@ -19,7 +19,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import threading
 
 import pytest
