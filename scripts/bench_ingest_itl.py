@@ -1,21 +1,22 @@
 """Inter-token time of answers in flight while `ringctx serve` ingests a new document.
 
     python scripts/bench_ingest_itl.py [--tokens 8000] [--answers 2] [--max-tokens 96]
-                                       [--chunk-tokens default 256 128] [--json out.json]
+                                       [--chunk-tokens default 4096] [--ingest-shares 1.0 0.5]
+                                       [--json out.json]
 
-For each --chunk-tokens setting (`default`: serve's own), a fresh `ringctx serve --port 0` on the
-embedded SmolLM2 (dtype auto) ingests document A; then, twice over:
+For each --chunk-tokens setting (`default`: serve's own) and each --ingest-shares setting, a fresh
+`ringctx serve --port 0` on the embedded SmolLM2 (dtype auto) ingests document A; then, twice over:
 
     quiet      --answers streamed questions about A, nothing else running
-    ingesting  the same questions, and a new --tokens document B posted once their first tokens
-               arrived (so the ingest runs beside them)
+    ingesting  the same questions, and a new --tokens document B posted once each answer has had
+               STEADY_DELTAS tokens (so the ingest runs beside them, after their joins)
 
 Each answer's inter-token gaps (client side, between streamed content deltas) are split into those
 that fell inside B's ingest (from its POST to `ready`) and the rest. Per setting: the quiet median
-gap, the median and the largest gap during the ingest, their ratios to the quiet median, and how
-long B took to ingest (beside the answers, and alone when nothing else ran). The scheduler places
-at most --max-step-tokens of prefill between two tokens of an answer (serve's default: one chunk
-beside a full batch), so the chunk size sets how far an ingest stretches an answer's gaps.
+gap; the median, 90th percentile and largest gap during the ingest, as ratios to the quiet median;
+how long B took to ingest beside the answers and alone. Beside answers the scheduler runs whole
+layers of the ingest's chunk in each step, about --ingest-share decode steps' worth, so the share
+sets the typical gap and one layer of one chunk (the chunk size) the longest.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ bench_serve = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_serve)
 log, median, make_document, MODEL_ID = bench_serve.log, bench_serve.median, bench_serve.make_document, bench_serve.MODEL_ID
 
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of values (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
 QUESTIONS = ["What is the document about? Answer in detail.", "Summarise the first part of the document at length.",
              "List the people the document mentions and what they do.", "Describe the places in the document."]
 
@@ -53,8 +60,14 @@ def ingest(http, text: str, name: str) -> tuple[str, float, float]:
         time.sleep(0.05)
 
 
-def stream(client, question: str, document: str, max_tokens: int, first_token: threading.Event, out: list) -> None:
-    """One streamed greedy answer; appends the arrival time of each content delta to out."""
+STEADY_DELTAS = 4
+"""Content deltas each answer has received before document B is posted: the questions' joins (each
+question's prefill, run between the other's tokens) lie before the window measured."""
+
+
+def stream(client, question: str, document: str, max_tokens: int, steady: threading.Event, out: list) -> None:
+    """One streamed greedy answer; appends the arrival time of each content delta to out and sets
+    `steady` once STEADY_DELTAS have come."""
     chunks = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": question}],
                                             extra_body={"document": document}, max_tokens=max_tokens,
                                             temperature=0, stream=True)
@@ -62,20 +75,21 @@ def stream(client, question: str, document: str, max_tokens: int, first_token: t
         for choice in chunk.choices or ():
             if choice.delta and choice.delta.content:
                 out.append(time.perf_counter())
-                first_token.set()
+                if len(out) >= STEADY_DELTAS:
+                    steady.set()
 
 
 def run_answers(client, http, doc_a: str, args, new_document: str | None) -> dict:
     """--answers streamed answers about doc_a; with new_document, it is ingested beside them."""
     times = [[] for _ in range(args.answers)]
-    firsts = [threading.Event() for _ in range(args.answers)]
+    steady = [threading.Event() for _ in range(args.answers)]
     threads = [threading.Thread(target=stream, args=(client, QUESTIONS[i % len(QUESTIONS)], doc_a, args.max_tokens,
-                                                     firsts[i], times[i])) for i in range(args.answers)]
+                                                     steady[i], times[i])) for i in range(args.answers)]
     for t in threads:
         t.start()
     window = None
     if new_document is not None:
-        for e in firsts:
+        for e in steady:
             e.wait(timeout=300)
         _, t0, seconds = ingest(http, new_document, "B")
         window = (t0, t0 + seconds)
@@ -94,8 +108,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8000, help="the ingested document's length in tokens")
     p.add_argument("--answers", type=int, default=2, help="answers streaming during the ingest")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer")
-    p.add_argument("--chunk-tokens", nargs="+", default=["default", "256", "128"],
+    p.add_argument("--chunk-tokens", nargs="+", default=["default", "4096"],
                    help="serve --chunk-tokens settings to compare ('default': serve's own)")
+    p.add_argument("--ingest-shares", nargs="+", default=["1.0", "0.5"],
+                   help="serve --ingest-share settings to compare (each with each chunk setting)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -111,9 +127,9 @@ def main() -> int:
     log(f"{cpu_model()}, {os.cpu_count()} cores; document B {args.tokens:,} tokens; {args.answers} answers x "
         f"{args.max_tokens} tokens")
     rows = []
-    for setting in args.chunk_tokens:
+    for setting, share in [(c, s) for c in args.chunk_tokens for s in args.ingest_shares]:
         work = tempfile.mkdtemp(prefix="bench_ingest_itl_")
-        extra = () if setting == "default" else ("--chunk-tokens", setting)
+        extra = ("--ingest-share", share) + (() if setting == "default" else ("--chunk-tokens", setting))
         server = bench_serve.start_ringctx(os.path.join(work, "store"), os.path.join(work, "serve.log"), None, "auto",
                                            600.0, extra)
         try:
@@ -129,22 +145,25 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
         q = median(quiet["gaps_outside"])
         inside = busy["gaps_inside"]
-        row = {"chunk_tokens": setting, "quiet_gap_ms": q * 1e3,
+        row = {"chunk_tokens": setting, "ingest_share": float(share), "quiet_gap_ms": q * 1e3,
                "ingest_gap_median_ms": median(inside) * 1e3 if inside else None,
+               "ingest_gap_p90_ms": percentile(inside, 0.9) * 1e3 if inside else None,
                "ingest_gap_max_ms": max(inside) * 1e3 if inside else None,
-               "median_ratio": median(inside) / q if inside else None, "max_ratio": max(inside) / q if inside else None,
+               "median_ratio": median(inside) / q if inside else None,
+               "p90_ratio": percentile(inside, 0.9) / q if inside else None, "max_ratio": max(inside) / q if inside else None,
                "gaps_during_ingest": len(inside), "ingest_beside_s": busy["ingest_s"], "ingest_alone_s": alone_s}
         rows.append(row)
-        log(f"chunk {setting}: quiet {row['quiet_gap_ms']:.1f} ms; during the ingest median "
-            f"{row['ingest_gap_median_ms']:.1f} ms ({row['median_ratio']:.2f}x), max {row['ingest_gap_max_ms']:.0f} ms "
+        log(f"chunk {setting}, share {share}: quiet {row['quiet_gap_ms']:.1f} ms; during the ingest median "
+            f"{row['ingest_gap_median_ms']:.1f} ms ({row['median_ratio']:.2f}x), p90 {row['ingest_gap_p90_ms']:.1f} ms, max {row['ingest_gap_max_ms']:.0f} ms "
             f"({row['max_ratio']:.1f}x) over {len(inside)} gaps; ingest {busy['ingest_s']:.1f} s beside the answers, "
             f"{alone_s:.1f} s alone")
-    print(f"\n{'chunk':>8} {'quiet ms':>9} {'ingest med':>11} {'x':>5} {'ingest max':>11} {'x':>6} "
-          f"{'ingest s':>9} {'alone s':>8}")
+    print(f"\n{'chunk':>7} {'share':>5} {'quiet':>6} {'median':>7} {'x':>5} {'p90':>6} {'x':>5} {'max':>6} {'x':>5} "
+          f"{'beside':>7} {'alone':>6}")
+    print(f"{'':>7} {'':>5} {'ms':>6} {'ms':>7} {'':>5} {'ms':>6} {'':>5} {'ms':>6} {'':>5} {'s':>7} {'s':>6}")
     for r in rows:
-        print(f"{r['chunk_tokens']:>8} {r['quiet_gap_ms']:>9.1f} {r['ingest_gap_median_ms']:>11.1f} "
-              f"{r['median_ratio']:>5.2f} {r['ingest_gap_max_ms']:>11.0f} {r['max_ratio']:>6.1f} "
-              f"{r['ingest_beside_s']:>9.1f} {r['ingest_alone_s']:>8.1f}")
+        print(f"{r['chunk_tokens']:>7} {r['ingest_share']:>5.2f} {r['quiet_gap_ms']:>6.1f} {r['ingest_gap_median_ms']:>7.1f} "
+              f"{r['median_ratio']:>5.2f} {r['ingest_gap_p90_ms']:>6.1f} {r['p90_ratio']:>5.2f} "
+              f"{r['ingest_gap_max_ms']:>6.0f} {r['max_ratio']:>5.1f} {r['ingest_beside_s']:>7.1f} {r['ingest_alone_s']:>6.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows,

@@ -58,20 +58,26 @@ def _log(line: str) -> None:
 @click.option("--max-document-tokens", type=click.IntRange(1), default=None,
               help="Longest document accepted [default: what the KV budget holds].")
 @click.option("--chunk-tokens", type=click.IntRange(1), default=None,
-              help="Tokens per prefill chunk (default: from the model's size).")
+              help="Tokens per chunk of a document's ingest (default: from the model's size; at most 512 on "
+                   "CPUs, where one layer of a chunk is the longest pause an ingest puts between two tokens of "
+                   "an answer in flight).")
 @click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1),
               help="Questions decoded together at most: one step runs every one of them, each document's KV "
                    "read once for all its questions.")
 @click.option("--max-step-tokens", type=click.IntRange(1), default=None,
               help="Tokens one step may run: one per question decoding plus the prompt tokens it prefills "
-                   "(questions joining, an ingest's chunk); bounds the prefill work between two tokens of an "
-                   "answer [default: one prefill chunk plus --max-batch].")
+                   "(questions joining; an ingest's chunk when none decodes); bounds the questions' prefill "
+                   "work between two tokens of an answer [default: one prefill chunk plus --max-batch].")
+@click.option("--ingest-share", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Beside answers in flight an ingest runs whole layers of its chunk in each step, about this "
+                   "many decode steps' worth: 1.0 keeps their inter-token time near 2x its time without the "
+                   "ingest; lower favours the answers, higher the ingest.")
 @click.option("--drain", "drain_s", default=30.0, show_default=True,
               help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
 @TIMEOUT_OPTION
 def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, store_dir, kv_budget, max_queue,
-          max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, drain_s,
-          timeout_s):
+          max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
+          drain_s, timeout_s):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
     from ..engine.failures import RankFailure
     from ..serve.protocol import Limits
@@ -85,7 +91,8 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, 
                                model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
                                dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                timeout_s=timeout_s, max_document_tokens=max_document_tokens,
-                               chunk_tokens=chunk_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens)
+                               chunk_tokens=chunk_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
+                               ingest_share=ingest_share)
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None
     sys.exit(status)

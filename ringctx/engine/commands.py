@@ -6,7 +6,7 @@ same function itself; under torchrun every rank calls the Engine method and runs
 directly. Either way, every rank concerned runs the same functions in the same order, so their
 collectives match:
 
-    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks, PREFILL_FINISH  ->  engine/prefill.py PrefillRun
+    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks (or slices), PREFILL_FINISH  ->  engine/prefill.py PrefillRun
     Engine.extend            ->  EXTEND         ->  cp_prefill over the decode ranks, on a document's slices
     Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  engine/decode.py ShardedDecoder
                                  (under torchrun, where every rank calls generate: ANSWER_FOLLOW on the followers)
@@ -88,9 +88,10 @@ def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: i
     return run
 
 
-def prefill_chunk(state: RankState, prefill_id: int):
-    """The next chunk of a prefill (ChunkStats)."""
-    return state.prefills[prefill_id].step()
+def prefill_chunk(state: RankState, prefill_id: int, layers: int = 0):
+    """The next chunk of a prefill (ChunkStats), or with layers > 0 the next `layers` layers of it
+    (None until the chunk's last layer has run)."""
+    return state.prefills[prefill_id].step(layers or None)
 
 
 def prefill_finish(state: RankState, prefill_id: int):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 class PrefillJob:
     """A prefill in progress on rank 0's side (see `Engine.start_prefill`): `step()` runs the next
-    chunk on every rank, `finish()` hands the KV cache off and returns the PrefillResult
+    chunk on every rank (`step(layers=n)` a slice of it), `finish()` hands the KV cache off and returns the PrefillResult
     (`.document` too, for an ingest); `cancel()` gives it up."""
 
     def __init__(self, engine: Engine, prefill_id: int, run):
@@ -42,9 +42,17 @@ class PrefillJob:
     def total_chunks(self) -> int:
         return self.run.total_chunks
 
-    def step(self) -> ChunkStats:
-        """The next chunk, on every rank."""
-        return self.engine._run("prefill", commands.PREFILL_CHUNK, self.id)
+    @property
+    def layer_in_chunk(self) -> int:
+        """Layers of the current chunk that `step(layers=...)` has run (0 between two chunks)."""
+        return self.run.layer_in_chunk
+
+    def step(self, layers: int | None = None) -> ChunkStats | None:
+        """The next chunk, on every rank; with `layers`, only its next `layers` layers (None until
+        the chunk's last layer has run; the same bits as the chunk run whole)."""
+        if layers is not None and layers < 1:
+            raise ValueError(f"a prefill slice runs at least one layer, got layers={layers}")
+        return self.engine._run("prefill", commands.PREFILL_CHUNK, self.id, layers or 0)
 
     def finish(self) -> PrefillResult:
         """The hand-off to the decode ranks, and the result (`result.document` when it was kept)."""

@@ -312,6 +312,7 @@ class PrefillRun:
                                   tp_size=model.tp.size)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
         self.next_chunk = 0
+        self._slice: _ChunkInProgress | None = None  # a chunk that step(layers=...) has begun
 
     @property
     def done(self) -> bool:
@@ -322,18 +323,48 @@ class PrefillRun:
     def total_chunks(self) -> int:
         return len(self.chunks)
 
-    def step(self) -> ChunkStats:
-        """Run the next chunk on this rank (with every other rank of the group) and return its stats."""
+    @property
+    def layer_in_chunk(self) -> int:
+        """Layers of the current chunk already run by `step(layers=...)` (0 between two chunks)."""
+        return 0 if self._slice is None else self._slice.next_layer
+
+    def step(self, layers: int | None = None) -> ChunkStats | None:
+        """Run the next chunk on this rank (with every other rank of the group) and return its stats.
+
+        layers: run only the next `layers` layers of the current chunk (a slice of it) and return
+        None until its last layer has run, then its stats. A chunk run in slices gives the same bits
+        as run whole (the same operations on the same data, with pauses between layers), so a
+        scheduler may cut it wherever it likes; every rank must be given the same slices."""
         if self.done:
             raise RuntimeError("every chunk of this prefill has run: call finish()")
+        if layers is not None and layers < 1:
+            raise ValueError(f"a prefill slice runs at least one layer, got layers={layers}")
+        if self._slice is None:
+            self._slice = self._begin_chunk()
+        chunk = self._slice
+        n_layers = len(self.model.layers)
+        end = n_layers if layers is None else min(n_layers, chunk.next_layer + layers)
+        t0 = time.perf_counter()
+        # The modes are entered per slice: between two slices this rank may run other work.
+        with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(self.model, self.comm):
+            with span(f"chunk {chunk.index}", "compute", strategy=chunk.record.strategy, layers=f"{chunk.next_layer}-{end - 1}"):
+                for layer_index in range(chunk.next_layer, end):
+                    chunk.x = self.model.layers[layer_index](chunk.x, chunk.rope, chunk.attend, layer_index)
+                chunk.next_layer = end
+                if end == n_layers and chunk.index == len(self.chunks) - 1:
+                    self.logits = _last_token_logits(self.model, chunk.x, chunk.layout, self.rank, self.world,
+                                                     self.group, self.logits)
+        chunk.seconds += time.perf_counter() - t0
+        return self._end_chunk() if end == n_layers else None
+
+    def _begin_chunk(self) -> "_ChunkInProgress":
+        """The next chunk's strategy, this rank's rows embedded, their RoPE, and its attention."""
         index = self.next_chunk
         (s, e), layout = self.chunks[index], self.layouts[index]
-        model, rank, world, group, config, shard = self.model, self.rank, self.world, self.group, self.config, self.shard
+        model, rank, group, config, shard = self.model, self.rank, self.group, self.config, self.shard
         t0 = time.perf_counter()
-        strategy, reason, short_reason, formula = _decide(e - s, self.cached_len + s, model, world, config)
+        strategy, reason, short_reason, formula = _decide(e - s, self.cached_len + s, model, self.world, config)
         rows_before = layout.num_cached(rank)
-        n_new = layout.num_new(rank)
-        chunk_ids = self.token_ids[s:e].to(model.device)
 
         def attend(layer: int, q, k, v):
             cached = {}
@@ -346,25 +377,28 @@ class PrefillRun:
             shard.update(layer, rows_before, k, v)
             return out
 
-        # The modes are entered per chunk: between two steps this rank may run other work.
-        with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(model, self.comm):
-            with span(f"chunk {index}", "compute", strategy=strategy):
-                x = model.embed(layout.shard(chunk_ids, rank))
-                positions = layout.positions(rank).to(model.device)
-                rope = model.rope(positions)
-                for layer_index, block in enumerate(model.layers):
-                    x = block(x, rope, attend, layer_index)
-                if index == len(self.chunks) - 1:
-                    self.logits = _last_token_logits(model, x, layout, rank, world, group, self.logits)
+        with torch.inference_mode():
+            x = model.embed(layout.shard(self.token_ids[s:e].to(model.device), rank))
+            positions = layout.positions(rank).to(model.device)
+            rope = model.rope(positions)
+        record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, 0.0, short_reason, formula)
+        return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before,
+                                seconds=time.perf_counter() - t0)
+
+    def _end_chunk(self) -> ChunkStats:
+        """Account for the chunk whose last layer has run: the shard's new rows, its stats."""
+        chunk, shard = self._slice, self.shard
+        self._slice = None
+        n_new = chunk.layout.num_new(self.rank)
         if shard.positions is not None:
-            shard.positions[rows_before:rows_before + n_new] = positions.cpu()
-        shard.length = rows_before + n_new
-        record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, time.perf_counter() - t0,
-                            short_reason, formula)
+            shard.positions[chunk.rows_before:chunk.rows_before + n_new] = chunk.positions.cpu()
+        shard.length = chunk.rows_before + n_new
+        record = chunk.record
+        record.seconds = chunk.seconds
         self.stats.chunks.append(record)
         self.next_chunk += 1
         if self.on_chunk is not None:
-            self.on_chunk(index + 1, len(self.chunks), record)
+            self.on_chunk(chunk.index + 1, len(self.chunks), record)
         return record
 
     def finish(self) -> PrefillResult:
@@ -403,6 +437,24 @@ class PrefillRun:
         trace = _gather_trace(self.tracer, group, world) if config.trace else None
         return PrefillResult(logits=self.logits, cache=out_cache, stats=stats, token_ids=all_ids,
                              trace_events=trace if rank == config.decode_rank else None)
+
+
+@dataclass
+class _ChunkInProgress:
+    """A chunk between two slices: this rank's hidden rows after `next_layer` layers, and what its
+    remaining layers need."""
+
+    index: int
+    layout: ShardLayout
+    record: ChunkStats
+    attend: Callable
+    x: torch.Tensor
+    positions: torch.Tensor
+    rope: object
+    rows_before: int
+    next_layer: int = 0
+    seconds: float = 0.0
+    """Time this rank spent on the chunk's slices (not the time between them)."""
 
 
 def _local_problem(model, token_ids, config, world, rank, cache, shard) -> str | None:

@@ -10,23 +10,32 @@
                                    budget; then ONE decode step for every running question
                                    (Engine.batch: each document's rows read once for all its
                                    questions); finished ones leave
-        a prefill (an ingest)      one chunk of it in the same step when the budget has room for
-                                   it after the decode tokens and the joins, when no question is
-                                   running, or when `prefill_every_s` have passed since its last
+        a prefill (an ingest)      while questions decode: a slice of it in the same step (whole
+                                   layers of its current chunk, as many as fit `ingest_share` times
+                                   the batch's decode step, at least one); when none decodes: a
+                                   whole chunk
         a lone answer              (submit_answer: an Engine.generate Answer) one token per turn,
                                    one at a time, when no question is in the batch
 
 The step's token budget (`max_step_tokens`, like vLLM's max_num_batched_tokens) counts one token
-for each running question plus every prompt token a step prefills (a question joining, an
-ingest's chunk). A running answer waits between two tokens for exactly one step, so the budget
-bounds the prefill work placed between two of its tokens: a burst of new questions joins over
-several steps, and an ingest advances a chunk at a time beside the answers. Default
-(`default_step_tokens`): one prefill chunk of the engine plus one token per sequence of a full
-batch, so an ingest's chunk fits beside a full batch. A prompt longer than the whole budget joins
-alone, in a step that prefills nothing else (it is never stuck). `max_rows` bounds the KV rows
-the running questions may hold together (each counts its prompt plus its max_new_tokens): when
-they run out, questions wait in the queue rather than run out of memory (a question alone always
-runs).
+for each running question plus every prompt token of the questions joining (and of an ingest's
+chunk when no question decodes). A running answer waits between two tokens for exactly one step,
+so the budget bounds the questions' prefill work placed between two of its tokens: a burst of new
+questions joins over several steps. Default (`default_step_tokens`): one prefill chunk of the engine plus one token
+per sequence of a full batch. A prompt longer than the whole budget joins alone, in a step that
+prefills nothing else (it is never stuck).
+
+An ingest beside running answers is bounded by time instead: each step runs the next layers of
+its current chunk (PrefillJob.step(layers=n), the same bits as the chunk run whole), n sized from
+the time its last slice took per layer so that the slice takes about `ingest_share` times the
+batch's last decode step (at least one layer). With the default 1.0 an answer's inter-token time
+stays near twice its time without the ingest, and the ingest gets about half the machine; the
+longest pause is one layer of one chunk, which the chunk size sets (`ringctx serve` picks chunks
+whose layers are short on CPUs: serve/service.py).
+
+`max_rows` bounds the KV rows the running questions may hold together (each counts its prompt
+plus its max_new_tokens): when they run out, questions wait in the queue rather than run out of
+memory (a question alone always runs).
 
 The Engine is not thread-safe: only the scheduler's thread touches it once the scheduler runs.
 Tickets are how other threads see the work: an AnswerTicket is an iterator of events (text
@@ -118,6 +127,7 @@ class PrefillTicket:
         self.job = None
         self.cancelled = False
         self.last_chunk = time.monotonic()
+        self.layer_s: float | None = None  # seconds per layer of its last timed step (slices are sized by it)
         self._done = threading.Event()
         self._result = self._error = None
 
@@ -155,28 +165,36 @@ class Scheduler:
             parallel region, and with two teams on a machine's cores GNU OpenMP stops spinning
             between regions, which cost a decode step 35% at 8K tokens on 2 cores (built on the
             calling thread: 64-65 ms against 47-48 ms, docs/BENCHMARKS.md).
-        prefill_every_s: a queued prefill gets a chunk at least this often, even while answers run.
+        prefill_every_s: a queued prefill gets a chunk at least this often while a lone answer
+            (submit_answer) runs; beside questions in the batch it gets a slice every step.
         on_failure: called once (on the scheduler's thread) with the RankFailure that ended it.
         max_batch: questions decoded together at most (the others wait).
         max_step_tokens: tokens one step may run: one per running question plus the prompts it
             prefills (see the module docstring; None: `default_step_tokens`).
         max_rows: KV rows the running questions may hold together (None: no bound).
+        ingest_share: while questions decode, the time of each step's prefill slice as a multiple of
+            the batch's decode step (see the module docstring).
     """
 
     def __init__(self, engine, *, prefill_every_s: float = 30.0, on_failure: Callable[[BaseException], None] = None,
-                 max_batch: int = 16, max_step_tokens: int | None = None, max_rows: int | None = None):
+                 max_batch: int = 16, max_step_tokens: int | None = None, max_rows: int | None = None,
+                 ingest_share: float = 1.0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if not ingest_share > 0:
+            raise ValueError(f"ingest_share must be > 0, got {ingest_share}")
+        self.ingest_share = ingest_share
+        self.last_slice_layers = 0  # layers of an ingest's chunk that the last step ran beside the batch
         self.prefill_every_s = prefill_every_s
         self.on_failure = on_failure
         self.max_batch, self.max_rows = max_batch, max_rows
         self.questions: collections.deque[QuestionTicket] = collections.deque()
         self.batched: list[QuestionTicket] = []  # joined, decoding together
-        self.last_step_tokens = 0  # tokens the last step ran (decode + prefill): what the budget bounds
+        self.last_step_tokens = 0  # tokens the last step ran (decode + prompts + a whole chunk): what the budget bounds
         self.steps = 0  # decode steps of the batch, and the tokens they decoded (their mean batch: the ratio)
         self.decoded_tokens = 0
         self.answers: collections.deque[AnswerTicket] = collections.deque()
@@ -372,12 +390,12 @@ class Scheduler:
             if ticket.member.first_piece:
                 ticket._put(Text(ticket.member.first_piece))
         prefill = self.prefills[0] if self.prefills else None
-        if prefill is not None:
-            cost = self._chunk_tokens(prefill)
-            overdue = time.monotonic() - prefill.last_chunk >= self.prefill_every_s
-            if cost <= budget or overdue or not self.batched:
-                self._prefill_step(prefill)
-                spent += cost
+        self.last_slice_layers = 0
+        if prefill is not None and not self.batched:
+            spent += self._chunk_tokens(prefill)
+            self._prefill_step(prefill)
+        elif prefill is not None:
+            self.last_slice_layers = self._prefill_step(prefill, self._slice_layers(prefill, batch.last_step_s))
         if batch.members:
             by_member = {id(t.member): t for t in self.batched}
             self.decoded_tokens += sum(m.generation.next_input() is not None for m in batch.members)
@@ -398,6 +416,13 @@ class Scheduler:
         batch.leave(ticket.member)
         ticket._put(Done(result))
 
+    def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> int:
+        """Layers of the prefill's chunk that take about ingest_share x decode_s (at least one; one
+        until a slice has been timed)."""
+        if ticket.layer_s is None or decode_s <= 0:
+            return 1
+        return max(1, int(self.ingest_share * decode_s / ticket.layer_s))
+
     def _chunk_tokens(self, ticket: PrefillTicket) -> int:
         """Tokens the prefill's next step prefills (its first: the engine's chunk size)."""
         run = getattr(ticket.job, "run", None)
@@ -410,31 +435,43 @@ class Scheduler:
         self.running = None
         ticket._put(Done(result))
 
-    def _prefill_step(self, ticket: PrefillTicket) -> None:
+    def _prefill_step(self, ticket: PrefillTicket, layers: int | None = None) -> int:
+        """The prefill's next chunk (or its next `layers` layers), its start or its finish; returns
+        the layers run (0 for a start, a finish or a cancel)."""
         try:
             if ticket.cancelled:
                 if ticket.job is not None:
                     ticket.job.cancel()
                 self.prefills.popleft()
                 ticket._finish(error=SchedulerStopped("the prefill was cancelled"))
-                return
+                return 0
             if ticket.job is None:
                 ticket.job = ticket.start()
             if not ticket.job.done:
-                stats = ticket.job.step()
+                total = len(self.engine.model.layers)
+                ran = total - ticket.job.layer_in_chunk
+                if layers is not None:
+                    ran = min(ran, layers)
+                t0 = time.perf_counter()
+                stats = ticket.job.step(layers)
+                # Slices are sized by the slowest recent layer: a chunk's layers cost more than the
+                # last chunk's (each attends to more) and a quick outlier must not size a long slice.
+                measured = (time.perf_counter() - t0) / ran
+                ticket.layer_s = measured if ticket.layer_s is None else max(measured, 0.8 * ticket.layer_s)
                 ticket.last_chunk = time.monotonic()
-                if ticket.on_chunk is not None:
+                if stats is not None and ticket.on_chunk is not None:
                     ticket.on_chunk(ticket.job, stats)
-                return
+                return ran
             result = ticket.job.finish()
             if ticket.on_done is not None:
                 ticket.on_done(result)
         except ValueError as exc:  # bad input, or no memory for it: this prefill only
             self.prefills.popleft()
             ticket._finish(error=exc)
-            return
+            return 0
         self.prefills.popleft()
         ticket._finish(result)
+        return 0
 
     def _fail_all(self, error: BaseException) -> None:
         """End everything still queued or running with `error`."""

@@ -399,3 +399,18 @@ def default_chunk_tokens(model, world: int) -> int:
     budget = 1 << 30  # 1 GiB of chunk activations per rank
     by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
     return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
+
+
+SERVING_CPU_CHUNK_TOKENS = 512
+"""`ringctx serve`'s chunk on CPUs. Beside answers in flight an ingest runs a few whole layers of
+its chunk per decode step (engine/scheduler.py), so one layer of one chunk is the longest pause it
+puts between two tokens of an answer. At 512 tokens a layer of SmolLM2 over an 8K-token prefix
+took about one decode step (~15-18 ms, 2-core Xeon, bf16); 4,096-token chunks took 48-88 ms a
+layer, and the whole 8K ingest alone took 1.2x as long in 512-token chunks (docs/BENCHMARKS.md)."""
+
+
+def serving_chunk_tokens(model, world: int) -> int:
+    """The chunk `ringctx serve` ingests documents in when the user gives none: the engine's default
+    on GPUs (a layer of a 64K chunk is milliseconds there), at most SERVING_CPU_CHUNK_TOKENS on CPUs."""
+    chunk = default_chunk_tokens(model, world)
+    return chunk if model.device.type == "cuda" else min(chunk, SERVING_CPU_CHUNK_TOKENS)

@@ -78,6 +78,10 @@ class _BackendCollector:
         yield GaugeMetricFamily("ringctx_max_step_tokens", "Tokens one step may run: decode tokens plus prompt "
                                 "tokens prefilled (--max-step-tokens)", value=stats.max_step_tokens)
         yield GaugeMetricFamily("ringctx_step_tokens", "Tokens the last step ran", value=stats.step_tokens)
+        yield GaugeMetricFamily("ringctx_ingest_slice_layers", "Layers of an ingest's chunk the last step ran beside "
+                                "the answers decoding (0: none)", value=stats.slice_layers)
+        yield GaugeMetricFamily("ringctx_ingest_share", "Decode steps a slice of an ingest beside answers takes "
+                                "(--ingest-share)", value=stats.ingest_share)
         yield GaugeMetricFamily("ringctx_answer_rows", "KV rows the running questions may hold (prompts and "
                                 "max_tokens)", value=stats.answer_rows)
         yield GaugeMetricFamily("ringctx_max_answer_rows", "KV rows of running questions beyond which new ones wait",

@@ -69,12 +69,15 @@ class EngineBackend:
             KV_BUDGET_SHARE); beyond it the least recently used documents leave memory.
         max_queue: answers that may wait for their turn; more are refused with Overloaded.
         max_document_tokens: the longest document accepted (None: what the KV budget holds).
-        chunk_tokens: prefill chunk size (None: the engine's default).
+        chunk_tokens: the chunk documents are ingested in (None: serving_chunk_tokens, short
+            on CPUs so that an ingest pauses answers in flight briefly).
         max_batch: questions decoded together at most (each step runs every one of them).
         max_step_tokens: tokens one step may run: one per question decoding plus the prompt tokens
             it prefills (questions joining, an ingest's chunk); None: the Scheduler's default (one
-            prefill chunk beside a full batch). It bounds the prefill work between two tokens of
-            an answer in flight.
+            prefill chunk beside a full batch). It bounds the questions' prefill work between two
+            tokens of an answer in flight.
+        ingest_share: beside answers in flight, each step's slice of an ingest takes about this many
+            decode steps (Scheduler's ingest_share): 1.0 keeps their inter-token time near 2x.
         log: where one-line notices go (layout, documents loaded), e.g. print.
     """
 
@@ -82,8 +85,9 @@ class EngineBackend:
                  kv_dtype: str = "model", dtype="auto", store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
                  max_document_tokens: int | None = None, chunk_tokens: int | None = None, max_batch: int = 16,
-                 max_step_tokens: int | None = None, log=None):
+                 max_step_tokens: int | None = None, ingest_share: float = 1.0, log=None):
         from ..engine import serving_layout
+        from ..planning.prefill_plan import serving_chunk_tokens
 
         self.log = log or (lambda line: None)
         nproc, note = serving_layout(nproc, None, tp)
@@ -105,8 +109,11 @@ class EngineBackend:
             self.engine = build()
             return
         # Rank 0's engine is built on the scheduler's thread, which runs all of its work (see Scheduler).
-        self.scheduler = Scheduler(build, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens)
+        self.scheduler = Scheduler(build, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens,
+                                   ingest_share=ingest_share)
         self.engine = engine = self.scheduler.engine
+        # Ingests name their chunk (it travels with the prefill's start to every rank).
+        self.chunk_tokens = chunk_tokens or serving_chunk_tokens(engine.model, engine.world_size)
         self.model_id = os.path.basename(str(model).rstrip("/")).removesuffix(".gguf")
         limit = engine.model.config.rope_scaling.position_limit if engine.model.config.rope_scaling else None
         self.max_context_tokens = int(limit or 2**31 - 1)
@@ -159,7 +166,7 @@ class EngineBackend:
             raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.max_context_tokens:,}",
                                param="text")
         record = DocumentRecord(id=new_document_id(), name=name or "untitled", created=now(), tokens=n,
-                                chunks_total=-(-n // self.engine.chunk_tokens), kv_dtype=self.engine.kv_dtype,
+                                chunks_total=-(-n // self.chunk_tokens), kv_dtype=self.engine.kv_dtype,
                                 text_chars=len(rendered), text_sha256=_sha256(rendered))
         self.store.write(record)
         ids_tensor = torch.tensor(ids, dtype=torch.long)
@@ -167,10 +174,12 @@ class EngineBackend:
             self._records[record.id] = record
             self._tokens[record.id] = ids_tensor
             started = time.monotonic()
-            self._progress[record.id] = {"started": started, "last": started, "work": _ingest_progress(self.engine, n)}
+            self._progress[record.id] = {"started": started, "last": started,
+                                         "work": _ingest_progress(self.engine, n, self.chunk_tokens)}
 
         def start():
-            job = self.engine.start_prefill(ids_tensor, as_document=True, decode_room=QUESTION_ROOM_TOKENS)
+            job = self.engine.start_prefill(ids_tensor, as_document=True, decode_room=QUESTION_ROOM_TOKENS,
+                                            chunk_tokens=self.chunk_tokens)
             job.frame = (suffix, {"chat": True})
             return job
 
@@ -467,7 +476,8 @@ class EngineBackend:
                 running=self.running, documents_by_status=by_status, kv_bytes_per_rank=per_rank,
                 kv_budget_bytes=self.kv_budget_bytes, batch_size=len(self.scheduler.batched),
                 max_batch=self.scheduler.max_batch, max_step_tokens=self.scheduler.max_step_tokens,
-                step_tokens=self.scheduler.last_step_tokens, answer_rows=self.scheduler.rows_reserved,
+                step_tokens=self.scheduler.last_step_tokens, slice_layers=self.scheduler.last_slice_layers,
+                ingest_share=self.scheduler.ingest_share, answer_rows=self.scheduler.rows_reserved,
                 max_answer_rows=self.scheduler.max_rows or 0, decode_steps=self.scheduler.steps,
                 decoded_tokens=self.scheduler.decoded_tokens, prefill_tokens=self.prefill_tokens,
                 prefill_seconds=self.prefill_seconds, document_chunks_prefilled=self.document_chunks_prefilled,
@@ -586,10 +596,10 @@ def _auto_kv_budget(engine: Engine) -> int:
     return int(per_device * MEMORY_USABLE_FRACTION * KV_BUDGET_SHARE)
 
 
-def _ingest_progress(engine: Engine, tokens: int) -> WorkProgress:
+def _ingest_progress(engine: Engine, tokens: int, chunk_tokens: int) -> WorkProgress:
     """The ETA of an ingest of `tokens` tokens: the cost model's work per chunk (chunk k attends to
     all before it), at the rate its timed chunks ran (`WorkProgress`, as the CLI's progress bar)."""
-    return WorkProgress(prefill_chunk_flops([tokens], engine.chunk_tokens, engine.model.full_config))
+    return WorkProgress(prefill_chunk_flops([tokens], chunk_tokens, engine.model.full_config))
 
 
 def _rate(chunk_tokens: list[int], chunk_seconds: list[float]) -> float | None:

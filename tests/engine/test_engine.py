@@ -52,6 +52,33 @@ def test_prefill_equals_single_chunk_forward(tiny_engine, chunk_tokens, strategy
         assert {c.strategy for c in stats.chunks} == {strategy}
 
 
+@pytest.mark.parametrize("strategy", ["pass-kv", "pass-q"])
+def test_a_prefill_run_in_layer_slices_gives_the_bits_of_the_whole_one(tiny_engine, strategy):
+    """What the scheduler does beside running answers: a chunk a few layers at a time, other
+    commands between the slices (here another prefill), the same bits as the chunks run whole."""
+    whole = tiny_engine.prefill(TINY_IDS, chunk_tokens=64, strategy=strategy)
+    job = tiny_engine.start_prefill(TINY_IDS, chunk_tokens=64, strategy=strategy)
+    n_layers, slices, ended = len(tiny_engine.model.layers), [1, 2, 3, 1], []
+    while not job.done:
+        before = job.layer_in_chunk
+        stats = job.step(slices[len(ended) % len(slices)])
+        assert (stats is None) == (0 < job.layer_in_chunk < n_layers)
+        if stats is None:
+            assert job.layer_in_chunk == before + 1
+            tiny_engine.prefill(TINY_IDS[:40], chunk_tokens=16)  # other work between two slices
+        else:
+            ended.append(stats)
+    result = job.finish()
+    assert [c.tokens for c in ended] == [c.tokens for c in whole.stats.chunks]
+    assert all(c.seconds > 0 for c in ended)
+    assert torch.equal(result.logits, whole.logits)
+    for layer in range(n_layers):
+        assert torch.equal(result.cache.k[layer][:301], whole.cache.k[layer][:301])
+        assert torch.equal(result.cache.v[layer][:301], whole.cache.v[layer][:301])
+    with pytest.raises(ValueError, match="at least one layer"):
+        tiny_engine.start_prefill(TINY_IDS[:10]).step(0)
+
+
 def test_auto_uses_both_strategies_as_the_cache_grows(tiny_engine):
     result = tiny_engine.prefill(TINY_IDS, chunk_tokens=37, strategy="auto")
     if tiny_engine.world_size == 1:  # nothing travels: no decision to make

@@ -1,9 +1,10 @@
 """The scheduler's batch: questions decode together (max_batch), join within the step's token budget
-beside an ingest's chunks, wait while the rows run out, leave at once when cancelled; every answer
+beside an ingest's slices, wait while the rows run out, leave at once when cancelled; every answer
 equals the question asked alone. (Tickets are submitted from a call on the scheduler's own thread, so
 every case starts from the same queue whatever the machine's speed.)"""
 
 import pytest
+import torch
 
 from ringctx import Engine
 from ringctx.engine.scheduler import Done, Scheduler, Text
@@ -40,12 +41,13 @@ def collect(ticket):
 
 
 def watch(engine, scheduler):
-    """The batch's size at every decode step, and the tokens of every step before it."""
+    """The batch's size at every decode step, the tokens of every step before it and the layers of
+    an ingest's chunk that ran beside it."""
     batch, seen = engine.batch(), []
     step = batch.step
 
     def counted():
-        seen.append((len(batch.members), scheduler.last_step_tokens))
+        seen.append((len(batch.members), scheduler.last_step_tokens, scheduler.last_slice_layers))
         return step()
 
     batch.step = counted
@@ -82,11 +84,13 @@ def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
     results, seen, long = run_questions(engine, scheduler, documents, lambda: scheduler.submit_prefill(
         lambda: engine.start_prefill(LONG)))
     assert [r.token_ids for r in results] == alone
-    assert long.logits.shape[-1] == engine.model.config.vocab_size
-    sizes = [n for n, _ in seen]
+    assert torch.equal(long.logits, engine.prefill(LONG).logits)  # slices beside answers: the same bits
+    sizes = [n for n, _, _ in seen]
     assert max(sizes) == 3 and min(sizes) >= 1
-    assert all(tokens <= 70 for _, tokens in seen)  # decode tokens + joins + an ingest's chunk of 64
-    assert any(tokens > 64 for _, tokens in seen)  # a chunk of the ingest ran beside answers decoding
+    assert all(tokens <= 70 for _, tokens, _ in seen)  # decode tokens + joins within the budget
+    # Beside answers the ingest ran in slices of whole layers, never a whole chunk in one step.
+    slices = [layers for n, _, layers in seen if n]
+    assert any(slices) and max(slices) <= len(engine.model.layers)
     assert engine.state.batch.sequences == {} and scheduler.rows_reserved == 0
 
 
@@ -95,7 +99,7 @@ def test_questions_wait_while_the_rows_run_out(engine, setup):
     scheduler = Scheduler(engine, max_batch=8, max_rows=4 + 12 + 4 + 7)  # the first two questions' rows
     results, seen, _ = run_questions(engine, scheduler, documents)
     assert [r.token_ids for r in results] == alone
-    assert max(n for n, _ in seen) == 2
+    assert max(n for n, _, _ in seen) == 2
 
 
 def test_a_cancelled_question_leaves_at_once_and_frees_its_rows(engine, setup):
@@ -123,6 +127,6 @@ def test_prompts_longer_than_the_budget_join_one_per_step(engine, setup):
     scheduler = Scheduler(engine, max_batch=8, max_step_tokens=3)  # every prompt (4 tokens) is longer
     results, seen, _ = run_questions(engine, scheduler, documents)
     assert [r.token_ids for r in results] == alone
-    sizes = [n for n, _ in seen]
+    sizes = [n for n, _, _ in seen]
     assert sizes[:3] == [1, 2, 3]  # one joins per step, beside the ones decoding: none is stuck
-    assert all(tokens <= len(QUESTIONS[0]) + n for n, tokens in seen)
+    assert all(tokens <= len(QUESTIONS[0]) + n for n, tokens, _ in seen)
