@@ -38,7 +38,7 @@ from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
 from .failures import CLOSED, Health, RankFailure, first_line
-from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob
+from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
 from .prefill import STRATEGY_CHOICES, PrefillResult
 from .rank_state import EngineSettings
 from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
@@ -606,6 +606,17 @@ class Engine:
             return
         self._end_open_answer(document)  # the saved rows are the document's: an answer's are cut off
         self._run("save", commands.SAVE, document.id, os.fspath(path), document=document)
+
+    def start_save(self, document: Document, path: str) -> "SaveJob | None":
+        """`save_document` in the background: every decode rank starts writing its slice on a thread
+        and the engine is free at once (answers go on); `SaveJob.finish()` completes the document
+        (a short collective; call it when `written`, or it waits). None off the decode ranks."""
+        if not self.state.is_decode_rank:
+            return None
+        self._end_open_answer(document)
+        save_id = self._new_id()
+        pending = self._run("save", commands.SAVE_START, document.id, os.fspath(path), save_id, document=document)
+        return SaveJob(self, save_id, pending)
 
     def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
         """A Document saved with `save_document` (by any number of decode ranks), split over this

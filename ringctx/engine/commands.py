@@ -13,6 +13,7 @@ collectives match:
     Engine.batch / ask_many  ->  BATCH_JOIN per question, BATCH_STEP per step of every sequence, BATCH_LEAVE
                                                                                  ->  engine/batch.py BatchDecoder
     Engine.save_document     ->  SAVE           ->  engine/documents.py save_document_slices
+    Engine.start_save        ->  SAVE_START, SAVE_FINISH   (the slices written on a thread between them)
     Engine.load_document     ->  LOAD           ->  engine/documents.py load_document_slices
     Engine.drop_document     ->  DROP
     Engine.document_rows     ->  ROWS
@@ -44,7 +45,7 @@ from ..units import fmt_bytes
 from .batch import BatchDecoder
 from .decode import ShardedDecoder
 from .document import Document
-from .documents import load_document_slices, save_document_slices
+from .documents import PendingSave, load_document_slices, start_document_save
 from .failures import with_test_hook
 from .handoff import gather_in_order
 from .memory_check import available_memory, memory_problem
@@ -210,14 +211,31 @@ def batch_leave(state: RankState, sequence_id: int) -> None:
 def save(state: RankState, document_id: int, path: str, *, document: Document | None = None) -> None:
     """Every rank of the decode host writes its own rows of its own KV heads (a replicated KV head
     by the first TP rank that holds it): nothing is gathered, the writes run in parallel."""
+    _start_save(state, document_id, path, document).finish()
+
+
+def save_start(state: RankState, document_id: int, path: str, save_id: int, *,
+               document: Document | None = None) -> PendingSave:
+    """`save`'s first half: this rank's slice is written on a thread while other commands run;
+    SAVE_FINISH completes the document."""
+    state.saves[save_id] = pending = _start_save(state, document_id, path, document)
+    return pending
+
+
+def save_finish(state: RankState, save_id: int) -> None:
+    """Wait for this rank's slice; the leader writes the manifest and swaps the directory in."""
+    state.saves.pop(save_id).finish()
+
+
+def _start_save(state: RankState, document_id: int, path: str, document: Document | None) -> PendingSave:
     document = document or state.document(document_id)
     model, s = state.model, state.settings
     tp, full = model.tp, model.full_config
     heads = tp.kv_heads(full)
     writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
-    save_document_slices(path, document.rewind(), document.token_ids, model, document.frame,
-                         group=state.control_group, rank=state.decode_index * s.tp_size + tp.rank,
-                         world=s.decode_ranks * s.tp_size, tp_size=s.tp_size, heads=heads, writes=writes)
+    return start_document_save(path, document.rewind(), document.token_ids, model, document.frame,
+                               group=state.control_group, rank=state.decode_index * s.tp_size + tp.rank,
+                               world=s.decode_ranks * s.tp_size, tp_size=s.tp_size, heads=heads, writes=writes)
 
 
 def load(state: RankState, path: str, document_id: int, decode_room: int) -> Document:
@@ -294,6 +312,8 @@ BATCH_JOIN = Command("batch_join", batch_join, decode_only=True)
 BATCH_STEP = Command("batch_step", batch_step, decode_only=True)
 BATCH_LEAVE = Command("batch_leave", batch_leave, decode_only=True)
 SAVE = Command("save", save, decode_only=True)
+SAVE_START = Command("save_start", save_start, decode_only=True)
+SAVE_FINISH = Command("save_finish", save_finish, decode_only=True)
 LOAD = Command("load", load, decode_only=True)
 DROP = Command("drop", drop, decode_only=True)
 ROWS = Command("rows", rows, decode_only=True)
@@ -301,5 +321,5 @@ GATHER = Command("gather", gather, decode_only=True)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
-    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, LOAD, DROP, ROWS, GATHER)}
+    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP, ROWS, GATHER)}
 """Every command by the name that travels: what a worker looks up for each message."""

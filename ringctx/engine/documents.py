@@ -33,8 +33,10 @@ import json
 import math
 import os
 import shutil
+import threading
 
 import torch
+from safetensors.torch import save_file
 
 from ..model import KVCache
 from ..attention.quant import dequantize_rows
@@ -90,13 +92,95 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
     cache holds KV `heads` [a, b) of the model's; `writes` is False for a rank whose heads another
     TP rank of its decode rank already writes (KV heads replicated when TP > KV heads).
     """
-    from safetensors.torch import save_file
+    start_document_save(path, cache, token_ids, model, extra, group=group, rank=rank, world=world, tp_size=tp_size,
+                        heads=heads, writes=writes).finish()
 
-    from ..version import __version__
 
+class PendingSave:
+    """A save whose slice this rank writes on a thread of its own (`start_document_save`):
+    `finish()`, on every rank of the group, waits for it and completes the document (collective).
+
+    Between the two, the rank may run anything else (decode steps of answers in flight: writing and
+    hashing a slice releases the GIL); the cache must not change meanwhile, which a document's
+    never does (its rows are only read)."""
+
+    def __init__(self, path: str, partial: str, token_ids, model, cache: KVCache, extra: dict, group, rank: int,
+                 world: int):
+        self.path, self.partial, self.token_ids, self.model, self.extra = path, partial, token_ids, model, extra
+        self.dtype, self.kv_dtype, self.n_layers, self.n_kv_heads = cache.dtype, cache.kv_dtype, cache.n_layers, \
+            cache.n_kv_heads
+        self.group, self.rank, self.world = group, rank, world
+        self.record, self.problem = "", None
+        self._thread: threading.Thread | None = None
+        self._written = threading.Event()  # set at once when this rank writes nothing
+
+    @property
+    def written(self) -> bool:
+        """Whether this rank's slice is on disk (finish() then waits for no write of its own)."""
+        return self._written.is_set()
+
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Block until this rank's slice is on disk (or timeout); whether it is."""
+        return self._written.wait(timeout)
+
+    def _write(self, tensors: dict[str, torch.Tensor], rows: int, index: int, heads: tuple[int, int] | None) -> None:
+        try:
+            name = part_name(index, heads)
+            file = os.path.join(self.partial, name)
+            save_file(tensors, file, metadata={"format": FORMAT, "slice": str(index)})
+            self.record = json.dumps({"index": index, "file": name, "heads": list(heads or (0, self.n_kv_heads)),
+                                      "rows": rows, "sha256": file_sha256(file)})
+        except Exception as exc:  # disk full, permissions: every rank must hear of it
+            self.problem = f"rank {self.rank} could not write its slice: {exc}"
+        finally:
+            self._written.set()
+
+    def finish(self) -> None:
+        """Wait for this rank's slice; the leader writes the tokens and the manifest and swaps the
+        directory in. Collective; raises ValueError on every rank when any rank's write failed."""
+        from ..version import __version__
+
+        if self._thread is not None:
+            self._thread.join()
+        group, world, partial, path = self.group, self.world, self.partial, self.path
+        _agree("save", self.problem, group, world)
+        records = [json.loads(r) for r in all_gather_bytes(self.record.encode(), group, world) if r]
+        problem = None
+        if self.rank == 0:
+            try:
+                token_ids = torch.as_tensor(self.token_ids, dtype=torch.long).reshape(-1).cpu().contiguous()
+                save_file({"token_ids": token_ids}, os.path.join(partial, TOKENS))
+                manifest = {
+                    "format": FORMAT, "ringctx_version": __version__, "model": self.model.full_config.name,
+                    "model_fingerprint": self.model.full_config.fingerprint(),
+                    "weights_digest": weights_digest(self.model),
+                    "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": self.kv_dtype,
+                    "length": int(token_ids.numel()), "n_layers": self.n_layers,
+                    "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": _slices(records),
+                    "extra": self.extra,
+                }
+                if sum(s["rows"] for s in manifest["slices"]) != manifest["length"]:
+                    raise ValueError(f"the slices hold {sum(s['rows'] for s in manifest['slices'])} rows but the "
+                                     f"document has {manifest['length']} tokens")
+                with open(os.path.join(partial, MANIFEST), "w") as f:
+                    json.dump(manifest, f, indent=1)
+                    f.flush()
+                    os.fsync(f.fileno())
+                _swap_in(partial, path)
+            except Exception as exc:
+                problem = f"could not finish {path!r}: {exc}"
+                shutil.rmtree(partial, ignore_errors=True)
+        _agree("save", problem, group, world)
+
+
+def start_document_save(path: str, cache: KVCache, token_ids: torch.Tensor, model, extra: dict, *, group,
+                        rank: int, world: int, tp_size: int = 1, heads: tuple[int, int] | None = None,
+                        writes: bool = True) -> PendingSave:
+    """`save_document_slices` in two halves: the leader makes `<path>.partial/` (collective: every
+    rank hears whether it could) and this rank starts writing its slice on a thread; the returned
+    PendingSave's `finish()` completes the document. Arguments as `save_document_slices`'s."""
     path = os.path.abspath(os.fspath(path))
     partial = path + ".partial"
-    index, own_heads = rank // tp_size, (heads if tp_size > 1 else None)
     problem = None
     if rank == 0:
         try:
@@ -105,43 +189,17 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
         except OSError as exc:
             problem = f"cannot create {partial!r}: {exc}"
     _agree("save", problem, group, world)
-    record = ""
+    pending = PendingSave(path, partial, token_ids, model, cache, extra, group, rank, world)
     if writes:
-        try:
-            name = part_name(index, own_heads)
-            file = os.path.join(partial, name)
-            save_file(_slice_tensors(cache), file, metadata={"format": FORMAT, "slice": str(index)})
-            kv = list(own_heads or (0, cache.n_kv_heads))
-            record = json.dumps({"index": index, "file": name, "heads": kv, "rows": cache.length,
-                                 "sha256": file_sha256(file)})
-        except Exception as exc:  # disk full, permissions: every rank must hear of it
-            problem = f"rank {rank} could not write its slice: {exc}"
-    _agree("save", problem, group, world)
-    records = [json.loads(r) for r in all_gather_bytes(record.encode(), group, world) if r]
-    if rank == 0:
-        try:
-            save_file({"token_ids": torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu().contiguous()},
-                      os.path.join(partial, TOKENS))
-            manifest = {
-                "format": FORMAT, "ringctx_version": __version__, "model": model.full_config.name,
-                "model_fingerprint": model.full_config.fingerprint(), "weights_digest": weights_digest(model),
-                "dtype": str(cache.dtype).removeprefix("torch."), "kv_dtype": cache.kv_dtype,
-                "length": int(torch.as_tensor(token_ids).numel()), "n_layers": cache.n_layers,
-                "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": _slices(records),
-                "extra": extra,
-            }
-            if sum(s["rows"] for s in manifest["slices"]) != manifest["length"]:
-                raise ValueError(f"the slices hold {sum(s['rows'] for s in manifest['slices'])} rows but the "
-                                 f"document has {manifest['length']} tokens")
-            with open(os.path.join(partial, MANIFEST), "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _swap_in(partial, path)
-        except Exception as exc:
-            problem = f"could not finish {path!r}: {exc}"
-            shutil.rmtree(partial, ignore_errors=True)
-    _agree("save", problem, group, world)
+        own_heads = heads if tp_size > 1 else None
+        # The rows are taken here (views): rows a question appends later are not the document's.
+        tensors = _slice_tensors(cache)
+        pending._thread = threading.Thread(target=pending._write, args=(tensors, cache.length, rank // tp_size,
+                                                                        own_heads), name="ringctx-save", daemon=True)
+        pending._thread.start()
+    else:
+        pending._written.set()
+    return pending
 
 
 def _slices(records: list[dict]) -> list[dict]:

@@ -1,4 +1,5 @@
 """What the Engine's long calls hand back on rank 0: `PrefillJob` (a prefill a chunk at a time),
+`SaveJob` (a document saved in the background),
 `Answer` (an answer a token at a time) and `LeaderDecoder`, through which an answer's steps become
 commands every decode rank runs (engine/commands.py); `Batch` (sequences decoded together, one
 step for all: engine/batch.py) with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many)."""
@@ -66,6 +67,22 @@ class PrefillJob:
     def cancel(self) -> None:
         """Give up the prefill on every rank (no collective runs; the engine stays usable)."""
         self.engine._run("prefill", commands.PREFILL_CANCEL, self.id)
+
+
+class SaveJob:
+    """A document being saved in the background (see `Engine.start_save`): `written` says whether
+    this rank's slice is on disk (every decode rank writes about as much, at once), `finish()`
+    completes the document on every decode rank (a short collective once the slices are written)."""
+
+    def __init__(self, engine: Engine, save_id: int, pending):
+        self.engine, self.id, self.pending = engine, save_id, pending
+
+    @property
+    def written(self) -> bool:
+        return self.pending.written
+
+    def finish(self) -> None:
+        self.engine._run("save", commands.SAVE_FINISH, self.id)
 
 
 class LeaderDecoder:

@@ -71,6 +71,8 @@ class RankState:
     """Document id -> this rank's Document (rank 0 of a spawned job holds them weakly: see Engine)."""
     prefills: dict = field(default_factory=dict)
     """Prefill id -> the PrefillRun in progress on this rank (commands.PREFILL_*)."""
+    saves: dict = field(default_factory=dict)
+    """Save id -> the PendingSave whose slice this rank writes in the background (commands.SAVE_*)."""
     answers: dict = field(default_factory=dict)
     """Answer id -> (Document, ShardedDecoder) a following decode rank takes part in (commands.ANSWER_*)."""
     batch: object = None

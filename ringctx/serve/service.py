@@ -135,6 +135,7 @@ class EngineBackend:
         self._tokens: dict[str, torch.Tensor] = {}  # id -> its token ids (prefix matching, sizes)
         self._progress: dict[str, dict] = {}  # id -> the ingest's live numbers
         self._ingests: dict[str, object] = {}  # id -> PrefillTicket
+        self._saving: dict[str, object] = {}  # id -> the Engine's SaveJob of a document not yet complete on disk
         self._problem: str | None = None
         self._draining = False
         self.prefill_tokens = 0
@@ -210,21 +211,62 @@ class EngineBackend:
             self.document_chunks_prefilled += 1
 
     def _ingested(self, doc_id: str, result) -> None:
-        """Scheduler thread: the ingest's hand-off is done; save it, keep it in memory while it fits."""
+        """Scheduler thread: the ingest's hand-off is done. The document answers from memory at once;
+        its slices are written to the store in the background (a save of a long document takes
+        seconds and must not pause the answers in flight) and `_saved` completes it."""
         document = result.document
         record = self._records.get(doc_id)
         if record is None:  # deleted meanwhile
             self.engine.drop_document(document)
             return
-        self.engine.save_document(document, self.store.kv_path(doc_id))
         self._make_room(self._kv_bytes(record.tokens))
+        job = self.engine.start_save(document, self.store.kv_path(doc_id))
         with self._lock:
             record.status, record.seconds = "ready", round(time.monotonic() - self._progress[doc_id]["started"], 3)
-            record.bytes_on_disk = self.store.kv_bytes(doc_id)
             self._progress.pop(doc_id, None)
             self._ingests.pop(doc_id, None)
             self._in_memory[doc_id] = document
-        self.store.write(record)
+            self._saving[doc_id] = job
+
+        def when_written():
+            job.pending.wait_written()
+            try:
+                self.scheduler.call(lambda: self._saved(doc_id))
+            except SchedulerStopped:
+                pass
+
+        threading.Thread(target=when_written, name=f"ringctx-save-{doc_id}", daemon=True).start()
+
+    def _saved(self, doc_id: str) -> None:
+        """Scheduler thread: complete a document's save (every decode rank has, or is about to have,
+        written its slice); only now does the store list it as ready."""
+        with self._lock:
+            job = self._saving.pop(doc_id, None)
+        if job is None:  # completed already (a drain got there first)
+            return
+        try:
+            job.finish()
+        except ValueError as exc:  # disk full, say (or deleted meanwhile): nothing is kept half-saved
+            with self._lock:
+                record, document = self._records.get(doc_id), self._in_memory.pop(doc_id, None)
+                if record is not None:
+                    record.status, record.error = "failed", f"could not save it: {exc}"
+            if document is not None:
+                self.engine.drop_document(document)
+            if record is None:
+                self.store.delete(doc_id)
+                return
+            self.store.write(record)
+            self.log(f"ringctx serve: {doc_id} could not be saved: {exc}")
+            return
+        with self._lock:
+            record = self._records.get(doc_id)
+            if record is not None:
+                record.bytes_on_disk = self.store.kv_bytes(doc_id)
+        if record is None:  # deleted while it was being written
+            self.store.delete(doc_id)
+        else:
+            self.store.write(record)
 
     def document(self, doc_id: str) -> api.DocumentInfo:
         with self._lock:
@@ -296,7 +338,7 @@ class EngineBackend:
         while True:
             with self._lock:
                 held = sum(self._kv_bytes(self._records[d].tokens) for d in self._in_memory if d in self._records)
-                victims = list(self._in_memory)
+                victims = [d for d in self._in_memory if d not in self._saving]  # memory is its only copy yet
                 if held + need <= self.kv_budget_bytes or not victims:
                     return
                 victim = victims[0]
@@ -511,6 +553,11 @@ class EngineBackend:
         while time.monotonic() < deadline and (scheduler.running is not None or scheduler.answers
                                                or scheduler.questions or scheduler.batched):
             time.sleep(0.05)
+        for doc_id in list(self._saving):  # a document answered from memory is completed on disk
+            try:
+                self.scheduler.call(lambda doc_id=doc_id: self._saved(doc_id), timeout=max(1.0, deadline - time.monotonic()))
+            except (SchedulerStopped, TimeoutError) as exc:
+                self.log(f"ringctx serve: {doc_id} was not saved before the stop ({exc}); add it again")
         for doc_id, ticket in list(self._ingests.items()):  # an ingest cut short is failed, never half-kept
             ticket.cancel()
             with self._lock:

@@ -2,12 +2,14 @@
 a decode rank that dies mid-answer. (Engines here are made one at a time: one process group per
 process, so this module is apart from test_decode_ranks.py's engines.)"""
 
+import json
 import os
 import signal
 import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ringctx.engine import Engine, RankFailure
 from ringctx.engine.documents import read_document
@@ -133,3 +135,35 @@ def test_8bit_rows_travel_as_stored_in_the_hand_off(nproc, decode_ranks, kv_dtyp
             torch.testing.assert_close(whole.k_scale[layer][:len(DOC)], single.cache.k_scale[layer][:len(DOC)],
                                        rtol=1e-5, atol=0)
         assert answer(engine, document).token_ids == answer(one, single).token_ids
+
+
+def test_a_document_saved_in_the_background_is_the_one_saved_at_once(reference, tmp_path):
+    """Engine.start_save: the slices are written on a thread of each decode rank while the engine
+    answers; finish() completes the same directory as save_document does (the same files and
+    tensors; a file's header may order its metadata otherwise: safetensors keeps it in a hash map)."""
+    with Engine("tiny", nproc=2, dtype="float32", decode_ranks=2, chunk_tokens=64) as engine:
+        document = engine.ingest(DOC)
+        engine.save_document(document, str(tmp_path / "at_once.kv"))
+        job = engine.start_save(document, str(tmp_path / "background.kv"))
+        assert_same_logits(answer(engine, document), reference["greedy"])  # the engine answers meanwhile
+        assert job.pending.wait_written(timeout=120) and job.written
+        assert not (tmp_path / "background.kv").exists()  # complete only once finished
+        job.finish()
+        with pytest.raises(ValueError, match="cannot create"):
+            engine.start_save(document, str(tmp_path / "at_once.kv" / "manifest.json" / "x.kv"))
+        assert_same_logits(answer(engine, document), reference["greedy"])  # and it stays usable
+    at_once, background = tmp_path / "at_once.kv", tmp_path / "background.kv"
+    names = sorted(p.name for p in at_once.iterdir())
+    assert names == sorted(p.name for p in background.iterdir())
+    for name in names:
+        if name.endswith(".safetensors"):
+            a, b = load_file(at_once / name), load_file(background / name)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    manifests = [json.loads((d / "manifest.json").read_text()) for d in (at_once, background)]
+    for m in manifests:
+        for entry in m["slices"]:
+            entry.pop("sha256")  # each checked against its file by read_document below
+    assert manifests[0] == manifests[1]
+    cache, token_ids, _ = read_document(str(background), reference["engine"].model)
+    assert token_ids.tolist() == DOC
+    assert_same_cache(cache, reference["cache"], len(DOC))
