@@ -128,7 +128,9 @@ def attention_block(
                     and decode_applies(q, k) and triton_available(q.device):
                 return triton_decode_attention(q, k, v, softmax_scale=scale)
         return _torch_cuda_block(q, k, v, causal, scale)
-    if backend != "amx" and not causal and cpu_kernels.decode_kernels_apply(q, k, v):
+    if backend != "amx" and not causal and cpu_kernels.decode_kernels_apply(q, k, v) and not (
+            requested == "auto" and T * (Hq // Hkv) >= AMX_FROM_ROWS_PER_KV_HEAD
+            and cpu_kernels.amx_attention_applies(q, k, v)):
         done = _decode_kernel_block(q, k, v, scale)
         if done is not None:
             return done
@@ -144,8 +146,14 @@ SMALL_QUERY_ROWS = 8
 """Without the CPU decode kernels, full blocks with at most this many query rows (decode steps)
 skip the fused CPU op, whose per-call setup dominates at T = 1 (and which has no native bf16 path
 without AMX). With them, every full block of at most cpu_kernels.MAX_QUERY_ROWS_PER_KV_HEAD query
-rows per KV head takes the decode kernel, before AMX: B questions decoded together are one call
-that reads the shared K/V once."""
+rows per KV head takes the decode kernel (B questions decoded together are one call that reads the
+shared K/V once), below AMX_FROM_ROWS_PER_KV_HEAD where AMX applies."""
+
+AMX_FROM_ROWS_PER_KV_HEAD = 32
+"""Full blocks with at least this many query rows per KV head take AMX before the decode kernel,
+whose vector FMAs are bound by arithmetic there (a question's tokens against a document, 8K keys,
+GQA group 3, bf16, 2 threads: 1.05 against 1.19 ms at 24 rows, 1.60 against 1.22 ms at 36 and
+2.62 against 1.48 ms at 63; the decode kernel's time grows with the rows, AMX's barely)."""
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:

@@ -15,7 +15,8 @@
                                    the batch's decode step, at least one); when none decodes: a
                                    whole chunk
         a lone answer              (submit_answer: an Engine.generate Answer) one token per turn,
-                                   one at a time, when no question is in the batch
+                                   one at a time, when no question is in the batch; an ingest gets
+                                   a slice beside it as beside the batch
 
 The step's token budget (`max_step_tokens`, like vLLM's max_num_batched_tokens) counts one token
 for each running question plus every prompt token of the questions joining (and of an ingest's
@@ -126,7 +127,6 @@ class PrefillTicket:
         self.on_chunk, self.on_done = on_chunk, on_done
         self.job = None
         self.cancelled = False
-        self.last_chunk = time.monotonic()
         self.layer_s: float | None = None  # seconds per layer of its last timed step (slices are sized by it)
         self._done = threading.Event()
         self._result = self._error = None
@@ -165,8 +165,6 @@ class Scheduler:
             parallel region, and with two teams on a machine's cores GNU OpenMP stops spinning
             between regions, which cost a decode step 35% at 8K tokens on 2 cores (built on the
             calling thread: 64-65 ms against 47-48 ms, docs/BENCHMARKS.md).
-        prefill_every_s: a queued prefill gets a chunk at least this often while a lone answer
-            (submit_answer) runs; beside questions in the batch it gets a slice every step.
         on_failure: called once (on the scheduler's thread) with the RankFailure that ended it.
         max_batch: questions decoded together at most (the others wait).
         max_step_tokens: tokens one step may run: one per running question plus the prompts it
@@ -176,7 +174,7 @@ class Scheduler:
             the batch's decode step (see the module docstring).
     """
 
-    def __init__(self, engine, *, prefill_every_s: float = 30.0, on_failure: Callable[[BaseException], None] = None,
+    def __init__(self, engine, *, on_failure: Callable[[BaseException], None] = None,
                  max_batch: int = 16, max_step_tokens: int | None = None, max_rows: int | None = None,
                  ingest_share: float = 1.0):
         if max_batch < 1:
@@ -189,7 +187,6 @@ class Scheduler:
             raise ValueError(f"ingest_share must be > 0, got {ingest_share}")
         self.ingest_share = ingest_share
         self.last_slice_layers = 0  # layers of an ingest's chunk that the last step ran beside the batch
-        self.prefill_every_s = prefill_every_s
         self.on_failure = on_failure
         self.max_batch, self.max_rows = max_batch, max_rows
         self.questions: collections.deque[QuestionTicket] = collections.deque()
@@ -301,7 +298,8 @@ class Scheduler:
         self._fail_all(SchedulerStopped(self.stopped))
 
     def _turn(self) -> None:
-        """One step: a call, a token of the running answer, or a chunk of the first prefill."""
+        """One step: a call; the batch's step; a token of the running answer (and a slice of the first
+        prefill); or a chunk of the first prefill."""
         if self.calls:
             call = self.calls.popleft()
             try:
@@ -318,9 +316,13 @@ class Scheduler:
             self._batch_turn()
             return
         prefill = self.prefills[0] if self.prefills else None
-        overdue = prefill is not None and time.monotonic() - prefill.last_chunk >= self.prefill_every_s
-        if (self.running is not None or self.answers) and not overdue:
+        self.last_slice_layers = 0
+        if self.running is not None or self.answers:
+            t0 = time.perf_counter()
             self._answer_step()
+            if prefill is not None:  # beside a lone answer too: a slice about as long as its token
+                layers = self._slice_layers(prefill, time.perf_counter() - t0)
+                self.last_slice_layers = self._prefill_step(prefill, layers)
         elif prefill is not None:
             self._prefill_step(prefill)
 
@@ -355,7 +357,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the batch
     def _batch_turn(self) -> None:
-        """One step of the batch: leaves, joins within the budget, maybe an ingest's chunk, one decode step."""
+        """One step of the batch: leaves, joins within the budget, an ingest's slice (or its chunk when
+        no question decodes), one decode step."""
         batch = self.engine.batch()
         for ticket in [t for t in self.batched if t.cancelled]:  # a client gone: its rows are freed now
             self._leave(batch, ticket, None)
@@ -458,7 +461,6 @@ class Scheduler:
                 # last chunk's (each attends to more) and a quick outlier must not size a long slice.
                 measured = (time.perf_counter() - t0) / ran
                 ticket.layer_s = measured if ticket.layer_s is None else max(measured, 0.8 * ticket.layer_s)
-                ticket.last_chunk = time.monotonic()
                 if stats is not None and ticket.on_chunk is not None:
                     ticket.on_chunk(ticket.job, stats)
                 return ran

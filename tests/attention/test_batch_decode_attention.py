@@ -38,9 +38,9 @@ def _spy(monkeypatch, name):
     """Count the calls of cpu_kernels.<name>: the tests check that the kernel, not a fallback, ran."""
     calls, real = [], getattr(cpu_kernels, name)
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(args[0].shape)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_kernels, name, spy)
     return calls
@@ -76,6 +76,7 @@ def test_model_dtype_cache_matches_float64(dtype, B, group, S, monkeypatch):
     D = 64 if B % 2 else 128  # both head dims over every group and length, at half the cases
     q, k, v = (x.to(dtype) for x in _inputs(B, group, S, D, seed=S + 10 * B + group + D))
     calls = _spy(monkeypatch, "decode_attention")
+    monkeypatch.setattr(cpu_kernels, "amx_attention_applies", lambda *a: False)  # the decode kernel at every size
     out, lse = attention_block(q, k, v, causal=False)
     assert len(calls) == (1 if S else 0)  # S == 0 returns before any kernel
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double())
@@ -169,3 +170,19 @@ def test_queries_may_be_a_strided_view(monkeypatch):
     out, lse = attention_block(q, k, v)
     assert calls
     _check(out, lse, *reference_attention(q.double(), k.double(), v.double()), q, out_tol=1e-5)
+
+
+@pytest.mark.parametrize("B", [1, 10, 11, 21])
+def test_amx_takes_blocks_of_many_query_rows_per_kv_head(B, monkeypatch):
+    """Where AMX applies (this CPU's variant has it), full blocks of AMX_FROM_ROWS_PER_KV_HEAD query
+    rows per KV head or more take it (the decode kernel is bound by arithmetic there); fewer, or
+    without AMX, take the decode kernel."""
+    from ringctx.attention.kernels import AMX_FROM_ROWS_PER_KV_HEAD
+
+    q, k, v = (x.bfloat16() for x in _inputs(B, 3, LONG, 64, seed=B))
+    decode, amx = _spy(monkeypatch, "decode_attention"), _spy(monkeypatch, "amx_attention")
+    out, lse = attention_block(q, k, v, causal=False)
+    uses_amx = cpu_kernels.amx_available() and 3 * B >= AMX_FROM_ROWS_PER_KV_HEAD
+    assert (len(amx), len(decode)) == ((1, 0) if uses_amx else (0, 1))
+    ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double())
+    _check(out, lse, ref_out, ref_lse, q, out_tol=2 ** -8)

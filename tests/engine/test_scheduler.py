@@ -42,7 +42,7 @@ def collect(ticket):
 
 def test_an_answer_interleaved_with_a_long_prefill_equals_each_alone(engine, alone):
     order = []
-    scheduler = Scheduler(engine, prefill_every_s=3600)
+    scheduler = Scheduler(engine)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
         prefill = scheduler.submit_prefill(lambda: engine.start_prefill(LONG),
@@ -67,9 +67,9 @@ def test_an_answer_interleaved_with_a_long_prefill_equals_each_alone(engine, alo
 
 
 def test_a_prefill_gets_chunks_while_answers_keep_coming(engine):
-    """prefill_every_s=0: a queued prefill gets a chunk between every two tokens."""
+    """A queued prefill advances beside the answers (a slice beside each token), not after them."""
     order = []
-    scheduler = Scheduler(engine, prefill_every_s=0.0)
+    scheduler = Scheduler(engine)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
 

@@ -80,7 +80,7 @@ def run_questions(engine, scheduler, documents, ingest=None):
 
 def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
     documents, alone = setup
-    scheduler = Scheduler(engine, prefill_every_s=3600, max_batch=3, max_step_tokens=70)
+    scheduler = Scheduler(engine, max_batch=3, max_step_tokens=70)
     results, seen, long = run_questions(engine, scheduler, documents, lambda: scheduler.submit_prefill(
         lambda: engine.start_prefill(LONG)))
     assert [r.token_ids for r in results] == alone
