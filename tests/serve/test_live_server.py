@@ -34,6 +34,7 @@ class Server:
 
     def __init__(self, store, *args, env=None, timeout=300, nproc=2):
         self.lines: list[str] = []
+        self.store = store
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--nproc", str(nproc), "--dtype", "float32",
              "--store", str(store), *args],
@@ -243,6 +244,26 @@ def test_a_client_that_disconnects_mid_answer_frees_its_rows(server, needle):
         assert time.monotonic() < deadline, "the rows of a disconnected client were never freed"
         time.sleep(0.2)
     assert server.ask(needle["id"], QUESTION).choices[0].message.content  # and the server goes on
+
+
+def test_a_ready_document_is_saved_in_the_background_and_a_delete_meanwhile_leaves_nothing(server):
+    """Ready means answerable from memory; the store has it once its slices are written (a save
+    must not pause answers). Deleted straight away, maybe mid-save, nothing of it stays."""
+    kept = server.wait_ready(server.ingest(FILLER * 30, name="kept")["id"])
+    deadline = time.monotonic() + 120
+    while server.http.get(f"/v1/documents/{kept['id']}").json()["kv"]["bytes_on_disk"] == 0:
+        assert time.monotonic() < deadline, "the document never reached the store"
+        time.sleep(0.1)
+    assert (server.store / f"{kept['id']}.kv" / "manifest.json").exists()
+    gone = server.wait_ready(server.ingest(FILLER * 30, name="gone")["id"])
+    assert server.http.delete(f"/v1/documents/{gone['id']}").status_code == 200
+    assert server.http.get(f"/v1/documents/{gone['id']}").status_code == 404
+    deadline = time.monotonic() + 120
+    while list(server.store.glob(f"{gone['id']}*")):
+        assert time.monotonic() < deadline, f"left behind: {list(server.store.glob(gone['id'] + '*'))}"
+        time.sleep(0.1)
+    assert server.ask(kept["id"], "What flows past the hills?").choices[0].message.content
+    assert not any("could not be saved" in line for line in server.lines)
 
 
 def test_restart_answers_from_the_store_without_prefilling(tmp_path, reference):
