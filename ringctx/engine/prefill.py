@@ -339,15 +339,16 @@ class PrefillRun:
             raise RuntimeError("every chunk of this prefill has run: call finish()")
         if layers is not None and layers < 1:
             raise ValueError(f"a prefill slice runs at least one layer, got layers={layers}")
-        if self._slice is None:
-            self._slice = self._begin_chunk()
-        chunk = self._slice
         n_layers = len(self.model.layers)
-        end = n_layers if layers is None else min(n_layers, chunk.next_layer + layers)
         t0 = time.perf_counter()
         # The modes are entered per slice: between two slices this rank may run other work.
         with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(self.model, self.comm):
-            with span(f"chunk {chunk.index}", "compute", strategy=chunk.record.strategy, layers=f"{chunk.next_layer}-{end - 1}"):
+            if self._slice is None:
+                self._slice = self._begin_chunk()
+            chunk = self._slice
+            end = n_layers if layers is None else min(n_layers, chunk.next_layer + layers)
+            with span(f"chunk {chunk.index}", "compute", strategy=chunk.record.strategy,
+                      layers=f"{chunk.next_layer}-{end - 1}"):
                 for layer_index in range(chunk.next_layer, end):
                     chunk.x = self.model.layers[layer_index](chunk.x, chunk.rope, chunk.attend, layer_index)
                 chunk.next_layer = end
@@ -358,11 +359,11 @@ class PrefillRun:
         return self._end_chunk() if end == n_layers else None
 
     def _begin_chunk(self) -> "_ChunkInProgress":
-        """The next chunk's strategy, this rank's rows embedded, their RoPE, and its attention."""
+        """The next chunk's strategy, this rank's rows embedded, their RoPE, and its attention (in
+        step's modes: the embedding is a TP collective)."""
         index = self.next_chunk
         (s, e), layout = self.chunks[index], self.layouts[index]
         model, rank, group, config, shard = self.model, self.rank, self.group, self.config, self.shard
-        t0 = time.perf_counter()
         strategy, reason, short_reason, formula = _decide(e - s, self.cached_len + s, model, self.world, config)
         rows_before = layout.num_cached(rank)
 
@@ -377,13 +378,11 @@ class PrefillRun:
             shard.update(layer, rows_before, k, v)
             return out
 
-        with torch.inference_mode():
-            x = model.embed(layout.shard(self.token_ids[s:e].to(model.device), rank))
-            positions = layout.positions(rank).to(model.device)
-            rope = model.rope(positions)
+        x = model.embed(layout.shard(self.token_ids[s:e].to(model.device), rank))
+        positions = layout.positions(rank).to(model.device)
+        rope = model.rope(positions)
         record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, 0.0, short_reason, formula)
-        return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before,
-                                seconds=time.perf_counter() - t0)
+        return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before)
 
     def _end_chunk(self) -> ChunkStats:
         """Account for the chunk whose last layer has run: the shard's new rows, its stats."""
