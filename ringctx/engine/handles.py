@@ -1,8 +1,8 @@
 """What the Engine's long calls hand back on rank 0: `PrefillJob` (a prefill a chunk at a time),
-`SaveJob` (a document saved in the background),
-`Answer` (an answer a token at a time) and `LeaderDecoder`, through which an answer's steps become
-commands every decode rank runs (engine/commands.py); `Batch` (sequences decoded together, one
-step for all: engine/batch.py) with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many)."""
+`SaveJob` (a document saved in the background), `Answer` (an answer a token at a time) and
+`LeaderDecoder`, through which an answer's steps become commands every decode rank runs
+(engine/commands.py); `Batch` (sequences decoded together, one step for all: engine/batch.py)
+with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many)."""
 
 from __future__ import annotations
 
