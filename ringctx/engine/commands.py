@@ -6,7 +6,8 @@ same function itself; under torchrun every rank calls the Engine method and runs
 directly. Either way, every rank concerned runs the same functions in the same order, so their
 collectives match:
 
-    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks (or slices), PREFILL_FINISH  ->  engine/prefill.py PrefillRun
+    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks, PREFILL_FINISH  ->  engine/prefill.py PrefillRun
+                                 (PREFILL_CHUNK with a layer count: a slice of a chunk)
     Engine.extend            ->  EXTEND         ->  cp_prefill over the decode ranks, on a document's slices
     Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  engine/decode.py ShardedDecoder
                                  (under torchrun, where every rank calls generate: ANSWER_FOLLOW on the followers)

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 class PrefillJob:
     """A prefill in progress on rank 0's side (see `Engine.start_prefill`): `step()` runs the next
-    chunk on every rank (`step(layers=n)` a slice of it), `finish()` hands the KV cache off and returns the PrefillResult
-    (`.document` too, for an ingest); `cancel()` gives it up."""
+    chunk on every rank (`step(layers=n)` a slice of it), `finish()` hands the KV cache off and
+    returns the PrefillResult (`.document` too, for an ingest); `cancel()` gives it up."""
 
     def __init__(self, engine: Engine, prefill_id: int, run):
         self.engine, self.id, self.run = engine, prefill_id, run

@@ -22,9 +22,9 @@ The step's token budget (`max_step_tokens`, like vLLM's max_num_batched_tokens) 
 for each running question plus every prompt token of the questions joining (and of an ingest's
 chunk when no question decodes). A running answer waits between two tokens for exactly one step,
 so the budget bounds the questions' prefill work placed between two of its tokens: a burst of new
-questions joins over several steps. Default (`default_step_tokens`): one prefill chunk of the engine plus one token
-per sequence of a full batch. A prompt longer than the whole budget joins alone, in a step that
-prefills nothing else (it is never stuck).
+questions joins over several steps. Default (`default_step_tokens`): one prefill chunk of the
+engine plus one token per sequence of a full batch. A prompt longer than the whole budget joins
+alone, in a step that prefills nothing else (it is never stuck).
 
 An ingest beside running answers is bounded by time instead: each step runs the next layers of
 its current chunk (PrefillJob.step(layers=n), the same bits as the chunk run whole), n sized from
@@ -127,7 +127,7 @@ class PrefillTicket:
         self.on_chunk, self.on_done = on_chunk, on_done
         self.job = None
         self.cancelled = False
-        self.layer_s: float | None = None  # seconds per layer of its last timed step (slices are sized by it)
+        self.layer_s: float | None = None  # seconds per layer of its recent steps (slices are sized by it)
         self._done = threading.Event()
         self._result = self._error = None
 
@@ -191,7 +191,7 @@ class Scheduler:
         self.max_batch, self.max_rows = max_batch, max_rows
         self.questions: collections.deque[QuestionTicket] = collections.deque()
         self.batched: list[QuestionTicket] = []  # joined, decoding together
-        self.last_step_tokens = 0  # tokens the last step ran (decode + prompts + a whole chunk): what the budget bounds
+        self.last_step_tokens = 0  # tokens the last step ran (decode, prompts, a whole chunk): what the budget bounds
         self.steps = 0  # decode steps of the batch, and the tokens they decoded (their mean batch: the ratio)
         self.decoded_tokens = 0
         self.answers: collections.deque[AnswerTicket] = collections.deque()

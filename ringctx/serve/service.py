@@ -555,7 +555,8 @@ class EngineBackend:
             time.sleep(0.05)
         for doc_id in list(self._saving):  # a document answered from memory is completed on disk
             try:
-                self.scheduler.call(lambda doc_id=doc_id: self._saved(doc_id), timeout=max(1.0, deadline - time.monotonic()))
+                self.scheduler.call(lambda doc_id=doc_id: self._saved(doc_id),
+                                    timeout=max(1.0, deadline - time.monotonic()))
             except (SchedulerStopped, TimeoutError) as exc:
                 self.log(f"ringctx serve: {doc_id} was not saved before the stop ({exc}); add it again")
         for doc_id, ticket in list(self._ingests.items()):  # an ingest cut short is failed, never half-kept
