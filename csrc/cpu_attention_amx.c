@@ -343,19 +343,30 @@ static int64_t first_seeing(const query_tile *tiles, int64_t n_tiles, int64_t k0
  * take each key block in turn while it is in L1 (per query tile, K and V came from memory once
  * per 16 queries, and the kernel was bound by it at 16K keys). The steps (key block, tile) run in
  * that order; each one's softmax computes the next one's scores on the side. */
+/* The query head and token of a unit's row r: row r of head h, or, for a unit over a whole GQA
+ * group (group > 0), row r of the group's rows taken head by head (r / T is the head in the group). */
+static inline void unit_row(int64_t r, int64_t h, int64_t kv, int64_t group, int64_t T, int64_t *head,
+                            int64_t *token) {
+    *head = group ? kv * group + r / T : h;
+    *token = group ? r % T : r;
+}
+
 AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *kp,
                                    const uint16_t *vt, int64_t T, int64_t S, int64_t D, int causal, float scale,
                                    int64_t padded, uint16_t *out, int64_t o_rs, int64_t o_hs, float *lse, int64_t h,
-                                   int64_t kv, int64_t r0, query_tile *tiles, step_scratch *scratch) {
-    const int64_t n_tiles = (T - r0 + Q_TILE - 1) / Q_TILE < Q_BLOCK / Q_TILE ? (T - r0 + Q_TILE - 1) / Q_TILE
-                                                                                : Q_BLOCK / Q_TILE;
+                                   int64_t kv, int64_t group, int64_t r0, query_tile *tiles, step_scratch *scratch) {
+    const int64_t rows = group ? group * T : T; /* the unit's rows: one head's, or its GQA group's */
+    const int64_t n_tiles = (rows - r0 + Q_TILE - 1) / Q_TILE < Q_BLOCK / Q_TILE ? (rows - r0 + Q_TILE - 1) / Q_TILE
+                                                                                   : Q_BLOCK / Q_TILE;
     for (int64_t i = 0; i < n_tiles; ++i) {
         query_tile *t = tiles + i;
         t->r0 = r0 + i * Q_TILE;
-        t->rows = T - t->r0 < Q_TILE ? T - t->r0 : Q_TILE;
+        t->rows = rows - t->r0 < Q_TILE ? rows - t->r0 : Q_TILE;
         /* Q^T in VNNI order: word (p, n) = dims 2p, 2p+1 of query n, q's rows as words, transposed */
         for (int64_t n = 0; n < Q_TILE; ++n) {
-            const uint32_t *row = (const uint32_t *)(q + (t->r0 + n) * q_rs + h * q_hs);
+            int64_t head = h, token = 0;
+            if (n < t->rows) unit_row(t->r0 + n, h, kv, group, T, &head, &token);
+            const uint32_t *row = (const uint32_t *)(q + token * q_rs + head * q_hs);
             for (int64_t p = 0; p < D / 2; ++p) t->qt[p * Q_TILE + n] = n < t->rows ? row[p] : 0;
         }
         memset(t->acc, 0, sizeof(float) * (size_t)(D * Q_TILE));
@@ -390,13 +401,15 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
         float ls[Q_TILE], ms[Q_TILE], inv[Q_TILE];
         _mm512_storeu_ps(ls, t->l);
         _mm512_storeu_ps(ms, t->m);
+        int64_t heads[Q_TILE], tokens[Q_TILE];
         for (int64_t n = 0; n < t->rows; ++n) {
+            unit_row(t->r0 + n, h, kv, group, T, heads + n, tokens + n);
             inv[n] = ls[n] > 0.0f ? 1.0f / ls[n] : 0.0f;
-            lse[h * T + t->r0 + n] = ls[n] > 0.0f ? (ms[n] + log2f(ls[n])) * 0.69314718055994531f : -INFINITY;
+            lse[heads[n] * T + tokens[n]] = ls[n] > 0.0f ? (ms[n] + log2f(ls[n])) * 0.69314718055994531f : -INFINITY;
         }
         for (int64_t d = 0; d < D; ++d)
             for (int64_t n = 0; n < t->rows; ++n)
-                store_one(out + (t->r0 + n) * o_rs + h * o_hs, 1, d, bf16_round(t->acc[d * Q_TILE + n] * inv[n]));
+                store_one(out + tokens[n] * o_rs + heads[n] * o_hs, 1, d, bf16_round(t->acc[d * Q_TILE + n] * inv[n]));
     }
 }
 int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
@@ -413,7 +426,14 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
         free(vt);
         return -3;
     }
-    const int64_t q_blocks = (T + Q_BLOCK - 1) / Q_BLOCK, units = Hq * q_blocks;
+    /* Without a mask every query row of a KV head's group sees the same keys: its group's rows share
+     * tiles (a question of T tokens fills group x T columns, not group tiles of T), where that
+     * takes fewer tiles: 20 queries of GQA 3 over 8K keys took 0.72-0.75x the time, 5 queries
+     * 0.6x (docs/BENCHMARKS.md). A causal block keeps one head per tile (the mask follows the rows). */
+    const int64_t by_group = !causal && group > 1 &&
+                             (group * T + Q_TILE - 1) / Q_TILE < group * ((T + Q_TILE - 1) / Q_TILE);
+    const int64_t rows = by_group ? group * T : T;
+    const int64_t q_blocks = (rows + Q_BLOCK - 1) / Q_BLOCK, units = (by_group ? Hkv : Hq) * q_blocks;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -426,9 +446,15 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
          * (causal: later queries see more keys), handed out as threads free up. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; ++u) {
+            if (by_group) {
+                const int64_t kv = u / q_blocks, qb = q_blocks - 1 - u % q_blocks;
+                attend_unit(q, q_rs, q_hs, kp, vt, T, S, D, causal, scale, padded, out, o_rs, o_hs, lse, -1, kv,
+                            group, qb * Q_BLOCK, tiles, &scratch);
+                continue;
+            }
             const int64_t kv = u / (group * q_blocks), rest = u % (group * q_blocks);
             const int64_t qb = q_blocks - 1 - rest / group, h = kv * group + rest % group;
-            attend_unit(q, q_rs, q_hs, kp, vt, T, S, D, causal, scale, padded, out, o_rs, o_hs, lse, h, kv,
+            attend_unit(q, q_rs, q_hs, kp, vt, T, S, D, causal, scale, padded, out, o_rs, o_hs, lse, h, kv, 0,
                         qb * Q_BLOCK, tiles, &scratch);
         }
         release_tiles();

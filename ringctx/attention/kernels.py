@@ -75,6 +75,7 @@ def attention_block(
     causal: bool = False,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    one_sequence: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries against one block of keys, with its log-sum-exp.
 
@@ -84,6 +85,11 @@ def attention_block(
         causal: False: a full block. True: a square diagonal block (T == S), query i sees 0..i.
         softmax_scale: defaults to 1/sqrt(D).
         backend: see the module docstring.
+        one_sequence: the queries are one sequence's tokens (a prefill's block), so the kernel may
+            be chosen by the number of rows alone (AMX from AMX_FROM_ROWS_PER_KV_HEAD rows per KV
+            head). False: they may be different sequences' (a batched decode step), and each row
+            gets the same bits whatever else shares the call (the decode kernel up to its
+            MAX_QUERY_ROWS_PER_KV_HEAD rows, as the fused batch step computes them).
 
     Returns:
         out [T, Hq, D] in q's dtype and lse [Hq, T] float32 (natural log). With S == 0 every row
@@ -128,13 +134,14 @@ def attention_block(
                     and decode_applies(q, k) and triton_available(q.device):
                 return triton_decode_attention(q, k, v, softmax_scale=scale)
         return _torch_cuda_block(q, k, v, causal, scale)
-    if backend != "amx" and not causal and cpu_kernels.decode_kernels_apply(q, k, v) and not (
-            requested == "auto" and T * (Hq // Hkv) >= AMX_FROM_ROWS_PER_KV_HEAD
-            and cpu_kernels.amx_attention_applies(q, k, v)):
+    amx_first = (one_sequence and requested == "auto" and T * (Hq // Hkv) >= AMX_FROM_ROWS_PER_KV_HEAD
+                 and cpu_kernels.amx_attention_applies(q, k, v))
+    if backend != "amx" and not causal and not amx_first and cpu_kernels.decode_kernels_apply(q, k, v):
         done = _decode_kernel_block(q, k, v, scale)
         if done is not None:
             return done
-    if backend == "amx" or (requested == "auto" and T > SMALL_QUERY_ROWS and cpu_kernels.amx_attention_applies(q, k, v)):
+    if backend == "amx" or amx_first or (requested == "auto" and T > SMALL_QUERY_ROWS
+                                         and cpu_kernels.amx_attention_applies(q, k, v)):
         if not cpu_kernels.amx_attention_applies(q, k, v):
             raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {cpu_kernels.AMX_HEAD_DIMS}; "
                              f"got {q.dtype} q {tuple(q.shape)}; use backend 'torch'")
@@ -149,11 +156,13 @@ without AMX). With them, every full block of at most cpu_kernels.MAX_QUERY_ROWS_
 rows per KV head takes the decode kernel (B questions decoded together are one call that reads the
 shared K/V once), below AMX_FROM_ROWS_PER_KV_HEAD where AMX applies."""
 
-AMX_FROM_ROWS_PER_KV_HEAD = 32
-"""Full blocks with at least this many query rows per KV head take AMX before the decode kernel,
+AMX_FROM_ROWS_PER_KV_HEAD = 16
+"""Full blocks of one sequence (`one_sequence`) with at least this many query rows per KV head take
+AMX before the decode kernel,
 whose vector FMAs are bound by arithmetic there (a question's tokens against a document, 8K keys,
-GQA group 3, bf16, 2 threads: 1.05 against 1.19 ms at 24 rows, 1.60 against 1.22 ms at 36 and
-2.62 against 1.48 ms at 63; the decode kernel's time grows with the rows, AMX's barely)."""
+GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows: decode kernel against AMX
+0.46 / 0.70 ms at 6 rows, 0.73 / 0.71 at 12, 0.98 / 0.82 at 18, 1.81 / 1.19 at 36, 2.83 / 1.07 at
+63; the decode kernel's time grows with the rows, AMX's by tiles of 16)."""
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:

@@ -157,7 +157,7 @@ class _RingRun:
             for t in self.layout.block_tasks(q_rank, kv_rank):
                 out, lse = attention_block(queries[t.q_start:t.q_end], keys[t.k_start:t.k_end],
                                            values[t.k_start:t.k_end], causal=t.causal, softmax_scale=self.scale,
-                                           backend=self.backend)
+                                           backend=self.backend, one_sequence=True)
                 acc.add(out, lse, t.q_start, owned=True)
 
     def record(self, kind: str, step: int, n: int) -> None:

@@ -172,17 +172,19 @@ def test_queries_may_be_a_strided_view(monkeypatch):
     _check(out, lse, *reference_attention(q.double(), k.double(), v.double()), q, out_tol=1e-5)
 
 
-@pytest.mark.parametrize("B", [1, 10, 11, 21])
+@pytest.mark.parametrize("B", [1, 5, 6, 21])
 def test_amx_takes_blocks_of_many_query_rows_per_kv_head(B, monkeypatch):
-    """Where AMX applies (this CPU's variant has it), full blocks of AMX_FROM_ROWS_PER_KV_HEAD query
-    rows per KV head or more take it (the decode kernel is bound by arithmetic there); fewer, or
-    without AMX, take the decode kernel."""
+    """Where AMX applies (this CPU's variant has it), full blocks of one sequence's queries with
+    AMX_FROM_ROWS_PER_KV_HEAD rows per KV head or more take it (the decode kernel is bound by
+    arithmetic there); fewer, without AMX, or rows of several sequences take the decode kernel."""
     from ringctx.attention.kernels import AMX_FROM_ROWS_PER_KV_HEAD
 
     q, k, v = (x.bfloat16() for x in _inputs(B, 3, LONG, 64, seed=B))
     decode, amx = _spy(monkeypatch, "decode_attention"), _spy(monkeypatch, "amx_attention")
-    out, lse = attention_block(q, k, v, causal=False)
+    out, lse = attention_block(q, k, v, causal=False, one_sequence=True)
     uses_amx = cpu_kernels.amx_available() and 3 * B >= AMX_FROM_ROWS_PER_KV_HEAD
     assert (len(amx), len(decode)) == ((1, 0) if uses_amx else (0, 1))
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double())
     _check(out, lse, ref_out, ref_lse, q, out_tol=2 ** -8)
+    attention_block(q, k, v, causal=False)  # rows that may be different sequences': the decode kernel
+    assert (len(amx), len(decode)) == ((1, 1) if uses_amx else (0, 2))
