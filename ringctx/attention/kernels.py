@@ -276,6 +276,7 @@ def attention_with_cache(
     if cached_k is None or cached_k.shape[0] == 0:
         return diagonal
     acc = PartialAccumulator(q.shape[0], q.shape[1], q.shape[2], device=q.device)
-    acc.add(*attention_block(q, cached_k, cached_v, softmax_scale=softmax_scale, backend=backend), owned=True)
+    acc.add(*attention_block(q, cached_k, cached_v, softmax_scale=softmax_scale, backend=backend, one_sequence=True),
+            owned=True)
     acc.add(*diagonal)
     return acc.result(q.dtype)
