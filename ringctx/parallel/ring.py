@@ -134,8 +134,9 @@ class _RingRun:
 
     def local_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of this rank's own message when it is not sent (one rank, or pass-Q's
-        resident KV): k and v themselves when the message is just the new rows and they are
-        head-major already, else a packed copy (Hkv heads: small next to the attention on it)."""
+        resident KV), sliceable by rows: k and v themselves when the message is just the new rows
+        and they are head-major already; on AMX CPUs views of the cached and new rows (_Segments);
+        else a packed copy."""
         rows = self.layout.num_new(self.rank) + self.layout.num_cached(self.rank)
         segments = self.layout.kv_message_segments(self.rank)
         if segments == (("new", 0, 0, rows),) and is_head_major(self.k) and is_head_major(self.v):
