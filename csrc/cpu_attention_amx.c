@@ -364,10 +364,14 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
         t->rows = rows - t->r0 < Q_TILE ? rows - t->r0 : Q_TILE;
         /* Q^T in VNNI order: word (p, n) = dims 2p, 2p+1 of query n, q's rows as words, transposed */
         for (int64_t n = 0; n < Q_TILE; ++n) {
-            int64_t head = h, token = 0;
-            if (n < t->rows) unit_row(t->r0 + n, h, kv, group, T, &head, &token);
+            if (n >= t->rows) { /* past the unit's last row: zero columns */
+                for (int64_t p = 0; p < D / 2; ++p) t->qt[p * Q_TILE + n] = 0;
+                continue;
+            }
+            int64_t head, token;
+            unit_row(t->r0 + n, h, kv, group, T, &head, &token);
             const uint32_t *row = (const uint32_t *)(q + token * q_rs + head * q_hs);
-            for (int64_t p = 0; p < D / 2; ++p) t->qt[p * Q_TILE + n] = n < t->rows ? row[p] : 0;
+            for (int64_t p = 0; p < D / 2; ++p) t->qt[p * Q_TILE + n] = row[p];
         }
         memset(t->acc, 0, sizeof(float) * (size_t)(D * Q_TILE));
         t->m = _mm512_set1_ps(-INFINITY);
