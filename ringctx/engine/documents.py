@@ -105,14 +105,23 @@ class PendingSave:
     never does (its rows are only read)."""
 
     def __init__(self, path: str, partial: str, token_ids, model, cache: KVCache, extra: dict, group, rank: int,
-                 world: int):
+                 world: int, index: int | None, heads: tuple[int, int] | None):
+        """index: the decode rank whose slice this rank writes (None: it writes nothing); heads: the
+        KV heads it writes under TP (None: all)."""
         self.path, self.partial, self.token_ids, self.model, self.extra = path, partial, token_ids, model, extra
         self.dtype, self.kv_dtype, self.n_layers, self.n_kv_heads = cache.dtype, cache.kv_dtype, cache.n_layers, \
             cache.n_kv_heads
         self.group, self.rank, self.world = group, rank, world
         self.record, self.problem = "", None
+        self._written = threading.Event()
         self._thread: threading.Thread | None = None
-        self._written = threading.Event()  # set at once when this rank writes nothing
+        if index is None:
+            self._written.set()
+            return
+        # The rows are taken here (views): rows a question appends later are not the document's.
+        self._thread = threading.Thread(target=self._write, args=(_slice_tensors(cache), cache.length, index, heads),
+                                        name="ringctx-save", daemon=True)
+        self._thread.start()
 
     @property
     def written(self) -> bool:
@@ -189,17 +198,8 @@ def start_document_save(path: str, cache: KVCache, token_ids: torch.Tensor, mode
         except OSError as exc:
             problem = f"cannot create {partial!r}: {exc}"
     _agree("save", problem, group, world)
-    pending = PendingSave(path, partial, token_ids, model, cache, extra, group, rank, world)
-    if writes:
-        own_heads = heads if tp_size > 1 else None
-        # The rows are taken here (views): rows a question appends later are not the document's.
-        tensors = _slice_tensors(cache)
-        pending._thread = threading.Thread(target=pending._write, args=(tensors, cache.length, rank // tp_size,
-                                                                        own_heads), name="ringctx-save", daemon=True)
-        pending._thread.start()
-    else:
-        pending._written.set()
-    return pending
+    return PendingSave(path, partial, token_ids, model, cache, extra, group, rank, world,
+                       index=rank // tp_size if writes else None, heads=heads if tp_size > 1 else None)
 
 
 def _slices(records: list[dict]) -> list[dict]:

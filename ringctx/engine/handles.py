@@ -81,6 +81,10 @@ class SaveJob:
     def written(self) -> bool:
         return self.pending.written
 
+    def wait_written(self, timeout: float | None = None) -> bool:
+        """Block until this rank's slice is on disk (or timeout); whether it is."""
+        return self.pending.wait_written(timeout)
+
     def finish(self) -> None:
         self.engine._run("save", commands.SAVE_FINISH, self.id)
 

@@ -229,7 +229,7 @@ class EngineBackend:
             self._saving[doc_id] = job
 
         def when_written():
-            job.pending.wait_written()
+            job.wait_written()
             try:
                 self.scheduler.call(lambda: self._saved(doc_id))
             except SchedulerStopped:

@@ -146,7 +146,7 @@ def test_a_document_saved_in_the_background_is_the_one_saved_at_once(reference, 
         engine.save_document(document, str(tmp_path / "at_once.kv"))
         job = engine.start_save(document, str(tmp_path / "background.kv"))
         assert_same_logits(answer(engine, document), reference["greedy"])  # the engine answers meanwhile
-        assert job.pending.wait_written(timeout=120) and job.written
+        assert job.wait_written(timeout=120) and job.written
         assert not (tmp_path / "background.kv").exists()  # complete only once finished
         job.finish()
         with pytest.raises(ValueError, match="cannot create"):
