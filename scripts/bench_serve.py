@@ -17,7 +17,11 @@ What "holding a document" means on each side:
 Per round and document size (`--tokens`): the first question over a new document (wall seconds:
 ringctx POST + ready + answer; llama.cpp the first request with the full text), then
 `--questions` different later questions, the sides alternating per question (both servers are up;
-only one works at a time; the idle one's CPU time is recorded to show it stayed idle). Documents
+only one works at a time; the idle one's CPU time is recorded to show it stayed idle). Then, per
+`--concurrency` N, N streamed questions sent at once to each server (aggregate answer tokens/s,
+each request's inter-token time; ringctx batches them, llama-cpp-python's server queues them and
+answers one at a time: it has no parallel slots, and runs with `--interrupt_requests false`, as
+its default ends a streaming answer when the next request arrives). Documents
 are varied filler sentences with a few needles, new per round and size, their length checked with
 the model's tokenizer. After the servers stop, an in-process `ringctx.Engine(nproc=1)` loads the
 documents ringctx saved and answers the same question tokens: its own decode step and time to
@@ -240,7 +244,9 @@ def start_llama(gguf: str, log_path: str, n_ctx: int, threads: int, flash_attn: 
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", str(n_ctx), "--host", "127.0.0.1",
             "--port", str(port), "--cache", "true", "--n_threads", str(threads), "--n_threads_batch", str(threads),
-            "--flash_attn", str(flash_attn).lower(), "--model_alias", MODEL_ID]
+            "--flash_attn", str(flash_attn).lower(), "--model_alias", MODEL_ID,
+            # its default ends a streaming answer when another request arrives; queue them instead
+            "--interrupt_requests", "false"]
     server = Server("llama.cpp server", argv, log_path)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -292,6 +298,70 @@ def ask(client, content: str, *, document: str | None, max_tokens: int, usage: b
             # first content delta to last over the tokens in between (a token whose text is not final yet
             # arrives with the next one)
             out["itl_tokens_s"] = (times[-1] - times[0]) / (out["completion_tokens"] - 1)
+    return out
+
+
+def ask_at_once(client, n: int, prompts: list[str], text: str, document: str | None, max_tokens: int) -> dict:
+    """The n prompts as streamed questions sent at once (threads): wall time from the first request
+    to the last answer's end, answer tokens over it, each request's median inter-token gap and time
+    to first token. document None: the whole text is sent before each question (llama.cpp)."""
+    answers: list[dict | None] = [None] * n
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            answers[i] = ask(client, prompts[i] if document else text + "\n\n" + prompts[i], document=document,
+                             max_tokens=max_tokens, usage=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    time.sleep(0.5)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} concurrent requests failed: {errors[0]!r}")
+    empty = [a for a in answers if not a["deltas"]]
+    if empty:
+        raise RuntimeError(f"{len(empty)} of {n} concurrent answers had no text: {empty[0]}")
+    tokens = sum(a.get("completion_tokens") or a["deltas"] for a in answers)
+    return {"n": n, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "itl_median_s": median([a["gap_median_s"] for a in answers]),
+            "ttft_median_s": median([a["ttft_s"] for a in answers]), "ttft_max_s": max(a["ttft_s"] for a in answers),
+            "answers": answers}
+
+
+def at_once_phase(args, clients, order, questions, text, doc_id) -> dict:
+    """Per --concurrency N: N new questions at once on each server (the sides' order alternating),
+    then the same questions one at a time on ringctx, whose batched answers must equal them.
+    Each question is new to both servers ("Question k: ..."): llama-cpp-python's prompt cache
+    missed on a prompt it had answered before (the whole document read again)."""
+    out, k = {}, 0
+    for n in args.concurrency:
+        prompts = [f"Question {k + i + 1}: {questions[i % len(questions)]}" for i in range(n)]
+        k += n
+        sides = {}
+        for side in (order if n % 2 else order[::-1]):
+            try:
+                sides[side] = c = ask_at_once(clients[side].with_options(timeout=600), n, prompts, text,
+                                              doc_id if side == "ringctx" else None, args.max_tokens)
+            except RuntimeError as exc:
+                if side == "ringctx":
+                    raise
+                sides[side] = {"n": n, "error": str(exc)}  # reported, not measured
+                log(f"  {n} at once {side:8s}: FAILED: {exc}")
+                continue
+            log(f"  {n} at once {side:8s}: {c['tokens']} tokens in {c['wall_s']:.2f} s = {c['tokens_per_s']:.1f} "
+                f"tokens/s; inter-token {1e3 * c['itl_median_s']:.1f} ms (median of the requests' medians), TTFT "
+                f"{1e3 * c['ttft_median_s']:.0f} ms")
+        alone = [ask(clients["ringctx"], p, document=doc_id, max_tokens=args.max_tokens, usage=True)["text"]
+                 for p in prompts]
+        sides["ringctx"]["equal_alone"] = sum(a["text"] == b for a, b in zip(sides["ringctx"]["answers"], alone))
+        out[n] = sides
     return out
 
 
@@ -380,6 +450,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds, each over new documents, sides' order swapped")
     p.add_argument("--nproc", default=None, help="ringctx serve --nproc (default: let serve pick)")
     p.add_argument("--dtype", default="auto", help="ringctx serve --dtype")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8],
+                   help="after the later questions: this many questions at once over the document, on each "
+                        "server (none: skip)")
     p.add_argument("--skip-llama", action="store_true", help="ringctx alone (against its own engine)")
     p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: the cores here)")
     p.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp --flash_attn true")
@@ -540,6 +613,7 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
                     log(f"  q{qi + 1} {path:14s}: TTFT {1e3 * a['ttft_s']:7.1f} ms, inter-token "
                         f"{1e3 * (a['gap_median_s'] or 0):6.1f} ms, {a['deltas']} deltas, cached "
                         f"{a.get('cached_tokens')}  {a['text'][:40]!r}")
+            doc["concurrent"] = at_once_phase(args, clients, order, questions, text, doc_id)
             doc["doc_id"] = doc_id
             doc["ringctx_serve_ttft_s"] = [float(m.group(1)) for ln in rc.lines for m in [SERVE_TTFT.search(ln)] if m]
             out["docs"].append(doc)
@@ -590,6 +664,15 @@ def summarize(rounds, args, have_llama) -> dict:
             row["resent_cached"] = [a.get("cached_tokens") for a in d["later"]["ringctx resent"]]
             row["answer_tokens"] = [a.get("completion_tokens") for a in d["later"]["ringctx id"]]
             row["llama_deltas"] = [a["deltas"] for a in d["later"]["llama.cpp"]]
+            for n, sides in d.get("concurrent", {}).items():
+                for side, c in sides.items():
+                    if "error" in c:
+                        row[f"at{n}|{side}|error"] = c["error"]
+                        continue
+                    row[f"at{n}|{side}|tokens_per_s"] = c["tokens_per_s"]
+                    row[f"at{n}|{side}|itl_s"] = c["itl_median_s"]
+                    row[f"at{n}|{side}|ttft_s"] = c["ttft_median_s"]
+                row[f"at{n}|equal_alone"] = sides["ringctx"]["equal_alone"]
             qt = median(r["question_tokens"])
             row["question_tokens"] = qt
             row["floor_flops"] = floor_flops(int(round(qt)), d["doc_tokens"])
@@ -600,6 +683,17 @@ def summarize(rounds, args, have_llama) -> dict:
             if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals if v is not None):
                 agg[key] = median(vals)
         agg["floor_s"] = agg["floor_flops"] / gemm
+        for n in args.concurrency:  # paired within each round: n at once over one at once, ringctx over llama.cpp
+            for side in ("ringctx", "llama"):
+                agg[f"at{n}|{side}|vs_one"] = median([
+                    pr[f"at{n}|{side}|tokens_per_s"] / pr[f"at1|{side}|tokens_per_s"] for pr in per_round
+                    if pr.get(f"at{n}|{side}|tokens_per_s") and pr.get(f"at1|{side}|tokens_per_s")])
+                agg[f"at{n}|{side}|itl_vs_one"] = median([
+                    pr[f"at{n}|{side}|itl_s"] / pr[f"at1|{side}|itl_s"] for pr in per_round
+                    if pr.get(f"at{n}|{side}|itl_s") and pr.get(f"at1|{side}|itl_s")])
+            agg[f"at{n}|vs_llama"] = median([
+                pr[f"at{n}|ringctx|tokens_per_s"] / pr[f"at{n}|llama|tokens_per_s"] for pr in per_round
+                if pr.get(f"at{n}|ringctx|tokens_per_s") and pr.get(f"at{n}|llama|tokens_per_s")])
         if have_llama:  # ratios paired within each round, then their median
             def ratio(a, b):
                 xs = [pr[a] / pr[b] for pr in per_round if pr.get(a) and pr.get(b)]
@@ -631,7 +725,7 @@ def print_report(meta, results, args, have_llama) -> None:
         ll = row.get("first_llama_s")
         ratio = row.get("first_ratio")
         w(f"{row['doc_tokens']:>7,} {row['first_ringctx_s']:>9.1f} {row['first_ringctx_ready_s']:>9.1f} "
-          f"{ll if ll is None else format(ll, '.1f'):>10} {_f(ratio, '.2f'):>7}  {_met(ratio, 0.3)}")
+          f"{_f(ll, '.1f'):>10} {_f(ratio, '.2f'):>7}  {_met(ratio, 0.3)}")
     w()
     w("Later questions (medians over questions; ms)")
     w(f"{'tokens':>7} {'path':<15}{'TTFT':>8}{'/llama':>8}{'/floor':>8}{'ITL':>7}{'/llama':>8}{'/engine':>8}")
@@ -647,6 +741,25 @@ def print_report(meta, results, args, have_llama) -> None:
           f"{row['engine_ttft_s'] / row['floor_s']:>8.2f}{1e3 * row['engine_step_s']:>7.1f}")
         w(f"{row['doc_tokens']:>7,} {'compute floor':<15}{1e3 * row['floor_s']:>8.0f}   "
           f"({row['floor_flops'] / 1e9:.1f} GFLOP, {row['question_tokens']:.0f} question tokens)")
+    if args.concurrency:
+        w()
+        w("Questions at once over the document (aggregate answer tokens/s; inter-token ms, median of requests)")
+        w(f"{'tokens':>7} {'at once':>7} {'side':<10}{'tok/s':>8}{'/ one':>7}{'ITL':>7}{'/ one':>7}{'TTFT':>7}"
+          f"{'/llama':>8}{'= alone':>8}")
+        for row in results["rows"]:
+            for n in args.concurrency:
+                for side in ("ringctx", "llama"):
+                    failed = any(pr.get(f"at{n}|{side}|error") for pr in row["rounds"])
+                    if failed:
+                        w(f"{row['doc_tokens']:>7,} {n:>7} {side:<10}  failed (see --json)")
+                    if row.get(f"at{n}|{side}|tokens_per_s") is None:
+                        continue
+                    same = row.get(f"at{n}|equal_alone") if side == "ringctx" else None
+                    w(f"{row['doc_tokens']:>7,} {n:>7} {side:<10}{row[f'at{n}|{side}|tokens_per_s']:>8.1f}"
+                      f"{_f(row.get(f'at{n}|{side}|vs_one'), '.2f'):>7}{1e3 * row[f'at{n}|{side}|itl_s']:>7.1f}"
+                      f"{_f(row.get(f'at{n}|{side}|itl_vs_one'), '.2f'):>7}{1e3 * row[f'at{n}|{side}|ttft_s']:>7.0f}"
+                      f"{_f(row.get(f'at{n}|vs_llama') if side == 'ringctx' else None, '.2f'):>8}"
+                      f"{'' if same is None else f'{same:.0f}/{n}':>8}")
     w()
     w("Targets (ringctx id path; resent path in brackets)")
     for row in results["rows"]:
@@ -667,6 +780,10 @@ def print_report(meta, results, args, have_llama) -> None:
         if have_llama:
             a = row.get("first_ratio")
             w(f"  {n:>7,} {'first question <= 0.3x':<28} {_f(a, '.2f'):>6}  {_met(a, 0.3)}")
+        if 8 in args.concurrency and 1 in args.concurrency:  # issue 28's, through the server
+            a, b = row.get("at8|ringctx|vs_one"), row.get("at8|ringctx|itl_vs_one")
+            w(f"  {n:>7,} {'8 at once >= 5x tok/s of one':<28} {_f(a, '.2f'):>6}  {_met(None if a is None else 5 / a, 1.0)}")
+            w(f"  {n:>7,} {'8 at once: ITL <= 1.6x one':<28} {_f(b, '.2f'):>6}  {_met(b, 1.6)}")
     w()
     w("Answers (of the later questions): ringctx id = resent / = engine / = llama.cpp")
     for row in results["rows"]:
