@@ -145,9 +145,18 @@ def runs_here(variant: Variant) -> str | None:
 def choose_variant() -> tuple[Variant | None, str]:
     """The variant to use here and why: use_variant's or RINGCTX_CPU_ISA's choice, else the widest
     this CPU runs. (None, reason) when the kernels are off or the named variant cannot run."""
-    if os.environ.get("RINGCTX_CPU_KERNELS", "1") == "0":
+    # Asked before every kernel call (hundreds per question's prefill): the answer is kept per
+    # setting, and the settings are read each time, so that a test may change them at run time.
+    return _choose(os.environ.get("RINGCTX_CPU_KERNELS", "1"), _forced, os.environ.get("RINGCTX_CPU_ISA", "auto"),
+                   cpu_flags())
+
+
+@functools.lru_cache(maxsize=16)
+def _choose(kernels: str, forced: str | None, isa: str, flags: frozenset[str]) -> tuple[Variant | None, str]:
+    """choose_variant's answer for these settings and CPU flags (runs_here reads the same flags)."""
+    if kernels == "0":
         return None, "disabled by RINGCTX_CPU_KERNELS=0"
-    asked = _forced or os.environ.get("RINGCTX_CPU_ISA", "auto").strip().lower() or "auto"
+    asked = forced or isa.strip().lower() or "auto"
     if asked != "auto":
         variant = _VARIANTS_BY_NAME.get(asked)
         if variant is None:
@@ -155,7 +164,7 @@ def choose_variant() -> tuple[Variant | None, str]:
         why_not = runs_here(variant)
         if why_not:
             return None, f"RINGCTX_CPU_ISA={asked} cannot run here: {why_not}"
-        return variant, f"named by {'use_variant' if _forced else 'RINGCTX_CPU_ISA'}"
+        return variant, f"named by {'use_variant' if forced else 'RINGCTX_CPU_ISA'}"
     skipped = []
     for variant in VARIANTS:
         why_not = runs_here(variant)
