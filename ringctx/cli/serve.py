@@ -72,12 +72,16 @@ def _log(line: str) -> None:
               help="Beside answers in flight an ingest runs whole layers of its chunk in each step, about this "
                    "many decode steps' worth: 1.0 keeps their inter-token time near 2x its time without the "
                    "ingest; lower favours the answers, higher the ingest.")
+@click.option("--join-share", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Beside answers in flight the questions joining in one step (each a prefill over its "
+                   "document) take about this many decode steps, at least one question: a burst of questions "
+                   "joins over several steps instead of pausing the answers for all of them.")
 @click.option("--drain", "drain_s", default=30.0, show_default=True,
               help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
 @TIMEOUT_OPTION
 def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, store_dir, kv_budget, max_queue,
           max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
-          drain_s, timeout_s):
+          join_share, drain_s, timeout_s):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
     from ..engine.failures import RankFailure
     from ..serve.protocol import Limits
@@ -92,7 +96,7 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, 
                                dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                timeout_s=timeout_s, max_document_tokens=max_document_tokens,
                                chunk_tokens=chunk_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
-                               ingest_share=ingest_share)
+                               ingest_share=ingest_share, join_share=join_share)
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None
     sys.exit(status)

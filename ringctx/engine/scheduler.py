@@ -6,8 +6,10 @@
         calls (save, load, drop)   run between two steps, in the order they came
         questions (the batch)      cancelled ones leave at once (their rows freed); waiting ones
                                    join while the batch has room (max_batch), the rows they may
-                                   take fit (max_rows) and their prompt fits the step's token
-                                   budget; then ONE decode step for every running question
+                                   take fit (max_rows), their prompt fits the step's token budget
+                                   and, while others decode, their prefills fit `join_share`
+                                   decode steps (at least one joins); then ONE decode step for
+                                   every running question
                                    (Engine.batch: each document's rows read once for all its
                                    questions); finished ones leave
         a prefill (an ingest)      while questions decode: a slice of it in the same step (whole
@@ -25,6 +27,14 @@ so the budget bounds the questions' prefill work placed between two of its token
 questions joins over several steps. Default (`default_step_tokens`): one prefill chunk of the
 engine plus one token per sequence of a full batch. A prompt longer than the whole budget joins
 alone, in a step that prefills nothing else (it is never stuck).
+
+Tokens do not measure a join's time, though: a question's prefill over a long document reads the
+whole document in every layer (a 20-token question over 8K tokens took ~90 ms on 2 CPU cores, four
+decode steps), so while questions decode the joins of one step are also bounded by time: they
+take about `join_share` times the batch's last decode step, by the slowest recent join, at least
+one. A burst of questions then joins one or two per step, and the answers in flight wait one join
+between two tokens instead of all of them. With no question decoding, every waiting question that
+fits the budget joins at once (nothing is paused by them).
 
 An ingest beside running answers is bounded by time instead: each step runs the next layers of
 its current chunk (PrefillJob.step(layers=n), the same bits as the chunk run whole), n sized from
@@ -172,11 +182,13 @@ class Scheduler:
         max_rows: KV rows the running questions may hold together (None: no bound).
         ingest_share: while questions decode, the time of each step's prefill slice as a multiple of
             the batch's decode step (see the module docstring).
+        join_share: while questions decode, the time of the questions joining in one step as a
+            multiple of the batch's decode step (at least one joins; see the module docstring).
     """
 
     def __init__(self, engine, *, on_failure: Callable[[BaseException], None] = None,
                  max_batch: int = 16, max_step_tokens: int | None = None, max_rows: int | None = None,
-                 ingest_share: float = 1.0):
+                 ingest_share: float = 1.0, join_share: float = 1.0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_step_tokens is not None and max_step_tokens < 1:
@@ -185,7 +197,12 @@ class Scheduler:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if not ingest_share > 0:
             raise ValueError(f"ingest_share must be > 0, got {ingest_share}")
-        self.ingest_share = ingest_share
+        if not join_share > 0:
+            raise ValueError(f"join_share must be > 0, got {join_share}")
+        self.ingest_share, self.join_share = ingest_share, join_share
+        self.join_s: float | None = None  # seconds of the slowest recent join (what the time bound counts)
+        self.last_step_joins = 0  # questions that joined in the last step
+        self.joins_held = 0  # steps where a question that fit the token budget waited for the time bound
         self.last_slice_layers = 0  # layers of an ingest's chunk that the last step ran beside the batch
         self.on_failure = on_failure
         self.max_batch, self.max_rows = max_batch, max_rows
@@ -365,6 +382,9 @@ class Scheduler:
         budget = self.max_step_tokens - len(self.batched)
         spent = len(self.batched)
         joined = 0
+        # Answers in flight wait for this step's joins: bound them by time too (module docstring).
+        join_budget_s = self.join_share * batch.last_step_s if self.batched and batch.last_step_s > 0 else None
+        join_spent_s = 0.0
         while self.questions and len(self.batched) < self.max_batch:
             ticket = self.questions[0]
             if ticket.cancelled:
@@ -377,9 +397,13 @@ class Scheduler:
             no_rows = self.batched and self.max_rows is not None and self.rows_reserved + ticket.rows > self.max_rows
             if no_rows or (ticket.prompt_tokens > budget and not too_long):
                 break  # the next step (FIFO: a later, smaller question does not overtake it)
+            if joined and join_budget_s is not None and join_spent_s + (self.join_s or 0.0) > join_budget_s:
+                self.joins_held += 1
+                break  # the answers in flight have waited long enough: it joins in the next step
             self.questions.popleft()
             self.batched.append(ticket)  # a lost rank during the join reaches it too (_fail_all)
             ticket.started = time.monotonic()
+            t0 = time.perf_counter()
             try:
                 document, ids = ticket.start()
                 ticket.member = batch.join(document, ids, **ticket.sampling)
@@ -387,11 +411,17 @@ class Scheduler:
                 self.batched.remove(ticket)
                 ticket._put(exc)
                 continue
+            took = time.perf_counter() - t0
+            join_spent_s += took
+            # Sized by the slowest recent join, as slices are by the slowest layer (a join over a
+            # short document must not let several over a long one into the next step).
+            self.join_s = took if self.join_s is None else max(took, 0.8 * self.join_s)
             budget -= ticket.prompt_tokens
             spent += ticket.prompt_tokens
             joined += 1
             if ticket.member.first_piece:
                 ticket._put(Text(ticket.member.first_piece))
+        self.last_step_joins = joined
         prefill = self.prefills[0] if self.prefills else None
         self.last_slice_layers = 0
         if prefill is not None and not self.batched:

@@ -186,6 +186,12 @@ class BackendStats:
     """Layers of an ingest's chunk the last step ran beside the questions decoding (0: none)."""
     ingest_share: float = 0.0
     """A slice of an ingest beside answers takes about this many decode steps (--ingest-share)."""
+    join_share: float = 0.0
+    """The questions joining in one step beside answers take about this many decode steps (--join-share)."""
+    step_joins: int = 0
+    """Questions that joined in the last step."""
+    joins_held: int = 0
+    """Steps in which a question waited for the next step because of --join-share, since start."""
     answer_rows: int = 0
     """KV rows the running questions may hold (prompts and max_tokens); freed when they leave."""
     max_answer_rows: int = 0

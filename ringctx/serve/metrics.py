@@ -82,6 +82,11 @@ class _BackendCollector:
                                 "the answers decoding (0: none)", value=stats.slice_layers)
         yield GaugeMetricFamily("ringctx_ingest_share", "Decode steps a slice of an ingest beside answers takes "
                                 "(--ingest-share)", value=stats.ingest_share)
+        yield GaugeMetricFamily("ringctx_join_share", "Decode steps the questions joining in one step beside answers "
+                                "take (--join-share)", value=stats.join_share)
+        yield GaugeMetricFamily("ringctx_step_joins", "Questions that joined in the last step", value=stats.step_joins)
+        yield CounterMetricFamily("ringctx_joins_held", "Steps in which a question waited for the next one because "
+                                  "of --join-share", value=stats.joins_held)
         yield GaugeMetricFamily("ringctx_answer_rows", "KV rows the running questions may hold (prompts and "
                                 "max_tokens)", value=stats.answer_rows)
         yield GaugeMetricFamily("ringctx_max_answer_rows", "KV rows of running questions beyond which new ones wait",

@@ -78,6 +78,8 @@ class EngineBackend:
             tokens of an answer in flight.
         ingest_share: beside answers in flight, each step's slice of an ingest takes about this many
             decode steps (Scheduler's ingest_share): 1.0 keeps their inter-token time near 2x.
+        join_share: beside answers in flight, the questions joining in one step take about this many
+            decode steps, at least one question (Scheduler's join_share).
         log: where one-line notices go (layout, documents loaded), e.g. print.
     """
 
@@ -85,7 +87,8 @@ class EngineBackend:
                  kv_dtype: str = "model", dtype="auto", store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
                  max_document_tokens: int | None = None, chunk_tokens: int | None = None, max_batch: int = 16,
-                 max_step_tokens: int | None = None, ingest_share: float = 1.0, log=None):
+                 max_step_tokens: int | None = None, ingest_share: float = 1.0, join_share: float = 1.0,
+                 log=None):
         from ..engine import serving_layout
         from ..planning.prefill_plan import serving_chunk_tokens
 
@@ -110,7 +113,7 @@ class EngineBackend:
             return
         # Rank 0's engine is built on the scheduler's thread, which runs all of its work (see Scheduler).
         self.scheduler = Scheduler(build, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                   ingest_share=ingest_share)
+                                   ingest_share=ingest_share, join_share=join_share)
         self.engine = engine = self.scheduler.engine
         # Ingests name their chunk (it travels with the prefill's start to every rank).
         self.chunk_tokens = chunk_tokens or serving_chunk_tokens(engine.model, engine.world_size)
@@ -519,7 +522,9 @@ class EngineBackend:
                 kv_budget_bytes=self.kv_budget_bytes, batch_size=len(self.scheduler.batched),
                 max_batch=self.scheduler.max_batch, max_step_tokens=self.scheduler.max_step_tokens,
                 step_tokens=self.scheduler.last_step_tokens, slice_layers=self.scheduler.last_slice_layers,
-                ingest_share=self.scheduler.ingest_share, answer_rows=self.scheduler.rows_reserved,
+                ingest_share=self.scheduler.ingest_share, join_share=self.scheduler.join_share,
+                step_joins=self.scheduler.last_step_joins, joins_held=self.scheduler.joins_held,
+                answer_rows=self.scheduler.rows_reserved,
                 max_answer_rows=self.scheduler.max_rows or 0, decode_steps=self.scheduler.steps,
                 decoded_tokens=self.scheduler.decoded_tokens, prefill_tokens=self.prefill_tokens,
                 prefill_seconds=self.prefill_seconds, document_chunks_prefilled=self.document_chunks_prefilled,

@@ -1,7 +1,8 @@
 """The scheduler's batch: questions decode together (max_batch), join within the step's token budget
-beside an ingest's slices, wait while the rows run out, leave at once when cancelled; every answer
-equals the question asked alone. (Tickets are submitted from a call on the scheduler's own thread, so
-every case starts from the same queue whatever the machine's speed.)"""
+(and, while others decode, its time bound) beside an ingest's slices, wait while the rows run out,
+leave at once when cancelled; every answer equals the question asked alone. (Tickets are submitted
+from a call on the scheduler's own thread, so every case starts from the same queue whatever the
+machine's speed.)"""
 
 import pytest
 import torch
@@ -130,3 +131,39 @@ def test_prompts_longer_than_the_budget_join_one_per_step(engine, setup):
     sizes = [n for n, _, _ in seen]
     assert sizes[:3] == [1, 2, 3]  # one joins per step, beside the ones decoding: none is stuck
     assert all(tokens <= len(QUESTIONS[0]) + n for n, tokens, _ in seen)
+
+
+@pytest.mark.parametrize("join_share, joins_per_step", [(1e-9, 1), (1e9, 4)])
+def test_while_answers_decode_joins_are_bounded_by_time(engine, setup, join_share, joins_per_step):
+    """A burst of questions beside an answer in flight: with a tiny join_share one joins per step
+    (the answer waits one prefill between two tokens, not all four), with a huge one all four join
+    in the step they come (the token budget holds them); the answers are the same either way."""
+    documents, alone = setup
+    scheduler = Scheduler(engine, max_batch=8, join_share=join_share)
+    seen = watch(engine, scheduler)
+    try:
+        first = scheduler.submit_question(lambda: (documents[0], QUESTIONS[0]), prompt_tokens=4,
+                                          max_new_tokens=NEW[0], stop_token_ids=[], **SAMPLING[0])
+        while not scheduler.call(lambda: first.member is not None and first.member.generation.next_input() is not None):
+            pass  # until it has joined and is decoding
+
+        def burst():  # on the scheduler's thread, between two steps: all four arrive at once
+            return len(seen), [scheduler.submit_question(lambda d=documents[i % 2], q=QUESTIONS[i]: (d, q),
+                                                         prompt_tokens=4, max_new_tokens=NEW[i], stop_token_ids=[],
+                                                         **SAMPLING[i]) for i in range(1, 5)]
+        before, tickets = scheduler.call(burst)
+        results = [collect(t)[1] for t in [first] + tickets]
+        held = scheduler.joins_held
+    finally:
+        scheduler.stop()
+        del engine.batch().step
+    assert [r.token_ids for r in results] == alone[:5]
+    sizes = [n for n, _, _ in seen[before:]]
+    assert sizes[:4] == ([2, 3, 4, 5] if joins_per_step == 1 else [5, 5, 5, 5]), sizes
+    assert (held >= 3) == (joins_per_step == 1)
+
+
+def test_shares_must_be_positive(engine):
+    for kw in (dict(join_share=0), dict(ingest_share=-1.0)):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} must be > 0"):
+            Scheduler(engine, **kw)

@@ -232,6 +232,7 @@ def test_eight_streaming_clients_on_one_document_get_their_sequential_answers(se
 
 def test_a_client_that_disconnects_mid_answer_frees_its_rows(server, needle):
     assert server.metric("ringctx_max_batch") == 16 and server.metric("ringctx_max_step_tokens") > 16
+    assert server.metric("ringctx_join_share") == 1.0
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=300, json={
             "model": "smollm2-135m", "document": needle["id"], "stream": True, "max_tokens": 4000,
             "messages": [{"role": "user", "content": QUESTION}], "temperature": 0}) as response:
