@@ -22,7 +22,6 @@ sets the typical gap and one layer of one chunk (the chunk size) the longest.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -31,10 +30,7 @@ import tempfile
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(HERE, "bench_serve.py"))
-bench_serve = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_serve)
+import bench_serve  # its neighbour in scripts/ (on the path when run as a script)
 log, median, make_document, MODEL_ID = bench_serve.log, bench_serve.median, bench_serve.make_document, bench_serve.MODEL_ID
 
 

@@ -16,16 +16,12 @@ questions' median and last time to first token. A join share of 1e9 is the bound
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(HERE, "bench_serve.py"))
-bench_serve = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_serve)
+import bench_serve  # its neighbour in scripts/ (on the path when run as a script)
 
 
 def main() -> int:

@@ -158,11 +158,10 @@ shared K/V once), below AMX_FROM_ROWS_PER_KV_HEAD where AMX applies."""
 
 AMX_FROM_ROWS_PER_KV_HEAD = 16
 """Full blocks of one sequence (`one_sequence`) with at least this many query rows per KV head take
-AMX before the decode kernel,
-whose vector FMAs are bound by arithmetic there (a question's tokens against a document, 8K keys,
-GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows: decode kernel against AMX
-0.46 / 0.70 ms at 6 rows, 0.73 / 0.71 at 12, 0.98 / 0.82 at 18, 1.81 / 1.19 at 36, 2.83 / 1.07 at
-63; the decode kernel's time grows with the rows, AMX's by tiles of 16)."""
+AMX before the decode kernel, whose vector FMAs are bound by arithmetic there (a question's tokens
+against a document, 8K keys, GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows:
+decode kernel against AMX 0.46 / 0.70 ms at 6 rows, 0.73 / 0.71 at 12, 0.98 / 0.82 at 18, 1.81 /
+1.19 at 36, 2.83 / 1.07 at 63; the decode kernel's time grows with the rows, AMX's by tiles of 16)."""
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:

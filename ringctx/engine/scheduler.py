@@ -413,9 +413,8 @@ class Scheduler:
                 continue
             took = time.perf_counter() - t0
             join_spent_s += took
-            # Sized by the slowest recent join, as slices are by the slowest layer (a join over a
-            # short document must not let several over a long one into the next step).
-            self.join_s = took if self.join_s is None else max(took, 0.8 * self.join_s)
+            # (a join over a short document must not let several over a long one into the next step)
+            self.join_s = slowest_recent(self.join_s, took)
             budget -= ticket.prompt_tokens
             spent += ticket.prompt_tokens
             joined += 1
@@ -487,10 +486,8 @@ class Scheduler:
                     ran = min(ran, layers)
                 t0 = time.perf_counter()
                 stats = ticket.job.step(layers)
-                # Slices are sized by the slowest recent layer: a chunk's layers cost more than the
-                # last chunk's (each attends to more) and a quick outlier must not size a long slice.
-                measured = (time.perf_counter() - t0) / ran
-                ticket.layer_s = measured if ticket.layer_s is None else max(measured, 0.8 * ticket.layer_s)
+                # (a chunk's layers cost more than the last chunk's: each attends to more)
+                ticket.layer_s = slowest_recent(ticket.layer_s, (time.perf_counter() - t0) / ran)
                 if stats is not None and ticket.on_chunk is not None:
                     ticket.on_chunk(ticket.job, stats)
                 return ran
@@ -520,6 +517,13 @@ class Scheduler:
         for call in calls:
             call.error = error
             call.done.set()
+
+
+def slowest_recent(previous: float | None, measured: float) -> float:
+    """The time the next slice of work is sized by (a layer of an ingest, a join): the slowest
+    recent one, forgotten by a fifth per measurement, so that a quick outlier never sizes a long
+    step and the estimate still comes down when the work gets cheaper."""
+    return measured if previous is None else max(measured, 0.8 * previous)
 
 
 def default_step_tokens(engine, max_batch: int) -> int:
