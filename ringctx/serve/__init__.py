@@ -20,8 +20,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = No
 
     backend_options: those of EngineBackend (model, nproc, tp, decode_ranks, kv_dtype, dtype,
     store_dir, kv_budget_bytes, max_queue, timeout_s, max_document_tokens, chunk_tokens, max_batch,
-    max_step_tokens, ingest_share, join_share). Under torchrun call it on every rank: rank 0 serves, the others
-    follow it until it stops."""
+    max_step_tokens, ingest_share, join_share). Under torchrun call it on every rank: rank 0 serves,
+    the others follow it until it stops."""
     from .server import listen_socket, run_server
     from .service import EngineBackend, is_server_rank
 
