@@ -32,6 +32,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
+    amx_linear             x [9 <= T <= 48, in] @ W^T in bf16 on AMX (a question's prefill): the
+                           weights read in place, once for all rows; 0.73-0.85x the time of
+                           PyTorch's bf16 matmul at 9-16 rows.
 
 Variants: the kernels are written once, on GCC/Clang vector types (csrc/cpu_simd.h), and built
 once per vector ISA with that ISA's -m flags (VARIANTS): "avx512" (16 floats a vector; also holds
@@ -260,7 +263,8 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     if variant.amx:
         lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                               i32, f32, ptr, i64, i64, ptr, i32]
-    # ringctx_gemv, ringctx_decode_*, the *_rows kernels, ringctx_amx_available: int (ctypes' default)
+        lib.ringctx_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+    # ringctx_gemv, ringctx_decode_*, the *_rows kernels, ringctx_amx_*: int (ctypes' default)
 
 
 def _load_variant(variant: Variant) -> ctypes.CDLL | None:
@@ -694,3 +698,35 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         raise RuntimeError(f"ringctx_amx_attention failed with status {status} "
                            f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
     return out, lse
+
+
+AMX_LINEAR_ROWS = (9, 48)
+"""Rows of x that `amx_linear` takes: above small_linear's MAX_ROWS (decode steps keep their own
+kernel, whose rows do not depend on the batch) up to 48, where PyTorch's matmul caught up
+(measured: csrc/cpu_attention_amx.c; the kernel itself takes up to 64)."""
+
+
+def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] bf16 on AMX's tiles, or None where it does
+    not apply (the caller then uses F.linear): bf16 x and weight on the CPU, AMX_LINEAR_ROWS rows,
+    `in` a multiple of 32, `out` of 16, weight contiguous, no gradient wanted. Exact products,
+    float32 sums, one rounding at the end (a native bf16 GEMM's contract); the weight is read in
+    place, once for all rows (csrc/cpu_attention_amx.c)."""
+    lo, hi = AMX_LINEAR_ROWS
+    if not (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and x.dim() == 2 and weight.dim() == 2 and lo <= x.shape[0] <= hi and x.shape[1] == weight.shape[1]
+            and x.shape[1] % 32 == 0 and weight.shape[0] % 16 == 0 and weight.is_contiguous()):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    if not amx_available():
+        return None
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    status = _load().ringctx_amx_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                                        y.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        return None
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(torch.bfloat16)

@@ -112,3 +112,72 @@ def test_amx_backend_is_refused_where_it_cannot_run(monkeypatch):
         attention_block(q, q[:, :2], q[:, :2], backend="amx")
     out, _ = attention_block(q, q[:, :2], q[:, :2], causal=True)  # auto falls back to PyTorch's op
     assert out.shape == q.shape
+
+
+@needs_amx
+@pytest.mark.parametrize("t", [5, 300])  # K read in place (few queries), K packed first (many)
+@pytest.mark.parametrize("s", [64, 1000])  # whole key blocks; a partial last block
+def test_keys_in_place_or_packed_give_the_same_bits(t, s):
+    """A question over a cache: K and V are views into rows with room after them and both halves
+    of a K/V pair side by side (a row stride that is not Hkv x D); the kernel reads K's rows in
+    place for few queries and packs it for many, and either way gives what contiguous copies give."""
+    kv = rand(s + 7, 2, 3, 64, seed=s)
+    k, v = kv[:s, 0], kv[:s, 1]
+    q = rand(t, 9, 64, seed=t)
+    out, lse = check(q, k, v, causal=False)
+    out2, lse2 = attention_block(q, k.contiguous(), v.contiguous(), causal=False, backend="amx")
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+# -- cpu_kernels.amx_linear: a question's matmuls on the tiles (same file: same AMX requirement) --
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [9, 16, 17, 40, 48])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (16, 32), (576, 1536), (48, 96)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
+    """Exact products, float32 sums, one rounding: nearly every element is the float64 product
+    rounded to bf16, the rest one bf16 step away (summation order), as small_linear's contract."""
+    g = torch.Generator().manual_seed(rows * 1000 + n_out)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    b = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
+    got = cpu_kernels.amx_linear(x, w, b)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
+    exact = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99
+    step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+    assert ((got.double() - exact).abs() <= step).all()
+
+
+@needs_amx
+def test_amx_linear_rows_do_not_depend_on_the_others_or_the_threads():
+    """Each row's sums run over the same tiles in the same order: a row among 9 or 48, or with one
+    thread, gives the same bits; and the model's linear() takes this path."""
+    from ringctx.model.transformer import linear
+
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(48, 576, generator=g).bfloat16(), torch.randn(960, 576, generator=g).bfloat16()
+    all_rows = cpu_kernels.amx_linear(x, w)
+    assert torch.equal(cpu_kernels.amx_linear(x[20:29], w), all_rows[20:29])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_kernels.amx_linear(x, w), all_rows)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(linear(x[:16], w), all_rows[:16])
+
+
+def test_amx_linear_declines_what_it_does_not_cover():
+    w = torch.randn(32, 64).bfloat16()
+    x = torch.randn(16, 64).bfloat16()
+    assert cpu_kernels.amx_linear(x[:8], w) is None  # decode-sized: small_linear's rows
+    assert cpu_kernels.amx_linear(torch.randn(cpu_kernels.AMX_LINEAR_ROWS[1] + 1, 64).bfloat16(), w) is None
+    assert cpu_kernels.amx_linear(x.float(), w.float()) is None
+    assert cpu_kernels.amx_linear(x[:, :48], w[:, :48]) is None  # in not a multiple of 32
+    assert cpu_kernels.amx_linear(x, w[:24]) is None  # out not a multiple of 16
+    assert cpu_kernels.amx_linear(x, torch.randn(64, 32).bfloat16().t()) is None  # not contiguous
+    with torch.enable_grad():
+        assert cpu_kernels.amx_linear(x, w.clone().requires_grad_()) is None
