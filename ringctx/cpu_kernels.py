@@ -269,6 +269,8 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
 
 def _load_variant(variant: Variant) -> ctypes.CDLL | None:
     """The built and checked library of `variant` (once per process), or None (see _errors)."""
+    if variant.name in _libraries:  # asked before every kernel call: no lock once it is known
+        return _libraries[variant.name]
     with _lock:
         if variant.name in _libraries:
             return _libraries[variant.name]
@@ -644,9 +646,17 @@ def amx_available() -> bool:
     state granted by Linux) and the kernels are built."""
     if os.environ.get("RINGCTX_AMX", "1") == "0":
         return False
-    lib = _load()
-    variant = active_variant()
-    return lib is not None and variant.amx and bool(lib.ringctx_amx_available())
+    variant, _ = choose_variant()
+    if variant is None or not variant.amx:
+        return False
+    lib = _load_variant(variant)
+    return lib is not None and _amx_granted(lib)
+
+
+@functools.lru_cache(maxsize=None)
+def _amx_granted(lib: ctypes.CDLL) -> bool:
+    """The library's answer to "may this process use the tiles" (it asks Linux once per process)."""
+    return bool(lib.ringctx_amx_available())
 
 
 def amx_unavailable_reason() -> str | None:
