@@ -181,3 +181,21 @@ def test_amx_linear_declines_what_it_does_not_cover():
     assert cpu_kernels.amx_linear(x, torch.randn(64, 32).bfloat16().t()) is None  # not contiguous
     with torch.enable_grad():
         assert cpu_kernels.amx_linear(x, w.clone().requires_grad_()) is None
+
+
+@needs_amx
+@pytest.mark.parametrize("t,s", [(1, 2048), (5, 4100), (16, 8033), (40, 3000)])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 128), (8, 1, 64)])
+def test_a_question_over_a_long_document_splits_the_keys(t, s, hq, hkv, d):
+    """Few query units (one per KV head) over many keys: the kernel splits the keys into spans and
+    merges their parts; against float64, and the same bits with any number of threads."""
+    q, k, v = rand(t, hq, d, seed=t), rand(s, hkv, d, seed=s), rand(s, hkv, d, seed=s + 1)
+    out, lse = check(q, k, v, causal=False)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            again = attention_block(q, k, v, causal=False, backend="amx")
+            assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+    finally:
+        torch.set_num_threads(before)
