@@ -94,3 +94,40 @@ int ringctx_swiglu_rows(void *gate_up, int64_t rows, int64_t ffn, int64_t row_st
     }
     return 0;
 }
+
+/* The merge of one partial attention result into a running one (ringctx/attention/merge.py's
+ * PartialAccumulator.add, whose ~25 small PyTorch ops cost ~0.13 ms a call at a question's few
+ * rows, two calls a layer): for rows [0, n) and heads [0, H),
+ *
+ *   lse' = +inf or NaN -> -inf (empty-row markers)       new = logaddexp(acc_lse, lse')
+ *   acc_out = acc_out * e^(acc_lse - new) + out * e^(lse' - new),  acc_lse = new
+ *
+ * where a side with LSE -inf weighs 0 (its out, garbage or not, is never read) and a row empty on
+ * both sides stays as it is. acc_out [n, H, D] float32 (row stride a_rs), acc_lse [H, *] float32
+ * (head stride l_hs), out [n, H, D] float32 or bf16 (strides o_rs, o_hs), lse [H, n] float32
+ * (head stride lse_hs). */
+int ringctx_merge_rows(float *acc_out, int64_t a_rs, float *acc_lse, int64_t l_hs, const void *out, int out_bf16,
+                       int64_t o_rs, int64_t o_hs, const float *lse, int64_t lse_hs, int64_t n, int64_t H,
+                       int64_t D) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    for (int64_t h = 0; h < H; ++h)
+        for (int64_t t = 0; t < n; ++t) {
+            float add = lse[h * lse_hs + t];
+            if (isnan(add) || add == INFINITY) add = -INFINITY;
+            if (add == -INFINITY) continue; /* nothing new for this row */
+            float *acc = acc_out + t * a_rs + h * D;
+            const int64_t o = t * o_rs + h * o_hs;
+            const float have = acc_lse[h * l_hs + t];
+            if (have == -INFINITY) { /* the first part of this row: a copy */
+                for (int64_t d = 0; d < D; ++d) acc[d] = load_one(out, out_bf16, o + d);
+                acc_lse[h * l_hs + t] = add;
+                continue;
+            }
+            const float top = have > add ? have : add;
+            const float merged = top + log1pf(expf(-fabsf(have - add)));
+            const float w_have = expf(have - merged), w_add = expf(add - merged);
+            for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * w_have + load_one(out, out_bf16, o + d) * w_add;
+            acc_lse[h * l_hs + t] = merged;
+        }
+    return 0;
+}

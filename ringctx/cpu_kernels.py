@@ -260,6 +260,7 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
+    lib.ringctx_merge_rows.argtypes = [ptr, i64, ptr, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, i64]
     if variant.amx:
         lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                               i32, f32, ptr, i64, i64, ptr, i32]
@@ -624,6 +625,30 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         return False
     return lib.ringctx_rope_rows(x.data_ptr(), T, H, D, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                                  int(x.dtype == torch.bfloat16), torch.get_num_threads()) == 0
+
+
+def merge_rows(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> bool:
+    """Merge a partial attention result (out [n, H, D] float32 or bf16, lse [H, n]) into running
+    float32 state acc_out [n, H, D] (rows contiguous) and acc_lse [H, n], in place, as
+    attention/merge.py's PartialAccumulator.add does (empty-row markers, -inf weighs 0). False
+    (nothing touched) where the kernel does not apply."""
+    n, H, D = out.shape
+    if not (acc_out.dtype == acc_lse.dtype == torch.float32 and out.dtype in (torch.float32, torch.bfloat16)
+            and all(t.device.type == "cpu" for t in (acc_out, acc_lse, out, lse))
+            and acc_out.shape == out.shape and acc_lse.shape == lse.shape == (H, n)
+            and acc_out.stride(1) == D and acc_out.stride(2) == 1 and out.stride(2) == 1 and acc_lse.stride(1) == 1):
+        return False
+    if torch.is_grad_enabled() and out.requires_grad:
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    lse = lse.float()
+    if lse.stride(1) != 1:
+        lse = lse.contiguous()
+    return lib.ringctx_merge_rows(acc_out.data_ptr(), acc_out.stride(0), acc_lse.data_ptr(), acc_lse.stride(0),
+                                  out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), out.stride(1),
+                                  lse.data_ptr(), lse.stride(0), n, H, D) == 0
 
 
 def swiglu_(gate_up: torch.Tensor, ffn: int) -> bool:

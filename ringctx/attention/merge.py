@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from .. import cpu_kernels
+
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
     """Float32 LSE with +inf and NaN (empty-row markers of some kernels) replaced by -inf."""
@@ -75,11 +77,14 @@ class PartialAccumulator:
         n = out.shape[0]
         if n == 0:
             return
+        adopt = owned and self._out is None and row_start == 0 and n == self.rows and out.dtype == torch.float32
+        if not adopt and out.device.type == "cpu" and cpu_kernels.merge_rows(
+                self.out[row_start:row_start + n], self.lse[:, row_start:row_start + n], out, lse):
+            return  # the same merge in one C pass (its ops cost more than the arithmetic at few rows)
         lse = sanitize_lse(lse)
         finite = torch.isfinite(lse)
         all_finite = bool(finite.all())
-        if (owned and self._out is None and row_start == 0 and n == self.rows and all_finite
-                and out.dtype == torch.float32):
+        if adopt and all_finite:
             self._out, self._lse = out, lse
             return
         acc_out = self.out[row_start:row_start + n]

@@ -125,6 +125,37 @@ def test_accumulator_row_ranges_and_validation():
         merge_partials([])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulator_merges_in_c_as_in_pytorch(monkeypatch, dtype):
+    """PartialAccumulator.add runs its merge in one C pass where the CPU kernels are built
+    (cpu_kernels.merge_rows): against PyTorch's ops on partials with empty-row markers (+inf, NaN,
+    -inf LSE over garbage), row ranges, a head-strided LSE and an output view."""
+    from ringctx import cpu_kernels
+
+    if cpu_kernels._load() is None:
+        pytest.skip(f"no CPU kernels here: {cpu_kernels.kernel_error()}")
+    g = torch.Generator().manual_seed(5)
+    parts = []
+    for rows, start in ((9, 0), (4, 2), (9, 0), (3, 6)):
+        out = torch.randn(rows, 4, 2, 16, generator=g).to(dtype)[:, :, 0]  # a view: head stride 32
+        lse = (torch.randn(rows, 4, generator=g) * 3).t()  # [H, rows], head stride 1
+        lse[0, 0], lse[1, -1], lse[2, 1] = float("inf"), float("nan"), float("-inf")
+        out[0, 0], out[-1, 1], out[1, 2] = float("nan"), float("nan"), float("inf")  # garbage where empty
+        parts.append((out, lse, start))
+    results = []
+    for use_c in (True, False):
+        if not use_c:
+            monkeypatch.setattr(cpu_kernels, "merge_rows", lambda *a: False)
+        acc = PartialAccumulator(9, 4, 16)
+        for out, lse, start in parts:
+            acc.add(out, lse, row_start=start)
+        results.append(acc.result(torch.float32))
+    (c_out, c_lse), (t_out, t_lse) = results
+    assert not torch.isnan(c_out).any() and torch.equal(torch.isneginf(c_lse), torch.isneginf(t_lse))
+    torch.testing.assert_close(c_out, t_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(c_lse, t_lse, atol=1e-6, rtol=1e-6)
+
+
 def test_accumulator_adopts_only_owned_full_partials():
     """owned=True lets the first full float32 partial become the state (no copy); other partials,
     and everything merge_partials is given, are never modified."""
