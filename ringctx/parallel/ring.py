@@ -144,9 +144,10 @@ class _RingRun:
         if self.q.device.type == "cpu" and cpu_kernels.amx_available():
             # A rank's own tasks each lie in one segment (its cached rows, then its new ones): the
             # blocks are views of them, and the cached rows (a long document's, in the shard's own
-            # token-major layout) are not copied for every layer. The AMX kernel packs K and V
-            # itself, as fast from that layout (measured, 2 cores, SmolLM2 bf16, 8K-token document:
-            # a 20-token question's prefill 0.86x the time, an ingest in 512-token chunks 0.97x).
+            # token-major layout) are not copied for every layer. The AMX kernel reads K in place
+            # (packs it for many queries) and packs V itself, as fast from that layout (measured,
+            # 2 cores, SmolLM2 bf16, 8K-token document: a 20-token question's prefill 0.86x the
+            # time, an ingest in 512-token chunks 0.97x).
             # Without AMX the float32 paths take the copy (the question's prefill took 1.04x without it).
             return (_Segments(segments, self.cached_k, self.k), _Segments(segments, self.cached_v, self.v))
         return self.message_kv(self.kv_message(rows))
