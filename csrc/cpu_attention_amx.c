@@ -614,7 +614,7 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
 
 /* ------------------------------------------------------------------------------------------
  * Small matrix products on the tiles: y [M, N] = x [M, K] . w [N, K]^T for bf16 x and w and a few
- * rows (a question's prefill, a short prompt), float32 out (the caller rounds once).
+ * rows (a question's prefill, a short prompt); y float32, or bf16 rounded once.
  *
  * Computed transposed, y^T = W X^T, so that 16 rows of W (32 of K wide) are an A tile read in
  * place with W's row stride, and X^T, built once per call in VNNI order, is the B tiles. Each
@@ -623,13 +623,15 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
  * the time of PyTorch's bf16 matmul (oneDNN) at 9-16 rows, 0.9-1.0x at 20-48, 1.1x at 64.
  * ------------------------------------------------------------------------------------------ */
 
-/* y's 16 x 16 block at rows m0.., columns n0.. from C tile `tile` (C^T: [16 n][16 m]). */
-AMX_TARGET static void store_transposed(float *buf, float *y, int64_t M, int64_t N, int64_t m0, int64_t n0) {
+/* y's 16 x 16 block at rows m0.., columns n0.. from a C tile stored in buf (C^T: [16 n][16 m]),
+ * as float32 or rounded once to bf16. */
+static void store_transposed(const float *buf, void *y, int y_bf16, int64_t M, int64_t N, int64_t m0, int64_t n0) {
     for (int64_t m = 0; m < 16 && m0 + m < M; ++m)
-        for (int64_t i = 0; i < 16; ++i) y[(m0 + m) * N + n0 + i] = buf[i * 16 + m];
+        for (int64_t i = 0; i < 16; ++i)
+            store_one(y, y_bf16, (m0 + m) * N + n0 + i, round_to(buf[i * 16 + m], y_bf16));
 }
 
-int ringctx_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y,
+int ringctx_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, void *y, int y_bf16,
                        int threads) {
     if (!amx_usable()) return -1;
     if (M < 1 || M > AMX_LINEAR_MAX_ROWS || K < 32 || K % 32 || N < 16 || N % 16) return -2;
@@ -677,18 +679,18 @@ int ringctx_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
                 }
             }
             _tile_stored(0, buf, 64);
-            store_transposed(buf, y, M, N, 0, nb * 16);
+            store_transposed(buf, y, y_bf16, M, N, 0, nb * 16);
             if (m_tiles > 1) {
                 _tile_stored(1, buf, 64);
-                store_transposed(buf, y, M, N, 16, nb * 16);
+                store_transposed(buf, y, y_bf16, M, N, 16, nb * 16);
             }
             if (m_tiles > 2) {
                 _tile_stored(2, buf, 64);
-                store_transposed(buf, y, M, N, 32, nb * 16);
+                store_transposed(buf, y, y_bf16, M, N, 32, nb * 16);
             }
             if (m_tiles > 3) {
                 _tile_stored(3, buf, 64);
-                store_transposed(buf, y, M, N, 48, nb * 16);
+                store_transposed(buf, y, y_bf16, M, N, 48, nb * 16);
             }
         }
         release_tiles();
@@ -708,7 +710,7 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
     return -1;
 }
 
-int ringctx_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, float *y,
+int ringctx_amx_linear(const uint16_t *x, int64_t M, int64_t K, const uint16_t *w, int64_t N, void *y, int y_bf16,
                        int threads) {
     return -1;
 }

@@ -264,7 +264,7 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     if variant.amx:
         lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                               i32, f32, ptr, i64, i64, ptr, i32]
-        lib.ringctx_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+        lib.ringctx_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]
     # ringctx_gemv, ringctx_decode_*, the *_rows kernels, ringctx_amx_*: int (ctypes' default)
 
 
@@ -757,11 +757,10 @@ def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if not amx_available():
         return None
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    # float32 out only to add a bias before the one rounding
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32 if bias is not None else torch.bfloat16)
     status = _load().ringctx_amx_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
-                                        y.data_ptr(), torch.get_num_threads())
+                                        y.data_ptr(), int(bias is None), torch.get_num_threads())
     if status != 0:
         return None
-    if bias is not None:
-        y.add_(bias.float())
-    return y.to(torch.bfloat16)
+    return y if bias is None else y.add_(bias.float()).to(torch.bfloat16)
