@@ -13,6 +13,7 @@ import torch
 
 from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
+from tests.core.test_cpu_kernels import check_rounds_the_exact_product
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
                                reason=f"needs the AMX attention kernel: {cpu_kernels.amx_unavailable_reason()}")
@@ -137,18 +138,8 @@ def test_keys_in_place_or_packed_give_the_same_bits(t, s):
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (16, 32), (576, 1536), (48, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
-    """Exact products, float32 sums, one rounding: nearly every element is the float64 product
-    rounded to bf16, the rest one bf16 step away (summation order), as small_linear's contract."""
-    g = torch.Generator().manual_seed(rows * 1000 + n_out)
-    x = torch.randn(rows, n_in, generator=g).bfloat16()
-    w = torch.randn(n_out, n_in, generator=g).bfloat16()
-    b = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
-    got = cpu_kernels.amx_linear(x, w, b)
-    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
-    exact = x.double() @ w.double().t() + (b.double() if with_bias else 0)
-    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99
-    step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
-    assert ((got.double() - exact).abs() <= step).all()
+    """Exact products, float32 sums, one rounding: small_linear's contract."""
+    check_rounds_the_exact_product(cpu_kernels.amx_linear, rows, n_out, n_in, with_bias)
 
 
 @needs_amx

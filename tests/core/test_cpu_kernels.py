@@ -44,13 +44,18 @@ def test_small_linear_float32_matches_float64(rows, n_out, n_in):
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 33), (130, 16), (5, 1000)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
-    """Float32 accumulation, one rounding: nearly every element is the float64 product rounded to
-    bf16, the rest one bf16 step away (summation order)."""
+    check_rounds_the_exact_product(cpu_kernels.small_linear, rows, n_out, n_in, with_bias)
+
+
+def check_rounds_the_exact_product(linear, rows, n_out, n_in, with_bias):
+    """A bf16 linear kernel (small_linear, amx_linear) with float32 sums and one rounding: nearly
+    every element is the float64 product rounded to bf16, the rest one bf16 step away (summation
+    order)."""
     g = torch.Generator().manual_seed(rows * 1000 + n_out)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     w = torch.randn(n_out, n_in, generator=g).bfloat16()
     b = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
-    got = cpu_kernels.small_linear(x, w, b)
+    got = linear(x, w, b)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n_out)
     exact = x.double() @ w.double().t() + (b.double() if with_bias else 0)
     rounded = exact.to(torch.bfloat16)
