@@ -26,8 +26,8 @@
  * The tile unit multiplies A [16 x 32 bf16] by B [32 x 16 bf16] into C [16 x 16 float32], B stored
  * as 16 rows of 16 pairs ("VNNI": B[k][n] at row k / 2, element 2 n + k % 2). K's rows, 32 dims
  * wide, are A rows as they lie in the cache (or, for many queries, copied once per call into
- * contiguous rows); V is transposed once per call; Q^T and P^T are built in VNNI order per tile. Tiles 0-3 hold C,
- * tile 4 A, tile 5 B. A unit of work is four query tiles of one head that take each block of
+ * contiguous rows); V is transposed once per call; Q^T and P^T are built in VNNI order per tile.
+ * Tiles 0-3 hold C, tile 4 A, tile 5 B. A unit of work is four query tiles of one head that take each block of
  * K and V in turn while it is in L1 (or, for a call of few such units, a span of the keys: see
  * SPLIT_TO_UNITS).
  *
