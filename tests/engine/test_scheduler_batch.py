@@ -141,24 +141,30 @@ def test_while_answers_decode_joins_are_bounded_by_time(engine, setup, join_shar
     documents, alone = setup
     scheduler = Scheduler(engine, max_batch=8, join_share=join_share)
     seen = watch(engine, scheduler)
+    batch, tickets, before = engine.batch(), [], []
+    counted = batch.step
+
+    def step_then_burst():  # the burst comes right after the first question's first decode step, on
+        events = counted()  # the scheduler's thread: all four arrive at once, whatever the timing
+        if not tickets:
+            before.append(len(seen))
+            tickets.extend(scheduler.submit_question(lambda d=documents[i % 2], q=QUESTIONS[i]: (d, q),
+                                                     prompt_tokens=4, max_new_tokens=NEW[i], stop_token_ids=[],
+                                                     **SAMPLING[i]) for i in range(1, 5))
+        return events
+
+    batch.step = step_then_burst
     try:
         first = scheduler.submit_question(lambda: (documents[0], QUESTIONS[0]), prompt_tokens=4,
                                           max_new_tokens=NEW[0], stop_token_ids=[], **SAMPLING[0])
-        while not scheduler.call(lambda: first.member is not None and first.member.generation.next_input() is not None):
-            pass  # until it has joined and is decoding
-
-        def burst():  # on the scheduler's thread, between two steps: all four arrive at once
-            return len(seen), [scheduler.submit_question(lambda d=documents[i % 2], q=QUESTIONS[i]: (d, q),
-                                                         prompt_tokens=4, max_new_tokens=NEW[i], stop_token_ids=[],
-                                                         **SAMPLING[i]) for i in range(1, 5)]
-        before, tickets = scheduler.call(burst)
-        results = [collect(t)[1] for t in [first] + tickets]
+        results = [collect(first)[1]]
+        results += [collect(t)[1] for t in tickets]
         held = scheduler.joins_held
     finally:
         scheduler.stop()
-        del engine.batch().step
-    assert [r.token_ids for r in results] == alone[:5]
-    sizes = [n for n, _, _ in seen[before:]]
+        del batch.step
+    assert len(tickets) == 4 and [r.token_ids for r in results] == alone[:5]
+    sizes = [n for n, _, _ in seen[before[0]:]]
     assert sizes[:4] == ([2, 3, 4, 5] if joins_per_step == 1 else [5, 5, 5, 5]), sizes
     assert (held >= 3) == (joins_per_step == 1)
 
