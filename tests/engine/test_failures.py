@@ -33,9 +33,15 @@ ENV = dict(os.environ, PYTHON=sys.executable, PYTHONPATH=str(ROOT), OMP_NUM_THRE
 
 
 def start(argv, **kwargs) -> subprocess.Popen:
-    """A command in its own session (so that Ctrl-C can go to its whole process group)."""
+    """A command in its own session (so that Ctrl-C can go to its whole process group), with
+    SIGINT's default action as in a terminal: a test run started in the background by a shell
+    without job control ignores SIGINT, and a Python child would inherit that and never see Ctrl-C."""
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                            start_new_session=True, **kwargs)
+                            start_new_session=True, preexec_fn=_default_sigint, **kwargs)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
