@@ -779,7 +779,8 @@ def print_report(meta, results, args, have_llama) -> None:
     w("Targets (ringctx id path; resent path in brackets)")
     for row in results["rows"]:
         n = row["doc_tokens"]
-        for path_key, label in (("ttft_ratio", "TTFT <= 0.5x llama.cpp"), ("ttft_hits_ratio", "  against its cache hits"),
+        for path_key, label in (("ttft_ratio", "TTFT <= 0.5x llama.cpp"),
+                                ("ttft_hits_ratio", "  against its cache hits"),
                                 ("itl_ratio", "ITL <= 0.3x llama.cpp")):
             if have_llama:
                 limit = 0.3 if path_key == "itl_ratio" else 0.5
