@@ -377,6 +377,12 @@ AMX_TARGET static void pv_step(query_tile *t, const uint16_t *pt, const uint16_t
     }
 }
 
+/* A row's LSE (natural log) from its running max m (base 2, scaled scores) and sum l; -inf for a
+ * row that saw no key. */
+static inline float row_lse(float m, float l) {
+    return l > 0.0f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+}
+
 /* The first tile of a unit that sees key block k0 (causal: later queries see more keys, so the
  * tiles that see it are a suffix), or n_tiles when none does. */
 static int64_t first_seeing(const query_tile *tiles, int64_t n_tiles, int64_t k0, int causal) {
@@ -476,7 +482,7 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
         for (int64_t n = 0; n < t->rows; ++n) {
             unit_row(t->r0 + n, h, kv, group, T, heads + n, tokens + n);
             inv[n] = ls[n] > 0.0f ? 1.0f / ls[n] : 0.0f;
-            lse[heads[n] * T + tokens[n]] = ls[n] > 0.0f ? (ms[n] + log2f(ls[n])) * 0.69314718055994531f : -INFINITY;
+            lse[heads[n] * T + tokens[n]] = row_lse(ms[n], ls[n]);
         }
         for (int64_t d = 0; d < D; ++d)
             for (int64_t n = 0; n < t->rows; ++n)
@@ -505,7 +511,7 @@ static void merge_spans(const span_rows *span, int64_t spans, int64_t T, int64_t
             }
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         const int64_t head = row / T, token = row % T;
-        lse[row] = l > 0.0f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+        lse[row] = row_lse(m, l);
         for (int64_t d = 0; d < D; ++d) store_one(out + token * o_rs + head * o_hs, 1, d, bf16_round(acc[d] * inv));
     }
 }

@@ -669,13 +669,18 @@ AMX_HEAD_DIMS = "a multiple of 32 up to 256"
 def amx_available() -> bool:
     """True when this CPU and OS run the AMX attention kernel (AMX-BF16 and AVX512-BF16, the tile
     state granted by Linux) and the kernels are built."""
+    return _amx_library() is not None
+
+
+def _amx_library() -> ctypes.CDLL | None:
+    """The kernels' library where its AMX kernels run here (see amx_available), else None."""
     if os.environ.get("RINGCTX_AMX", "1") == "0":
-        return False
+        return None
     variant, _ = choose_variant()
     if variant is None or not variant.amx:
-        return False
+        return None
     lib = _load_variant(variant)
-    return lib is not None and _amx_granted(lib)
+    return lib if lib is not None and _amx_granted(lib) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -754,13 +759,14 @@ def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
-    if not amx_available():
+    lib = _amx_library()
+    if lib is None:
         return None
     x = x.contiguous()
     # float32 out only to add a bias before the one rounding
     y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32 if bias is not None else torch.bfloat16)
-    status = _load().ringctx_amx_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
-                                        y.data_ptr(), int(bias is None), torch.get_num_threads())
+    status = lib.ringctx_amx_linear(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), weight.shape[0],
+                                    y.data_ptr(), int(bias is None), torch.get_num_threads())
     if status != 0:
         return None
     return y if bias is None else y.add_(bias.float()).to(torch.bfloat16)
