@@ -54,6 +54,9 @@ typedef struct {
     void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
     float *k_scale, *v_scale;   /* [max_tokens, Hkv] for 8-bit caches, else NULL */
     const void *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before RoPE (Qwen3), else NULL */
+    /* Int8 weights (bf16 models): where one of these is set, the matching w* above points at its
+     * int8 codes and this at their group exponents [out, in / W8_GROUP] (see cpu_kernels.h). */
+    const int8_t *wqkv_exps, *wo_exps, *w13_exps, *w2_exps;
 } ringctx_decoder_layer;
 
 /* Where each piece of the float32 work buffer lives. */
@@ -119,15 +122,16 @@ static inline float exp1(float x) { return vexp(vset1(x))[0]; }
  * rows are shared out over the threads of the enclosing parallel region. bf16 weights whose rows
  * widen in pairs read x split into `split` (this thread's [in] floats), each thread its own copy,
  * so no thread waits for another. */
-static void linear(const float *x, int64_t in, const void *w, const void *b, int64_t out, int bf16, float *y,
-                   float *resid, float *split) {
+static void linear(const float *x, int64_t in, const void *w, const int8_t *exps, const void *b, int64_t out,
+                   int bf16, float *y, float *resid, float *split) {
     const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
-    const int pairs = widen_in_pairs(bf16, in);
+    const int pairs = widen_in_pairs(bf16, in) || exps != NULL;
     if (pairs) split_pairs(x, 1, in, split);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
-        if (pairs) gemv_block_pairs(split, 1, in, (const uint16_t *)w, out, y, o, n);
+        if (exps) gemv_block_pairs_q8(split, 1, in, (const int8_t *)w, exps, out, y, o, n);
+        else if (pairs) gemv_block_pairs(split, 1, in, (const uint16_t *)w, out, y, o, n);
         else gemv_block(x, 1, in, w, bf16, out, y, o, n);
         for (int64_t i = o; i < o + n; ++i) {
             const float v = round_to(b ? y[i] + load_one(b, bf16, i) : y[i], bf16);
@@ -231,6 +235,17 @@ static void swiglu(const float *gate_up, int64_t ffn, int bf16, float *act) {
         token_swiglu(gate_up + i0, gate_up + ffn + i0, 0, bf16, ffn - i0 < 64 ? ffn - i0 : 64, act + i0, 0);
 }
 
+/* Int8 weights need a bf16 model (their values are bf16 values) and inputs of whole groups. */
+static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers) {
+    const int64_t dim = s->dim % W8_GROUP, attn = (s->n_heads * s->head_dim) % W8_GROUP, ffn = s->ffn_dim % W8_GROUP;
+    for (int64_t i = 0; i < n_layers; ++i) {
+        const ringctx_decoder_layer *l = layers + i;
+        if ((l->wqkv_exps || l->wo_exps || l->w13_exps || l->w2_exps) && !s->bf16) return 0;
+        if ((l->wqkv_exps && dim) || (l->wo_exps && attn) || (l->w13_exps && dim) || (l->w2_exps && ffn)) return 0;
+    }
+    return 1;
+}
+
 /* One token through n_layers layers (both entry points below). write_row: the cache row that
  * receives the token's K/V (< 0: none); keys: cache rows attended (0 .. keys-1); merge: NULL for a
  * whole cache, else the callback that merges this rank's partial attention with the others'. */
@@ -239,7 +254,8 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
                          int threads, ringctx_merge_fn merge) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 || s->n_heads % s->n_kv_heads ||
-        s->n_heads / s->n_kv_heads > MAX_R || (s->kv_q8 != -1 && s->kv_q8 != Q8_INT8 && s->kv_q8 != Q8_FP8))
+        s->n_heads / s->n_kv_heads > MAX_R || (s->kv_q8 != -1 && s->kv_q8 != Q8_INT8 && s->kv_q8 != Q8_FP8) ||
+        !int8_weights_fit(s, layers, n_layers))
         return -2;
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
@@ -257,7 +273,7 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
             const ringctx_decoder_layer *layer = layers + li;
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->wqkv, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
+            linear(w.xn, dim, layer->wqkv, layer->wqkv_exps, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
             rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
             /* this thread's share of the keys, every query head at once (the decode attention of
              * cpu_kernels.c: each K and V row read once for the whole GQA group) */
@@ -272,12 +288,12 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
                 merge();
 #pragma omp barrier
             }
-            linear(w.attn, hq * d, layer->wo, layer->bo, dim, bf16, w.xn, w.resid, split);
+            linear(w.attn, hq * d, layer->wo, layer->wo_exps, layer->bo, dim, bf16, w.xn, w.resid, split);
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->w13, NULL, 2 * ffn, bf16, w.gate_up, NULL, split);
+            linear(w.xn, dim, layer->w13, layer->w13_exps, NULL, 2 * ffn, bf16, w.gate_up, NULL, split);
             swiglu(w.gate_up, ffn, bf16, w.act);
-            linear(w.act, ffn, layer->w2, NULL, dim, bf16, w.xn, w.resid, split);
+            linear(w.act, ffn, layer->w2, layer->w2_exps, NULL, dim, bf16, w.xn, w.resid, split);
         }
     }
     for (int64_t i = 0; i < dim; ++i) store_one(x, bf16, i, w.resid[i]);
@@ -399,10 +415,10 @@ void ringctx_decode_batch_offsets(const ringctx_decoder_shape *s, int64_t b, int
 
 /* linear over b rows: y [b, out] = round(x [b, in] W^T + bias), or resid [b, out] = round(resid +
  * that). The split of x for the bf16 pair path is shared (its rows split over the threads first). */
-static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, const void *bias, int64_t out, int bf16,
-                        float *y, float *resid, float *split) {
+static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, const int8_t *exps, const void *bias,
+                        int64_t out, int bf16, float *y, float *resid, float *split) {
     const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
-    const int pairs = widen_in_pairs(bf16, in);
+    const int pairs = widen_in_pairs(bf16, in) || exps != NULL;
     if (pairs) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < b; ++r) split_pairs(x + r * in, 1, in, split + r * in);
@@ -410,7 +426,8 @@ static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, co
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
-        if (pairs) gemv_block_pairs(split, b, in, (const uint16_t *)w, out, y, o, n);
+        if (exps) gemv_block_pairs_q8(split, b, in, (const int8_t *)w, exps, out, y, o, n);
+        else if (pairs) gemv_block_pairs(split, b, in, (const uint16_t *)w, out, y, o, n);
         else gemv_block(x, b, in, w, bf16, out, y, o, n);
         for (int64_t r = 0; r < b; ++r)
             for (int64_t i = o; i < o + n; ++i) {
@@ -576,7 +593,7 @@ static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_laye
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->attention_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
-    linear_rows(w->xn, b, dim, layer->wqkv, layer->bqkv, width, bf16, w->qkv, NULL, w->split);
+    linear_rows(w->xn, b, dim, layer->wqkv, layer->wqkv_exps, layer->bqkv, width, bf16, w->qkv, NULL, w->split);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < b * (hq + hkv); ++rh) {
         const int64_t r = rh / (hq + hkv), h = rh % (hq + hkv);
@@ -593,17 +610,17 @@ static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_l
                          int64_t b) {
     const int bf16 = s->bf16;
     const int64_t dim = s->dim, ffn = s->ffn_dim;
-    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->bo, dim, bf16, w->xn, w->resid, w->split);
+    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->wo_exps, layer->bo, dim, bf16, w->xn, w->resid, w->split);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
-    linear_rows(w->xn, b, dim, layer->w13, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split);
+    linear_rows(w->xn, b, dim, layer->w13, layer->w13_exps, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         for (int64_t i0 = 0; i0 < ffn; i0 += 64)
             token_swiglu(w->gate_up + r * 2 * ffn + i0, w->gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
                          ffn - i0 < 64 ? ffn - i0 : 64, w->act + r * ffn + i0, 0);
-    linear_rows(w->act, b, ffn, layer->w2, NULL, dim, bf16, w->xn, w->resid, w->split);
+    linear_rows(w->act, b, ffn, layer->w2, layer->w2_exps, NULL, dim, bf16, w->xn, w->resid, w->split);
 }
 
 /* Run B tokens (one per sequence) through n_layers layers. x [b, dim] (model dtype): the tokens'
@@ -621,7 +638,8 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
                               float *work, int threads, ringctx_merge_fn merge) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (b < 1 || b > MAX_BATCH || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
-        s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || n_shared < 0 || n_shared > n_sources)
+        s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || n_shared < 0 || n_shared > n_sources ||
+        !int8_weights_fit(s, layers, n_layers))
         return -2;
     for (int64_t i = 0; i < n_sources; ++i) {
         const ringctx_attention_source *src = sources + i;

@@ -113,6 +113,73 @@ void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t 
     }
 }
 
+/* gemv_block_pairs over int8 weights with a power-of-two scale per W8_GROUP inputs (see
+ * cpu_kernels.h): the same FMAs on the same float operands, so the same sums bit for bit as over
+ * the bf16 weights those codes stand for. A cache line holds 64 codes (one group of a row). */
+void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t *w, const int8_t *exps,
+                         int64_t out, float *y, int64_t o, int64_t n) {
+    const int64_t groups = in / W8_GROUP;
+    const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * in : 0;
+    const int64_t r1 = n > 1 ? 1 : 0, r2 = n > 2 ? 2 : 0, r3 = n > 3 ? 3 : 0;
+    const int8_t *w0 = w + o * in, *w1 = w0 + r1 * in, *w2 = w0 + r2 * in, *w3 = w0 + r3 * in;
+    const int8_t *x0 = exps + o * groups, *x1 = x0 + r1 * groups, *x2 = x0 + r2 * groups, *x3 = x0 + r3 * groups;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *xr = xs + r * in;
+        vfloat e0 = vzero(), e1 = vzero(), e2 = vzero(), e3 = vzero();
+        vfloat o0 = vzero(), o1 = vzero(), o2 = vzero(), o3 = vzero();
+        for (int64_t g = 0; g < groups; ++g) {
+            /* w = (I8_OFFSET + c) s + b, b = -I8_OFFSET s: exactly c s (see vload_i8_pairs) */
+            const float f0 = pow2f(x0[g]), f1 = pow2f(x1[g]), f2 = pow2f(x2[g]), f3 = pow2f(x3[g]);
+            const vfloat s0 = vset1(f0), s1 = vset1(f1), s2 = vset1(f2), s3 = vset1(f3);
+            const vfloat b0 = vset1(-I8_OFFSET * f0), b1 = vset1(-I8_OFFSET * f1), b2 = vset1(-I8_OFFSET * f2),
+                         b3 = vset1(-I8_OFFSET * f3);
+            const int64_t i0 = g * W8_GROUP;
+            if (r == 0) {
+                __builtin_prefetch(w0 + ahead + i0, 0, 3);
+                __builtin_prefetch(w1 + ahead + i0, 0, 3);
+                __builtin_prefetch(w2 + ahead + i0, 0, 3);
+                __builtin_prefetch(w3 + ahead + i0, 0, 3);
+            }
+            for (int64_t i = i0; i < i0 + W8_GROUP; i += 2 * VW) {
+                const vfloat x_even = vload(xr + i), x_odd = vload(xr + i + VW);
+                vfloat w_even, w_odd;
+                vload_i8_pairs(w0 + i, &w_even, &w_odd);
+                e0 = vfma(vfma(w_even, s0, b0), x_even, e0), o0 = vfma(vfma(w_odd, s0, b0), x_odd, o0);
+                vload_i8_pairs(w1 + i, &w_even, &w_odd);
+                e1 = vfma(vfma(w_even, s1, b1), x_even, e1), o1 = vfma(vfma(w_odd, s1, b1), x_odd, o1);
+                vload_i8_pairs(w2 + i, &w_even, &w_odd);
+                e2 = vfma(vfma(w_even, s2, b2), x_even, e2), o2 = vfma(vfma(w_odd, s2, b2), x_odd, o2);
+                vload_i8_pairs(w3 + i, &w_even, &w_odd);
+                e3 = vfma(vfma(w_even, s3, b3), x_even, e3), o3 = vfma(vfma(w_odd, s3, b3), x_odd, o3);
+            }
+        }
+        float *yr = y + r * out + o;
+        yr[0] = vsum(e0 + o0);
+        if (n > 1) yr[1] = vsum(e1 + o1);
+        if (n > 2) yr[2] = vsum(e2 + o2);
+        if (n > 3) yr[3] = vsum(e3 + o3);
+    }
+}
+
+/* y = x w^T for int8 weights with their group exponents (see cpu_kernels.h); in a multiple of
+ * W8_GROUP. Returns 0, -1 when this CPU cannot run this variant, -2 for a bad `in`. */
+int ringctx_gemv_q8(const float *x, int64_t rows, int64_t in, const int8_t *w, const int8_t *exps, int64_t out,
+                    float *y, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    if (in % W8_GROUP != 0 || in < W8_GROUP) return -2;
+    const int64_t blocks = (out + BLOCK - 1) / BLOCK;
+    float *xs = (float *)malloc((size_t)(rows * in) * sizeof(float));
+    if (xs == NULL) return -2;
+    split_pairs(x, rows, in, xs);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t o = b * BLOCK, n = out - o < BLOCK ? out - o : BLOCK;
+        gemv_block_pairs_q8(xs, rows, in, w, exps, out, y, o, n);
+    }
+    free(xs);
+    return 0;
+}
+
 /* y = x w^T for w float32 (w_bf16 = 0) or bf16 bits (w_bf16 = 1). Returns 0 on success, -1 when
  * this CPU cannot run this variant (the caller then uses PyTorch). */
 int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_bf16, int64_t out, float *y,

@@ -140,6 +140,24 @@ RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const
 RINGCTX_INTERNAL void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
                                        float *y, int64_t o, int64_t n);
 
+/* Int8 weights (ringctx/model/int8_weights.py): w[o, i] = codes[o, i] * 2^exps[o, i / W8_GROUP],
+ * codes in [-127, 127]. Every such value is a bf16 value, so a bf16 model whose weights hold
+ * exactly these values is the same model: gemv_block_pairs_q8 widens the codes, scales them in
+ * registers (exactly: a power of two) and sums the products in gemv_block_pairs' order, giving
+ * its results bit for bit while reading half the bytes. `in` must be a multiple of W8_GROUP
+ * (itself a multiple of 2 VW in every variant). */
+#define W8_GROUP 64
+RINGCTX_INTERNAL void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t *w,
+                                          const int8_t *exps, int64_t out, float *y, int64_t o, int64_t n);
+
+/* 2^e as a float32, for the exponents of normal floats (-126 <= e <= 127). */
+static inline float pow2f(int e) {
+    const uint32_t u = (uint32_t)(e + 127) << 23;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* scores[h, r, j] = scale * q[h, r] . k[j, h] for keys j in [j0, j1); see cpu_kernels.c. Rows of k
  * before ahead_end (>= j1: the caller's whole range) may be prefetched into L2 ahead of use. */
 RINGCTX_INTERNAL void scores_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, int bf16,

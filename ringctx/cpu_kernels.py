@@ -22,6 +22,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
     decode_pv, *_q8        that decode_attention replaced: kept as the baseline that
                            scripts/bench_batch_attention.py measures it against, and as products
                            the tests check alone.
+    small_linear_int8      the same over int8 weights with a power-of-two scale per 64 inputs (the
+                           model's `--weights int8`): the same sums bit for bit as over the bf16
+                           values the codes stand for, from half the bytes.
     decode_step            a whole decode step of a Llama-family model (csrc/cpu_decode.c, driven
                            by ringctx/model/decode_step.py): every layer in one call, so that the
                            ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
@@ -237,6 +240,7 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     """Declare the argument and result types of the library's entry points."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.ringctx_gemv.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, i32]
+    lib.ringctx_gemv_q8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
     lib.ringctx_decode_scores.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, f32, ptr, i32]
     lib.ringctx_decode_pv.argtypes = [ptr, i64, i64, i64, ptr, i32, i64, ptr, i32]
     lib.ringctx_decode_scores_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, f32, ptr, i32]
@@ -376,7 +380,9 @@ class DecoderLayer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache", "k_scale",
-        "v_scale", "q_norm", "k_norm")]
+        "v_scale", "q_norm", "k_norm", "wqkv_exps", "wo_exps", "w13_exps", "w2_exps")]
+    """A set *_exps field marks that weight as int8: its w* field then points at the codes (see
+    ringctx/model/int8_weights.py)."""
 
 
 class AttentionSource(ctypes.Structure):
@@ -428,6 +434,40 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         y.add_(bias.float())
     return y.to(dtype)
+
+
+def small_linear_int8(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [T, in] @ W^T (+ bias) -> [T, out] bf16 for W[o, i] = codes[o, i] * 2^exponents[o, i // 64]
+    (ringctx/model/int8_weights.py), or None where the kernel does not apply (the caller then uses
+    the bf16 weights holding the same values).
+
+    Applies to bf16 x on the CPU with 1 <= T <= MAX_ROWS rows, codes int8 [out, in] and exponents
+    int8 [out, in // 64] contiguous, in a multiple of 64. The result equals `small_linear` over the
+    bf16 weights codes * 2^exponents bit for bit (the same products summed in the same order).
+    """
+    if not (x.dtype == torch.bfloat16 and x.device.type == codes.device.type == "cpu" and x.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS and codes.dtype == exponents.dtype == torch.int8
+            and codes.dim() == 2 and x.shape[1] == codes.shape[1] and codes.shape[1] % 64 == 0
+            and exponents.shape == (codes.shape[0], codes.shape[1] // 64)
+            and codes.is_contiguous() and exponents.is_contiguous()):
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    rows, n_in = x.shape
+    n_out = codes.shape[0]
+    xf = x.float().contiguous()
+    y = torch.empty(rows, n_out, dtype=torch.float32)
+    status = lib.ringctx_gemv_q8(xf.data_ptr(), rows, n_in, codes.data_ptr(), exponents.data_ptr(), n_out,
+                                 y.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        return None
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(torch.bfloat16)
 
 
 MAX_QUERY_ROWS_PER_KV_HEAD = 64

@@ -15,6 +15,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
+from ..model.int8_weights import WEIGHT_CHOICES
 from ..units import fmt_bytes
 from rich.console import Console
 from rich.table import Table
@@ -112,6 +113,11 @@ TP_OPTION = click.option(
     "--tp", "tp", default=1, show_default=True, type=int,
     help="Tensor-parallel ranks per model copy (consecutive ranks of one host; the weights are split over them). "
          "The ranks form a (ranks / tp) CP x tp TP mesh: under torchrun launch tp x (CP ranks per host) per node.")
+WEIGHTS_OPTION = click.option(
+    "--weights", type=click.Choice(WEIGHT_CHOICES), default="model", show_default=True,
+    help="model: the checkpoint's values in --dtype; int8: every block matrix and the output head rounded to int8 "
+         "with a power-of-two scale per 64 inputs, which CPU decode steps read instead of bf16 (bf16 or float32 "
+         "models; 1.5x the weights' memory: the prefill keeps reading the same values in bf16).")
 DECODE_RANKS_OPTION = click.option(
     "--decode-ranks", type=int, default=None,
     help="Ranks of the decode host that keep the KV cache (split by token) and decode together [default: every "
@@ -143,6 +149,7 @@ def engine_options(f=None, *, serving: bool = False):
         click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
                      help="KV cache storage: the model's dtype, another float dtype, or 8 bits per value with a "
                           "float32 scale per token and KV head (fp8 = float8 e4m3, int8)."),
+        WEIGHTS_OPTION,
     ]
     for option in reversed(options):
         f = option(f)
@@ -150,14 +157,14 @@ def engine_options(f=None, *, serving: bool = False):
 
 
 def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                 decode_ranks=None, kv_dtype="model", tp=1):
+                 decode_ranks=None, kv_dtype="model", tp=1, weights="model"):
     from ..engine import Engine
     from ..engine.failures import RankFailure
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
                       hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s,
-                      decode_ranks=decode_ranks, kv_dtype=kv_dtype, tp=tp)
+                      decode_ranks=decode_ranks, kv_dtype=kv_dtype, tp=tp, weights=weights)
     except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
         raise _rank_error(exc) from None
 
@@ -310,7 +317,8 @@ def _efficiency_rows(e) -> list[tuple[str, str]]:
                    "rank) here.")
 @engine_options
 def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp,
-            chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype):
+            chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype,
+            weights):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`.
 
     With no options: the embedded model on every GPU of this machine (2 ranks on a CPU), about a
@@ -336,7 +344,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                          decode_ranks, kv_dtype, tp)
+                          decode_ranks, kv_dtype, tp, weights)
     printing = _is_printing_rank()
     follow_stats = answer = None
     dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))
@@ -425,7 +433,7 @@ def _write_json(path: str, data: dict) -> None:
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
 @engine_options(serving=True)
 def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, hardware, rule, dtype, device,
-           attn_backend, timeout_s, decode_ranks, kv_dtype):
+           attn_backend, timeout_s, decode_ranks, kv_dtype, weights):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
     try:
         with open(file, "rb") as f:
@@ -443,7 +451,7 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
 
     nproc, layout_note = serving_layout(nproc, device, tp)  # the note goes with the closing lines
     engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                          decode_ranks, kv_dtype, tp)
+                          decode_ranks, kv_dtype, tp, weights)
     printing = _is_printing_rank()
     try:
         try:
@@ -530,7 +538,7 @@ def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
         meta = describe_document(kv_file)
         nproc, layout_note = serving_layout(nproc, None, tp)
         engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
-                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp)
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp, weights=meta["weights"])
         yield engine, engine.load_document(kv_file), layout_note
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None

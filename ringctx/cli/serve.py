@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
-from .main import DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, _rank_error, main, nproc_option
+from .main import DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, main, nproc_option
 
 
 class _Bytes(click.ParamType):
@@ -39,6 +39,7 @@ def _log(line: str) -> None:
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
               help="KV cache storage of the documents (fp8/int8: 8 bits per value, half the memory of bf16).")
 @click.option("--dtype", default="auto", show_default=True, help="auto, bfloat16, float16 or float32.")
+@WEIGHTS_OPTION
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0: every interface; give --api-key then).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0: any free port.")
@@ -79,7 +80,7 @@ def _log(line: str) -> None:
 @click.option("--drain", "drain_s", default=30.0, show_default=True,
               help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
 @TIMEOUT_OPTION
-def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, store_dir, kv_budget, max_queue,
+def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, api_key, store_dir, kv_budget, max_queue,
           max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
           join_share, drain_s, timeout_s):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
@@ -93,7 +94,7 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, host, port, api_key, 
         status = serve_forever(host=host, port=port, api_key=api_key, drain_s=drain_s, log=_log,
                                limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit),
                                model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
-                               dtype=dtype, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
+                               dtype=dtype, weights=weights, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                timeout_s=timeout_s, max_document_tokens=max_document_tokens,
                                chunk_tokens=chunk_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                ingest_share=ingest_share, join_share=join_share)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler
 from ..model.generate import Generation
+from ..model.int8_weights import check_int8_model, check_weights
 from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
 from ..parallel.mesh import mesh_problem
@@ -76,6 +77,10 @@ class Engine:
         kv_dtype: how the KV cache is stored: "model" (the model's dtype), "bfloat16", "float16",
             "float32", or 8 bits per value with a float32 scale per token and KV head: "fp8"
             (float8 e4m3) or "int8".
+        weights: "model" (the checkpoint's values in `dtype`) or "int8": every block matrix and the
+            output head rounded to int8 with a power-of-two scale per 64 inputs, which CPU decode
+            steps read instead of bf16 (0.8x the time of a short-context step; the model with those
+            values on every path, see ringctx.model.int8_weights). bfloat16 or float32 models only.
         timeout_s: a collective that does not complete within this many seconds (a dead or stuck
             rank) ends the job with an error.
         startup_timeout_s: how long start-up may take: spawning or joining the ranks, loading the
@@ -98,8 +103,9 @@ class Engine:
                  chunk_tokens: int | None = None, strategy: str = "auto", hardware=None, rule: str = "alg5",
                  decode_rank: int = 0, decode_ranks: int | None = None, kv_dtype: str = "model",
                  timeout_s: float = 300.0, attn_backend: str = "auto", tp: int = 1,
-                 startup_timeout_s: float | None = None):
+                 startup_timeout_s: float | None = None, weights: str = "model"):
         check_kv_dtype(kv_dtype)
+        check_weights(weights, dtype)
         if strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
         if nproc == "auto":
@@ -138,14 +144,16 @@ class Engine:
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
-            problem = mesh_problem(world, tp, per_host) or tp_problem(peek_config(self.model_name, dtype), tp)
+            config = peek_config(self.model_name, dtype)
+            problem = (mesh_problem(world, tp, per_host) or tp_problem(config, tp)
+                       or (check_int8_model(config, tp) if weights == "int8" else None))
             if problem:
                 raise ValueError(problem)
         self.settings = settings = EngineSettings(
             model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=load_hardware(hardware),
             chunk_tokens=chunk_tokens, decode_rank=decode_rank,
             decode_ranks=resolve_decode_ranks(decode_ranks, decode_rank, world // tp, per_host // tp),
-            kv_dtype=kv_dtype, timeout_s=float(timeout_s),
+            kv_dtype=kv_dtype, weights=weights, timeout_s=float(timeout_s),
             startup_timeout_s=float(startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
             attn_backend=attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp)
         try:
@@ -184,6 +192,7 @@ class Engine:
     rule = property(lambda self: self.settings.rule)
     hardware = property(lambda self: self.settings.hardware)
     kv_dtype = property(lambda self: self.settings.kv_dtype)
+    weights = property(lambda self: self.settings.weights, doc='"model" or "int8" (see __init__).')
     timeout_s = property(lambda self: self.settings.timeout_s)
     attn_backend = property(lambda self: self.settings.attn_backend)
     decode_rank = property(lambda self: self.settings.decode_rank)

@@ -4,7 +4,8 @@ A document is a directory (no pickle anywhere):
 
     report.kv/
         manifest.json              format, ringctx version, model fingerprint and weights digest,
-                                   dtype, kv_dtype, length, the slices and their SHA-256, caller
+                                   weights ("model" or "int8"), dtype, kv_dtype, length, the
+                                   slices and their SHA-256, caller
                                    fields (the chat frame)
         tokens.safetensors         token_ids [length] int64
         slice-00000.safetensors    one decode rank's rows: k.{layer}, v.{layer} [rows, Hkv, D] as
@@ -162,7 +163,7 @@ class PendingSave:
                 manifest = {
                     "format": FORMAT, "ringctx_version": __version__, "model": self.model.full_config.name,
                     "model_fingerprint": self.model.full_config.fingerprint(),
-                    "weights_digest": weights_digest(self.model),
+                    "weights_digest": weights_digest(self.model), "weights": self.model.weights_format,
                     "dtype": str(self.dtype).removeprefix("torch."), "kv_dtype": self.kv_dtype,
                     "length": int(token_ids.numel()), "n_layers": self.n_layers,
                     "tokens_sha256": file_sha256(os.path.join(partial, TOKENS)), "slices": _slices(records),
@@ -252,15 +253,17 @@ def read_manifest(path: str) -> dict:
 
 
 def describe_document(path: str) -> dict:
-    """dtype, kv_dtype and length of a saved document (a directory, or the older single file),
-    read from its manifest or header alone; ValueError naming the problem."""
+    """dtype, kv_dtype, weights ("model" or "int8": what the model it was made with was loaded
+    as) and length of a saved document (a directory, or the older single file), read from its
+    manifest or header alone; ValueError naming the problem."""
     from ..model.kvfile import read_kv_metadata
 
     if os.path.isfile(path):
         meta = read_kv_metadata(path)
-        return {"dtype": meta["dtype"], "kv_dtype": "model", "length": int(meta["length"])}
+        return {"dtype": meta["dtype"], "kv_dtype": "model", "weights": "model", "length": int(meta["length"])}
     manifest = read_manifest(path)
-    return {"dtype": manifest["dtype"], "kv_dtype": manifest["kv_dtype"], "length": int(manifest["length"])}
+    return {"dtype": manifest["dtype"], "kv_dtype": manifest["kv_dtype"], "weights": manifest.get("weights", "model"),
+            "length": int(manifest["length"])}
 
 
 def read_document(path: str, model, room: int = 0) -> tuple[KVCache, torch.Tensor, dict]:

@@ -34,6 +34,8 @@ class EngineSettings:
     """CP ranks that keep the KV cache after a prefill and decode together."""
     kv_dtype: str
     """Storage of the KV cache ("model", a float dtype, "fp8", "int8")."""
+    weights: str
+    """"model" or "int8" (ringctx.model.int8_weights)."""
     timeout_s: float
     """How long a collective may wait for a rank before the job ends with an error."""
     startup_timeout_s: float

@@ -28,7 +28,8 @@ def tensor_parallel(mesh: Mesh) -> TensorParallel:
 def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
     """Load this rank's model, check it against every other rank's and make the decode groups."""
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
-    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh))
+    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh),
+                       weights=settings.weights)
     state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
                       chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
     if world > 1:
@@ -128,7 +129,7 @@ def _fingerprint(model) -> str:
 
     config = model.full_config  # TP ranks hold different shards of the same model
     return (f"model={config.name} config={config.fingerprint()} weights={weights_digest(model)} "
-            f"dtype={str(model.dtype).removeprefix('torch.')} ringctx={__version__}")
+            f"format={model.weights_format} dtype={str(model.dtype).removeprefix('torch.')} ringctx={__version__}")
 
 
 def _explain_mismatch(message: str) -> str:

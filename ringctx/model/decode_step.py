@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_kernels
+from .int8_weights import int8_of
 from .kvcache import KVCache, forward_with_cache
 
 
@@ -358,6 +359,12 @@ def _shape_and_layers(model, cache: KVCache | None):
             v_scale=_pointer(cache.v_scale[i] if quantized else None),
             q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
             k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
+        if model.dtype == torch.bfloat16:  # int8 weights: the kernel reads their codes instead
+            for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", mlp.w13), ("w2", mlp.w2)):
+                codes = int8_of(linear.weight)
+                if codes is not None:
+                    setattr(layers[i], name, codes.codes.data_ptr())
+                    setattr(layers[i], name + "_exps", codes.exponents.data_ptr())
     return shape, layers
 
 

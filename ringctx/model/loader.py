@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from .int8_weights import WEIGHT_CHOICES, quantize_model
 from .presets import PRESETS, get_preset
 from ..hub import local_model_path
 from .tensor_parallel import NO_TP, TensorParallel
@@ -60,6 +61,7 @@ def load_model(
     device: torch.device | str | None = None,
     seed: int = 0,
     tp: TensorParallel = NO_TP,
+    weights: str = "model",
 ) -> Transformer:
     """Load a Llama-family model ready for `.logits`, `.generate` and the prefill engine.
 
@@ -76,6 +78,9 @@ def load_model(
         seed: seed of the random weights of presets.
         tp: under tensor parallelism, this rank's place in its TP group: the model is then this
             rank's shard (see ringctx.model.tensor_parallel), read from the file slice by slice.
+        weights: "model" (the file's values in `dtype`) or "int8" (every block matrix and the head
+            rounded to int8 codes with a power-of-two scale per 64 inputs; on CPUs the decode
+            reads the codes: see ringctx.model.int8_weights).
 
     Returns:
         a `Transformer` with `.config`, `.tokenizer` (loaded lazily; None for random presets),
@@ -85,6 +90,8 @@ def load_model(
     from .weights_hf import load_hf
 
     dtype = resolve_dtype(dtype)
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHT_CHOICES)}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -107,6 +114,8 @@ def load_model(
             _, model = load_hf(path, dtype=dtype, device=device, tp=tp)
         tokenizer_path = path
     model.source = tokenizer_path or key
+    if weights == "int8" and device.type != "meta":
+        quantize_model(model)
     if tokenizer_path is not None:
         model._tokenizer_loader = lambda: load_tokenizer(tokenizer_path)
     return model.eval()

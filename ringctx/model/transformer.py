@@ -30,7 +30,8 @@ from torch import nn
 from .config import ModelConfig
 from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
 from .. import cpu_kernels
-from ..cpu_kernels import AMX_LINEAR_ROWS, MAX_ROWS, amx_linear, small_linear
+from ..cpu_kernels import AMX_LINEAR_ROWS, MAX_ROWS, amx_linear, small_linear, small_linear_int8
+from .int8_weights import int8_of
 from .tensor_parallel import NO_TP, TensorParallel
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,8 +57,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     if x.shape[0] <= MAX_ROWS and x.device.type == "cpu":
         # Decode-sized inputs: a kernel that streams the weights at memory speed (PyTorch's bf16
-        # GEMV ran at half of it, with bf16 units or without; its float32 one at 0.8-1x).
-        y = small_linear(x, weight, bias)
+        # GEMV ran at half of it, with bf16 units or without; its float32 one at 0.8-1x); int8
+        # weights' codes where the model has them (the same result from half the bytes).
+        codes = int8_of(weight)
+        y = small_linear(x, weight, bias) if codes is None else small_linear_int8(x, codes.codes, codes.exponents, bias)
         if y is not None:
             return y
     elif x.shape[0] <= AMX_LINEAR_ROWS[1] and x.device.type == "cpu":
@@ -274,6 +277,7 @@ class Transformer(nn.Module):
             tok_embeddings.weight when tied.
         tokenizer: the transformers tokenizer, or None for random-weight presets (set by load_model).
         source: where the weights came from (preset name, GGUF file or directory).
+        weights_format: "model", or "int8" once ringctx.model.int8_weights quantized it.
 
     `load_model` builds it; `Transformer(config)` alone gives an uninitialised model (or use the
     meta device to plan without memory).
@@ -290,6 +294,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, vocab[1] - vocab[0], bias=False)
         self.tie_weights()
         self.source: str = config.name
+        self.weights_format = "model"
         self._tokenizer = None
         self._tokenizer_loader: Callable[[], object] | None = None
         # float64 so that angles stay exact at million-token positions; not a registered buffer,

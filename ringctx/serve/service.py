@@ -62,7 +62,7 @@ class EngineBackend:
     """The Backend of `ringctx serve`, over an Engine whose ranks start once and stay up.
 
     Args:
-        model, nproc, tp, decode_ranks, kv_dtype, dtype, timeout_s: as Engine's ("auto" nproc: the
+        model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, timeout_s: as Engine's ("auto" nproc: the
             layout that serves fastest here, see ringctx.engine.serving_nproc).
         store_dir: where documents are kept (records and KV caches); made if missing.
         kv_budget_bytes: bytes of KV cache the decode ranks keep in memory in all (None: see
@@ -84,7 +84,7 @@ class EngineBackend:
     """
 
     def __init__(self, *, model: str = "smollm2-135m", nproc="auto", tp: int = 1, decode_ranks=None,
-                 kv_dtype: str = "model", dtype="auto", store_dir: str = "ringctx-store",
+                 kv_dtype: str = "model", dtype="auto", weights: str = "model", store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
                  max_document_tokens: int | None = None, chunk_tokens: int | None = None, max_batch: int = 16,
                  max_step_tokens: int | None = None, ingest_share: float = 1.0, join_share: float = 1.0,
@@ -103,7 +103,7 @@ class EngineBackend:
 
         def build() -> Engine:
             built = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype, dtype=dtype,
-                           timeout_s=timeout_s, chunk_tokens=chunk_tokens)
+                           timeout_s=timeout_s, chunk_tokens=chunk_tokens, weights=weights)
             if self.is_server_rank and built.mode == "torchrun":
                 built.lead()
             return built

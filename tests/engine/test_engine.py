@@ -179,3 +179,36 @@ def test_auto_nproc_is_one_rank_per_gpu_and_two_on_a_multicore_cpu(monkeypatch):
     assert auto_nproc("cpu") == 1  # --device cpu on a GPU machine counts cores
     with pytest.raises(ValueError, match="nproc must be a positive integer or 'auto', got 'all'"):
         Engine("tiny", nproc="all")
+
+
+def test_int8_weights_answer_as_the_quantized_model_on_any_layout(tmp_path):
+    """Engine(weights="int8") is the model with int8 values on every rank and path: one rank and
+    two decode ranks (the split fused step) give the same greedy answer, its documents say they
+    were made with int8 weights, and a model read as it is refuses them."""
+    from ringctx.engine.documents import describe_document
+    from ringctx.model import load_model
+    from ringctx.model.int8_weights import int8_of, quantize_model
+
+    with pytest.raises(ValueError, match="unknown weights 'int4'"):
+        Engine("tiny", weights="int4")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        Engine("tiny", weights="int8", dtype="float16")
+    reference = load_model("tiny", dtype="bfloat16", device="cpu")
+    quantize_model(reference)
+    answers = []
+    for nproc in (1, 2):
+        with Engine("tiny", nproc=nproc, dtype="bfloat16", weights="int8") as engine:
+            assert engine.weights == "int8" and engine.model.weights_format == "int8"
+            assert int8_of(engine.model.layers[0].feed_forward.w2.weight) is not None
+            for mine, theirs in zip(engine.model.state_dict().values(), reference.state_dict().values()):
+                assert torch.equal(mine, theirs)
+            document = engine.ingest(TINY_IDS[:150].tolist(), chat=False)
+            generation = engine.generate(document, [3, 4, 5], max_new_tokens=6)
+            list(generation)
+            answers.append(generation.result.token_ids)
+            if nproc == 1:
+                engine.save_document(document, str(tmp_path / "doc.kv"))
+    assert answers[0] == answers[1] and len(answers[0]) == 6
+    assert describe_document(str(tmp_path / "doc.kv"))["weights"] == "int8"
+    with Engine("tiny", dtype="bfloat16") as plain, pytest.raises(ValueError, match="made with"):
+        plain.load_document(str(tmp_path / "doc.kv"))

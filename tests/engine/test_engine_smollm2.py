@@ -140,6 +140,24 @@ def test_cli_ingest_and_ask(tmp_path):
     assert result.exit_code != 0 and "the question is empty" in result.output
 
 
+def test_cli_int8_weights_find_the_needle_and_ask_reads_them_from_the_document(tmp_path):
+    """SmolLM2 with int8 weights (bf16 activations) still finds the needle; `ask` loads the model
+    as the document's manifest says it was made (int8), without being told."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(long_document(30))
+    kv = tmp_path / "doc.kv"
+    runner = CliRunner()
+    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "bf16", "--weights", "int8",
+                                  "--nproc", "1"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16"])
+    assert result.exit_code == 0, result.output
+    assert "7492" in result.output
+    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float16", "--weights", "int8",
+                                  "--nproc", "1"])
+    assert result.exit_code != 0 and "int8 weights need a bfloat16 or float32 model" in result.output
+
+
 def test_cli_asks_several_questions_together(tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text(long_document(30))
