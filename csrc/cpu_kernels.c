@@ -123,16 +123,20 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
     const int64_t r1 = n > 1 ? 1 : 0, r2 = n > 2 ? 2 : 0, r3 = n > 3 ? 3 : 0;
     const int8_t *w0 = w + o * in, *w1 = w0 + r1 * in, *w2 = w0 + r2 * in, *w3 = w0 + r3 * in;
     const int8_t *x0 = exps + o * groups, *x1 = x0 + r1 * groups, *x2 = x0 + r2 * groups, *x3 = x0 + r3 * groups;
+    const vfloat minus_offset = vset1(-I8_OFFSET), one_256th = vset1(1.0f / 256), minus_odd = vset1(-I8_OFFSET_ODD);
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = xs + r * in;
         vfloat e0 = vzero(), e1 = vzero(), e2 = vzero(), e3 = vzero();
         vfloat o0 = vzero(), o1 = vzero(), o2 = vzero(), o3 = vzero();
         for (int64_t g = 0; g < groups; ++g) {
-            /* w = (I8_OFFSET + c) s + b, b = -I8_OFFSET s: exactly c s (see vload_i8_pairs) */
-            const float f0 = pow2f(x0[g]), f1 = pow2f(x1[g]), f2 = pow2f(x2[g]), f3 = pow2f(x3[g]);
-            const vfloat s0 = vset1(f0), s1 = vset1(f1), s2 = vset1(f2), s3 = vset1(f3);
-            const vfloat b0 = vset1(-I8_OFFSET * f0), b1 = vset1(-I8_OFFSET * f1), b2 = vset1(-I8_OFFSET * f2),
-                         b3 = vset1(-I8_OFFSET * f3);
+            /* w = (I8_OFFSET + c) s + b, b = -I8_OFFSET s: exactly c s; the odd elements carry a
+             * factor 256 more: (2^23 + 256 (128 + c)) s / 256 - (2^15 + 128) s = c s (see
+             * vload_i8_pairs). One broadcast per row, the rest multiplies by constants. */
+            const vfloat s0 = vset1(pow2f(x0[g])), s1 = vset1(pow2f(x1[g])), s2 = vset1(pow2f(x2[g])),
+                         s3 = vset1(pow2f(x3[g]));
+            const vfloat b0 = s0 * minus_offset, b1 = s1 * minus_offset, b2 = s2 * minus_offset, b3 = s3 * minus_offset;
+            const vfloat t0 = s0 * one_256th, t1 = s1 * one_256th, t2 = s2 * one_256th, t3 = s3 * one_256th;
+            const vfloat d0 = s0 * minus_odd, d1 = s1 * minus_odd, d2 = s2 * minus_odd, d3 = s3 * minus_odd;
             const int64_t i0 = g * W8_GROUP;
             if (r == 0) {
                 __builtin_prefetch(w0 + ahead + i0, 0, 3);
@@ -144,13 +148,13 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
                 const vfloat x_even = vload(xr + i), x_odd = vload(xr + i + VW);
                 vfloat w_even, w_odd;
                 vload_i8_pairs(w0 + i, &w_even, &w_odd);
-                e0 = vfma(vfma(w_even, s0, b0), x_even, e0), o0 = vfma(vfma(w_odd, s0, b0), x_odd, o0);
+                e0 = vfma(vfma(w_even, s0, b0), x_even, e0), o0 = vfma(vfma(w_odd, t0, d0), x_odd, o0);
                 vload_i8_pairs(w1 + i, &w_even, &w_odd);
-                e1 = vfma(vfma(w_even, s1, b1), x_even, e1), o1 = vfma(vfma(w_odd, s1, b1), x_odd, o1);
+                e1 = vfma(vfma(w_even, s1, b1), x_even, e1), o1 = vfma(vfma(w_odd, t1, d1), x_odd, o1);
                 vload_i8_pairs(w2 + i, &w_even, &w_odd);
-                e2 = vfma(vfma(w_even, s2, b2), x_even, e2), o2 = vfma(vfma(w_odd, s2, b2), x_odd, o2);
+                e2 = vfma(vfma(w_even, s2, b2), x_even, e2), o2 = vfma(vfma(w_odd, t2, d2), x_odd, o2);
                 vload_i8_pairs(w3 + i, &w_even, &w_odd);
-                e3 = vfma(vfma(w_even, s3, b3), x_even, e3), o3 = vfma(vfma(w_odd, s3, b3), x_odd, o3);
+                e3 = vfma(vfma(w_even, s3, b3), x_even, e3), o3 = vfma(vfma(w_odd, t3, d3), x_odd, o3);
             }
         }
         float *yr = y + r * out + o;

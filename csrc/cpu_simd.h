@@ -192,16 +192,19 @@ SIMD_INLINE void vload_bf16_pairs(const uint16_t *p, vfloat *even, vfloat *odd) 
     *odd = (vfloat)(u & 0xffff0000u);
 }
 
-/* 2 VW int8 codes c from p, as the float32 values I8_OFFSET + c (exact), in the order of
- * vload_bf16_pairs: `even` holds elements 0, 2, 4, ..., `odd` elements 1, 3, 5, ... A 16-bit lane
- * holds element 2i in its low byte and 2i + 1 in its high byte; zero-extended to 32 bits, each
- * byte b, flipped to b ^ 0x80 = c + 128, goes under the exponent bits of 2^23 (0x4B000000), which
- * makes the float 2^23 + 128 + c: no integer-to-float conversion, whose port the shifts of a
- * sign extension also need (an int8 matrix-vector product took 0.6x the time this way). The
- * caller removes the offset with its scale in one FMA: (I8_OFFSET + c) s - I8_OFFSET s = c s,
- * exactly for a power-of-two s. Int8 weights (gemv_block_pairs_q8) widen in the same order as
- * bf16 ones, so that both sum the same products in the same order. */
-#define I8_OFFSET 8388736.0f /* 2^23 + 128 */
+/* 2 VW int8 codes c from p, in the order of vload_bf16_pairs (`even` holds elements 0, 2, 4, ...,
+ * `odd` elements 1, 3, 5, ...), as exact float32 values with an offset: even I8_OFFSET + c, odd
+ * 256 (I8_OFFSET + c). A 16-bit lane holds element 2i in its low byte and 2i + 1 in its high byte;
+ * zero-extended to 32 bits, the low byte b, flipped to b ^ 0x80 = c + 128, goes under the
+ * exponent bits of 2^23 (0x4B000000): the float 2^23 + 128 + c; the high byte likewise, where it
+ * stands (bits 8-15): 2^23 + 256 (128 + c). One AND-XOR per vector (VPTERNLOGD), no shift and no
+ * integer-to-float conversion, whose port a sign extension's shifts also need (an int8
+ * matrix-vector product took 0.6x the time this way). The caller removes the offset with its
+ * scale in one FMA: (I8_OFFSET + c) s - I8_OFFSET s = c s, exactly for a power-of-two s (odd:
+ * 256 (I8_OFFSET_ODD + c) s / 256 - I8_OFFSET_ODD s). Int8 weights (gemv_block_pairs_q8) widen in the same order as bf16 ones, so that both sum
+ * the same products in the same order. */
+#define I8_OFFSET 8388736.0f   /* 2^23 + 128 */
+#define I8_OFFSET_ODD 32896.0f /* (2^23 + 256 x 128) / 256 */
 typedef uint16_t vushort_u __attribute__((vector_size(2 * VW), aligned(1), may_alias));
 SIMD_INLINE void vload_i8_pairs(const int8_t *p, vfloat *even, vfloat *odd) {
 #if defined(SIMD_AVX512) /* one VPMOVZXWD (GCC 12 splits the generic form into halves and joins them) */
@@ -212,7 +215,7 @@ SIMD_INLINE void vload_i8_pairs(const int8_t *p, vfloat *even, vfloat *odd) {
     const vuint w = __builtin_convertvector(*(const vushort_u *)p, vuint);
 #endif
     *even = (vfloat)((w & 0xffu) ^ 0x4b000080u);
-    *odd = (vfloat)((w >> 8) ^ 0x4b000080u);
+    *odd = (vfloat)((w & 0xff00u) ^ 0x4b008000u);
 }
 
 /* v (already rounded to bf16 values, see vround_bf16) stored as VW bf16 bit patterns at p. */

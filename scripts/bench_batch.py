@@ -2,7 +2,8 @@
 """Many questions about one document decoded together: aggregate tokens/s, inter-token time, bytes.
 
     python scripts/bench_batch.py [--tokens 8192] [--kv-dtypes model fp8] [--concurrency 1 2 4 8 16]
-                                  [--steps 32] [--rounds 3] [--decode-ranks 2] [--json out.json]
+                                  [--steps 32] [--rounds 3] [--decode-ranks 2] [--weights model int8]
+                                  [--json out.json]
 
 SmolLM2-135M in bf16, one document of --tokens random token ids prefilled over the decode ranks
 (all the ranks: --decode-ranks, 2 by default). For each KV storage (the model dtype, fp8) and each
@@ -49,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per configuration and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decode-ranks", type=int, default=2)
+    p.add_argument("--weights", nargs="+", choices=["model", "int8"], default=["model"],
+                   help="weights formats to run, each with every kv dtype (int8: ringctx.model.int8_weights)")
     p.add_argument("--json", metavar="PATH", default="bench_batch.json")
     return p.parse_args()
 
@@ -79,18 +82,18 @@ def time_lone(engine, document, q: list[int], steps: int) -> list[float]:
     return list(generation.result.token_times_s)
 
 
-def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
+def run_kv_dtype(args, kv_dtype: str, weights: str, bandwidth: float) -> list[dict]:
     from ringctx.engine import Engine
     from ringctx.planning.machine_speed import decode_bytes_per_token
 
     rows = []
     with Engine(MODEL, nproc=args.decode_ranks, dtype="bfloat16", kv_dtype=kv_dtype,
-                decode_ranks=args.decode_ranks) as engine:
+                decode_ranks=args.decode_ranks, weights=weights) as engine:
         vocab = engine.model.config.vocab_size
         ids = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
         t0 = time.perf_counter()
         document = engine.ingest(ids, chunk_tokens=min(args.tokens, 4096))
-        print(f"kv {kv_dtype}: {args.tokens} tokens prefilled in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"weights {weights}, kv {kv_dtype}: {args.tokens} tokens prefilled in {time.perf_counter() - t0:.0f} s", flush=True)
         kv_per_token = document.cache.bytes_per_token  # every KV head of every layer, this storage
         qs = questions(max(args.concurrency), vocab)
         lone, batched = [], {b: [] for b in args.concurrency}
@@ -103,14 +106,14 @@ def run_kv_dtype(args, kv_dtype: str, bandwidth: float) -> list[dict]:
             nbytes = decode_bytes_per_token(engine.model, args.tokens + own, kv_per_token)
             step = statistics.median(batched[b])
             rows.append({
-                "kv_dtype": kv_dtype, "batch": b, "step_ms": 1000 * step, "tokens_per_s": b / step,
+                "weights": weights, "kv_dtype": kv_dtype, "batch": b, "step_ms": 1000 * step, "tokens_per_s": b / step,
                 "vs_lone": statistics.median(b * lone[r] / batched[b][r] for r in range(args.rounds)),
                 "itl_vs_b1": statistics.median(batched[b][r] / batched[args.concurrency[0]][r]
                                                for r in range(args.rounds)),
                 "bytes_per_step": nbytes, "floor_ms": 1000 * nbytes / bandwidth,
                 "vs_floor": step / (nbytes / bandwidth), "step_ms_rounds": [1000 * t for t in batched[b]]})
         nbytes = decode_bytes_per_token(engine.model, args.tokens + QUESTION_TOKENS + args.steps // 2, kv_per_token)
-        rows.append({"kv_dtype": kv_dtype, "batch": "lone", "step_ms": 1000 * statistics.median(lone),
+        rows.append({"weights": weights, "kv_dtype": kv_dtype, "batch": "lone", "step_ms": 1000 * statistics.median(lone),
                      "tokens_per_s": 1 / statistics.median(lone), "vs_lone": 1.0, "itl_vs_b1": None,
                      "bytes_per_step": nbytes, "floor_ms": 1000 * nbytes / bandwidth,
                      "vs_floor": statistics.median(lone) / (nbytes / bandwidth),
@@ -127,13 +130,14 @@ def main() -> int:
     print(f"{cpu_model()}: read bandwidth {bandwidth / 1e9:.1f} GB/s; SmolLM2 bf16, {args.tokens} tokens, "
           f"{args.decode_ranks} decode ranks, {args.steps} steps x {args.rounds} rounds", flush=True)
     rows = []
-    for kv_dtype in args.kv_dtypes:
-        rows += run_kv_dtype(args, kv_dtype, bandwidth)
-    print(f"{'kv':>6} {'B':>5} {'step ms':>8} {'tok/s':>8} {'vs lone':>8} {'ITL/B1':>7} {'MB/step':>8} "
+    for weights in args.weights:
+        for kv_dtype in args.kv_dtypes:
+            rows += run_kv_dtype(args, kv_dtype, weights, bandwidth)
+    print(f"{'W':>5} {'kv':>6} {'B':>5} {'step ms':>8} {'tok/s':>8} {'vs lone':>8} {'ITL/B1':>7} {'MB/step':>8} "
           f"{'floor ms':>9} {'vs floor':>9}")
     for r in rows:
         itl = f"{r['itl_vs_b1']:.2f}" if r["itl_vs_b1"] is not None else "-"
-        print(f"{r['kv_dtype']:>6} {str(r['batch']):>5} {r['step_ms']:8.1f} {r['tokens_per_s']:8.1f} "
+        print(f"{r['weights']:>5} {r['kv_dtype']:>6} {str(r['batch']):>5} {r['step_ms']:8.1f} {r['tokens_per_s']:8.1f} "
               f"{r['vs_lone']:8.2f} {itl:>7} {r['bytes_per_step'] / 1e6:8.1f} {r['floor_ms']:9.1f} "
               f"{r['vs_floor']:9.2f}")
     report = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "machine": platform.machine(),

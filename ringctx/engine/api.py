@@ -77,10 +77,10 @@ class Engine:
         kv_dtype: how the KV cache is stored: "model" (the model's dtype), "bfloat16", "float16",
             "float32", or 8 bits per value with a float32 scale per token and KV head: "fp8"
             (float8 e4m3) or "int8".
-        weights: "model" (the checkpoint's values in `dtype`) or "int8": every block matrix and the
-            output head rounded to int8 with a power-of-two scale per 64 inputs, which CPU decode
-            steps read instead of bf16 (0.8x the time of a short-context step; the model with those
-            values on every path, see ringctx.model.int8_weights). bfloat16 or float32 models only.
+        weights: "model" (the checkpoint's values in `dtype`) or "int8": every matrix of the blocks
+            (not the output head) rounded to int8 with a power-of-two scale per 64 inputs, which CPU
+            decode steps read instead of bf16 (the model with those values on every path, see
+            ringctx.model.int8_weights). bfloat16 or float32 models only.
         timeout_s: a collective that does not complete within this many seconds (a dead or stuck
             rank) ends the job with an error.
         startup_timeout_s: how long start-up may take: spawning or joining the ranks, loading the

@@ -1,5 +1,5 @@
-"""Int8 weights: the matrices of the decoder blocks and the output head as int8 codes with a
-power-of-two scale per 64 inputs, so that a CPU decode step reads half the bytes of bf16 weights.
+"""Int8 weights: the matrices of the decoder blocks as int8 codes with a power-of-two scale per 64
+inputs, so that a CPU decode step reads half the bytes of bf16 weights.
 
     model = load_model(name, dtype="bf16", weights="int8")   # or quantize_model(model) after loading
 
@@ -22,9 +22,12 @@ order as over the bf16 values: the same results bit for bit from half the bytes.
 the power of two: a group's step is up to 2x a float scale's, i.e. 6-7 significant bits (Q8_0
 has 7-8; bf16 8).
 
-Matrices quantized: every block's wqkv, wo, w13, w2 and the output head (with tied embeddings
-the embedding too: the same matrix). A matrix whose input width is not a multiple of GROUP stays
-as it is. Under tensor parallelism each rank quantizes its own shard; row-parallel shards (wo and
+Matrices quantized: every block's wqkv, wo, w13, w2 (95% of SmolLM2's decode weight bytes
+beside its head, 79% with it); a matrix whose input width is not a multiple of GROUP stays as it
+is. The output head (and the embedding it is tied to) stays in the model dtype, as llama.cpp's
+8-bit files keep it wider too: read in int8 it took no less time (2.0 against 2.1 ms a step for
+SmolLM2's 49,152 x 576 head, bound by the widening's arithmetic), and the decode steps after it
+took 1.2x as long with an fp8 KV cache at 8K tokens (measured, not understood: docs/BENCHMARKS.md). Under tensor parallelism each rank quantizes its own shard; row-parallel shards (wo and
 w2 split by inputs) then need widths that are whole groups, so that every rank's groups are the
 whole model's (checked). The codes are kept beside the bf16 weights (the prefill's matmuls read
 those): 1.5x the weights' memory, which `ringctx plan` counts.
@@ -41,8 +44,10 @@ GROUP = 64
 """Inputs per power-of-two scale: one 64-byte cache line of codes; a multiple of every kernel
 variant's run of 2 vectors (csrc/cpu_kernels.h W8_GROUP)."""
 
-MIN_EXPONENT = -126
-"""Smallest scale exponent: 2^-126 is float32's (and bf16's) smallest normal number."""
+MIN_EXPONENT = -118
+"""Smallest scale exponent: the kernels scale by 2^e / 256, and 2^-126 is float32's (and bf16's)
+smallest normal number (a group whose largest weight is below 127 * 2^-118, about 4e-34, rounds
+to zeros and ones)."""
 
 WEIGHT_CHOICES = ("model", "int8")
 """What `weights=` takes: the model's own values in its dtype, or int8 codes (this module)."""
@@ -87,10 +92,11 @@ def int8_of(weight: torch.Tensor) -> Int8Weight | None:
 
 
 def quantized_matrices(model) -> list[nn.Linear]:
-    """The linear layers `quantize_model` quantizes (those whose input width is whole groups)."""
+    """The linear layers `quantize_model` quantizes: the blocks' matrices whose input width is
+    whole groups."""
     linears = [m for block in model.layers for m in (block.attention.wqkv, block.attention.wo,
                                                      block.feed_forward.w13, block.feed_forward.w2)]
-    return [m for m in linears + [model.output] if m.weight.shape[1] % GROUP == 0]
+    return [m for m in linears if m.weight.shape[1] % GROUP == 0]
 
 
 def check_weights(weights: str, dtype=None) -> None:
@@ -129,7 +135,7 @@ def quantize_model(model) -> int:
     if problem:
         raise ValueError(problem)
     keep_codes = model.dtype == torch.bfloat16 and model.device.type == "cpu"
-    quantized = {}  # id(weight) -> (weight, codes, exponents); a tied matrix once
+    quantized = {}  # id(weight) -> (weight, codes, exponents)
     with torch.no_grad():
         for linear in quantized_matrices(model):
             weight = linear.weight

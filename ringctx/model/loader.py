@@ -78,8 +78,8 @@ def load_model(
         seed: seed of the random weights of presets.
         tp: under tensor parallelism, this rank's place in its TP group: the model is then this
             rank's shard (see ringctx.model.tensor_parallel), read from the file slice by slice.
-        weights: "model" (the file's values in `dtype`) or "int8" (every block matrix and the head
-            rounded to int8 codes with a power-of-two scale per 64 inputs; on CPUs the decode
+        weights: "model" (the file's values in `dtype`) or "int8" (every matrix of the blocks, not
+            the output head, rounded to int8 codes with a power-of-two scale per 64 inputs; on CPUs the decode
             reads the codes: see ringctx.model.int8_weights).
 
     Returns:

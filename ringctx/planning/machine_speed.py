@@ -89,11 +89,18 @@ def matmul_flops_per_s(rows: int, dim: int, ffn_dim: int, dtype: torch.dtype = t
 
 def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | None = None) -> float:
     """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
-    read; a tied table is read whole as the output head, and counted once), plus K and V of
-    `context` cached tokens in every layer (`kv_bytes_per_token` each; default: in the weights'
-    dtype, every layer and KV head)."""
+    read; a tied table is read whole as the output head, and counted once; int8 weights as their
+    codes and exponents, which the decode reads instead), plus K and V of `context` cached tokens
+    in every layer (`kv_bytes_per_token` each; default: in the weights' dtype, every layer and KV
+    head)."""
+    from ..model.int8_weights import int8_of
+
+    def read(p) -> int:
+        codes = int8_of(p)
+        return p.numel() * p.element_size() if codes is None else codes.codes.numel() + codes.exponents.numel()
+
     config = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(read(p) for p in model.parameters())
     if not config.tie_embeddings:
         weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
     if kv_bytes_per_token is None:

@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""A decode step reading int8 weights against the same step reading them in bf16, side by side.
+
+    python scripts/bench_weights.py [--contexts 64 2048 8192] [--kv-dtypes model fp8]
+                                    [--steps 16] [--rounds 4] [--json out.json]
+
+SmolLM2-135M in bf16 with int8 weights (ringctx.model.int8_weights), one process, one cache per
+context of random token ids. The two sides are the same model (the same values): "int8" is the
+fused decode step reading the codes, "bf16" the same step with the codes hidden, reading the bf16
+values those codes stand for; their logits are equal bit for bit (checked here on every first
+step). They alternate within each round; per configuration the median step of each side, their
+paired ratio (median over rounds), and each side's memory floor (the bytes a step reads at least,
+machine_speed.decode_bytes_per_token, at the read bandwidth measured here). RINGCTX_CPU_ISA picks
+the kernel variant (avx512, avx2, portable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+MODEL = "smollm2-135m"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=int, nargs="+", default=[64, 2048, 8192])
+    p.add_argument("--kv-dtypes", nargs="+", default=["model", "fp8"])
+    p.add_argument("--steps", type=int, default=16, help="decode steps timed per side and round")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--json", metavar="PATH", default="bench_weights.json")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    from ringctx import cpu_kernels
+    from ringctx.cpu_features import cpu_model
+    from ringctx.model import KVCache, forward_with_cache, load_model
+    from ringctx.model.decode_step import DecodeStep
+    from ringctx.model.int8_weights import quantized_matrices
+    from ringctx.planning.machine_speed import decode_bytes_per_token, read_bandwidth
+
+    model = load_model(MODEL, dtype="bfloat16", device="cpu", weights="int8")
+    kept = {id(m.weight): m.weight._ringctx_int8 for m in quantized_matrices(model)}
+
+    def use_codes(on: bool) -> None:
+        for m in quantized_matrices(model):
+            m.weight._ringctx_int8 = kept[id(m.weight)] if on else None
+
+    bandwidth = read_bandwidth()
+    variant = cpu_kernels.active_variant()
+    print(f"{cpu_model()}: {variant.name if variant else 'no'} kernels, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"{torch.get_num_threads()} threads; {args.steps} steps x {args.rounds} rounds", flush=True)
+    rows = []
+    for context in args.contexts:
+        ids = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+        for kv_dtype in args.kv_dtypes:
+            cache = KVCache.for_model(model.config, context + args.steps + 1, dtype=model.dtype, kv_dtype=kv_dtype)
+            with torch.inference_mode():
+                forward_with_cache(model, ids, cache, logits="none")
+            times = {True: [], False: []}
+            first = {}
+            for _ in range(args.rounds):
+                for codes in (True, False):
+                    use_codes(codes)
+                    cache.length = context
+                    step = DecodeStep(model, cache)
+                    first[codes] = step(1)
+                    steps = []
+                    for _ in range(args.steps - 1):
+                        t0 = time.perf_counter()
+                        step(1)
+                        steps.append(time.perf_counter() - t0)
+                    times[codes].append(statistics.median(steps))
+            if not torch.equal(first[True], first[False]):
+                raise SystemExit("the step over the codes differs from the step over their values")
+            use_codes(True)
+            int8_bytes = decode_bytes_per_token(model, context, cache.bytes_per_token)
+            use_codes(False)
+            bf16_bytes = decode_bytes_per_token(model, context, cache.bytes_per_token)
+            use_codes(True)
+            row = {"context": context, "kv_dtype": kv_dtype,
+                   "int8_ms": 1000 * statistics.median(times[True]), "bf16_ms": 1000 * statistics.median(times[False]),
+                   "ratio": statistics.median(a / b for a, b in zip(times[True], times[False])),
+                   "int8_floor_ms": 1000 * int8_bytes / bandwidth, "bf16_floor_ms": 1000 * bf16_bytes / bandwidth,
+                   "rounds_ms": {"int8": [1000 * t for t in times[True]], "bf16": [1000 * t for t in times[False]]}}
+            rows.append(row)
+            print(f"context {context:>6} kv {kv_dtype:>5}: int8 {row['int8_ms']:6.2f} ms "
+                  f"(floor {row['int8_floor_ms']:5.1f})  bf16 {row['bf16_ms']:6.2f} ms "
+                  f"(floor {row['bf16_floor_ms']:5.1f})  int8/bf16 {row['ratio']:.2f}", flush=True)
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_model(),
+              "variant": variant.name if variant else None, "read_bandwidth_bytes_per_s": bandwidth,
+              "threads": torch.get_num_threads(), "model": MODEL, "args": vars(args), "rows": rows}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
