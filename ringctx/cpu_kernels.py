@@ -104,6 +104,11 @@ class Variant:
     """Only for x86-64 CPUs (the portable variant builds for any target)."""
     amx: bool
     """The library also holds the AMX bf16 attention kernel."""
+    reads_int8_weights: bool
+    """Decode steps read int8 weights' codes (ringctx/model/int8_weights.py) rather than their bf16
+    values: where widening the codes costs less than the bytes it saves (SmolLM2 decode steps,
+    docs/BENCHMARKS.md: avx512 0.77-0.99x the time, avx2 0.93-1.0x; portable 1.44x, so it reads
+    the values)."""
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -112,9 +117,11 @@ class Variant:
 
 VARIANTS = (
     Variant("avx512", 16, ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-mf16c"),
-            frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}), x86_only=True, amx=True),
-    Variant("avx2", 8, ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"}), x86_only=True, amx=False),
-    Variant("portable", 4, (), frozenset(), x86_only=False, amx=False),
+            frozenset({"avx512f", "avx512bw", "avx512vl", "avx2", "fma", "f16c"}), x86_only=True, amx=True,
+            reads_int8_weights=True),
+    Variant("avx2", 8, ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"}), x86_only=True, amx=False,
+            reads_int8_weights=True),
+    Variant("portable", 4, (), frozenset(), x86_only=False, amx=False, reads_int8_weights=False),
 )
 """Widest first: the order `choose_variant` tries them in."""
 
@@ -436,6 +443,12 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y.to(dtype)
 
 
+def reads_int8_weights() -> bool:
+    """Whether decode kernels here read int8 weights' codes (see Variant.reads_int8_weights)."""
+    variant, _ = choose_variant()
+    return variant is not None and variant.reads_int8_weights and _load_variant(variant) is not None
+
+
 def small_linear_int8(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [T, in] @ W^T (+ bias) -> [T, out] bf16 for W[o, i] = codes[o, i] * 2^exponents[o, i // 64]
@@ -443,8 +456,9 @@ def small_linear_int8(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Ten
     the bf16 weights holding the same values).
 
     Applies to bf16 x on the CPU with 1 <= T <= MAX_ROWS rows, codes int8 [out, in] and exponents
-    int8 [out, in // 64] contiguous, in a multiple of 64. The result equals `small_linear` over the
-    bf16 weights codes * 2^exponents bit for bit (the same products summed in the same order).
+    int8 [out, in // 64] contiguous, in a multiple of 64, with a kernel variant that reads int8
+    weights (`reads_int8_weights`). The result equals `small_linear` over the bf16 weights
+    codes * 2^exponents bit for bit (the same products summed in the same order).
     """
     if not (x.dtype == torch.bfloat16 and x.device.type == codes.device.type == "cpu" and x.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS and codes.dtype == exponents.dtype == torch.int8
@@ -452,11 +466,9 @@ def small_linear_int8(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Ten
             and exponents.shape == (codes.shape[0], codes.shape[1] // 64)
             and codes.is_contiguous() and exponents.is_contiguous()):
         return None
-    if torch.is_grad_enabled() and x.requires_grad:
+    if (torch.is_grad_enabled() and x.requires_grad) or not reads_int8_weights():
         return None
     lib = _load()
-    if lib is None:
-        return None
     rows, n_in = x.shape
     n_out = codes.shape[0]
     xf = x.float().contiguous()

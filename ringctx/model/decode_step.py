@@ -359,7 +359,7 @@ def _shape_and_layers(model, cache: KVCache | None):
             v_scale=_pointer(cache.v_scale[i] if quantized else None),
             q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
             k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
-        if model.dtype == torch.bfloat16:  # int8 weights: the kernel reads their codes instead
+        if model.dtype == torch.bfloat16 and cpu_kernels.reads_int8_weights():  # int8 weights: their codes
             for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", mlp.w13), ("w2", mlp.w2)):
                 codes = int8_of(linear.weight)
                 if codes is not None:

@@ -60,7 +60,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # GEMV ran at half of it, with bf16 units or without; its float32 one at 0.8-1x); int8
         # weights' codes where the model has them (the same result from half the bytes).
         codes = int8_of(weight)
-        y = small_linear(x, weight, bias) if codes is None else small_linear_int8(x, codes.codes, codes.exponents, bias)
+        y = None if codes is None else small_linear_int8(x, codes.codes, codes.exponents, bias)
+        if y is None:
+            y = small_linear(x, weight, bias)
         if y is not None:
             return y
     elif x.shape[0] <= AMX_LINEAR_ROWS[1] and x.device.type == "cpu":

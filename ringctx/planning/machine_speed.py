@@ -93,10 +93,13 @@ def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | No
     codes and exponents, which the decode reads instead), plus K and V of `context` cached tokens
     in every layer (`kv_bytes_per_token` each; default: in the weights' dtype, every layer and KV
     head)."""
+    from ..cpu_kernels import reads_int8_weights
     from ..model.int8_weights import int8_of
 
+    codes_read = model.device.type == "cpu" and reads_int8_weights()
+
     def read(p) -> int:
-        codes = int8_of(p)
+        codes = int8_of(p) if codes_read else None
         return p.numel() * p.element_size() if codes is None else codes.codes.numel() + codes.exponents.numel()
 
     config = model.config
