@@ -54,8 +54,10 @@ typedef struct {
     void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
     float *k_scale, *v_scale;   /* [max_tokens, Hkv] for 8-bit caches, else NULL */
     const void *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before RoPE (Qwen3), else NULL */
-    /* Int8 weights (bf16 models): where one of these is set, the matching w* above points at its
-     * int8 codes and this at their group exponents [out, in / W8_GROUP] (see cpu_kernels.h). */
+    /* Int8 weights (bf16 models; see cpu_kernels.h): the codes [out, in] of wqkv, wo, w13, w2 and
+     * their group exponents [out, in / W8_GROUP], or NULL. The w* above stay the bf16 values the
+     * codes stand for; a product reads one or the other (INT8_MAX_ROWS), with the same result. */
+    const int8_t *wqkv_codes, *wo_codes, *w13_codes, *w2_codes;
     const int8_t *wqkv_exps, *wo_exps, *w13_exps, *w2_exps;
 } ringctx_decoder_layer;
 
@@ -122,15 +124,15 @@ static inline float exp1(float x) { return vexp(vset1(x))[0]; }
  * rows are shared out over the threads of the enclosing parallel region. bf16 weights whose rows
  * widen in pairs read x split into `split` (this thread's [in] floats), each thread its own copy,
  * so no thread waits for another. */
-static void linear(const float *x, int64_t in, const void *w, const int8_t *exps, const void *b, int64_t out,
-                   int bf16, float *y, float *resid, float *split) {
+static void linear(const float *x, int64_t in, const void *w, const int8_t *codes, const int8_t *exps,
+                   const void *b, int64_t out, int bf16, float *y, float *resid, float *split) {
     const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
-    const int pairs = widen_in_pairs(bf16, in) || exps != NULL;
+    const int pairs = widen_in_pairs(bf16, in) || codes != NULL;
     if (pairs) split_pairs(x, 1, in, split);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
-        if (exps) gemv_block_pairs_q8(split, 1, in, (const int8_t *)w, exps, out, y, o, n);
+        if (codes) gemv_block_pairs_q8(split, 1, in, codes, exps, out, y, o, n);
         else if (pairs) gemv_block_pairs(split, 1, in, (const uint16_t *)w, out, y, o, n);
         else gemv_block(x, 1, in, w, bf16, out, y, o, n);
         for (int64_t i = o; i < o + n; ++i) {
@@ -240,8 +242,10 @@ static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decode
     const int64_t dim = s->dim % W8_GROUP, attn = (s->n_heads * s->head_dim) % W8_GROUP, ffn = s->ffn_dim % W8_GROUP;
     for (int64_t i = 0; i < n_layers; ++i) {
         const ringctx_decoder_layer *l = layers + i;
-        if ((l->wqkv_exps || l->wo_exps || l->w13_exps || l->w2_exps) && !s->bf16) return 0;
-        if ((l->wqkv_exps && dim) || (l->wo_exps && attn) || (l->w13_exps && dim) || (l->w2_exps && ffn)) return 0;
+        if ((l->wqkv_codes || l->wo_codes || l->w13_codes || l->w2_codes) && !s->bf16) return 0;
+        if ((l->wqkv_codes && (dim || !l->wqkv_exps)) || (l->wo_codes && (attn || !l->wo_exps)) ||
+            (l->w13_codes && (dim || !l->w13_exps)) || (l->w2_codes && (ffn || !l->w2_exps)))
+            return 0;
     }
     return 1;
 }
@@ -273,7 +277,7 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
             const ringctx_decoder_layer *layer = layers + li;
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->wqkv, layer->wqkv_exps, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
+            linear(w.xn, dim, layer->wqkv, layer->wqkv_codes, layer->wqkv_exps, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
             rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
             /* this thread's share of the keys, every query head at once (the decode attention of
              * cpu_kernels.c: each K and V row read once for the whole GQA group) */
@@ -288,12 +292,12 @@ static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_l
                 merge();
 #pragma omp barrier
             }
-            linear(w.attn, hq * d, layer->wo, layer->wo_exps, layer->bo, dim, bf16, w.xn, w.resid, split);
+            linear(w.attn, hq * d, layer->wo, layer->wo_codes, layer->wo_exps, layer->bo, dim, bf16, w.xn, w.resid, split);
 #pragma omp single
             token_rms_norm(w.resid, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->w13, layer->w13_exps, NULL, 2 * ffn, bf16, w.gate_up, NULL, split);
+            linear(w.xn, dim, layer->w13, layer->w13_codes, layer->w13_exps, NULL, 2 * ffn, bf16, w.gate_up, NULL, split);
             swiglu(w.gate_up, ffn, bf16, w.act);
-            linear(w.act, ffn, layer->w2, layer->w2_exps, NULL, dim, bf16, w.xn, w.resid, split);
+            linear(w.act, ffn, layer->w2, layer->w2_codes, layer->w2_exps, NULL, dim, bf16, w.xn, w.resid, split);
         }
     }
     for (int64_t i = 0; i < dim; ++i) store_one(x, bf16, i, w.resid[i]);
@@ -364,6 +368,11 @@ typedef struct {
 } ringctx_attention_source;
 
 #define MAX_BATCH 64
+/* Most rows a batch step's products read int8 weights' codes for (INT8_MAX_ROWS of
+ * ringctx/cpu_kernels.py): widening a code costs more than widening a bf16 value, and each row
+ * widens them again; SmolLM2 steps at 8K tokens took 0.94x the time of the bf16 values' with one
+ * row, 1.00x with 2, 1.11x with 4, 1.20x with 8, so more rows read the values (the same sums). */
+#define INT8_MAX_ROWS 1
 
 /* Own rows of at least this many keys are split over the threads like a document's; shorter ones
  * take one thread each (a split's barriers and merge would cost more than it saves). */
@@ -415,10 +424,12 @@ void ringctx_decode_batch_offsets(const ringctx_decoder_shape *s, int64_t b, int
 
 /* linear over b rows: y [b, out] = round(x [b, in] W^T + bias), or resid [b, out] = round(resid +
  * that). The split of x for the bf16 pair path is shared (its rows split over the threads first). */
-static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, const int8_t *exps, const void *bias,
-                        int64_t out, int bf16, float *y, float *resid, float *split) {
+static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, const int8_t *codes,
+                        const int8_t *exps, const void *bias, int64_t out, int bf16, float *y, float *resid,
+                        float *split) {
     const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
-    const int pairs = widen_in_pairs(bf16, in) || exps != NULL;
+    if (b > INT8_MAX_ROWS) codes = NULL; /* the bf16 values: the same sums */
+    const int pairs = widen_in_pairs(bf16, in) || codes != NULL;
     if (pairs) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < b; ++r) split_pairs(x + r * in, 1, in, split + r * in);
@@ -426,7 +437,7 @@ static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, co
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
-        if (exps) gemv_block_pairs_q8(split, b, in, (const int8_t *)w, exps, out, y, o, n);
+        if (codes) gemv_block_pairs_q8(split, b, in, codes, exps, out, y, o, n);
         else if (pairs) gemv_block_pairs(split, b, in, (const uint16_t *)w, out, y, o, n);
         else gemv_block(x, b, in, w, bf16, out, y, o, n);
         for (int64_t r = 0; r < b; ++r)
@@ -593,7 +604,7 @@ static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_laye
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->attention_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
-    linear_rows(w->xn, b, dim, layer->wqkv, layer->wqkv_exps, layer->bqkv, width, bf16, w->qkv, NULL, w->split);
+    linear_rows(w->xn, b, dim, layer->wqkv, layer->wqkv_codes, layer->wqkv_exps, layer->bqkv, width, bf16, w->qkv, NULL, w->split);
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < b * (hq + hkv); ++rh) {
         const int64_t r = rh / (hq + hkv), h = rh % (hq + hkv);
@@ -610,17 +621,17 @@ static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_l
                          int64_t b) {
     const int bf16 = s->bf16;
     const int64_t dim = s->dim, ffn = s->ffn_dim;
-    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->wo_exps, layer->bo, dim, bf16, w->xn, w->resid, w->split);
+    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->wo_codes, layer->wo_exps, layer->bo, dim, bf16, w->xn, w->resid, w->split);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
-    linear_rows(w->xn, b, dim, layer->w13, layer->w13_exps, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split);
+    linear_rows(w->xn, b, dim, layer->w13, layer->w13_codes, layer->w13_exps, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         for (int64_t i0 = 0; i0 < ffn; i0 += 64)
             token_swiglu(w->gate_up + r * 2 * ffn + i0, w->gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
                          ffn - i0 < 64 ? ffn - i0 : 64, w->act + r * ffn + i0, 0);
-    linear_rows(w->act, b, ffn, layer->w2, layer->w2_exps, NULL, dim, bf16, w->xn, w->resid, w->split);
+    linear_rows(w->act, b, ffn, layer->w2, layer->w2_codes, layer->w2_exps, NULL, dim, bf16, w->xn, w->resid, w->split);
 }
 
 /* Run B tokens (one per sequence) through n_layers layers. x [b, dim] (model dtype): the tokens'

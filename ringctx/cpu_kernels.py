@@ -327,8 +327,8 @@ def library() -> ctypes.CDLL | None:
     return _load()
 
 
-KERNEL_NAMES = ("fused decode step", "GEMV", "decode attention (model dtype)", "decode attention (int8, fp8)",
-                "RMSNorm/RoPE/SwiGLU rows", "AMX bf16 attention")
+KERNEL_NAMES = ("fused decode step", "GEMV", "int8 weights GEMV", "decode attention (model dtype)",
+                "decode attention (int8, fp8)", "RMSNorm/RoPE/SwiGLU rows", "AMX bf16 attention")
 """What `cpu_kernels_report` says of, one entry each."""
 
 
@@ -342,6 +342,9 @@ def cpu_kernels_report() -> dict:
         kernels = {name: f"not in use: {reason} (PyTorch runs instead)" for name in KERNEL_NAMES}
     else:
         kernels = {name: "in use" for name in KERNEL_NAMES}
+        if not variant.reads_int8_weights:
+            kernels["int8 weights GEMV"] = (f"not in use: the {variant.name} variant widens int8 codes slower than "
+                                            "it reads bf16 (--weights int8 decodes from the bf16 values)")
         amx_reason = amx_unavailable_reason()
         if amx_reason is not None:
             kernels["AMX bf16 attention"] = f"not in use: {amx_reason} (bf16 attention uses PyTorch's op)"
@@ -387,9 +390,10 @@ class DecoderLayer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache", "k_scale",
-        "v_scale", "q_norm", "k_norm", "wqkv_exps", "wo_exps", "w13_exps", "w2_exps")]
-    """A set *_exps field marks that weight as int8: its w* field then points at the codes (see
-    ringctx/model/int8_weights.py)."""
+        "v_scale", "q_norm", "k_norm", "wqkv_codes", "wo_codes", "w13_codes", "w2_codes", "wqkv_exps",
+        "wo_exps", "w13_exps", "w2_exps")]
+    """The *_codes and *_exps fields: int8 weights' codes and exponents beside their bf16 values in
+    w* (ringctx/model/int8_weights.py), or NULL."""
 
 
 class AttentionSource(ctypes.Structure):
@@ -443,6 +447,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return y.to(dtype)
 
 
+INT8_MAX_ROWS = 1
+"""Most activation rows `small_linear_int8` (and the fused batch step, csrc/cpu_decode.c) read int8
+codes for: each row widens the codes again, dearer than widening bf16, so that a batch step at 8K
+tokens took 0.94x the time of the values' with one row and 1.00-1.20x with 2-8; more rows read
+the bf16 values (the same sums)."""
+
+
 def reads_int8_weights() -> bool:
     """Whether decode kernels here read int8 weights' codes (see Variant.reads_int8_weights)."""
     variant, _ = choose_variant()
@@ -455,13 +466,13 @@ def small_linear_int8(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Ten
     (ringctx/model/int8_weights.py), or None where the kernel does not apply (the caller then uses
     the bf16 weights holding the same values).
 
-    Applies to bf16 x on the CPU with 1 <= T <= MAX_ROWS rows, codes int8 [out, in] and exponents
+    Applies to bf16 x on the CPU with 1 <= T <= INT8_MAX_ROWS rows, codes int8 [out, in] and exponents
     int8 [out, in // 64] contiguous, in a multiple of 64, with a kernel variant that reads int8
     weights (`reads_int8_weights`). The result equals `small_linear` over the bf16 weights
     codes * 2^exponents bit for bit (the same products summed in the same order).
     """
     if not (x.dtype == torch.bfloat16 and x.device.type == codes.device.type == "cpu" and x.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS and codes.dtype == exponents.dtype == torch.int8
+            and 1 <= x.shape[0] <= INT8_MAX_ROWS and codes.dtype == exponents.dtype == torch.int8
             and codes.dim() == 2 and x.shape[1] == codes.shape[1] and codes.shape[1] % 64 == 0
             and exponents.shape == (codes.shape[0], codes.shape[1] // 64)
             and codes.is_contiguous() and exponents.is_contiguous()):

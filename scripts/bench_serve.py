@@ -377,7 +377,7 @@ def engine_child(spec_path: str) -> None:
 
     spec = json.load(open(spec_path))
     out = {"docs": []}
-    with ringctx.Engine(MODEL_ID, nproc=1, dtype=spec["dtype"]) as engine:
+    with ringctx.Engine(MODEL_ID, nproc=1, dtype=spec["dtype"], weights=spec["weights"]) as engine:
         tok = engine.model.tokenizer
         out["dtype"] = str(engine.model.dtype).replace("torch.", "")
         for doc in spec["docs"]:
@@ -452,6 +452,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds, each over new documents, sides' order swapped")
     p.add_argument("--nproc", default=None, help="ringctx serve --nproc (default: let serve pick)")
     p.add_argument("--dtype", default="auto", help="ringctx serve --dtype")
+    p.add_argument("--weights", default="model", choices=["model", "int8"], help="ringctx serve --weights")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8],
                    help="after the later questions: this many questions at once over the document, on each "
                         "server (none: skip)")
@@ -499,7 +500,7 @@ def main() -> int:
     questions = QUESTIONS[:args.questions]
     meta = {"date_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(), "cores": cores,
             "python": platform.python_version(), "gguf": os.path.basename(gguf), "dtype_arg": args.dtype,
-            "ringctx_dtype": dtype, "llama_cpp_python": llama_version, "llama_threads": threads,
+            "ringctx_dtype": dtype, "ringctx_weights": args.weights, "llama_cpp_python": llama_version, "llama_threads": threads,
             "llama_flash_attn": args.llama_flash_attn, "n_ctx": args.n_ctx, "argv": sys.argv[1:]}
     try:
         import torch
@@ -507,7 +508,8 @@ def main() -> int:
         meta["torch"] = torch.__version__
     except ImportError:
         pass
-    log(f"{meta['cpu']}, {cores} cores, {meta['date_utc']}; {meta['gguf']}; ringctx dtype {dtype}; "
+    log(f"{meta['cpu']}, {cores} cores, {meta['date_utc']}; {meta['gguf']}; ringctx dtype {dtype}, "
+        f"weights {args.weights}; "
         f"llama-cpp-python {llama_version or '-'}; work dir {workdir}")
 
     rounds = []
@@ -530,7 +532,8 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
     store = os.path.join(workdir, f"store{rnd}")
     log(f"round {rnd + 1}/{args.rounds}: starting ringctx serve (nproc {args.nproc or 'auto'}, dtype {args.dtype})")
     t0 = time.perf_counter()
-    rc = start_ringctx(store, os.path.join(workdir, f"ringctx{rnd}.log"), args.nproc, args.dtype, 900)
+    rc = start_ringctx(store, os.path.join(workdir, f"ringctx{rnd}.log"), args.nproc, args.dtype, 900,
+                       ("--weights", args.weights))
     out = {"round": rnd + 1, "ringctx_start_s": time.perf_counter() - t0, "docs": []}
     layout = [ln.strip() for ln in rc.lines if "rank(s)" in ln]
     out["ringctx_layout"] = layout[0] if layout else None
@@ -628,7 +631,7 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
     from ringctx.serve.store import DocumentStore
 
     q_tokens = [len(continuation_ids(tokenizer, q)) for q in questions]
-    spec = {"dtype": args.dtype, "max_tokens": args.max_tokens, "out": os.path.join(workdir, f"engine{rnd}.json"),
+    spec = {"dtype": args.dtype, "weights": args.weights, "max_tokens": args.max_tokens, "out": os.path.join(workdir, f"engine{rnd}.json"),
             "gemm_rows": sorted(set(q_tokens)),
             "docs": [{"tokens": d["doc_tokens"], "kv_path": str(DocumentStore(store).kv_path(d["doc_id"])),
                       "questions": questions} for d in out["docs"]]}
@@ -729,7 +732,7 @@ def print_report(meta, results, args, have_llama) -> None:
     w()
     w(f"ringctx serve vs llama-cpp-python server, {meta['gguf']}")
     w(f"{meta['cpu']}, {meta['cores']} cores; {meta['date_utc']} - {meta['finished_utc']}")
-    w(f"ringctx dtype {meta['ringctx_dtype']}; llama-cpp-python {meta['llama_cpp_python'] or 'not run'} "
+    w(f"ringctx dtype {meta['ringctx_dtype']}, weights {meta.get('ringctx_weights', 'model')}; llama-cpp-python {meta['llama_cpp_python'] or 'not run'} "
       f"(threads {meta['llama_threads']}, flash_attn {meta['llama_flash_attn']}, n_ctx {meta['n_ctx']})")
     w(f"{args.rounds} round(s), {args.questions} later questions, max_tokens {args.max_tokens}, greedy; "
       f"GEMM peak {results['gemm_peak_flops_per_s'] / 1e9:.0f} GFLOP/s")

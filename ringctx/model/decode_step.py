@@ -363,7 +363,7 @@ def _shape_and_layers(model, cache: KVCache | None):
             for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", mlp.w13), ("w2", mlp.w2)):
                 codes = int8_of(linear.weight)
                 if codes is not None:
-                    setattr(layers[i], name, codes.codes.data_ptr())
+                    setattr(layers[i], name + "_codes", codes.codes.data_ptr())
                     setattr(layers[i], name + "_exps", codes.exponents.data_ptr())
     return shape, layers
 

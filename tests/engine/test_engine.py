@@ -183,8 +183,9 @@ def test_auto_nproc_is_one_rank_per_gpu_and_two_on_a_multicore_cpu(monkeypatch):
 
 def test_int8_weights_answer_as_the_quantized_model_on_any_layout(tmp_path):
     """Engine(weights="int8") is the model with int8 values on every rank and path: one rank and
-    two decode ranks (the split fused step) give the same greedy answer, its documents say they
-    were made with int8 weights, and a model read as it is refuses them."""
+    two decode ranks (the split fused step, in a process of its own: this module's engines hold
+    this process's group) give the same greedy answer, its documents say they were made with int8
+    weights, and a model read as it is refuses them."""
     from ringctx.engine.documents import describe_document
     from ringctx.model import load_model
     from ringctx.model.int8_weights import int8_of, quantize_model
@@ -195,20 +196,29 @@ def test_int8_weights_answer_as_the_quantized_model_on_any_layout(tmp_path):
         Engine("tiny", weights="int8", dtype="float16")
     reference = load_model("tiny", dtype="bfloat16", device="cpu")
     quantize_model(reference)
-    answers = []
-    for nproc in (1, 2):
-        with Engine("tiny", nproc=nproc, dtype="bfloat16", weights="int8") as engine:
-            assert engine.weights == "int8" and engine.model.weights_format == "int8"
-            assert int8_of(engine.model.layers[0].feed_forward.w2.weight) is not None
-            for mine, theirs in zip(engine.model.state_dict().values(), reference.state_dict().values()):
-                assert torch.equal(mine, theirs)
-            document = engine.ingest(TINY_IDS[:150].tolist(), chat=False)
-            generation = engine.generate(document, [3, 4, 5], max_new_tokens=6)
-            list(generation)
-            answers.append(generation.result.token_ids)
-            if nproc == 1:
-                engine.save_document(document, str(tmp_path / "doc.kv"))
-    assert answers[0] == answers[1] and len(answers[0]) == 6
+    script = (
+        "import json, sys\n"
+        "from ringctx.engine import Engine\n"
+        "with Engine('tiny', nproc=int(sys.argv[1]), dtype='bfloat16', weights='int8') as engine:\n"
+        "    document = engine.ingest(json.loads(sys.argv[2]), chat=False)\n"
+        "    generation = engine.generate(document, [3, 4, 5], max_new_tokens=6)\n"
+        "    list(generation)\n"
+        "    print(json.dumps([engine.decode_ranks, generation.result.token_ids]))\n")
+    two = subprocess.run([sys.executable, "-c", script, "2", json.dumps(TINY_IDS[:150].tolist())],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    decode_ranks, two_answer = json.loads(two.stdout.strip().splitlines()[-1])
+    assert decode_ranks == 2
+    engine = Engine("tiny", dtype="bfloat16", weights="int8")
+    assert engine.weights == "int8" and engine.model.weights_format == "int8"
+    assert int8_of(engine.model.layers[0].feed_forward.w2.weight) is not None
+    for mine, theirs in zip(engine.model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(mine, theirs)
+    document = engine.ingest(TINY_IDS[:150].tolist(), chat=False)
+    generation = engine.generate(document, [3, 4, 5], max_new_tokens=6)
+    list(generation)
+    assert generation.result.token_ids == two_answer and len(two_answer) == 6
+    engine.save_document(document, str(tmp_path / "doc.kv"))
     assert describe_document(str(tmp_path / "doc.kv"))["weights"] == "int8"
-    with Engine("tiny", dtype="bfloat16") as plain, pytest.raises(ValueError, match="made with"):
-        plain.load_document(str(tmp_path / "doc.kv"))
+    with pytest.raises(ValueError, match="made with"):
+        Engine("tiny", dtype="bfloat16").load_document(str(tmp_path / "doc.kv"))

@@ -130,7 +130,8 @@ def test_quantize_model_rounds_every_matrix_once_and_keeps_codes_for_bf16_cpu_mo
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 128), (130, 64), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_linear_int8_equals_small_linear_over_the_values(rows, n_out, n_in, with_bias):
+def test_small_linear_int8_equals_small_linear_over_the_values(rows, n_out, n_in, with_bias, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "INT8_MAX_ROWS", cpu_kernels.MAX_ROWS)  # the kernel takes more rows
     codes, exponents, values = quantize(matrix(n_out, n_in, seed=n_out + n_in).bfloat16())
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
@@ -151,7 +152,8 @@ def test_small_linear_int8_declines_what_it_does_not_cover():
     codes, exponents, _ = quantize(matrix(8, 128, seed=5))
     x = torch.randn(1, 128).bfloat16()
     assert cpu_kernels.small_linear_int8(x.float(), codes, exponents) is None  # float32 activations
-    assert cpu_kernels.small_linear_int8(torch.randn(cpu_kernels.MAX_ROWS + 1, 128).bfloat16(), codes, exponents) is None
+    assert cpu_kernels.small_linear_int8(torch.randn(cpu_kernels.INT8_MAX_ROWS + 1, 128).bfloat16(), codes,
+                                         exponents) is None  # more rows read the values
     assert cpu_kernels.small_linear_int8(x, codes, exponents[:, :1].contiguous()) is None  # exponents' shape
     assert cpu_kernels.small_linear_int8(x[:, :96], codes[:, :96].contiguous(), exponents) is None  # not whole groups
     assert cpu_kernels.small_linear_int8(x, codes.t().contiguous().t(), exponents) is None  # not contiguous
@@ -200,13 +202,17 @@ def test_the_fused_step_reads_the_codes_where_the_variant_does():
     on the portable variant, which reads the bf16 values, they do not)."""
     model, use_codes = quantized_pair("gqa2-d16")
     cache = prefilled(model, 40)
-    setup = with_documents(model, 3, 1)
-    first, first_batch = DecodeStep(model, cache)(5), fused_batch(FusedBatchStep.build(model), setup.copy(), [1, 2, 3])
+    one, three = with_documents(model, 1, 1), with_documents(model, 3, 1)
+    first = DecodeStep(model, cache)(5)
+    first_one = fused_batch(FusedBatchStep.build(model), one.copy(), [1])
+    first_three = fused_batch(FusedBatchStep.build(model), three.copy(), [1, 2, 3])
     int8_of(model.layers[1].feed_forward.w2.weight).codes.zero_()
     cache.length -= 1
     moved = cpu_kernels.reads_int8_weights()
     assert torch.equal(DecodeStep(model, cache)(5), first) is not moved
-    assert torch.equal(fused_batch(FusedBatchStep.build(model), setup.copy(), [1, 2, 3]), first_batch) is not moved
+    assert torch.equal(fused_batch(FusedBatchStep.build(model), one.copy(), [1]), first_one) is not moved
+    # past INT8_MAX_ROWS rows the batch step reads the values
+    assert torch.equal(fused_batch(FusedBatchStep.build(model), three.copy(), [1, 2, 3]), first_three)
     assert cpu_kernels.reads_int8_weights() is (cpu_kernels.active_variant().name in ("avx512", "avx2"))
 
 
