@@ -122,7 +122,7 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
     const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * in : 0;
     const int64_t r1 = n > 1 ? 1 : 0, r2 = n > 2 ? 2 : 0, r3 = n > 3 ? 3 : 0;
     const int8_t *w0 = w + o * in, *w1 = w0 + r1 * in, *w2 = w0 + r2 * in, *w3 = w0 + r3 * in;
-    const int8_t *x0 = exps + o * groups, *x1 = x0 + r1 * groups, *x2 = x0 + r2 * groups, *x3 = x0 + r3 * groups;
+    const int8_t *ex0 = exps + o * groups, *ex1 = ex0 + r1 * groups, *ex2 = ex0 + r2 * groups, *ex3 = ex0 + r3 * groups;
     const vfloat minus_offset = vset1(-I8_OFFSET), one_256th = vset1(1.0f / 256), minus_odd = vset1(-I8_OFFSET_ODD);
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = xs + r * in;
@@ -132,8 +132,8 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
             /* w = (I8_OFFSET + c) s + b, b = -I8_OFFSET s: exactly c s; the odd elements carry a
              * factor 256 more: (2^23 + 256 (128 + c)) s / 256 - (2^15 + 128) s = c s (see
              * vload_i8_pairs). One broadcast per row, the rest multiplies by constants. */
-            const vfloat s0 = vset1(pow2f(x0[g])), s1 = vset1(pow2f(x1[g])), s2 = vset1(pow2f(x2[g])),
-                         s3 = vset1(pow2f(x3[g]));
+            const vfloat s0 = vset1(pow2f(ex0[g])), s1 = vset1(pow2f(ex1[g])), s2 = vset1(pow2f(ex2[g])),
+                         s3 = vset1(pow2f(ex3[g]));
             const vfloat b0 = s0 * minus_offset, b1 = s1 * minus_offset, b2 = s2 * minus_offset, b3 = s3 * minus_offset;
             const vfloat t0 = s0 * one_256th, t1 = s1 * one_256th, t2 = s2 * one_256th, t3 = s3 * one_256th;
             const vfloat d0 = s0 * minus_odd, d1 = s1 * minus_odd, d2 = s2 * minus_odd, d3 = s3 * minus_odd;
@@ -166,7 +166,7 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
 }
 
 /* y = x w^T for int8 weights with their group exponents (see cpu_kernels.h); in a multiple of
- * W8_GROUP. Returns 0, -1 when this CPU cannot run this variant, -2 for a bad `in`. */
+ * W8_GROUP. Returns 0, -1 when this CPU cannot run this variant, -2 for a bad `in` (or no memory). */
 int ringctx_gemv_q8(const float *x, int64_t rows, int64_t in, const int8_t *w, const int8_t *exps, int64_t out,
                     float *y, int threads) {
     if (!ringctx_cpu_kernels_supported()) return -1;

@@ -2,7 +2,7 @@
 """A decode step reading int8 weights against the same step reading them in bf16, side by side.
 
     python scripts/bench_weights.py [--contexts 64 2048 8192] [--kv-dtypes model fp8]
-                                    [--steps 16] [--rounds 4] [--json out.json]
+                                    [--rows 1 2 4 8] [--steps 16] [--rounds 4] [--json out.json]
 
 SmolLM2-135M in bf16 with int8 weights (ringctx.model.int8_weights), one process, one cache per
 context of random token ids. The two sides are the same model (the same values): "int8" is the
@@ -12,6 +12,11 @@ step). They alternate within each round; per configuration the median step of ea
 paired ratio (median over rounds), and each side's memory floor (the bytes a step reads at least,
 machine_speed.decode_bytes_per_token, at the read bandwidth measured here). RINGCTX_CPU_ISA picks
 the kernel variant (avx512, avx2, portable).
+
+--rows: the products alone, as a batch step of R rows would run them: every block matrix of the
+model times R activation rows, small_linear_int8 over the codes (allowed any R here, past
+cpu_kernels.INT8_MAX_ROWS) against small_linear over the values, alternating; the same results
+bit for bit. This is the measurement INT8_MAX_ROWS comes from.
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ MODEL = "smollm2-135m"
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", type=int, nargs="+", default=[64, 2048, 8192])
+    p.add_argument("--contexts", type=int, nargs="*", default=[64, 2048, 8192])
     p.add_argument("--kv-dtypes", nargs="+", default=["model", "fp8"])
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="activation rows of the products alone")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per side and round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--json", metavar="PATH", default="bench_weights.json")
@@ -95,9 +101,35 @@ def main() -> int:
             print(f"context {context:>6} kv {kv_dtype:>5}: int8 {row['int8_ms']:6.2f} ms "
                   f"(floor {row['int8_floor_ms']:5.1f})  bf16 {row['bf16_ms']:6.2f} ms "
                   f"(floor {row['bf16_floor_ms']:5.1f})  int8/bf16 {row['ratio']:.2f}", flush=True)
+    products = []
+    cpu_kernels.INT8_MAX_ROWS = max(args.rows, default=1)  # the codes for any rows, to compare
+    matrices = [(kept[id(m.weight)], m.weight) for m in quantized_matrices(model)]
+    for rows in args.rows:
+        xs = {n: torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).bfloat16()
+              for n in {w.shape[1] for _, w in matrices}}
+        times = {True: [], False: []}
+        for _ in range(args.rounds):
+            for codes in (True, False):
+                t0 = time.perf_counter()
+                for q, w in matrices:
+                    x = xs[w.shape[1]]
+                    y = cpu_kernels.small_linear_int8(x, q.codes, q.exponents) if codes else cpu_kernels.small_linear(x, w)
+                    assert y is not None, "the kernels declined"
+                times[codes].append(time.perf_counter() - t0)
+        q, w = matrices[0]
+        x = xs[w.shape[1]]
+        if not torch.equal(cpu_kernels.small_linear_int8(x, q.codes, q.exponents), cpu_kernels.small_linear(x, w)):
+            raise SystemExit("the product over the codes differs from the product over their values")
+        row = {"rows": rows, "int8_ms": 1000 * statistics.median(times[True]),
+               "bf16_ms": 1000 * statistics.median(times[False]),
+               "ratio": statistics.median(a / b for a, b in zip(times[True], times[False]))}
+        products.append(row)
+        print(f"products of {rows} row(s), {len(matrices)} matrices: int8 {row['int8_ms']:6.2f} ms  "
+              f"bf16 {row['bf16_ms']:6.2f} ms  int8/bf16 {row['ratio']:.2f}", flush=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_model(),
               "variant": variant.name if variant else None, "read_bandwidth_bytes_per_s": bandwidth,
-              "threads": torch.get_num_threads(), "model": MODEL, "args": vars(args), "rows": rows}
+              "threads": torch.get_num_threads(), "model": MODEL, "args": vars(args), "rows": rows,
+              "products": products}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.json}")
