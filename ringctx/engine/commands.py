@@ -90,9 +90,9 @@ def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: i
     return run
 
 
-def prefill_chunk(state: RankState, prefill_id: int, layers: float = 0):
+def prefill_chunk(state: RankState, prefill_id: int, layers: int = 0):
     """The next chunk of a prefill (ChunkStats), or with layers > 0 the next `layers` layers of it
-    (a multiple of one half; None until the chunk's last layer has run)."""
+    (None until the chunk's last layer has run)."""
     return state.prefills[prefill_id].step(layers or None)
 
 

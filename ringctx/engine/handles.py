@@ -15,7 +15,7 @@ from ..model.generate import Generation
 from . import commands
 from .commands import ids_to_bytes
 from .document import Document
-from .prefill import ChunkStats, PrefillResult, check_slice
+from .prefill import ChunkStats, PrefillResult
 
 if TYPE_CHECKING:
     from .api import Engine
@@ -44,16 +44,15 @@ class PrefillJob:
         return self.run.total_chunks
 
     @property
-    def layer_in_chunk(self) -> float:
-        """Layers of the current chunk that `step(layers=...)` has run (0 between two chunks; see
-        PrefillRun.layer_in_chunk)."""
+    def layer_in_chunk(self) -> int:
+        """Layers of the current chunk that `step(layers=...)` has run (0 between two chunks)."""
         return self.run.layer_in_chunk
 
-    def step(self, layers: float | None = None) -> ChunkStats | None:
-        """The next chunk, on every rank; with `layers` (a multiple of one half: a layer's attention,
-        or the rest of it), only its next `layers` layers (None until the chunk's last layer has
-        run; the same bits as the chunk run whole)."""
-        check_slice(layers)  # on this rank, before any other is told
+    def step(self, layers: int | None = None) -> ChunkStats | None:
+        """The next chunk, on every rank; with `layers`, only its next `layers` layers (None until
+        the chunk's last layer has run; the same bits as the chunk run whole)."""
+        if layers is not None and layers < 1:
+            raise ValueError(f"a prefill slice runs at least one layer, got layers={layers}")
         return self.engine._run("prefill", commands.PREFILL_CHUNK, self.id, layers or 0)
 
     def finish(self) -> PrefillResult:

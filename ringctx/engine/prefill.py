@@ -179,18 +179,6 @@ class PrefillResult:
     """The Engine's Document of this prefill on the decode ranks, when it was asked to keep one."""
 
 
-def check_slice(layers: float | None) -> int | None:
-    """The half-layers a prefill slice of `layers` layers runs (None: the rest of the chunk); a
-    ValueError unless it is a positive multiple of one half."""
-    if layers is None:
-        return None
-    halves = 2 * layers
-    if not (halves >= 1 and halves == int(halves)):
-        raise ValueError(f"a prefill slice runs a positive number of half layers (0.5, 1, 1.5, ...), got "
-                         f"layers={layers}")
-    return int(halves)
-
-
 def _broadcast_int(value: int, src: int, group) -> int:
     t = torch.tensor([value], dtype=torch.long, device=collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, src) if group else src, group=group)
@@ -341,44 +329,39 @@ class PrefillRun:
         return len(self.chunks)
 
     @property
-    def layer_in_chunk(self) -> float:
-        """Layers of the current chunk already run by `step(layers=...)` (0 between two chunks; a
-        half when a layer's attention has run and its output has not)."""
-        return 0 if self._slice is None else self._slice.next_half / 2
+    def layer_in_chunk(self) -> int:
+        """Layers of the current chunk already run by `step(layers=...)` (0 between two chunks)."""
+        return 0 if self._slice is None else self._slice.next_layer
 
-    def step(self, layers: float | None = None) -> ChunkStats | None:
+    def step(self, layers: int | None = None) -> ChunkStats | None:
         """Run the next chunk on this rank (with every other rank of the group) and return its stats.
 
-        layers: run only the next `layers` layers of the current chunk (a slice of it: a multiple
-        of one half, a layer's halves being its attention and the rest, see Block.forward) and
-        return None until its last layer has run, then its stats. A chunk run in slices gives the
-        same bits as run whole (the same operations on the same data, with pauses between them), so
-        a scheduler may cut it wherever it likes; every rank must be given the same slices."""
+        layers: run only the next `layers` layers of the current chunk (a slice of it) and return
+        None until its last layer has run, then its stats. A chunk run in slices gives the same bits
+        as run whole (the same operations on the same data, with pauses between layers), so a
+        scheduler may cut it wherever it likes; every rank must be given the same slices."""
         if self.done:
             raise RuntimeError("every chunk of this prefill has run: call finish()")
-        halves = check_slice(layers)
-        n_halves = 2 * len(self.model.layers)
+        if layers is not None and layers < 1:
+            raise ValueError(f"a prefill slice runs at least one layer, got layers={layers}")
+        n_layers = len(self.model.layers)
         t0 = time.perf_counter()
         # The modes are entered per slice: between two slices this rank may run other work.
         with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(self.model, self.comm):
             if self._slice is None:
                 self._slice = self._begin_chunk()
             chunk = self._slice
-            end = n_halves if halves is None else min(n_halves, chunk.next_half + halves)
+            end = n_layers if layers is None else min(n_layers, chunk.next_layer + layers)
             with span(f"chunk {chunk.index}", "compute", strategy=chunk.record.strategy,
-                      layers=f"{chunk.next_half / 2:g}-{end / 2:g}"):
-                for half in range(chunk.next_half, end):
-                    layer_index, block = half // 2, self.model.layers[half // 2]
-                    if half % 2 == 0:
-                        chunk.attention = block.attention_half(chunk.x, chunk.rope, chunk.attend, layer_index)
-                    else:
-                        chunk.x, chunk.attention = block.output_half(chunk.x, chunk.attention), None
-                chunk.next_half = end
-                if end == n_halves and chunk.index == len(self.chunks) - 1:
+                      layers=f"{chunk.next_layer}-{end - 1}"):
+                for layer_index in range(chunk.next_layer, end):
+                    chunk.x = self.model.layers[layer_index](chunk.x, chunk.rope, chunk.attend, layer_index)
+                chunk.next_layer = end
+                if end == n_layers and chunk.index == len(self.chunks) - 1:
                     self.logits = _last_token_logits(self.model, chunk.x, chunk.layout, self.rank, self.world,
                                                      self.group, self.logits)
         chunk.seconds += time.perf_counter() - t0
-        return self._end_chunk() if end == n_halves else None
+        return self._end_chunk() if end == n_layers else None
 
     def _begin_chunk(self) -> "_ChunkInProgress":
         """The next chunk's strategy, this rank's rows embedded, their RoPE, and its attention (in
@@ -463,8 +446,8 @@ class PrefillRun:
 
 @dataclass
 class _ChunkInProgress:
-    """A chunk between two slices: this rank's hidden rows after `next_half` half-layers (and the
-    attention output of a layer whose output half has not run), and what the rest needs."""
+    """A chunk between two slices: this rank's hidden rows after `next_layer` layers, and what its
+    remaining layers need."""
 
     index: int
     layout: ShardLayout
@@ -474,8 +457,7 @@ class _ChunkInProgress:
     positions: torch.Tensor
     rope: object
     rows_before: int
-    next_half: int = 0
-    attention: torch.Tensor | None = None
+    next_layer: int = 0
     seconds: float = 0.0
     """Time this rank spent on the chunk's slices (not the time between them)."""
 

@@ -12,7 +12,7 @@
                                    every running question
                                    (Engine.batch: each document's rows read once for all its
                                    questions); finished ones leave
-        a prefill (an ingest)      while questions decode: a slice of it in the same step (half
+        a prefill (an ingest)      while questions decode: a slice of it in the same step (whole
                                    layers of its current chunk, as many as fit `ingest_share` times
                                    the batch's decode step, at least one); when none decodes: a
                                    whole chunk
@@ -37,13 +37,12 @@ between two tokens instead of all of them. With no question decoding, every wait
 fits the budget joins at once (nothing is paused by them).
 
 An ingest beside running answers is bounded by time instead: each step runs the next layers of
-its current chunk (PrefillJob.step(layers=n), the same bits as the chunk run whole), n a multiple
-of one half (a layer's attention, or the rest of it) sized from the time its last slice took per
-layer so that the slice takes about `ingest_share` times the batch's last decode step (at least
-one half). With the default 1.0 an answer's inter-token time stays below twice its time without
-the ingest, and the ingest gets about half the machine; the longest pause is the attention of one
-layer of one chunk, which the chunk size sets (`ringctx serve` picks chunks whose layers are short
-on CPUs: serve/service.py).
+its current chunk (PrefillJob.step(layers=n), the same bits as the chunk run whole), n sized from
+the time its last slice took per layer so that the slice takes about `ingest_share` times the
+batch's last decode step (at least one layer). With the default 1.0 an answer's inter-token time
+stays near twice its time without the ingest, and the ingest gets about half the machine; the
+longest pause is one layer of one chunk, which the chunk size sets (`ringctx serve` picks chunks
+whose layers are short on CPUs: serve/service.py).
 
 `max_rows` bounds the KV rows the running questions may hold together (each counts its prompt
 plus its max_new_tokens): when they run out, questions wait in the queue rather than run out of
@@ -449,13 +448,12 @@ class Scheduler:
         batch.leave(ticket.member)
         ticket._put(Done(result))
 
-    def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> float:
-        """Layers of the prefill's chunk that take about ingest_share x decode_s, in halves (a
-        layer's attention, or the rest of it: at least one half, one half until a slice has been
-        timed)."""
+    def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> int:
+        """Layers of the prefill's chunk that take about ingest_share x decode_s (at least one; one
+        until a slice has been timed)."""
         if ticket.layer_s is None or decode_s <= 0:
-            return 0.5
-        return max(1, int(2 * self.ingest_share * decode_s / ticket.layer_s)) / 2
+            return 1
+        return max(1, int(self.ingest_share * decode_s / ticket.layer_s))
 
     def _chunk_tokens(self, ticket: PrefillTicket) -> int:
         """Tokens the prefill's next step prefills (its first: the engine's chunk size)."""
@@ -469,7 +467,7 @@ class Scheduler:
         self.running = None
         ticket._put(Done(result))
 
-    def _prefill_step(self, ticket: PrefillTicket, layers: float | None = None) -> float:
+    def _prefill_step(self, ticket: PrefillTicket, layers: int | None = None) -> int:
         """The prefill's next chunk (or its next `layers` layers), its start or its finish; returns
         the layers run (0 for a start, a finish or a cancel)."""
         try:

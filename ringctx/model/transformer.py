@@ -227,36 +227,25 @@ class Block(nn.Module):
         """x [T, dim] -> [T, dim]: h = x + wo(attend(q, k, v)) with q, k, v from norm(x); h + mlp(norm(h)).
 
         Long inputs run everything but `attend` in row slices (see ROWS_PER_SLICE), and hand
-        `attend` q, k, v with head-major memory (see head_major_rows). The two halves are
-        `attention_half` and `output_half`: a caller may run them apart (a prefill chunk paused
-        between them), with the same bits.
+        `attend` q, k, v with head-major memory (see head_major_rows).
         """
         # .forward directly: nn.Module.__call__'s hook machinery costs microseconds per call, and a
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
-        return self.output_half(x, self.attention_half(x, rope, attend, layer_idx))
-
-    def attention_half(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
-        """x [T, dim] -> the attention output [T, Hq * D] (before wo) of q, k, v from norm(x)."""
         T = x.shape[0]
         attention = self.attention
         width = attention.n_heads * attention.head_dim  # explicit: reshape(0, -1) is ambiguous for 0 rows
         slices = row_slices(T, x.dtype)
         if len(slices) == 1:  # one slice: no q/k/v buffers to fill (decode steps stay lean)
-            return attend(layer_idx, *self._qkv(x, rope)).reshape(T, width)
+            out = attend(layer_idx, *self._qkv(x, rope))
+            return self._after_attention(x, out.reshape(T, width))
 
         q = head_major_rows(T, attention.n_heads, attention.head_dim, x)
         k = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         v = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         for start, stop in slices:
             q[start:stop], k[start:stop], v[start:stop] = self._qkv(x[start:stop], rope.rows(start, stop))
-        return attend(layer_idx, q, k, v).reshape(T, width)  # attend copied what it keeps of q, k, v
-
-    def output_half(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] and its attention output [T, Hq * D] -> the block's output [T, dim] (which may
-        be `out`'s memory: the caller must not use `out` after)."""
-        slices = row_slices(x.shape[0], x.dtype)
-        if len(slices) == 1:
-            return self._after_attention(x, out)
+        out = attend(layer_idx, q, k, v).reshape(T, width)
+        del q, k, v  # attend copied what it keeps
         # Each slice's result depends on its own rows of x and out only, so when shapes allow it the
         # results overwrite the attention output they were computed from: one [T, dim] buffer less.
         reusable = out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()

@@ -182,7 +182,7 @@ class BackendStats:
     """Tokens one step may run (decode tokens plus prompt tokens prefilled): the step budget."""
     step_tokens: int = 0
     """Tokens the last step ran."""
-    slice_layers: float = 0
+    slice_layers: int = 0
     """Layers of an ingest's chunk the last step ran beside the questions decoding (0: none)."""
     ingest_share: float = 0.0
     """A slice of an ingest beside answers takes about this many decode steps (--ingest-share)."""

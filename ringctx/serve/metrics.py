@@ -79,7 +79,7 @@ class _BackendCollector:
                                 "tokens prefilled (--max-step-tokens)", value=stats.max_step_tokens)
         yield GaugeMetricFamily("ringctx_step_tokens", "Tokens the last step ran", value=stats.step_tokens)
         yield GaugeMetricFamily("ringctx_ingest_slice_layers", "Layers of an ingest's chunk the last step ran beside "
-                                "the answers decoding, in halves (0: none)", value=stats.slice_layers)
+                                "the answers decoding (0: none)", value=stats.slice_layers)
         yield GaugeMetricFamily("ringctx_ingest_share", "Decode steps a slice of an ingest beside answers takes "
                                 "(--ingest-share)", value=stats.ingest_share)
         yield GaugeMetricFamily("ringctx_join_share", "Decode steps the questions joining in one step beside answers "
