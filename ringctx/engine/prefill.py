@@ -307,8 +307,10 @@ class PrefillRun:
         if shard is not None:
             shard = shard.grown(rows)
         else:
+            # written chunk by chunk in ordinary pages, 2 MiB pages once the prefill ends (see
+            # ringctx.host_memory.collapse_in_background: their first touch stalled every chunk)
             shard = KVCache.for_model(cfg, max(rows, 1), dtype=dtype, device=device, kv_dtype=config.kv_dtype,
-                                      sliced=not in_place)
+                                      sliced=not in_place, huge_later=True)
             if cached_len:
                 _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
         self.shard = shard
@@ -426,6 +428,8 @@ class PrefillRun:
                                              self.keeps_shard)
             stats.handoff_s = time.perf_counter() - t_handoff
         stats.ttft_s = time.perf_counter() - self.t_start
+        if out_cache is shard:  # this rank decodes from the cache its chunks wrote
+            shard.collapse_pages()
 
         slice_rows = out_cache.length if out_cache is not None else 0
         ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
