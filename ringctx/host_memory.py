@@ -142,7 +142,8 @@ MADV_COLLAPSE = 25
 def collapse_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread | None:
     """Move the memory under `tensors` (views of one `host_tensors(..., huge_later=True)` arena,
     written by now) into 2 MiB pages on a thread of its own; return it (None where huge pages are
-    not offered).
+    not offered). Once it ends, its `outcome` is "collapsed" or why not (an old kernel, no free
+    2 MiB page: the memory then stays in small pages, as good as ordinary memory).
 
     Why: a prefill writes its KV cache chunk by chunk, and when each first write to a 2 MiB page
     pays for the page (the kernel clears it, a VM's host backs it: 5.8 s per GiB at worst on this
@@ -164,12 +165,16 @@ def collapse_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread 
     def collapse(keep=tuple(tensors)):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            for advice in (mmap.MADV_HUGEPAGE, MADV_COLLAPSE):  # refused on old kernels: pages stay small
-                libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
-        except (OSError, AttributeError):
-            pass
+            for name, advice in (("MADV_HUGEPAGE", mmap.MADV_HUGEPAGE), ("MADV_COLLAPSE", MADV_COLLAPSE)):
+                if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) != 0:
+                    thread.outcome = f"{name} refused: {os.strerror(ctypes.get_errno())}"
+                    return
+            thread.outcome = "collapsed"
+        except (OSError, AttributeError) as exc:
+            thread.outcome = f"no madvise: {exc}"
 
     thread = threading.Thread(target=collapse, name="ringctx-collapse", daemon=True)
+    thread.outcome = None
     thread.start()
     return thread
 
