@@ -19,10 +19,16 @@ before the loaders fill them). The mapping is private and anonymous: the OS fill
 pages it in on first touch (rows of a KV cache never written cost no memory, as with
 torch.empty), and unmaps it when the last tensor viewing it is freed.
 
+A KV cache that a prefill fills chunk by chunk is the exception in how it starts: the first touch
+of a 2 MiB page can cost milliseconds on a VM, which the chunks (and answers waiting between two
+tokens) would pay one page at a time, so it is written in ordinary pages and moved into 2 MiB
+pages once written (`host_tensors(..., huge_later=True)`, `collapse_in_background`).
+
 Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0), the same calls
 return ordinary tensors, one allocation each: the values and the code paths are the same.
 
     k, v = host_tensors([((tokens, 8, 128), torch.bfloat16)] * 2)
+    k, v = host_tensors(..., huge_later=True); ...; collapse_in_background([k, v])
     place_in_host_arena(model)        # every parameter of a model, ties kept
     huge_pages_report()               # what `ringctx info` prints
 """
