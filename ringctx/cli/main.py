@@ -115,9 +115,10 @@ TP_OPTION = click.option(
          "The ranks form a (ranks / tp) CP x tp TP mesh: under torchrun launch tp x (CP ranks per host) per node.")
 WEIGHTS_OPTION = click.option(
     "--weights", type=click.Choice(WEIGHT_CHOICES), default="model", show_default=True,
-    help="model: the checkpoint's values in --dtype; int8: every matrix of the blocks (not the output head) rounded to int8 "
-         "with a power-of-two scale per 64 inputs, which CPU decode steps read instead of bf16 (bf16 or float32 "
-         "models; 1.5x the weights' memory: the prefill keeps reading the same values in bf16).")
+    help="model: the checkpoint's values in --dtype; int8: every matrix of the blocks (not the output head) "
+         "rounded to int8 with a power-of-two scale per 64 inputs, which CPU decode steps read instead of bf16 "
+         "(bf16 or float32 models; the prefill keeps reading the same values in bf16, so the codes add half the "
+         "blocks' bytes).")
 DECODE_RANKS_OPTION = click.option(
     "--decode-ranks", type=int, default=None,
     help="Ranks of the decode host that keep the KV cache (split by token) and decode together [default: every "

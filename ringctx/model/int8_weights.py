@@ -22,15 +22,16 @@ order as over the bf16 values: the same results bit for bit from half the bytes.
 the power of two: a group's step is up to 2x a float scale's, i.e. 6-7 significant bits (Q8_0
 has 7-8; bf16 8).
 
-Matrices quantized: every block's wqkv, wo, w13, w2 (95% of SmolLM2's decode weight bytes
-beside its head, 79% with it); a matrix whose input width is not a multiple of GROUP stays as it
-is. The output head (and the embedding it is tied to) stays in the model dtype, as llama.cpp's
-8-bit files keep it wider too: read in int8 it took no less time (2.0 against 2.1 ms a step for
-SmolLM2's 49,152 x 576 head, bound by the widening's arithmetic), and the decode steps after it
-took 1.2x as long with an fp8 KV cache at 8K tokens (measured, not understood: docs/BENCHMARKS.md). Under tensor parallelism each rank quantizes its own shard; row-parallel shards (wo and
-w2 split by inputs) then need widths that are whole groups, so that every rank's groups are the
-whole model's (checked). The codes are kept beside the bf16 weights (the prefill's matmuls read
-those): 1.5x the weights' memory, which `ringctx plan` counts.
+Matrices quantized: every block's wqkv, wo, w13, w2 (79% of SmolLM2's decode weight bytes; the rest
+is its 49,152 x 576 output head); a matrix whose input width is not a multiple of GROUP stays as it
+is. The output head (and the embedding it is tied to) stays in the model dtype: read in int8 it
+took no less time (2.0 against 2.1 ms a step for SmolLM2's head, bound by the widening's
+arithmetic), and the decode steps after it took 1.2x as long with an fp8 KV cache at 8K tokens
+(measured, not understood: docs/BENCHMARKS.md). Under tensor parallelism each rank quantizes its
+own shard; row-parallel shards (wo and w2 split by inputs) then need widths that are whole groups,
+so that every rank's groups are the whole model's (checked). The codes are kept beside the bf16
+weights, which the prefill's matmuls read: they add half the blocks' bf16 bytes (SmolLM2: 108 MB
+on 269 MB), which `ringctx plan` does not count yet.
 """
 
 from __future__ import annotations

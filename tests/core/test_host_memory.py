@@ -21,8 +21,8 @@ def tiny_config(**changes):
 linux_thp = pytest.mark.skipif(not huge_pages_enabled(), reason=f"huge pages not offered here: {huge_pages_report()['why']}")
 
 
-def _mapping(address: int) -> tuple[int, int, str] | None:
-    """(start, end, VmFlags) of this process's mapping holding `address`, or None."""
+def _mapping(address: int, field: str = "VmFlags:") -> tuple[int, int, str] | None:
+    """(start, end, the line of `field`) of this process's mapping holding `address`, or None."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
     found = None
@@ -31,7 +31,7 @@ def _mapping(address: int) -> tuple[int, int, str] | None:
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
             found = (start, end) if start <= address < end else None
-        elif found and line.startswith("VmFlags:"):
+        elif found and line.startswith(field):
             return found[0], found[1], line
     return None
 
@@ -80,20 +80,6 @@ def test_arena_is_one_mapping_that_asks_for_huge_pages():
     assert end - start >= 8 << 20
 
 
-def _anon_huge_kib(start: int, end: int) -> int:
-    """AnonHugePages (KiB) of this process's mapping [start, end)."""
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            inside = tuple(int(x, 16) for x in head.split("-")) == (start, end)
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
 @linux_thp
 def test_an_arena_written_in_small_pages_is_collapsed_into_huge_ones_with_its_bytes():
     """A prefill's cache (huge_later): written in ordinary pages (no first touch of a 2 MiB page
@@ -103,7 +89,7 @@ def test_an_arena_written_in_small_pages_is_collapsed_into_huge_ones_with_its_by
     assert " nh" in flags and " hg" not in flags, f"advised for small pages first: {flags}"
     a.copy_(torch.arange(a.numel(), dtype=torch.int64).remainder_(251).to(torch.uint8))
     b.fill_(0.5)
-    assert _anon_huge_kib(start, end) == 0
+    assert int(_mapping(start, "AnonHugePages:")[2].split()[1]) == 0
     thread = host_memory.collapse_in_background([a, b])
     b[:1000].fill_(2.0)  # written while it is moved
     thread.join(timeout=120)
@@ -113,7 +99,7 @@ def test_an_arena_written_in_small_pages_is_collapsed_into_huge_ones_with_its_by
     assert (b[:1000] == 2.0).all() and (b[1000:] == 0.5).all()
     assert thread.outcome is not None
     if thread.outcome == "collapsed":  # (a kernel before 6.1, or no free 2 MiB page: small pages stay)
-        assert _anon_huge_kib(start, end) >= 2048, "no 2 MiB page after the collapse"
+        assert int(_mapping(start, "AnonHugePages:")[2].split()[1]) >= 2048, "no 2 MiB page after the collapse"
 
 
 def test_collapse_does_nothing_where_huge_pages_are_not_offered(no_huge_pages):
