@@ -2,7 +2,8 @@
 """A decode step reading int8 weights against the same step reading them in bf16, side by side.
 
     python scripts/bench_weights.py [--contexts 64 2048 8192] [--kv-dtypes model fp8]
-                                    [--rows 1 2 4 8] [--steps 16] [--rounds 4] [--json out.json]
+                                    [--rows 1 2 4 8] [--answers 10] [--steps 16] [--rounds 4]
+                                    [--json out.json]
 
 SmolLM2-135M in bf16 with int8 weights (ringctx.model.int8_weights), one process, one cache per
 context of random token ids. The two sides are the same model (the same values): "int8" is the
@@ -17,6 +18,11 @@ the kernel variant (avx512, avx2, portable).
 model times R activation rows, small_linear_int8 over the codes (allowed any R here, past
 cpu_kernels.INT8_MAX_ROWS) against small_linear over the values, alternating; the same results
 bit for bit. This is the measurement INT8_MAX_ROWS comes from.
+
+--answers N: what the rounding does to answers: the embedded SmolLM2 with bf16 weights and with
+int8 weights (two engines, bf16 activations), the same 8,000-token document (bench_serve's) and
+N of its questions, 32 greedy tokens each: how many answers are identical, and the first token
+where each pair differs.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="*", default=[64, 2048, 8192])
     p.add_argument("--kv-dtypes", nargs="+", default=["model", "fp8"])
     p.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8], help="activation rows of the products alone")
+    p.add_argument("--answers", type=int, default=0, help="questions answered by both weights (0: none)")
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per side and round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--json", metavar="PATH", default="bench_weights.json")
@@ -126,14 +133,41 @@ def main() -> int:
         products.append(row)
         print(f"products of {rows} row(s), {len(matrices)} matrices: int8 {row['int8_ms']:6.2f} ms  "
               f"bf16 {row['bf16_ms']:6.2f} ms  int8/bf16 {row['ratio']:.2f}", flush=True)
+    agreement = compare_answers(args.answers) if args.answers else None
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "cpu": cpu_model(),
               "variant": variant.name if variant else None, "read_bandwidth_bytes_per_s": bandwidth,
               "threads": torch.get_num_threads(), "model": MODEL, "args": vars(args), "rows": rows,
-              "products": products}
+              "products": products, "answers": agreement}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.json}")
     return 0
+
+
+def compare_answers(count: int) -> dict:
+    """Greedy answers of SmolLM2 with bf16 and with int8 weights to `count` questions (see --answers)."""
+    import bench_serve  # its neighbour in scripts/ (on the path when run as a script)
+    from ringctx.engine import Engine
+    from ringctx.model.loader import embedded_gguf_path
+    from ringctx.model.tokenizer import load_tokenizer
+
+    text, _ = bench_serve.make_document(8000, 1, load_tokenizer(embedded_gguf_path()))
+    questions = bench_serve.QUESTIONS[:count]
+    answers = {}
+    for weights in ("model", "int8"):
+        with Engine(MODEL, nproc=1, dtype="bfloat16", weights=weights) as engine:
+            document = engine.ingest(text)
+            answers[weights] = []
+            for q in questions:
+                generation = engine.generate(document, q, max_new_tokens=32, temperature=0)
+                "".join(generation)
+                answers[weights].append(generation.result.token_ids)
+    first_difference = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                        for a, b in zip(answers["model"], answers["int8"])]
+    same = sum(a == b for a, b in zip(answers["model"], answers["int8"]))
+    print(f"answers: {same} of {len(questions)} identical with int8 weights; first differing token "
+          f"{first_difference} (32 tokens each)", flush=True)
+    return {"identical": same, "questions": len(questions), "first_difference": first_difference}
 
 
 if __name__ == "__main__":
