@@ -19,27 +19,24 @@ before the loaders fill them). The mapping is private and anonymous: the OS fill
 pages it in on first touch (rows of a KV cache never written cost no memory, as with
 torch.empty), and unmaps it when the last tensor viewing it is freed.
 
-A KV cache that a prefill fills chunk by chunk is the exception in how it starts: the first touch
-of a 2 MiB page can cost milliseconds on a VM, which the chunks (and answers waiting between two
-tokens) would pay one page at a time, so it is written in ordinary pages and moved into 2 MiB
-pages once written (`host_tensors(..., huge_later=True)`, `collapse_in_background`).
+A KV cache that a prefill fills chunk by chunk is the exception: the first touch of a 2 MiB page
+can cost milliseconds on a VM, which the chunks (and the answers waiting between two tokens while
+a server ingests) would pay one page at a time, so it stays in ordinary pages
+(`host_tensors(..., small_pages=True)`; docs/BENCHMARKS.md).
 
 Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0), the same calls
 return ordinary tensors, one allocation each: the values and the code paths are the same.
 
     k, v = host_tensors([((tokens, 8, 128), torch.bfloat16)] * 2)
-    k, v = host_tensors(..., huge_later=True); ...; collapse_in_background([k, v])
     place_in_host_arena(model)        # every parameter of a model, ties kept
     huge_pages_report()               # what `ringctx info` prints
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
-import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -89,17 +86,16 @@ def _why_off() -> str | None:
 
 
 def host_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], *, zero: bool = False,
-                 huge_later: bool = False) -> list[torch.Tensor]:
+                 small_pages: bool = False) -> list[torch.Tensor]:
     """New contiguous CPU tensors of the given (shape, dtype)s, in one huge-page arena where offered.
 
     Args:
         specs: (shape, dtype) of each tensor.
         zero: the tensors must start as zeros (the arena always does; the fallback then uses
             torch.zeros instead of torch.empty).
-        huge_later: the arena is written first in ordinary pages and turned into 2 MiB pages once
-            written (`collapse_in_background`): for memory filled bit by bit while other work waits
-            on each write (a prefill's KV cache), as the first touch of a 2 MiB page can cost
-            milliseconds on a VM.
+        small_pages: one arena still, in ordinary pages: for memory filled bit by bit while other
+            work waits on each write (a prefill's KV cache), as the first touch of a 2 MiB page can
+            cost milliseconds on a VM.
 
     Returns:
         one tensor per spec, in order. Each is a view of the arena, which stays mapped while any
@@ -113,7 +109,7 @@ def host_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]], *, zero: bo
     for size in sizes:
         offsets.append(total)
         total += -(-size // ALIGN) * ALIGN
-    arena = _huge_page_bytes(total, advise=not huge_later)
+    arena = _huge_page_bytes(total, advise=not small_pages)
     return [arena[at:at + size].view(dtype).view(tuple(shape))
             for (shape, dtype), at, size in zip(specs, offsets, sizes)]
 
@@ -141,53 +137,9 @@ def place_in_host_arena(module: nn.Module) -> nn.Module:
     return module
 
 
-MADV_COLLAPSE = 25
-"""madvise advice (Linux 6.1+): move a range's pages into 2 MiB pages now, keeping every byte."""
-
-
-def collapse_in_background(tensors: Sequence[torch.Tensor]) -> threading.Thread | None:
-    """Move the memory under `tensors` (views of one `host_tensors(..., huge_later=True)` arena,
-    written by now) into 2 MiB pages on a thread of its own; return it (None where huge pages are
-    not offered). Once it ends, its `outcome` is "collapsed" or why not (an old kernel, no free
-    2 MiB page: the memory then stays in small pages, as good as ordinary memory).
-
-    Why: a prefill writes its KV cache chunk by chunk, and when each first write to a 2 MiB page
-    pays for the page (the kernel clears it, a VM's host backs it: 5.8 s per GiB at worst on this
-    project's VM, against 0.2 s in 4 KiB pages), the chunks stall by that much: the first 512-token
-    chunk of an 8K-token document took 1.5 s instead of 0.3 s, and answers in flight waited 40-60
-    ms between two tokens for a layer of it. Written in ordinary pages first, then collapsed, the
-    decode still reads the cache from 2 MiB pages (a plain read went from 23 to 32 GB/s by the
-    collapse). MADV_COLLAPSE keeps every byte and may run while the memory is read or written (the
-    kernel makes accesses to a range being moved wait for it); the thread holds the tensors until
-    it is done. Its advice MADV_HUGEPAGE first, so that later pages (decode room) come huge."""
-    if not tensors or not huge_pages_enabled() or not all(t.device.type == "cpu" for t in tensors):
-        return None
-    page = mmap.PAGESIZE
-    start = min(t.data_ptr() for t in tensors)
-    end = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
-    start -= start % page
-    end += -end % page
-
-    def collapse(keep=tuple(tensors)):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            for name, advice in (("MADV_HUGEPAGE", mmap.MADV_HUGEPAGE), ("MADV_COLLAPSE", MADV_COLLAPSE)):
-                if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) != 0:
-                    thread.outcome = f"{name} refused: {os.strerror(ctypes.get_errno())}"
-                    return
-            thread.outcome = "collapsed"
-        except (OSError, AttributeError) as exc:
-            thread.outcome = f"no madvise: {exc}"
-
-    thread = threading.Thread(target=collapse, name="ringctx-collapse", daemon=True)
-    thread.outcome = None
-    thread.start()
-    return thread
-
-
 def _huge_page_bytes(nbytes: int, advise: bool = True) -> torch.Tensor:
     """A uint8 tensor over a fresh private anonymous mapping of nbytes that asks for 2 MiB pages
-    (advise=False: not yet, see `collapse_in_background`).
+    (advise=False: for ordinary pages, even where THP is "always").
 
     The tensor holds the mmap object (torch.frombuffer keeps a reference), so the mapping lives
     exactly as long as the tensor's storage. The advice comes before any page is touched: pages
@@ -198,7 +150,7 @@ def _huge_page_bytes(nbytes: int, advise: bool = True) -> torch.Tensor:
         raise MemoryError(f"cannot map {nbytes / 2**30:.2f} GiB of host memory for weights or a KV cache "
                           f"({exc.strerror}); check what fits first with `ringctx plan`, or use fewer tokens, "
                           "a smaller model or more ranks") from exc
-    try:  # (not yet: small pages even where THP is "always", until collapse_in_background)
+    try:
         buffer.madvise(mmap.MADV_HUGEPAGE if advise else mmap.MADV_NOHUGEPAGE)
     except OSError:  # refused (an old kernel, a sandbox): ordinary pages, the same memory
         pass

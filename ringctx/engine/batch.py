@@ -243,8 +243,10 @@ def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
     """Move rows start..length-1 of `cache` into a new cache (positions kept, `room` rows free) and
     cut `cache` back to `start` rows."""
     n = cache.length - start
+    # small pages: a question's rows grow a token at a time, and a 2 MiB page's first touch stalled
+    # the whole batch's step (ringctx.host_memory)
     own = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
-                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=True)
+                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=True, small_pages=True)
     for dst, src in zip(own.storage_tensors(), cache.storage_tensors()):
         dst[:n].copy_(src[start:start + n])
     own.positions[:n] = cache.row_positions()[start:start + n]

@@ -307,10 +307,11 @@ class PrefillRun:
         if shard is not None:
             shard = shard.grown(rows)
         else:
-            # written chunk by chunk in ordinary pages, 2 MiB pages once the prefill ends (see
-            # ringctx.host_memory.collapse_in_background: their first touch stalled every chunk)
+            # in ordinary pages: the first touch of 2 MiB pages stalled the chunks writing it (on a VM
+            # up to 5.8 s per GiB: an 8K-token document's first chunk took 1.5 s instead of 0.3 s),
+            # for 0.96x the decode step that 2 MiB pages give (docs/BENCHMARKS.md)
             shard = KVCache.for_model(cfg, max(rows, 1), dtype=dtype, device=device, kv_dtype=config.kv_dtype,
-                                      sliced=not in_place, huge_later=True)
+                                      sliced=not in_place, small_pages=True)
             if cached_len:
                 _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
         self.shard = shard
@@ -428,8 +429,6 @@ class PrefillRun:
                                              self.keeps_shard)
             stats.handoff_s = time.perf_counter() - t_handoff
         stats.ttft_s = time.perf_counter() - self.t_start
-        if out_cache is shard:  # this rank decodes from the cache its chunks wrote
-            shard.collapse_pages()
 
         slice_rows = out_cache.length if out_cache is not None else 0
         ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)

@@ -204,6 +204,9 @@ class Scheduler:
         self.last_step_joins = 0  # questions that joined in the last step
         self.joins_held = 0  # steps where a question that fit the token budget waited for the time bound
         self.last_slice_layers = 0  # layers of an ingest's chunk that the last step ran beside the batch
+        # the decode steps an ingest's slices are sized by: the median of the last few, so that one
+        # slow step (a page fault, another process) does not size a long slice after it
+        self._recent_decode_s: collections.deque = collections.deque(maxlen=RECENT_DECODE_STEPS)
         self.on_failure = on_failure
         self.max_batch, self.max_rows = max_batch, max_rows
         self.questions: collections.deque[QuestionTicket] = collections.deque()
@@ -449,11 +452,15 @@ class Scheduler:
         ticket._put(Done(result))
 
     def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> int:
-        """Layers of the prefill's chunk that take about ingest_share x decode_s (at least one; one
-        until a slice has been timed)."""
-        if ticket.layer_s is None or decode_s <= 0:
+        """Layers of the prefill's chunk that take about ingest_share x a decode step (the median of
+        the last RECENT_DECODE_STEPS, decode_s the latest; at least one layer, one until a slice has
+        been timed)."""
+        if decode_s > 0:
+            self._recent_decode_s.append(decode_s)
+        if ticket.layer_s is None or not self._recent_decode_s:
             return 1
-        return max(1, int(self.ingest_share * decode_s / ticket.layer_s))
+        step_s = sorted(self._recent_decode_s)[len(self._recent_decode_s) // 2]
+        return max(1, int(self.ingest_share * step_s / ticket.layer_s))
 
     def _chunk_tokens(self, ticket: PrefillTicket) -> int:
         """Tokens the prefill's next step prefills (its first: the engine's chunk size)."""
@@ -517,6 +524,10 @@ class Scheduler:
         for call in calls:
             call.error = error
             call.done.set()
+
+
+RECENT_DECODE_STEPS = 8
+"""Decode steps whose median sizes an ingest's slice beside them (Scheduler._slice_layers)."""
 
 
 def slowest_recent(previous: float | None, measured: float) -> float:

@@ -29,7 +29,7 @@ from ..attention import PartialAccumulator, attention_block, attention_with_cach
 from ..attention import quant
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from .config import ModelConfig
-from ..host_memory import collapse_in_background, host_tensors
+from ..host_memory import host_tensors
 
 
 class KVCache:
@@ -57,12 +57,12 @@ class KVCache:
         device: torch.device | str = "cpu",
         kv_dtype: str = "model",
         sliced: bool = False,
-        huge_later: bool = False,
+        small_pages: bool = False,
     ):
         """dtype: what reads return and writes take (the model's dtype); kv_dtype: how rows are
         stored (see the class docstring); sliced: keep a `positions` index (rows in any order);
-        huge_later: on a CPU, written in ordinary pages until `collapse_pages` (a prefill's cache,
-        see ringctx.host_memory.collapse_in_background)."""
+        small_pages: on a CPU, in ordinary pages, not 2 MiB ones (a prefill's cache, written chunk by
+        chunk: see ringctx.host_memory)."""
         if max_tokens <= 0:
             raise ValueError(f"KVCache: max_tokens must be positive, got {max_tokens}")
         shape = (max_tokens, n_kv_heads, head_dim)
@@ -74,8 +74,8 @@ class KVCache:
         # On a CPU they share one mapping in 2 MiB pages (ringctx.host_memory), layer by layer, K
         # then V (then their scales): a decode step reads the whole cache, and faster from there.
         per_layer = [(shape, stored)] * 2 + ([(shape[:2], torch.float32)] * 2 if is_quantized(kv_dtype) else [])
-        buffers = _empty_buffers(per_layer * n_layers, device, huge_later=huge_later)
-        self._huge_later = huge_later
+        buffers = _empty_buffers(per_layer * n_layers, device, small_pages=small_pages)
+        self.small_pages = small_pages
         stride = len(per_layer)
         self.k, self.v = buffers[0::stride], buffers[1::stride]
         self.k_scale = self.v_scale = None
@@ -88,11 +88,11 @@ class KVCache:
     def for_model(
         cls, config: ModelConfig, max_tokens: int, *, dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", kv_dtype: str = "model", sliced: bool = False,
-        huge_later: bool = False,
+        small_pages: bool = False,
     ) -> "KVCache":
         """An empty cache with this model's layer count, KV heads and head width."""
         return cls(config.n_layers, max_tokens, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
-                   kv_dtype=kv_dtype, sliced=sliced, huge_later=huge_later)
+                   kv_dtype=kv_dtype, sliced=sliced, small_pages=small_pages)
 
     @classmethod
     def from_tensors(
@@ -127,7 +127,7 @@ class KVCache:
         cache = cls.__new__(cls)
         cache.kv_dtype, cache.compute_dtype = "model", dtype
         cache.k_scale = cache.v_scale = cache.positions = None
-        cache._huge_later = False
+        cache.small_pages = False
         if max_tokens is None:
             cache.k, cache.v = list(k), list(v)
         else:
@@ -176,12 +176,6 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by all buffers (capacity, not just the valid prefix), scales included."""
         return sum(t.numel() * t.element_size() for t in self.storage_tensors())
-
-    def collapse_pages(self) -> None:
-        """A `huge_later` cache, written: move its memory into 2 MiB pages, in the background."""
-        if self._huge_later and self.k[0].device.type == "cpu":
-            self._huge_later = False
-            collapse_in_background(self.storage_tensors())
 
     def storage_tensors(self, layer: int | None = None) -> list[torch.Tensor]:
         """The buffers as stored, [k, v] or [k, v, k_scale, v_scale] (of one layer, or of all)."""
@@ -261,7 +255,8 @@ class KVCache:
         if max_tokens <= self.max_tokens:
             return self
         out = KVCache(self.n_layers, max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
-                      device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None)
+                      device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None,
+                      small_pages=self.small_pages)
         for dst, src in zip(out.storage_tensors(), self.storage_tensors()):
             dst[:self.length].copy_(src[:self.length])
         if self.positions is not None:
@@ -330,10 +325,10 @@ class CachedAttend:
         return acc.result(q.dtype)[0]
 
 
-def _empty_buffers(specs, device, *, zero: bool = False, huge_later: bool = False) -> list[torch.Tensor]:
-    """New tensors of the given (shape, dtype)s on `device`: on a CPU, one huge-page arena."""
+def _empty_buffers(specs, device, *, zero: bool = False, small_pages: bool = False) -> list[torch.Tensor]:
+    """New tensors of the given (shape, dtype)s on `device`: on a CPU, one (huge-page) arena."""
     if torch.device(device).type == "cpu":
-        return host_tensors(specs, zero=zero, huge_later=huge_later)
+        return host_tensors(specs, zero=zero, small_pages=small_pages)
     make = torch.zeros if zero else torch.empty
     return [make(shape, dtype=dtype, device=device) for shape, dtype in specs]
 
