@@ -308,8 +308,8 @@ class PrefillRun:
             shard = shard.grown(rows)
         else:
             # in ordinary pages: the first touch of 2 MiB pages stalled the chunks writing it (on a VM
-            # up to 5.8 s per GiB: an 8K-token document's first chunk took 1.5 s instead of 0.3 s),
-            # for 0.96x the decode step that 2 MiB pages give (docs/BENCHMARKS.md)
+            # up to 5.8 s per GiB: an 8K-token document's first chunk took 1.5 s instead of 0.3 s);
+            # decode steps over it take ~1.04x their time from 2 MiB pages (docs/BENCHMARKS.md)
             shard = KVCache.for_model(cfg, max(rows, 1), dtype=dtype, device=device, kv_dtype=config.kv_dtype,
                                       sliced=not in_place, small_pages=True)
             if cached_len:

@@ -72,7 +72,8 @@ class KVCache:
         # empty, not zeros: rows at or past `length` are never read, and pages never written cost
         # no memory, so a cache sized for prompt + decode room fills in as the hand-off writes it.
         # On a CPU they share one mapping in 2 MiB pages (ringctx.host_memory), layer by layer, K
-        # then V (then their scales): a decode step reads the whole cache, and faster from there.
+        # then V (then their scales): a decode step reads the whole cache, and faster from there
+        # (small_pages: the same mapping in ordinary pages).
         per_layer = [(shape, stored)] * 2 + ([(shape[:2], torch.float32)] * 2 if is_quantized(kv_dtype) else [])
         buffers = _empty_buffers(per_layer * n_layers, device, small_pages=small_pages)
         self.small_pages = small_pages
