@@ -40,9 +40,9 @@ An ingest beside running answers is bounded by time instead: each step runs the 
 its current chunk (PrefillJob.step(layers=n), the same bits as the chunk run whole), n sized from
 the time its recent slices took per layer so that the slice takes about `ingest_share` times the
 batch's decode step (the median of the last RECENT_DECODE_STEPS; at least one layer). With the
-default 1.0 an answer's inter-token time stays near twice its time without the ingest, and the ingest gets about half the machine; the
-longest pause is one layer of one chunk, which the chunk size sets (`ringctx serve` picks chunks
-whose layers are short on CPUs: serve/service.py).
+default 1.0 an answer's inter-token time stays near twice its time without the ingest, and the
+ingest gets about half the machine; the longest pause is one layer of one chunk, which the chunk
+size sets (`ringctx serve` picks chunks whose layers are short on CPUs: serve/service.py).
 
 `max_rows` bounds the KV rows the running questions may hold together (each counts its prompt
 plus its max_new_tokens): when they run out, questions wait in the queue rather than run out of
