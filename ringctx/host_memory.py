@@ -21,8 +21,9 @@ torch.empty), and unmaps it when the last tensor viewing it is freed.
 
 A KV cache that a prefill fills chunk by chunk is the exception: the first touch of a 2 MiB page
 can cost milliseconds on a VM, which the chunks (and the answers waiting between two tokens while
-a server ingests) would pay one page at a time, so it stays in ordinary pages
-(`host_tensors(..., small_pages=True)`; docs/BENCHMARKS.md).
+a server ingests) would pay one page at a time, so it starts in ordinary pages
+(`host_tensors(..., small_pages=True)`) and a server moves it into 2 MiB pages a page at a time
+when idle (`collapse_steps`; docs/BENCHMARKS.md).
 
 Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0), the same calls
 return ordinary tensors, one allocation each: the values and the code paths are the same.
@@ -34,6 +35,7 @@ return ordinary tensors, one allocation each: the values and the code paths are 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -135,6 +137,43 @@ def place_in_host_arena(module: nn.Module) -> nn.Module:
             if p is not None:
                 submodule._parameters[name] = replacement[id(p)]
     return module
+
+
+HUGE_PAGE = 2 << 20
+"""Bytes of a transparent huge page on x86-64 (and most arm64 kernels)."""
+
+MADV_COLLAPSE = 25
+"""madvise advice (Linux 6.1+): move a range's pages into 2 MiB pages now, keeping every byte."""
+
+
+def collapse_steps(tensors: Sequence[torch.Tensor]):
+    """Move the memory under `tensors` (views of one `small_pages` arena) into 2 MiB pages, one
+    page per step: a generator to advance when nothing else runs (the scheduler's idle turns).
+
+    Why in steps, on the thread that runs the work: while the kernel moves a range it holds the
+    process's memory map, so one call over a whole cache in a thread of its own stalled the
+    scheduler's thread 1.2-1.7 s on this project's VM (docs/BENCHMARKS.md); a page at a time
+    between requests stalls nothing but an arriving request, by one page at most. Every byte is
+    kept. Ends early (the pages stay small) where huge pages are not offered or the kernel refuses.
+    """
+    if not tensors or not huge_pages_enabled() or not all(t.device.type == "cpu" for t in tensors):
+        return
+    page = mmap.PAGESIZE
+    start = min(t.data_ptr() for t in tensors)
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+    start -= start % page
+    end += -end % page
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE) != 0:
+        return
+    for at in range(start - start % HUGE_PAGE, end, HUGE_PAGE):
+        lo, hi = max(at, start), min(at + HUGE_PAGE, end)
+        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_COLLAPSE) != 0:
+            return
+        yield
 
 
 def _huge_page_bytes(nbytes: int, advise: bool = True) -> torch.Tensor:

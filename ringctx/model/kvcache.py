@@ -29,7 +29,7 @@ from ..attention import PartialAccumulator, attention_block, attention_with_cach
 from ..attention import quant
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from .config import ModelConfig
-from ..host_memory import host_tensors
+from ..host_memory import collapse_steps, host_tensors
 
 
 class KVCache:
@@ -177,6 +177,14 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by all buffers (capacity, not just the valid prefix), scales included."""
         return sum(t.numel() * t.element_size() for t in self.storage_tensors())
+
+    def huge_page_steps(self):
+        """A small-pages cache's memory moved into 2 MiB pages, one page per step (a generator, see
+        ringctx.host_memory.collapse_steps); once exhausted the cache counts as in 2 MiB pages."""
+        try:
+            yield from collapse_steps(self.storage_tensors())
+        finally:
+            self.small_pages = False
 
     def storage_tensors(self, layer: int | None = None) -> list[torch.Tensor]:
         """The buffers as stored, [k, v] or [k, v, k_scale, v_scale] (of one layer, or of all)."""

@@ -168,3 +168,22 @@ def test_a_build_that_fails_raises_from_the_constructor():
 
     with pytest.raises(ValueError, match="no such model"):
         Scheduler(build)
+
+
+def test_idle_turns_move_a_documents_small_pages_into_huge_ones_without_changing_answers(engine, alone):
+    """A document's cache is written in small pages (the first touch of 2 MiB pages stalled the
+    chunks writing it); with nothing to run, the scheduler moves it into 2 MiB pages a page per
+    turn (ringctx.host_memory.collapse_steps), every byte kept."""
+    scheduler = Scheduler(engine)
+    try:
+        document = scheduler.call(lambda: engine.ingest(DOC))
+        assert document.cache.small_pages
+        deadline = time.monotonic() + 60
+        while document.cache.small_pages and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not document.cache.small_pages, "the idle turns never reached the document's cache"
+        text, result = collect(scheduler.submit_answer(
+            lambda: engine.generate(document, QUESTION, keep_logits=True, **GREEDY)))
+    finally:
+        scheduler.stop()
+    assert result.token_ids == alone["tokens"] and text == alone["text"]
