@@ -335,7 +335,11 @@ class Scheduler:
             if cache is None:
                 return False
             self._page_mover = cache.huge_page_steps()
-        if next(self._page_mover, StopIteration) is StopIteration:
+        try:
+            done = next(self._page_mover, StopIteration) is StopIteration
+        except Exception:  # noqa: BLE001 - a speed-up only: the cache stays in small pages, the server runs on
+            done = True
+        if done:
             self._page_mover = None
         return True
 
