@@ -176,8 +176,12 @@ def test_idle_turns_move_a_documents_small_pages_into_huge_ones_without_changing
     turn (ringctx.host_memory.collapse_steps), every byte kept."""
     scheduler = Scheduler(engine)
     try:
-        document = scheduler.call(lambda: engine.ingest(DOC))
-        assert document.cache.small_pages
+        def ingest():  # on the scheduler's thread, before any idle turn can run
+            made = engine.ingest(DOC)
+            return made, made.cache.small_pages
+
+        document, written_in_small_pages = scheduler.call(ingest)
+        assert written_in_small_pages
         deadline = time.monotonic() + 60
         while document.cache.small_pages and time.monotonic() < deadline:
             time.sleep(0.01)
