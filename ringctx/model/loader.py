@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .int8_weights import WEIGHT_CHOICES, quantize_model
+from .int8_weights import check_weights, quantize_model
 from .presets import PRESETS, get_preset
 from ..hub import local_model_path
 from .tensor_parallel import NO_TP, TensorParallel
@@ -90,8 +90,7 @@ def load_model(
     from .weights_hf import load_hf
 
     dtype = resolve_dtype(dtype)
-    if weights not in WEIGHT_CHOICES:
-        raise ValueError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHT_CHOICES)}")
+    check_weights(weights, dtype)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)

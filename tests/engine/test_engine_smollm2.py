@@ -117,15 +117,20 @@ def test_kv_file_round_trip_and_errors(engine1, engine2, document2, tmp_path):
         other.load_document(str(path))
 
 
-def test_cli_ingest_and_ask(tmp_path):
+def cli_ingest(tmp_path, repeats, *options):
+    """`ringctx ingest` of long_document(repeats) on one rank (not --nproc auto's two: this module's
+    two-rank engine holds this process's group) with `options`: (runner, doc, kv path, result)."""
     doc = tmp_path / "doc.txt"
-    doc.write_text(long_document(60))
+    doc.write_text(long_document(repeats))
     kv = tmp_path / "doc.kv"
     runner = CliRunner()
-    # one rank (not --nproc auto's two): this module's two-rank engine holds this process's group
-    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float32", "--chunk-tokens", "256",
-                                  "--nproc", "1"])
+    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), *options, "--nproc", "1"])
     assert result.exit_code == 0, result.output
+    return runner, doc, kv, result
+
+
+def test_cli_ingest_and_ask(tmp_path):
+    runner, doc, kv, result = cli_ingest(tmp_path, 60, "--dtype", "float32", "--chunk-tokens", "256")
     assert "time to first token" in result.output and kv.exists()
     result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16"])
     assert result.exit_code == 0, result.output
@@ -143,13 +148,7 @@ def test_cli_ingest_and_ask(tmp_path):
 def test_cli_int8_weights_find_the_needle_and_ask_reads_them_from_the_document(tmp_path):
     """SmolLM2 with int8 weights (bf16 activations) still finds the needle; `ask` loads the model
     as the document's manifest says it was made (int8), without being told."""
-    doc = tmp_path / "doc.txt"
-    doc.write_text(long_document(30))
-    kv = tmp_path / "doc.kv"
-    runner = CliRunner()
-    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "bf16", "--weights", "int8",
-                                  "--nproc", "1"])
-    assert result.exit_code == 0, result.output
+    runner, doc, kv, _ = cli_ingest(tmp_path, 30, "--dtype", "bf16", "--weights", "int8")
     result = runner.invoke(main, ["ask", str(kv), QUESTION, "--max-new-tokens", "16"])
     assert result.exit_code == 0, result.output
     assert "7492" in result.output
@@ -159,12 +158,7 @@ def test_cli_int8_weights_find_the_needle_and_ask_reads_them_from_the_document(t
 
 
 def test_cli_asks_several_questions_together(tmp_path):
-    doc = tmp_path / "doc.txt"
-    doc.write_text(long_document(30))
-    kv = tmp_path / "doc.kv"
-    runner = CliRunner()
-    result = runner.invoke(main, ["ingest", str(doc), "--save", str(kv), "--dtype", "float32", "--nproc", "1"])
-    assert result.exit_code == 0, result.output
+    runner, doc, kv, _ = cli_ingest(tmp_path, 30, "--dtype", "float32")
     questions = [QUESTION, "Who knows the code?"]
     alone = [runner.invoke(main, ["ask", str(kv), q, "--max-new-tokens", "12"]) for q in questions]
     assert all(r.exit_code == 0 for r in alone), alone[0].output
