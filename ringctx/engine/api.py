@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
-from ..model import KVCache, Sampler
+from ..model import KVCache, Sampler, check_token_ids
 from ..model.generate import Generation
 from ..model.int8_weights import check_int8_model, check_weights
 from ..model.tensor_parallel import tp_problem
@@ -596,12 +596,18 @@ class Engine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         return ManyAnswers(self, document, questions, max_batch or len(questions), kwargs)
 
-    def question_ids(self, document: Document, prompt) -> torch.Tensor:
-        """A question's token ids as `generate` appends them to `document` (text in the document's frame)."""
-        if not isinstance(prompt, str):  # token ids, taken as they are
-            return torch.as_tensor(list(map(int, prompt)), dtype=torch.long)
-        text = document.question_prefix + prompt + document.question_suffix
-        return torch.tensor(self._tokenizer()(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    def question_ids(self, document: Document | None, prompt) -> torch.Tensor:
+        """A question's token ids as `generate` appends them to `document` (text in the document's
+        frame; None: a prompt of its own, text tokenized as it is). Token ids are taken as they are,
+        checked here against the vocabulary: a bad id found by the ranks after the answer's first
+        command had left some of them holding its state."""
+        if not isinstance(prompt, str):
+            ids = torch.as_tensor(list(map(int, prompt)), dtype=torch.long)
+            check_token_ids(ids, self.model.config.vocab_size)
+            return ids
+        if document is not None:
+            prompt = document.question_prefix + prompt + document.question_suffix
+        return torch.tensor(self._tokenizer()(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
     def ask(self, document: Document, question: str, **kwargs) -> str:
         """The whole answer to `question` about `document` (see `generate`; "" on the other ranks)."""

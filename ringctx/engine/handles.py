@@ -248,7 +248,7 @@ class Batch:
         """Add a sequence: its question's prefill and first token now (`first_piece`); it then
         advances with every `step`. prompt: question text (in the document's chat frame) or token ids."""
         engine = self.engine
-        ids = engine.question_ids(document, prompt) if document is not None else _prompt_ids(engine, prompt)
+        ids = engine.question_ids(document, prompt)
         if ids.numel() == 0:
             raise ValueError("the question is empty: ask something")
         sequence_id = engine._new_id()
@@ -308,13 +308,6 @@ class Batch:
 
 def _ints(values) -> bytes:
     return torch.tensor(list(values), dtype=torch.long).numpy().tobytes()
-
-
-def _prompt_ids(engine, prompt) -> torch.Tensor:
-    """A prompt of its own (no document): token ids as given, or text tokenized as it is."""
-    if isinstance(prompt, str):
-        return torch.tensor(engine._tokenizer()(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    return torch.as_tensor(list(map(int, prompt)), dtype=torch.long)
 
 
 class ManyAnswers:

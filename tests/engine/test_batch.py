@@ -142,11 +142,17 @@ def test_bad_questions_are_refused_and_the_batch_goes_on(split_engine):
     batch = split_engine.batch()
     with pytest.raises(ValueError, match="outside the vocabulary"):
         batch.join(document, [10 ** 9], max_new_tokens=3)
-    assert not batch.members and split_engine.state.batch.sequences == {}
+    assert not batch.members and (split_engine.state.batch is None or split_engine.state.batch.sequences == {})
     member = batch.join(document, QUESTIONS[0], max_new_tokens=2, **GREEDY)
     while batch.members:
         batch.step()
     assert len(member.result.token_ids) == 2
+    # the lone path likewise refuses before any rank takes the answer, and the engine goes on
+    with pytest.raises(ValueError, match="token id -1 is outside the vocabulary"):
+        split_engine.generate(document, [5, -1], max_new_tokens=3)
+    answer = split_engine.generate(document, QUESTIONS[0], max_new_tokens=2, **GREEDY)
+    "".join(answer)
+    assert len(answer.result.token_ids) == 2
 
 
 def test_batched_logits_equal_the_whole_sequence_run_at_once():
