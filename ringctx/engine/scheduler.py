@@ -55,6 +55,7 @@ pieces, then the result), a PrefillTicket reports each chunk and the result.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import queue
 import threading
@@ -84,8 +85,9 @@ class Done:
 
 
 class AnswerTicket:
-    """An answer in the scheduler: iterate it (from any thread) for Text events then one Done;
-    `cancel()` ends it at the next step. Errors (bad input, a lost rank) are raised from the iterator."""
+    """An answer in the scheduler: iterate it (from any thread) for Text events then one Done, or
+    `async for` over it on an event loop; `cancel()` ends it at the next step. Errors (bad input, a
+    lost rank) are raised from the iterator."""
 
     def __init__(self, start: Callable[[], Any]):
         self.start = start  # on the scheduler's thread: -> the Engine's Answer
@@ -94,6 +96,7 @@ class AnswerTicket:
         self.submitted = time.monotonic()
         self.started: float | None = None
         self._events: queue.Queue = queue.Queue()
+        self._wake: Callable[[], None] | None = None  # an async consumer's: an event was put
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -107,8 +110,35 @@ class AnswerTicket:
             if isinstance(event, Done):
                 return
 
+    async def __aiter__(self):
+        """The same events on an event loop, each awaited without a thread of its own: the
+        scheduler wakes the loop when it puts one. (Read from a worker thread instead, every
+        streamed answer held one of the server's worker threads while it waited for its next token;
+        past the pool's 40, every other request's backend call waited for a stream to end.)"""
+        loop = asyncio.get_running_loop()
+        arrived = asyncio.Event()
+        self._wake = lambda: loop.call_soon_threadsafe(arrived.set)
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                await arrived.wait()
+                arrived.clear()  # then look again: an event put after this line sets it anew
+                continue
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if isinstance(event, Done):
+                return
+
     def _put(self, event) -> None:
         self._events.put(event)
+        wake = self._wake
+        if wake is not None:
+            try:
+                wake()
+            except RuntimeError:  # the consumer's loop has closed: nobody is waiting
+                self._wake = None
 
 
 class QuestionTicket(AnswerTicket):

@@ -13,11 +13,13 @@
 
 This layer only authenticates, limits, validates and formats; the backend owns tokens, documents
 and ranks. Every backend call runs in a worker thread (`run_in_threadpool`): the event loop never
-blocks on the engine. Every error, ours or the backend's, is an OpenAI error object.
+blocks on the engine; a streamed answer's tokens are awaited on the loop itself (the backend wakes
+it for each). Every error, ours or the backend's, is an OpenAI error object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import time
@@ -164,7 +166,6 @@ def _collect(answer, metrics: ServeMetrics, arrived: float) -> tuple[str, Finish
 async def _stream(answer, metrics, endpoint, arrived, request_id, model, chat, include_usage, request):
     """Server-sent events of one answer; an error after the first byte is sent as an error event."""
     created, clock = int(time.time()), _TokenClock(metrics, arrived)
-    iterator = iter(answer)
     finished = False
 
     def chunk(**kw) -> str:
@@ -174,20 +175,18 @@ async def _stream(answer, metrics, endpoint, arrived, request_id, model, chat, i
     try:
         if chat:
             yield chunk(delta={"role": "assistant", "content": ""})
-        while True:
-            event = await run_in_threadpool(next, iterator, None)
-            if event is None:
-                break
-            if isinstance(event, Piece):
-                clock.tick()
-                if event.text:
-                    yield chunk(delta={"content": event.text}) if chat else chunk(text=event.text)
-            elif isinstance(event, Finished):
-                finished = True
-                _note(request, event)
-                yield chunk(finish_reason=event.finish_reason)
-                if include_usage:
-                    yield chunk(usage_of=event)
+        async with contextlib.aclosing(aiter(answer)) as events:
+            async for event in events:
+                if isinstance(event, Piece):
+                    clock.tick()
+                    if event.text:
+                        yield chunk(delta={"content": event.text}) if chat else chunk(text=event.text)
+                elif isinstance(event, Finished):
+                    finished = True
+                    _note(request, event)
+                    yield chunk(finish_reason=event.finish_reason)
+                    if include_usage:
+                        yield chunk(usage_of=event)
         yield "data: [DONE]\n\n"
     except BackendError as exc:
         yield _sse(protocol.error_object(exc.message, exc.type, exc.param, exc.code))

@@ -2,6 +2,8 @@
 two ranks, give exactly what each gives alone; cancelled work frees its place; a lost rank ends
 every ticket with the RankFailure naming it."""
 
+import asyncio
+import contextlib
 import threading
 import time
 
@@ -140,6 +142,41 @@ def test_tickets_are_read_from_other_threads(engine, alone):
     finally:
         scheduler.stop()
     assert [results[i][1].token_ids for i in range(3)] == [alone["tokens"]] * 3
+
+
+def test_tickets_are_read_on_an_event_loop(engine, alone):
+    """`async for` over tickets (the server's streamed answers): the same events as reading them from a
+    thread, several at once on one loop; an error is raised from the iteration; a ticket whose loop
+    has closed does not disturb the scheduler."""
+    scheduler = Scheduler(engine)
+
+    async def read(ticket):
+        return [event async for event in ticket]
+
+    async def read_all(tickets):
+        return await asyncio.gather(*(read(t) for t in tickets))
+
+    try:
+        document = scheduler.call(lambda: engine.ingest(DOC))
+        tickets = [scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)) for _ in range(3)]
+        for events in asyncio.run(read_all(tickets)):
+            assert isinstance(events[-1], Done) and events[-1].result.token_ids == alone["tokens"]
+            assert "".join(e.text for e in events if isinstance(e, Text)) == alone["text"]
+        bad = scheduler.submit_answer(lambda: engine.generate(document, [10 ** 6], **GREEDY))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            asyncio.run(read(bad))
+
+        async def give_up(ticket):  # stops reading, and its loop closes, while the answer runs
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(read(ticket), timeout=0.05)
+
+        left = scheduler.submit_answer(lambda: engine.generate(document, QUESTION, max_new_tokens=300))
+        asyncio.run(give_up(left))
+        assert isinstance(list(left)[-1], Done)  # the rest is still there to read, from a thread
+        text, result = collect(scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)))
+        assert result.token_ids == alone["tokens"] and scheduler.stopped is None
+    finally:
+        scheduler.stop()
 
 
 def test_an_engine_given_as_a_function_is_built_on_the_schedulers_thread_and_answers_the_same(alone):

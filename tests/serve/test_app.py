@@ -14,6 +14,7 @@ import threading
 import pytest
 
 fastapi = pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 from fastapi.testclient import TestClient  # noqa: E402
 
@@ -44,6 +45,10 @@ class FakeAnswer:
             yield api.Piece(word)
         yield api.Finished(finish_reason="length" if n < len(self.words) else "stop", prompt_tokens=10 + self.cached,
                            completion_tokens=n, cached_tokens=self.cached, time_to_first_token_s=0.01)
+
+    async def __aiter__(self):
+        for event in self:
+            yield event
 
 
 class FakeBackend:
@@ -321,6 +326,46 @@ def test_a_stream_the_client_leaves_cancels_its_answer(backend):
 
     asyncio.run(leave_after_two())
     assert answer.cancelled
+
+
+def test_streamed_answers_waiting_for_tokens_hold_no_worker_thread(backend):
+    """More streams than the worker threads (anyio's 40) all waiting for their next token: the
+    backend calls of other requests still run (a stream waits on the event loop, not in a thread)."""
+    streams = 48
+    release_threads, release_loop = threading.Event(), None
+
+    class SlowAnswer(FakeAnswer):
+        def __iter__(self):  # what a thread reading the answer would block on
+            release_threads.wait(timeout=60)
+            yield from super().__iter__()
+
+        async def __aiter__(self):
+            await release_loop.wait()
+            for event in super().__iter__():
+                yield event
+
+    backend.generate = lambda request: SlowAnswer(["a", " b"], request, 0)
+    app = create_app(backend, log=lambda line: None)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def run():
+        nonlocal release_loop
+        release_loop = asyncio.Event()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http_client:
+            tasks = [asyncio.create_task(http_client.post("/v1/chat/completions", json=chat)) for _ in range(streams)]
+            await asyncio.sleep(0.5)  # every stream has started and waits for its first token
+            try:
+                listed = await asyncio.wait_for(http_client.get("/v1/documents"), timeout=20)
+            finally:
+                release_loop.set()
+                release_threads.set()
+            answers = await asyncio.gather(*tasks)
+        return listed, answers
+
+    listed, answers = asyncio.run(run())
+    assert listed.status_code == 200
+    assert all(r.status_code == 200 and '"content":" b"' in r.text for r in answers)
 
 
 # ---------------------------------------------------------------------------- operations
