@@ -221,7 +221,7 @@ def _predicted_seconds(engine, tokens: int, peaks: dict | None = None) -> float 
     try:
         plan = plan_prefill(engine.model.full_config, engine.cp_size, hardware, tokens, 0, engine.chunk_tokens,
                             tp_size=engine.tp_size, dtype=dtype, rule=engine.rule,
-                            kv_dtype=engine.kv_dtype, decode_ranks=engine.decode_ranks)
+                            kv_dtype=engine.kv_dtype, decode_ranks=engine.decode_ranks, weights=engine.weights)
     except ValueError:
         return None
     return plan.ttft_ms / 1e3

@@ -17,6 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..model.int8_weights import WEIGHT_CHOICES
 from ..planning.hardware import DEFAULT_PROFILE_PATH
 from ..planning.strategy import RULES
 from ..units import fmt_gb
@@ -90,6 +91,9 @@ def _ms(x: float) -> str:
 @click.option("--dtype", default="bfloat16", show_default=True,
               help="Activation/attention dtype (and the KV cache's with --kv-dtype model).")
 @click.option("--weight-dtype", default=None, help="Weight dtype [default: --dtype].")
+@click.option("--weights", type=click.Choice(WEIGHT_CHOICES), default="model", show_default=True,
+              help="int8: the block matrices as int8 codes (`prefill/ingest/serve --weights int8`); on CPU "
+                   "profiles their codes are counted beside the bf16 weights.")
 @click.option("--no-handoff", is_flag=True, help="Leave out the KV gather to the decode rank from the TTFT.")
 @click.option("--decode-ranks", type=int, default=None,
               help="Devices of the decode host that keep the KV cache after the prefill, each with a balanced "
@@ -101,7 +105,7 @@ def _ms(x: float) -> str:
                    "Ring messages stay in --dtype.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached, chunk_tokens, rule, dtype,
-         weight_dtype, no_handoff, decode_ranks, kv_dtype, as_json):
+         weight_dtype, weights, no_handoff, decode_ranks, kv_dtype, as_json):
     """Plan a prefill and the decode after it: strategy per chunk and why, predicted times, TTFT,
     memory per prefill rank and per decode device. With --hosts, first propose the mesh (cp, tp).
 
@@ -130,7 +134,7 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
     if gpus_per_host is not None:  # the job's hosts, whatever the profile says
         hw = dataclasses.replace(hw, devices_per_host=gpus)
     common = dict(cached=cached, chunk_tokens=chunk_tokens, dtype=dtype, rule=rule, weight_dtype=weight_dtype,
-                  handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype)
+                  handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype, weights=weights)
     try:
         if hosts is None:
             proposal = None
@@ -213,6 +217,7 @@ def render_plan(result) -> None:
     head.add_row("hardware", f"{hw.name} ({cal})" + (f", {hw.source_path}" if hw.source_path else ""))
     head.add_row("ranks", f"CP {result.cp_size} x TP {result.tp_size}")
     weights = f", weights {result.weight_dtype}" if result.weight_dtype != result.dtype else ""
+    weights += ", int8 weights" if result.weights == "int8" else ""
     head.add_row("dtype", result.dtype + weights + (f", KV cache {result.kv_dtype}" if result.kv_dtype != "model" else ""))
     head.add_row("prompt", f"{result.tokens:,} new tokens after {result.cached:,} cached"
                            + (f", chunks of {result.chunk_tokens:,}" if len(result.entries) > 1 else ", one prefill"))

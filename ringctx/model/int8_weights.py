@@ -31,7 +31,7 @@ arithmetic), and the decode steps after it took 1.2x as long with an fp8 KV cach
 own shard; row-parallel shards (wo and w2 split by inputs) then need widths that are whole groups,
 so that every rank's groups are the whole model's (checked). The codes are kept beside the bf16
 weights, which the prefill's matmuls read: they add half the blocks' bf16 bytes (SmolLM2: 108 MB
-on 269 MB), which `ringctx plan` does not count yet.
+on 269 MB), which `ringctx plan --weights int8` counts (code_bytes).
 """
 
 from __future__ import annotations
@@ -121,6 +121,19 @@ def check_int8_model(config, tp_size: int = 1) -> str | None:
                 return (f"int8 weights under tp={tp_size} need each TP rank's share of {name} ({width} / "
                         f"{tp_size}) to be a multiple of {GROUP} inputs; use another --tp or --weights model")
     return None
+
+
+def code_bytes(config, tp_size: int = 1) -> int:
+    """Bytes of codes and exponents one TP rank keeps beside its bf16 weights (a CPU bf16 model,
+    see quantize_model), from the whole model's config: every block matrix whose (per-rank) input
+    width is whole groups, 1 + 1 / GROUP bytes per weight. What `ringctx plan --weights int8` adds."""
+    attn = config.n_heads * config.head_dim
+    matrices = (((config.n_heads + 2 * config.n_kv_heads) * config.head_dim // tp_size, config.dim),  # wqkv: out split
+                (config.dim, attn // tp_size),                                                        # wo: in split
+                (2 * config.ffn_dim // tp_size, config.dim),                                          # w13
+                (config.dim, config.ffn_dim // tp_size))                                              # w2
+    per_layer = sum(out * width + out * (width // GROUP) for out, width in matrices if width % GROUP == 0)
+    return config.n_layers * per_layer
 
 
 def quantize_model(model) -> int:

@@ -106,7 +106,8 @@ class DecodeMemory:
     slice_tokens: int
     """Cache rows of one device: ceil((context_tokens + DECODE_ROOM_TOKENS) / D)."""
     weights_bytes: int
-    """Model weights: n_params * e_w / TP (the full model when TP = 1)."""
+    """Model weights: n_params * e_w / TP (the full model when TP = 1), int8 codes included where kept
+    (weight_bytes_per_rank)."""
     kv_slice_bytes: int
     """The device's KV slice: slice_tokens * kv_row_bytes (all layers, kv dtype with its scales)."""
     token_activation_bytes: int
@@ -144,27 +145,28 @@ class DecodeMemory:
 
 def plan_decode(model: "ModelConfig | str", hardware: "HardwareProfile | str", context_tokens: int,
                 decode_ranks: int, kv_dtype: str = "model", tp_size: int = 1, dtype: str = "bfloat16",
-                *, weight_dtype: str | None = None) -> DecodeMemory:
+                *, weight_dtype: str | None = None, weights: str = "model") -> DecodeMemory:
     """Memory of one of `decode_ranks` devices holding a cache of `context_tokens` tokens.
 
     Every input is checked first: decode_ranks must be 1 .. devices of one host // TP.
     """
-    model, hw, dtype, weight_dtype = validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype)
+    model, hw, dtype, weight_dtype = validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype,
+                                                      weights)
     check_integers((("context_tokens", context_tokens, 0),))
     check_decode_ranks(decode_ranks, hw, tp_size)
     return decode_memory(model, hw, context_tokens, DecodeSetting(decode_ranks, kv_dtype), tp_size, dtype,
-                          weight_dtype)
+                          weight_dtype, weights)
 
 
 def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, setting: DecodeSetting,
-                   tp_size: int, dtype: str, weight_dtype: str) -> DecodeMemory:
+                   tp_size: int, dtype: str, weight_dtype: str, weights: str = "model") -> DecodeMemory:
     """DecodeMemory of already validated inputs."""
     slice_tokens = decode_slice_tokens(context_tokens, setting.decode_ranks)
     capacity = rank_memory_bytes(hw, setting.decode_ranks)  # host RAM profiles share it among the ranks
     return DecodeMemory(
         decode_ranks=setting.decode_ranks, max_decode_ranks=max_decode_ranks(hw, tp_size),
         kv_dtype=setting.kv_dtype, context_tokens=context_tokens, slice_tokens=slice_tokens,
-        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype),
+        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw),
         kv_slice_bytes=kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype),
         **decode_workspace_bytes(model, tp_size, slice_tokens, dtype, setting.kv_dtype),
         capacity_bytes=capacity, usable_bytes=capacity * MEMORY_USABLE_FRACTION,
@@ -172,7 +174,8 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
 
 
 def smallest_decode_setting(model: ModelConfig, hw: HardwareProfile, context_tokens: int, kv_dtype: str,
-                            tp_size: int, dtype: str, weight_dtype: str) -> DecodeSetting | None:
+                            tp_size: int, dtype: str, weight_dtype: str,
+                            weights: str = "model") -> DecodeSetting | None:
     """The fewest decode ranks that fit with `kv_dtype`, else with fp8; None when nothing on one host fits.
 
     Fewest ranks first because each extra rank holds another copy of the weights; fp8 only after
@@ -182,7 +185,7 @@ def smallest_decode_setting(model: ModelConfig, hw: HardwareProfile, context_tok
     for kv in kv_dtypes:
         for ranks in range(1, max_decode_ranks(hw, tp_size) + 1):
             setting = DecodeSetting(ranks, kv)
-            if decode_memory(model, hw, context_tokens, setting, tp_size, dtype, weight_dtype).fits:
+            if decode_memory(model, hw, context_tokens, setting, tp_size, dtype, weight_dtype, weights).fits:
                 return setting
     return None
 

@@ -337,6 +337,11 @@ class HardwareProfile:
         return (self.latency_s if latency is None else latency,
                 self.bandwidth_bytes_per_s if bandwidth is None else bandwidth)
 
+    @property
+    def cpu_host(self) -> bool:
+        """A CPU host's profile: calibrated on one (`host_cores` set) or the built-in "cpu"."""
+        return self.host_cores is not None or self.name == "cpu"
+
     def host_devices(self) -> int:
         """Ranks of one host: `devices_per_host`, else `host_cores` (at most one rank per core),
         else DEFAULT_DEVICES_PER_HOST (profiles written before the field existed)."""

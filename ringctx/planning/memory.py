@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ringctx.attention.quant import check_kv_dtype, kv_element_bytes
 from ringctx.model.config import ModelConfig
+from ringctx.model.int8_weights import check_int8_model, check_weights, code_bytes
 from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
 from ringctx.planning.strategy import (
@@ -30,10 +31,16 @@ HIDDEN_BUFFERS = 4
 output."""
 
 
-def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str) -> int:
+def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str, weights: str = "model",
+                          hw: HardwareProfile | None = None) -> int:
     """Weights on one GPU: n_params * e_w / TP (every CP rank holds a full TP shard of the model;
-    embeddings and LM head are taken as vocab-parallel, so they split too)."""
-    return -(-model.n_params * element_bytes(weight_dtype) // tp_size)
+    embeddings and LM head are taken as vocab-parallel, so they split too). With int8 weights on a
+    CPU profile (`cpu_host`) and bf16 weights, plus the codes the decode kernels read beside them
+    (ringctx.model.int8_weights.code_bytes); on GPUs the int8 values are the weights alone."""
+    total = -(-model.n_params * element_bytes(weight_dtype) // tp_size)
+    if weights == "int8" and weight_dtype == "bfloat16" and hw is not None and hw.cpu_host:
+        total += code_bytes(model, tp_size)
+    return total
 
 
 def kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: str = "model") -> int:
@@ -136,7 +143,7 @@ def rank_memory_bytes(hardware: HardwareProfile, cp_size: int) -> float:
     return hardware.memory_bytes / (cp_size if hardware.host_cores else 1)
 
 
-def validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype):
+def validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype, weights="model"):
     """The inputs the prefill and the decode plans share; returns (model, profile, dtype, weight_dtype)."""
     model = as_model_config(model)
     check_integers((("tp_size", tp_size, 1),))
@@ -145,6 +152,13 @@ def validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype):
     hw = load_profile(hardware)
     dtype, weight_dtype = canonical_dtype(dtype), canonical_dtype(weight_dtype or dtype)
     hw.peak(dtype), hw.peak(weight_dtype)  # raise when the profile lacks the dtype
+    check_weights(weights)
+    if weights == "int8" and weight_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"int8 weights need a bfloat16 or float32 model (their values are exact in both), not "
+                         f"{weight_dtype} weights; use --dtype bf16 (or --weight-dtype bfloat16)")
+    problem = check_int8_model(model, tp_size) if weights == "int8" else None
+    if problem:
+        raise ValueError(problem)
     return model, hw, dtype, weight_dtype
 
 

@@ -126,7 +126,8 @@ def mesh_tp_sizes(model: ModelConfig, gpus_per_host: int) -> tuple[list[int], di
 def propose_mesh(model: "ModelConfig | str", hosts: int, gpus_per_host: int, hardware: "HardwareProfile | str",
                  tokens: int, cached: int = 0, chunk_tokens: int | None = None, dtype: str = "bfloat16",
                  rule: str = "alg5", *, tp_size: int | None = None, weight_dtype: str | None = None,
-                 kv_dtype: str = "model", handoff: bool = True, decode_ranks: int | None = None) -> MeshProposal:
+                 kv_dtype: str = "model", handoff: bool = True, decode_ranks: int | None = None,
+                 weights: str = "model") -> MeshProposal:
     """Propose (cp, tp) for a prompt on `hosts` hosts of `gpus_per_host` GPUs, with the alternatives.
 
     Every TP that divides gpus_per_host and splits the model (`mesh_tp_sizes`) is planned with
@@ -151,7 +152,7 @@ def propose_mesh(model: "ModelConfig | str", hosts: int, gpus_per_host: int, har
         ranks = None if decode_ranks is None else min(decode_ranks, max_decode_ranks(hw, tp))
         plan = plan_prefill(model, hosts * gpus_per_host // tp, hw, tokens, cached=cached, chunk_tokens=chunk_tokens,
                             tp_size=tp, dtype=dtype, rule=rule, weight_dtype=weight_dtype, handoff=handoff,
-                            decode_ranks=ranks, kv_dtype=kv_dtype)
+                            decode_ranks=ranks, kv_dtype=kv_dtype, weights=weights)
         options.append(MeshOption(cp_size=plan.cp_size, tp_size=tp, plan=plan))
     if tp_size is not None:
         chosen = next(o for o in options if o.tp_size == tp_size)

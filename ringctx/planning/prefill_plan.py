@@ -108,6 +108,9 @@ class Plan:
     """Dtype of activations, attention and ring messages."""
     weight_dtype: str
     """Dtype of the weights (the paper runs FP8 FFN weights for 405B)."""
+    weights: str
+    """"model" (the weights in weight_dtype) or "int8" (ringctx.model.int8_weights: on CPUs the codes
+    are kept beside the bf16 weights, and counted in memory)."""
     kv_dtype: str
     """How the KV cache is stored, on the prefill ranks and the decode devices: "model" (= dtype), a
     float dtype, "fp8" or "int8" (one byte per element + a float32 scale per token and KV head)."""
@@ -166,7 +169,7 @@ class Plan:
             "model": self.model.name, "model_fingerprint": self.model.fingerprint(),
             "hardware": hw.name, "hardware_calibrated": hw.calibrated, "hardware_source": hw.source_path,
             "cp_size": self.cp_size, "tp_size": self.tp_size, "dtype": self.dtype,
-            "weight_dtype": self.weight_dtype, "kv_dtype": self.kv_dtype, "rule": self.rule, "tokens": self.tokens,
+            "weight_dtype": self.weight_dtype, "weights": self.weights, "kv_dtype": self.kv_dtype, "rule": self.rule, "tokens": self.tokens,
             "cached": self.cached,
             "chunk_tokens": self.chunk_tokens, "entries": [e.to_dict() for e in self.entries],
             "lm_head_ms": self.lm_head_ms, "handoff_ms": self.handoff_ms, "ttft_ms": self.ttft_ms, "best_ttft_ms": self.best_ttft_ms,
@@ -223,7 +226,7 @@ def split_chunks(tokens: int, chunk_tokens: int) -> list[int]:
 def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str", tokens: int,
                  cached: int = 0, chunk_tokens: int | None = None, tp_size: int = 1, dtype: str = "bfloat16",
                  rule: str = "alg5", *, weight_dtype: str | None = None, handoff: bool = True,
-                 decode_ranks: int | None = None, kv_dtype: str = "model") -> Plan:
+                 decode_ranks: int | None = None, kv_dtype: str = "model", weights: str = "model") -> Plan:
     """Plan the prefill of `tokens` new tokens after `cached` cached ones on `cp_size` ranks.
 
     `chunk_tokens` None (or >= tokens) plans a single (partial) prefill; otherwise the prompt runs
@@ -231,10 +234,11 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
     built-in profile name or a JSON path. `weight_dtype` defaults to `dtype`. `handoff` counts the
     engine's KV scatter/gather to the decode rank in the time to first token. `decode_ranks`
     (default_decode_ranks when None) devices of one host hold the cache afterwards, stored, like
-    the prefill shards, in `kv_dtype` (see plan_decode).
+    the prefill shards, in `kv_dtype` (see plan_decode). `weights` "int8": int8 weights (their codes
+    counted in memory on CPU profiles, weight_bytes_per_rank).
     """
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, chunk_tokens,
-                                               tp_size, dtype, rule, weight_dtype, kv_dtype)
+                                               tp_size, dtype, rule, weight_dtype, kv_dtype, weights)
     if decode_ranks is None:
         decode_ranks = default_decode_ranks(hw, cp_size, tp_size)
     check_decode_ranks(decode_ranks, hw, tp_size)
@@ -249,7 +253,7 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
         entries.append(ChunkPlan(index, new, seen, rows, choice, costs, activation))
         seen, rows = seen + new, rows + tokens_per_rank(new, cp_size)
     memory = MemoryEstimate(
-        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype),
+        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw),
         kv_cache_bytes=kv_cache_bytes_per_rank(model, rows, tp_size, dtype, kv_dtype),
         activation_bytes=max(e.activation_bytes for e in entries),
         capacity_bytes=rank_memory_bytes(hw, cp_size),
@@ -259,10 +263,11 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
     handoff = kv_handoff_seconds(model, hw, cp_size, tp_size, dtype, rows - cached_rows, cached_rows,
                                  decode_ranks=decode_ranks, kv_dtype=kv_dtype) if handoff else 0.0
     decode = decode_memory(model, hw, cached + tokens, DecodeSetting(decode_ranks, kv_dtype), tp_size, dtype,
-                            weight_dtype)
+                            weight_dtype, weights)
     suggestion = None if decode.fits else smallest_decode_setting(model, hw, cached + tokens, kv_dtype, tp_size,
-                                                                  dtype, weight_dtype)
+                                                                  dtype, weight_dtype, weights)
     return Plan(model=model, hardware=hw, cp_size=cp_size, tp_size=tp_size, dtype=dtype, weight_dtype=weight_dtype,
+                weights=weights,
                 kv_dtype=kv_dtype, rule=rule, tokens=tokens, cached=cached, chunk_tokens=chunk,
                 entries=tuple(entries), lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype, cp_size) * 1e3,
                 memory=memory, decode=decode, decode_suggestion=suggestion, handoff_ms=handoff * 1e3)
@@ -283,7 +288,7 @@ def decode_problem(plan: Plan) -> str | None:
     # nothing fits: say what the most spread-out, smallest cache would still need
     kv = d.kv_dtype if is_quantized(d.kv_dtype) else FALLBACK_KV_DTYPE
     best = decode_memory(plan.model, plan.hardware, d.context_tokens, DecodeSetting(d.max_decode_ranks, kv),
-                          plan.tp_size, plan.dtype, plan.weight_dtype)
+                          plan.tp_size, plan.dtype, plan.weight_dtype, plan.weights)
     eight_bit = "8-bit weights (--weight-dtype float8), " if element_bytes(plan.weight_dtype) > 1 else ""
     return line + (f"no setting on {host} fits: even --decode-ranks {best.decode_ranks} --kv-dtype {kv} needs "
                    f"{fmt_gb(best.total_bytes)} per device of {fmt_gb(best.usable_bytes)} usable (devices of "
@@ -333,7 +338,7 @@ def kv_handoff_seconds(model: ModelConfig, hardware: HardwareProfile, cp_size: i
 
 
 def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, dtype, rule, weight_dtype,
-              kv_dtype="model"):
+              kv_dtype="model", weights="model"):
     """Check every planner input before any arithmetic; returns (model, profile, dtype, weight_dtype)."""
     model = as_model_config(model)
     checks = (("tokens", tokens, 1), ("cached", cached, 0), ("cp_size", cp_size, 1))
@@ -342,12 +347,12 @@ def _validate(model, cp_size, hardware, tokens, cached, chunk_tokens, tp_size, d
     check_integers(checks)
     if rule not in RULES:
         raise ValueError(f"unknown strategy rule {rule!r}; use one of {', '.join(RULES)}")
-    return validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype)
+    return validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype, weights)
 
 
 def fitting_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str",
                          tokens: int, cached: int = 0, tp_size: int = 1, dtype: str = "bfloat16",
-                         *, weight_dtype: str | None = None, kv_dtype: str = "model") -> int:
+                         *, weight_dtype: str | None = None, kv_dtype: str = "model", weights: str = "model") -> int:
     """The largest chunk that lets a prefill of `tokens` tokens fit the profile's memory (what a plan
     would choose to fit; the engine's default chunk size is `default_chunk_tokens`).
 
@@ -361,9 +366,9 @@ def fitting_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "Ha
     A ValueError when not even MIN_DEFAULT_CHUNK_TOKENS fits (more CP ranks or TP are needed).
     """
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, None, tp_size, dtype,
-                                               "alg5", weight_dtype, kv_dtype)
+                                               "alg5", weight_dtype, kv_dtype, weights)
     rows = cached_rows_per_rank(cached, cp_size) + tokens_per_rank(tokens, cp_size)
-    fixed = (weight_bytes_per_rank(model, tp_size, weight_dtype)
+    fixed = (weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw)
              + kv_cache_bytes_per_rank(model, rows, tp_size, dtype, kv_dtype))
     usable = rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION
 

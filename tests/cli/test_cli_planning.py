@@ -54,6 +54,15 @@ def test_plan_json_matches_the_planner():
     assert "handoff_ms" in d and d["hardware_calibrated"] is False
 
 
+def test_plan_counts_int8_weights_codes_on_a_cpu():
+    args = ["--model", "smollm2-135m", "--hardware", "cpu", "--tokens", "4096", "--json"]
+    model_w, int8_w = (json.loads(run(plan, args + extra).output) for extra in ([], ["--weights", "int8"]))
+    assert int8_w["weights"] == "int8" and model_w["weights"] == "model"
+    assert int8_w["memory"]["weights_bytes"] - model_w["memory"]["weights_bytes"] == 107_827_200
+    assert int8_w["decode"]["weights_bytes"] - model_w["decode"]["weights_bytes"] == 107_827_200
+    assert "int8 weights" in run(plan, args[:-1] + ["--weights", "int8"]).output
+
+
 def test_plan_reads_a_model_directory_config(tmp_path):
     from ringctx.model.presets import get_preset
 
@@ -144,6 +153,9 @@ def test_plan_decode_input_errors_are_one_line(args, message):
     (["--tokens", "10", "--hardware", "a100"], "unknown hardware profile 'a100'"),
     (["--tokens", "10", "--tp", "2"], "tp_size=2 does not divide the 9 query heads"),
     (["--tokens", "10", "--dtype", "int4"], "unknown dtype 'int4'"),
+    (["--tokens", "10", "--dtype", "float16", "--weights", "int8"], "no peak_flops for dtype 'float16'"),
+    (["--tokens", "10", "--hardware", "h200", "--dtype", "float16", "--weights", "int8"],
+     "int8 weights need a bfloat16 or float32 model"),
 ])
 def test_plan_errors_are_one_line(args, message):
     result = CliRunner().invoke(plan, ["--hardware", "cpu", *args] if "--hardware" not in args else args)

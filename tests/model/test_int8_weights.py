@@ -17,8 +17,8 @@ import torch
 from ringctx import cpu_kernels
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.decode_step import DecodeStep, FusedBatchStep
-from ringctx.model.int8_weights import (GROUP, MIN_EXPONENT, check_int8_model, check_weights, int8_of, quantize,
-                                        quantize_model, quantized_matrices)
+from ringctx.model.int8_weights import (GROUP, MIN_EXPONENT, check_int8_model, check_weights, code_bytes, int8_of,
+                                        quantize, quantize_model, quantized_matrices)
 from ringctx.model.presets import get_preset
 from tests.core.test_cpu_kernels import needs_kernels
 from tests.model.test_decode_step import SHAPES, prefilled, random_model, threads  # noqa: F401
@@ -109,6 +109,7 @@ def test_quantize_model_rounds_every_matrix_once_and_keeps_codes_for_bf16_cpu_mo
         assert codes is not None
         assert torch.equal(quantize(linear.weight)[0], codes.codes)  # the values are the codes' values
     assert added == sum(int8_of(m.weight).codes.numel() + int8_of(m.weight).exponents.numel() for m in linears)
+    assert added == code_bytes(config)  # what `ringctx plan --weights int8` counts, from the config alone
     for name, p in model.named_parameters():  # norms, biases, the (tied) embedding and head untouched
         if "norm" in name or name.endswith("bias") or "tok_embeddings" in name:
             assert torch.equal(p, before[name]), name

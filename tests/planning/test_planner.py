@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from ringctx.model.int8_weights import code_bytes
 from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import DEFAULT_DEVICES_PER_HOST, load_profile
 from ringctx.planning.decode_plan import (
@@ -165,6 +166,27 @@ def test_memory_under_tensor_parallelism():
     # 62500 rows * 2 * 126 layers * 1 head * 128 * 2 bytes
     assert kv_cache_bytes_per_rank(L405, 62_500, 8, "bfloat16") == 62_500 * 2 * 126 * 128 * 2
     assert kv_cache_bytes_per_rank(L8, 1000, 1, "bfloat16") == 1000 * L8.kv_bytes_per_token(2)
+
+
+def test_int8_weights_count_their_codes_where_a_cpu_model_keeps_them():
+    """CPU profiles: the bf16 weights plus every block matrix's codes (1 byte) and exponents (1 per
+    64), per TP rank, on both sides; GPU profiles: the weights alone (no codes are kept there)."""
+    smol = get_preset("smollm2-135m")
+    model_w = plan_prefill(smol, 2, "cpu", tokens=4096, dtype="bfloat16")
+    int8_w = plan_prefill(smol, 2, "cpu", tokens=4096, dtype="bfloat16", weights="int8")
+    codes = 30 * (576 * 960 + 576 * 576 + 2 * 1536 * 576 + 576 * 1536) * 65 // 64  # SmolLM2's blocks
+    assert code_bytes(smol) == codes == 107_827_200
+    assert int8_w.memory.weights_bytes == model_w.memory.weights_bytes + codes
+    assert int8_w.decode.weights_bytes == model_w.decode.weights_bytes + codes
+    assert int8_w.to_dict()["weights"] == "int8" and model_w.to_dict()["weights"] == "model"
+    assert plan_prefill(L8, 4, "h100-rdma", tokens=1000, weights="int8").memory.weights_bytes == L8.n_params * 2
+    tp2 = plan_prefill(L8, 2, "cpu", tokens=1000, tp_size=2, weights="int8")
+    assert tp2.memory.weights_bytes == weight_bytes_per_rank(L8, 2, "bfloat16") + code_bytes(L8, 2)
+    assert code_bytes(L8, 2) * 2 == code_bytes(L8)
+    with pytest.raises(ValueError, match="int8 weights need a bfloat16 or float32 model"):
+        plan_prefill(L8, 4, "h100-rdma", tokens=1000, weight_dtype="float8", weights="int8")
+    with pytest.raises(ValueError, match="unknown weights 'int4'"):
+        plan_prefill(L8, 4, "h100-rdma", tokens=1000, weights="int4")
 
 
 def test_kv_rows_with_uneven_chunks():
