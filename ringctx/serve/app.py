@@ -13,8 +13,8 @@
 
 This layer only authenticates, limits, validates and formats; the backend owns tokens, documents
 and ranks. Every backend call runs in a worker thread (`run_in_threadpool`): the event loop never
-blocks on the engine; a streamed answer's tokens are awaited on the loop itself (the backend wakes
-it for each). Every error, ours or the backend's, is an OpenAI error object.
+blocks on the engine; an answer's tokens are awaited on the loop itself (the backend wakes it for
+each), so that no answer holds a worker thread while it runs. Every error, ours or the backend's, is an OpenAI error object.
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ async def _generate(backend: Backend, metrics: ServeMetrics, limits: Limits, bod
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        text, done = await run_in_threadpool(_collect, answer, metrics, arrived)
-    except BaseException:
+        text, done = await _collect(answer, metrics, arrived)
+    except BaseException:  # an error, or the client went away (the handler is cancelled)
         answer.cancel()
         raise
     _note(request, done)
@@ -151,15 +151,16 @@ async def _generate(backend: Backend, metrics: ServeMetrics, limits: Limits, bod
     return build(request_id, backend.model_id, text, done)
 
 
-def _collect(answer, metrics: ServeMetrics, arrived: float) -> tuple[str, Finished]:
-    """Worker thread: the whole answer (text, Finished), its token times into the histograms."""
+async def _collect(answer, metrics: ServeMetrics, arrived: float) -> tuple[str, Finished]:
+    """The whole answer (text, Finished), its token times into the histograms."""
     pieces, clock = [], _TokenClock(metrics, arrived)
-    for event in answer:
-        if isinstance(event, Piece):
-            clock.tick()
-            pieces.append(event.text)
-        elif isinstance(event, Finished):
-            return "".join(pieces), event
+    async with contextlib.aclosing(aiter(answer)) as events:
+        async for event in events:
+            if isinstance(event, Piece):
+                clock.tick()
+                pieces.append(event.text)
+            elif isinstance(event, Finished):
+                return "".join(pieces), event
     raise BackendError("the answer ended without a result (cancelled)")
 
 

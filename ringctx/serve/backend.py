@@ -17,7 +17,7 @@ fault (500), and `RankLost` ends the server (503, then a non-zero exit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Protocol
+from typing import AsyncIterator, Protocol
 
 
 class BackendError(Exception):
@@ -118,10 +118,8 @@ class Finished:
 
 
 class Answer(Protocol):
-    """An answer being produced: iterate for `Piece`s then one `Finished` (from a worker thread), or
-    `async for` over the same on the event loop (streamed answers); `cancel()` frees its rows."""
-
-    def __iter__(self) -> Iterator[Piece | Finished]: ...
+    """An answer being produced: `async for` over it on the event loop for `Piece`s then one
+    `Finished`, each awaited without blocking the loop or a thread; `cancel()` frees its rows."""
 
     def __aiter__(self) -> AsyncIterator[Piece | Finished]: ...
 

@@ -603,19 +603,11 @@ class _Answer:
     def cancel(self) -> None:
         self.ticket.cancel()
 
-    def __iter__(self):
-        with self._serving():
-            for event in self.ticket:
-                out = self._event(event)
-                if out is None:  # cancelled
-                    return
-                yield out
-
     async def __aiter__(self):
         with self._serving():
             async for event in self.ticket:
                 out = self._event(event)
-                if out is None:
+                if out is None:  # cancelled
                     return
                 yield out
 

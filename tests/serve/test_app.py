@@ -328,9 +328,10 @@ def test_a_stream_the_client_leaves_cancels_its_answer(backend):
     assert answer.cancelled
 
 
-def test_streamed_answers_waiting_for_tokens_hold_no_worker_thread(backend):
-    """More streams than the worker threads (anyio's 40) all waiting for their next token: the
-    backend calls of other requests still run (a stream waits on the event loop, not in a thread)."""
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_answers_waiting_for_tokens_hold_no_worker_thread(backend, stream):
+    """More answers than the worker threads (anyio's 40) all waiting for their next token: the
+    backend calls of other requests still run (an answer waits on the event loop, not in a thread)."""
     streams = 48
     release_threads, release_loop = threading.Event(), None
 
@@ -346,7 +347,7 @@ def test_streamed_answers_waiting_for_tokens_hold_no_worker_thread(backend):
 
     backend.generate = lambda request: SlowAnswer(["a", " b"], request, 0)
     app = create_app(backend, log=lambda line: None)
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
 
     async def run():
         nonlocal release_loop
@@ -365,7 +366,11 @@ def test_streamed_answers_waiting_for_tokens_hold_no_worker_thread(backend):
 
     listed, answers = asyncio.run(run())
     assert listed.status_code == 200
-    assert all(r.status_code == 200 and '"content":" b"' in r.text for r in answers)
+    assert all(r.status_code == 200 for r in answers)
+    if stream:
+        assert all('"content":" b"' in r.text for r in answers)
+    else:
+        assert all(r.json()["choices"][0]["message"]["content"] == "a b" for r in answers)
 
 
 # ---------------------------------------------------------------------------- operations
