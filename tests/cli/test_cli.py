@@ -219,7 +219,7 @@ def test_an_uncalibrated_profile_predicts_from_the_gemm_rate_measured_here():
     engine = types.SimpleNamespace(hardware=cpu, model=types.SimpleNamespace(dtype=torch.float32,
                                                                             full_config=get_preset("smollm2-135m")),
                                    cp_size=2, tp_size=1, chunk_tokens=4096, rule="alg5", kv_dtype="model",
-                                   decode_ranks=1)
+                                   decode_ranks=1, weights="model")
 
     def predicted(rate, hardware=cpu):
         engine.hardware = hardware
