@@ -655,6 +655,14 @@ class Engine:
             return [document.cache.length]
         return self._run("rows", commands.ROWS, document.id)
 
+    def move_document_pages(self) -> int:
+        """One 2 MiB page of the document caches still in small pages moved into a huge page on every
+        decode rank (what a scheduler does when it has nothing to run: see commands.move_pages);
+        returns how many such caches there were over all decode ranks (0: nothing left to move)."""
+        if not self.state.is_decode_rank:
+            return 0
+        return self._run("pages", commands.MOVE_PAGES)
+
     def whole_cache(self, document: Document) -> KVCache | None:
         """The document's KV cache in sequence order, gathered on the (first) decode rank (None on
         the others): for checks and small documents; the decode itself never gathers it."""

@@ -19,6 +19,7 @@ collectives match:
     Engine.drop_document     ->  DROP
     Engine.document_rows     ->  ROWS
     Engine.whole_cache       ->  GATHER         ->  engine/handoff.py gather_in_order
+    Engine.move_document_pages -> MOVE_PAGES    ->  model/kvcache.py KVCache.huge_page_steps
 
 A prefill is three commands so that a scheduler can run other commands between two of its
 chunks (a decode step of an answer, a chunk of another prefill); an answer is one command per
@@ -280,6 +281,28 @@ def rows(state: RankState, document_id: int) -> list[int]:
     return [r[0] for r in all_gather_ints([length], state.decode_group, state.settings.decode_ranks)]
 
 
+def move_pages(state: RankState) -> int:
+    """One 2 MiB page of this rank's document caches in small pages moved into a huge page
+    (KVCache.huge_page_steps: a prefill writes its cache in small pages, whose first touch is cheap,
+    and decode steps read huge pages faster). Returns the caches that were in small pages when it
+    began, summed over every decode rank (each moves its own slices): 0 when nothing was left."""
+    documents = list(state.documents.values())
+    left = sum(1 for d in documents if getattr(d.cache, "small_pages", False))
+    if state.page_mover is None:
+        cache = next((d.cache for d in documents if getattr(d.cache, "small_pages", False)), None)
+        if cache is not None:
+            state.page_mover = cache.huge_page_steps()
+    if state.page_mover is not None:
+        try:
+            done = next(state.page_mover, StopIteration) is StopIteration
+        except Exception:  # noqa: BLE001 - a speed-up only: the cache stays in small pages, the engine runs on
+            done = True
+        if done:
+            state.page_mover = None
+    s = state.settings
+    return sum(r[0] for r in all_gather_ints([left], state.control_group, s.decode_ranks * s.tp_size))
+
+
 def gather(state: RankState, document_id: int) -> KVCache | None:
     """The document's whole KV cache in sequence order on the first decode rank (None elsewhere)."""
     document = state.document(document_id)
@@ -319,8 +342,10 @@ LOAD = Command("load", load, decode_only=True)
 DROP = Command("drop", drop, decode_only=True)
 ROWS = Command("rows", rows, decode_only=True)
 GATHER = Command("gather", gather, decode_only=True)
+MOVE_PAGES = Command("move_pages", move_pages, decode_only=True)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
-    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP, ROWS, GATHER)}
+    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP, ROWS, GATHER,
+    MOVE_PAGES)}
 """Every command by the name that travels: what a worker looks up for each message."""

@@ -303,8 +303,10 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     slices, length = manifest["slices"], int(manifest["length"])
     lo, hi = split_range(length, world, rank)  # loading rank `rank` takes a contiguous share
     saved_as, kv_dtype = manifest["kv_dtype"], kv_dtype or manifest["kv_dtype"]
+    # in ordinary pages, as a prefill's (their first touch is cheap; a server moves them into 2 MiB
+    # pages when it has nothing else to do: Engine.move_document_pages)
     cache = KVCache.for_model(model.config, hi - lo + room, dtype=model.dtype, device=model.device,
-                              kv_dtype=kv_dtype, sliced=world > 1)
+                              kv_dtype=kv_dtype, sliced=world > 1, small_pages=True)
     if memory_check is not None:
         problem = memory_check(hi - lo + room, cache.bytes_per_token)
     n_kv_heads = model.full_config.n_kv_heads

@@ -607,9 +607,9 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
     out = None
     if rank == decode:
         need = cached_len + T + config.decode_room
-        if cache is None:
+        if cache is None:  # in ordinary pages, as the shards (a server moves it into 2 MiB ones when idle)
             out = KVCache.for_model(model.config, need, dtype=model.dtype, device=model.device,
-                                    kv_dtype=config.kv_dtype)
+                                    kv_dtype=config.kv_dtype, small_pages=True)
         else:
             out = cache.grown(need)
             out.length = cached_len

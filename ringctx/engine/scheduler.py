@@ -237,10 +237,9 @@ class Scheduler:
         # the decode steps an ingest's slices are sized by: the median of the last few, so that one
         # slow step (a page fault, another process) does not size a long slice after it
         self._recent_decode_s: collections.deque = collections.deque(maxlen=RECENT_DECODE_STEPS)
-        # idle work: this rank's document caches written in small pages, moved into 2 MiB pages a
-        # page per idle turn (faster decode steps; see KVCache.huge_page_steps)
+        # idle work: the decode ranks' document caches written in small pages, moved into 2 MiB
+        # pages a page per idle turn (faster decode steps; see Engine.move_document_pages)
         self._tidy = False  # there may be such a cache (set after each turn)
-        self._page_mover = None
         self.on_failure = on_failure
         self.max_batch, self.max_rows = max_batch, max_rows
         self.questions: collections.deque[QuestionTicket] = collections.deque()
@@ -357,21 +356,9 @@ class Scheduler:
         self._fail_all(SchedulerStopped(self.stopped))
 
     def _idle_turn(self) -> bool:
-        """With nothing else to run: one page of a document cache moved into a 2 MiB page; False when
-        no cache of this rank's documents waits for it."""
-        if self._page_mover is None:
-            documents = list(getattr(self.engine.state, "documents", {}).values())
-            cache = next((d.cache for d in documents if getattr(d.cache, "small_pages", False)), None)
-            if cache is None:
-                return False
-            self._page_mover = cache.huge_page_steps()
-        try:
-            done = next(self._page_mover, StopIteration) is StopIteration
-        except Exception:  # noqa: BLE001 - a speed-up only: the cache stays in small pages, the server runs on
-            done = True
-        if done:
-            self._page_mover = None
-        return True
+        """With nothing else to run: one page of the document caches moved into a 2 MiB page on every
+        decode rank (Engine.move_document_pages); False when no cache waited for it."""
+        return self.engine.move_document_pages() > 0
 
     def _turn(self) -> None:
         """One step: a call; the batch's step; a token of the running answer (and a slice of the first

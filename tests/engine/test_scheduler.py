@@ -210,7 +210,7 @@ def test_a_build_that_fails_raises_from_the_constructor():
 def test_idle_turns_move_a_documents_small_pages_into_huge_ones_without_changing_answers(engine, alone):
     """A document's cache is written in small pages (the first touch of 2 MiB pages stalled the
     chunks writing it); with nothing to run, the scheduler moves it into 2 MiB pages a page per
-    turn (ringctx.host_memory.collapse_steps), every byte kept."""
+    turn (ringctx.host_memory.collapse_steps) on every decode rank, every byte kept."""
     scheduler = Scheduler(engine)
     try:
         def ingest():  # on the scheduler's thread, before any idle turn can run
@@ -223,8 +223,24 @@ def test_idle_turns_move_a_documents_small_pages_into_huge_ones_without_changing
         while document.cache.small_pages and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not document.cache.small_pages, "the idle turns never reached the document's cache"
+        while scheduler.call(engine.move_document_pages) and time.monotonic() < deadline:
+            pass
         text, result = collect(scheduler.submit_answer(
             lambda: engine.generate(document, QUESTION, keep_logits=True, **GREEDY)))
     finally:
         scheduler.stop()
     assert result.token_ids == alone["tokens"] and text == alone["text"]
+
+
+def test_every_decode_rank_moves_its_own_slices_into_huge_pages(engine, alone):
+    """Engine.move_document_pages (a scheduler's idle turn) on each decode rank: both ranks' slices
+    of a new document are counted, moved, and then none is left; the answer is unchanged."""
+    document = engine.ingest(DOC)
+    assert engine.decode_ranks == 2 and engine.move_document_pages() >= 2  # one slice on each rank
+    for _ in range(10_000):
+        if engine.move_document_pages() == 0:
+            break
+    assert engine.move_document_pages() == 0
+    generation = engine.generate(document, QUESTION, **GREEDY)
+    "".join(generation)
+    assert generation.result.token_ids == alone["tokens"]
