@@ -334,13 +334,16 @@ def test_answers_waiting_for_tokens_hold_no_worker_thread(backend, stream):
     backend calls of other requests still run (an answer waits on the event loop, not in a thread)."""
     streams = 48
     release_threads, release_loop = threading.Event(), None
+    waiting = []  # one entry per answer that has begun to wait for its first token
 
     class SlowAnswer(FakeAnswer):
         def __iter__(self):  # what a thread reading the answer would block on
-            release_threads.wait(timeout=60)
+            waiting.append(self)
+            release_threads.wait(timeout=120)
             yield from super().__iter__()
 
         async def __aiter__(self):
+            waiting.append(self)
             await release_loop.wait()
             for event in super().__iter__():
                 yield event
@@ -355,9 +358,12 @@ def test_answers_waiting_for_tokens_hold_no_worker_thread(backend, stream):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http_client:
             tasks = [asyncio.create_task(http_client.post("/v1/chat/completions", json=chat)) for _ in range(streams)]
-            await asyncio.sleep(0.5)  # every stream has started and waits for its first token
-            try:
-                listed = await asyncio.wait_for(http_client.get("/v1/documents"), timeout=20)
+            for _ in range(6000):  # until every answer waits (a thread-bound server gets no further than 40)
+                if len(waiting) == streams:
+                    break
+                await asyncio.sleep(0.01)
+            try:  # the bound only ends a server whose threads are all taken; the call itself takes ms
+                listed = await asyncio.wait_for(http_client.get("/v1/documents"), timeout=60)
             finally:
                 release_loop.set()
                 release_threads.set()
