@@ -19,11 +19,11 @@ before the loaders fill them). The mapping is private and anonymous: the OS fill
 pages it in on first touch (rows of a KV cache never written cost no memory, as with
 torch.empty), and unmaps it when the last tensor viewing it is freed.
 
-A KV cache that a prefill fills chunk by chunk is the exception: the first touch of a 2 MiB page
-can cost milliseconds on a VM, which the chunks (and the answers waiting between two tokens while
-a server ingests) would pay one page at a time, so it starts in ordinary pages
-(`host_tensors(..., small_pages=True)`) and a server moves it into 2 MiB pages a page at a time
-when idle (`collapse_steps`; docs/BENCHMARKS.md).
+A KV cache filled in bulk (a prefill's, chunk by chunk; a hand-off's; a loaded document's) is the
+exception: the first touch of a 2 MiB page can cost milliseconds on a VM, which the chunks (and
+the answers waiting between two tokens while a server ingests) would pay one page at a time, so it
+starts in ordinary pages (`host_tensors(..., small_pages=True)`) and a server moves it into 2 MiB
+pages a page at a time when idle (`collapse_steps`; docs/BENCHMARKS.md).
 
 Where huge pages are not offered (another OS, THP "never", RINGCTX_HUGE_PAGES=0), the same calls
 return ordinary tensors, one allocation each: the values and the code paths are the same.

@@ -286,12 +286,9 @@ def move_pages(state: RankState) -> int:
     (KVCache.huge_page_steps: a prefill writes its cache in small pages, whose first touch is cheap,
     and decode steps read huge pages faster). Returns the caches that were in small pages when it
     began, summed over every decode rank (each moves its own slices): 0 when nothing was left."""
-    documents = list(state.documents.values())
-    left = sum(1 for d in documents if getattr(d.cache, "small_pages", False))
-    if state.page_mover is None:
-        cache = next((d.cache for d in documents if getattr(d.cache, "small_pages", False)), None)
-        if cache is not None:
-            state.page_mover = cache.huge_page_steps()
+    waiting = [d.cache for d in state.documents.values() if d.cache.small_pages]
+    if state.page_mover is None and waiting:
+        state.page_mover = waiting[0].huge_page_steps()
     if state.page_mover is not None:
         try:
             done = next(state.page_mover, StopIteration) is StopIteration
@@ -300,7 +297,7 @@ def move_pages(state: RankState) -> int:
         if done:
             state.page_mover = None
     s = state.settings
-    return sum(r[0] for r in all_gather_ints([left], state.control_group, s.decode_ranks * s.tp_size))
+    return sum(r[0] for r in all_gather_ints([len(waiting)], state.control_group, s.decode_ranks * s.tp_size))
 
 
 def gather(state: RankState, document_id: int) -> KVCache | None:

@@ -101,13 +101,18 @@ def quantized_matrices(model) -> list[nn.Linear]:
 
 
 def check_weights(weights: str, dtype=None) -> None:
-    """A ValueError now for a `weights` choice that cannot load (dtype: the asked one, or None)."""
+    """A ValueError now for a `weights` choice that cannot load (dtype: the asked one, a name the
+    loader or the planner knows, or None)."""
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHT_CHOICES)}")
     if weights == "int8" and dtype not in (None, "auto"):
         from .loader import resolve_dtype
 
-        if resolve_dtype(dtype) not in (torch.bfloat16, torch.float32):
+        try:
+            resolved = resolve_dtype(dtype)
+        except ValueError:  # a dtype no checkpoint loads in (the planner's float8 weights)
+            resolved = None
+        if resolved not in (torch.bfloat16, torch.float32):
             raise ValueError(f"int8 weights need a bfloat16 or float32 model (their values are exact in both), "
                              f"not {dtype}; use --dtype bf16")
 

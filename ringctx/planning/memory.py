@@ -152,10 +152,7 @@ def validate_setting(model, hardware, tp_size, dtype, weight_dtype, kv_dtype, we
     hw = load_profile(hardware)
     dtype, weight_dtype = canonical_dtype(dtype), canonical_dtype(weight_dtype or dtype)
     hw.peak(dtype), hw.peak(weight_dtype)  # raise when the profile lacks the dtype
-    check_weights(weights)
-    if weights == "int8" and weight_dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"int8 weights need a bfloat16 or float32 model (their values are exact in both), not "
-                         f"{weight_dtype} weights; use --dtype bf16 (or --weight-dtype bfloat16)")
+    check_weights(weights, weight_dtype)
     problem = check_int8_model(model, tp_size) if weights == "int8" else None
     if problem:
         raise ValueError(problem)

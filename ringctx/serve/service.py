@@ -21,7 +21,6 @@ Every Engine call runs on the scheduler's thread; the handlers only tokenize and
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import threading
@@ -604,32 +603,21 @@ class _Answer:
         self.ticket.cancel()
 
     async def __aiter__(self):
-        with self._serving():
-            async for event in self.ticket:
-                out = self._event(event)
-                if out is None:  # cancelled
-                    return
-                yield out
-
-    def _event(self, event) -> api.Piece | api.Finished | None:
-        """The scheduler's event as the HTTP layer's (None: the answer was cancelled)."""
-        if isinstance(event, Text):
-            return api.Piece(event.text)
-        result = event.result
-        if result is None:
-            return None
-        return api.Finished(finish_reason="length" if result.finish_reason == "length" else "stop",
-                            prompt_tokens=self.prompt_tokens, completion_tokens=len(result.token_ids),
-                            cached_tokens=self.cached_tokens, time_to_first_token_s=result.time_to_first_token_s)
-
-    @contextlib.contextmanager
-    def _serving(self):
-        """Counts the answer as running while it is read; the engine's errors as the API's."""
         backend = self.backend
         with backend._lock:
             backend.running += 1
         try:
-            yield
+            async for event in self.ticket:
+                if isinstance(event, Text):
+                    yield api.Piece(event.text)
+                elif isinstance(event, Done):
+                    result = event.result
+                    if result is None:  # cancelled
+                        return
+                    yield api.Finished(finish_reason="length" if result.finish_reason == "length" else "stop",
+                                       prompt_tokens=self.prompt_tokens, completion_tokens=len(result.token_ids),
+                                       cached_tokens=self.cached_tokens,
+                                       time_to_first_token_s=result.time_to_first_token_s)
         except ValueError as exc:
             raise api.BadRequest(str(exc)) from None
         except SchedulerStopped as exc:
