@@ -1,12 +1,13 @@
-/* One decode step of a Llama-family decoder, every layer in one call (built with cpu_kernels.c by
- * ringctx/cpu_kernels.py, once per variant, see cpu_simd.h; driven by ringctx/model/decode_step.py).
+/* Decode steps of a Llama-family decoder: B tokens, one per sequence, through every layer in one
+ * call (built with cpu_kernels.c by ringctx/cpu_kernels.py, once per variant, see cpu_simd.h;
+ * driven by ringctx/model/decode_step.py, where a lone answer is a batch of one).
  *
  * Why: a decode step should take the time to read the weights and the KV cache once. Run as
  * PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
  * their dispatch (5-60 us each on a laptop-class CPU) costs about as much as the reading itself.
- * Here the whole step runs in one OpenMP parallel region: the matrix-vector products and the
- * attention are split over the threads, the small per-token operations run in between, and
- * nothing returns to Python until the last layer is done.
+ * Here the whole step runs in OpenMP parallel regions: the matrix products and the attention are
+ * split over the threads, the small per-token operations run in between, and nothing returns to
+ * Python until the last layer is done (or, over several ranks, until a layer's merge).
  *
  * The math is that of ringctx/model/transformer.py (which follows transformers), with the same
  * roundings; round() is to bf16 for a bf16 model and nothing for a float32 one:
@@ -16,20 +17,13 @@
  *   q, k = round(q * rsqrt(mean(q^2) + eps) * w_qnorm)    per head, Qwen3 only (likewise k)
  *   q, k = round(round(x cos) + roll(x, D/2) sin)         rotate-half RoPE, sin = (-sin, sin)
  *   K, V cache row `position` = k, v        (8-bit caches: quantized per head, with its scale)
- *   o    = round(softmax(q K^T scale) V)                  over cache rows 0..position
+ *   o    = round(softmax(q K^T scale) V)                  over the sequence's rows
  *   h    = round(x + round(o Wo^T + bo))
  *   g, u = round(round(norm(h)) W13^T)                    gate and up halves
  *   x'   = round(h + round(round(round(silu(g)) u) W2^T))
  *
  * Sums run in another order than PyTorch's, so results agree to float32 rounding (a bf16 value
- * may land one step away), not bit for bit. Attention splits the keys over the threads; each
- * thread keeps a running max, sum and output per query row over tiles of keys (online softmax)
- * and the threads' partials are merged by their log-sum-exp at the end.
- *
- * A KV cache split over several ranks (ringctx_decode_step_split): this rank writes the token's
- * K/V only if it stores this step, attends over its own rows, and between each layer's attention
- * and output projection hands its float32 partial (output, log-sum-exp) to a callback, which
- * merges every rank's partials and writes back the merged output, rounded as the model rounds.
+ * may land one step away), not bit for bit.
  */
 #include <math.h>
 #include <string.h>
@@ -40,8 +34,7 @@
 typedef struct {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn_dim;
     float norm_eps, softmax_scale;
-    int32_t bf16;  /* 1: weights, activations and cache are bf16; 0: float32 */
-    int32_t kv_q8; /* -1: the cache is in the model dtype; Q8_INT8 / Q8_FP8: 8-bit rows with scales */
+    int32_t bf16;  /* 1: weights and activations are bf16 (and caches in the model dtype); 0: float32 */
 } ringctx_decoder_shape;
 
 typedef struct {
@@ -51,8 +44,6 @@ typedef struct {
     const void *ffn_norm;       /* [dim] */
     const void *w13;            /* [2 ffn, dim]: the gate rows, then the up rows */
     const void *w2;             /* [dim, ffn] */
-    void *k_cache, *v_cache;    /* [max_tokens, Hkv, D], token-major */
-    float *k_scale, *v_scale;   /* [max_tokens, Hkv] for 8-bit caches, else NULL */
     const void *q_norm, *k_norm; /* [D] per-head RMSNorm weights of q and k before RoPE (Qwen3), else NULL */
     /* Int8 weights (bf16 models; see cpu_kernels.h): the codes [out, in] of wqkv, wo, w13, w2 and
      * their group exponents [out, in / W8_GROUP], or NULL. The w* above stay the bf16 values the
@@ -61,87 +52,20 @@ typedef struct {
     const int8_t *wqkv_exps, *wo_exps, *w13_exps, *w2_exps;
 } ringctx_decoder_layer;
 
-/* Where each piece of the float32 work buffer lives. */
-/* Split caches: replace attn [Hq D] (this rank's float32 partial output, lse [Hq] beside it) by
- * the output merged over every rank, rounded to the model dtype. */
+/* A step over several ranks: called once per layer, after this rank's attention, to merge every
+ * rank's float32 partials and write the merged output, rounded to the model dtype, into the attn
+ * rows (see ringctx_decode_step_batch). */
 typedef void (*ringctx_merge_fn)(void);
 
-typedef struct {
-    float *resid, *xn, *qkv, *attn, *lse, *gate_up, *act;
-    float *threads; /* per thread: row max, row sum, output (attend_range's), its scratch, split input */
-    int64_t per_thread;
-} work_layout;
-
-/* Floats before the per-thread slots, and in each slot. */
-static int64_t shared_floats(const ringctx_decoder_shape *s) {
-    return 2 * s->dim + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim + s->n_heads * s->head_dim + s->n_heads +
-           3 * s->ffn_dim;
-}
-
-/* The widest input of the step's matrix-vector products: a thread splits it there for the bf16
- * pair path (see linear). */
+/* The widest input of the step's matrix products: its rows are split there for the bf16 pair path
+ * (see linear_rows). */
 static int64_t widest_input(const ringctx_decoder_shape *s) {
     const int64_t attn = s->n_heads * s->head_dim, wide = s->dim > s->ffn_dim ? s->dim : s->ffn_dim;
     return wide > attn ? wide : attn;
 }
 
-static int64_t attend_floats(const ringctx_decoder_shape *s) {
-    const int64_t hkv = s->n_kv_heads > 0 ? s->n_kv_heads : 1; /* decode_layers refuses a shape without */
-    return 2 * s->n_heads + s->n_heads * s->head_dim + attend_range_floats(hkv, s->n_heads / hkv, s->head_dim);
-}
-
-static int64_t thread_floats(const ringctx_decoder_shape *s) { return attend_floats(s) + widest_input(s); }
-
-static work_layout layout_work(const ringctx_decoder_shape *s, float *base) {
-    work_layout w;
-    w.resid = base;
-    w.xn = w.resid + s->dim;
-    w.qkv = w.xn + s->dim;
-    w.attn = w.qkv + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
-    w.lse = w.attn + s->n_heads * s->head_dim;
-    w.gate_up = w.lse + s->n_heads;
-    w.act = w.gate_up + 2 * s->ffn_dim;
-    w.threads = base + shared_floats(s);
-    w.per_thread = thread_floats(s);
-    return w;
-}
-
-/* Where attn (then lse) starts in the work buffer, in floats: the split step's callback reads and
- * writes them there. */
-int64_t ringctx_decode_attn_offset(const ringctx_decoder_shape *s) {
-    return 2 * s->dim + (s->n_heads + 2 * s->n_kv_heads) * s->head_dim;
-}
-
-/* Floats of work buffer that ringctx_decode_step needs for this shape and thread count. */
-int64_t ringctx_decode_work_floats(const ringctx_decoder_shape *s, int threads) {
-    return shared_floats(s) + (threads < 1 ? 1 : threads > 256 ? 256 : threads) * thread_floats(s);
-}
-
 /* exp(x) by the kernels' vector exp, so that every exponential of a step is computed alike. */
 static inline float exp1(float x) { return vexp(vset1(x))[0]; }
-
-/* y = round(x W^T + b), or resid = round(resid + round(x W^T + b)) when resid is given; the output
- * rows are shared out over the threads of the enclosing parallel region. bf16 weights whose rows
- * widen in pairs read x split into `split` (this thread's [in] floats), each thread its own copy,
- * so no thread waits for another. */
-static void linear(const float *x, int64_t in, const void *w, const int8_t *codes, const int8_t *exps,
-                   const void *b, int64_t out, int bf16, float *y, float *resid, float *split) {
-    const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
-    const int pairs = widen_in_pairs(bf16, in) || codes != NULL;
-    if (pairs) split_pairs(x, 1, in, split);
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int64_t o = blk * GEMV_BLOCK, n = out - o < GEMV_BLOCK ? out - o : GEMV_BLOCK;
-        if (codes) gemv_block_pairs_q8(split, 1, in, codes, exps, out, y, o, n);
-        else if (pairs) gemv_block_pairs(split, 1, in, (const uint16_t *)w, out, y, o, n);
-        else gemv_block(x, 1, in, w, bf16, out, y, o, n);
-        for (int64_t i = o; i < o + n; ++i) {
-            const float v = round_to(b ? y[i] + load_one(b, bf16, i) : y[i], bf16);
-            if (resid) resid[i] = round_to(resid[i] + v, bf16);
-            else y[i] = v;
-        }
-    }
-}
 
 /* e4m3 ("fn") byte of y, |y| <= 448, rounded to nearest even: as PyTorch's float8_e4m3fn cast. */
 static inline uint8_t to_e4m3(float y) {
@@ -176,67 +100,6 @@ static void store_q8(int kind, const float *x, int64_t d, int8_t *data, float *s
     }
 }
 
-/* RoPE on the q and k heads of qkv (in place), each head first RMS-normalised when the layer has
- * q/k norm weights (Qwen3), then the new k and v into cache row `row` (none when row < 0: another
- * rank stores this token). */
-static void rotate_and_store(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, float *qkv,
-                             int64_t row, const void *cos, const void *sin) {
-    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
-    const int bf16 = s->bf16;
-#pragma omp for schedule(static)
-    for (int64_t h = 0; h < hq + 2 * hkv; ++h) {
-        float *x = qkv + h * d;
-        const void *head_norm = h < hq ? layer->q_norm : h < hq + hkv ? layer->k_norm : NULL;
-        if (head_norm) token_rms_norm(x, 0, head_norm, bf16, d, s->norm_eps, x, 0); /* in place: reads first */
-        if (h < hq + hkv) token_rope(x, 0, cos, sin, bf16, d);
-        if (h >= hq && row >= 0) {  /* a k head (rotated above) or a v head: into the cache */
-            const int is_v = h >= hq + hkv;
-            const int64_t kv_head = h - hq - (is_v ? hkv : 0);
-            void *cache = is_v ? layer->v_cache : layer->k_cache;
-            if (s->kv_q8 >= 0)
-                store_q8(s->kv_q8, x, d, (int8_t *)cache + (row * hkv + kv_head) * d,
-                         (is_v ? layer->v_scale : layer->k_scale) + row * hkv + kv_head);
-            else
-                for (int64_t i = 0; i < d; ++i) store_one(cache, bf16, (row * hkv + kv_head) * d + i, x[i]);
-        }
-    }
-}
-
-/* attn[r] = round(sum_t acc_t[r] e^(m_t - M) / sum_t l_t e^(m_t - M)) over the threads' partials.
- * partial: leave attn unrounded and write lse[r] = M + log(sum_t l_t e^(m_t - M)) (-inf and a zero
- * output for a row that saw no key: this rank may hold none). */
-static void merge_threads(const ringctx_decoder_shape *s, const work_layout *w, int n_threads,
-                                         int partial) {
-    const int64_t hq = s->n_heads, d = s->head_dim;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < hq; ++r) {
-        float top = -INFINITY;
-        for (int t = 0; t < n_threads; ++t) {
-            const float mt = w->threads[t * w->per_thread + r];
-            top = mt > top ? mt : top;
-        }
-        float total = 0.0f, weight[256];
-        for (int t = 0; t < n_threads; ++t) {
-            const float *slot = w->threads + t * w->per_thread;
-            weight[t] = slot[r] == -INFINITY ? 0.0f : exp1(slot[r] - top);
-            total += slot[hq + r] * weight[t];
-        }
-        if (partial) w->lse[r] = total > 0.0f ? top + logf(total) : -INFINITY;
-        for (int64_t c = 0; c < d; ++c) {
-            float sum = 0.0f;
-            for (int t = 0; t < n_threads; ++t) sum += w->threads[t * w->per_thread + 2 * hq + r * d + c] * weight[t];
-            w->attn[r * d + c] = partial ? (total > 0.0f ? sum / total : 0.0f) : round_to(sum / total, s->bf16);
-        }
-    }
-}
-
-/* act = round(round(silu(gate)) * up) over ffn elements, shared out over the threads. */
-static void swiglu(const float *gate_up, int64_t ffn, int bf16, float *act) {
-#pragma omp for schedule(static)
-    for (int64_t i0 = 0; i0 < ffn; i0 += 64)
-        token_swiglu(gate_up + i0, gate_up + ffn + i0, 0, bf16, ffn - i0 < 64 ? ffn - i0 : 64, act + i0, 0);
-}
-
 /* Int8 weights need a bf16 model (their values are bf16 values) and inputs of whole groups. */
 static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers) {
     const int64_t dim = s->dim % W8_GROUP, attn = (s->n_heads * s->head_dim) % W8_GROUP, ffn = s->ffn_dim % W8_GROUP;
@@ -250,91 +113,14 @@ static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decode
     return 1;
 }
 
-/* One token through n_layers layers (both entry points below). write_row: the cache row that
- * receives the token's K/V (< 0: none); keys: cache rows attended (0 .. keys-1); merge: NULL for a
- * whole cache, else the callback that merges this rank's partial attention with the others'. */
-static int decode_layers(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
-                         void *x, int64_t write_row, int64_t keys, const void *cos, const void *sin, float *work,
-                         int threads, ringctx_merge_fn merge) {
-    if (!ringctx_cpu_kernels_supported()) return -1;
-    if (s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 || s->n_heads % s->n_kv_heads ||
-        s->n_heads / s->n_kv_heads > MAX_R || (s->kv_q8 != -1 && s->kv_q8 != Q8_INT8 && s->kv_q8 != Q8_FP8) ||
-        !int8_weights_fit(s, layers, n_layers))
-        return -2;
-    if (threads < 1) threads = 1;
-    if (threads > 256) threads = 256;
-    const int bf16 = s->bf16;
-    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, ffn = s->ffn_dim;
-    const work_layout w = layout_work(s, work);
-    for (int64_t i = 0; i < dim; ++i) w.resid[i] = load_one(x, bf16, i);
-
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        float *mine = w.threads + t * w.per_thread;
-        float *split = mine + attend_floats(s); /* see thread_floats */
-        for (int64_t li = 0; li < n_layers; ++li) {
-            const ringctx_decoder_layer *layer = layers + li;
-#pragma omp single
-            token_rms_norm(w.resid, 0, layer->attention_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->wqkv, layer->wqkv_codes, layer->wqkv_exps, layer->bqkv, (hq + 2 * hkv) * d, bf16, w.qkv, NULL, split);
-            rotate_and_store(s, layer, w.qkv, write_row, cos, sin);
-            /* this thread's share of the keys, every query head at once (the decode attention of
-             * cpu_kernels.c: each K and V row read once for the whole GQA group) */
-            attend_range(w.qkv, hkv, hq / hkv, d, layer->k_cache, layer->v_cache, bf16, s->kv_q8, layer->k_scale,
-                         layer->v_scale, s->softmax_scale, keys * t / nt, keys * (t + 1) / nt, mine, mine + hq,
-                         mine + 2 * hq, mine + 2 * hq + hq * d);
-#pragma omp barrier
-            merge_threads(s, &w, nt, merge != NULL);
-            if (merge != NULL) {
-                /* The calling (Python) thread runs the callback: it talks to the other ranks. */
-#pragma omp master
-                merge();
-#pragma omp barrier
-            }
-            linear(w.attn, hq * d, layer->wo, layer->wo_codes, layer->wo_exps, layer->bo, dim, bf16, w.xn, w.resid, split);
-#pragma omp single
-            token_rms_norm(w.resid, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w.xn, 0);
-            linear(w.xn, dim, layer->w13, layer->w13_codes, layer->w13_exps, NULL, 2 * ffn, bf16, w.gate_up, NULL, split);
-            swiglu(w.gate_up, ffn, bf16, w.act);
-            linear(w.act, ffn, layer->w2, layer->w2_codes, layer->w2_exps, NULL, dim, bf16, w.xn, w.resid, split);
-        }
-    }
-    for (int64_t i = 0; i < dim; ++i) store_one(x, bf16, i, w.resid[i]);
-    return 0;
-}
-
-/* Run one token through n_layers layers. x [dim] (model dtype) is the token's embedding on entry
- * and the last layer's output (before the final norm) on return. position: the token's row in
- * the caches (it attends to rows 0..position). cos, sin: [head_dim] rotary factors for that
- * position in the model dtype, laid out as ringctx's RopeAngles. work: at least
- * ringctx_decode_work_floats(shape, threads) floats.
- * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape (the caller
- * then runs the PyTorch path). */
-int ringctx_decode_step(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
-                        void *x, int64_t position, const void *cos, const void *sin, float *work, int threads) {
-    return decode_layers(s, layers, n_layers, x, position, position + 1, cos, sin, work, threads, NULL);
-}
-
-/* The same step over this rank's slice of a KV cache split over ranks: the token's K/V go to
- * row write_row (< 0: another rank stores them), attention reads rows 0 .. keys-1 (the written
- * row included), and merge() is called once per layer (see ringctx_merge_fn). cos, sin: the
- * factors of the token's global position. */
-int ringctx_decode_step_split(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
-                              void *x, int64_t write_row, int64_t keys, const void *cos, const void *sin, float *work,
-                              int threads, ringctx_merge_fn merge) {
-    if (merge == NULL) return -2;
-    return decode_layers(s, layers, n_layers, x, write_row, keys, cos, sin, work, threads, merge);
-}
-
 /* ------------------------------------------------------------------------------------------
  * A batch of B tokens, one per sequence, through every layer (ringctx_decode_step_batch).
  *
  * Why: B sequences decoded together should read each weight matrix once per step, not B times,
  * and each shared document's KV rows once for all the questions on it, with no per-op dispatch.
  * Each matrix product runs gemv_block over all B rows: a block of four weight rows is read from
- * memory once and then from L1 for the other rows, with the sums of each row in the same order as
- * the lone step's. Each row is rotated at its own position.
+ * memory once and then from L1 for the other rows, each row's sums in the same order whatever the
+ * number of rows. Each row is rotated at its own position.
  *
  * The attention reads a list of sources, each a KV cache (any storage: the model dtype, int8,
  * fp8) with the batch rows whose queries attend it:
@@ -354,7 +140,8 @@ int ringctx_decode_step_split(const ringctx_decoder_shape *s, const ringctx_deco
  *
  * A row's sums do not depend on the rest of the batch: a document's keys are split over the
  * threads by its length alone and attend_range tiles keys the same whatever the number of query
- * rows, so a sequence's logits are those of a batch of one.
+ * rows, so a sequence's logits are those of a batch of one; and a lone answer is a batch of one
+ * whose document is the rows its cache held before it began (ringctx/model/decode_step.py).
  * ------------------------------------------------------------------------------------------ */
 
 typedef struct {
@@ -385,6 +172,11 @@ static int64_t rows_per_pass(const ringctx_decoder_shape *s, int64_t b) {
     return b < most ? b : most;
 }
 
+/* Batches of at most this many rows have each thread split the rows of a product's input for
+ * itself (see linear_rows): a few thousand floats, less than the wait at a barrier for one thread
+ * to split them for all (a lone answer is a batch of one). */
+#define SPLIT_BY_EACH_THREAD_ROWS 2
+
 /* Where each [B, .] array of the batch work buffer starts, in floats. */
 typedef struct {
     int64_t resid, xn, qkv, attn, part_out, part_lse, gate_up, act, split, queries, threads, per_thread, total;
@@ -405,7 +197,10 @@ static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b, int 
     l.split = l.act + b * s->ffn_dim;
     l.queries = l.split + b * widest_input(s);
     l.threads = l.queries + rows * d;
-    l.per_thread = 2 * rows + rows * d + attend_range_floats(s->n_kv_heads, r, d);
+    /* per thread: attention's m, l, acc and attend_range's buffer; at other times the rows it splits */
+    const int64_t attend = 2 * rows + rows * d + attend_range_floats(s->n_kv_heads, r, d);
+    const int64_t splits = b <= SPLIT_BY_EACH_THREAD_ROWS ? b * widest_input(s) : 0;
+    l.per_thread = attend > splits ? attend : splits;
     l.total = l.threads + (threads < 1 ? 1 : threads > 256 ? 256 : threads) * l.per_thread;
     return l;
 }
@@ -423,14 +218,18 @@ void ringctx_decode_batch_offsets(const ringctx_decoder_shape *s, int64_t b, int
 }
 
 /* linear over b rows: y [b, out] = round(x [b, in] W^T + bias), or resid [b, out] = round(resid +
- * that). The split of x for the bf16 pair path is shared (its rows split over the threads first). */
+ * that). The split of x for the bf16 pair path: up to SPLIT_BY_EACH_THREAD_ROWS rows each thread
+ * makes its own (into `mine`), else one shared copy (`split`, its rows split over the threads). */
 static void linear_rows(const float *x, int64_t b, int64_t in, const void *w, const int8_t *codes,
                         const int8_t *exps, const void *bias, int64_t out, int bf16, float *y, float *resid,
-                        float *split) {
+                        float *split, float *mine) {
     const int64_t blocks = (out + GEMV_BLOCK - 1) / GEMV_BLOCK;
     if (b > INT8_MAX_ROWS) codes = NULL; /* the bf16 values: the same sums */
     const int pairs = widen_in_pairs(bf16, in) || codes != NULL;
-    if (pairs) {
+    if (pairs && b <= SPLIT_BY_EACH_THREAD_ROWS) {
+        split_pairs(x, b, in, mine);
+        split = mine;
+    } else if (pairs) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < b; ++r) split_pairs(x + r * in, 1, in, split + r * in);
     }
@@ -549,33 +348,12 @@ static void attend_alone(const batch_attention *a, const ringctx_attention_sourc
     }
 }
 
-/* One layer's attention of the batch into a->out / a->lse (every thread of the region calls it). */
+/* One layer's attention of the batch into a->out / a->lse, which layer_qkv emptied after writing
+ * the rows' new k, v (every thread of the region calls it). */
 static void attend_sources(const batch_attention *a, const ringctx_attention_source *sources, int64_t n_sources,
                            int64_t n_shared, int64_t layer) {
     const ringctx_decoder_shape *s = a->s;
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, b = a->b;
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < b; ++r) {  /* no partial yet: zeros, lse -inf (a row may see no key here) */
-        memset(a->out + r * hq * d, 0, (size_t)(hq * d) * sizeof(float));
-        for (int64_t h = 0; h < hq; ++h) a->lse[h * b + r] = -INFINITY;
-    }
-    /* each written own row's k, v first (one row of one cache each: no two threads share a row) */
-#pragma omp for schedule(static)
-    for (int64_t i = n_shared; i < n_sources; ++i) {
-        const ringctx_attention_source *src = sources + i;
-        if (src->write_row < 0) continue;
-        const float *row = a->qkv + src->rows[0] * a->width;
-        for (int64_t kh = 0; kh < hkv; ++kh)
-            for (int is_v = 0; is_v < 2; ++is_v) {
-                const float *x = row + (hq + kh + (is_v ? hkv : 0)) * d;
-                void *cache = is_v ? src->v[layer] : src->k[layer];
-                if (src->kv_q8 >= 0)
-                    store_q8(src->kv_q8, x, d, (int8_t *)cache + (src->write_row * hkv + kh) * d,
-                             (is_v ? src->v_scale[layer] : src->k_scale[layer]) + src->write_row * hkv + kh);
-                else
-                    for (int64_t c = 0; c < d; ++c) store_one(cache, s->bf16, (src->write_row * hkv + kh) * d + c, x[c]);
-            }
-    }
     /* documents, then long own rows: the keys over the threads, one pass per rows_per_pass rows */
     const int64_t pass = rows_per_pass(s, b);
     for (int64_t i = 0; i < n_sources; ++i) {
@@ -590,28 +368,55 @@ static void attend_sources(const batch_attention *a, const ringctx_attention_sou
         if (sources[i].keys > 0 && sources[i].keys < OWN_SPLIT_KEYS) attend_alone(a, sources + i, layer);
 }
 
-/* The batch's float32 work arrays (see layout_batch). */
+/* The batch's float32 work arrays (see layout_batch), and each thread's slot. */
 typedef struct {
-    float *resid, *xn, *qkv, *attn, *gate_up, *act, *split;
+    float *resid, *xn, *qkv, *attn, *gate_up, *act, *split, *threads;
+    int64_t per_thread;
 } batch_rows;
 
+static float *thread_slot(const batch_rows *w) { return w->threads + omp_get_thread_num() * w->per_thread; }
+
+/* One head's new k or v row x [d] into row `row` of a cache (8-bit: quantized with its scale). */
+static void store_head(const ringctx_decoder_shape *s, const ringctx_attention_source *src, int64_t layer, int is_v,
+                       int64_t kv_head, const float *x) {
+    const int64_t hkv = s->n_kv_heads, d = s->head_dim, at = src->write_row * hkv + kv_head;
+    void *cache = is_v ? src->v[layer] : src->k[layer];
+    if (src->kv_q8 >= 0)
+        store_q8(src->kv_q8, x, d, (int8_t *)cache + at * d, (is_v ? src->v_scale[layer] : src->k_scale[layer]) + at);
+    else
+        for (int64_t c = 0; c < d; ++c) store_one(cache, s->bf16, at * d + c, x[c]);
+}
+
 /* A layer up to its attention: norm, q/k/v projection, Qwen3's head norms, RoPE at each row's own
- * position (every thread of the region calls it). */
-static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, const batch_rows *w,
-                      int64_t b, const void *cos, const void *sin) {
+ * position, each row's new k, v into the cache of writer[row] (its own rows, when this rank stores
+ * the token), and the attention's partials emptied (zeros, lse -inf: a row may see no key here).
+ * Every thread of the region calls it. */
+static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, int64_t li,
+                      const batch_rows *w, const batch_attention *a, int64_t b, const void *cos, const void *sin,
+                      const ringctx_attention_source *const *writer) {
     const int bf16 = s->bf16, esize = bf16 ? 2 : 4;
-    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, width = (hq + 2 * hkv) * d;
+    const int64_t dim = s->dim, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, heads = hq + 2 * hkv;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->attention_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
-    linear_rows(w->xn, b, dim, layer->wqkv, layer->wqkv_codes, layer->wqkv_exps, layer->bqkv, width, bf16, w->qkv, NULL, w->split);
+    linear_rows(w->xn, b, dim, layer->wqkv, layer->wqkv_codes, layer->wqkv_exps, layer->bqkv, heads * d, bf16, w->qkv,
+                NULL, w->split, thread_slot(w));
 #pragma omp for schedule(static)
-    for (int64_t rh = 0; rh < b * (hq + hkv); ++rh) {
-        const int64_t r = rh / (hq + hkv), h = rh % (hq + hkv);
-        float *xh = w->qkv + r * width + h * d;
-        const void *head_norm = h < hq ? layer->q_norm : layer->k_norm;
-        if (head_norm) token_rms_norm(xh, 0, head_norm, bf16, d, s->norm_eps, xh, 0);
-        token_rope(xh, 0, (const char *)cos + r * d * esize, (const char *)sin + r * d * esize, bf16, d);
+    for (int64_t rh = 0; rh < b * heads; ++rh) {
+        const int64_t r = rh / heads, h = rh % heads;
+        float *xh = w->qkv + r * heads * d + h * d;
+        if (h < hq + hkv) {  /* a q or k head: Qwen3's head norm, then RoPE */
+            const void *head_norm = h < hq ? layer->q_norm : layer->k_norm;
+            if (head_norm) token_rms_norm(xh, 0, head_norm, bf16, d, s->norm_eps, xh, 0);
+            token_rope(xh, 0, (const char *)cos + r * d * esize, (const char *)sin + r * d * esize, bf16, d);
+        }
+        if (h < hq) {
+            memset(a->out + (r * hq + h) * d, 0, (size_t)d * sizeof(float));
+            a->lse[h * b + r] = -INFINITY;
+        } else if (writer[r] != NULL) {
+            const int is_v = h >= hq + hkv;
+            store_head(s, writer[r], li, is_v, h - hq - (is_v ? hkv : 0), xh);
+        }
     }
 }
 
@@ -621,25 +426,29 @@ static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_l
                          int64_t b) {
     const int bf16 = s->bf16;
     const int64_t dim = s->dim, ffn = s->ffn_dim;
-    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->wo_codes, layer->wo_exps, layer->bo, dim, bf16, w->xn, w->resid, w->split);
+    linear_rows(w->attn, b, s->n_heads * s->head_dim, layer->wo, layer->wo_codes, layer->wo_exps, layer->bo, dim, bf16, w->xn, w->resid, w->split,
+                thread_slot(w));
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
-    linear_rows(w->xn, b, dim, layer->w13, layer->w13_codes, layer->w13_exps, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split);
+    linear_rows(w->xn, b, dim, layer->w13, layer->w13_codes, layer->w13_exps, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split,
+                thread_slot(w));
+    const int64_t pieces = (ffn + 63) / 64;  /* runs of 64 of every row over the threads (a lone row too) */
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < b; ++r)
-        for (int64_t i0 = 0; i0 < ffn; i0 += 64)
-            token_swiglu(w->gate_up + r * 2 * ffn + i0, w->gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
-                         ffn - i0 < 64 ? ffn - i0 : 64, w->act + r * ffn + i0, 0);
-    linear_rows(w->act, b, ffn, layer->w2, layer->w2_codes, layer->w2_exps, NULL, dim, bf16, w->xn, w->resid, w->split);
+    for (int64_t rp = 0; rp < b * pieces; ++rp) {
+        const int64_t r = rp / pieces, i0 = rp % pieces * 64;
+        token_swiglu(w->gate_up + r * 2 * ffn + i0, w->gate_up + r * 2 * ffn + ffn + i0, 0, bf16,
+                     ffn - i0 < 64 ? ffn - i0 : 64, w->act + r * ffn + i0, 0);
+    }
+    linear_rows(w->act, b, ffn, layer->w2, layer->w2_codes, layer->w2_exps, NULL, dim, bf16, w->xn, w->resid, w->split,
+                thread_slot(w));
 }
 
 /* Run B tokens (one per sequence) through n_layers layers. x [b, dim] (model dtype): the tokens'
  * embeddings on entry, the last layer's outputs (before the final norm) on return. cos, sin:
  * [b, head_dim] rotary factors of each row's own position (model dtype, as RopeAngles). sources:
  * n_sources attention sources, the first n_shared of them documents, the rest own rows (at most
- * one per batch row), as described above; the layers' cache pointers are not used. merge: NULL
- * when this rank holds every row, else see above. work: at least
+ * one per batch row), as described above. merge: NULL when this rank holds every row, else see above. work: at least
  * ringctx_decode_batch_work_floats(shape, b, threads) floats.
  * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape, b outside
  * 1..MAX_BATCH or a bad source. */
@@ -661,13 +470,20 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
         for (int64_t j = 0; j < src->n_rows; ++j)
             if (src->rows[j] < 0 || src->rows[j] >= b) return -2;
     }
+    /* the own source each row writes its new k, v into (at most one: one own source per row) */
+    const ringctx_attention_source *writer[MAX_BATCH] = {NULL};
+    for (int64_t i = n_shared; i < n_sources; ++i) {
+        if (sources[i].write_row < 0) continue;
+        if (writer[sources[i].rows[0]] != NULL) return -2;
+        writer[sources[i].rows[0]] = sources + i;
+    }
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
     const int bf16 = s->bf16;
     const int64_t hq = s->n_heads, d = s->head_dim;
     const batch_layout l = layout_batch(s, b, threads);
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
-                          work + l.split};
+                          work + l.split, work + l.threads, l.per_thread};
     const batch_attention a = {s, b, (hq + 2 * s->n_kv_heads) * d, w.qkv, work + l.part_out, work + l.part_lse,
                                work + l.queries, work + l.threads, l.per_thread};
     for (int64_t i = 0; i < b * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
@@ -675,7 +491,7 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
     if (merge == NULL) {  /* nothing leaves C: one parallel region for the whole step */
 #pragma omp parallel num_threads(threads)
         for (int64_t li = 0; li < n_layers; ++li) {
-            layer_qkv(s, layers + li, &w, b, cos, sin);
+            layer_qkv(s, layers + li, li, &w, &a, b, cos, sin, writer);
             attend_sources(&a, sources, n_sources, n_shared, li);
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < b * hq * d; ++i) w.attn[i] = round_to(a.out[i], bf16);
@@ -685,7 +501,7 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
         for (int64_t li = 0; li < n_layers; ++li) {
 #pragma omp parallel num_threads(threads)
             {
-                layer_qkv(s, layers + li, &w, b, cos, sin);
+                layer_qkv(s, layers + li, li, &w, &a, b, cos, sin, writer);
                 attend_sources(&a, sources, n_sources, n_shared, li);
             }
             merge(); /* writes the rounded, merged attention into attn */

@@ -25,8 +25,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
     small_linear_int8      the same over int8 weights with a power-of-two scale per 64 inputs (the
                            model's `--weights int8`): the same sums bit for bit as over the bf16
                            values the codes stand for, from half the bytes.
-    decode_step            a whole decode step of a Llama-family model (csrc/cpu_decode.c, driven
-                           by ringctx/model/decode_step.py): every layer in one call, so that the
+    decode_step_batch      a whole decode step of a Llama-family model for B sequences (a lone
+                           answer is B = 1; csrc/cpu_decode.c, driven by
+                           ringctx/model/decode_step.py): every layer in one call, so that the
                            ~40 small PyTorch ops per layer, whose dispatch cost as much as reading
                            the weights, are not paid.
     rms_norm, rope_,       RMSNorm, RoPE and the SwiGLU gate over many rows (csrc/cpu_token_ops.c):
@@ -254,10 +255,6 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_decode_pv_q8.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, i64, ptr, i32]
     lib.ringctx_decode_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32, ptr, ptr, i32, i64, f32, ptr, ptr, i32]
     shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
-    lib.ringctx_decode_work_floats.argtypes = [shape, i32]
-    lib.ringctx_decode_work_floats.restype = i64
-    lib.ringctx_decode_step.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i32]
-    lib.ringctx_decode_step_split.argtypes = [shape, layer, i64, ptr, i64, i64, ptr, ptr, ptr, i32, MERGE_FN]
     lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
     lib.ringctx_encode_e4m3.restype = None
     lib.ringctx_decode_step_batch.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ctypes.POINTER(AttentionSource),
@@ -266,8 +263,6 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_decode_batch_work_floats.restype = i64
     lib.ringctx_decode_batch_offsets.argtypes = [shape, i64, ptr]
     lib.ringctx_decode_batch_offsets.restype = None
-    lib.ringctx_decode_attn_offset.argtypes = [shape]
-    lib.ringctx_decode_attn_offset.restype = i64
     lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
@@ -369,28 +364,26 @@ def cpu_kernels_status() -> str:
 
 
 MERGE_FN = ctypes.CFUNCTYPE(None)
-"""The split and batched decode steps' per-layer callback (see ringctx_merge_fn in csrc/cpu_decode.c)."""
+"""The decode step's per-layer callback over several ranks (see ringctx_merge_fn in csrc/cpu_decode.c)."""
 
 MAX_BATCH = 64
 """Most rows `ringctx_decode_step_batch` takes (MAX_BATCH of csrc/cpu_decode.c)."""
 
 
 class DecoderShape(ctypes.Structure):
-    """ringctx_decoder_shape of csrc/cpu_decode.c: a model's sizes for `ringctx_decode_step`."""
+    """ringctx_decoder_shape of csrc/cpu_decode.c: a model's sizes for `ringctx_decode_step_batch`."""
 
     _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("ffn_dim", ctypes.c_int64), ("norm_eps", ctypes.c_float),
-                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("kv_q8", ctypes.c_int32)]
+                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
 
 
 class DecoderLayer(ctypes.Structure):
-    """ringctx_decoder_layer of csrc/cpu_decode.c: data pointers of one layer's weights and KV cache
-    (NULL for an absent bias, for the scales of a cache in the model dtype, and for the q/k norms
-    of models without them)."""
+    """ringctx_decoder_layer of csrc/cpu_decode.c: data pointers of one layer's weights (NULL for an
+    absent bias and for the q/k norms of models without them)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "k_cache", "v_cache", "k_scale",
-        "v_scale", "q_norm", "k_norm", "wqkv_codes", "wo_codes", "w13_codes", "w2_codes", "wqkv_exps",
+        "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "q_norm", "k_norm", "wqkv_codes", "wo_codes", "w13_codes", "w2_codes", "wqkv_exps",
         "wo_exps", "w13_exps", "w2_exps")]
     """The *_codes and *_exps fields: int8 weights' codes and exponents beside their bf16 values in
     w* (ringctx/model/int8_weights.py), or NULL."""

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Per-token step time of batched decode: the fused batch kernel against the PyTorch batch path,
-beside the lone fused step, alternating in one process.
+beside a lone answer, alternating in one process.
 
     python scripts/bench_batch_decode.py [--rounds 3] [--threads N] [--model smollm2-135m]
 
 One Engine (nproc=1) with a 2048-token random document. Each round runs, for each side ("fused":
 BatchDecoder's FusedBatchStep, "torch": its PyTorch layer-by-layer path), a lone answer
-(Engine.generate: the lone fused step, the same on both sides) and ask_many with B = 1, 4, 8
+(Engine.generate: the fused step with one row, the same on both sides) and ask_many with B = 1, 4, 8
 questions; 24 tokens each, no stop token. A step's time is the median of question 0's
 token_times_s. Printed: every round, then per-row medians and the paired ratios.
 """
@@ -57,7 +57,7 @@ def main() -> None:
                                                          if k[1] == side), flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         lone = statistics.median(times[("lone", "fused")] + times[("lone", "torch")])
-        print(f"lone fused step (both sides' rounds): {lone * 1e3:.1f} ms")
+        print(f"lone answer's step (both sides' rounds): {lone * 1e3:.1f} ms")
         for b in BATCHES:
             f, t = med[(b, "fused")], med[(b, "torch")]
             print(f"B={b}: fused {f * 1e3:.1f} ms, torch {t * 1e3:.1f} ms per step; torch/fused {t / f:.2f}x; "

@@ -532,24 +532,16 @@ class Engine:
             return iter(())
         self._end_open_answer()
         ids = self.question_ids(document, prompt)
-        if self.decode_ranks == 1 and self.tp_size == 1:  # the whole cache is here: no other rank takes part
-            generation = self._generate_here(document, ids, max_new_tokens, sampling)
-        elif self.rank != state.leader:  # a follower (torchrun): every step, then nothing to show
+        if self.rank != state.leader:  # a follower (torchrun): every step, then nothing to show
             self._run("decode", commands.ANSWER_FOLLOW, document.id, ids, document=document)
             return iter(())
-        else:
-            decoder = LeaderDecoder(self, document)
-            generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
+        # One decode rank or several: the question's prefill and the steps as a batch runs them
+        # (cp_prefill over the decode ranks, then the fused step with the document's rows apart),
+        # so this answer is the one `ask_many` and `ringctx serve` give, bit for bit.
+        decoder = LeaderDecoder(self, document)
+        generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
         self._open_answer = weakref.ref(generation)
         return Answer(self, generation)
-
-    def _generate_here(self, document, ids, max_new_tokens, sampling) -> Generation:
-        """One decode rank: the whole cache is here; decode without any other rank."""
-        cache = document.rewind()
-        need = document.rows + len(ids) + max_new_tokens
-        if cache.max_tokens < need:
-            document.cache = cache = cache.grown(need)
-        return self.model.stream(ids, cache=cache, max_new_tokens=max_new_tokens, **sampling)
 
     def _end_open_answer(self, document: Document | None = None) -> None:
         """The newest answer (of `document`, or of any) holds its document's rows and, split, its

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
-from ..model.decode_step import AttentionSource, FusedBatchStep
+from ..model.decode_step import AttentionSource, FusedBatchStep, step_logits
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
 from .document import Document
@@ -192,7 +192,7 @@ class BatchDecoder:
                 rope = model.rope(torch.tensor(positions, dtype=torch.long, device=model.device))
                 for index, block in enumerate(model.layers):
                     x = block.forward(x, rope, attend, index)
-            logits = model.head(model.norm(x)) if self.rank == 0 else None
+            logits = step_logits(model, x) if self.rank == 0 else None
         for s, owner, row in zip(seqs, owners, writes):
             if row is not None:
                 if s.own.positions is not None:

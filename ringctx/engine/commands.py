@@ -145,8 +145,8 @@ def extend(state: RankState, document_id: int, ids: bytes, decode_room: int, *, 
 def answer_decoder(state: RankState, document: Document) -> ShardedDecoder:
     """This decode rank's decoder of `document` (its slice cut back to the document); collective."""
     config = state.decode_prefill_config(document.cache.kv_dtype, 64)
-    return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_group, config,
-                          timeout_s=state.settings.timeout_s, control_group=state.control_group, leader=state.leader)
+    return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_peers, config,
+                          timeout_s=state.settings.timeout_s, control_group=state.control_peers, leader=state.leader)
 
 
 def answer_start(state: RankState, answer_id: int, document_id: int, ids: bytes) -> None:
@@ -183,8 +183,7 @@ def follow_answer(state: RankState, document_id: int, ids: torch.Tensor, *, docu
 def batch_decoder(state: RankState) -> BatchDecoder:
     """This decode rank's part of the sequences decoded together (made at first use)."""
     if state.batch is None:
-        state.batch = BatchDecoder(state.model, state.decode_group if state.world_size > 1 else "local",
-                                   state.settings.timeout_s)
+        state.batch = BatchDecoder(state.model, state.decode_peers, state.settings.timeout_s)
     return state.batch
 
 

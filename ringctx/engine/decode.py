@@ -20,11 +20,14 @@ On CPUs the decode ranks, which always share a host, all-gather through shared m
 (engine/shm_exchange.py) rather than gloo; on GPUs through the process group (NCCL).
 
 On CPUs with the ringctx kernels the whole step runs in the fused decode kernel (8-bit slices
-too), which calls back into `_merge_into` between each layer's attention and output projection;
+too), which calls back into `_merge` between each layer's attention and output projection;
 elsewhere it runs as PyTorch ops layer by layer (`_layers`).
 
 The question that precedes an answer is prefilled over the same ranks with `cp_prefill`, each
-rank's slice serving as its cached tokens in place.
+rank's slice serving as its cached tokens in place. One decode rank is the same with a group of
+one (LOCAL): an answer alone then takes the steps a batch takes (engine/batch.py: the same
+prefill, the fused step's document the slice's rows before the answer, the same owner rule), so
+`Engine.generate` and a batch give the same bits.
 
 Under tensor parallelism every TP rank of the decode host runs this over its own KV heads: the
 decode group is then the decode ranks of one TP index (they split the tokens), the leader's
@@ -39,7 +42,7 @@ import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
-from ..model.decode_step import FusedStep
+from ..model.decode_step import FusedStep, step_logits
 from ..parallel.comm import all_gather_ints, rank_and_world
 from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
@@ -72,6 +75,9 @@ class ShardedDecoder:
     def __init__(self, model, cache: KVCache, length: int, group, prefill_config: PrefillConfig,
                  timeout_s: float = 300.0, control_group=SAME_AS_GROUP, leader: int | None = None):
         self.model, self.cache, self.length, self.group = model, cache, length, group
+        # this rank's document rows: the fused steps attend them apart from the answer's own rows,
+        # as a batch does (model/decode_step.py), so an answer alone and in a batch are the same bits
+        self.shared_rows = cache.length
         self.config = prefill_config
         self.rank, self.world = rank_and_world(group)
         self.control_group = group if control_group is SAME_AS_GROUP else control_group
@@ -156,7 +162,8 @@ class ShardedDecoder:
         return step_owner(self.rows, self.steps)
 
     def _forward(self, token: int) -> torch.Tensor | None:
-        maybe_die(dist.get_rank(), f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        maybe_die(rank, f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
         cache = self.cache
         owner = self.owner()
         mine = owner == self.rank
@@ -166,8 +173,8 @@ class ShardedDecoder:
         with torch.inference_mode():
             fused = self._fused_step()
             if fused is not None:  # every layer in one C call; it calls back for each merge
-                logits = fused.split(token, self.length, row if mine else None, row + int(mine), self._merge_into,
-                                     logits=self.rank == 0)
+                logits = fused.split(token, self.length, row if mine else None, row + int(mine),
+                                     self._merge if self.world > 1 else None, logits=self.rank == 0)
             else:
                 logits = self._layers(token, row, mine)
         if mine:
@@ -193,19 +200,13 @@ class ShardedDecoder:
         rope = model.rope(torch.tensor([self.length], device=model.device))
         for i, block in enumerate(model.layers):
             x = block.forward(x, rope, attend, i)
-        return model.head(model.norm(x)) if self.rank == 0 else None
+        return step_logits(model, x) if self.rank == 0 else None
 
     def _fused_step(self) -> FusedStep | None:
         """The fused step over the current slice buffers (rebuilt when the slice has grown)."""
         if self._fused_cache is not self.cache:
-            self._fused, self._fused_cache = FusedStep.build(self.model, self.cache), self.cache
+            self._fused, self._fused_cache = FusedStep.build(self.model, self.cache, self.shared_rows), self.cache
         return self._fused
-
-    def _merge_into(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """The fused step's callback: out [Hq, D] (float32 partial) <- the merged output, rounded."""
-        H, D = out.shape
-        merged = self._merge(out.view(1, H, D), lse.view(H, 1))
-        out.copy_(merged.view(H, D).to(self.model.dtype))
 
     def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..parallel.comm import LOCAL
 from .document import Document
 from .prefill import STRATEGY_CHOICES, PrefillConfig
 
@@ -91,6 +92,17 @@ class RankState:
         """Whether global `rank` is on a decode CP rank (any of its TP ranks)."""
         s = self.settings
         return s.decode_rank <= rank // s.tp_size < s.decode_rank + s.decode_ranks
+
+    @property
+    def decode_peers(self):
+        """decode_group for a decode collective, or LOCAL in a one-process engine: None would name
+        the default process group, which another engine in the same process may have made."""
+        return self.decode_group if self.world_size > 1 else LOCAL
+
+    @property
+    def control_peers(self):
+        """control_group likewise (LOCAL in a one-process engine)."""
+        return self.control_group if self.world_size > 1 else LOCAL
 
     @property
     def leader(self) -> int:

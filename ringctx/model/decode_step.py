@@ -1,4 +1,4 @@
-"""One decode step: the next token of a cached sequence through the model, fused on AVX-512 CPUs.
+"""One decode step: the next token of a cached sequence through the model, fused on CPUs.
 
     step = DecodeStep(model, cache)     # once per generation, after the prompt is prefilled
     logits = step(token_id)             # float32 [1, vocab]; K/V written at row cache.length,
@@ -8,11 +8,19 @@ A decode step multiplies one activation row by every weight matrix and attends o
 (in the model dtype, or 8-bit rows with their scales, which the kernel quantizes as it writes).
 Run as PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
 on a CPU their dispatch costs about as much as reading the weights (docs/BENCHMARKS.md). Where
-the fused kernel applies (`FusedStep.build`: a CPU model in float32 or bf16 with head_dim a
+the fused kernel applies (`FusedBatchStep.build`: a CPU model in float32 or bf16 with head_dim a
 multiple of 16, the kernels built, see ringctx/cpu_kernels.py), the step runs every layer in one
 call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
 too. Everywhere else it is `forward_with_cache` on one token.
+
+There is one fused kernel, for B sequences at once (`FusedBatchStep`, what engine/batch.py runs);
+a lone sequence (`FusedStep`) is a batch of one. Its cache's first `shared_rows` rows are its
+document and the rows after them its own (the question and the answer so far): the engine's
+decode (engine/decode.py) names the document's rows, so that its attention over the two is merged
+by log-sum-exp exactly as a batch merges a document's rows and a sequence's own, and an answer
+asked alone and the same answer decoded beside others are the same bits, in every dtype.
+`step_logits` computes the final norm and head a few rows at a time for the same reason.
 
 The fused step holds the data pointers of the model's weights and the cache's buffers: build it
 after both are final (it is rebuilt for every generation).
@@ -20,7 +28,7 @@ after both are final (it is rebuilt for every generation).
 `FusedStep.split` runs the same step over one rank's slice of a KV cache split over ranks: the
 caller says which row (if any) receives the token's K/V and how many rows to attend, and gives a
 `merge(out, lse)` that combines this rank's partial attention with the other ranks' (the engine's
-decode does it with one all-gather per layer); the kernel calls it between each layer's attention
+decode does it with one exchange per layer); the kernel calls it between each layer's attention
 and output projection.
 """
 
@@ -64,54 +72,35 @@ class DecodeStep:
 
 
 class FusedStep:
-    """The fused kernel's view of one (model, cache) pair: shapes and per-layer data pointers."""
+    """One sequence's steps over one cache in the fused kernel: a `FusedBatchStep` of one row.
 
-    def __init__(self, model, cache: KVCache, lib: ctypes.CDLL):
-        self.model, self.cache, self.lib = model, cache, lib
-        self.shape, self.layers = _shape_and_layers(model, cache)
-        self.threads = 0
-        self.work = torch.empty(0)
-        self.x = torch.empty(model.config.dim, dtype=model.dtype)
-        self._merge = None        # split steps: the caller's merge(out, lse), and the error it raised
-        self._merge_error = None
-        self._callback = cpu_kernels.MERGE_FN(self._on_merge)  # one object, kept alive with the step
+    Its attention sources: rows [0, shared_rows) of the cache as a document (never written), then
+    rows [shared_rows, keys) as the sequence's own rows (the step's K/V written there first).
+    """
+
+    def __init__(self, model, cache: KVCache, shared_rows: int, batch: "FusedBatchStep"):
+        self.model, self.cache, self.shared_rows, self.batch = model, cache, shared_rows, batch
 
     @classmethod
-    def build(cls, model, cache: KVCache) -> "FusedStep | None":
+    def build(cls, model, cache: KVCache, shared_rows: int = 0) -> "FusedStep | None":
         """The fused step for this model and cache, or None where the kernel does not apply."""
-        config = model.config
-        if model.tp.size > 1:  # the kernel runs whole layers; a TP shard must all-reduce inside them
+        if not 0 <= shared_rows <= cache.length:
+            raise ValueError(f"shared_rows must lie within the cache's {cache.length} rows, got {shared_rows}")
+        batch = FusedBatchStep.build(model)
+        if batch is None or cache.dtype != model.dtype or not batch.takes(cache):
             return None
-        if not (model.device.type == "cpu" and cache.device.type == "cpu" and cache.dtype == model.dtype
-                and model.dtype in (torch.float32, torch.bfloat16) and config.head_dim % 16 == 0
-                and config.head_dim <= 256 and config.n_heads // config.n_kv_heads <= 64):
+        cache.check_model(model.config)
+        if not all(t.is_contiguous() for t in cache.storage_tensors()):
             return None
-        cache.check_model(config)
-        weights = [t for block in model.layers for t in _block_tensors(block)]
-        stored = cache.storage_tensors()  # the 8-bit formats' data and scales too
-        kv_dtype = cache.k[0].dtype
-        if not (kv_dtype == model.dtype or (cache.quantized and kv_dtype in cpu_kernels.Q8_KINDS)):
-            return None
-        if not all(t.is_contiguous() and t.device.type == "cpu" for t in weights + stored) or \
-                not all(t.dtype == model.dtype for t in weights):
-            return None
-        lib = cpu_kernels.library()
-        return None if lib is None else cls(model, cache, lib)
+        return cls(model, cache, shared_rows, batch)
 
     def __call__(self, token: int) -> torch.Tensor:
-        model, cache = self.model, self.cache
-        self._check_token(token)
+        cache = self.cache
         cache.ensure_room(1)
         position = cache.length
-        threads = self._prepare(token)
-        rope = model.rope(torch.tensor([position]))
-        status = self.lib.ringctx_decode_step(
-            ctypes.byref(self.shape), self.layers, len(self.layers), self.x.data_ptr(), position,
-            rope.cos.data_ptr(), rope.sin.data_ptr(), self.work.data_ptr(), threads)
-        if status != 0:  # build() checked everything the kernel checks
-            raise RuntimeError(f"ringctx_decode_step failed with status {status}")
+        x = self._layers(token, position, position, position + 1, None)
         cache.length = position + 1
-        return model.head(model.norm(self.x[None]))
+        return step_logits(self.model, x)
 
     def split(self, token: int, position: int, write_row: int | None, keys: int, merge, *,
               logits: bool = True) -> torch.Tensor | None:
@@ -119,51 +108,22 @@ class FusedStep:
 
         position: the token's global position (its RoPE angle); write_row: the slice row that
         stores its K/V, None when another rank stores it; keys: slice rows attended (the written
-        row included); merge(out [Hq, D], lse [Hq]): given this rank's float32 partial, write the
-        output merged over all ranks into `out`, rounded to the model dtype. The cache's `length`
-        is the caller's to advance.
+        row included); merge(out [1, Hq, D], lse [Hq, 1]): given this rank's float32 partial,
+        return the float32 output [1, Hq, D] merged over all ranks (None: this slice is the whole
+        cache). The cache's `length` is the caller's to advance.
         """
-        self._check_token(token)
-        threads = self._prepare(token)
-        rope = self.model.rope(torch.tensor([position]))
-        self._merge, self._merge_error = merge, None
-        try:
-            status = self.lib.ringctx_decode_step_split(
-                ctypes.byref(self.shape), self.layers, len(self.layers), self.x.data_ptr(),
-                -1 if write_row is None else write_row, keys, rope.cos.data_ptr(), rope.sin.data_ptr(),
-                self.work.data_ptr(), threads, self._callback)
-        finally:
-            self._merge = None
-        if self._merge_error is not None:  # a lost rank, say: the kernel finished on garbage
-            raise self._merge_error
-        if status != 0:
-            raise RuntimeError(f"ringctx_decode_step_split failed with status {status}")
-        return self.model.head(self.model.norm(self.x[None])) if logits else None
+        x = self._layers(token, position, write_row, keys, merge)
+        return step_logits(self.model, x) if logits else None
 
-    def _on_merge(self) -> None:
-        """The kernel's callback: hand the partial to the caller's merge (errors kept for split())."""
-        if self._merge_error is not None:
-            return
-        try:
-            hq, d = self.shape.n_heads, self.shape.head_dim
-            at = self.lib.ringctx_decode_attn_offset(ctypes.byref(self.shape))
-            self._merge(self.work[at:at + hq * d].view(hq, d), self.work[at + hq * d:at + hq * d + hq])
-        except BaseException as exc:  # no exception may cross back into C
-            self._merge_error = exc
-
-    def _check_token(self, token: int) -> None:
-        if not 0 <= token < self.model.config.vocab_size:
-            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.model.config.vocab_size}); "
-                             "tokenize with this model's tokenizer")
-
-    def _prepare(self, token: int) -> int:
-        """The thread count; the work buffer sized for it; x = the token's embedding."""
-        threads = torch.get_num_threads()
-        if threads != self.threads:  # the work buffer holds one slot per thread
-            self.work = torch.empty(self.lib.ringctx_decode_work_floats(ctypes.byref(self.shape), threads))
-            self.threads = threads
-        self.x.copy_(self.model.tok_embeddings.weight[token])
-        return threads
+    def _layers(self, token: int, position: int, write_row: int | None, keys: int, merge) -> torch.Tensor:
+        shared = min(self.shared_rows, keys)
+        if write_row is not None and write_row < shared:
+            raise ValueError(f"row {write_row} belongs to the {shared} rows the generation found in the cache: "
+                             "a step writes after them")
+        documents = [AttentionSource(self.cache, [0], shared)] if shared else []
+        own = [AttentionSource(self.cache, [0], keys - shared, None if write_row is None else write_row - shared,
+                               first_row=shared)] if keys > shared else []
+        return self.batch([token], [position], documents, own, merge)
 
 
 @dataclass
@@ -172,14 +132,17 @@ class AttentionSource:
 
     A document's rows: `rows` every sequence asking it, never written (write_row None). A
     sequence's own rows: `rows` its one batch row; write_row the row that takes the step's K/V
-    (None: another rank stores this token)."""
+    (None: another rank stores this token). Rows are counted from `first_row` of the cache."""
 
     cache: KVCache
     rows: list[int]
     """Batch rows (indices into the step's tokens) whose queries attend this cache."""
     keys: int
-    """Cache rows attended: 0 .. keys-1 (a written row included)."""
+    """Cache rows attended: first_row .. first_row + keys - 1 (a written row included)."""
     write_row: int | None = None
+    """The row (counted from first_row) that takes the step's K/V first."""
+    first_row: int = 0
+    """Where the source starts in the cache (a lone sequence's own rows follow its document's)."""
 
 
 class FusedBatchStep:
@@ -202,7 +165,7 @@ class FusedBatchStep:
 
     def __init__(self, model, lib: ctypes.CDLL):
         self.model, self.lib = model, lib
-        self.shape, self.layers = _shape_and_layers(model, None)
+        self.shape, self.layers = _shape_and_layers(model)
         self.rows, self.threads = 0, 0  # what the work buffer below is sized for
         self._merge, self._merge_error = None, None
         self._callback = cpu_kernels.MERGE_FN(self._on_merge)  # one object, kept alive with the step
@@ -274,14 +237,15 @@ class FusedBatchStep:
             if not self.takes(source.cache):
                 raise ValueError(f"the fused batch step cannot read a {source.cache.k[0].dtype} cache of a "
                                  f"{self.model.dtype} model")
-            room = source.cache.max_tokens
-            if (any(not 0 <= r < batch for r in source.rows) or len(set(source.rows)) != len(source.rows)
+            room = source.cache.max_tokens - source.first_row
+            if (not 0 <= source.first_row <= source.cache.max_tokens or any(not 0 <= r < batch for r in source.rows) or len(set(source.rows)) != len(source.rows)
                     or not 0 <= source.keys <= room
                     or (source.write_row is not None and not 0 <= source.write_row < min(source.keys, room))):
                 raise ValueError(f"an attention source names rows {source.rows} (each once, inside the batch of "
                                  f"{batch}), {source.keys} keys or write row {source.write_row} outside its cache "
-                                 f"of {room} rows (the written row must be one of the keys attended)")
-            k, v, k_scale, v_scale = self._layer_pointers(source.cache)
+                                 f"of {room} rows from row {source.first_row} (the written row must be one of the "
+                                 "keys attended)")
+            k, v, k_scale, v_scale = self._layer_pointers(source.cache, source.first_row)
             rows = (ctypes.c_int64 * len(source.rows))(*source.rows)
             keep.append(rows)
             slot.k, slot.v, slot.k_scale, slot.v_scale = (ctypes.addressof(k), ctypes.addressof(v),
@@ -292,20 +256,22 @@ class FusedBatchStep:
             slot.kv_q8 = cpu_kernels.Q8_KINDS.get(source.cache.k[0].dtype, -1)
         return array, keep
 
-    def _layer_pointers(self, cache: KVCache):
-        """The [n_layers] pointer tables of a cache's k, v (and scales), built once per cache and
-        rebuilt if its buffers were replaced."""
+    def _layer_pointers(self, cache: KVCache, first_row: int):
+        """The [n_layers] pointer tables of a cache's k, v (and scales) from row `first_row`, built
+        once per cache and start row, and rebuilt if its buffers were replaced."""
         kept = self._pointers.get(cache)
         if kept is None or kept[0] != cache.k[0].data_ptr():
+            kept = self._pointers[cache] = (cache.k[0].data_ptr(), {})
+        tables = kept[1].get(first_row)
+        if tables is None:
             n = len(cache.k)
 
             def table(tensors):
-                return (ctypes.c_void_p * n)(*(t.data_ptr() for t in tensors))
+                return (ctypes.c_void_p * n)(*(t[first_row:].data_ptr() for t in tensors))
 
             scales = (table(cache.k_scale), table(cache.v_scale)) if cache.quantized else (None, None)
-            kept = (cache.k[0].data_ptr(), table(cache.k), table(cache.v), *scales)
-            self._pointers[cache] = kept
-        return kept[1:]
+            tables = kept[1][first_row] = (table(cache.k), table(cache.v), *scales)
+        return tables
 
     def _prepare(self, rows: int) -> None:
         """The work buffer and its views sized for `rows` (reallocated only when B or the thread
@@ -335,28 +301,31 @@ class FusedBatchStep:
             self._merge_error = exc
 
 
-def _shape_and_layers(model, cache: KVCache | None):
-    """The kernel's DecoderShape and DecoderLayer array for `model`, with `cache`'s buffers (None:
-    no cache pointers, for the batch step whose caller attends)."""
+def step_logits(model, x: torch.Tensor) -> torch.Tensor:
+    """The final norm and LM head of a decode step's rows x [B, dim]: float32 logits [B, vocab],
+    cpu_kernels.MAX_ROWS rows at a time, so that every row goes through the product a lone step's
+    row takes (past MAX_ROWS rows `linear` takes PyTorch's matmul, whose sums depend on the row
+    count) and a row's logits do not depend on how many rows share the step."""
+    return torch.cat([model.head(model.norm(rows)) for rows in x.split(cpu_kernels.MAX_ROWS)])
+
+
+def _shape_and_layers(model):
+    """The kernel's DecoderShape and DecoderLayer array for `model` (its caches come per step, as
+    attention sources)."""
     config = model.config
     shape = cpu_kernels.DecoderShape(
         dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
-        softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16),
-        kv_q8=cpu_kernels.Q8_KINDS[cache.k[0].dtype] if cache is not None and cache.quantized else -1)
+        softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
     layers = (cpu_kernels.DecoderLayer * config.n_layers)()
     for i, block in enumerate(model.layers):
         attention, mlp = block.attention, block.feed_forward
-        quantized = cache is not None and cache.quantized
         layers[i] = cpu_kernels.DecoderLayer(
             attention_norm=block.attention_norm.weight.data_ptr(),
             wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
             wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
             ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
-            w2=mlp.w2.weight.data_ptr(), k_cache=_pointer(cache.k[i] if cache is not None else None),
-            v_cache=_pointer(cache.v[i] if cache is not None else None),
-            k_scale=_pointer(cache.k_scale[i] if quantized else None),
-            v_scale=_pointer(cache.v_scale[i] if quantized else None),
+            w2=mlp.w2.weight.data_ptr(),
             q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
             k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
         if model.dtype == torch.bfloat16 and cpu_kernels.reads_int8_weights():  # int8 weights: their codes

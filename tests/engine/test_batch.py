@@ -193,3 +193,4 @@ def test_fused_batch_step_equals_the_pytorch_batch_path(monkeypatch):
     for got, want in zip(fused, run_plan(engine, documents, plan)):
         assert_same_run(got, want)
     assert len(calls) == steps  # the second run never entered the kernel
+

@@ -193,7 +193,7 @@ def test_generation_uses_the_fused_step_and_matches_the_pytorch_path(monkeypatch
     prompt = torch.randint(0, model.config.vocab_size, (50,), generator=torch.Generator().manual_seed(3))
     fused = model.generate(prompt, max_new_tokens=12, stop_token_ids=[])
     calls = []
-    monkeypatch.setattr(FusedStep, "build", classmethod(lambda cls, m, c: calls.append(1)))
+    monkeypatch.setattr(FusedStep, "build", classmethod(lambda cls, m, c, shared_rows=0: calls.append(1)))
     plain = model.generate(prompt, max_new_tokens=12, stop_token_ids=[])
     assert calls == [1] and fused.token_ids == plain.token_ids
 

@@ -4,8 +4,9 @@ queries and each sequence's own rows, merged by LSE), against a float64 run of t
 against each sequence's lone fused step, for B = 1..9 sequences at different positions over 0-3
 shared documents (model-dtype, int8 and fp8 caches), on every CPU kernel variant this machine runs.
 
-float32: every row's logits within 1e-5 relative of the PyTorch path and of the lone step, 1e-4
-of float64. bf16: rounded at the same places as the PyTorch path, so its error against a float32
+float32: every row's logits within 1e-5 relative of the PyTorch path, 1e-4 of float64, and equal
+bit for bit to the lone step's (a lone step is this kernel with one row; in bf16 and 8-bit caches
+too). bf16: rounded at the same places as the PyTorch path, so its error against a float32
 computation from the same state is at most twice the PyTorch bf16 path's (the rule of
 tests/model/test_decode_step.py).
 """
@@ -19,7 +20,7 @@ import torch
 
 from ringctx.attention import PartialAccumulator
 from ringctx.model import KVCache
-from ringctx.model.decode_step import AttentionSource, FusedBatchStep, FusedStep
+from ringctx.model.decode_step import AttentionSource, FusedBatchStep, FusedStep, step_logits
 from tests.core.test_cpu_kernels import needs_kernels
 from tests.helpers import rel_err
 from tests.model.test_decode_step import (  # noqa: F401
@@ -133,7 +134,7 @@ def fused_batch(step, setup, tokens, merge=None):
     with torch.inference_mode():
         documents, own = setup.sources()
         x = step(tokens, setup.positions(), documents, own, merge)
-        logits = step.model.head(step.model.norm(x))
+        logits = step_logits(step.model, x)
     setup.advance()
     return logits
 
@@ -178,7 +179,7 @@ def test_float32_batch_equals_pytorch_batch_and_lone_steps(shape, batch, threads
         for i in range(batch):
             alone = lone[i](tokens[i])[0]
             assert rel_err(got[i], want[i]) < 1e-5, (i, rel_err(got[i], want[i]))
-            assert rel_err(got[i], alone) < 1e-5, (i, rel_err(got[i], alone))
+            assert torch.equal(got[i], alone), (i, rel_err(got[i], alone))  # a lone step is a row of one
         tokens = [int(t) for t in want.argmax(dim=-1)]
     for a, b in zip(fused.own, plain.own):  # the K/V rows the kernel wrote
         for x, y in zip(a.k + a.v, b.k + b.v):
@@ -263,6 +264,52 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch():
     alone = Setup(crowd.documents, [0], [copy_any(crowd.own[0])], [True])
     together = fused_batch(step, crowd, list(range(9)))
     assert torch.equal(fused_batch(step, alone, [0])[0], together[0])
+
+
+def document_then_own(document, own, room):
+    """One cache of `document`'s rows followed by `own`'s (the same storage), `room` rows free."""
+    D, O = document.length, own.length
+    whole = KVCache(document.n_layers, D + O + room, document.n_kv_heads, document.head_dim, dtype=document.dtype,
+                    kv_dtype=document.kv_dtype)
+    for dst, first, then in zip(whole.storage_tensors(), document.storage_tensors(), own.storage_tensors()):
+        dst[:D].copy_(first[:D])
+        dst[D:D + O].copy_(then[:O])
+    whole.length = D + O
+    return whole
+
+
+@needs_kernels
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("kv_dtype", ["model", "int8", "fp8"])
+def test_a_lone_step_is_its_row_of_a_batch_bit_for_bit(kv_dtype, split, threads):  # noqa: F811
+    """A lone sequence's step (FusedStep over one cache: the rows it held before the answer began
+    are its document, the rest its own rows) gives, bit for bit, the logits of its row in a batch
+    with others, whose document and own rows are caches of their own (bf16; `split`: a rank of
+    several, the partials merged by a callback)."""
+    model = random_model(SHAPES["gqa3-d64-bias-tied"], torch.bfloat16)
+    batch = FusedBatchStep.build(model)
+    setup = with_documents(model, 5, 2, kv_dtype, long_own=True)  # row 1 reads document 1, written elsewhere
+    for row in (0, 1):
+        crowd = setup.copy()
+        document, own = crowd.documents[crowd.document_of[row]], crowd.own[row]
+        whole = document_then_own(document, own, room=STEPS + 1)
+        lone = FusedStep.build(model, whole, shared_rows=document.length)
+        tokens = [(5 * i + 2) % model.config.vocab_size for i in range(5)]
+        for _ in range(STEPS):
+            together = fused_batch(batch, crowd, tokens, half_merge if split else None)
+            with torch.inference_mode():
+                if split or not crowd.writes[row]:
+                    keys = whole.length + int(crowd.writes[row])
+                    alone = lone.split(tokens[row], document.length + own.length - int(crowd.writes[row]),
+                                       whole.length if crowd.writes[row] else None, keys,
+                                       half_merge if split else None)
+                    whole.length = keys
+                else:
+                    alone = lone(tokens[row])
+            assert torch.equal(alone[0], together[row]), (row, rel_err(alone[0], together[row]))
+            tokens = [int(t) for t in together.argmax(dim=-1)]
+    with pytest.raises(ValueError, match="within the cache's"):
+        FusedStep.build(model, whole, shared_rows=whole.length + 1)
 
 
 @needs_kernels

@@ -9,7 +9,6 @@ bf16 values, so every result below is compared bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
