@@ -533,12 +533,13 @@ class Engine:
         self._end_open_answer()
         ids = self.question_ids(document, prompt)
         if self.rank != state.leader:  # a follower (torchrun): every step, then nothing to show
-            self._run("decode", commands.ANSWER_FOLLOW, document.id, ids, document=document)
+            self._run("decode", commands.ANSWER_FOLLOW, document.id, ids,
+                      commands.answer_room(max_new_tokens, self.decode_ranks), document=document)
             return iter(())
         # One decode rank or several: the question's prefill and the steps as a batch runs them
         # (cp_prefill over the decode ranks, then the fused step with the document's rows apart),
         # so this answer is the one `ask_many` and `ringctx serve` give, bit for bit.
-        decoder = LeaderDecoder(self, document)
+        decoder = LeaderDecoder(self, document, max_new_tokens)
         generation = Generation(self.model, ids, max_new_tokens=max_new_tokens, decoder=decoder, **sampling)
         self._open_answer = weakref.ref(generation)
         return Answer(self, generation)

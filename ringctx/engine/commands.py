@@ -142,17 +142,18 @@ def extend(state: RankState, document_id: int, ids: bytes, decode_room: int, *, 
 
 
 # ------------------------------------------------------------------------------------------ answers
-def answer_decoder(state: RankState, document: Document) -> ShardedDecoder:
-    """This decode rank's decoder of `document` (its slice cut back to the document); collective."""
-    config = state.decode_prefill_config(document.cache.kv_dtype, 64)
+def answer_decoder(state: RankState, document: Document, answer_room: int) -> ShardedDecoder:
+    """This decode rank's decoder of `document` (its slice cut back to the document); collective.
+    answer_room: rows its slice keeps free after the question for the answer (`answer_room`)."""
+    config = state.decode_prefill_config(document.cache.kv_dtype, answer_room)
     return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_peers, config,
                           timeout_s=state.settings.timeout_s, control_group=state.control_peers, leader=state.leader)
 
 
-def answer_start(state: RankState, answer_id: int, document_id: int, ids: bytes) -> None:
+def answer_start(state: RankState, answer_id: int, document_id: int, ids: bytes, room: int) -> None:
     """A follower's part of an answer's start: the question's prefill over the decode ranks."""
     document = state.document(document_id)
-    decoder = answer_decoder(state, document)
+    decoder = answer_decoder(state, document, room)
     decoder.prefill(ids_from_bytes(ids))
     state.answers[answer_id] = (document, decoder)
 
@@ -169,14 +170,22 @@ def answer_end(state: RankState, answer_id: int) -> None:
     document.cache = decoder.cache
 
 
-def follow_answer(state: RankState, document_id: int, ids: torch.Tensor, *, document: Document | None = None) -> None:
+def follow_answer(state: RankState, document_id: int, ids: torch.Tensor, room: int, *,
+                  document: Document | None = None) -> None:
     """A follower under torchrun, where no command is sent (every rank calls Engine.generate): the
     question's prefill, then every step the leader broadcasts, until it ends the answer."""
     document = document or state.document(document_id)
-    decoder = answer_decoder(state, document)
+    decoder = answer_decoder(state, document, room)
     decoder.prefill(ids)
     decoder.follow()
     document.cache = decoder.cache
+
+
+def answer_room(max_new_tokens: int, decode_ranks: int) -> int:
+    """Rows each decode rank's slice keeps free after a question for an answer of max_new_tokens:
+    its share of them (the owner rule keeps the slices level) and two for the slices' unevenness,
+    so that no slice grows mid-answer (growing copies the whole slice, a document's included)."""
+    return -(-max_new_tokens // decode_ranks) + 2
 
 
 # ------------------------------------------------------------------------------------------ batches

@@ -100,8 +100,9 @@ class LeaderDecoder:
     and an end releases them at once.
     """
 
-    def __init__(self, engine: Engine, document: Document):
+    def __init__(self, engine: Engine, document: Document, max_new_tokens: int):
         self.engine, self.document = engine, document
+        self.room = commands.answer_room(max_new_tokens, engine.decode_ranks)
         self.id = engine._new_id()
         self.inner = None  # the ShardedDecoder, once the question's prefill has started
         self._closed = False
@@ -110,8 +111,8 @@ class LeaderDecoder:
         self._check_not_closed()
         engine = self.engine
         engine._check_open()
-        engine._send(commands.ANSWER_START, (self.id, self.document.id, ids_to_bytes(token_ids)))
-        self.inner = commands.answer_decoder(engine.state, self.document)
+        engine._send(commands.ANSWER_START, (self.id, self.document.id, ids_to_bytes(token_ids), self.room))
+        self.inner = commands.answer_decoder(engine.state, self.document, self.room)
         return self.inner.prefill(token_ids)
 
     def step(self, token: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
+from ringctx.model import KVCache
 from tests.core.test_cpu_kernels import needs_kernels
 from tests.engine.test_batch import DOCS, SAMPLED, alone, run_plan
 
@@ -45,3 +46,29 @@ def test_more_rows_than_the_small_products_take_change_no_answer():
             "".join(answer)
             assert got.token_ids == answer.result.token_ids
             assert all(torch.equal(a, b) for a, b in zip(got.step_logits, answer.result.step_logits))
+
+
+@pytest.mark.parametrize("decode_ranks", [1, 2])
+def test_an_answer_has_its_rows_from_its_question_on(monkeypatch, decode_ranks):
+    """A lone answer's slices get the room for max_new_tokens when its question is prefilled: no
+    slice grows while it decodes (growing copies the whole slice, the document's rows included)."""
+    grown = []
+    real = KVCache.grown
+
+    def spy(cache, max_tokens):
+        if max_tokens > cache.max_tokens:
+            grown.append(stage[0])
+        return real(cache, max_tokens)
+
+    stage = ["ingest"]
+    monkeypatch.setattr(KVCache, "grown", spy)
+    split = dict(nproc=2, decode_ranks=2) if decode_ranks == 2 else {}
+    with Engine("tiny", dtype="float32", chunk_tokens=64, **split) as engine:
+        document = engine.ingest(DOCS[1], decode_room=4)
+        stage[0] = "question"
+        answer = engine.generate(document, [5, 6, 7], max_new_tokens=300, stop_token_ids=[])
+        answer.advance()  # the question's prefill and the first token
+        stage[0] = "answer"
+        "".join(answer)
+        assert len(answer.result.token_ids) == 300
+    assert "answer" not in grown and "question" in grown  # on this rank (rank 0's slice)
