@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
@@ -140,7 +139,7 @@ class BatchDecoder:
         if missing or len(sequence_ids) != len(tokens) or len(set(sequence_ids)) != len(sequence_ids):
             raise ValueError(f"a batch step needs one token per running sequence, each once (unknown: {missing})")
         self.steps += 1
-        maybe_die(dist.get_rank() if dist.is_initialized() else 0, f"decode{self.steps}")  # tests only
+        maybe_die(rank_and_world(None)[0], f"decode{self.steps}")  # tests only
         model = self.model
         seqs = [self.sequences[i] for i in sequence_ids]
         owners = [s.owner() for s in seqs]

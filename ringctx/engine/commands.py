@@ -146,8 +146,8 @@ def answer_decoder(state: RankState, document: Document, answer_room: int) -> Sh
     """This decode rank's decoder of `document` (its slice cut back to the document); collective.
     answer_room: rows its slice keeps free after the question for the answer (`answer_room`)."""
     config = state.decode_prefill_config(document.cache.kv_dtype, answer_room)
-    return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_peers, config,
-                          timeout_s=state.settings.timeout_s, control_group=state.control_peers, leader=state.leader)
+    return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_group, config,
+                          timeout_s=state.settings.timeout_s, control_group=state.control_group, leader=state.leader)
 
 
 def answer_start(state: RankState, answer_id: int, document_id: int, ids: bytes, room: int) -> None:
@@ -192,7 +192,7 @@ def answer_room(max_new_tokens: int, decode_ranks: int) -> int:
 def batch_decoder(state: RankState) -> BatchDecoder:
     """This decode rank's part of the sequences decoded together (made at first use)."""
     if state.batch is None:
-        state.batch = BatchDecoder(state.model, state.decode_peers, state.settings.timeout_s)
+        state.batch = BatchDecoder(state.model, state.decode_group, state.settings.timeout_s)
     return state.batch
 
 

@@ -162,8 +162,7 @@ class ShardedDecoder:
         return step_owner(self.rows, self.steps)
 
     def _forward(self, token: int) -> torch.Tensor | None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        maybe_die(rank, f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
+        maybe_die(rank_and_world(None)[0], f"decode{self.steps + 1}")  # RINGCTX_TEST_KILL: tests only
         cache = self.cache
         owner = self.owner()
         mine = owner == self.rank

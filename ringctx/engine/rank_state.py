@@ -66,10 +66,12 @@ class RankState:
     """The Transformer (this rank's TP shard of it)."""
     chunk_tokens: int
     """Tokens per prefill chunk (resolved)."""
-    decode_group: object = None
-    """The decode CP ranks of this rank's TP index (they split the tokens of every document)."""
-    control_group: object = None
-    """Every TP rank of the decode CP ranks (the leader's tokens go to all of them)."""
+    decode_group: object = LOCAL
+    """The decode CP ranks of this rank's TP index (they split the tokens of every document); LOCAL
+    in a one-process engine (None would name the default process group, which another engine in
+    the same process may have made)."""
+    control_group: object = LOCAL
+    """Every TP rank of the decode CP ranks (the leader's tokens go to all of them); LOCAL likewise."""
     documents: dict = field(default_factory=dict)
     """Document id -> this rank's Document (rank 0 of a spawned job holds them weakly: see Engine)."""
     prefills: dict = field(default_factory=dict)
@@ -92,17 +94,6 @@ class RankState:
         """Whether global `rank` is on a decode CP rank (any of its TP ranks)."""
         s = self.settings
         return s.decode_rank <= rank // s.tp_size < s.decode_rank + s.decode_ranks
-
-    @property
-    def decode_peers(self):
-        """decode_group for a decode collective, or LOCAL in a one-process engine: None would name
-        the default process group, which another engine in the same process may have made."""
-        return self.decode_group if self.world_size > 1 else LOCAL
-
-    @property
-    def control_peers(self):
-        """control_group likewise (LOCAL in a one-process engine)."""
-        return self.control_group if self.world_size > 1 else LOCAL
 
     @property
     def leader(self) -> int:
