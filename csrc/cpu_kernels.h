@@ -205,4 +205,14 @@ int ringctx_decode_scores_q8(const float *q, int64_t Hkv, int64_t R, int64_t D, 
 int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *v_scale,
                          int kind, int64_t D, float *out, int threads);
 
+/* Flash attention in float32 (cpu_flash.c): q [T, Hq, D], k and v [S, Hkv, D], out [T, Hq, D] with
+ * the given row and head strides (in floats; D contiguous), lse [Hq, T] natural log; causal: T == S,
+ * query t sees keys 0..t. Return 0, or -1 (this CPU lacks the variant's ISA; D not a multiple of
+ * the variant's vector or over MAX_D; T or S < 1; causal with T != S; scale <= 0), -2 (out of
+ * memory). */
+int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const float *k, int64_t k_rs, int64_t k_hs,
+                            const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
+                            int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
+                            int threads);
+
 #endif

@@ -82,7 +82,7 @@ MAX_ROWS = 8
 """Most activation rows `small_linear` takes (decode steps and short inputs). Measured against
 PyTorch's bf16 matmul on a CPU without bf16 units: 1.5-2x faster at 1, 3 and 8 rows."""
 
-_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c")
+_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c", "cpu_flash.c")
 _AMX_SOURCE = "cpu_attention_amx.c"
 _DETECT_SOURCE = "cpu_detect.c"
 _HEADERS = ("cpu_kernels.h", "cpu_simd.h")
@@ -267,6 +267,8 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
     lib.ringctx_merge_rows.argtypes = [ptr, i64, ptr, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, i64]
+    lib.ringctx_flash_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32,
+                                            f32, ptr, i64, i64, ptr, i32]
     if variant.amx:
         lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                               i32, f32, ptr, i64, i64, ptr, i32]
@@ -792,6 +794,46 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         lse.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"ringctx_amx_attention failed with status {status} "
+                           f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
+    return out, lse
+
+
+def flash_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when `flash_attention` takes these inputs: q [T, Hq, D], k and v [S, Hkv, D], all
+    float32 on the CPU with unit stride along D, T and S >= 1, Hq a multiple of Hkv, D a multiple
+    of the variant's vector (16 floats on avx512, 8 on avx2, 4 portable) up to 256, no gradient
+    wanted, and the kernels built."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    if not (q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == k.device.type == v.device.type == "cpu"
+            and k.shape == v.shape and T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and D <= 256
+            and q.stride(2) == k.stride(2) == v.stride(2) == 1):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    variant = active_variant()
+    return variant is not None and D % variant.vector_floats == 0
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention in float32 on the vector units (csrc/cpu_flash.c; see flash_attention_applies
+    for what it takes; causal needs T == S, query t then sees keys 0..t).
+
+    Returns out [T, Hq, D] float32 (contiguous) and lse [Hq, T] float32, natural log. A row's
+    result depends on its own query and the keys alone, not on the threads or the other rows.
+    """
+    lib = _load()
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    out = torch.empty(T, Hq, D, dtype=torch.float32)
+    lse = torch.empty(Hq, T, dtype=torch.float32)
+    status = lib.ringctx_flash_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), T, S, Hq, Hkv, D, int(causal), scale, out.data_ptr(), out.stride(0), out.stride(1),
+        lse.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"ringctx_flash_attention failed with status {status} "
                            f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
     return out, lse
 

@@ -22,7 +22,8 @@ Backends:
     "auto"        flash-attn on CUDA when installed, else "torch" (decode blocks: the Triton
                   decode kernel where triton is installed); on the CPU the decode kernel for full
                   blocks of a few query rows per KV head, "amx" for the other bf16 blocks it
-                  takes, else "torch"
+                  takes, ringctx's float32 flash kernel (csrc/cpu_flash.c) for float32 blocks and
+                  for bf16 ones on CPUs without bf16 units (computed in float32), else "torch"
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def attention_block(
             raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {cpu_kernels.AMX_HEAD_DIMS}; "
                              f"got {q.dtype} q {tuple(q.shape)}; use backend 'torch'")
         return cpu_kernels.amx_attention(q, k, v, causal=causal, scale=scale)
-    return _torch_cpu_block(q, k, v, causal, scale)
+    return _torch_cpu_block(q, k, v, causal, scale, own_kernel=requested == "auto")
 
 
 SMALL_QUERY_ROWS = 8
@@ -208,12 +209,17 @@ def _small_query_block(q, k, v, scale):
     return ungroup_rows(out, (row_max + row_sum.log()).squeeze(-1), T, q.dtype)
 
 
-def _torch_cpu_block(q, k, v, causal, scale):
+def _torch_cpu_block(q, k, v, causal, scale, own_kernel: bool = False):
+    """A block on the CPU with PyTorch's fused op; own_kernel: float32 blocks take ringctx's flash
+    kernel instead where it applies (0.74-0.91x the time of PyTorch's op on causal blocks,
+    0.90-1.01x on full ones: AVX2 and AVX-512, 1-2 threads; docs/BENCHMARKS.md)."""
     if not causal and q.shape[0] <= SMALL_QUERY_ROWS:
         return _small_query_block(q, k, v, scale)
     if computes_in_float32(q):  # no bf16 units: the float32 op is faster and rounds only once
-        out, lse = _torch_cpu_block(q.float(), k.float(), v.float(), causal, scale)
+        out, lse = _torch_cpu_block(q.float(), k.float(), v.float(), causal, scale, own_kernel)
         return out.to(q.dtype), lse
+    if own_kernel and cpu_kernels.flash_attention_applies(q, k, v):
+        return cpu_kernels.flash_attention(q, k, v, causal=causal, scale=scale)
     # The op wants [B, H, S, D]; a transposed view of our token-major tensors costs nothing, and
     # it returns out whose memory is token-major, so the transpose back is free too.
     qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))

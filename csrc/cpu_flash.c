@@ -1,0 +1,278 @@
+/* Flash attention in float32 on the vector units: the prefill's attention blocks on CPUs without
+ * bf16 units (AVX2-only CPUs such as AMD Zen 1-3, where a bf16 model computes in float32) and for
+ * float32 models everywhere.
+ *
+ *   out[t, h] = sum_j softmax_j(scale q[t, h] . k[j, h / group]) v[j, h / group]   (j <= t if causal)
+ *   lse[h, t] = log sum_j exp(scale q[t, h] . k[j, h / group])
+ *
+ * q [T, Hq, D], k and v [S, Hkv, D], out [T, Hq, D] (any row and head strides, D contiguous);
+ * lse [Hq, T]. Causal blocks are square (T == S), query t sees keys 0..t.
+ *
+ * Work comes in units: one KV head and up to UNIT_ROWS query rows, the rows of a run of tokens times
+ * the GQA group that reads that head (row = token * group + g), so that each K and V row read
+ * serves every query head of its group. A unit goes over the keys in blocks of BLOCK_KEYS:
+ *
+ *   scores  S^T [keys, rows] = K Q^T: the queries are packed once per unit transposed ([D, rows]),
+ *           K's rows are read where they lie; a register tile is KEY_TILE keys (each k[j, d]
+ *           broadcast) by ROW_VECS vectors of rows, so the rows lie along the vector lanes, and
+ *   softmax the online softmax runs lane-wise down the keys (a row's max and sum are vector ops,
+ *           no horizontal reduction), P^T over S^T in place;
+ *   P V     acc [rows, D] += P V: a register tile is OUT_ROWS rows (each p broadcast) by ROW_VECS
+ *           vectors of D, V's rows read where they lie; the rescale of acc by the new max is
+ *           folded into the tile's load.
+ *
+ * No transposes of K or V: the only packing is a unit's queries. A unit is computed by one thread
+ * from its own inputs alone, so the result does not depend on the number of threads, and units
+ * are handed out largest first (a causal block's later tokens see more keys).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+#include "cpu_kernels.h"
+
+#if VW == 16
+#define KEY_TILE 12 /* 12 x 2 accumulators + 2 query vectors + a broadcast: 27 of 32 registers */
+#define OUT_ROWS 12
+#else
+#define KEY_TILE 6 /* 6 x 2 + 2 + 1 = 15 of 16 registers */
+#define OUT_ROWS 6
+#endif
+#define ROW_VECS 2
+#define ROW_TILE (ROW_VECS * VW) /* query rows per scores tile; columns of D per P V tile */
+#define BLOCK_KEYS 120          /* a multiple of KEY_TILE (6, 12): S^T [120, 96] is 45 KB */
+#define UNIT_ROWS 96
+
+typedef struct {
+    const float *q, *k, *v;
+    int64_t q_rs, q_hs, k_rs, k_hs, v_rs, v_hs;
+    int64_t T, S, Hq, Hkv, D, group;
+    int causal;
+    float scale;
+    float *out;
+    int64_t o_rs, o_hs;
+    float *lse;
+} flash_problem;
+
+/* 2^x for x <= 0 (a score minus its row's max, in base 2), within about 1e-7 relative: x = n + r,
+ * |r| <= 1/2, a degree-6 polynomial for 2^r, n added to its exponent. Half the instructions of
+ * vexp (the softmax's exponentials are ~15% of the block's work): no upper clamp, one shift.
+ * x below -126 (-inf: a masked score) gives at most 2^-126, nothing next to a row's sum >= 1. */
+SIMD_INLINE vfloat vexp2_nonpositive(vfloat x) {
+    x = vmax(x, vset1(-126.0f));
+    const vfloat shifter = vset1(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    const vfloat t = x + shifter, r = x - (t - shifter);
+    vfloat p = vset1(1.5337580407503992e-4f);
+    p = vfma(p, r, vset1(1.339986571110785e-3f));
+    p = vfma(p, r, vset1(9.618519805371761e-3f));
+    p = vfma(p, r, vset1(5.550329014658928e-2f));
+    p = vfma(p, r, vset1(2.4022646248340607e-1f));
+    p = vfma(p, r, vset1(6.931471824645996e-1f));
+    p = vfma(p, r, vset1(1.0f));
+    return (vfloat)((vint)p + ((vint)t << 23)); /* t's low bits hold n */
+}
+
+/* Per-thread buffers of a unit with rows_pad rows (a multiple of ROW_TILE and OUT_ROWS). */
+typedef struct {
+    float *qt;    /* [D, rows_pad]: the unit's queries, transposed, zero beyond its rows */
+    float *st;    /* [BLOCK_KEYS, rows_pad]: a block's scores, then its probabilities */
+    float *acc;   /* [rows_pad, D]: the unnormalised output */
+    float *m, *l; /* [rows_pad]: the running max (times scale log2 e: base 2) and sum */
+    float *alpha; /* [rows_pad]: a block's rescale of acc */
+    float *top;   /* [rows_pad]: the rows' max score in the block (scores_tile keeps it) */
+    float *tail;  /* [KEY_TILE, D]: the keys of a block's last tile, zeros beyond the block */
+} flash_buffers;
+
+/* Rows padded to a multiple of both tiles' rows (ROW_TILE and OUT_ROWS). */
+static int64_t pad_rows(int64_t rows) {
+    int64_t unit = ROW_TILE;
+    while (unit % OUT_ROWS) unit += ROW_TILE;
+    return (rows + unit - 1) / unit * unit;
+}
+
+/* S^T [KEY_TILE keys, rows r0..r0 + ROW_TILE): sum over d of k[i, d] qt[d, r], key i's row at
+ * k + i k_rs; top [ROW_TILE] (the rows' max score in the block so far) takes the max of the first
+ * `valid` keys' scores (the others are padding). */
+SIMD_INLINE void scores_tile(const float *k, int64_t k_rs, const float *qt, int64_t rows_pad, int64_t D, float *st,
+                             float *top, int valid) {
+    vfloat a[KEY_TILE][ROW_VECS];
+#pragma GCC unroll 12
+    for (int i = 0; i < KEY_TILE; ++i)
+#pragma GCC unroll 2
+        for (int c = 0; c < ROW_VECS; ++c) a[i][c] = vzero();
+    for (int64_t d = 0; d < D; ++d) {
+        vfloat qv[ROW_VECS];
+#pragma GCC unroll 2
+        for (int c = 0; c < ROW_VECS; ++c) qv[c] = vload(qt + d * rows_pad + c * VW);
+#pragma GCC unroll 12
+        for (int i = 0; i < KEY_TILE; ++i) {
+            const vfloat kb = vset1(k[i * k_rs + d]);
+#pragma GCC unroll 2
+            for (int c = 0; c < ROW_VECS; ++c) a[i][c] = vfma(kb, qv[c], a[i][c]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < KEY_TILE; ++i)
+#pragma GCC unroll 2
+        for (int c = 0; c < ROW_VECS; ++c) vstore(st + i * rows_pad + c * VW, a[i][c]);
+#pragma GCC unroll 2
+    for (int c = 0; c < ROW_VECS; ++c) {
+        vfloat m = vload(top + c * VW);
+#pragma GCC unroll 12
+        for (int i = 0; i < KEY_TILE; ++i)
+            if (i < valid) m = vmax(m, a[i][c]);
+        vstore(top + c * VW, m);
+    }
+}
+
+/* acc [r0..r0 + OUT_ROWS, c0..c0 + NC VW) = alpha acc + sum over keys j < n of p[j, r] v[j, c]
+ * (NC: ROW_VECS, or 1 for a head dim that is an odd number of vectors). */
+SIMD_INLINE void pv_tile(const float *pt, int64_t rows_pad, const float *v, int64_t v_rs, int64_t n,
+                         const float *alpha, float *acc, int64_t D, const int NC) {
+    vfloat a[OUT_ROWS][ROW_VECS];
+#pragma GCC unroll 12
+    for (int r = 0; r < OUT_ROWS; ++r) {
+        const vfloat w = vset1(alpha[r]);
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + r * D + c * VW) * w;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        vfloat vv[ROW_VECS];
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; ++c) vv[c] = vload(v + j * v_rs + c * VW);
+#pragma GCC unroll 12
+        for (int r = 0; r < OUT_ROWS; ++r) {
+            const vfloat p = vset1(pt[j * rows_pad + r]);
+#pragma GCC unroll 2
+            for (int c = 0; c < NC; ++c) a[r][c] = vfma(p, vv[c], a[r][c]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < OUT_ROWS; ++r)
+#pragma GCC unroll 2
+        for (int c = 0; c < NC; ++c) vstore(acc + r * D + c * VW, a[r][c]);
+}
+
+/* The online softmax over one block's scores st [n, rows_pad] (keys j0.., rows of tokens t0..):
+ * masked scores (causal: key > the row's token) become -inf, every score its probability
+ * 2^(scale log2(e) s - m_new) = e^(scale s - m_new ln 2), and m, l, alpha are updated lane-wise. */
+static void block_softmax(const flash_problem *p, const flash_buffers *b, int64_t rows_pad, int64_t rows,
+                          int64_t t0, int64_t j0, int64_t n) {
+    const vfloat scale = vset1(p->scale * 1.44269504088896341f), neg_inf = vset1(-INFINITY);
+    /* causal: the block reaches past the unit's first token, so some rows see only part of it */
+    const int masked = p->causal && j0 + n - 1 > t0;
+    for (int64_t r0 = 0; r0 < rows_pad; r0 += VW) {
+        vint token; /* each lane's token (rows past the unit's: no mask) */
+        for (int i = 0; i < VW; ++i) token[i] = r0 + i < rows ? (int32_t)(t0 + (r0 + i) / p->group) : INT32_MAX;
+        vfloat top = vload(b->top + r0);
+        if (masked) { /* the max over the keys each row sees, those it does not see made -inf */
+            top = neg_inf;
+            for (int64_t j = 0; j < n; ++j) {
+                vfloat s = vload(b->st + j * rows_pad + r0);
+                const vint hidden = token < (int32_t)(j0 + j);
+                s = (vfloat)(((vint)s & ~hidden) | ((vint)neg_inf & hidden));
+                vstore(b->st + j * rows_pad + r0, s);
+                top = vmax(top, s);
+            }
+        }
+        const vfloat m_old = vload(b->m + r0), m_new = vmax(m_old, top * scale);
+        /* every real row sees key 0 in the first block, so m_new is finite there: no -inf - -inf */
+        const vfloat alpha = vexp2_nonpositive(m_old - m_new);
+        vfloat sum = vzero();
+        for (int64_t j = 0; j < n; ++j) {
+            const vfloat e = vexp2_nonpositive(vfma(vload(b->st + j * rows_pad + r0), scale, -m_new));
+            vstore(b->st + j * rows_pad + r0, e);
+            sum += e;
+        }
+        vstore(b->l + r0, vfma(vload(b->l + r0), alpha, sum));
+        vstore(b->m + r0, m_new);
+        vstore(b->alpha + r0, alpha);
+    }
+}
+
+/* One unit: KV head h, tokens [t0, t1). */
+static void flash_unit(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t t0, int64_t t1) {
+    const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group;
+    const int64_t rows_pad = pad_rows(rows);
+    for (int64_t r = 0; r < rows_pad; ++r) {
+        const float *src = r < rows ? p->q + (t0 + r / group) * p->q_rs + (h * group + r % group) * p->q_hs : NULL;
+        for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = src ? src[d] : 0.0f;
+        b->m[r] = -INFINITY, b->l[r] = 0.0f;
+    }
+    memset(b->acc, 0, (size_t)(rows_pad * D) * sizeof(float));
+    const int64_t keys = p->causal ? t1 : p->S; /* the unit's last row sees keys < t1 */
+    const float *kh = p->k + h * p->k_hs, *vh = p->v + h * p->v_hs;
+    for (int64_t j0 = 0; j0 < keys; j0 += BLOCK_KEYS) {
+        const int64_t n = keys - j0 < BLOCK_KEYS ? keys - j0 : BLOCK_KEYS;
+        for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
+        for (int64_t j = 0; j < n; j += KEY_TILE) {
+            const float *kt = kh + (j0 + j) * p->k_rs;
+            int64_t k_rs = p->k_rs;
+            if (j + KEY_TILE > n) { /* the block's last, partial tile: its keys copied, zeros after */
+                memset(b->tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
+                for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * p->k_rs, (size_t)D * sizeof(float));
+                kt = b->tail, k_rs = D;
+            }
+            for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
+                scores_tile(kt, k_rs, b->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
+                            (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
+        }
+        block_softmax(p, b, rows_pad, rows, t0, j0, n);
+        for (int64_t r0 = 0; r0 < rows_pad; r0 += OUT_ROWS) {
+            int64_t c0 = 0;
+            for (; c0 + ROW_TILE <= D; c0 += ROW_TILE)
+                pv_tile(b->st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, b->alpha + r0,
+                        b->acc + r0 * D + c0, D, ROW_VECS);
+            if (c0 < D) /* D an odd number of vectors */
+                pv_tile(b->st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, b->alpha + r0,
+                        b->acc + r0 * D + c0, D, 1);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r / group, head = h * group + r % group;
+        const float l = b->l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+        float *o = p->out + t * p->o_rs + head * p->o_hs;
+        for (int64_t d = 0; d < D; d += VW) vstore(o + d, vload(b->acc + r * D + d) * vset1(inv));
+        p->lse[head * p->T + t] = l > 0.0f ? b->m[r] * 0.693147180559945309f + logf(l) : -INFINITY;
+    }
+}
+
+int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const float *k, int64_t k_rs, int64_t k_hs,
+                            const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
+                            int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
+                            int threads) {
+    if (!ringctx_cpu_kernels_supported() || T < 1 || S < 1 || Hkv < 1 || Hq % Hkv || D % VW || D > MAX_D ||
+        !(scale > 0.0f) || (causal && T != S) || T > INT32_MAX)
+        return -1;
+    const int64_t group = Hq / Hkv;
+    const flash_problem p = {q, k, v, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, T, S, Hq, Hkv, D, group, causal, scale,
+                             out, o_rs, o_hs, lse};
+    const int64_t unit_tokens = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
+    const int64_t tiles = (T + unit_tokens - 1) / unit_tokens, units = tiles * Hkv;
+    const int64_t rows_pad = pad_rows(unit_tokens * group);
+    /* per thread: qt, acc [D, rows_pad] each; st [BLOCK_KEYS, rows_pad]; m, l, alpha, top; tail */
+    const int64_t floats = 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 4 * rows_pad + KEY_TILE * D;
+    if (threads < 1) threads = 1;
+    if (threads > units) threads = (int)units;
+    float *work = (float *)malloc((size_t)(threads * floats) * sizeof(float));
+    if (work == NULL) return -2;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = work + omp_get_thread_num() * floats;
+        const flash_buffers b = {.qt = buf, .st = buf + D * rows_pad, .acc = buf + D * rows_pad + BLOCK_KEYS * rows_pad,
+                                 .m = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad,
+                                 .l = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + rows_pad,
+                                 .alpha = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 2 * rows_pad,
+                                 .top = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 3 * rows_pad,
+                                 .tail = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 4 * rows_pad};
+        /* largest first: a causal block's last tiles see the most keys */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t tile = causal ? tiles - 1 - u / Hkv : u / Hkv, h = u % Hkv;
+            const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
+            flash_unit(&p, &b, h, t0, t1);
+        }
+    }
+    free(work);
+    return 0;
+}
