@@ -34,6 +34,10 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
     swiglu_                one pass per row in float32 with the PyTorch path's roundings, where
                            PyTorch makes several elementwise passes, each converting bf16 to
                            float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
+    flash_attention        flash attention in float32 (csrc/cpu_flash.c): a prefill's attention
+                           blocks on CPUs without bf16 units (a bf16 model computes them in
+                           float32 there) and a float32 model's everywhere; 0.77-0.99x the time
+                           of PyTorch's float32 op (causal blocks 0.77-0.91x), AVX2 and AVX-512.
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
     amx_linear             x [9 <= T <= 48, in] @ W^T in bf16 on AMX (a question's prefill): the
@@ -325,7 +329,8 @@ def library() -> ctypes.CDLL | None:
 
 
 KERNEL_NAMES = ("fused decode step", "GEMV", "int8 weights GEMV", "decode attention (model dtype)",
-                "decode attention (int8, fp8)", "RMSNorm/RoPE/SwiGLU rows", "AMX bf16 attention")
+                "decode attention (int8, fp8)", "RMSNorm/RoPE/SwiGLU rows", "float32 flash attention",
+                "AMX bf16 attention")
 """What `cpu_kernels_report` says of, one entry each."""
 
 

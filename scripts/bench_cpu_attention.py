@@ -1,17 +1,21 @@
 #!/usr/bin/env python
-"""One attention block on the CPU: ringctx's AMX kernel next to PyTorch's fused CPU op.
+"""One attention block on the CPU: ringctx's kernel next to PyTorch's fused CPU op.
 
-    python scripts/bench_cpu_attention.py [--rounds 9] [--json out.json]
+    python scripts/bench_cpu_attention.py [--kernel amx|float32] [--rounds 9] [--json out.json]
 
-Both are called through `ringctx.attention.attention_block` on the same bf16 inputs (head-major
-memory, as the ring hands them over), `backend="amx"` against `backend="torch"`, alternating call
+--kernel amx (default): the bf16 AMX kernel (csrc/cpu_attention_amx.c), on bf16 inputs; needs a
+CPU with AMX-BF16 (the script says so and exits otherwise). --kernel float32: the float32 flash
+kernel (csrc/cpu_flash.c), on float32 inputs, the variant RINGCTX_CPU_ISA names or the widest this
+CPU runs; to measure it as on a CPU without AVX-512, cap PyTorch too: `RINGCTX_CPU_ISA=avx2
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`.
+
+Both sides get the same inputs (head-major memory, as the ring hands them over), alternating call
 by call, so that both see the same machine state: on a shared VM a core's speed changes within
 seconds (for instance when the other hardware thread of its physical core gets busy). Shown per
-block: the median time of each, and the median over rounds of the per-round ratio (AMX / PyTorch).
-The shapes are the ring's blocks at W = 2 for 8K and 32K tokens (8/2 heads, D 64), a D = 128
-block (Llama-3), and SmolLM2's 8K prefill block (9/3 heads) with 2 threads.
-
-Needs a CPU with AMX-BF16 (the script says so and exits otherwise).
+block: the median time of each, its GFLOP/s (a causal block counted at half its area), and the
+median over rounds of the per-round ratio (ringctx / PyTorch). The shapes are the ring's blocks at
+W = 2 for 8K and 32K tokens (8/2 heads, D 64), a D = 128 block (Llama-3), and SmolLM2's prefill
+blocks (9/3 heads; float32: the blocks `ringctx prefill` runs at W = 2, one thread a rank).
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ from ringctx import cpu_kernels
 from ringctx.attention import attention_block
 
 # (name, queries, keys, query heads, KV heads, head dim, causal, threads)
+FLOAT32_BLOCKS = [
+    ("2K x 2K causal, 9/3 heads", 2048, 2048, 9, 3, 64, True, 1),
+    ("2K x 4K full, 9/3 heads", 2048, 4096, 9, 3, 64, False, 1),
+    ("1K x 6K full, 9/3 heads", 1024, 6144, 9, 3, 64, False, 1),
+    ("4K x 4K causal", 4096, 4096, 8, 2, 64, True, 1),
+    ("4K x 4K causal, D 128", 4096, 4096, 8, 2, 128, True, 1),
+    ("4K x 4K causal, 9/3 heads, 2 threads", 4096, 4096, 9, 3, 64, True, 2),
+    ("2K x 4K full, 9/3 heads, 2 threads", 2048, 4096, 9, 3, 64, False, 2),
+]
 BLOCKS = [
     ("4K x 4K causal", 4096, 4096, 8, 2, 64, True, 1),
     ("2K x 4K full", 2048, 4096, 8, 2, 64, False, 1),
@@ -37,58 +50,75 @@ BLOCKS = [
 ]
 
 
-def head_major(rows: int, heads: int, dim: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randn(heads, rows, dim, generator=generator).bfloat16().transpose(0, 1)
+def head_major(rows: int, heads: int, dim: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(heads, rows, dim, generator=generator).to(dtype).transpose(0, 1)
 
 
-def time_block(name, T, S, hq, hkv, d, causal, threads, rounds):
+def time_block(kernel, name, T, S, hq, hkv, d, causal, threads, rounds):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(T + S + d)
-    q, k, v = head_major(T, hq, d, g), head_major(S, hkv, d, g), head_major(S, hkv, d, g)
-    calls = {b: (lambda b=b: attention_block(q, k, v, causal=causal, backend=b)) for b in ("amx", "torch")}
+    dtype = torch.bfloat16 if kernel == "amx" else torch.float32
+    q, k, v = head_major(T, hq, d, g, dtype), head_major(S, hkv, d, g, dtype), head_major(S, hkv, d, g, dtype)
+    if kernel == "amx":
+        ours = lambda: attention_block(q, k, v, causal=causal, backend="amx")  # noqa: E731
+    else:
+        ours = lambda: cpu_kernels.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)  # noqa: E731
+    calls = {"ringctx": ours, "torch": lambda: attention_block(q, k, v, causal=causal, backend="torch")}
     outs = {b: f() for b, f in calls.items()}  # warm-up; also the outputs compared below
     times = {b: [] for b in calls}
     for r in range(rounds):
-        for b in (("amx", "torch") if r % 2 == 0 else ("torch", "amx")):
+        for b in (("ringctx", "torch") if r % 2 == 0 else ("torch", "ringctx")):
             t0 = time.perf_counter()
             calls[b]()
             times[b].append(time.perf_counter() - t0)
-    ratios = [a / t for a, t in zip(times["amx"], times["torch"])]
+    ratios = [a / t for a, t in zip(times["ringctx"], times["torch"])]
+    flops = 4 * T * S * hq * d * (0.5 if causal else 1.0)
     return {"block": name, "queries": T, "keys": S, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
-            "causal": causal, "threads": threads, "amx_s": times["amx"], "torch_s": times["torch"],
-            "amx_median_s": statistics.median(times["amx"]), "torch_median_s": statistics.median(times["torch"]),
+            "causal": causal, "threads": threads, "ringctx_s": times["ringctx"], "torch_s": times["torch"],
+            "ringctx_median_s": statistics.median(times["ringctx"]),
+            "torch_median_s": statistics.median(times["torch"]),
+            "ringctx_gflops": flops / statistics.median(times["ringctx"]) / 1e9,
+            "torch_gflops": flops / statistics.median(times["torch"]) / 1e9,
             "paired_ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
-            "max_abs_diff": (outs["amx"][0].float() - outs["torch"][0].float()).abs().max().item()}
+            "max_abs_diff": (outs["ringctx"][0].float() - outs["torch"][0].float()).abs().max().item()}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernel", choices=("amx", "float32"), default="amx", help="which of ringctx's kernels")
     p.add_argument("--rounds", type=int, default=9, help="alternating calls of each per block")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args()
-    if not cpu_kernels.amx_available():
+    if args.kernel == "amx" and not cpu_kernels.amx_available():
         print(f"the AMX kernel is not available here: {cpu_kernels.amx_unavailable_reason()}", file=sys.stderr)
+        return 1
+    if args.kernel == "float32" and cpu_kernels.active_variant() is None:
+        print(f"the CPU kernels are not available here: {cpu_kernels.kernel_error()}", file=sys.stderr)
         return 1
 
     from rich.console import Console
     from rich.table import Table
 
-    rows = [time_block(*block, args.rounds) for block in BLOCKS]
-    table = Table(title=f"bf16 attention block, ringctx AMX kernel vs PyTorch's CPU op ({args.rounds} rounds)")
-    for col in ("block", "AMX kernel", "PyTorch op", "AMX / PyTorch (paired)", "per-round range", "max |diff|"):
+    from ringctx.cpu_features import cpu_model
+
+    blocks = BLOCKS if args.kernel == "amx" else FLOAT32_BLOCKS
+    rows = [time_block(args.kernel, *block, args.rounds) for block in blocks]
+    variant = "AMX" if args.kernel == "amx" else f"float32 flash, {cpu_kernels.active_variant().name}"
+    table = Table(title=f"{cpu_model()}: attention block, ringctx ({variant}) vs PyTorch's CPU op "
+                        f"({args.rounds} rounds)")
+    for col in ("block", "ringctx", "PyTorch", "GFLOP/s", "ratio (paired)", "range", "max |diff|"):
         table.add_column(col, justify="left" if col == "block" else "right")
     for r in rows:
-        table.add_row(r["block"], f"{r['amx_median_s'] * 1e3:.1f} ms", f"{r['torch_median_s'] * 1e3:.1f} ms",
-                      f"{r['paired_ratio']:.3f}", f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}",
-                      f"{r['max_abs_diff']:.2e}")
-    Console(width=160).print(table)
+        table.add_row(r["block"], f"{r['ringctx_median_s'] * 1e3:.1f} ms", f"{r['torch_median_s'] * 1e3:.1f} ms",
+                      f"{r['ringctx_gflops']:.0f} / {r['torch_gflops']:.0f}", f"{r['paired_ratio']:.3f}",
+                      f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}", f"{r['max_abs_diff']:.1e}")
+    Console(width=120).print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__, "rounds": args.rounds,
-                       "results": rows}, f, indent=1)
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(), "torch": torch.__version__,
+                       "kernel": args.kernel, "rounds": args.rounds, "results": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
