@@ -21,9 +21,14 @@
  *           vectors of D, V's rows read where they lie; the rescale of acc by the new max is
  *           folded into the tile's load.
  *
- * No transposes of K or V: the only packing is a unit's queries. A unit is computed by one thread
- * from its own inputs alone, so the result does not depend on the number of threads, and units
- * are handed out largest first (a causal block's later tokens see more keys).
+ * A full (non-causal) block's keys go in spans of SPAN_KEYS, each from nothing, merged by
+ * log-sum-exp in order; a causal block in one span. With few units (a question's tokens over a
+ * document) the (unit, span) pairs are shared over the threads, else whole units.
+ *
+ * No transposes of K or V: the only packing is a unit's queries. A span is computed by one thread
+ * from its own inputs alone and merged in a fixed order, so a row's bits depend on its query and
+ * the keys only: not on the threads, the rows beside it, or how long the block is. Units are
+ * handed out largest first (a causal block's later tokens see more keys).
  */
 #include <math.h>
 #include <omp.h>
@@ -42,6 +47,7 @@
 #define ROW_TILE (ROW_VECS * VW) /* query rows per scores tile; columns of D per P V tile */
 #define BLOCK_KEYS 120          /* a multiple of KEY_TILE (6, 12): S^T [120, 96] is 45 KB */
 #define UNIT_ROWS 96
+#define SPAN_KEYS 1920 /* a full block's keys per span (16 blocks; see ringctx_flash_attention) */
 
 typedef struct {
     const float *q, *k, *v;
@@ -76,7 +82,7 @@ SIMD_INLINE vfloat vexp2_nonpositive(vfloat x) {
 typedef struct {
     float *qt;    /* [D, rows_pad]: the unit's queries, transposed, zero beyond its rows */
     float *st;    /* [BLOCK_KEYS, rows_pad]: a block's scores, then its probabilities */
-    float *acc;   /* [rows_pad, D]: the unnormalised output */
+    float *acc;   /* [rows_pad, D]: the unnormalised output (attend_keys: its partial's) */
     float *m, *l; /* [rows_pad]: the running max (times scale log2 e: base 2) and sum */
     float *alpha; /* [rows_pad]: a block's rescale of acc */
     float *top;   /* [rows_pad]: the rows' max score in the block (scores_tile keeps it) */
@@ -190,50 +196,83 @@ static void block_softmax(const flash_problem *p, const flash_buffers *b, int64_
     }
 }
 
-/* One unit: KV head h, tokens [t0, t1). */
-static void flash_unit(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t t0, int64_t t1) {
-    const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group;
-    const int64_t rows_pad = pad_rows(rows);
+/* A partial result over some keys: m, l [rows_pad] (base 2, times scale), acc [rows_pad, D]. */
+typedef struct {
+    float *m, *l, *acc;
+} flash_partial;
+
+/* A unit's queries (KV head h, tokens [t0, t1)) into b->qt; returns its padded row count. */
+static int64_t pack_queries(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t t0, int64_t t1) {
+    const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group, rows_pad = pad_rows(rows);
     for (int64_t r = 0; r < rows_pad; ++r) {
         const float *src = r < rows ? p->q + (t0 + r / group) * p->q_rs + (h * group + r % group) * p->q_hs : NULL;
         for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = src ? src[d] : 0.0f;
-        b->m[r] = -INFINITY, b->l[r] = 0.0f;
     }
-    memset(b->acc, 0, (size_t)(rows_pad * D) * sizeof(float));
-    const int64_t keys = p->causal ? t1 : p->S; /* the unit's last row sees keys < t1 */
+    return rows_pad;
+}
+
+/* The unit's rows (queries in b->qt, tokens from t0) over keys [j_begin, j_end) of head h, from
+ * nothing: the online softmax block by block into `out` (unnormalised acc, its m and l). j_begin
+ * is a multiple of BLOCK_KEYS, so a key's block is the same whatever the span. */
+static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t rows, int64_t rows_pad,
+                        int64_t t0, int64_t j_begin, int64_t j_end, const flash_partial *out) {
+    const int64_t D = p->D;
+    flash_buffers w = *b;
+    w.m = out->m, w.l = out->l, w.acc = out->acc;
+    for (int64_t r = 0; r < rows_pad; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
+    memset(w.acc, 0, (size_t)(rows_pad * D) * sizeof(float));
     const float *kh = p->k + h * p->k_hs, *vh = p->v + h * p->v_hs;
-    for (int64_t j0 = 0; j0 < keys; j0 += BLOCK_KEYS) {
-        const int64_t n = keys - j0 < BLOCK_KEYS ? keys - j0 : BLOCK_KEYS;
-        for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += BLOCK_KEYS) {
+        const int64_t n = j_end - j0 < BLOCK_KEYS ? j_end - j0 : BLOCK_KEYS;
+        for (int64_t r = 0; r < rows_pad; ++r) w.top[r] = -INFINITY;
         for (int64_t j = 0; j < n; j += KEY_TILE) {
             const float *kt = kh + (j0 + j) * p->k_rs;
             int64_t k_rs = p->k_rs;
             if (j + KEY_TILE > n) { /* the block's last, partial tile: its keys copied, zeros after */
-                memset(b->tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
-                for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * p->k_rs, (size_t)D * sizeof(float));
-                kt = b->tail, k_rs = D;
+                memset(w.tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
+                for (int64_t i = 0; i < n - j; ++i) memcpy(w.tail + i * D, kt + i * p->k_rs, (size_t)D * sizeof(float));
+                kt = w.tail, k_rs = D;
             }
             for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
-                scores_tile(kt, k_rs, b->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
+                scores_tile(kt, k_rs, w.qt + r0, rows_pad, D, w.st + j * rows_pad + r0, w.top + r0,
                             (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
         }
-        block_softmax(p, b, rows_pad, rows, t0, j0, n);
+        block_softmax(p, &w, rows_pad, rows, t0, j0, n);
         for (int64_t r0 = 0; r0 < rows_pad; r0 += OUT_ROWS) {
             int64_t c0 = 0;
             for (; c0 + ROW_TILE <= D; c0 += ROW_TILE)
-                pv_tile(b->st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, b->alpha + r0,
-                        b->acc + r0 * D + c0, D, ROW_VECS);
+                pv_tile(w.st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, w.alpha + r0,
+                        w.acc + r0 * D + c0, D, ROW_VECS);
             if (c0 < D) /* D an odd number of vectors */
-                pv_tile(b->st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, b->alpha + r0,
-                        b->acc + r0 * D + c0, D, 1);
+                pv_tile(w.st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, w.alpha + r0,
+                        w.acc + r0 * D + c0, D, 1);
         }
     }
+}
+
+/* into += part (both over the same rows, part's keys after into's): the log-sum-exp merge. */
+static void merge_into(const flash_partial *into, const flash_partial *part, int64_t rows_pad, int64_t D) {
+    for (int64_t r = 0; r < rows_pad; ++r) {
+        const float m = into->m[r] > part->m[r] ? into->m[r] : part->m[r];
+        const float w_into = vexp2_nonpositive(vset1(into->m[r] - m))[0];
+        const float w_part = vexp2_nonpositive(vset1(part->m[r] - m))[0];
+        into->l[r] = into->l[r] * w_into + part->l[r] * w_part;
+        into->m[r] = m;
+        float *a = into->acc + r * D;
+        const float *b = part->acc + r * D;
+        for (int64_t d = 0; d < D; d += VW) vstore(a + d, vfma(vload(a + d), vset1(w_into), vload(b + d) * vset1(w_part)));
+    }
+}
+
+/* The unit's normalised output and LSE from its merged partial. */
+static void write_unit(const flash_problem *p, const flash_partial *part, int64_t h, int64_t t0, int64_t t1) {
+    const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = t0 + r / group, head = h * group + r % group;
-        const float l = b->l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const float l = part->l[r], inv = l > 0.0f ? 1.0f / l : 0.0f;
         float *o = p->out + t * p->o_rs + head * p->o_hs;
-        for (int64_t d = 0; d < D; d += VW) vstore(o + d, vload(b->acc + r * D + d) * vset1(inv));
-        p->lse[head * p->T + t] = l > 0.0f ? b->m[r] * 0.693147180559945309f + logf(l) : -INFINITY;
+        for (int64_t d = 0; d < D; d += VW) vstore(o + d, vload(part->acc + r * D + d) * vset1(inv));
+        p->lse[head * p->T + t] = l > 0.0f ? part->m[r] * 0.693147180559945309f + logf(l) : -INFINITY;
     }
 }
 
@@ -249,28 +288,72 @@ int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const fl
                              out, o_rs, o_hs, lse};
     const int64_t unit_tokens = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
     const int64_t tiles = (T + unit_tokens - 1) / unit_tokens, units = tiles * Hkv;
-    const int64_t rows_pad = pad_rows(unit_tokens * group);
-    /* per thread: qt, acc [D, rows_pad] each; st [BLOCK_KEYS, rows_pad]; m, l, alpha, top; tail */
-    const int64_t floats = 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 4 * rows_pad + KEY_TILE * D;
+    const int64_t rows_pad = pad_rows(unit_tokens * group), partial = rows_pad * (D + 2);
+    /* A full block's keys go in spans of SPAN_KEYS, merged in order: always, so that a row's bits
+     * do not depend on how the work was shared out. With few units (a question's tokens over a
+     * document: 3 units of 32 tokens at SmolLM2's shape) the spans are shared out too. */
+    const int64_t spans = causal ? 1 : (S + SPAN_KEYS - 1) / SPAN_KEYS;
     if (threads < 1) threads = 1;
-    if (threads > units) threads = (int)units;
-    float *work = (float *)malloc((size_t)(threads * floats) * sizeof(float));
+    const int share_spans = spans > 1 && units < 4 * (int64_t)threads;
+    const int64_t items = share_spans ? units * spans : units;
+    if (threads > items) threads = (int)items;
+    /* per thread: qt [D, rows_pad]; st [BLOCK_KEYS, rows_pad]; alpha, top; tail; two partials (a
+     * span's and the unit's so far) */
+    const int64_t floats = D * rows_pad + BLOCK_KEYS * rows_pad + 2 * rows_pad + KEY_TILE * D + 2 * partial;
+    float *work = (float *)malloc((size_t)(threads * floats + (share_spans ? items * partial : 0)) * sizeof(float));
     if (work == NULL) return -2;
+    float *shared = work + threads * floats; /* share_spans: every (unit, span)'s partial */
 #pragma omp parallel num_threads(threads)
     {
         float *buf = work + omp_get_thread_num() * floats;
-        const flash_buffers b = {.qt = buf, .st = buf + D * rows_pad, .acc = buf + D * rows_pad + BLOCK_KEYS * rows_pad,
-                                 .m = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad,
-                                 .l = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + rows_pad,
-                                 .alpha = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 2 * rows_pad,
-                                 .top = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 3 * rows_pad,
-                                 .tail = buf + 2 * D * rows_pad + BLOCK_KEYS * rows_pad + 4 * rows_pad};
-        /* largest first: a causal block's last tiles see the most keys */
+        const flash_buffers b = {.qt = buf, .st = buf + D * rows_pad,
+                                 .alpha = buf + (D + BLOCK_KEYS) * rows_pad,
+                                 .top = buf + (D + BLOCK_KEYS + 1) * rows_pad,
+                                 .tail = buf + (D + BLOCK_KEYS + 2) * rows_pad};
+        float *mine = buf + (D + BLOCK_KEYS + 2) * rows_pad + KEY_TILE * D;
+        const flash_partial span = {mine, mine + rows_pad, mine + 2 * rows_pad};
+        const flash_partial unit = {mine + partial, mine + partial + rows_pad, mine + partial + 2 * rows_pad};
+        if (!share_spans) {
+            /* largest first: a causal block's last tiles see the most keys */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < units; ++u) {
-            const int64_t tile = causal ? tiles - 1 - u / Hkv : u / Hkv, h = u % Hkv;
-            const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
-            flash_unit(&p, &b, h, t0, t1);
+            for (int64_t u = 0; u < units; ++u) {
+                const int64_t tile = causal ? tiles - 1 - u / Hkv : u / Hkv, h = u % Hkv;
+                const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
+                const int64_t rows = (t1 - t0) * group, pad = pack_queries(&p, &b, h, t0, t1);
+                /* causal: one span, the unit's last row seeing keys < t1 (a later span could hide
+                 * every key from a row, and its max would be -inf) */
+                const int64_t keys = causal ? t1 : S, span_keys = causal ? t1 : SPAN_KEYS;
+                attend_keys(&p, &b, h, rows, pad, t0, 0, keys < span_keys ? keys : span_keys, &unit);
+                for (int64_t j = span_keys; j < keys; j += span_keys) {
+                    attend_keys(&p, &b, h, rows, pad, t0, j, keys - j < span_keys ? keys : j + span_keys, &span);
+                    merge_into(&unit, &span, pad, D);
+                }
+                write_unit(&p, &unit, h, t0, t1);
+            }
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; ++i) {
+                const int64_t u = i / spans, s = i % spans, tile = u / Hkv, h = u % Hkv;
+                const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
+                const int64_t pad = pack_queries(&p, &b, h, t0, t1), j = s * SPAN_KEYS;
+                const flash_partial slot = {shared + i * partial, shared + i * partial + rows_pad,
+                                            shared + i * partial + 2 * rows_pad};
+                attend_keys(&p, &b, h, (t1 - t0) * group, pad, t0, j, S - j < SPAN_KEYS ? S : j + SPAN_KEYS, &slot);
+            }
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; ++u) { /* the spans merged in order, as above */
+                const int64_t tile = u / Hkv, h = u % Hkv;
+                const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
+                const int64_t pad = pad_rows((t1 - t0) * group);
+                const flash_partial first = {shared + u * spans * partial, shared + u * spans * partial + rows_pad,
+                                             shared + u * spans * partial + 2 * rows_pad};
+                for (int64_t s = 1; s < spans; ++s) {
+                    float *slot = shared + (u * spans + s) * partial;
+                    const flash_partial next = {slot, slot + rows_pad, slot + 2 * rows_pad};
+                    merge_into(&first, &next, pad, D);
+                }
+                write_unit(&p, &first, h, t0, t1);
+            }
         }
     }
     free(work);

@@ -53,7 +53,8 @@ def test_diagonal_blocks(kernel_variant, hq, hkv, d, t):
 
 
 @pytest.mark.parametrize("d", [64, 256])
-@pytest.mark.parametrize("t,s", [(1, 50), (9, 1), (33, 200), (300, 77), (64, 64), (40, 127), (100, 1031)])
+@pytest.mark.parametrize("t,s", [(1, 50), (9, 1), (33, 200), (300, 77), (64, 64), (40, 127), (100, 1031),
+                                 (30, 4100), (500, 3841)])  # keys in 3 spans: shared out, or per unit
 def test_full_blocks(kernel_variant, d, t, s):
     check(rand(t, 6, d, seed=s), rand(s, 2, d, seed=s + 1), rand(s, 2, d, seed=s + 2), causal=False)
 
@@ -88,6 +89,23 @@ def test_a_rows_bits_depend_on_nothing_else(kernel_variant, threads):
         rows = q[50:53]
         some_out, some_lse = cpu_kernels.flash_attention(rows, k, v, causal=False, scale=0.125)
         assert torch.equal(some_out, full_out[50:53]) and torch.equal(some_lse, full_lse[:, 50:53])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_spans_shared_out_or_per_unit_give_the_same_bits(kernel_variant, threads):
+    """A full block of many keys goes in spans merged in order: a few rows (their spans shared over
+    the threads) have the bits they have among many rows (each unit's spans on one thread)."""
+    q, k, v = rand(700, 9, 64, seed=5), rand(4500, 3, 64, seed=6), rand(4500, 3, 64, seed=7)
+    needs_kernel(q, k, v)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        many_out, many_lse = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
+        for rows in (slice(0, 1), slice(3, 35), slice(600, 700)):
+            few_out, few_lse = cpu_kernels.flash_attention(q[rows], k, v, causal=False, scale=0.125)
+            assert torch.equal(few_out, many_out[rows]) and torch.equal(few_lse, many_lse[:, rows])
     finally:
         torch.set_num_threads(before)
 
