@@ -182,7 +182,8 @@ static void block_softmax(const flash_problem *p, const flash_buffers *b, int64_
             }
         }
         const vfloat m_old = vload(b->m + r0), m_new = vmax(m_old, top * scale);
-        /* every real row sees key 0 in the first block, so m_new is finite there: no -inf - -inf */
+        /* every real row sees a key in its span's first block (a causal block's span starts at key
+         * 0), so m_new is finite from there on: no -inf - -inf */
         const vfloat alpha = vexp2_nonpositive(m_old - m_new);
         vfloat sum = vzero();
         for (int64_t j = 0; j < n; ++j) {

@@ -788,17 +788,21 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     Returns out [T, Hq, D] bf16 (contiguous) and lse [Hq, T] float32, natural log, -inf and zeros
     for rows that see no key.
     """
-    lib = _load()
+    return _flash_call(_load().ringctx_amx_attention, q, k, v, causal, scale, torch.bfloat16)
+
+
+def _flash_call(kernel, q, k, v, causal: bool, scale: float, out_dtype: torch.dtype):
+    """Call a flash kernel of the C signature ringctx_amx_attention and ringctx_flash_attention share
+    (q, k, v and out by row and head strides; lse [Hq, T]) on all of torch's threads."""
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
-    out = torch.empty(T, Hq, D, dtype=torch.bfloat16)
+    out = torch.empty(T, Hq, D, dtype=out_dtype)
     lse = torch.empty(Hq, T, dtype=torch.float32)
-    status = lib.ringctx_amx_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), T, S, Hq, Hkv, D, int(causal), scale, out.data_ptr(), out.stride(0), out.stride(1),
-        lse.data_ptr(), torch.get_num_threads())
+    status = kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
+                    v.stride(0), v.stride(1), T, S, Hq, Hkv, D, int(causal), scale, out.data_ptr(), out.stride(0),
+                    out.stride(1), lse.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"ringctx_amx_attention failed with status {status} "
+        raise RuntimeError(f"{kernel.__name__} failed with status {status} "
                            f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
     return out, lse
 
@@ -828,19 +832,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Returns out [T, Hq, D] float32 (contiguous) and lse [Hq, T] float32, natural log. A row's
     result depends on its own query and the keys alone, not on the threads or the other rows.
     """
-    lib = _load()
-    T, Hq, D = q.shape
-    S, Hkv, _ = k.shape
-    out = torch.empty(T, Hq, D, dtype=torch.float32)
-    lse = torch.empty(Hq, T, dtype=torch.float32)
-    status = lib.ringctx_flash_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
-        v.stride(1), T, S, Hq, Hkv, D, int(causal), scale, out.data_ptr(), out.stride(0), out.stride(1),
-        lse.data_ptr(), torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"ringctx_flash_attention failed with status {status} "
-                           f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
-    return out, lse
+    return _flash_call(_load().ringctx_flash_attention, q, k, v, causal, scale, torch.float32)
 
 
 AMX_LINEAR_ROWS = (9, 48)

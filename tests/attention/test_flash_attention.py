@@ -11,6 +11,8 @@ how a prompt was cut.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -26,6 +28,16 @@ def needs_kernel(q, k, v):
     if not cpu_kernels.flash_attention_applies(q, k, v):
         pytest.skip(f"the flash kernel does not take head dim {q.shape[2]} on the "
                     f"{getattr(cpu_kernels.active_variant(), 'name', 'no')} variant (or no kernels here)")
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def check(q, k, v, causal, softmax_scale=None):
@@ -75,22 +87,17 @@ def test_a_rows_bits_depend_on_nothing_else(kernel_variant, threads):
     same as those rows alone."""
     q, k, v = rand(200, 6, 64, seed=1), rand(200, 2, 64, seed=2), rand(200, 2, 64, seed=3)
     needs_kernel(q, k, v)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         out, lse = cpu_kernels.flash_attention(q, k, v, causal=True, scale=0.125)
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one_out, one_lse = cpu_kernels.flash_attention(q, k, v, causal=True, scale=0.125)
-        assert torch.equal(out, one_out) and torch.equal(lse, one_lse)
-        for n in (1, 37, 96, 131):
-            part_out, part_lse = cpu_kernels.flash_attention(q[:n], k[:n], v[:n], causal=True, scale=0.125)
-            assert torch.equal(part_out, out[:n]) and torch.equal(part_lse, lse[:, :n])
-        full_out, full_lse = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
-        rows = q[50:53]
-        some_out, some_lse = cpu_kernels.flash_attention(rows, k, v, causal=False, scale=0.125)
-        assert torch.equal(some_out, full_out[50:53]) and torch.equal(some_lse, full_lse[:, 50:53])
-    finally:
-        torch.set_num_threads(before)
+    assert torch.equal(out, one_out) and torch.equal(lse, one_lse)
+    for n in (1, 37, 96, 131):
+        part_out, part_lse = cpu_kernels.flash_attention(q[:n], k[:n], v[:n], causal=True, scale=0.125)
+        assert torch.equal(part_out, out[:n]) and torch.equal(part_lse, lse[:, :n])
+    full_out, full_lse = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
+    some_out, some_lse = cpu_kernels.flash_attention(q[50:53], k, v, causal=False, scale=0.125)
+    assert torch.equal(some_out, full_out[50:53]) and torch.equal(some_lse, full_lse[:, 50:53])
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -99,15 +106,11 @@ def test_spans_shared_out_or_per_unit_give_the_same_bits(kernel_variant, threads
     the threads) have the bits they have among many rows (each unit's spans on one thread)."""
     q, k, v = rand(700, 9, 64, seed=5), rand(4500, 3, 64, seed=6), rand(4500, 3, 64, seed=7)
     needs_kernel(q, k, v)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
+    with torch_threads(threads):
         many_out, many_lse = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
         for rows in (slice(0, 1), slice(3, 35), slice(600, 700)):
             few_out, few_lse = cpu_kernels.flash_attention(q[rows], k, v, causal=False, scale=0.125)
             assert torch.equal(few_out, many_out[rows]) and torch.equal(few_lse, many_lse[:, rows])
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_strided_views_are_read_in_place(kernel_variant):
