@@ -211,8 +211,8 @@ def _small_query_block(q, k, v, scale):
 
 def _torch_cpu_block(q, k, v, causal, scale, own_kernel: bool = False):
     """A block on the CPU with PyTorch's fused op; own_kernel: float32 blocks take ringctx's flash
-    kernel instead where it applies (0.74-0.91x the time of PyTorch's op on causal blocks,
-    0.90-1.01x on full ones: AVX2 and AVX-512, 1-2 threads; docs/BENCHMARKS.md)."""
+    kernel instead where it applies (0.77-0.91x the time of PyTorch's op on causal blocks,
+    0.88-0.99x on full ones: AVX2 and AVX-512, 1-2 threads; docs/BENCHMARKS.md)."""
     if not causal and q.shape[0] <= SMALL_QUERY_ROWS:
         return _small_query_block(q, k, v, scale)
     if computes_in_float32(q):  # no bf16 units: the float32 op is faster and rounds only once
