@@ -19,10 +19,12 @@ import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-UPCAST_MIN_ROWS = 64
-"""Fewest rows of activations for which a half-precision CPU matmul runs in float32: converting
-the weight costs about as much as a 32-row native bf16 matmul here (measured: 64 rows 0.52x the
-native time, 8-32 rows about equal, 1 row 1.8x)."""
+UPCAST_MIN_ROWS = 9
+"""Fewest rows of activations for which a half-precision CPU matmul runs in float32 where the CPU
+has no bf16 units: every matmul above the decode kernels' 8 rows (cpu_kernels.MAX_ROWS), such as a
+question's prefill. PyTorch's emulated bf16 matmul took 1.5-3.9x the time of converting the weight
+and running the float32 GEMM: SmolLM2's 120 block matrices, 2 threads, capped at AVX2, 2026-12-05:
+9 rows 60 against 40 ms, 16 rows 106 / 48, 32 rows 210 / 107, 63 rows 409 / 104 (docs/BENCHMARKS.md)."""
 
 
 # oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) under which its matmuls still have bf16 units.
