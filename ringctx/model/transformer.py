@@ -51,7 +51,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     On a CPU without bf16 units a half-precision matmul of at least UPCAST_MIN_ROWS rows runs in
     float32 and is rounded back (see ringctx/cpu_features.py): the same result as a native bf16
-    GEMM up to summation order, 3-4x faster there.
+    GEMM up to summation order, 1.5-4x faster there.
     """
     if x.shape[0] >= UPCAST_MIN_ROWS and computes_in_float32(x):
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
