@@ -78,7 +78,7 @@ SIMD_INLINE vfloat vexp2_nonpositive(vfloat x) {
     return (vfloat)((vint)p + ((vint)t << 23)); /* t's low bits hold n */
 }
 
-/* Per-thread buffers of a unit with rows_pad rows (a multiple of ROW_TILE and OUT_ROWS). */
+/* Per-thread buffers of a unit with rows_pad rows (a multiple of ROW_TILE). */
 typedef struct {
     float *qt;    /* [D, rows_pad]: the unit's queries, transposed, zero beyond its rows */
     float *st;    /* [BLOCK_KEYS, rows_pad]: a block's scores, then its probabilities */
@@ -89,12 +89,9 @@ typedef struct {
     float *tail;  /* [KEY_TILE, D]: the keys of a block's last tile, zeros beyond the block */
 } flash_buffers;
 
-/* Rows padded to a multiple of both tiles' rows (ROW_TILE and OUT_ROWS). */
-static int64_t pad_rows(int64_t rows) {
-    int64_t unit = ROW_TILE;
-    while (unit % OUT_ROWS) unit += ROW_TILE;
-    return (rows + unit - 1) / unit * unit;
-}
+/* Rows padded to whole score tiles (ROW_TILE: 16 on AVX2, 32 on AVX-512); P V takes the last
+ * rows in a smaller tile where OUT_ROWS does not divide that. */
+static int64_t pad_rows(int64_t rows) { return (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE; }
 
 /* S^T [KEY_TILE keys, rows r0..r0 + ROW_TILE): sum over d of k[i, d] qt[d, r], key i's row at
  * k + i k_rs; top [ROW_TILE] (the rows' max score in the block so far) takes the max of the first
@@ -131,13 +128,14 @@ SIMD_INLINE void scores_tile(const float *k, int64_t k_rs, const float *qt, int6
     }
 }
 
-/* acc [r0..r0 + OUT_ROWS, c0..c0 + NC VW) = alpha acc + sum over keys j < n of p[j, r] v[j, c]
- * (NC: ROW_VECS, or 1 for a head dim that is an odd number of vectors). */
+/* acc [r0..r0 + RT, c0..c0 + NC VW) = alpha acc + sum over keys j < n of p[j, r] v[j, c]
+ * (RT: OUT_ROWS, or fewer for a unit's last rows; NC: ROW_VECS, or 1 for a head dim that is an odd
+ * number of vectors). A row's sums are the same whichever tile it falls in. */
 SIMD_INLINE void pv_tile(const float *pt, int64_t rows_pad, const float *v, int64_t v_rs, int64_t n,
-                         const float *alpha, float *acc, int64_t D, const int NC) {
+                         const float *alpha, float *acc, int64_t D, const int RT, const int NC) {
     vfloat a[OUT_ROWS][ROW_VECS];
 #pragma GCC unroll 12
-    for (int r = 0; r < OUT_ROWS; ++r) {
+    for (int r = 0; r < RT; ++r) {
         const vfloat w = vset1(alpha[r]);
 #pragma GCC unroll 2
         for (int c = 0; c < NC; ++c) a[r][c] = vload(acc + r * D + c * VW) * w;
@@ -147,16 +145,26 @@ SIMD_INLINE void pv_tile(const float *pt, int64_t rows_pad, const float *v, int6
 #pragma GCC unroll 2
         for (int c = 0; c < NC; ++c) vv[c] = vload(v + j * v_rs + c * VW);
 #pragma GCC unroll 12
-        for (int r = 0; r < OUT_ROWS; ++r) {
+        for (int r = 0; r < RT; ++r) {
             const vfloat p = vset1(pt[j * rows_pad + r]);
 #pragma GCC unroll 2
             for (int c = 0; c < NC; ++c) a[r][c] = vfma(p, vv[c], a[r][c]);
         }
     }
 #pragma GCC unroll 12
-    for (int r = 0; r < OUT_ROWS; ++r)
+    for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 2
         for (int c = 0; c < NC; ++c) vstore(acc + r * D + c * VW, a[r][c]);
+}
+
+/* P V for RT rows of a unit (OUT_ROWS, or the fewer left at its end), every column tile. */
+SIMD_INLINE void pv_rows(const float *pt, int64_t rows_pad, const float *v, int64_t v_rs, int64_t n,
+                         const float *alpha, float *acc, int64_t D, const int RT) {
+    int64_t c0 = 0;
+    for (; c0 + ROW_TILE <= D; c0 += ROW_TILE)
+        pv_tile(pt, rows_pad, v + c0, v_rs, n, alpha, acc + c0, D, RT, ROW_VECS);
+    if (c0 < D) /* D an odd number of vectors */
+        pv_tile(pt, rows_pad, v + c0, v_rs, n, alpha, acc + c0, D, RT, 1);
 }
 
 /* The online softmax over one block's scores st [n, rows_pad] (keys j0.., rows of tokens t0..):
@@ -239,15 +247,18 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
                             (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
         }
         block_softmax(p, &w, rows_pad, rows, t0, j0, n);
-        for (int64_t r0 = 0; r0 < rows_pad; r0 += OUT_ROWS) {
-            int64_t c0 = 0;
-            for (; c0 + ROW_TILE <= D; c0 += ROW_TILE)
-                pv_tile(w.st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, w.alpha + r0,
-                        w.acc + r0 * D + c0, D, ROW_VECS);
-            if (c0 < D) /* D an odd number of vectors */
-                pv_tile(w.st + r0, rows_pad, vh + j0 * p->v_rs + c0, p->v_rs, n, w.alpha + r0,
-                        w.acc + r0 * D + c0, D, 1);
-        }
+        const float *vb = vh + j0 * p->v_rs;
+        int64_t r0 = 0;
+        for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
+            pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, OUT_ROWS);
+        /* rows_pad is whole ROW_TILEs, so what is left is 2 or 4 rows (OUT_ROWS 6 over tiles of 8
+         * or 16 rows) or 4 or 8 (12 over tiles of 32) */
+        const int64_t left = rows_pad - r0;
+        if (left == 2) pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, 2);
+        else if (left == 4) pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, 4);
+#if OUT_ROWS > 8
+        else if (left == 8) pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, 8);
+#endif
     }
 }
 
