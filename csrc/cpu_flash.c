@@ -78,13 +78,17 @@ SIMD_INLINE vfloat vexp2_nonpositive(vfloat x) {
     return (vfloat)((vint)p + ((vint)t << 23)); /* t's low bits hold n */
 }
 
+/* A partial result over some keys: the running max m (times scale log2 e: base 2) and sum l
+ * [rows_pad], the unnormalised output acc [rows_pad, D]. */
+typedef struct {
+    float *m, *l, *acc;
+} flash_partial;
+
 /* Per-thread buffers of a unit with rows_pad rows (a multiple of ROW_TILE). */
 typedef struct {
     float *qt;    /* [D, rows_pad]: the unit's queries, transposed, zero beyond its rows */
     float *st;    /* [BLOCK_KEYS, rows_pad]: a block's scores, then its probabilities */
-    float *acc;   /* [rows_pad, D]: the unnormalised output (attend_keys: its partial's) */
-    float *m, *l; /* [rows_pad]: the running max (times scale log2 e: base 2) and sum */
-    float *alpha; /* [rows_pad]: a block's rescale of acc */
+    float *alpha; /* [rows_pad]: a block's rescale of the partial's acc */
     float *top;   /* [rows_pad]: the rows' max score in the block (scores_tile keeps it) */
     float *tail;  /* [KEY_TILE, D]: the keys of a block's last tile, zeros beyond the block */
 } flash_buffers;
@@ -170,8 +174,8 @@ SIMD_INLINE void pv_rows(const float *pt, int64_t rows_pad, const float *v, int6
 /* The online softmax over one block's scores st [n, rows_pad] (keys j0.., rows of tokens t0..):
  * masked scores (causal: key > the row's token) become -inf, every score its probability
  * 2^(scale log2(e) s - m_new) = e^(scale s - m_new ln 2), and m, l, alpha are updated lane-wise. */
-static void block_softmax(const flash_problem *p, const flash_buffers *b, int64_t rows_pad, int64_t rows,
-                          int64_t t0, int64_t j0, int64_t n) {
+static void block_softmax(const flash_problem *p, const flash_buffers *b, const flash_partial *part,
+                          int64_t rows_pad, int64_t rows, int64_t t0, int64_t j0, int64_t n) {
     const vfloat scale = vset1(p->scale * 1.44269504088896341f), neg_inf = vset1(-INFINITY);
     /* causal: the block reaches past the unit's first token, so some rows see only part of it */
     const int masked = p->causal && j0 + n - 1 > t0;
@@ -189,7 +193,7 @@ static void block_softmax(const flash_problem *p, const flash_buffers *b, int64_
                 top = vmax(top, s);
             }
         }
-        const vfloat m_old = vload(b->m + r0), m_new = vmax(m_old, top * scale);
+        const vfloat m_old = vload(part->m + r0), m_new = vmax(m_old, top * scale);
         /* every real row sees a key in its span's first block (a causal block's span starts at key
          * 0), so m_new is finite from there on: no -inf - -inf */
         const vfloat alpha = vexp2_nonpositive(m_old - m_new);
@@ -199,16 +203,11 @@ static void block_softmax(const flash_problem *p, const flash_buffers *b, int64_
             vstore(b->st + j * rows_pad + r0, e);
             sum += e;
         }
-        vstore(b->l + r0, vfma(vload(b->l + r0), alpha, sum));
-        vstore(b->m + r0, m_new);
+        vstore(part->l + r0, vfma(vload(part->l + r0), alpha, sum));
+        vstore(part->m + r0, m_new);
         vstore(b->alpha + r0, alpha);
     }
 }
-
-/* A partial result over some keys: m, l [rows_pad] (base 2, times scale), acc [rows_pad, D]. */
-typedef struct {
-    float *m, *l, *acc;
-} flash_partial;
 
 /* A unit's queries (KV head h, tokens [t0, t1)) into b->qt; returns its padded row count. */
 static int64_t pack_queries(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t t0, int64_t t1) {
@@ -226,38 +225,36 @@ static int64_t pack_queries(const flash_problem *p, const flash_buffers *b, int6
 static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t rows, int64_t rows_pad,
                         int64_t t0, int64_t j_begin, int64_t j_end, const flash_partial *out) {
     const int64_t D = p->D;
-    flash_buffers w = *b;
-    w.m = out->m, w.l = out->l, w.acc = out->acc;
-    for (int64_t r = 0; r < rows_pad; ++r) w.m[r] = -INFINITY, w.l[r] = 0.0f;
-    memset(w.acc, 0, (size_t)(rows_pad * D) * sizeof(float));
+    for (int64_t r = 0; r < rows_pad; ++r) out->m[r] = -INFINITY, out->l[r] = 0.0f;
+    memset(out->acc, 0, (size_t)(rows_pad * D) * sizeof(float));
     const float *kh = p->k + h * p->k_hs, *vh = p->v + h * p->v_hs;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += BLOCK_KEYS) {
         const int64_t n = j_end - j0 < BLOCK_KEYS ? j_end - j0 : BLOCK_KEYS;
-        for (int64_t r = 0; r < rows_pad; ++r) w.top[r] = -INFINITY;
+        for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
         for (int64_t j = 0; j < n; j += KEY_TILE) {
             const float *kt = kh + (j0 + j) * p->k_rs;
             int64_t k_rs = p->k_rs;
             if (j + KEY_TILE > n) { /* the block's last, partial tile: its keys copied, zeros after */
-                memset(w.tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
-                for (int64_t i = 0; i < n - j; ++i) memcpy(w.tail + i * D, kt + i * p->k_rs, (size_t)D * sizeof(float));
-                kt = w.tail, k_rs = D;
+                memset(b->tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
+                for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * p->k_rs, (size_t)D * sizeof(float));
+                kt = b->tail, k_rs = D;
             }
             for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
-                scores_tile(kt, k_rs, w.qt + r0, rows_pad, D, w.st + j * rows_pad + r0, w.top + r0,
+                scores_tile(kt, k_rs, b->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                             (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
         }
-        block_softmax(p, &w, rows_pad, rows, t0, j0, n);
+        block_softmax(p, b, out, rows_pad, rows, t0, j0, n);
         const float *vb = vh + j0 * p->v_rs;
         int64_t r0 = 0;
         for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
-            pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, OUT_ROWS);
+            pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, OUT_ROWS);
         /* rows_pad is whole ROW_TILEs, so what is left is 2 or 4 rows (OUT_ROWS 6 over tiles of 8
          * or 16 rows) or 4 or 8 (12 over tiles of 32) */
         const int64_t left = rows_pad - r0;
-        if (left == 2) pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, 2);
-        else if (left == 4) pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, 4);
+        if (left == 2) pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 2);
+        else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 4);
 #if OUT_ROWS > 8
-        else if (left == 8) pv_rows(w.st + r0, rows_pad, vb, p->v_rs, n, w.alpha + r0, w.acc + r0 * D, D, 8);
+        else if (left == 8) pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 8);
 #endif
     }
 }

@@ -770,15 +770,20 @@ def amx_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
     """True when `amx_attention` takes these inputs: q [T, Hq, D], k and v [S, Hkv, D], all bf16 on
     the CPU with unit stride along D, T and S >= 1, Hq a multiple of Hkv, D a multiple of 32 up to
     256, no gradient wanted, and AMX available."""
+    return _flash_inputs_fit(q, k, v, torch.bfloat16) and q.shape[2] % 32 == 0 and amx_available()
+
+
+def _flash_inputs_fit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> bool:
+    """What both flash kernels need of their inputs (the head dim's multiple aside): q [T, Hq, D], k
+    and v [S, Hkv, D], all `dtype` on the CPU with unit stride along D, T and S >= 1, Hq a multiple
+    of Hkv, D up to 256, no gradient wanted."""
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
-    if not (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == k.device.type == v.device.type == "cpu"
-            and k.shape == v.shape and T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and D % 32 == 0 and D <= 256
+    if not (q.dtype == k.dtype == v.dtype == dtype and q.device.type == k.device.type == v.device.type == "cpu"
+            and k.shape == v.shape and T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and D <= 256
             and q.stride(2) == k.stride(2) == v.stride(2) == 1):
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    return amx_available()
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
 
 
 def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -812,16 +817,10 @@ def flash_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     float32 on the CPU with unit stride along D, T and S >= 1, Hq a multiple of Hkv, D a multiple
     of the variant's vector (16 floats on avx512, 8 on avx2, 4 portable) up to 256, no gradient
     wanted, and the kernels built."""
-    T, Hq, D = q.shape
-    S, Hkv, _ = k.shape
-    if not (q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == k.device.type == v.device.type == "cpu"
-            and k.shape == v.shape and T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and D <= 256
-            and q.stride(2) == k.stride(2) == v.stride(2) == 1):
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if not _flash_inputs_fit(q, k, v, torch.float32):
         return False
     variant = active_variant()
-    return variant is not None and D % variant.vector_floats == 0
+    return variant is not None and q.shape[2] % variant.vector_floats == 0
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -13,8 +13,7 @@ import torch.distributed as dist
 
 from ..attention.kernels import flash_attn_available
 from ..cpu_features import cpu_has_fast_bf16, cpu_model, phase_dtypes
-from .. import cpu_kernels
-from ..cpu_kernels import cpu_kernels_report
+from ..cpu_kernels import active_variant, amx_available, cpu_kernels_report
 from ..host_memory import huge_pages_report
 from ..planning.machine_speed import auto_dtype
 
@@ -31,9 +30,9 @@ def environment_report() -> dict:
     cuda = torch.cuda.is_available()
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
     attention = ["torch (CPU flash op)"]
-    if cpu_kernels.active_variant() is not None:  # `auto` takes them per block (attention/kernels.py)
+    if active_variant() is not None:  # `auto` takes them per block (attention/kernels.py)
         attention.append("auto: ringctx's CPU decode and float32 flash kernels")
-    if cpu_kernels.amx_available():
+    if amx_available():
         attention.append("amx (ringctx's bf16 kernel on AMX)")
     if cuda:
         attention.append("torch (CUDA flash SDPA)")
