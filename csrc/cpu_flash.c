@@ -1,6 +1,8 @@
 /* Flash attention in float32 on the vector units: the prefill's attention blocks on CPUs without
  * bf16 units (AVX2-only CPUs such as AMD Zen 1-3, where a bf16 model computes in float32) and for
- * float32 models everywhere.
+ * float32 models everywhere. Inputs in float32 (ringctx_flash_attention) or bf16
+ * (ringctx_flash_attention_bf16: widened as they are read, the same float32 math and bits as on
+ * their float32 copies).
  *
  *   out[t, h] = sum_j softmax_j(scale q[t, h] . k[j, h / group]) v[j, h / group]   (j <= t if causal)
  *   lse[h, t] = log sum_j exp(scale q[t, h] . k[j, h / group])
@@ -25,7 +27,12 @@
  * log-sum-exp in order; a causal block in one span. With few units (a question's tokens over a
  * document) the (unit, span) pairs are shared over the threads, else whole units.
  *
- * No transposes of K or V: the only packing is a unit's queries. A span is computed by one thread
+ * No transposes of K or V: the only packing is a unit's queries. bf16 K and V are widened a block at
+ * a time into a thread's buffer (KEY_TILE-aligned, zeros after a partial block's keys), the
+ * float32 tiles reading that: a question's few rows over a document's cache read it in place,
+ * where a float32 copy of the document's rows would cost a pass over memory more than the
+ * widening. (Each unit widens the blocks again; a block of many units' queries is cheaper widened
+ * once by its caller, see ringctx/attention/kernels.py.) A span is computed by one thread
  * from its own inputs alone and merged in a fixed order, so a row's bits depend on its query and
  * the keys only: not on the threads, the rows beside it, or how long the block is. Units are
  * handed out largest first (a causal block's later tokens see more keys).
@@ -50,8 +57,9 @@
 #define SPAN_KEYS 1920 /* a full block's keys per span (16 blocks; see ringctx_flash_attention) */
 
 typedef struct {
-    const float *q, *k, *v;
-    int64_t q_rs, q_hs, k_rs, k_hs, v_rs, v_hs;
+    const void *q, *k, *v; /* float32, or bf16 bit patterns (bf16 set) */
+    int bf16;
+    int64_t q_rs, q_hs, k_rs, k_hs, v_rs, v_hs; /* in elements */
     int64_t T, S, Hq, Hkv, D, group;
     int causal;
     float scale;
@@ -91,6 +99,7 @@ typedef struct {
     float *alpha; /* [rows_pad]: a block's rescale of the partial's acc */
     float *top;   /* [rows_pad]: the rows' max score in the block (scores_tile keeps it) */
     float *tail;  /* [KEY_TILE, D]: the keys of a block's last tile, zeros beyond the block */
+    float *kw, *vw; /* bf16 inputs: [BLOCK_KEYS, D] a block's K and V widened, K zeros beyond it */
 } flash_buffers;
 
 /* Rows padded to whole score tiles (ROW_TILE: 16 on AVX2, 32 on AVX-512); P V takes the last
@@ -209,12 +218,37 @@ static void block_softmax(const flash_problem *p, const flash_buffers *b, const 
     }
 }
 
+/* The float32 value of a bf16 bit pattern (exact: its top half). */
+static inline float bf16_value(uint16_t bits) {
+    const uint32_t u = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Rows [j0, j0 + n) of head h of a bf16 K or V ([S, Hkv, D] by row and head strides) widened into
+ * dst [n, D], then zero rows up to the next multiple of KEY_TILE when zero_tail. */
+static void widen_rows(const uint16_t *x, int64_t rs, int64_t hs, int64_t h, int64_t j0, int64_t n, int64_t D,
+                       float *dst, int zero_tail) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint16_t *row = x + (j0 + i) * rs + h * hs;
+        for (int64_t d = 0; d < D; d += VW) vstore(dst + i * D + d, vload_bf16(row + d));
+    }
+    if (zero_tail)
+        for (int64_t i = n; i % KEY_TILE; ++i) memset(dst + i * D, 0, (size_t)D * sizeof(float));
+}
+
 /* A unit's queries (KV head h, tokens [t0, t1)) into b->qt; returns its padded row count. */
 static int64_t pack_queries(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t t0, int64_t t1) {
     const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group, rows_pad = pad_rows(rows);
     for (int64_t r = 0; r < rows_pad; ++r) {
-        const float *src = r < rows ? p->q + (t0 + r / group) * p->q_rs + (h * group + r % group) * p->q_hs : NULL;
-        for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = src ? src[d] : 0.0f;
+        const int64_t at = (t0 + r / group) * p->q_rs + (h * group + r % group) * p->q_hs;
+        if (r >= rows)
+            for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = 0.0f;
+        else if (p->bf16)
+            for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = bf16_value(((const uint16_t *)p->q)[at + d]);
+        else
+            for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = ((const float *)p->q)[at + d];
     }
     return rows_pad;
 }
@@ -227,34 +261,43 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
     const int64_t D = p->D;
     for (int64_t r = 0; r < rows_pad; ++r) out->m[r] = -INFINITY, out->l[r] = 0.0f;
     memset(out->acc, 0, (size_t)(rows_pad * D) * sizeof(float));
-    const float *kh = p->k + h * p->k_hs, *vh = p->v + h * p->v_hs;
     for (int64_t j0 = j_begin; j0 < j_end; j0 += BLOCK_KEYS) {
         const int64_t n = j_end - j0 < BLOCK_KEYS ? j_end - j0 : BLOCK_KEYS;
+        /* the block's K and V rows of head h: in place (float32) or widened (bf16) */
+        const float *kb, *vb;
+        int64_t k_rs, v_rs;
+        if (p->bf16) {
+            widen_rows((const uint16_t *)p->k, p->k_rs, p->k_hs, h, j0, n, D, b->kw, 1);
+            widen_rows((const uint16_t *)p->v, p->v_rs, p->v_hs, h, j0, n, D, b->vw, 0);
+            kb = b->kw, vb = b->vw, k_rs = v_rs = D;
+        } else {
+            kb = (const float *)p->k + h * p->k_hs + j0 * p->k_rs, k_rs = p->k_rs;
+            vb = (const float *)p->v + h * p->v_hs + j0 * p->v_rs, v_rs = p->v_rs;
+        }
         for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
         for (int64_t j = 0; j < n; j += KEY_TILE) {
-            const float *kt = kh + (j0 + j) * p->k_rs;
-            int64_t k_rs = p->k_rs;
-            if (j + KEY_TILE > n) { /* the block's last, partial tile: its keys copied, zeros after */
+            const float *kt = kb + j * k_rs;
+            int64_t tile_rs = k_rs;
+            if (j + KEY_TILE > n && !p->bf16) { /* the block's last, partial tile: its keys copied, zeros after */
                 memset(b->tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
-                for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * p->k_rs, (size_t)D * sizeof(float));
-                kt = b->tail, k_rs = D;
+                for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * k_rs, (size_t)D * sizeof(float));
+                kt = b->tail, tile_rs = D;
             }
             for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
-                scores_tile(kt, k_rs, b->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
+                scores_tile(kt, tile_rs, b->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                             (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
         }
         block_softmax(p, b, out, rows_pad, rows, t0, j0, n);
-        const float *vb = vh + j0 * p->v_rs;
         int64_t r0 = 0;
         for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
-            pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, OUT_ROWS);
+            pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, OUT_ROWS);
         /* rows_pad is whole ROW_TILEs, so what is left is 2 or 4 rows (OUT_ROWS 6 over tiles of 8
          * or 16 rows) or 4 or 8 (12 over tiles of 32) */
         const int64_t left = rows_pad - r0;
-        if (left == 2) pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 2);
-        else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 4);
+        if (left == 2) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 2);
+        else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 4);
 #if OUT_ROWS > 8
-        else if (left == 8) pv_rows(b->st + r0, rows_pad, vb, p->v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 8);
+        else if (left == 8) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 8);
 #endif
     }
 }
@@ -285,15 +328,15 @@ static void write_unit(const flash_problem *p, const flash_partial *part, int64_
     }
 }
 
-int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const float *k, int64_t k_rs, int64_t k_hs,
-                            const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
-                            int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
-                            int threads) {
+static int flash_attention(const void *q, int64_t q_rs, int64_t q_hs, const void *k, int64_t k_rs, int64_t k_hs,
+                           const void *v, int64_t v_rs, int64_t v_hs, int bf16, int64_t T, int64_t S, int64_t Hq,
+                           int64_t Hkv, int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs,
+                           float *lse, int threads) {
     if (!ringctx_cpu_kernels_supported() || T < 1 || S < 1 || Hkv < 1 || Hq % Hkv || D % VW || D > MAX_D ||
         !(scale > 0.0f) || (causal && T != S) || T > INT32_MAX)
         return -1;
     const int64_t group = Hq / Hkv;
-    const flash_problem p = {q, k, v, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, T, S, Hq, Hkv, D, group, causal, scale,
+    const flash_problem p = {q, k, v, bf16, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, T, S, Hq, Hkv, D, group, causal, scale,
                              out, o_rs, o_hs, lse};
     const int64_t unit_tokens = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
     const int64_t tiles = (T + unit_tokens - 1) / unit_tokens, units = tiles * Hkv;
@@ -307,19 +350,22 @@ int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const fl
     const int64_t items = share_spans ? units * spans : units;
     if (threads > items) threads = (int)items;
     /* per thread: qt [D, rows_pad]; st [BLOCK_KEYS, rows_pad]; alpha, top; tail; two partials (a
-     * span's and the unit's so far) */
-    const int64_t floats = D * rows_pad + BLOCK_KEYS * rows_pad + 2 * rows_pad + KEY_TILE * D + 2 * partial;
+     * span's and the unit's so far); bf16: a block's K and V widened */
+    const int64_t widened = bf16 ? 2 * BLOCK_KEYS * D : 0;
+    const int64_t floats = D * rows_pad + BLOCK_KEYS * rows_pad + 2 * rows_pad + KEY_TILE * D + 2 * partial + widened;
     float *work = (float *)malloc((size_t)(threads * floats + (share_spans ? items * partial : 0)) * sizeof(float));
     if (work == NULL) return -2;
     float *shared = work + threads * floats; /* share_spans: every (unit, span)'s partial */
 #pragma omp parallel num_threads(threads)
     {
         float *buf = work + omp_get_thread_num() * floats;
-        const flash_buffers b = {.qt = buf, .st = buf + D * rows_pad,
+        flash_buffers b = {.qt = buf, .st = buf + D * rows_pad,
                                  .alpha = buf + (D + BLOCK_KEYS) * rows_pad,
                                  .top = buf + (D + BLOCK_KEYS + 1) * rows_pad,
                                  .tail = buf + (D + BLOCK_KEYS + 2) * rows_pad};
         float *mine = buf + (D + BLOCK_KEYS + 2) * rows_pad + KEY_TILE * D;
+        b.kw = bf16 ? mine + 2 * partial : NULL;
+        b.vw = bf16 ? b.kw + BLOCK_KEYS * D : NULL;
         const flash_partial span = {mine, mine + rows_pad, mine + 2 * rows_pad};
         const flash_partial unit = {mine + partial, mine + partial + rows_pad, mine + partial + 2 * rows_pad};
         if (!share_spans) {
@@ -367,4 +413,20 @@ int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const fl
     }
     free(work);
     return 0;
+}
+
+int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const float *k, int64_t k_rs, int64_t k_hs,
+                            const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
+                            int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
+                            int threads) {
+    return flash_attention(q, q_rs, q_hs, k, k_rs, k_hs, v, v_rs, v_hs, 0, T, S, Hq, Hkv, D, causal, scale, out, o_rs,
+                           o_hs, lse, threads);
+}
+
+int ringctx_flash_attention_bf16(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
+                                 int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
+                                 int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, float *out, int64_t o_rs,
+                                 int64_t o_hs, float *lse, int threads) {
+    return flash_attention(q, q_rs, q_hs, k, k_rs, k_hs, v, v_rs, v_hs, 1, T, S, Hq, Hkv, D, causal, scale, out, o_rs,
+                           o_hs, lse, threads);
 }

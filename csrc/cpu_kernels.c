@@ -77,13 +77,58 @@ void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf1
  * of 2 VW elements split into its even then its odd elements (split_pairs); `in` is a multiple of
  * 2 VW.
  * Even and odd products go to accumulators of their own, so that no FMA waits on another. */
+/* Weight rows a two-row tile of gemv_block_pairs takes at a time: 2 x PAIR_W x 2 accumulators (16
+ * of AVX-512's 32 registers; 8 of AVX2's 16). */
+#if VW == 16
+#define PAIR_W 4
+#else
+#define PAIR_W 2
+#endif
+
+/* Two activation rows xa, xb against weight rows w[0 .. NW) (NW a constant; rows past n repeat the
+ * last), sums into ya, yb [0 .. n): each weight pair widened once for both rows, and each row's
+ * sums in the order of gemv_block_pairs' one-row loop (the same bits). */
+SIMD_INLINE void gemv_two_rows(const float *xa, const float *xb, int64_t in, const uint16_t *w, int64_t n, float *ya,
+                               float *yb, int64_t ahead, const int NW) {
+    vfloat ea[PAIR_W], oa[PAIR_W], eb[PAIR_W], ob[PAIR_W];
+    const uint16_t *wr[PAIR_W];
+#pragma GCC unroll 4
+    for (int q = 0; q < NW; ++q) {
+        ea[q] = oa[q] = eb[q] = ob[q] = vzero();
+        wr[q] = w + (q < n ? q : n - 1) * in;
+    }
+    for (int64_t i = 0; i < in; i += 2 * VW) {
+        const vfloat xae = vload(xa + i), xao = vload(xa + i + VW), xbe = vload(xb + i), xbo = vload(xb + i + VW);
+        if (ahead && ((i * 2) & 63) == 0) /* the first run of a cache line */
+#pragma GCC unroll 4
+            for (int q = 0; q < NW; ++q) __builtin_prefetch((const char *)(wr[q] + i) + ahead, 0, 3);
+#pragma GCC unroll 4
+        for (int q = 0; q < NW; ++q) {
+            vfloat w_even, w_odd;
+            vload_bf16_pairs(wr[q] + i, &w_even, &w_odd);
+            ea[q] = vfma(w_even, xae, ea[q]), oa[q] = vfma(w_odd, xao, oa[q]);
+            eb[q] = vfma(w_even, xbe, eb[q]), ob[q] = vfma(w_odd, xbo, ob[q]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < NW; ++q)
+        if (q < n) ya[q] = vsum(ea[q] + oa[q]), yb[q] = vsum(eb[q] + ob[q]);
+}
+
 void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out, float *y, int64_t o,
                       int64_t n) {
     const int64_t row_bytes = in * 2;
     const int64_t ahead = (o + 2 * BLOCK <= out) ? BLOCK * row_bytes : 0;
     const uint16_t *w0 = w + o * in;
     const uint16_t *w1 = w0 + (n > 1 ? 1 : 0) * in, *w2 = w0 + (n > 2 ? 2 : 0) * in, *w3 = w0 + (n > 3 ? 3 : 0) * in;
-    for (int64_t r = 0; r < rows; ++r) {
+    int64_t r = 0;
+    /* Rows two at a time: a widened weight vector serves both (a batch's or a question's rows;
+     * PAIR_W divides BLOCK) */
+    for (; r + 2 <= rows; r += 2)
+        for (int64_t q = 0; q < n; q += PAIR_W)
+            gemv_two_rows(xs + r * in, xs + (r + 1) * in, in, w0 + q * in, n - q < PAIR_W ? n - q : PAIR_W,
+                          y + r * out + o + q, y + (r + 1) * out + o + q, r == 0 ? ahead : 0, PAIR_W);
+    for (; r < rows; ++r) {
         const float *xr = xs + r * in;
         vfloat e0 = vzero(), e1 = vzero(), e2 = vzero(), e3 = vzero();
         vfloat o0 = vzero(), o1 = vzero(), o2 = vzero(), o3 = vzero();

@@ -136,7 +136,9 @@ RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const
                                  float *y, int64_t o, int64_t n);
 #define GEMV_BLOCK 4 /* output rows per gemv_block call: four independent sums hide the FMA latency */
 
-/* gemv_block over bf16 weights widened in pairs, xs split by split_pairs (widen_in_pairs(1, in)). */
+/* gemv_block over bf16 weights widened in pairs, xs split by split_pairs (widen_in_pairs(1, in)).
+ * Activation rows go two at a time, each widened weight vector serving both; a row's sums are in
+ * the same order either way (its bits do not depend on the number of rows). */
 RINGCTX_INTERNAL void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
                                        float *y, int64_t o, int64_t n);
 
@@ -214,5 +216,11 @@ int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const fl
                             const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
                             int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
                             int threads);
+/* The same from bf16 q, k, v (bit patterns; strides in elements), widened as they are read: the
+ * bits of ringctx_flash_attention on their float32 values. */
+int ringctx_flash_attention_bf16(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
+                                 int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
+                                 int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, float *out, int64_t o_rs,
+                                 int64_t o_hs, float *lse, int threads);
 
 #endif

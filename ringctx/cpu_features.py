@@ -19,12 +19,15 @@ import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-UPCAST_MIN_ROWS = 9
+UPCAST_MIN_ROWS = 33
 """Fewest rows of activations for which a half-precision CPU matmul runs in float32 where the CPU
-has no bf16 units: every matmul above the decode kernels' 8 rows (cpu_kernels.MAX_ROWS), such as a
-question's prefill. PyTorch's emulated bf16 matmul took 1.5-3.9x the time of converting the weight
-and running the float32 GEMM: SmolLM2's 120 block matrices, 2 threads, capped at AVX2, 2026-12-05:
-9 rows 60 against 40 ms, 16 rows 106 / 48, 32 rows 210 / 107, 63 rows 409 / 104 (docs/BENCHMARKS.md)."""
+has no bf16 units (the weight converted, then the float32 GEMM); fewer rows, such as a question's
+prefill, take the decode kernels' product (cpu_kernels.small_linear), which reads the bf16 weight in
+place and widens each weight vector once for two rows. PyTorch's emulated bf16 matmul took 1.5-3.9x
+the time of the float32 route. SmolLM2's 120 block matrices, 2 threads, 2026-12-05, the kernel's
+time over the float32 route's: capped at AVX2, 8 rows 0.46, 16 rows 0.68, 24 rows 0.98, 32 rows
+0.97, 48 rows 1.27; AVX-512 without bf16 units, 16 rows 0.55, 32 rows 0.79, 48 rows 0.99
+(docs/BENCHMARKS.md)."""
 
 
 # oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) under which its matmuls still have bf16 units.
@@ -77,8 +80,9 @@ def phase_dtypes(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
     if cpu_has_fast_bf16():
         native = f"{name}, natively: this CPU has AMX or AVX512-BF16 units that PyTorch uses"
         return {"prefill": native, "decode": native}
-    return {"prefill": f"float32, rounded back to {name}: matmuls of >= {UPCAST_MIN_ROWS} rows and attention "
-                       f"blocks, as PyTorch would emulate {name} here (no {name} units it may use)",
+    return {"prefill": f"float32, rounded back to {name}: matmuls (from {name} weights read in place below "
+                       f"{UPCAST_MIN_ROWS} rows) and attention blocks, as PyTorch would emulate {name} here "
+                       f"(no {name} units it may use)",
             "decode": f"{name}: one row per matmul, where converting the weights to float32 would cost more "
                       f"than the arithmetic it saves"}
 

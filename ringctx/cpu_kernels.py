@@ -271,8 +271,9 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
     lib.ringctx_merge_rows.argtypes = [ptr, i64, ptr, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, i64]
-    lib.ringctx_flash_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32,
-                                            f32, ptr, i64, i64, ptr, i32]
+    for name in ("ringctx_flash_attention", "ringctx_flash_attention_bf16"):
+        getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
+                                       ptr, i64, i64, ptr, i32]
     if variant.amx:
         lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
                                               i32, f32, ptr, i64, i64, ptr, i32]
@@ -417,17 +418,19 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 max_rows: int = MAX_ROWS) -> torch.Tensor | None:
     """x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] in x's dtype, or None where the kernel does
     not apply (the caller then uses F.linear).
 
-    Applies to inference on the CPU with 1 <= T <= MAX_ROWS rows, weight contiguous, no gradient
-    wanted, and x and weight both bf16 or both float32. Float32 accumulation, one rounding at the end.
+    Applies to inference on the CPU with 1 <= T <= max_rows rows, weight contiguous, no gradient
+    wanted, and x and weight both bf16 or both float32. Float32 accumulation, one rounding at the end;
+    a row's sums in the same order whatever T (the same bits alone or among other rows).
     """
     dtype = x.dtype
     if not (dtype == weight.dtype and dtype in (torch.float32, torch.bfloat16)
             and x.device.type == weight.device.type == "cpu" and x.dim() == 2 and weight.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == weight.shape[1] and weight.is_contiguous()):
+            and 1 <= x.shape[0] <= max_rows and x.shape[1] == weight.shape[1] and weight.is_contiguous()):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
@@ -814,24 +817,33 @@ def _flash_call(kernel, q, k, v, causal: bool, scale: float, out_dtype: torch.dt
 
 def flash_attention_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when `flash_attention` takes these inputs: q [T, Hq, D], k and v [S, Hkv, D], all
-    float32 on the CPU with unit stride along D, T and S >= 1, Hq a multiple of Hkv, D a multiple
-    of the variant's vector (16 floats on avx512, 8 on avx2, 4 portable) up to 256, no gradient
-    wanted, and the kernels built."""
-    if not _flash_inputs_fit(q, k, v, torch.float32):
+    float32 or all bf16 on the CPU with unit stride along D, T and S >= 1, Hq a multiple of Hkv, D
+    a multiple of the variant's vector (16 floats on avx512, 8 on avx2, 4 portable) up to 256, no
+    gradient wanted, and the kernels built."""
+    if not (_flash_inputs_fit(q, k, v, torch.float32) or _flash_inputs_fit(q, k, v, torch.bfloat16)):
         return False
+    return flash_attention_built(q.shape[2])
+
+
+def flash_attention_built(head_dim: int) -> bool:
+    """True when the kernels are built and `flash_attention` takes this head dim (a multiple of the
+    variant's vector, up to 256)."""
     variant = active_variant()
-    return variant is not None and q.shape[2] % variant.vector_floats == 0
+    return variant is not None and head_dim <= 256 and head_dim % variant.vector_floats == 0
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash attention in float32 on the vector units (csrc/cpu_flash.c; see flash_attention_applies
-    for what it takes; causal needs T == S, query t then sees keys 0..t).
+    for what it takes; causal needs T == S, query t then sees keys 0..t). bf16 inputs are widened
+    as the kernel reads them: the same bits as on their float32 copies, without making them.
 
     Returns out [T, Hq, D] float32 (contiguous) and lse [Hq, T] float32, natural log. A row's
     result depends on its own query and the keys alone, not on the threads or the other rows.
     """
-    return _flash_call(_load().ringctx_flash_attention, q, k, v, causal, scale, torch.float32)
+    lib = _load()
+    kernel = lib.ringctx_flash_attention_bf16 if q.dtype == torch.bfloat16 else lib.ringctx_flash_attention
+    return _flash_call(kernel, q, k, v, causal, scale, torch.float32)
 
 
 AMX_LINEAR_ROWS = (9, 48)

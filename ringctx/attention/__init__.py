@@ -3,7 +3,7 @@
 Nothing here talks between ranks (no torch.distributed); ringctx.parallel builds on it.
 """
 
-from .kernels import BACKENDS, attention_block, attention_with_cache, resolve_backend
+from .kernels import BACKENDS, attention_block, attention_with_cache, reads_kv_in_place, resolve_backend
 from .merge import PartialAccumulator, merge_partials, sanitize_lse
 from .reference import causal_mask, reference_attention
 
@@ -14,6 +14,7 @@ __all__ = [
     "attention_with_cache",
     "causal_mask",
     "merge_partials",
+    "reads_kv_in_place",
     "reference_attention",
     "resolve_backend",
     "sanitize_lse",

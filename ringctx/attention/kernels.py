@@ -137,7 +137,9 @@ def attention_block(
         return _torch_cuda_block(q, k, v, causal, scale)
     amx_first = (one_sequence and requested == "auto" and T * (Hq // Hkv) >= AMX_FROM_ROWS_PER_KV_HEAD
                  and cpu_kernels.amx_attention_applies(q, k, v))
-    if backend != "amx" and not causal and not amx_first and cpu_kernels.decode_kernels_apply(q, k, v):
+    flash_first = (one_sequence and requested == "auto" and T * (Hq // Hkv) >= FLASH_FROM_ROWS_PER_KV_HEAD
+                   and computes_in_float32(q) and cpu_kernels.flash_attention_applies(q, k, v))
+    if backend != "amx" and not causal and not (amx_first or flash_first) and cpu_kernels.decode_kernels_apply(q, k, v):
         done = _decode_kernel_block(q, k, v, scale)
         if done is not None:
             return done
@@ -158,6 +160,14 @@ rows per KV head takes the decode kernel (B questions decoded together are one c
 shared K/V once), below AMX_FROM_ROWS_PER_KV_HEAD where AMX applies."""
 
 AMX_FROM_ROWS_PER_KV_HEAD = 16
+
+FLASH_FROM_ROWS_PER_KV_HEAD = 40
+"""A bf16 sequence's block on a CPU without bf16 units (computing in float32) takes the float32
+flash kernel from this many query rows per KV head, the decode kernel below: a question's tokens
+over a document's cache, 8,192 keys, SmolLM2's heads, 2 threads, AVX2 and AVX-512 builds: the flash
+kernel 0.94-1.16x the decode kernel's time at 24 rows, 0.99-1.06x at 36-42, 0.69-0.91x at 48-63
+(docs/BENCHMARKS.md). A float32 model's blocks keep the decode kernel up to its 64 rows (flash took
+1.07-1.08x its time at 63)."""
 """Full blocks of one sequence (`one_sequence`) with at least this many query rows per KV head take
 AMX before the decode kernel, whose vector FMAs are bound by arithmetic there (a question's tokens
 against a document, 8K keys, GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows:
@@ -209,16 +219,37 @@ def _small_query_block(q, k, v, scale):
     return ungroup_rows(out, (row_max + row_sum.log()).squeeze(-1), T, q.dtype)
 
 
+def reads_kv_in_place(q: torch.Tensor, backend: str = "auto") -> bool:
+    """True when attention_block's blocks for queries like q read K and V where they lie, in any
+    row and head layout (ringctx's CPU flash kernels: AMX, or the float32 one widening a bf16
+    model's K/V on a CPU without bf16 units; the decode kernel reads the cache's own layout), so
+    that a caller need not pack them into one tensor."""
+    if q.device.type != "cpu" or backend not in ("auto", "amx"):
+        return False
+    if cpu_kernels.amx_available():
+        return True
+    # A float32 model's blocks keep packed, head-major K/V: its float32 flash kernel read the
+    # cache's token-major rows 3-6% slower on long blocks (bf16 ones are widened into a buffer).
+    return q.dtype == torch.bfloat16 and computes_in_float32(q) and backend == "auto" \
+        and cpu_kernels.flash_attention_built(q.shape[-1])
+
+
 def _torch_cpu_block(q, k, v, causal, scale, own_kernel: bool = False):
     """A block on the CPU with PyTorch's fused op; own_kernel: float32 blocks take ringctx's flash
     kernel instead where it applies (0.77-0.91x the time of PyTorch's op on causal blocks,
     0.88-0.99x on full ones: AVX2 and AVX-512, 1-2 threads; docs/BENCHMARKS.md)."""
     if not causal and q.shape[0] <= SMALL_QUERY_ROWS:
         return _small_query_block(q, k, v, scale)
-    if computes_in_float32(q):  # no bf16 units: the float32 op is faster and rounds only once
+    if computes_in_float32(q):  # no bf16 units: float32 is faster and rounds only once
+        if own_kernel and cpu_kernels.flash_attention_applies(q, k, v):
+            # the kernel widens bf16 as it reads (a question over a document's cache: no float32
+            # copy of the document's rows; 0.83x the time for 16 tokens over 8K keys, the same for
+            # a prefill's blocks: docs/BENCHMARKS.md)
+            out, lse = cpu_kernels.flash_attention(q, k, v, causal=causal, scale=scale)
+            return out.to(q.dtype), lse
         out, lse = _torch_cpu_block(q.float(), k.float(), v.float(), causal, scale, own_kernel)
         return out.to(q.dtype), lse
-    if own_kernel and cpu_kernels.flash_attention_applies(q, k, v):
+    if own_kernel and q.dtype == torch.float32 and cpu_kernels.flash_attention_applies(q, k, v):
         return cpu_kernels.flash_attention(q, k, v, causal=causal, scale=scale)
     # The op wants [B, H, S, D]; a transposed view of our token-major tensors costs nothing, and
     # it returns out whose memory is token-major, so the transpose back is free too.

@@ -49,20 +49,22 @@ LogitsSpec = Union[str, torch.Tensor]
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear: x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] in x's dtype.
 
-    On a CPU without bf16 units a half-precision matmul of at least UPCAST_MIN_ROWS rows runs in
-    float32 and is rounded back (see ringctx/cpu_features.py): the same result as a native bf16
-    GEMM up to summation order, 1.5-4x faster there.
+    On a CPU without bf16 units a half-precision matmul runs in float32 and is rounded back (see
+    ringctx/cpu_features.py): the same result as a native bf16 GEMM up to summation order, 1.5-4x
+    faster there; below UPCAST_MIN_ROWS rows in the decode kernels' product, over the weight in place.
     """
-    if x.shape[0] >= UPCAST_MIN_ROWS and computes_in_float32(x):
+    half_in_float32 = computes_in_float32(x)
+    if half_in_float32 and (x.shape[0] >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16):  # (the kernel: bf16)
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    if x.shape[0] <= MAX_ROWS and x.device.type == "cpu":
-        # Decode-sized inputs: a kernel that streams the weights at memory speed (PyTorch's bf16
-        # GEMV ran at half of it, with bf16 units or without; its float32 one at 0.8-1x); int8
-        # weights' codes where the model has them (the same result from half the bytes).
+    if (x.shape[0] <= MAX_ROWS or half_in_float32) and x.device.type == "cpu":
+        # Decode-sized inputs (and, without bf16 units, any below UPCAST_MIN_ROWS): a kernel that
+        # streams the weights at memory speed (PyTorch's bf16 GEMV ran at half of it, with bf16
+        # units or without; its float32 one at 0.8-1x); int8 weights' codes where the model has
+        # them (the same result from half the bytes).
         codes = int8_of(weight)
         y = None if codes is None else small_linear_int8(x, codes.codes, codes.exponents, bias)
         if y is None:
-            y = small_linear(x, weight, bias)
+            y = small_linear(x, weight, bias, max_rows=UPCAST_MIN_ROWS - 1)
         if y is not None:
             return y
     elif x.shape[0] <= AMX_LINEAR_ROWS[1] and x.device.type == "cpu":

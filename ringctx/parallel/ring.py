@@ -26,8 +26,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import cpu_kernels
-from ..attention import PartialAccumulator, attention_block
+from ..attention import PartialAccumulator, attention_block, reads_kv_in_place
 from ..telemetry import span
 from .comm import CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, rank_and_world, wait_all
 from .layout import ShardLayout
@@ -135,20 +134,20 @@ class _RingRun:
     def local_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) of this rank's own message when it is not sent (one rank, or pass-Q's
         resident KV), sliceable by rows: k and v themselves when the message is just the new rows
-        and they are head-major already; on AMX CPUs views of the cached and new rows (_Segments);
-        else a packed copy."""
+        and they are head-major already; views of the cached and new rows (_Segments) where the
+        blocks' kernel reads them in place (attention's reads_kv_in_place); else a packed copy."""
         rows = self.layout.num_new(self.rank) + self.layout.num_cached(self.rank)
         segments = self.layout.kv_message_segments(self.rank)
         if segments == (("new", 0, 0, rows),) and is_head_major(self.k) and is_head_major(self.v):
             return self.k, self.v
-        if self.q.device.type == "cpu" and cpu_kernels.amx_available():
+        if reads_kv_in_place(self.q, self.backend):
             # A rank's own tasks each lie in one segment (its cached rows, then its new ones): the
             # blocks are views of them, and the cached rows (a long document's, in the shard's own
             # token-major layout) are not copied for every layer. The AMX kernel reads K in place
             # (packs it for many queries) and packs V itself, as fast from that layout (measured,
             # 2 cores, SmolLM2 bf16, 8K-token document: a 20-token question's prefill 0.86x the
-            # time, an ingest in 512-token chunks 0.97x).
-            # Without AMX the float32 paths take the copy (the question's prefill took 1.04x without it).
+            # time, an ingest in 512-token chunks 0.97x); the float32 flash kernel reads (and
+            # widens bf16) both in place.
             return (_Segments(segments, self.cached_k, self.k), _Segments(segments, self.cached_v, self.v))
         return self.message_kv(self.kv_message(rows))
 

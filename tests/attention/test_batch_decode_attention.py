@@ -176,15 +176,20 @@ def test_queries_may_be_a_strided_view(monkeypatch):
 def test_amx_takes_blocks_of_many_query_rows_per_kv_head(B, monkeypatch):
     """Where AMX applies (this CPU's variant has it), full blocks of one sequence's queries with
     AMX_FROM_ROWS_PER_KV_HEAD rows per KV head or more take it (the decode kernel is bound by
-    arithmetic there); fewer, without AMX, or rows of several sequences take the decode kernel."""
-    from ringctx.attention.kernels import AMX_FROM_ROWS_PER_KV_HEAD
+    arithmetic there); without bf16 units, from FLASH_FROM_ROWS_PER_KV_HEAD the float32 flash
+    kernel; fewer rows, or rows of several sequences, take the decode kernel."""
+    from ringctx.attention.kernels import AMX_FROM_ROWS_PER_KV_HEAD, FLASH_FROM_ROWS_PER_KV_HEAD
+    from ringctx.cpu_features import computes_in_float32
 
     q, k, v = (x.bfloat16() for x in _inputs(B, 3, LONG, 64, seed=B))
     decode, amx = _spy(monkeypatch, "decode_attention"), _spy(monkeypatch, "amx_attention")
+    flash = _spy(monkeypatch, "flash_attention")
     out, lse = attention_block(q, k, v, causal=False, one_sequence=True)
     uses_amx = cpu_kernels.amx_available() and 3 * B >= AMX_FROM_ROWS_PER_KV_HEAD
-    assert (len(amx), len(decode)) == ((1, 0) if uses_amx else (0, 1))
+    uses_flash = (not uses_amx and computes_in_float32(q) and 3 * B >= FLASH_FROM_ROWS_PER_KV_HEAD
+                  and cpu_kernels.flash_attention_applies(q, k, v))
+    assert (len(amx), len(flash), len(decode)) == (int(uses_amx), int(uses_flash), int(not (uses_amx or uses_flash)))
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double())
     _check(out, lse, ref_out, ref_lse, q, out_tol=2 ** -8)
     attention_block(q, k, v, causal=False)  # rows that may be different sequences': the decode kernel
-    assert (len(amx), len(decode)) == ((1, 1) if uses_amx else (0, 2))
+    assert len(decode) == 1 + int(not (uses_amx or uses_flash))

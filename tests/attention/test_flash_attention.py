@@ -6,7 +6,8 @@ It computes the prefill's attention blocks in float32: float32 models, and bf16 
 without bf16 units. Float32 rule: within 2e-6 of float64 (output and LSE) at these sizes, no worse
 than PyTorch's own float32 op by more than 2x; a row's bits depend on its query and the keys alone
 (not the threads, the other rows, or how many tokens the block has), so answers do not depend on
-how a prompt was cut.
+how a prompt was cut. bf16 inputs are widened as the kernel reads them: the same bits as on their
+float32 copies.
 """
 
 from __future__ import annotations
@@ -141,9 +142,56 @@ def test_auto_takes_it_for_float32_blocks_and_for_bf16_without_bf16_units(kernel
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref[0].bfloat16()) and torch.equal(lse, ref[1])
 
 
+@pytest.mark.parametrize("causal,t,s,hq,hkv,d", [
+    (True, 1, 1, 4, 4, 32), (True, 61, 61, 9, 3, 64), (True, 250, 250, 6, 1, 128), (True, 131, 131, 8, 2, 16),
+    (False, 16, 8192, 9, 3, 64),  # a question's tokens over a document's cache: its spans shared out
+    (False, 13, 127, 6, 2, 48), (False, 300, 4100, 4, 2, 64), (False, 5, 250, 2, 1, 256)])
+def test_bf16_inputs_give_the_bits_of_their_float32_copies(kernel_variant, causal, t, s, hq, hkv, d):
+    """bf16 q, k, v (K and V as a token-major cache with room after its rows, q a view of a fused
+    projection) against the kernel on their float32 values: equal bit for bit, partial tiles and
+    blocks included, and within the float32 rule of float64 on those values."""
+    qkv = rand(t, hq + 2, d, seed=t + s).bfloat16()
+    q = qkv[:, 1:hq + 1]
+    cache_k, cache_v = rand(s + 9, hkv, d, seed=s).bfloat16(), rand(s + 9, hkv, d, seed=s + 1).bfloat16()
+    k, v = cache_k[:s], cache_v[:s]
+    if not cpu_kernels.flash_attention_applies(q, k, v):
+        pytest.skip(f"no flash kernel for head dim {d} here")
+    out, lse = cpu_kernels.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)
+    out32, lse32 = check(q.float(), k.float(), v.float(), causal)
+    assert out.dtype == torch.float32 and torch.equal(out, out32) and torch.equal(lse, lse32)
+
+
+def test_a_bf16_questions_block_over_a_document_takes_the_kernel_from_40_rows(kernel_variant, monkeypatch):
+    """On a CPU without bf16 units, a bf16 sequence's block over a document's cache takes the flash
+    kernel from FLASH_FROM_ROWS_PER_KV_HEAD query rows per KV head (reading the cache in place), the
+    decode kernel below; batches of questions (not one sequence) keep the decode kernel. Either way
+    within float32's rounding of float64."""
+    import ringctx.attention.kernels as kernels
+
+    monkeypatch.setattr(kernels, "computes_in_float32", lambda x: x.dtype == torch.bfloat16)
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    k, v = rand(3000, 3, 64, seed=1).bfloat16(), rand(3000, 3, 64, seed=2).bfloat16()
+    rows = kernels.FLASH_FROM_ROWS_PER_KV_HEAD
+    for tokens in (rows // 3 - 1, -(-rows // 3), 21):
+        q = rand(tokens, 9, 64, seed=tokens).bfloat16()
+        if not cpu_kernels.flash_attention_applies(q, k, v):
+            pytest.skip("no flash kernel here")
+        flash = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
+        decode = kernels._decode_kernel_block(q, k, v, 0.125)
+        assert decode is not None
+        out, lse = attention_block(q, k, v, causal=False, one_sequence=True)
+        assert torch.equal(lse, (flash if tokens * 3 >= rows else decode)[1]), tokens
+        ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), torch.ones(tokens, 3000).bool())
+        assert (out.double() - ref_out).abs().max() <= 2 ** -7 * ref_out.abs().max()  # one bf16 rounding
+        assert (lse.double() - ref_lse).abs().max() <= 2e-5
+        _, batch_lse = attention_block(q, k, v, causal=False)  # B questions' rows, not one sequence
+        assert torch.equal(batch_lse, decode[1])
+
+
 def test_what_it_does_not_take_is_refused(kernel_variant):
     q = rand(20, 4, 64, seed=1)
-    assert not cpu_kernels.flash_attention_applies(q.bfloat16(), q[:, :2].bfloat16(), q[:, :2].bfloat16())
+    assert not cpu_kernels.flash_attention_applies(q.bfloat16(), q[:, :2], q[:, :2])  # mixed dtypes
+    assert not cpu_kernels.flash_attention_applies(q.half(), q[:, :2].half(), q[:, :2].half())
     assert not cpu_kernels.flash_attention_applies(q[:, :, :18], q[:, :2, :18], q[:, :2, :18])
     assert not cpu_kernels.flash_attention_applies(q, q[:, :3], q[:, :3])  # 4 query heads over 3 KV heads
     needs_kernel(q, q[:, :2], q[:, :2])

@@ -47,6 +47,25 @@ def test_small_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
     check_rounds_the_exact_product(cpu_kernels.small_linear, rows, n_out, n_in, with_bias)
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [2, 9, 16, 31, 32])
+@pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 64), (130, 96), (5, 1024)])
+def test_small_linear_gives_a_row_the_bits_it_has_alone(rows, n_out, n_in):
+    """Rows two at a time (each weight vector widened once for both), up to the 32 rows a question's
+    prefill sends on CPUs without bf16 units: each row's result is the same bits as that row alone
+    (its sums in the same order), and rounds the exact product."""
+    g = torch.Generator().manual_seed(rows * 7 + n_out)
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    got = cpu_kernels.small_linear(x, w, max_rows=32)
+    assert got is not None
+    alone = torch.cat([cpu_kernels.small_linear(x[r:r + 1], w) for r in range(rows)])
+    assert torch.equal(got, alone)
+    check_rounds_the_exact_product(lambda x, w, b: cpu_kernels.small_linear(x, w, b, max_rows=32), rows, n_out, n_in,
+                                   True)
+    assert cpu_kernels.small_linear(x, w) is None or rows <= cpu_kernels.MAX_ROWS  # MAX_ROWS unless told
+
+
 def check_rounds_the_exact_product(linear, rows, n_out, n_in, with_bias):
     """A bf16 linear kernel (small_linear, amx_linear) with float32 sums and one rounding: nearly
     every element is the float64 product rounded to bf16, the rest one bf16 step away (summation

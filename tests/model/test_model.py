@@ -375,23 +375,29 @@ def test_block_row_slices_equal_one_pass(monkeypatch, head_dim):
 
 
 @pytest.mark.parametrize("in_float32", [True, False])
-def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32):
+@pytest.mark.parametrize("extra_rows", [-1, 3])
+def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32, extra_rows):
     """bf16 x bf16 -> bf16 with float32 accumulation, whichever way it runs: nearly every element
-    is the float64 product rounded to bf16 (the rest differ by one bf16 step)."""
+    is the float64 product rounded to bf16 (the rest differ by one bf16 step). Without bf16 units,
+    from UPCAST_MIN_ROWS rows the float32 GEMM; below, the decode kernels' product (a row's bits
+    those of the row alone)."""
+    from ringctx import cpu_kernels
     from ringctx.cpu_features import UPCAST_MIN_ROWS
     from ringctx.model import transformer
 
     monkeypatch.setattr(transformer, "computes_in_float32", lambda x: in_float32)
     torch.manual_seed(0)
-    x = torch.randn(UPCAST_MIN_ROWS + 3, 96).bfloat16()
+    x = torch.randn(UPCAST_MIN_ROWS + extra_rows, 96).bfloat16()
     w = torch.randn(80, 96).bfloat16()
     got = transformer.linear(x, w)
     exact = (x.double() @ w.double().T).bfloat16()
     assert got.dtype == torch.bfloat16
     assert (got == exact).float().mean() > 0.98
     torch.testing.assert_close(got.float(), exact.float(), rtol=2 ** -7, atol=1e-3)
-    if in_float32:
+    if in_float32 and extra_rows > 0:
         assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()).bfloat16())
+    if in_float32 and extra_rows < 0 and cpu_kernels.library() is not None:
+        assert torch.equal(got, torch.cat([transformer.linear(row, w) for row in x.split(1)]))
 
 
 @pytest.mark.parametrize("flags, aten, onednn, fast", [
