@@ -160,6 +160,11 @@ rows per KV head takes the decode kernel (B questions decoded together are one c
 shared K/V once), below AMX_FROM_ROWS_PER_KV_HEAD where AMX applies."""
 
 AMX_FROM_ROWS_PER_KV_HEAD = 16
+"""Full blocks of one sequence (`one_sequence`) with at least this many query rows per KV head take
+AMX before the decode kernel, whose vector FMAs are bound by arithmetic there (a question's tokens
+against a document, 8K keys, GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows:
+decode kernel against AMX 0.46 / 0.70 ms at 6 rows, 0.73 / 0.71 at 12, 0.98 / 0.82 at 18, 1.81 /
+1.19 at 36, 2.83 / 1.07 at 63; the decode kernel's time grows with the rows, AMX's by tiles of 16)."""
 
 FLASH_FROM_ROWS_PER_KV_HEAD = 40
 """A bf16 sequence's block on a CPU without bf16 units (computing in float32) takes the float32
@@ -168,11 +173,6 @@ over a document's cache, 8,192 keys, SmolLM2's heads, 2 threads, AVX2 and AVX-51
 kernel 0.94-1.16x the decode kernel's time at 24 rows, 0.99-1.06x at 36-42, 0.69-0.91x at 48-63
 (docs/BENCHMARKS.md). A float32 model's blocks keep the decode kernel up to its 64 rows (flash took
 1.07-1.08x its time at 63)."""
-"""Full blocks of one sequence (`one_sequence`) with at least this many query rows per KV head take
-AMX before the decode kernel, whose vector FMAs are bound by arithmetic there (a question's tokens
-against a document, 8K keys, GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows:
-decode kernel against AMX 0.46 / 0.70 ms at 6 rows, 0.73 / 0.71 at 12, 0.98 / 0.82 at 18, 1.81 /
-1.19 at 36, 2.83 / 1.07 at 63; the decode kernel's time grows with the rows, AMX's by tiles of 16)."""
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:
