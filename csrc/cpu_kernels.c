@@ -72,11 +72,6 @@ void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf1
     }
 }
 
-/* gemv_block for bf16 weights widened in pairs (vload_bf16_pairs: half the widening instructions;
- * bf16 decode steps took 0.90-0.95x the time with it): xs holds the activation rows with each run
- * of 2 VW elements split into its even then its odd elements (split_pairs); `in` is a multiple of
- * 2 VW.
- * Even and odd products go to accumulators of their own, so that no FMA waits on another. */
 /* Weight rows a two-row tile of gemv_block_pairs takes at a time: 2 x PAIR_W x 2 accumulators (16
  * of AVX-512's 32 registers; 8 of AVX2's 16). */
 #if VW == 16
@@ -115,6 +110,11 @@ SIMD_INLINE void gemv_two_rows(const float *xa, const float *xb, int64_t in, con
         if (q < n) ya[q] = vsum(ea[q] + oa[q]), yb[q] = vsum(eb[q] + ob[q]);
 }
 
+/* gemv_block for bf16 weights widened in pairs (vload_bf16_pairs: half the widening instructions;
+ * bf16 decode steps took 0.90-0.95x the time with it): xs holds the activation rows with each run
+ * of 2 VW elements split into its even then its odd elements (split_pairs); `in` is a multiple of
+ * 2 VW.
+ * Even and odd products go to accumulators of their own, so that no FMA waits on another. */
 void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out, float *y, int64_t o,
                       int64_t n) {
     const int64_t row_bytes = in * 2;

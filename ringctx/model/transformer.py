@@ -53,10 +53,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ringctx/cpu_features.py): the same result as a native bf16 GEMM up to summation order, 1.5-4x
     faster there; below UPCAST_MIN_ROWS rows in the decode kernels' product, over the weight in place.
     """
-    half_in_float32 = computes_in_float32(x)
-    if half_in_float32 and (x.shape[0] >= UPCAST_MIN_ROWS or x.dtype != torch.bfloat16):  # (the kernel: bf16)
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
-    if (x.shape[0] <= MAX_ROWS or half_in_float32) and x.device.type == "cpu":
+    rows, on_cpu, half_in_float32 = x.shape[0], x.device.type == "cpu", computes_in_float32(x)
+    if on_cpu and (rows <= MAX_ROWS or (half_in_float32 and rows < UPCAST_MIN_ROWS)):
         # Decode-sized inputs (and, without bf16 units, any below UPCAST_MIN_ROWS): a kernel that
         # streams the weights at memory speed (PyTorch's bf16 GEMV ran at half of it, with bf16
         # units or without; its float32 one at 0.8-1x); int8 weights' codes where the model has
@@ -67,12 +65,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = small_linear(x, weight, bias, max_rows=UPCAST_MIN_ROWS - 1)
         if y is not None:
             return y
-    elif x.shape[0] <= AMX_LINEAR_ROWS[1] and x.device.type == "cpu":
+    elif on_cpu and rows <= AMX_LINEAR_ROWS[1] and not half_in_float32:
         # A question's or a short prompt's rows, bf16 on AMX: the weights read once, in place
         # (PyTorch's bf16 matmul took 1.2-1.4x the time at 9-16 rows: csrc/cpu_attention_amx.c).
         y = amx_linear(x, weight, bias)
         if y is not None:
             return y
+    if half_in_float32:  # what the kernels did not take (float16, no kernels, many rows)
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
