@@ -3,11 +3,12 @@
 A decode step should take the time to read the weights and the KV cache once. Where PyTorch on a
 CPU falls short of that (measured, docs/BENCHMARKS.md):
 
-    small_linear           x [T <= 8, in] @ W^T. PyTorch's bf16 GEMV streamed the weights at half
-                           the memory's speed, on CPUs with bf16 units (AMX) and without; its
-                           float32 one at 0.8-1x. The kernel widens bf16 weights to float32 in
-                           registers, prefetches the next rows, accumulates in float32 and rounds
-                           once (the contract of a native bf16 GEMM).
+    small_linear           x [T <= 8, in] @ W^T (T <= 32 on CPUs without bf16 units, a question's
+                           prefill). PyTorch's bf16 GEMV streamed the weights at half the memory's
+                           speed, on CPUs with bf16 units (AMX) and without; its float32 one at
+                           0.8-1x. The kernel widens bf16 weights to float32 in registers, once
+                           for two rows, prefetches the next rows, accumulates in float32 and
+                           rounds once (the contract of a native bf16 GEMM).
     decode_attention,      a few query rows per KV head (a GQA group times B query tokens: one
     decode_attention_q8    token each of B questions about one document) over a token-major
                            [S, Hkv, D] KV cache in the model dtype, or 8-bit (int8 or fp8 e4m3 data
@@ -36,8 +37,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
     flash_attention        flash attention in float32 (csrc/cpu_flash.c): a prefill's attention
                            blocks on CPUs without bf16 units (a bf16 model computes them in
-                           float32 there) and a float32 model's everywhere; 0.77-0.99x the time
-                           of PyTorch's float32 op (causal blocks 0.77-0.91x), AVX2 and AVX-512.
+                           float32 there, widened as it reads them) and a float32 model's
+                           everywhere; 0.77-0.99x the time of PyTorch's float32 op (causal blocks
+                           0.77-0.91x), AVX2 and AVX-512.
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
     amx_linear             x [9 <= T <= 48, in] @ W^T in bf16 on AMX (a question's prefill): the
