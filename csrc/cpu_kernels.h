@@ -137,8 +137,8 @@ RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const
 #define GEMV_BLOCK 4 /* output rows per gemv_block call: four independent sums hide the FMA latency */
 
 /* gemv_block over bf16 weights widened in pairs, xs split by split_pairs (widen_in_pairs(1, in)).
- * Activation rows go two at a time, each widened weight vector serving both; a row's sums are in
- * the same order either way (its bits do not depend on the number of rows). */
+ * Activation rows go four (QUAD_ROWS: AVX2, portable) then two at a time, each widened weight
+ * vector serving them all; a row's sums are in the same order either way (its bits do not depend on the number of rows). */
 RINGCTX_INTERNAL void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
                                        float *y, int64_t o, int64_t n);
 

@@ -51,9 +51,9 @@ def test_small_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
 @pytest.mark.parametrize("rows", [2, 9, 16, 31, 32])
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 64), (130, 96), (5, 1024)])
 def test_small_linear_gives_a_row_the_bits_it_has_alone(rows, n_out, n_in):
-    """Rows two at a time (each weight vector widened once for both), up to the 32 rows a question's
-    prefill sends on CPUs without bf16 units: each row's result is the same bits as that row alone
-    (its sums in the same order), and rounds the exact product."""
+    """Rows four (AVX2, portable) and two at a time (each weight vector widened once for them all),
+    up to the 32 rows a question's prefill sends on CPUs without bf16 units: each row's result is the
+    same bits as that row alone (its sums in the same order), and rounds the exact product."""
     g = torch.Generator().manual_seed(rows * 7 + n_out)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     w = torch.randn(n_out, n_in, generator=g).bfloat16()
