@@ -110,46 +110,34 @@ SIMD_INLINE void gemv_two_rows(const float *xa, const float *xb, int64_t in, con
         if (q < n) ya[q] = vsum(ea[q] + oa[q]), yb[q] = vsum(eb[q] + ob[q]);
 }
 
-/* Weight rows a four-row tile of gemv_block_pairs takes at a time: 4 x QUAD_W x 2 accumulators, 8
- * of AVX2's 16 registers (the rows' inputs read as the FMAs' memory operands). Not on AVX-512, whose
- * two-row tile (four weight rows) was as fast or faster: SmolLM2's block matrices, 2 threads, 8-32
- * rows, four-row tile / two-row tile 0.99-1.21x; AVX2 0.82-0.92x, portable 0.87-0.92x. */
-#define QUAD_W 1
+/* Activation rows a tile of gemv_four_rows takes: on AVX2 and portable builds (16 registers: 8
+ * accumulators, the rows' inputs read as the FMAs' memory operands). Not on AVX-512, whose two-row
+ * tile over four weight rows was as fast or faster (a four-row tile over two weight rows took
+ * 0.99-1.21x its time at 8-32 rows; AVX2 0.82-0.96x, portable 0.87-0.92x: SmolLM2's block matrices,
+ * 2 threads, docs/BENCHMARKS.md). */
 #define QUAD_ROWS (VW == 16 ? 0 : 4)
 
-/* gemv_two_rows for four activation rows x, x + in, x + 2 in, x + 3 in (sums into y, y + out, ...):
- * each widened weight vector serves four rows, half the widening per product of the two-row tile,
- * whose shifts and masks share the FMAs' ports. Each row's sums in the same order (the same bits). */
-SIMD_INLINE void gemv_four_rows(const float *x, int64_t in, const uint16_t *w, int64_t n, float *y, int64_t out,
-                                int64_t ahead, const int NW) {
-    vfloat e[4][QUAD_W], od[4][QUAD_W];
-    const uint16_t *wr[QUAD_W];
-#pragma GCC unroll 2
-    for (int q = 0; q < NW; ++q) {
+/* Four activation rows x, x + in, x + 2 in, x + 3 in against one weight row w, sums into y, y + out,
+ * y + 2 out, y + 3 out: each widened weight pair serves four rows (8 FMAs a shift and a mask, which
+ * share the FMAs' ports; the two-row tile's 4), each row's sums in the order of gemv_block_pairs'
+ * one-row loop (the same bits). */
+SIMD_INLINE void gemv_four_rows(const float *x, int64_t in, const uint16_t *w, float *y, int64_t out, int64_t ahead) {
+    vfloat even[4], odd[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; ++r) e[r][q] = od[r][q] = vzero();
-        wr[q] = w + (q < n ? q : n - 1) * in;
-    }
+    for (int r = 0; r < 4; ++r) even[r] = odd[r] = vzero();
     for (int64_t i = 0; i < in; i += 2 * VW) {
         if (ahead && ((i * 2) & 63) == 0) /* the first run of a cache line */
-#pragma GCC unroll 2
-            for (int q = 0; q < NW; ++q) __builtin_prefetch((const char *)(wr[q] + i) + ahead, 0, 3);
-#pragma GCC unroll 2
-        for (int q = 0; q < NW; ++q) {
-            vfloat w_even, w_odd;
-            vload_bf16_pairs(wr[q] + i, &w_even, &w_odd);
+            __builtin_prefetch((const char *)(w + i) + ahead, 0, 3);
+        vfloat w_even, w_odd;
+        vload_bf16_pairs(w + i, &w_even, &w_odd);
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; ++r) {
-                e[r][q] = vfma(w_even, vload(x + r * in + i), e[r][q]);
-                od[r][q] = vfma(w_odd, vload(x + r * in + i + VW), od[r][q]);
-            }
+        for (int r = 0; r < 4; ++r) {
+            even[r] = vfma(w_even, vload(x + r * in + i), even[r]);
+            odd[r] = vfma(w_odd, vload(x + r * in + i + VW), odd[r]);
         }
     }
-#pragma GCC unroll 2
-    for (int q = 0; q < NW; ++q)
-        if (q < n)
 #pragma GCC unroll 4
-            for (int r = 0; r < 4; ++r) y[r * out + q] = vsum(e[r][q] + od[r][q]);
+    for (int r = 0; r < 4; ++r) y[r * out] = vsum(even[r] + odd[r]);
 }
 
 /* gemv_block for bf16 weights widened in pairs (vload_bf16_pairs: half the widening instructions;
@@ -165,11 +153,10 @@ void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t 
     const uint16_t *w1 = w0 + (n > 1 ? 1 : 0) * in, *w2 = w0 + (n > 2 ? 2 : 0) * in, *w3 = w0 + (n > 3 ? 3 : 0) * in;
     int64_t r = 0;
     /* Rows four (QUAD_ROWS), then two at a time: a widened weight vector serves them all (a batch's
-     * or a question's rows; QUAD_W and PAIR_W divide BLOCK) */
+     * or a question's rows; PAIR_W divides BLOCK) */
     for (; QUAD_ROWS && r + QUAD_ROWS <= rows; r += QUAD_ROWS)
-        for (int64_t q = 0; q < n; q += QUAD_W)
-            gemv_four_rows(xs + r * in, in, w0 + q * in, n - q < QUAD_W ? n - q : QUAD_W, y + r * out + o + q, out,
-                           r == 0 ? ahead : 0, QUAD_W);
+        for (int64_t q = 0; q < n; ++q)
+            gemv_four_rows(xs + r * in, in, w0 + q * in, y + r * out + o + q, out, r == 0 ? ahead : 0);
     for (; r + 2 <= rows; r += 2)
         for (int64_t q = 0; q < n; q += PAIR_W)
             gemv_two_rows(xs + r * in, xs + (r + 1) * in, in, w0 + q * in, n - q < PAIR_W ? n - q : PAIR_W,

@@ -138,7 +138,8 @@ RINGCTX_INTERNAL void gemv_block(const float *x, int64_t rows, int64_t in, const
 
 /* gemv_block over bf16 weights widened in pairs, xs split by split_pairs (widen_in_pairs(1, in)).
  * Activation rows go four (QUAD_ROWS: AVX2, portable) then two at a time, each widened weight
- * vector serving them all; a row's sums are in the same order either way (its bits do not depend on the number of rows). */
+ * vector serving them all; a row's sums are in the same order either way (its bits do not depend
+ * on the number of rows). */
 RINGCTX_INTERNAL void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t *w, int64_t out,
                                        float *y, int64_t o, int64_t n);
 

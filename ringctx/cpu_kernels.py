@@ -7,8 +7,8 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            prefill). PyTorch's bf16 GEMV streamed the weights at half the memory's
                            speed, on CPUs with bf16 units (AMX) and without; its float32 one at
                            0.8-1x. The kernel widens bf16 weights to float32 in registers, once
-                           for four rows (two on AVX-512), prefetches the next rows, accumulates in float32 and
-                           rounds once (the contract of a native bf16 GEMM).
+                           for four rows (two on AVX-512), prefetches the next rows, accumulates
+                           in float32 and rounds once (the contract of a native bf16 GEMM).
     decode_attention,      a few query rows per KV head (a GQA group times B query tokens: one
     decode_attention_q8    token each of B questions about one document) over a token-major
                            [S, Hkv, D] KV cache in the model dtype, or 8-bit (int8 or fp8 e4m3 data
