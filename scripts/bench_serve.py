@@ -27,7 +27,9 @@ its default ends a streaming answer when the next request arrives). Documents
 are varied filler sentences with a few needles, new per round and size, their length checked with
 the model's tokenizer. After the servers stop, an in-process `ringctx.Engine(nproc=1)` loads the
 documents ringctx saved and answers the same question tokens: its own decode step and time to
-first token, for the HTTP layer's cost. The compute floor of a later question's partial prefill:
+first token, for the HTTP layer's cost; the server's own decode steps over the later questions
+(its /metrics: ringctx_decode_step_seconds over ringctx_decode_steps, timed as they ran) give that
+cost again without the machine's drift between the two runs ("/step"). The compute floor of a later question's partial prefill:
 its FLOPs (question tokens x the model's linear FLOPs + attention over the cached tokens, the cost
 model of ringctx.planning.strategy, + the output head of one token) at the GEMM speed measured
 here on the model's own weight shapes and dtype.
@@ -598,6 +600,7 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
                 first["idle_other_cpu_s"] = {n: servers[n].cpu_seconds() - c for n, c in idle.items()}
             # later questions: the sides alternate per question
             paths = ["ringctx id", "ringctx resent"] + (["llama.cpp"] if have_llama else [])
+            steps_before = decode_counters(http)
             for qi, q in enumerate(questions):
                 k = (qi + rnd) % len(paths)
                 for path in paths[k:] + paths[:k]:
@@ -618,6 +621,11 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
                     log(f"  q{qi + 1} {path:14s}: TTFT {1e3 * a['ttft_s']:7.1f} ms, inter-token "
                         f"{1e3 * (a['gap_median_s'] or 0):6.1f} ms, {a['deltas']} deltas, cached "
                         f"{a.get('cached_tokens')}  {a['text'][:40]!r}")
+            # the server's own decode steps over those answers, timed in the engine as they ran: the
+            # inter-token time over them is what the HTTP layer adds, whatever the machine did
+            # between this phase and the in-process engine's run below
+            steps, seconds = (after - before for after, before in zip(decode_counters(http), steps_before))
+            doc["server_step_s"] = seconds / steps if steps else None
             doc["concurrent"] = at_once_phase(args, clients, order, questions, text, doc_id)
             doc["doc_id"] = doc_id
             doc["ringctx_serve_ttft_s"] = [float(m.group(1)) for ln in rc.lines for m in [SERVE_TTFT.search(ln)] if m]
@@ -645,6 +653,14 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
     return out
 
 
+def decode_counters(http) -> tuple[float, float]:
+    """ringctx serve's batched decode steps since start and the seconds they took (its /metrics)."""
+    text = http.get("/metrics").text
+    def total(name):
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "_total"))
+    return total("ringctx_decode_steps"), total("ringctx_decode_step_seconds")
+
+
 HIT_WITHIN = 3.0
 """A later llama.cpp question counts as a prompt-cache hit when its first token came within this
 factor of its fastest later question's."""
@@ -660,7 +676,8 @@ def summarize(rounds, args, have_llama) -> dict:
             row = {"doc_tokens": d["doc_tokens"], "first_ringctx_s": d["first"]["ringctx"]["wall_s"],
                    "first_ringctx_ready_s": d["first"]["ringctx"]["ready_s"],
                    "first_llama_s": d["first"].get("llama.cpp", {}).get("wall_s"),
-                   "engine_ttft_s": e["ttft_median_s"], "engine_step_s": e["step_median_s"]}
+                   "engine_ttft_s": e["ttft_median_s"], "engine_step_s": e["step_median_s"],
+                   "server_step_s": d.get("server_step_s")}
             later = dict(d["later"])
             if later.get("llama.cpp"):
                 # llama.cpp's prompt-cache hits (its first tokens are bimodal: ~0.2-0.3 s on a hit,
@@ -723,6 +740,8 @@ def summarize(rounds, args, have_llama) -> dict:
         for path in ("ringctx id", "ringctx resent"):
             agg[f"{path}|ttft_vs_floor"] = agg[f"{path}|ttft_s"] / agg["floor_s"]
             agg[f"{path}|itl_vs_engine"] = agg[f"{path}|itl_s"] / agg["engine_step_s"]
+            agg[f"{path}|itl_vs_server_step"] = median([  # paired within each round
+                pr[f"{path}|itl_s"] / pr["server_step_s"] for pr in per_round if pr.get("server_step_s")])
         rows.append(agg)
     return {"gemm_peak_flops_per_s": gemm, "rows": rows}
 
@@ -746,7 +765,8 @@ def print_report(meta, results, args, have_llama) -> None:
           f"{_f(ll, '.1f'):>10} {_f(ratio, '.2f'):>7}  {_met(ratio, 0.3)}")
     w()
     w("Later questions (medians over questions; ms)")
-    w(f"{'tokens':>7} {'path':<15}{'TTFT':>8}{'/llama':>8}{'/floor':>8}{'ITL':>7}{'/llama':>8}{'/engine':>8}")
+    w(f"{'tokens':>7} {'path':<15}{'TTFT':>8}{'/llama':>8}{'/floor':>8}{'ITL':>7}{'/llama':>8}{'/engine':>8}"
+      f"{'/step':>7}")
     for row in results["rows"]:
         for path in ("ringctx id", "ringctx resent", "llama.cpp", "llama.cpp hits"):
             if f"{path}|ttft_s" not in row:
@@ -754,9 +774,11 @@ def print_report(meta, results, args, have_llama) -> None:
             w(f"{row['doc_tokens']:>7,} {path:<15}{1e3 * row[f'{path}|ttft_s']:>8.0f}"
               f"{_f(row.get(f'{path}|ttft_ratio'), '.2f'):>8}{_f(row.get(f'{path}|ttft_vs_floor'), '.2f'):>8}"
               f"{1e3 * row[f'{path}|itl_s']:>7.1f}{_f(row.get(f'{path}|itl_ratio'), '.2f'):>8}"
-              f"{_f(row.get(f'{path}|itl_vs_engine'), '.2f'):>8}")
+              f"{_f(row.get(f'{path}|itl_vs_engine'), '.2f'):>8}{_f(row.get(f'{path}|itl_vs_server_step'), '.2f'):>7}")
         w(f"{row['doc_tokens']:>7,} {'engine (1 rank)':<15}{1e3 * row['engine_ttft_s']:>8.0f}{'':>8}"
           f"{row['engine_ttft_s'] / row['floor_s']:>8.2f}{1e3 * row['engine_step_s']:>7.1f}")
+        if row.get("server_step_s"):
+            w(f"{row['doc_tokens']:>7,} {'server step':<15}{'':>24}{1e3 * row['server_step_s']:>7.1f}")
         w(f"{row['doc_tokens']:>7,} {'compute floor':<15}{1e3 * row['floor_s']:>8.0f}   "
           f"({row['floor_flops'] / 1e9:.1f} GFLOP, {row['question_tokens']:.0f} question tokens)")
     if args.concurrency:
@@ -797,6 +819,9 @@ def print_report(meta, results, args, have_llama) -> None:
         w(f"  {n:>7,} {'TTFT <= 1.5x compute floor':<28} {a:>6.2f} [{b:.2f}]  {_met(a, 1.5)} [{_met(b, 1.5)}]")
         a, b = row["ringctx id|itl_vs_engine"], row["ringctx resent|itl_vs_engine"]
         w(f"  {n:>7,} {'ITL <= 1.1x engine step':<28} {a:>6.2f} [{b:.2f}]  {_met(a, 1.1)} [{_met(b, 1.1)}]")
+        a, b = row.get("ringctx id|itl_vs_server_step"), row.get("ringctx resent|itl_vs_server_step")
+        w(f"  {n:>7,} {'  ... its step in the server':<28} {_f(a, '.2f'):>6} [{_f(b, '.2f')}]  {_met(a, 1.1)} "
+          f"[{_met(b, 1.1)}]")
         if have_llama:
             a = row.get("first_ratio")
             w(f"  {n:>7,} {'first question <= 0.3x':<28} {_f(a, '.2f'):>6}  {_met(a, 0.3)}")

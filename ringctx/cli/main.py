@@ -308,7 +308,10 @@ def _efficiency_rows(e) -> list[tuple[str, str]]:
               help="Then decode this many greedy tokens on the cached prompt, to report the decode step against "
                    "its memory floor (0: none).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the synthetic token ids.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the results as JSON here.")
+@click.option("--json", "json_path", is_flag=False, flag_value="-", metavar="[FILE]",
+              type=click.Path(dir_okay=False, allow_dash=True),
+              help="Print the results as JSON instead of the tables (`--json`), or also write them to a file "
+                   "(`--json FILE`).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False),
               help="Write a Chrome/Perfetto trace of compute and communication per rank (the prompt's prefill).")
 @click.option("--save-logits", "logits_path", type=click.Path(dir_okay=False),
@@ -382,13 +385,16 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
         return
     stats = result.stats
     efficiency = measure_efficiency(engine, stats, answer, before=peaks)
-    for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
-        console.print(table)
-    if json_path:
-        _write_json(json_path, {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."),
-                                **stats.to_dict(), "follow_up": follow_stats.to_dict() if follow_stats else None,
-                                "compute_dtypes": dtypes, "predicted_s": predicted_s,
-                                "efficiency": efficiency.to_dict() if efficiency else None})
+    report = {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."), **stats.to_dict(),
+              "follow_up": follow_stats.to_dict() if follow_stats else None, "compute_dtypes": dtypes,
+              "predicted_s": predicted_s, "efficiency": efficiency.to_dict() if efficiency else None}
+    if json_path == "-":  # for machines: JSON alone on stdout (the headers and notes are on stderr)
+        click.echo(json.dumps(report, indent=2))
+    else:
+        for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
+            console.print(table)
+    if json_path and json_path != "-":
+        _write_json(json_path, report)
     if logits_path:
         _save_logits(logits_path, result)
     if trace_path:

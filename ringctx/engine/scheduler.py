@@ -245,8 +245,9 @@ class Scheduler:
         self.questions: collections.deque[QuestionTicket] = collections.deque()
         self.batched: list[QuestionTicket] = []  # joined, decoding together
         self.last_step_tokens = 0  # tokens the last step ran (decode, prompts, a whole chunk): what the budget bounds
-        self.steps = 0  # decode steps of the batch, and the tokens they decoded (their mean batch: the ratio)
+        self.steps = 0  # decode steps of the batch, the tokens they decoded (their mean batch: the ratio)
         self.decoded_tokens = 0
+        self.decode_seconds = 0.0  # and the seconds they took (the mean step, beside the inter-token time)
         self.answers: collections.deque[AnswerTicket] = collections.deque()
         self.prefills: collections.deque[PrefillTicket] = collections.deque()
         self.calls: collections.deque[_Call] = collections.deque()
@@ -477,6 +478,7 @@ class Scheduler:
         if batch.members:
             by_member = {id(t.member): t for t in self.batched}
             self.decoded_tokens += sum(m.generation.next_input() is not None for m in batch.members)
+            ran = batch.steps
             for member, piece in batch.step():
                 ticket = by_member.get(id(member))
                 if ticket is None:
@@ -485,7 +487,9 @@ class Scheduler:
                     self._leave(batch, ticket, member.result)
                 elif piece:
                     ticket._put(Text(piece))
-            self.steps += 1
+            if batch.steps > ran:  # the engine ran (a step whose members all ended runs nothing)
+                self.steps += 1
+                self.decode_seconds += batch.last_step_s
         self.last_step_tokens = spent
 
     def _leave(self, batch, ticket: QuestionTicket, result) -> None:

@@ -201,6 +201,9 @@ class BackendStats:
     """Batched decode steps since start."""
     decoded_tokens: int = 0
     """Tokens those steps decoded (decoded_tokens / decode_steps: the mean batch)."""
+    decode_seconds: float = 0.0
+    """Seconds those steps took in the engine (decode_seconds / decode_steps: the mean step, which the
+    inter-token time a client sees exceeds by what the HTTP layer and the joins add)."""
 
 
 class Backend(Protocol):

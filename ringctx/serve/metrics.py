@@ -94,6 +94,8 @@ class _BackendCollector:
         yield CounterMetricFamily("ringctx_decode_steps", "Batched decode steps since start", value=stats.decode_steps)
         yield CounterMetricFamily("ringctx_decoded_tokens", "Tokens the batched decode steps decoded (over "
                                   "ringctx_decode_steps: the mean batch)", value=stats.decoded_tokens)
+        yield CounterMetricFamily("ringctx_decode_step_seconds", "Seconds the batched decode steps took in the "
+                                  "engine (over ringctx_decode_steps: the mean step)", value=stats.decode_seconds)
         yield CounterMetricFamily("ringctx_prefill_tokens", "Tokens prefilled since start", value=stats.prefill_tokens)
         yield GaugeMetricFamily("ringctx_prefill_tokens_per_second", "Tokens prefilled per second of prefill",
                                 value=stats.prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0)

@@ -526,7 +526,8 @@ class EngineBackend:
                 step_joins=self.scheduler.last_step_joins, joins_held=self.scheduler.joins_held,
                 answer_rows=self.scheduler.rows_reserved,
                 max_answer_rows=self.scheduler.max_rows or 0, decode_steps=self.scheduler.steps,
-                decoded_tokens=self.scheduler.decoded_tokens, prefill_tokens=self.prefill_tokens,
+                decoded_tokens=self.scheduler.decoded_tokens, decode_seconds=self.scheduler.decode_seconds,
+                prefill_tokens=self.prefill_tokens,
                 prefill_seconds=self.prefill_seconds, document_chunks_prefilled=self.document_chunks_prefilled,
                 problem=problem)
 

@@ -27,6 +27,21 @@ def test_prefill_table_and_json(tmp_path):
     assert json.loads(trace.read_text())["traceEvents"] and data["follow_up"] is None
 
 
+def test_prefill_json_alone_prints_json_instead_of_tables(tmp_path):
+    """`--json` with no file: the same report, alone on stdout (pipeable), no tables."""
+    out = tmp_path / "r.json"
+    args = ["prefill", "--model", "tiny", "--tokens", "300", "--chunk-tokens", "128", "--nproc", "1",
+            "--follow-up", "0", "--decode", "0", "--dtype", "float32"]
+    printed = CliRunner().invoke(main, [*args, "--json"])
+    assert printed.exit_code == 0, printed.output
+    report = json.loads(printed.stdout)
+    assert report["tokens"] == 300 and [c["tokens"] for c in report["chunks"]] == [128, 128, 44]
+    assert "time to first token" not in printed.stdout
+    written = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert written.exit_code == 0 and "time to first token" in written.stdout
+    assert json.loads(out.read_text()).keys() == report.keys()
+
+
 def test_prefill_by_default_runs_a_ring_and_a_follow_up_on_its_cache(tmp_path, monkeypatch):
     """No --nproc: 2 ranks on a CPU with 2+ cores (one per GPU); the prompt goes pass-KV, the
     48-token follow-up on its cache goes pass-Q, and the table says so with the bytes moved."""

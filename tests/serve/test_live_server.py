@@ -214,6 +214,7 @@ def test_eight_streaming_clients_on_one_document_get_their_sequential_answers(se
     sampling = [GREEDY if i % 2 == 0 else dict(max_tokens=16, temperature=0.8, seed=i) for i in range(8)]
     sequential = [server.ask(needle["id"], q, **kw).choices[0].message.content for q, kw in zip(questions, sampling)]
     steps, tokens = server.metric("ringctx_decode_steps"), server.metric("ringctx_decoded_tokens")
+    seconds = server.metric("ringctx_decode_step_seconds")
     answers, errors = [None] * 8, []
 
     def client(i):
@@ -227,7 +228,11 @@ def test_eight_streaming_clients_on_one_document_get_their_sequential_answers(se
     assert not errors, errors
     assert answers == sequential
     steps, tokens = server.metric("ringctx_decode_steps") - steps, server.metric("ringctx_decoded_tokens") - tokens
-    print(f"8 streaming clients: {tokens:.0f} tokens in {steps:.0f} batched steps (mean batch {tokens / steps:.1f})")
+    seconds = server.metric("ringctx_decode_step_seconds") - seconds
+    # every step decoded a token for at least one answer, and fewer steps ran than tokens (batched)
+    assert 0 < steps < tokens <= 8 * steps and seconds > 0
+    print(f"8 streaming clients: {tokens:.0f} tokens in {steps:.0f} batched steps (mean batch {tokens / steps:.1f}, "
+          f"mean step {1e3 * seconds / steps:.1f} ms)")
 
 
 def test_a_client_that_disconnects_mid_answer_frees_its_rows(server, needle):
