@@ -689,6 +689,11 @@ def summarize(rounds, args, have_llama) -> dict:
                     row[f"{path}|ttft_s"] = median([a["ttft_s"] for a in answers])
                     row[f"{path}|itl_s"] = median([a["gap_median_s"] for a in answers])
                     row[f"{path}|itl_tok_s"] = median([a.get("itl_tokens_s") for a in answers])
+                    # the mean gap over every gap of these answers, against the server's mean step
+                    spans = [(a["gap_mean_s"] * (a["deltas"] - 1), a["deltas"] - 1) for a in answers
+                             if a.get("gap_mean_s") and a["deltas"] > 1]
+                    if spans:
+                        row[f"{path}|itl_mean_s"] = sum(t for t, _ in spans) / sum(n for _, n in spans)
                     row[f"{path}|n"] = len(answers)
             # answers: same text on both ringctx paths, and as the engine's?
             ids = [a["text"] for a in d["later"]["ringctx id"]]
@@ -740,8 +745,9 @@ def summarize(rounds, args, have_llama) -> dict:
         for path in ("ringctx id", "ringctx resent"):
             agg[f"{path}|ttft_vs_floor"] = agg[f"{path}|ttft_s"] / agg["floor_s"]
             agg[f"{path}|itl_vs_engine"] = agg[f"{path}|itl_s"] / agg["engine_step_s"]
-            agg[f"{path}|itl_vs_server_step"] = median([  # paired within each round
-                pr[f"{path}|itl_s"] / pr["server_step_s"] for pr in per_round if pr.get("server_step_s")])
+            agg[f"{path}|itl_vs_server_step"] = median([  # means over means, paired within each round
+                pr[f"{path}|itl_mean_s"] / pr["server_step_s"] for pr in per_round
+                if pr.get("server_step_s") and pr.get(f"{path}|itl_mean_s")])
         rows.append(agg)
     return {"gemm_peak_flops_per_s": gemm, "rows": rows}
 
@@ -778,7 +784,8 @@ def print_report(meta, results, args, have_llama) -> None:
         w(f"{row['doc_tokens']:>7,} {'engine (1 rank)':<15}{1e3 * row['engine_ttft_s']:>8.0f}{'':>8}"
           f"{row['engine_ttft_s'] / row['floor_s']:>8.2f}{1e3 * row['engine_step_s']:>7.1f}")
         if row.get("server_step_s"):
-            w(f"{row['doc_tokens']:>7,} {'server step':<15}{'':>24}{1e3 * row['server_step_s']:>7.1f}")
+            w(f"{row['doc_tokens']:>7,} {'server step':<15}{'':>24}{1e3 * row['server_step_s']:>7.1f}"
+              f"   (mean)")
         w(f"{row['doc_tokens']:>7,} {'compute floor':<15}{1e3 * row['floor_s']:>8.0f}   "
           f"({row['floor_flops'] / 1e9:.1f} GFLOP, {row['question_tokens']:.0f} question tokens)")
     if args.concurrency:
