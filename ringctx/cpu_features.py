@@ -24,9 +24,10 @@ UPCAST_MIN_ROWS = 33
 has no bf16 units (the weight converted, then the float32 GEMM); fewer rows, such as a question's
 prefill, take the decode kernels' product (cpu_kernels.small_linear), which reads the bf16 weight in
 place and widens each weight vector once for four rows (AVX2) or two (AVX-512). PyTorch's emulated
-bf16 matmul took 1.5-3.9x the time of the float32 route. SmolLM2's 120 block matrices, 2 threads, 2026-12-05, the kernel's
-time over the float32 route's: capped at AVX2, 8 rows 0.46, 16 rows 0.68, 24 rows 0.98, 32 rows
-0.97, 48 rows 1.27; AVX-512 without bf16 units, 16 rows 0.55, 32 rows 0.79, 48 rows 0.99
+bf16 matmul took 1.5-3.9x the time of the float32 route. SmolLM2's 120 block matrices, 2 threads,
+2026-12-05, the kernel's time (two-row tile) over the float32 route's: capped at AVX2, 8 rows 0.46,
+16 rows 0.68, 24 rows 0.98, 32 rows 0.97, 48 rows 1.27; AVX-512 without bf16 units, 16 rows 0.55,
+32 rows 0.79, 48 rows 0.99; the four-row tile took 0.82-0.96x the two-row one's time on AVX2
 (docs/BENCHMARKS.md)."""
 
 

@@ -29,10 +29,11 @@ the model's tokenizer. After the servers stop, an in-process `ringctx.Engine(npr
 documents ringctx saved and answers the same question tokens: its own decode step and time to
 first token, for the HTTP layer's cost; the server's own decode steps over the later questions
 (its /metrics: ringctx_decode_step_seconds over ringctx_decode_steps, timed as they ran) give that
-cost again without the machine's drift between the two runs ("/step"). The compute floor of a later question's partial prefill:
-its FLOPs (question tokens x the model's linear FLOPs + attention over the cached tokens, the cost
-model of ringctx.planning.strategy, + the output head of one token) at the GEMM speed measured
-here on the model's own weight shapes and dtype.
+cost again without the machine's drift between the two runs ("/step": the answers' mean gap over
+the mean step). The compute floor of a later question's partial prefill: its FLOPs (question
+tokens x the model's linear FLOPs + attention over the cached tokens, the cost model of
+ringctx.planning.strategy, + the output head of one token) at the GEMM speed measured here on the
+model's own weight shapes and dtype.
 
     python scripts/bench_serve.py --tokens 1000 --questions 2        # a quick check
     python scripts/bench_serve.py --json out/bench_serve.json         # 8K and 32K, 10 questions
