@@ -656,10 +656,11 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
 
 def decode_counters(http) -> tuple[float, float]:
     """ringctx serve's batched decode steps since start and the seconds they took (its /metrics)."""
-    text = http.get("/metrics").text
-    def total(name):
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "_total"))
-    return total("ringctx_decode_steps"), total("ringctx_decode_step_seconds")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {family.name: sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+              for family in text_string_to_metric_families(http.get("/metrics").text)}
+    return totals["ringctx_decode_steps"], totals["ringctx_decode_step_seconds"]
 
 
 HIT_WITHIN = 3.0

@@ -393,8 +393,8 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     else:
         for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
             console.print(table)
-    if json_path and json_path != "-":
-        _write_json(json_path, report)
+        if json_path:
+            _write_json(json_path, report)
     if logits_path:
         _save_logits(logits_path, result)
     if trace_path:
