@@ -380,9 +380,12 @@ SIMD_INLINE int64_t scores_groups(const float *q, int64_t Hkv, int64_t R, const 
     const int KB = VW / RT;
     const int64_t key_bytes = Hkv * VW * NV * (bf16 ? 2 : 4);
     for (; j + KB <= j1; j += KB) {
-        if (j + 3 * KB <= j1) prefetch_span((const char *)k + (j + 2 * KB) * key_bytes, KB * key_bytes);
-        if (j + L2_AHEAD + KB <= ahead_end) prefetch_span_l2((const char *)k + (j + L2_AHEAD) * key_bytes, KB * key_bytes);
-        for (int64_t h = 0; h < Hkv; ++h) scores_group(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, RT, KB, pairs);
+        const int near = j + 3 * KB <= j1, far = j + L2_AHEAD + KB <= ahead_end;
+        for (int64_t h = 0; h < Hkv; ++h) {  /* each head's work after a slice of the prefetches */
+            if (near) prefetch_slice((const char *)k + (j + 2 * KB) * key_bytes, KB * key_bytes, h, Hkv, 0);
+            if (far) prefetch_slice((const char *)k + (j + L2_AHEAD) * key_bytes, KB * key_bytes, h, Hkv, 1);
+            scores_group(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, RT, KB, pairs);
+        }
     }
     return j;
 }
@@ -428,10 +431,14 @@ SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const vo
     if (GROUPED_SCORES && R <= 4)
         j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j + (j1 - j) / VW * VW, ahead_end, NV, pairs);
     for (; j + VW <= j1; j += VW) {
-        /* the cache lines of the block after this one */
-        if (j + 2 * VW <= j1) prefetch_span((const char *)k + (j + VW) * key_bytes, VW * key_bytes);
-        if (j + L2_AHEAD + VW <= ahead_end) prefetch_span_l2((const char *)k + (j + L2_AHEAD) * key_bytes, VW * key_bytes);
-        for (int64_t h = 0; h < Hkv; ++h) scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, pairs);
+        /* the cache lines of the block after this one (into L1) and of L2_AHEAD keys on (into L2),
+         * a slice before each head's work */
+        const int near = j + 2 * VW <= j1, far = j + L2_AHEAD + VW <= ahead_end;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            if (near) prefetch_slice((const char *)k + (j + VW) * key_bytes, VW * key_bytes, h, Hkv, 0);
+            if (far) prefetch_slice((const char *)k + (j + L2_AHEAD) * key_bytes, VW * key_bytes, h, Hkv, 1);
+            scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, pairs);
+        }
     }
     return j;
 }
@@ -524,13 +531,13 @@ SIMD_INLINE void pv_rows(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
     }
 }
 
-/* acc of every head's rows += p . v over keys [j0, j1): register tiles of PV_ROWS rows by
+/* acc of heads h0 .. h1 - 1's rows += p . v over keys [j0, j1): register tiles of PV_ROWS rows by
  * PV_VECS vectors (one vector wide where D / VW is not a multiple of PV_VECS; two, widened in
  * pairs, for bf16 rows: see widen_in_pairs). */
 static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
-                     int64_t j0, int64_t j1) {
+                     int64_t j0, int64_t j1, int64_t h0, int64_t h1) {
     const int wide = (D / VW) % PV_VECS == 0, pairs = widen_in_pairs(bf16, D);
-    for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t h = h0; h < h1; ++h)
         for (int64_t r0 = 0; r0 < R; r0 += PV_ROWS) {
             const int64_t rows = R - r0 < PV_ROWS ? R - r0 : PV_ROWS;
             if (pairs && wide) pv_rows(p, Hkv, R, S, v, bf16, D, acc, j0, j1, h, r0, rows, PV_VECS, 1);
@@ -549,9 +556,12 @@ void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, 
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {
         const int64_t end = j + PV_BLOCK < j1 ? j + PV_BLOCK : j1;
-        if (end + PV_BLOCK <= j1) prefetch_span((const char *)v + end * key_bytes, PV_BLOCK * key_bytes);
-        if (j + L2_AHEAD + PV_BLOCK <= ahead_end) prefetch_span_l2((const char *)v + (j + L2_AHEAD) * key_bytes, PV_BLOCK * key_bytes);
-        pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end);
+        const int near = end + PV_BLOCK <= j1, far = j + L2_AHEAD + PV_BLOCK <= ahead_end;
+        for (int64_t h = 0; h < Hkv; ++h) {  /* each head's work after a slice of the prefetches */
+            if (near) prefetch_slice((const char *)v + end * key_bytes, PV_BLOCK * key_bytes, h, Hkv, 0);
+            if (far) prefetch_slice((const char *)v + (j + L2_AHEAD) * key_bytes, PV_BLOCK * key_bytes, h, Hkv, 1);
+            pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end, h, h + 1);
+        }
     }
     if (widen_in_pairs(bf16, D)) join_pairs(acc, Hkv * R, D);
 }
@@ -701,11 +711,12 @@ SIMD_INLINE void scores_q8_range_kind(const float *q, int64_t Hkv, int64_t R, in
     int64_t j = j0;
     if (D == 64 || D == 128) {  /* the common head widths: VW keys at a time */
         for (; j + VW <= j1; j += VW) {
-            if (j + 2 * VW <= j1) {
-                prefetch_span((const char *)(k + (j + VW) * key_bytes), VW * key_bytes);
-                prefetch_span((const char *)(ks + (j + VW) * Hkv), VW * Hkv * (int64_t)sizeof(float));
-            }
+            const int near = j + 2 * VW <= j1;  /* the next block's codes and scales, a slice a head */
             for (int64_t h = 0; h < Hkv; ++h) {
+                if (near) {
+                    prefetch_slice((const char *)(k + (j + VW) * key_bytes), VW * key_bytes, h, Hkv, 0);
+                    prefetch_slice((const char *)(ks + (j + VW) * Hkv), VW * Hkv * (int64_t)sizeof(float), h, Hkv, 0);
+                }
                 if (D == 64) scores_q8_block(q, Hkv, R, k, ks, S, mul, scores, j, h, 64 / VW, KIND);
                 else scores_q8_block(q, Hkv, R, k, ks, S, mul, scores, j, h, 128 / VW, KIND);
             }
@@ -756,7 +767,8 @@ SIMD_INLINE void pv_q8_tile(const float *p, int64_t Hkv, int64_t R, int64_t S, c
 }
 
 SIMD_INLINE void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t *v, const float *vs,
-                             float mul, int64_t D, float *acc, int64_t j0, int64_t j1, const int KIND) {
+                             float mul, int64_t D, float *acc, int64_t j0, int64_t j1, int64_t h0, int64_t h1,
+                             const int KIND) {
     /* When the rows and D fit one register tile (SmolLM2's 3 rows at D 64 on AVX-512), each V
      * vector is widened once, in registers. Otherwise every tile would widen the block again
      * (int8's conversion shares the floating-point ports with the products), so the block is
@@ -765,18 +777,18 @@ SIMD_INLINE void pv_q8_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, 
      * x D floats, 16 KB at D 128. */
     if (!(R <= PV_ROWS && D == VW * PV_VECS)) {
         float tile[PV_BLOCK * MAX_D] __attribute__((aligned(64)));
-        for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t h = h0; h < h1; ++h) {
             for (int64_t j = j0; j < j1; ++j) {
                 const int64_t row = (j * Hkv + h) * D;
                 const vfloat sv = vset1(mul * vs[j * Hkv + h]);
                 for (int64_t c = 0; c < D; c += VW) vstore(tile + (j - j0) * D + c, sv * load_q8(v, KIND, row + c));
             }
             /* the float32 kernel on the tile: one head, keys 0 .. j1 - j0 */
-            pv_heads(p + h * R * S + j0, 1, R, S, tile, 0, D, acc + h * R * D, 0, j1 - j0);
+            pv_heads(p + h * R * S + j0, 1, R, S, tile, 0, D, acc + h * R * D, 0, j1 - j0, 0, 1);
         }
         return;
     }
-    for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
         switch (R) {
             case 1: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, 0, 0, 1, PV_VECS, KIND); break;
             case 2: pv_q8_tile(p, Hkv, R, S, v, vs, mul, D, acc, j0, j1, h, 0, 0, 2, PV_VECS, KIND); break;
@@ -793,12 +805,15 @@ void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const int8_t
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {
         const int64_t end = j + PV_BLOCK < j1 ? j + PV_BLOCK : j1;
-        if (end + PV_BLOCK <= j1) {
-            prefetch_span((const char *)(v + end * key_bytes), PV_BLOCK * key_bytes);
-            prefetch_span((const char *)(vs + end * Hkv), PV_BLOCK * Hkv * (int64_t)sizeof(float));
+        const int near = end + PV_BLOCK <= j1;  /* the next block's codes and scales, a slice a head */
+        for (int64_t h = 0; h < Hkv; ++h) {
+            if (near) {
+                prefetch_slice((const char *)(v + end * key_bytes), PV_BLOCK * key_bytes, h, Hkv, 0);
+                prefetch_slice((const char *)(vs + end * Hkv), PV_BLOCK * Hkv * (int64_t)sizeof(float), h, Hkv, 0);
+            }
+            if (kind == Q8_INT8) pv_q8_heads(p, Hkv, R, S, v, vs, 1.0f, D, acc, j, end, h, h + 1, Q8_INT8);
+            else pv_q8_heads(p, Hkv, R, S, v, vs, FP8_FOLD, D, acc, j, end, h, h + 1, Q8_FP8);
         }
-        if (kind == Q8_INT8) pv_q8_heads(p, Hkv, R, S, v, vs, 1.0f, D, acc, j, end, Q8_INT8);
-        else pv_q8_heads(p, Hkv, R, S, v, vs, FP8_FOLD, D, acc, j, end, Q8_FP8);
     }
 }
 

@@ -313,4 +313,15 @@ static inline void prefetch_span_l2(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
+/* Slice `slice` of `slices` of [p, p + bytes), by whole lines: a block's prefetches issued a slice
+ * at a time between pieces of work (l2: into L2 only). One burst of a hundred requests waits for
+ * line fill buffers and stalls the work queued behind it; spread out, the reads overlap the work
+ * (the decode attention over SmolLM2's 30 bf16 caches at 32K keys, C harness: 0.77-0.85x the
+ * time on AVX-512). */
+static inline void prefetch_slice(const char *p, int64_t bytes, int64_t slice, int64_t slices, int l2) {
+    const int64_t lines = (bytes + 63) / 64, first = lines * slice / slices, end = lines * (slice + 1) / slices;
+    if (l2) prefetch_span_l2(p + first * 64, (end - first) * 64);
+    else prefetch_span(p + first * 64, (end - first) * 64);
+}
+
 #endif
