@@ -307,13 +307,38 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
 #define L2_AHEAD 64
 #define PREFETCH_BYTES 2048 /* how far ahead of the rows in use (one key at a time) */
 
+/* Rows per KV head from which scores_block widens a block's bf16 keys once into float32 (in L1)
+ * for all its rows, instead of once per row: the same values, so the same sums and bits. One row
+ * reads them where they lie (a store and a load more per vector for nothing to share). */
+#define WIDEN_ONCE_ROWS 2
+
+/* Head h's keys j0 .. j0 + VW - 1 (bf16, D = VW NV) widened in pairs into kw [VW, NV, VW]: for key
+ * kk and an even c, kw[kk, c] the even elements of D's run c, kw[kk, c + 1] the odd ones, as
+ * vload_bf16_pairs gives them. */
+SIMD_INLINE void widen_key_block(const uint16_t *k, int64_t Hkv, int64_t j0, int64_t h, float *kw, const int NV) {
+    const int64_t D = VW * NV;
+#pragma GCC unroll 16
+    for (int kk = 0; kk < VW; ++kk)
+#pragma GCC unroll 16
+        for (int c = 0; c < NV; c += 2) {
+            vfloat even, odd;
+            vload_bf16_pairs(k + ((j0 + kk) * Hkv + h) * D + VW * c, &even, &odd);
+            vstore(kw + (kk * NV + c) * VW, even);
+            vstore(kw + (kk * NV + c + 1) * VW, odd);
+        }
+}
+
 /* Scores of head h's R rows against the VW keys j0 .. j0 + VW - 1, a vector store per row. NV =
  * D / VW is a constant at each call, so the loops unroll and the VW dot products stay in
  * registers while the q row's vectors are read in turn. pairs (a constant too): the cache is bf16,
- * its rows widened in pairs (vload_bf16_pairs), and q is split alike (split_pairs). */
+ * its rows widened in pairs (vload_bf16_pairs), and q is split alike (split_pairs); from
+ * WIDEN_ONCE_ROWS rows the block is widened once into kw [VW D] (widen_key_block) and every row
+ * reads that. */
 SIMD_INLINE void scores_block(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S, float scale,
-                              float *scores, int64_t j0, int64_t h, const int NV, const int pairs) {
+                              float *scores, int64_t j0, int64_t h, float *kw, const int NV, const int pairs) {
     const int64_t D = VW * NV;
+    const int widened = pairs && R >= WIDEN_ONCE_ROWS;
+    if (widened) widen_key_block((const uint16_t *)k, Hkv, j0, h, kw, NV);
     for (int64_t r = 0; r < R; ++r) {
         const float *qr = q + (h * R + r) * D;
         vfloat dots[VW];
@@ -327,7 +352,12 @@ SIMD_INLINE void scores_block(const float *q, int64_t Hkv, int64_t R, const void
                 const int64_t at = ((j0 + kk) * Hkv + h) * D + VW * c;
                 if (pairs) {
                     vfloat k_even, k_odd;
-                    vload_bf16_pairs((const uint16_t *)k + at, &k_even, &k_odd);
+                    if (widened) {
+                        k_even = vload(kw + (kk * NV + c) * VW);
+                        k_odd = vload(kw + (kk * NV + c + 1) * VW);
+                    } else {
+                        vload_bf16_pairs((const uint16_t *)k + at, &k_even, &k_odd);
+                    }
                     dots[kk] = vfma(q_odd, k_odd, vfma(qc, k_even, dots[kk]));
                 } else {
                     dots[kk] = vfma(qc, load_any(k, bf16, at), dots[kk]);
@@ -417,19 +447,12 @@ static void scores_1(const float *q, int64_t Hkv, int64_t R, int64_t D, const vo
     }
 }
 
-/* Scores of keys [j, j1) for D = VW NV, VW keys at a time: on avx2 the grouped kernel for up to 4
- * rows per KV head, then the per-row one for the rest. NV and pairs are constants at each call, so
- * each of scores_range's four calls compiles to its own unrolled loops. Returns the first key left
- * over (fewer than VW). */
-SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
-                                float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
-                                const int pairs) {
+/* scores_block over the whole VW-key blocks of [j, j1): returns the first key left over. */
+SIMD_INLINE int64_t scores_blocks(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                                  float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
+                                  const int pairs) {
     const int64_t key_bytes = Hkv * VW * NV * (bf16 ? 2 : 4);
-    /* The grouped kernel stops where the per-row one would (a whole number of VW-key blocks), so
-     * that the keys left for scores_1 are the same whatever R: a row's scores are the same bits
-     * alone or in a batch (the two kernels sum each dot product in the same order). */
-    if (GROUPED_SCORES && R <= 4)
-        j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j + (j1 - j) / VW * VW, ahead_end, NV, pairs);
+    float kw[VW * VW * NV] __attribute__((aligned(64))); /* a block's keys widened (scores_block) */
     for (; j + VW <= j1; j += VW) {
         /* the cache lines of the block after this one (into L1) and of L2_AHEAD keys on (into L2),
          * a slice before each head's work */
@@ -437,10 +460,37 @@ SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const vo
         for (int64_t h = 0; h < Hkv; ++h) {
             if (near) prefetch_slice((const char *)k + (j + VW) * key_bytes, VW * key_bytes, h, Hkv, 0);
             if (far) prefetch_slice((const char *)k + (j + L2_AHEAD) * key_bytes, VW * key_bytes, h, Hkv, 1);
-            scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, NV, pairs);
+            scores_block(q, Hkv, R, k, bf16, S, scale, scores, j, h, kw, NV, pairs);
         }
     }
     return j;
+}
+
+/* scores_blocks for D = 64 or 128, compiled apart from scores_range (not inlined): inlined there,
+ * its widening buffer and loops made GCC 12 compile scores_range's grouped path (avx2, R <= 4)
+ * to code that took 1.3x the time (C harness over SmolLM2's 30 caches at 32K keys). */
+static __attribute__((noinline)) int64_t scores_blocks_d(const float *q, int64_t Hkv, int64_t R, int64_t D,
+                                                         const void *k, int bf16, int64_t S, float scale, float *scores,
+                                                         int64_t j, int64_t j1, int64_t ahead_end, int pairs) {
+    if (pairs && D == 64) return scores_blocks(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 1);
+    if (pairs) return scores_blocks(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 1);
+    if (D == 64) return scores_blocks(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 64 / VW, 0);
+    return scores_blocks(q, Hkv, R, k, bf16, S, scale, scores, j, j1, ahead_end, 128 / VW, 0);
+}
+
+/* Scores of keys [j, j1) for D = VW NV, VW keys at a time: on avx2 the grouped kernel for up to 4
+ * rows per KV head, then the per-row one for the rest. NV and pairs are constants at each call, so
+ * each of scores_range's four calls compiles to its own unrolled loops. Returns the first key left
+ * over (fewer than VW). */
+SIMD_INLINE int64_t scores_wide(const float *q, int64_t Hkv, int64_t R, const void *k, int bf16, int64_t S,
+                                float scale, float *scores, int64_t j, int64_t j1, int64_t ahead_end, const int NV,
+                                const int pairs) {
+    /* The grouped kernel stops where the per-row one would (a whole number of VW-key blocks), so
+     * that the keys left for scores_1 are the same whatever R: a row's scores are the same bits
+     * alone or in a batch (the two kernels sum each dot product in the same order). */
+    if (GROUPED_SCORES && R <= 4)
+        j = scores_by_rows(q, Hkv, R, k, bf16, S, scale, scores, j, j + (j1 - j) / VW * VW, ahead_end, NV, pairs);
+    return scores_blocks_d(q, Hkv, R, VW * NV, k, bf16, S, scale, scores, j, j1, ahead_end, pairs);
 }
 
 /* The split q of scores_range's pair path lives on the stack up to Hkv R D = 8192 floats (8 KV
@@ -550,9 +600,21 @@ static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
 /* The cache holds a key's heads side by side, so V is walked in blocks of PV_BLOCK keys, every
  * head of a block before the next block: each cache line comes from memory once, in order (one
  * pass per head over the whole range ran at half the memory's speed). */
+/* Head h's bf16 V rows of keys [j0, j1) (at most PV_BLOCK) widened into tile [j1 - j0, D]. */
+static void widen_value_block(const uint16_t *v, int64_t Hkv, int64_t D, int64_t j0, int64_t j1, int64_t h,
+                              float *tile) {
+    for (int64_t j = j0; j < j1; ++j)
+        for (int64_t c = 0; c < D; c += VW) vstore(tile + (j - j0) * D + c, vload_bf16(v + (j * Hkv + h) * D + c));
+}
+
 void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
               int64_t j0, int64_t j1, int64_t ahead_end) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
+    /* More rows than one register tile: each tile would widen the bf16 block again, so it is
+     * widened once per head into float32 (in L1) and the float32 tiles read that. Each output
+     * element sums the same products in the same order either way: the same bits. */
+    const int widen_once = bf16 && R > PV_ROWS;
+    float tile[widen_once ? PV_BLOCK * MAX_D : 1] __attribute__((aligned(64)));
     memset(acc, 0, (size_t)(Hkv * R * D) * sizeof(float));
     for (int64_t j = j0; j < j1; j += PV_BLOCK) {
         const int64_t end = j + PV_BLOCK < j1 ? j + PV_BLOCK : j1;
@@ -560,10 +622,15 @@ void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, 
         for (int64_t h = 0; h < Hkv; ++h) {  /* each head's work after a slice of the prefetches */
             if (near) prefetch_slice((const char *)v + end * key_bytes, PV_BLOCK * key_bytes, h, Hkv, 0);
             if (far) prefetch_slice((const char *)v + (j + L2_AHEAD) * key_bytes, PV_BLOCK * key_bytes, h, Hkv, 1);
-            pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end, h, h + 1);
+            if (widen_once) {
+                widen_value_block((const uint16_t *)v, Hkv, D, j, end, h, tile);
+                pv_heads(p + h * R * S + j, 1, R, S, tile, 0, D, acc + h * R * D, 0, end - j, 0, 1);
+            } else {
+                pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end, h, h + 1);
+            }
         }
     }
-    if (widen_in_pairs(bf16, D)) join_pairs(acc, Hkv * R, D);
+    if (widen_in_pairs(bf16, D) && !widen_once) join_pairs(acc, Hkv * R, D);
 }
 
 /* Split keys evenly over the threads: thread t of n takes [S*t/n, S*(t+1)/n). */

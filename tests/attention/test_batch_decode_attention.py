@@ -131,11 +131,14 @@ def test_kernel_alone_matches_float64_and_is_deterministic(cache, S):
 
 @pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize("D", [64, 128])
-def test_batch_rows_equal_each_query_alone(cache, D):
+@pytest.mark.parametrize("group", [1, 3])
+def test_batch_rows_equal_each_query_alone(cache, D, group):
     """Continuous batching's promise at the kernel: a query token's output and LSE are the same bits
     whatever other tokens share the call (each row's sums run over the same tiles in the same
-    order, whichever register tiling its number of rows takes)."""
-    q, k, v = _inputs(9, 3, LONG, D, seed=3)
+    order, whichever register tiling its number of rows takes, and whether a bf16 block is widened
+    once for all rows or as each row reads it: group 1 alone is one row per KV head, 9 tokens of
+    group 3 are 27)."""
+    q, k, v = _inputs(9, group, LONG, D, seed=3)
     if cache in ("int8", "fp8"):
         (kd, ks), (vd, vs) = quantize_rows(k, cache), quantize_rows(v, cache)
         attend = lambda x: attention_block_quantized(x, kd, ks, vd, vs)  # noqa: E731
