@@ -297,7 +297,9 @@ int ringctx_gemv(const float *x, int64_t rows, int64_t in, const void *w, int w_
 /* Which variants score a KV head's query rows together (scores_group): avx2, where the whole
  * decode step took 0.96x the time with it (SmolLM2 bf16 at 8K keys: 8 floats per vector, the
  * attention bound by instructions); on avx512 it took 1.05x, bound by memory there, where the
- * per-row loop's block-at-a-time prefetch reads the cache faster. */
+ * per-row loop's block-at-a-time prefetch reads the cache faster (with both loops' prefetches
+ * spread over the heads, the grouped one took 1.03-1.5x the time there: C harness, SmolLM2's 30
+ * caches, 8K and 32K keys, 3 and 24 rows per KV head). */
 #define GROUPED_SCORES (VW == 8)
 /* Keys ahead of use that K and V are asked into L2 for (PREFETCHT2), up to ahead_end. The
  * hardware prefetchers alone left the attention at 1.36x the time (C harness over SmolLM2's 30
@@ -597,9 +599,6 @@ static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
         }
 }
 
-/* The cache holds a key's heads side by side, so V is walked in blocks of PV_BLOCK keys, every
- * head of a block before the next block: each cache line comes from memory once, in order (one
- * pass per head over the whole range ran at half the memory's speed). */
 /* Head h's bf16 V rows of keys [j0, j1) (at most PV_BLOCK) widened into tile [j1 - j0, D]. */
 static void widen_value_block(const uint16_t *v, int64_t Hkv, int64_t D, int64_t j0, int64_t j1, int64_t h,
                               float *tile) {
@@ -607,6 +606,9 @@ static void widen_value_block(const uint16_t *v, int64_t Hkv, int64_t D, int64_t
         for (int64_t c = 0; c < D; c += VW) vstore(tile + (j - j0) * D + c, vload_bf16(v + (j * Hkv + h) * D + c));
 }
 
+/* The cache holds a key's heads side by side, so V is walked in blocks of PV_BLOCK keys, every
+ * head of a block before the next block: each cache line comes from memory once, in order (one
+ * pass per head over the whole range ran at half the memory's speed). */
 void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, int bf16, int64_t D, float *acc,
               int64_t j0, int64_t j1, int64_t ahead_end) {
     const int64_t key_bytes = Hkv * D * (bf16 ? 2 : 4);
