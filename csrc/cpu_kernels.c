@@ -470,7 +470,7 @@ SIMD_INLINE int64_t scores_blocks(const float *q, int64_t Hkv, int64_t R, const 
 
 /* scores_blocks for D = 64 or 128, compiled apart from scores_range (not inlined): inlined there,
  * its widening buffer and loops made GCC 12 compile scores_range's grouped path (avx2, R <= 4)
- * to code that took 1.3x the time (C harness over SmolLM2's 30 caches at 32K keys). */
+ * to code that took 1.2-1.4x the time (C harness over SmolLM2's 30 caches at 32K keys). */
 static __attribute__((noinline)) int64_t scores_blocks_d(const float *q, int64_t Hkv, int64_t R, int64_t D,
                                                          const void *k, int bf16, int64_t S, float scale, float *scores,
                                                          int64_t j, int64_t j1, int64_t ahead_end, int pairs) {

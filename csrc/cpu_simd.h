@@ -316,7 +316,7 @@ static inline void prefetch_span_l2(const char *p, int64_t bytes) {
 /* Slice `slice` of `slices` of [p, p + bytes), by whole lines: a block's prefetches issued a slice
  * at a time between pieces of work (l2: into L2 only). One burst of a hundred requests waits for
  * line fill buffers and stalls the work queued behind it; spread out, the reads overlap the work
- * (the decode attention over SmolLM2's 30 bf16 caches at 32K keys, C harness: 0.77-0.85x the
+ * (the decode attention over SmolLM2's 30 bf16 caches at 32K keys, C harness: 0.72-0.86x the
  * time on AVX-512). */
 static inline void prefetch_slice(const char *p, int64_t bytes, int64_t slice, int64_t slices, int l2) {
     const int64_t lines = (bytes + 63) / 64, first = lines * slice / slices, end = lines * (slice + 1) / slices;
