@@ -25,14 +25,16 @@
  *
  * A full (non-causal) block's keys go in spans of SPAN_KEYS, each from nothing, merged by
  * log-sum-exp in order; a causal block in one span. With few units (a question's tokens over a
- * document) the (unit, span) pairs are shared over the threads, else whole units.
+ * document) the (unit, span) pairs are shared over the threads, else whole units, up to
+ * GROUP_UNITS of a head at a time: each block of keys is read once for all of them.
  *
  * No transposes of K or V: the only packing is a unit's queries. bf16 K and V are widened a block at
- * a time into a thread's buffer (KEY_TILE-aligned, zeros after a partial block's keys), the
- * float32 tiles reading that: a question's few rows over a document's cache read it in place,
- * where a float32 copy of the document's rows would cost a pass over memory more than the
- * widening. (Each unit widens the blocks again: a few percent of its work; 2K-token causal and
- * 512-4K x 4K full blocks took 0.97-1.01x the time of float32 copies made beforehand.) A span is
+ * a time into a thread's buffer (KEY_TILE-aligned, zeros after the block's keys), the float32
+ * tiles reading that: a question's few rows over a document's cache read it in place, where a
+ * float32 copy of the document's rows would cost a pass over memory more than the widening.
+ * (Widened again in every unit, the blocks took ~8% of a prefill's 2K x 4K block; a float32 copy
+ * of a head's K and V made once for all its units was slower from 32K keys, where it falls out of
+ * the caches; the units of a group share each widened block instead.) A span is
  * computed by one thread from its own inputs alone and merged in a fixed order, so a row's bits
  * depend on its query and the keys only: not on the threads, the rows beside it, or how long the
  * block is. Units are handed out largest first (a causal block's later tokens see more keys).
@@ -55,6 +57,7 @@
 #define BLOCK_KEYS 120          /* a multiple of KEY_TILE (6, 12): S^T [120, 96] is 45 KB */
 #define UNIT_ROWS 96
 #define SPAN_KEYS 1920 /* a full block's keys per span (16 blocks; see ringctx_flash_attention) */
+#define GROUP_UNITS 4  /* units of one head that read each block of keys together */
 
 typedef struct {
     const void *q, *k, *v; /* float32, or bf16 bit patterns (bf16 set) */
@@ -92,15 +95,22 @@ typedef struct {
     float *m, *l, *acc;
 } flash_partial;
 
-/* Per-thread buffers of a unit with rows_pad rows (a multiple of ROW_TILE). */
+/* Per-thread buffers for units of up to rows_pad rows (a multiple of ROW_TILE). */
 typedef struct {
-    float *qt;    /* [D, rows_pad]: the unit's queries, transposed, zero beyond its rows */
     float *st;    /* [BLOCK_KEYS, rows_pad]: a block's scores, then its probabilities */
     float *alpha; /* [rows_pad]: a block's rescale of the partial's acc */
     float *top;   /* [rows_pad]: the rows' max score in the block (scores_tile keeps it) */
     float *tail;  /* [KEY_TILE, D]: the keys of a block's last tile, zeros beyond the block */
     float *kw, *vw; /* bf16 inputs: [BLOCK_KEYS, D] a block's K and V widened, K zeros beyond it */
 } flash_buffers;
+
+/* A unit on its way over the keys: its rows, queries and where its partial goes. */
+typedef struct {
+    int64_t rows, rows_pad, t0; /* rows_pad: a multiple of ROW_TILE; tokens from t0 */
+    int64_t j_end;              /* the keys it attends end here (attend_keys' j_begin to this) */
+    float *qt;                  /* [D, rows_pad]: its queries, transposed, zero beyond its rows */
+    flash_partial out;
+} flash_unit;
 
 /* Rows padded to whole score tiles (ROW_TILE: 16 on AVX2, 32 on AVX-512); P V takes the last
  * rows in a smaller tile where OUT_ROWS does not divide that. */
@@ -238,67 +248,82 @@ static void widen_rows(const uint16_t *x, int64_t rs, int64_t hs, int64_t h, int
         for (int64_t i = n; i % KEY_TILE; ++i) memset(dst + i * D, 0, (size_t)D * sizeof(float));
 }
 
-/* A unit's queries (KV head h, tokens [t0, t1)) into b->qt; returns its padded row count. */
-static int64_t pack_queries(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t t0, int64_t t1) {
+/* A unit's queries (KV head h, tokens [t0, t1)) into qt; returns its padded row count. */
+static int64_t pack_queries(const flash_problem *p, float *qt, int64_t h, int64_t t0, int64_t t1) {
     const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group, rows_pad = pad_rows(rows);
     for (int64_t r = 0; r < rows_pad; ++r) {
         const int64_t at = (t0 + r / group) * p->q_rs + (h * group + r % group) * p->q_hs;
         if (r >= rows)
-            for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = 0.0f;
+            for (int64_t d = 0; d < D; ++d) qt[d * rows_pad + r] = 0.0f;
         else if (p->bf16)
-            for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = bf16_value(((const uint16_t *)p->q)[at + d]);
+            for (int64_t d = 0; d < D; ++d) qt[d * rows_pad + r] = bf16_value(((const uint16_t *)p->q)[at + d]);
         else
-            for (int64_t d = 0; d < D; ++d) b->qt[d * rows_pad + r] = ((const float *)p->q)[at + d];
+            for (int64_t d = 0; d < D; ++d) qt[d * rows_pad + r] = ((const float *)p->q)[at + d];
     }
     return rows_pad;
 }
 
-/* The unit's rows (queries in b->qt, tokens from t0) over keys [j_begin, j_end) of head h, from
- * nothing: the online softmax block by block into `out` (unnormalised acc, its m and l). j_begin
- * is a multiple of BLOCK_KEYS, so a key's block is the same whatever the span. */
-static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t h, int64_t rows, int64_t rows_pad,
-                        int64_t t0, int64_t j_begin, int64_t j_end, const flash_partial *out) {
+/* Units of head h (n of them) over keys [j_begin, unit j_end) each, from nothing: the online softmax
+ * block by block into each unit's `out` (unnormalised acc, its m and l). A block's K and V are
+ * read (and bf16 widened) once for every unit that reaches it, then each unit does what it would do
+ * alone: a unit's bits do not depend on the others. j_begin is a multiple of BLOCK_KEYS, so a key's
+ * block is the same whatever the span. */
+static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t h, const flash_unit *units, int n_units,
+                        int64_t j_begin) {
     const int64_t D = p->D;
-    for (int64_t r = 0; r < rows_pad; ++r) out->m[r] = -INFINITY, out->l[r] = 0.0f;
-    memset(out->acc, 0, (size_t)(rows_pad * D) * sizeof(float));
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += BLOCK_KEYS) {
-        const int64_t n = j_end - j0 < BLOCK_KEYS ? j_end - j0 : BLOCK_KEYS;
+    int64_t j_last = j_begin;
+    for (int u = 0; u < n_units; ++u) {
+        const flash_unit *unit = &units[u];
+        for (int64_t r = 0; r < unit->rows_pad; ++r) unit->out.m[r] = -INFINITY, unit->out.l[r] = 0.0f;
+        memset(unit->out.acc, 0, (size_t)(unit->rows_pad * D) * sizeof(float));
+        if (unit->j_end > j_last) j_last = unit->j_end;
+    }
+    for (int64_t j0 = j_begin; j0 < j_last; j0 += BLOCK_KEYS) {
+        const int64_t block = j_last - j0 < BLOCK_KEYS ? j_last - j0 : BLOCK_KEYS;
         /* the block's K and V rows of head h: in place (float32) or widened (bf16) */
         const float *kb, *vb;
         int64_t k_rs, v_rs;
         if (p->bf16) {
-            widen_rows((const uint16_t *)p->k, p->k_rs, p->k_hs, h, j0, n, D, b->kw, 1);
-            widen_rows((const uint16_t *)p->v, p->v_rs, p->v_hs, h, j0, n, D, b->vw, 0);
+            widen_rows((const uint16_t *)p->k, p->k_rs, p->k_hs, h, j0, block, D, b->kw, 1);
+            widen_rows((const uint16_t *)p->v, p->v_rs, p->v_hs, h, j0, block, D, b->vw, 0);
             kb = b->kw, vb = b->vw, k_rs = v_rs = D;
         } else {
             kb = (const float *)p->k + h * p->k_hs + j0 * p->k_rs, k_rs = p->k_rs;
             vb = (const float *)p->v + h * p->v_hs + j0 * p->v_rs, v_rs = p->v_rs;
         }
-        for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
-        for (int64_t j = 0; j < n; j += KEY_TILE) {
-            const float *kt = kb + j * k_rs;
-            int64_t tile_rs = k_rs;
-            if (j + KEY_TILE > n && !p->bf16) { /* the block's last, partial tile: its keys copied, zeros after */
-                memset(b->tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
-                for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * k_rs, (size_t)D * sizeof(float));
-                kt = b->tail, tile_rs = D;
+        for (int u = 0; u < n_units; ++u) {
+            const flash_unit *unit = &units[u];
+            if (unit->j_end <= j0) continue;
+            const int64_t n = unit->j_end - j0 < BLOCK_KEYS ? unit->j_end - j0 : BLOCK_KEYS, rows_pad = unit->rows_pad;
+            for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
+            for (int64_t j = 0; j < n; j += KEY_TILE) {
+                const float *kt = kb + j * k_rs;
+                int64_t tile_rs = k_rs;
+                /* the unit's last, partial tile: float32 keys copied, zeros after (widened bf16 keys
+                 * past n are the block's next keys or zeros: their scores are never read) */
+                if (j + KEY_TILE > n && !p->bf16) {
+                    memset(b->tail, 0, (size_t)(KEY_TILE * D) * sizeof(float));
+                    for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * k_rs, (size_t)D * sizeof(float));
+                    kt = b->tail, tile_rs = D;
+                }
+                for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
+                    scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
+                                (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
             }
-            for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
-                scores_tile(kt, tile_rs, b->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
-                            (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
-        }
-        block_softmax(p, b, out, rows_pad, rows, t0, j0, n);
-        int64_t r0 = 0;
-        for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
-            pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, OUT_ROWS);
-        /* rows_pad is whole ROW_TILEs, so what is left is 2 or 4 rows (OUT_ROWS 6 over tiles of 8
-         * or 16 rows) or 4 or 8 (12 over tiles of 32) */
-        const int64_t left = rows_pad - r0;
-        if (left == 2) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 2);
-        else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 4);
+            block_softmax(p, b, &unit->out, rows_pad, unit->rows, unit->t0, j0, n);
+            float *acc = unit->out.acc;
+            int64_t r0 = 0;
+            for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
+                pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, OUT_ROWS);
+            /* rows_pad is whole ROW_TILEs, so what is left is 2 or 4 rows (OUT_ROWS 6 over tiles of 8
+             * or 16 rows) or 4 or 8 (12 over tiles of 32) */
+            const int64_t left = rows_pad - r0;
+            if (left == 2) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 2);
+            else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 4);
 #if OUT_ROWS > 8
-        else if (left == 8) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, out->acc + r0 * D, D, 8);
+            else if (left == 8) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 8);
 #endif
+        }
     }
 }
 
@@ -343,57 +368,73 @@ static int flash_attention(const void *q, int64_t q_rs, int64_t q_hs, const void
     const int64_t rows_pad = pad_rows(unit_tokens * group), partial = rows_pad * (D + 2);
     /* A full block's keys go in spans of SPAN_KEYS, merged in order: always, so that a row's bits
      * do not depend on how the work was shared out. With few units (a question's tokens over a
-     * document: 3 units of 32 tokens at SmolLM2's shape) the spans are shared out too. */
+     * document: 3 units of 32 tokens at SmolLM2's shape) the spans are shared out too. Else a thread
+     * takes up to GROUP_UNITS consecutive tiles of one head at a time, each block of keys read and
+     * widened once for all of them, as long as that leaves 4 items a thread. */
     const int64_t spans = causal ? 1 : (S + SPAN_KEYS - 1) / SPAN_KEYS;
     if (threads < 1) threads = 1;
     const int share_spans = spans > 1 && units < 4 * (int64_t)threads;
-    const int64_t items = share_spans ? units * spans : units;
+    int64_t per_group = share_spans ? 1 : units / (4 * (int64_t)threads);
+    per_group = per_group < 1 ? 1 : per_group > GROUP_UNITS ? GROUP_UNITS : per_group;
+    const int64_t groups_per_head = (tiles + per_group - 1) / per_group;
+    const int64_t items = share_spans ? units * spans : groups_per_head * Hkv;
     if (threads > items) threads = (int)items;
-    /* per thread: qt [D, rows_pad]; st [BLOCK_KEYS, rows_pad]; alpha, top; tail; two partials (a
-     * span's and the unit's so far); bf16: a block's K and V widened */
-    const int64_t widened = bf16 ? 2 * BLOCK_KEYS * D : 0;
-    const int64_t floats = D * rows_pad + BLOCK_KEYS * rows_pad + 2 * rows_pad + KEY_TILE * D + 2 * partial + widened;
+    /* per thread: st [BLOCK_KEYS, rows_pad]; alpha, top; tail; bf16: a block's K and V widened; and
+     * per unit of a group its queries qt [D, rows_pad] and two partials (a span's and the unit's so far) */
+    const int64_t widened = bf16 ? 2 * BLOCK_KEYS * D : 0, unit_floats = D * rows_pad + 2 * partial;
+    const int64_t floats = BLOCK_KEYS * rows_pad + 2 * rows_pad + KEY_TILE * D + widened + per_group * unit_floats;
     float *work = (float *)malloc((size_t)(threads * floats + (share_spans ? items * partial : 0)) * sizeof(float));
     if (work == NULL) return -2;
     float *shared = work + threads * floats; /* share_spans: every (unit, span)'s partial */
 #pragma omp parallel num_threads(threads)
     {
         float *buf = work + omp_get_thread_num() * floats;
-        flash_buffers b = {.qt = buf, .st = buf + D * rows_pad,
-                                 .alpha = buf + (D + BLOCK_KEYS) * rows_pad,
-                                 .top = buf + (D + BLOCK_KEYS + 1) * rows_pad,
-                                 .tail = buf + (D + BLOCK_KEYS + 2) * rows_pad};
-        float *mine = buf + (D + BLOCK_KEYS + 2) * rows_pad + KEY_TILE * D;
-        b.kw = bf16 ? mine + 2 * partial : NULL;
-        b.vw = bf16 ? b.kw + BLOCK_KEYS * D : NULL;
-        const flash_partial span = {mine, mine + rows_pad, mine + 2 * rows_pad};
-        const flash_partial unit = {mine + partial, mine + partial + rows_pad, mine + partial + 2 * rows_pad};
+        flash_buffers b = {.st = buf, .alpha = buf + BLOCK_KEYS * rows_pad, .top = buf + (BLOCK_KEYS + 1) * rows_pad,
+                           .tail = buf + (BLOCK_KEYS + 2) * rows_pad};
+        float *next = b.tail + KEY_TILE * D;
+        b.kw = bf16 ? next : NULL;
+        b.vw = bf16 ? next + BLOCK_KEYS * D : NULL;
+        float *slots = next + widened; /* per_group x (qt, the unit's partial, a span's partial) */
+        flash_unit group_units[GROUP_UNITS], span_units[GROUP_UNITS];
         if (!share_spans) {
             /* largest first: a causal block's last tiles see the most keys */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t u = 0; u < units; ++u) {
-                const int64_t tile = causal ? tiles - 1 - u / Hkv : u / Hkv, h = u % Hkv;
-                const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
-                const int64_t rows = (t1 - t0) * group, pad = pack_queries(&p, &b, h, t0, t1);
-                /* causal: one span, the unit's last row seeing keys < t1 (a later span could hide
-                 * every key from a row, and its max would be -inf) */
-                const int64_t keys = causal ? t1 : S, span_keys = causal ? t1 : SPAN_KEYS;
-                attend_keys(&p, &b, h, rows, pad, t0, 0, keys < span_keys ? keys : span_keys, &unit);
-                for (int64_t j = span_keys; j < keys; j += span_keys) {
-                    attend_keys(&p, &b, h, rows, pad, t0, j, keys - j < span_keys ? keys : j + span_keys, &span);
-                    merge_into(&unit, &span, pad, D);
+            for (int64_t i = 0; i < items; ++i) {
+                const int64_t g = causal ? groups_per_head - 1 - i / Hkv : i / Hkv, h = i % Hkv;
+                const int64_t tile0 = g * per_group, tile1 = tile0 + per_group < tiles ? tile0 + per_group : tiles;
+                const int n = (int)(tile1 - tile0);
+                for (int u = 0; u < n; ++u) {
+                    const int64_t t0 = (tile0 + u) * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
+                    float *mine = slots + u * unit_floats, *unit_part = mine + D * rows_pad, *span_part = unit_part + partial;
+                    const int64_t pad = pack_queries(&p, mine, h, t0, t1);
+                    /* causal: one span, the unit's last row seeing keys < t1 (a later span could hide
+                     * every key from a row, and its max would be -inf) */
+                    group_units[u] = (flash_unit){(t1 - t0) * group, pad, t0, causal ? t1 : (S < SPAN_KEYS ? S : SPAN_KEYS),
+                                                  mine, {unit_part, unit_part + pad, unit_part + 2 * pad}};
+                    span_units[u] = group_units[u];
+                    span_units[u].out = (flash_partial){span_part, span_part + pad, span_part + 2 * pad};
                 }
-                write_unit(&p, &unit, h, t0, t1);
+                attend_keys(&p, &b, h, group_units, n, 0);
+                for (int64_t j = SPAN_KEYS; !causal && j < S; j += SPAN_KEYS) {
+                    for (int u = 0; u < n; ++u) span_units[u].j_end = S - j < SPAN_KEYS ? S : j + SPAN_KEYS;
+                    attend_keys(&p, &b, h, span_units, n, j);
+                    for (int u = 0; u < n; ++u) merge_into(&group_units[u].out, &span_units[u].out, group_units[u].rows_pad, D);
+                }
+                for (int u = 0; u < n; ++u) {
+                    const flash_unit *unit = &group_units[u];
+                    write_unit(&p, &unit->out, h, unit->t0, unit->t0 + unit->rows / group);
+                }
             }
         } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; ++i) {
                 const int64_t u = i / spans, s = i % spans, tile = u / Hkv, h = u % Hkv;
                 const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
-                const int64_t pad = pack_queries(&p, &b, h, t0, t1), j = s * SPAN_KEYS;
-                const flash_partial slot = {shared + i * partial, shared + i * partial + rows_pad,
-                                            shared + i * partial + 2 * rows_pad};
-                attend_keys(&p, &b, h, (t1 - t0) * group, pad, t0, j, S - j < SPAN_KEYS ? S : j + SPAN_KEYS, &slot);
+                const int64_t pad = pack_queries(&p, slots, h, t0, t1), j = s * SPAN_KEYS;
+                float *part = shared + i * partial;
+                const flash_unit one = {(t1 - t0) * group, pad, t0, S - j < SPAN_KEYS ? S : j + SPAN_KEYS, slots,
+                                        {part, part + rows_pad, part + 2 * rows_pad}};
+                attend_keys(&p, &b, h, &one, 1, j);
             }
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < units; ++u) { /* the spans merged in order, as above */

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """One attention block on the CPU: ringctx's kernel next to PyTorch's fused CPU op.
 
-    python scripts/bench_cpu_attention.py [--kernel amx|float32] [--rounds 9] [--json out.json]
+    python scripts/bench_cpu_attention.py [--kernel amx|float32|float32-bf16] [--rounds 9] [--json out.json]
 
 --kernel amx (default): the bf16 AMX kernel (csrc/cpu_attention_amx.c), on bf16 inputs; needs a
 CPU with AMX-BF16 (the script says so and exits otherwise). --kernel float32: the float32 flash
 kernel (csrc/cpu_flash.c), on float32 inputs, the variant RINGCTX_CPU_ISA names or the widest this
 CPU runs; to measure it as on a CPU without AVX-512, cap PyTorch too: `RINGCTX_CPU_ISA=avx2
-ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`.
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`. --kernel
+float32-bf16: the same kernel on bf16 inputs, widened as it reads them (what a bf16 model's prefill
+runs on a CPU without bf16 units), PyTorch's float32 op on their float32 copies.
 
 Both sides get the same inputs (head-major memory, as the ring hands them over), alternating call
 by call, so that both see the same machine state: on a shared VM a core's speed changes within
@@ -57,13 +59,18 @@ def head_major(rows: int, heads: int, dim: int, generator: torch.Generator, dtyp
 def time_block(kernel, name, T, S, hq, hkv, d, causal, threads, rounds):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(T + S + d)
-    dtype = torch.bfloat16 if kernel == "amx" else torch.float32
+    dtype = torch.float32 if kernel == "float32" else torch.bfloat16
     q, k, v = head_major(T, hq, d, g, dtype), head_major(S, hkv, d, g, dtype), head_major(S, hkv, d, g, dtype)
     if kernel == "amx":
         ours = lambda: attention_block(q, k, v, causal=causal, backend="amx")  # noqa: E731
     else:
         ours = lambda: cpu_kernels.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)  # noqa: E731
-    calls = {"ringctx": ours, "torch": lambda: attention_block(q, k, v, causal=causal, backend="torch")}
+    if kernel == "float32-bf16":  # PyTorch's float32 op on the float32 copies of the same values
+        q32, k32, v32 = q.float(), k.float(), v.float()
+        theirs = lambda: attention_block(q32, k32, v32, causal=causal, backend="torch")  # noqa: E731
+    else:
+        theirs = lambda: attention_block(q, k, v, causal=causal, backend="torch")  # noqa: E731
+    calls = {"ringctx": ours, "torch": theirs}
     outs = {b: f() for b, f in calls.items()}  # warm-up; also the outputs compared below
     times = {b: [] for b in calls}
     for r in range(rounds):
@@ -85,14 +92,15 @@ def time_block(kernel, name, T, S, hq, hkv, d, causal, threads, rounds):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernel", choices=("amx", "float32"), default="amx", help="which of ringctx's kernels")
+    p.add_argument("--kernel", choices=("amx", "float32", "float32-bf16"), default="amx",
+                   help="which of ringctx's kernels (float32-bf16: the float32 kernel on bf16 inputs)")
     p.add_argument("--rounds", type=int, default=9, help="alternating calls of each per block")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args()
     if args.kernel == "amx" and not cpu_kernels.amx_available():
         print(f"the AMX kernel is not available here: {cpu_kernels.amx_unavailable_reason()}", file=sys.stderr)
         return 1
-    if args.kernel == "float32" and cpu_kernels.active_variant() is None:
+    if args.kernel != "amx" and cpu_kernels.active_variant() is None:
         print(f"the CPU kernels are not available here: {cpu_kernels.kernel_error()}", file=sys.stderr)
         return 1
 
@@ -104,6 +112,8 @@ def main() -> int:
     blocks = BLOCKS if args.kernel == "amx" else FLOAT32_BLOCKS
     rows = [time_block(args.kernel, *block, args.rounds) for block in blocks]
     variant = "AMX" if args.kernel == "amx" else f"float32 flash, {cpu_kernels.active_variant().name}"
+    if args.kernel == "float32-bf16":
+        variant += ", bf16 inputs"
     table = Table(title=f"{cpu_model()}: attention block, ringctx ({variant}) vs PyTorch's CPU op "
                         f"({args.rounds} rounds)")
     for col in ("block", "ringctx", "PyTorch", "GFLOP/s", "ratio (paired)", "range", "max |diff|"):

@@ -114,6 +114,32 @@ def test_spans_shared_out_or_per_unit_give_the_same_bits(kernel_variant, threads
             assert torch.equal(few_out, many_out[rows]) and torch.equal(few_lse, many_lse[:, rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_units_that_read_each_block_together_keep_their_bits(kernel_variant, dtype):
+    """A thread takes up to 4 units of a head together (each block of keys read, and bf16 widened,
+    once for all of them), fewer where that would leave too few items for the threads: a causal
+    block's units of different lengths, and a full block's spans, have the bits they have with
+    other threads, alone, and on float32 copies."""
+    q, k, v = rand(1000, 9, 64, seed=7), rand(2500, 3, 64, seed=8), rand(2500, 3, 64, seed=9)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    needs_kernel(q, k, v)
+    for causal, keys in ((True, 1000), (False, 2500)):
+        runs = []
+        for threads in (1, 2, 3):
+            with torch_threads(threads):
+                runs.append(cpu_kernels.flash_attention(q, k[:keys], v[:keys], causal=causal, scale=0.125))
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), causal
+        rows = slice(0, 77) if causal else slice(500, 577)
+        alone = cpu_kernels.flash_attention(q[rows], k[:77] if causal else k, v[:77] if causal else v,
+                                            causal=causal, scale=0.125)
+        assert torch.equal(alone[0], runs[0][0][rows]) and torch.equal(alone[1], runs[0][1][:, rows]), causal
+        if dtype == torch.bfloat16:
+            copies = cpu_kernels.flash_attention(q.float(), k[:keys].float(), v[:keys].float(), causal=causal,
+                                                 scale=0.125)
+            assert torch.equal(copies[0], runs[0][0]) and torch.equal(copies[1], runs[0][1]), causal
+
+
 def test_strided_views_are_read_in_place(kernel_variant):
     """Views into a fused q/k/v projection and into a cache with room after its rows: the same bits
     as contiguous copies."""
