@@ -95,7 +95,7 @@ typedef struct {
     float *m, *l, *acc;
 } flash_partial;
 
-/* Per-thread buffers for units of up to rows_pad rows (a multiple of ROW_TILE). */
+/* Per-thread buffers for units of up to rows_pad rows (a multiple of VW). */
 typedef struct {
     float *st;    /* [BLOCK_KEYS, rows_pad]: a block's scores, then its probabilities */
     float *alpha; /* [rows_pad]: a block's rescale of the partial's acc */
@@ -106,43 +106,46 @@ typedef struct {
 
 /* A unit on its way over the keys: its rows, queries and where its partial goes. */
 typedef struct {
-    int64_t rows, rows_pad, t0; /* rows_pad: a multiple of ROW_TILE; tokens from t0 */
+    int64_t rows, rows_pad, t0; /* rows_pad: a multiple of VW; tokens from t0 */
     int64_t j_end;              /* the keys it attends end here (attend_keys' j_begin to this) */
     float *qt;                  /* [D, rows_pad]: its queries, transposed, zero beyond its rows */
     flash_partial out;
 } flash_unit;
 
-/* Rows padded to whole score tiles (ROW_TILE: 16 on AVX2, 32 on AVX-512); P V takes the last
- * rows in a smaller tile where OUT_ROWS does not divide that. */
-static int64_t pad_rows(int64_t rows) { return (rows + ROW_TILE - 1) / ROW_TILE * ROW_TILE; }
+/* Rows padded to whole vectors (VW: 8 on AVX2, 16 on AVX-512): scores take them ROW_TILE at a
+ * time and the last VW alone where ROW_TILE does not divide that (a question's 14 tokens times a
+ * group of 3: 42 rows, 48 on AVX2 and AVX-512 alike); P V takes the last rows in a smaller tile
+ * where OUT_ROWS does not divide it. */
+static int64_t pad_rows(int64_t rows) { return (rows + VW - 1) / VW * VW; }
 
-/* S^T [KEY_TILE keys, rows r0..r0 + ROW_TILE): sum over d of k[i, d] qt[d, r], key i's row at
- * k + i k_rs; top [ROW_TILE] (the rows' max score in the block so far) takes the max of the first
- * `valid` keys' scores (the others are padding). */
+/* S^T [KEY_TILE keys, rows r0..r0 + NV VW): sum over d of k[i, d] qt[d, r], key i's row at
+ * k + i k_rs (NV: ROW_VECS, or 1 for a unit's last rows); top [NV VW] (the rows' max score in the
+ * block so far) takes the max of the first `valid` keys' scores (the others are padding). Each
+ * lane's sums are the same in either tile. */
 SIMD_INLINE void scores_tile(const float *k, int64_t k_rs, const float *qt, int64_t rows_pad, int64_t D, float *st,
-                             float *top, int valid) {
+                             float *top, int valid, const int NV) {
     vfloat a[KEY_TILE][ROW_VECS];
 #pragma GCC unroll 12
     for (int i = 0; i < KEY_TILE; ++i)
 #pragma GCC unroll 2
-        for (int c = 0; c < ROW_VECS; ++c) a[i][c] = vzero();
+        for (int c = 0; c < NV; ++c) a[i][c] = vzero();
     for (int64_t d = 0; d < D; ++d) {
         vfloat qv[ROW_VECS];
 #pragma GCC unroll 2
-        for (int c = 0; c < ROW_VECS; ++c) qv[c] = vload(qt + d * rows_pad + c * VW);
+        for (int c = 0; c < NV; ++c) qv[c] = vload(qt + d * rows_pad + c * VW);
 #pragma GCC unroll 12
         for (int i = 0; i < KEY_TILE; ++i) {
             const vfloat kb = vset1(k[i * k_rs + d]);
 #pragma GCC unroll 2
-            for (int c = 0; c < ROW_VECS; ++c) a[i][c] = vfma(kb, qv[c], a[i][c]);
+            for (int c = 0; c < NV; ++c) a[i][c] = vfma(kb, qv[c], a[i][c]);
         }
     }
 #pragma GCC unroll 12
     for (int i = 0; i < KEY_TILE; ++i)
 #pragma GCC unroll 2
-        for (int c = 0; c < ROW_VECS; ++c) vstore(st + i * rows_pad + c * VW, a[i][c]);
+        for (int c = 0; c < NV; ++c) vstore(st + i * rows_pad + c * VW, a[i][c]);
 #pragma GCC unroll 2
-    for (int c = 0; c < ROW_VECS; ++c) {
+    for (int c = 0; c < NV; ++c) {
         vfloat m = vload(top + c * VW);
 #pragma GCC unroll 12
         for (int i = 0; i < KEY_TILE; ++i)
@@ -306,17 +309,22 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
                     for (int64_t i = 0; i < n - j; ++i) memcpy(b->tail + i * D, kt + i * k_rs, (size_t)D * sizeof(float));
                     kt = b->tail, tile_rs = D;
                 }
-                for (int64_t r0 = 0; r0 < rows_pad; r0 += ROW_TILE)
+                const int valid = (int)(n - j < KEY_TILE ? n - j : KEY_TILE);
+                int64_t r0 = 0;
+                for (; r0 + ROW_TILE <= rows_pad; r0 += ROW_TILE)
                     scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
-                                (int)(n - j < KEY_TILE ? n - j : KEY_TILE));
+                                valid, ROW_VECS);
+                if (r0 < rows_pad) /* one vector of rows left */
+                    scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
+                                valid, 1);
             }
             block_softmax(p, b, &unit->out, rows_pad, unit->rows, unit->t0, j0, n);
             float *acc = unit->out.acc;
             int64_t r0 = 0;
             for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
                 pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, OUT_ROWS);
-            /* rows_pad is whole ROW_TILEs, so what is left is 2 or 4 rows (OUT_ROWS 6 over tiles of 8
-             * or 16 rows) or 4 or 8 (12 over tiles of 32) */
+            /* rows_pad is whole vectors, so what is left is 2 or 4 rows (OUT_ROWS 6 over multiples of
+             * 4 or 8 rows) or 4 or 8 (12 over multiples of 16) */
             const int64_t left = rows_pad - r0;
             if (left == 2) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 2);
             else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 4);
