@@ -307,13 +307,14 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
             kb = (const float *)p->k + h * p->k_hs + j0 * p->k_rs, k_rs = p->k_rs;
             vb = (const float *)p->v + h * p->v_hs + j0 * p->v_rs, v_rs = p->v_rs;
         }
+        int asked = 0; /* the next block's rows: asked for over the first unit's tiles */
         for (int u = 0; u < n_units; ++u) {
             const flash_unit *unit = &units[u];
             if (unit->j_end <= j0) continue;
             const int64_t n = unit->j_end - j0 < BLOCK_KEYS ? unit->j_end - j0 : BLOCK_KEYS, rows_pad = unit->rows_pad;
             for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
             for (int64_t j = 0; j < n; j += KEY_TILE) {
-                if (u == 0) prefetch_rows(p, h, j0 + BLOCK_KEYS + j, KEY_TILE);
+                if (!asked) prefetch_rows(p, h, j0 + BLOCK_KEYS + j, KEY_TILE);
                 const float *kt = kb + j * k_rs;
                 int64_t tile_rs = k_rs;
                 /* the unit's last, partial tile: float32 keys copied, zeros after (widened bf16 keys
@@ -332,6 +333,7 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
                     scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                                 valid, 1);
             }
+            asked = 1;
             block_softmax(p, b, &unit->out, rows_pad, unit->rows, unit->t0, j0, n);
             float *acc = unit->out.acc;
             int64_t r0 = 0;
