@@ -254,7 +254,7 @@ static void widen_rows(const uint16_t *x, int64_t rs, int64_t hs, int64_t h, int
 /* Rows [row0, row0 + n) of head h of K and V (those below S) asked for ahead of their block. A
  * document's cache comes from memory, not the caches: asked for a key tile at a time while the block
  * before is computed, they arrive in time (a question's block over 8K keys, the 30 layers' K and V
- * in turn: 0.88x the time); asked for all at once as a block is widened, they waited for line
+ * in turn: 0.80-0.92x the time); asked for all at once as a block is widened, they waited for line
  * fill buffers, no faster than not asking. */
 SIMD_INLINE void prefetch_rows(const flash_problem *p, int64_t h, int64_t row0, int64_t n) {
     const int64_t size = p->bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
