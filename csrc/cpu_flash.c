@@ -243,10 +243,7 @@ static inline float bf16_value(uint16_t bits) {
  * dst [n, D], then zero rows up to the next multiple of KEY_TILE when zero_tail. */
 static void widen_rows(const uint16_t *x, int64_t rs, int64_t hs, int64_t h, int64_t j0, int64_t n, int64_t D,
                        float *dst, int zero_tail) {
-    for (int64_t i = 0; i < n; ++i) {
-        const uint16_t *row = x + (j0 + i) * rs + h * hs;
-        for (int64_t d = 0; d < D; d += VW) vstore(dst + i * D + d, vload_bf16(row + d));
-    }
+    widen_bf16_rows(x, rs, hs, h, j0, n, D, dst);
     if (zero_tail)
         for (int64_t i = n; i % KEY_TILE; ++i) memset(dst + i * D, 0, (size_t)D * sizeof(float));
 }

@@ -599,13 +599,6 @@ static void pv_heads(const float *p, int64_t Hkv, int64_t R, int64_t S, const vo
         }
 }
 
-/* Head h's bf16 V rows of keys [j0, j1) (at most PV_BLOCK) widened into tile [j1 - j0, D]. */
-static void widen_value_block(const uint16_t *v, int64_t Hkv, int64_t D, int64_t j0, int64_t j1, int64_t h,
-                              float *tile) {
-    for (int64_t j = j0; j < j1; ++j)
-        for (int64_t c = 0; c < D; c += VW) vstore(tile + (j - j0) * D + c, vload_bf16(v + (j * Hkv + h) * D + c));
-}
-
 /* The cache holds a key's heads side by side, so V is walked in blocks of PV_BLOCK keys, every
  * head of a block before the next block: each cache line comes from memory once, in order (one
  * pass per head over the whole range ran at half the memory's speed). */
@@ -625,7 +618,7 @@ void pv_range(const float *p, int64_t Hkv, int64_t R, int64_t S, const void *v, 
             if (near) prefetch_slice((const char *)v + end * key_bytes, PV_BLOCK * key_bytes, h, Hkv, 0);
             if (far) prefetch_slice((const char *)v + (j + L2_AHEAD) * key_bytes, PV_BLOCK * key_bytes, h, Hkv, 1);
             if (widen_once) {
-                widen_value_block((const uint16_t *)v, Hkv, D, j, end, h, tile);
+                widen_bf16_rows((const uint16_t *)v, Hkv * D, D, h, j, end - j, D, tile);
                 pv_heads(p + h * R * S + j, 1, R, S, tile, 0, D, acc + h * R * D, 0, end - j, 0, 1);
             } else {
                 pv_heads(p, Hkv, R, S, v, bf16, D, acc, j, end, h, h + 1);

@@ -63,6 +63,17 @@ SIMD_INLINE vfloat load_any(const void *base, int bf16, int64_t i) {
     return bf16 ? vload_bf16((const uint16_t *)base + i) : vload((const float *)base + i);
 }
 
+/* Rows [j0, j0 + n) of head h of a bf16 K or V cache (row stride rs, head stride hs, in elements;
+ * D a multiple of VW) widened into dst [n, D] float32: what the attention kernels do to a block
+ * whose rows several query rows or tiles read (cpu_flash.c, pv_range). */
+static inline void widen_bf16_rows(const uint16_t *x, int64_t rs, int64_t hs, int64_t h, int64_t j0, int64_t n,
+                                   int64_t D, float *dst) {
+    for (int64_t i = 0; i < n; ++i) {
+        const uint16_t *row = x + (j0 + i) * rs + h * hs;
+        for (int64_t d = 0; d < D; d += VW) vstore(dst + i * D + d, vload_bf16(row + d));
+    }
+}
+
 /* The first n of them (n < VW; the other lanes read as 0). */
 static inline vfloat load_any_part(const void *base, int bf16, int64_t i, int64_t n) {
     float t[VW] = {0};
