@@ -512,3 +512,110 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
     for (int64_t i = 0; i < b * s->dim; ++i) store_one(x, bf16, i, w.resid[i]);
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * A short prefill on one rank: T tokens of one sequence through every layer in one call
+ * (ringctx_prefill_rows; ringctx/model/decode_step.py's FusedPrefill, run by the prefill engine
+ * for a question's tokens over a document's cache).
+ *
+ * Why: run layer by layer from Python, such a prefill spends ~0.45 ms a layer between its kernels
+ * (a 15-token question over an 8K-token document with SmolLM2 on 2 cores: 14 of its 100 ms). The
+ * kernels are the ones that Python path calls, in the same order on the same values, so the bits
+ * are its bits (FusedPrefill.takes says where that path takes them):
+ *
+ *   norms, products, RoPE, SwiGLU, residuals    layer_qkv and layer_output above, over T rows (the
+ *                                               products are small_linear's loop: gemv_block_pairs)
+ *   the rows' k, v                              into cache rows cached .. cached + T - 1
+ *   attention                                   attention_block's two blocks of a question: the
+ *                                               flash kernel over rows 0 .. cached - 1 (full),
+ *                                               then over the new rows (causal); each output
+ *                                               rounded to the model dtype and merged by
+ *                                               log-sum-exp into float32 zeros in that order
+ *                                               (ringctx_merge_rows: PartialAccumulator.add), the
+ *                                               merged output rounded.
+ * ------------------------------------------------------------------------------------------ */
+
+int ringctx_merge_rows(float *acc_out, int64_t a_rs, float *acc_lse, int64_t l_hs, const void *out, int out_bf16,
+                       int64_t o_rs, int64_t o_hs, const float *lse, int64_t lse_hs, int64_t n, int64_t H, int64_t D);
+
+/* Floats of work buffer that ringctx_prefill_rows needs for t rows and this thread count: the
+ * batch step's arrays, then a block's output [t, Hq, D] and lse [Hq, t], then the queries in the
+ * model dtype [t, Hq, D]. */
+int64_t ringctx_prefill_work_floats(const ringctx_decoder_shape *s, int64_t t, int threads) {
+    const int64_t rows = t * s->n_heads * s->head_dim;
+    return layout_batch(s, t, threads).total + rows + s->n_heads * t + rows;
+}
+
+/* One flash block of the T queries (q: [T, Hq, D] in the model dtype, contiguous) against keys and
+ * values [S, Hkv, D] (cache rows), its output rounded to the model dtype, merged into the running
+ * output and lse. */
+static int attend_block(const ringctx_decoder_shape *s, const void *q, const void *k, const void *v, int64_t t,
+                        int64_t keys, int causal, float *out, float *lse, float *acc, float *acc_lse, int threads) {
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
+    const int status = s->bf16
+        ? ringctx_flash_attention_bf16((const uint16_t *)q, hq * d, d, (const uint16_t *)k, hkv * d, d,
+                                       (const uint16_t *)v, hkv * d, d, t, keys, hq, hkv, d, causal, s->softmax_scale,
+                                       out, hq * d, d, lse, threads)
+        : ringctx_flash_attention((const float *)q, hq * d, d, (const float *)k, hkv * d, d, (const float *)v,
+                                  hkv * d, d, t, keys, hq, hkv, d, causal, s->softmax_scale, out, hq * d, d, lse,
+                                  threads);
+    if (status != 0) return status;
+    for (int64_t i = 0; i < t * hq * d; ++i) out[i] = round_to(out[i], s->bf16);
+    return ringctx_merge_rows(acc, hq * d, acc_lse, t, out, 0, hq * d, d, lse, t, t, hq, d);
+}
+
+/* Run t tokens of one sequence through n_layers layers. x [t, dim] (model dtype): the tokens'
+ * embeddings on entry, the last layer's outputs (before the final norm) on return. cos, sin:
+ * [t, head_dim] rotary factors of the tokens' positions (model dtype). k, v: [n_layers] the
+ * cache's rows [rows, Hkv, D] in the model dtype (token-major, contiguous): rows 0 .. cached - 1
+ * are attended, the tokens' k, v are written to rows cached .. cached + t - 1. work: at least
+ * ringctx_prefill_work_floats(shape, t, threads) floats.
+ * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape or t outside
+ * 1..MAX_BATCH, or the flash kernel's error. */
+int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
+                         void *x, int64_t t, const void *cos, const void *sin, void *const *k, void *const *v,
+                         int64_t cached, float *work, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    if (t < 1 || t > MAX_BATCH || cached < 0 || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
+        s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || !int8_weights_fit(s, layers, n_layers))
+        return -2;
+    if (threads < 1) threads = 1;
+    if (threads > 256) threads = 256;
+    const int bf16 = s->bf16;
+    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, width = (hq + 2 * hkv) * d;
+    const batch_layout l = layout_batch(s, t, threads);
+    const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
+                          work + l.split, work + l.threads, l.per_thread};
+    const batch_attention a = {s, t, width, w.qkv, work + l.part_out, work + l.part_lse,
+                               work + l.queries, work + l.threads, l.per_thread};
+    float *block_out = work + l.total, *block_lse = block_out + t * hq * d;
+    void *queries = block_lse + hq * t; /* [t, Hq, D] in the model dtype */
+    /* each row writes its k, v into its own cache row (layer_qkv's writers) */
+    ringctx_attention_source rows[MAX_BATCH];
+    const ringctx_attention_source *writer[MAX_BATCH];
+    for (int64_t r = 0; r < t; ++r) {
+        rows[r] = (ringctx_attention_source){k, v, NULL, NULL, NULL, 1, cached + t, cached + r, -1};
+        writer[r] = rows + r;
+    }
+    for (int64_t i = 0; i < t * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
+    for (int64_t li = 0; li < n_layers; ++li) {
+#pragma omp parallel num_threads(threads)
+        layer_qkv(s, layers + li, li, &w, &a, t, cos, sin, writer);
+        for (int64_t r = 0; r < t; ++r) /* the q heads, exact in the model dtype (they were rounded to it) */
+            for (int64_t i = 0; i < hq * d; ++i) store_one(queries, bf16, r * hq * d + i, w.qkv[r * width + i]);
+        const int64_t row_bytes = hkv * d * (bf16 ? 2 : 4);
+        int status = 0;
+        if (cached > 0)
+            status = attend_block(s, queries, k[li], v[li], t, cached, 0, block_out, block_lse, a.out, a.lse, threads);
+        if (status == 0)
+            status = attend_block(s, queries, (const char *)k[li] + cached * row_bytes,
+                                  (const char *)v[li] + cached * row_bytes, t, t, 1, block_out, block_lse, a.out,
+                                  a.lse, threads);
+        if (status != 0) return status;
+        for (int64_t i = 0; i < t * hq * d; ++i) w.attn[i] = round_to(a.out[i], bf16);
+#pragma omp parallel num_threads(threads)
+        layer_output(s, layers + li, &w, t);
+    }
+    for (int64_t i = 0; i < t * s->dim; ++i) store_one(x, bf16, i, w.resid[i]);
+    return 0;
+}

@@ -269,6 +269,9 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_decode_batch_work_floats.restype = i64
     lib.ringctx_decode_batch_offsets.argtypes = [shape, i64, ptr]
     lib.ringctx_decode_batch_offsets.restype = None
+    lib.ringctx_prefill_rows.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    lib.ringctx_prefill_work_floats.argtypes = [shape, i64, i32]
+    lib.ringctx_prefill_work_floats.restype = i64
     lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache
+from ..model.decode_step import FusedPrefill
 from ..model.tensor_parallel import split_range
 from ..model.transformer import rope_position_problem
 from ..parallel import STRATEGIES, CommStats, ShardLayout, ring_attention
@@ -320,6 +321,7 @@ class PrefillRun:
                                   tp_size=model.tp.size)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
         self.next_chunk = 0
+        self._fused: FusedPrefill | bool | None = None  # built on first use (False: does not apply)
         self._slice: _ChunkInProgress | None = None  # a chunk that step(layers=...) has begun
 
     @property
@@ -357,8 +359,11 @@ class PrefillRun:
             end = n_layers if layers is None else min(n_layers, chunk.next_layer + layers)
             with span(f"chunk {chunk.index}", "compute", strategy=chunk.record.strategy,
                       layers=f"{chunk.next_layer}-{end - 1}"):
-                for layer_index in range(chunk.next_layer, end):
-                    chunk.x = self.model.layers[layer_index](chunk.x, chunk.rope, chunk.attend, layer_index)
+                if chunk.fused is not None:  # the same kernels in one call: the same bits
+                    chunk.x = chunk.fused(chunk.x, chunk.rope, self.shard, chunk.rows_before, chunk.next_layer, end)
+                else:
+                    for layer_index in range(chunk.next_layer, end):
+                        chunk.x = self.model.layers[layer_index](chunk.x, chunk.rope, chunk.attend, layer_index)
                 chunk.next_layer = end
                 if end == n_layers and chunk.index == len(self.chunks) - 1:
                     self.logits = _last_token_logits(self.model, chunk.x, chunk.layout, self.rank, self.world,
@@ -390,7 +395,20 @@ class PrefillRun:
         positions = layout.positions(rank).to(model.device)
         rope = model.rope(positions)
         record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, 0.0, short_reason, formula)
-        return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before)
+        return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before,
+                                self._fused_prefill(e - s, rows_before))
+
+    def _fused_prefill(self, rows: int, rows_before: int) -> FusedPrefill | None:
+        """The fused prefill for a chunk of `rows` tokens after `rows_before` rows of this rank's shard
+        where it gives the layer-by-layer path's bits (one rank: a question's tokens over its
+        document on a CPU without bf16 units), else None."""
+        if self.world != 1 or self.model.tp.size != 1:
+            return None
+        if self._fused is None:
+            self._fused = FusedPrefill.build(self.model) or False
+        fused = self._fused or None
+        return fused if fused is not None and fused.takes(rows, self.shard, rows_before,
+                                                          self.config.attn_backend) else None
 
     def _end_chunk(self) -> ChunkStats:
         """Account for the chunk whose last layer has run: the shard's new rows, its stats."""
@@ -460,6 +478,8 @@ class _ChunkInProgress:
     positions: torch.Tensor
     rope: object
     rows_before: int
+    fused: FusedPrefill | None = None
+    """The chunk's layers in one C call, where they take the kernels of that call (one rank)."""
     next_layer: int = 0
     seconds: float = 0.0
     """Time this rank spent on the chunk's slices (not the time between them)."""

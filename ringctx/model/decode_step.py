@@ -35,12 +35,15 @@ and output projection.
 from __future__ import annotations
 
 import ctypes
+import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .. import cpu_kernels
+from ..attention.kernels import FLASH_FROM_ROWS_PER_KV_HEAD, SMALL_QUERY_ROWS
+from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
 from .int8_weights import int8_of
 from .kvcache import KVCache, forward_with_cache
 
@@ -299,6 +302,80 @@ class FusedBatchStep:
             self._attn.copy_(merged.to(self.model.dtype) if self.model.dtype != torch.float32 else merged)
         except BaseException as exc:  # no exception may cross back into C
             self._merge_error = exc
+
+
+class FusedPrefill:
+    """A short prefill's layers on one rank in one C call (ringctx_prefill_rows, csrc/cpu_decode.c):
+    a question's T tokens over the rows a cache already holds (its document's), with the bits of
+    `Block.forward` run layer by layer, where that path's kernels are the ones the call is made of
+    (`takes`): a bf16 model on a CPU without bf16 units (computing in float32), T rows in the
+    range `linear` gives small_linear and whose blocks attention_block gives the float32 flash
+    kernel. From Python such a prefill spent ~0.45 ms a layer between its kernels (a 15-token
+    question over an 8K-token document, SmolLM2, 2 cores: 14 of its 100 ms).
+
+        fused = FusedPrefill.build(model)                   # None where the kernel does not apply
+        if fused is not None and fused.takes(T, cache, cached, backend):
+            x = fused(x, rope, cache, cached, first, end)    # layers [first, end): [T, dim] model dtype
+
+    The tokens' k, v go to cache rows cached .. cached + T - 1 of each layer run, as
+    `KVCache.update` writes them; the caller advances the cache's length.
+    """
+
+    def __init__(self, model, lib: ctypes.CDLL):
+        self.model, self.lib = model, lib
+        self.shape, self.layers = _shape_and_layers(model)
+        # ring_attention's scale (1 / sqrt(D)), the Python path's
+        self.shape.softmax_scale = 1.0 / math.sqrt(model.config.head_dim)
+        self.group = model.config.n_heads // model.config.n_kv_heads
+
+    @classmethod
+    def build(cls, model) -> "FusedPrefill | None":
+        """The fused prefill for this model, or None where it cannot apply: the fused batch step's
+        conditions (FusedBatchStep.build), and a bf16 model on a CPU computing it in float32
+        (elsewhere `linear` and attention_block take other kernels at a question's rows)."""
+        if FusedBatchStep.build(model) is None or model.dtype != torch.bfloat16:
+            return None
+        if not computes_in_float32(model.layers[0].attention_norm.weight) or cpu_kernels.amx_available():
+            return None
+        if not cpu_kernels.flash_attention_built(model.config.head_dim):
+            return None
+        lib = cpu_kernels.library()
+        return None if lib is None else cls(model, lib)
+
+    def takes(self, rows: int, cache: KVCache, cached: int, backend: str) -> bool:
+        """Whether `rows` tokens over `cached` rows of `cache` take exactly the kernels of this call
+        on the Python path: small_linear's rows (past MAX_ROWS, below UPCAST_MIN_ROWS), the flash
+        kernel for the full block over the cached rows (FLASH_FROM_ROWS_PER_KV_HEAD query rows per
+        KV head) and for the causal one; a cache in the model dtype with room for the rows."""
+        if backend != "auto" or not (max(cpu_kernels.MAX_ROWS, SMALL_QUERY_ROWS) < rows < UPCAST_MIN_ROWS
+                                     and rows <= cpu_kernels.MAX_BATCH):
+            return False
+        if cached and rows * self.group < FLASH_FROM_ROWS_PER_KV_HEAD:
+            return False
+        return (cache.device.type == "cpu" and cache.k[0].dtype == self.model.dtype
+                and 0 <= cached and cached + rows <= cache.max_tokens
+                and all(t.is_contiguous() for t in cache.k + cache.v))
+
+    def __call__(self, x: torch.Tensor, rope, cache: KVCache, cached: int, first: int, end: int) -> torch.Tensor:
+        """Layers [first, end) over x [T, dim] (model dtype) at positions cached .. cached + T - 1
+        (`rope`: their RopeAngles); returns the new x [T, dim]."""
+        rows = x.shape[0]
+        x = x.contiguous().clone()  # the kernel writes its result here
+        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        n = end - first
+        pointers = ctypes.c_void_p * n
+        k = pointers(*(t.data_ptr() for t in cache.k[first:end]))
+        v = pointers(*(t.data_ptr() for t in cache.v[first:end]))
+        threads = torch.get_num_threads()
+        work = torch.empty(self.lib.ringctx_prefill_work_floats(ctypes.byref(self.shape), rows, threads))
+        layers = ctypes.cast(ctypes.byref(self.layers, first * ctypes.sizeof(cpu_kernels.DecoderLayer)),
+                             ctypes.POINTER(cpu_kernels.DecoderLayer))
+        status = self.lib.ringctx_prefill_rows(ctypes.byref(self.shape), layers, n, x.data_ptr(), rows,
+                                               cos.data_ptr(), sin.data_ptr(), k, v, cached, work.data_ptr(),
+                                               threads)
+        if status != 0:
+            raise RuntimeError(f"ringctx_prefill_rows failed with status {status} ({rows} rows over {cached})")
+        return x
 
 
 def step_logits(model, x: torch.Tensor) -> torch.Tensor:
