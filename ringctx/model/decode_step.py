@@ -321,8 +321,10 @@ class FusedPrefill:
     `KVCache.update` writes them; the caller advances the cache's length.
     """
 
-    def __init__(self, model, lib: ctypes.CDLL):
-        self.model, self.lib = model, lib
+    def __init__(self, model, lib: ctypes.CDLL, weights: tuple[int, ...]):
+        # no reference to the model: _PREFILLS keeps this per model, and a value that held its key
+        # would keep the model alive
+        self.dtype, self.lib, self.weights = model.dtype, lib, weights
         self.shape, self.layers = _shape_and_layers(model)
         # ring_attention's scale (1 / sqrt(D)), the Python path's
         self.shape.softmax_scale = 1.0 / math.sqrt(model.config.head_dim)
@@ -332,15 +334,22 @@ class FusedPrefill:
     def build(cls, model) -> "FusedPrefill | None":
         """The fused prefill for this model, or None where it cannot apply: the fused batch step's
         conditions (FusedBatchStep.build), and a bf16 model on a CPU computing it in float32
-        (elsewhere `linear` and attention_block take other kernels at a question's rows)."""
-        if FusedBatchStep.build(model) is None or model.dtype != torch.bfloat16:
-            return None
-        if not computes_in_float32(model.layers[0].attention_norm.weight) or cpu_kernels.amx_available():
-            return None
-        if not cpu_kernels.flash_attention_built(model.config.head_dim):
+        (elsewhere `linear` and attention_block take other kernels at a question's rows). Kept per
+        model while its weights stay where they are (building one took ~3 ms, once per question)."""
+        if model.dtype != torch.bfloat16 or not computes_in_float32(model.layers[0].attention_norm.weight) \
+                or cpu_kernels.amx_available() or not cpu_kernels.flash_attention_built(model.config.head_dim):
             return None
         lib = cpu_kernels.library()
-        return None if lib is None else cls(model, lib)
+        if lib is None:
+            return None
+        weights = tuple(t.data_ptr() for block in model.layers for t in _block_tensors(block))
+        kept = _PREFILLS.get(model)
+        if kept is not None and kept.lib is lib and kept.weights == weights:
+            return kept
+        if FusedBatchStep.build(model) is None:
+            return None
+        _PREFILLS[model] = fused = cls(model, lib, weights)
+        return fused
 
     def takes(self, rows: int, cache: KVCache, cached: int, backend: str) -> bool:
         """Whether `rows` tokens over `cached` rows of `cache` take exactly the kernels of this call
@@ -352,7 +361,7 @@ class FusedPrefill:
             return False
         if cached and rows * self.group < FLASH_FROM_ROWS_PER_KV_HEAD:
             return False
-        return (cache.device.type == "cpu" and cache.k[0].dtype == self.model.dtype
+        return (cache.device.type == "cpu" and cache.k[0].dtype == self.dtype
                 and 0 <= cached and cached + rows <= cache.max_tokens
                 and all(t.is_contiguous() for t in cache.k + cache.v))
 
@@ -376,6 +385,10 @@ class FusedPrefill:
         if status != 0:
             raise RuntimeError(f"ringctx_prefill_rows failed with status {status} ({rows} rows over {cached})")
         return x
+
+
+_PREFILLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> its FusedPrefill (see FusedPrefill.build)."""
 
 
 def step_logits(model, x: torch.Tensor) -> torch.Tensor:

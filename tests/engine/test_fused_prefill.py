@@ -145,3 +145,23 @@ def test_fused_prefill_is_not_built_where_bf16_runs_natively(monkeypatch):
     monkeypatch.setattr(cpu_features, "cpu_has_fast_bf16", lambda: True)
     model = random_model(SHAPES["gqa3-d64-bias-tied"], torch.bfloat16)
     assert FusedPrefill.build(model) is None
+
+
+@needs_kernels
+def test_fused_prefill_is_kept_per_model_while_its_weights_stay(float32_math):
+    """Built once per model (its weights' pointers unchanged), rebuilt when a weight is replaced,
+    and never what keeps a model alive."""
+    import gc
+    import weakref
+
+    model = random_model(SHAPES["gqa3-d64-bias-tied"], torch.bfloat16)
+    first = FusedPrefill.build(model)
+    assert first is not None and FusedPrefill.build(model) is first
+    block = model.layers[-1].feed_forward
+    block.w2.weight = torch.nn.Parameter(block.w2.weight.detach().clone(), requires_grad=False)
+    rebuilt = FusedPrefill.build(model)
+    assert rebuilt is not None and rebuilt is not first
+    alive = weakref.ref(model)
+    del model, block
+    gc.collect()
+    assert alive() is None
