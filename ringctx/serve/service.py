@@ -42,9 +42,6 @@ KV_BUDGET_SHARE = 0.5
 documents' KV caches may keep: the rest stays free for an ingest in flight (its shards live on
 every rank until the hand-off) and for answers' rows."""
 
-BOUNDARY_TOKENS = 8
-"""Tokens at a document's end that a prompt resending it may tokenize differently (see _prefix_document)."""
-
 ANSWER_ROWS_SHARE = 0.25
 """KV rows the questions decoding together may hold (prompts and max_tokens), as a share of the
 documents' KV budget: beyond it new questions wait in the queue (see Scheduler's max_rows)."""
@@ -454,12 +451,15 @@ class EngineBackend:
             text = tok.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
         else:
             text = request.prompt or ""
+        reuse = self._document_text_prefix(text)  # a resent document: its text is not tokenized again
+        if reuse is not None:
+            return reuse
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if len(ids) < 2:
             raise api.BadRequest("the prompt has fewer than 2 tokens: give a longer prompt",
                                  param="messages" if request.messages is not None else "prompt")
         ids = torch.tensor(ids, dtype=torch.long)
-        reuse = self._prefix_document(ids, text)
+        reuse = self._prefix_document(ids)
         return reuse if reuse is not None else (None, ids)
 
     def _continuation(self, messages: list[dict]) -> str:
@@ -475,32 +475,43 @@ class EngineBackend:
                                                       add_generation_prompt=True)
         return rendered.split(marker, 1)[1]
 
-    def _prefix_document(self, ids: torch.Tensor, text: str) -> tuple[str, torch.Tensor] | None:
-        """(a ready document the prompt begins with, the prompt's tokens after it), for a client that
-        resends the document, or None. The longest such document wins.
+    def _document_text_prefix(self, text: str) -> tuple[str, torch.Tensor] | None:
+        """(a ready document whose text begins the prompt's, the tokens of the prompt's text after
+        it), for a client that resends the document, or None. The longest such document wins.
 
-        Tokens alone do not tell: where the document ends, the prompt's text goes on, and BPE merges
-        across that boundary differently ("sun. \n\n" alone, "sun. \n\nWhat" in the prompt). So a
-        document whose tokens begin the prompt's up to its last few is confirmed by its text (the
-        SHA-256 of the prompt's first characters), and the rest of the prompt is tokenized on its own:
-        the tokens Engine.ask would put after the document for that text."""
-        best = None
+        Found by text, before the prompt is tokenized (an 8K-token document took 11 ms to tokenize
+        again, most of what a resent question cost over one naming its document): the SHA-256 of the
+        prompt's first characters against each document's rendered text, one pass over the prompt
+        for all of them. Tokens alone would not tell: where the document ends the prompt's text goes
+        on, and BPE merges across that boundary differently ("sun. \n\n" alone, "sun. \n\nWhat" in
+        the prompt). So the rest of the prompt is tokenized on its own: the tokens Engine.ask puts
+        after the document for that text."""
+        with self._lock:
+            candidates = sorted((r for r in self._records.values()
+                                 if r.status == "ready" and r.text_sha256 and r.text_chars < len(text)),
+                                key=lambda r: r.text_chars)
+        digest, hashed, best = hashlib.sha256(), 0, None
+        for record in candidates:
+            digest.update(text[hashed:record.text_chars].encode("utf-8", "surrogatepass"))
+            hashed = record.text_chars
+            if digest.hexdigest() == record.text_sha256:
+                best = record  # a longer one later wins
+        if best is None:
+            return None
+        rest = self.tokenizer(text[best.text_chars:], add_special_tokens=False)["input_ids"]
+        return (best.id, torch.tensor(rest, dtype=torch.long)) if rest else None
+
+    def _prefix_document(self, ids: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(a ready document whose tokens begin the prompt's, the prompt's tokens after them), or None
+        (a prompt sent as the document's tokens' text without its rendered frame, say). The longest
+        such document wins."""
         with self._lock:
             candidates = [(self._records[d], t) for d, t in self._tokens.items()
                           if d in self._records and self._records[d].status == "ready"]
         for record, tokens in sorted(candidates, key=lambda c: -c[1].numel()):
             n = tokens.numel()
             if n < ids.numel() and torch.equal(ids[:n], tokens):
-                best = (record.id, ids[n:])
-            elif record.text_sha256 and len(text) > record.text_chars:
-                sure = max(0, n - BOUNDARY_TOKENS)
-                if ids.numel() > sure and torch.equal(ids[:sure], tokens[:sure]) and \
-                        _sha256(text[:record.text_chars]) == record.text_sha256:
-                    rest = self.tokenizer(text[record.text_chars:], add_special_tokens=False)["input_ids"]
-                    if rest:
-                        best = (record.id, torch.tensor(rest, dtype=torch.long))
-            if best is not None:
-                return best
+                return record.id, ids[n:]
         return None
 
     # ------------------------------------------------------------------ health and closing
