@@ -334,7 +334,7 @@ def library() -> ctypes.CDLL | None:
     return _load()
 
 
-KERNEL_NAMES = ("fused decode step", "GEMV", "int8 weights GEMV", "decode attention (model dtype)",
+KERNEL_NAMES = ("fused decode step", "fused short prefill", "GEMV", "int8 weights GEMV", "decode attention (model dtype)",
                 "decode attention (int8, fp8)", "RMSNorm/RoPE/SwiGLU rows", "float32 flash attention",
                 "AMX bf16 attention")
 """What `cpu_kernels_report` says of, one entry each."""
@@ -353,6 +353,11 @@ def cpu_kernels_report() -> dict:
         if not variant.reads_int8_weights:
             kernels["int8 weights GEMV"] = (f"not in use: the {variant.name} variant widens int8 codes slower than "
                                             "it reads bf16 (--weights int8 decodes from the bf16 values)")
+        from .cpu_features import cpu_has_fast_bf16
+
+        if cpu_has_fast_bf16():
+            kernels["fused short prefill"] = ("not in use: this CPU computes bf16 natively (a question's rows "
+                                              "take the AMX or PyTorch kernels)")
         amx_reason = amx_unavailable_reason()
         if amx_reason is not None:
             kernels["AMX bf16 attention"] = f"not in use: {amx_reason} (bf16 attention uses PyTorch's op)"
