@@ -30,6 +30,10 @@ caller says which row (if any) receives the token's K/V and how many rows to att
 `merge(out, lse)` that combines this rank's partial attention with the other ranks' (the engine's
 decode does it with one exchange per layer); the kernel calls it between each layer's attention
 and output projection.
+
+`FusedPrefill` runs a question's prefill on one rank (its T tokens over a document's rows) in one
+call of the kernels the layer-by-layer path would run (a bf16 model on a CPU without bf16 units),
+with that path's bits; the prefill engine (engine/prefill.py) takes it where `takes` says so.
 """
 
 from __future__ import annotations
