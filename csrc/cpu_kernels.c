@@ -64,11 +64,9 @@ void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf1
             a2 = vfma(load_any_part(w2, bf16, full, rest), xv, a2);
             a3 = vfma(load_any_part(w3, bf16, full, rest), xv, a3);
         }
-        float *yr = y + r * out + o;
-        yr[0] = vsum(a0);
-        if (n > 1) yr[1] = vsum(a1);
-        if (n > 2) yr[2] = vsum(a2);
-        if (n > 3) yr[3] = vsum(a3);
+        float sums[4];
+        vsum4(a0, a1, a2, a3, sums, sums + 1, sums + 2, sums + 3);
+        for (int64_t q = 0; q < n; ++q) y[r * out + o + q] = sums[q];
     }
 }
 
@@ -105,9 +103,15 @@ SIMD_INLINE void gemv_two_rows(const float *xa, const float *xb, int64_t in, con
             eb[q] = vfma(w_even, xbe, eb[q]), ob[q] = vfma(w_odd, xbo, ob[q]);
         }
     }
+#if PAIR_W == 2 /* the four sums at once */
+    float sums[4];
+    vsum4(ea[0] + oa[0], ea[1] + oa[1], eb[0] + ob[0], eb[1] + ob[1], sums, sums + 1, sums + 2, sums + 3);
+    for (int q = 0; q < NW && q < n; ++q) ya[q] = sums[q], yb[q] = sums[2 + q];
+#else
 #pragma GCC unroll 4
     for (int q = 0; q < NW; ++q)
         if (q < n) ya[q] = vsum(ea[q] + oa[q]), yb[q] = vsum(eb[q] + ob[q]);
+#endif
 }
 
 /* Activation rows a tile of gemv_four_rows takes: on AVX2 and portable builds (16 registers: 8
@@ -136,8 +140,7 @@ SIMD_INLINE void gemv_four_rows(const float *x, int64_t in, const uint16_t *w, f
             odd[r] = vfma(w_odd, vload(x + r * in + i + VW), odd[r]);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) y[r * out] = vsum(even[r] + odd[r]);
+    vsum4(even[0] + odd[0], even[1] + odd[1], even[2] + odd[2], even[3] + odd[3], y, y + out, y + 2 * out, y + 3 * out);
 }
 
 /* gemv_block for bf16 weights widened in pairs (vload_bf16_pairs: half the widening instructions;
@@ -183,11 +186,9 @@ void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t 
             vload_bf16_pairs(w3 + i, &w_even, &w_odd);
             e3 = vfma(w_even, x_even, e3), o3 = vfma(w_odd, x_odd, o3);
         }
-        float *yr = y + r * out + o;
-        yr[0] = vsum(e0 + o0);
-        if (n > 1) yr[1] = vsum(e1 + o1);
-        if (n > 2) yr[2] = vsum(e2 + o2);
-        if (n > 3) yr[3] = vsum(e3 + o3);
+        float sums[4];
+        vsum4(e0 + o0, e1 + o1, e2 + o2, e3 + o3, sums, sums + 1, sums + 2, sums + 3);
+        for (int64_t q = 0; q < n; ++q) y[r * out + o + q] = sums[q];
     }
 }
 
@@ -235,11 +236,9 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
                 e3 = vfma(vfma(w_even, s3, b3), x_even, e3), o3 = vfma(vfma(w_odd, t3, d3), x_odd, o3);
             }
         }
-        float *yr = y + r * out + o;
-        yr[0] = vsum(e0 + o0);
-        if (n > 1) yr[1] = vsum(e1 + o1);
-        if (n > 2) yr[2] = vsum(e2 + o2);
-        if (n > 3) yr[3] = vsum(e3 + o3);
+        float sums[4];
+        vsum4(e0 + o0, e1 + o1, e2 + o2, e3 + o3, sums, sums + 1, sums + 2, sums + 3);
+        for (int64_t q = 0; q < n; ++q) y[r * out + o + q] = sums[q];
     }
 }
 

@@ -121,6 +121,23 @@ SIMD_INLINE float vsum(vfloat v) {
 #endif
 }
 
+/* vsum of four vectors at once, each sum's additions the ones vsum makes in the same order (the
+ * same bits): on AVX2 11 instructions for the four (vsum: 6 each); elsewhere vsum four times. */
+SIMD_INLINE void vsum4(vfloat a, vfloat b, vfloat c, vfloat d, float *sa, float *sb, float *sc, float *sd) {
+#if defined(SIMD_AVX2)
+    /* halves: lanes i of [a | b] are a_i + a_(i+4), b_i + b_(i+4) (vsum's first add) */
+    const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+    /* quarters: [a0 + a2, a1 + a3, c0 + c2, c1 + c3 | b.., d..] (its second) */
+    const __m256 x = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 z = _mm256_add_ps(x, _mm256_movehdup_ps(x)); /* its third: lanes 0, 4, 2, 6 */
+    *sa = z[0], *sb = z[4], *sc = z[2], *sd = z[6];
+#else
+    *sa = vsum(a), *sb = vsum(b), *sc = vsum(c), *sd = vsum(d);
+#endif
+}
+
 SIMD_INLINE float vhmax(vfloat v) {
 #if defined(SIMD_AVX512)
     return _mm512_reduce_max_ps(v);
