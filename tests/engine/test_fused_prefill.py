@@ -20,7 +20,7 @@ from ringctx.engine.prefill import PrefillConfig, PrefillRun, cp_prefill
 from ringctx.model import KVCache
 from ringctx.model.decode_step import FusedPrefill
 from tests.core.test_cpu_kernels import needs_kernels
-from tests.model.test_decode_step import SHAPES, random_model
+from tests.model.test_decode_step import SHAPES, random_model, threads  # noqa: F401 (threads: a fixture, 1 and 3)
 
 pytestmark = pytest.mark.usefixtures("kernel_variant")
 
@@ -37,14 +37,6 @@ def float32_math(monkeypatch):
     cpu_features.cpu_has_fast_bf16.cache_clear()
     yield
     cpu_features.cpu_has_fast_bf16.cache_clear()
-
-
-@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}threads")
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def document_cache(model, tokens: int, room: int, seed: int = 1) -> KVCache:
