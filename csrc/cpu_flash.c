@@ -249,10 +249,11 @@ static void widen_rows(const uint16_t *x, int64_t rs, int64_t hs, int64_t h, int
 }
 
 /* Rows [row0, row0 + n) of head h of K and V (those below S) asked for ahead of their block. A
- * document's cache comes from memory, not the caches: asked for a key tile at a time while the block
+ * document's cache comes from memory, not the caches: asked for a few rows at a time while the block
  * before is computed, they arrive in time (a question's block over 8K keys, the 30 layers' K and V
  * in turn: 0.80-0.92x the time); asked for all at once as a block is widened, they waited for line
- * fill buffers, no faster than not asking. */
+ * fill buffers, no faster than not asking (and a key tile's rows at once still waited, see
+ * attend_keys). */
 SIMD_INLINE void prefetch_rows(const flash_problem *p, int64_t h, int64_t row0, int64_t n) {
     const int64_t size = p->bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
     for (int64_t r = row0; r < row0 + n && r < p->S; ++r) {
@@ -310,8 +311,12 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
             if (unit->j_end <= j0) continue;
             const int64_t n = unit->j_end - j0 < BLOCK_KEYS ? unit->j_end - j0 : BLOCK_KEYS, rows_pad = unit->rows_pad;
             for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
+            /* the next block's rows of a key tile asked for a part before each of the tile's
+             * scores tiles: a tile's 6-12 rows of K and V at once (24-48 lines) waited for line
+             * fill buffers, ~12% of a question's block */
+            const int64_t parts = (rows_pad + ROW_TILE - 1) / ROW_TILE;
             for (int64_t j = 0; j < n; j += KEY_TILE) {
-                if (!asked) prefetch_rows(p, h, j0 + BLOCK_KEYS + j, KEY_TILE);
+                const int64_t ahead = j0 + BLOCK_KEYS + j;
                 const float *kt = kb + j * k_rs;
                 int64_t tile_rs = k_rs;
                 /* the unit's last, partial tile: float32 keys copied, zeros after (widened bf16 keys
@@ -322,13 +327,20 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
                     kt = b->tail, tile_rs = D;
                 }
                 const int valid = (int)(n - j < KEY_TILE ? n - j : KEY_TILE);
-                int64_t r0 = 0;
-                for (; r0 + ROW_TILE <= rows_pad; r0 += ROW_TILE)
+                int64_t r0 = 0, part = 0;
+                for (; r0 + ROW_TILE <= rows_pad; r0 += ROW_TILE, ++part) {
+                    if (!asked)
+                        prefetch_rows(p, h, ahead + KEY_TILE * part / parts,
+                                      KEY_TILE * (part + 1) / parts - KEY_TILE * part / parts);
                     scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                                 valid, ROW_VECS);
-                if (r0 < rows_pad) /* one vector of rows left */
+                }
+                if (r0 < rows_pad) { /* one vector of rows left */
+                    if (!asked)
+                        prefetch_rows(p, h, ahead + KEY_TILE * part / parts, KEY_TILE - KEY_TILE * part / parts);
                     scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                                 valid, 1);
+                }
             }
             asked = 1;
             block_softmax(p, b, &unit->out, rows_pad, unit->rows, unit->t0, j0, n);
