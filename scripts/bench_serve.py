@@ -44,6 +44,10 @@ llama-cpp-python is not a ringctx dependency: install it for the benchmark only
 with AMX, build it without its AMX path, which crashes on the Q4_1 file (the server exits with
 SIGSEGV at the first request): CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
 -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF".
+Both sides on AVX2 (a stand-in for an AVX2-only CPU such as AMD Zen 3): build it with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF
+-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" and run this script with
+RINGCTX_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2.
 """
 
 from __future__ import annotations
