@@ -535,9 +535,6 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
  *                                               merged output rounded.
  * ------------------------------------------------------------------------------------------ */
 
-int ringctx_merge_rows(float *acc_out, int64_t a_rs, float *acc_lse, int64_t l_hs, const void *out, int out_bf16,
-                       int64_t o_rs, int64_t o_hs, const float *lse, int64_t lse_hs, int64_t n, int64_t H, int64_t D);
-
 /* Floats of work buffer that ringctx_prefill_rows needs for t rows and this thread count: the
  * batch step's arrays, then a block's output [t, Hq, D] and lse [Hq, t], then the queries in the
  * model dtype [t, Hq, D]. */

@@ -262,6 +262,12 @@ SIMD_INLINE void prefetch_rows(const flash_problem *p, int64_t h, int64_t row0, 
     }
 }
 
+/* Part `part` of `parts` of the rows of a key tile of the next block (from row `ahead`), asked for. */
+SIMD_INLINE void prefetch_tile_part(const flash_problem *p, int64_t h, int64_t ahead, int64_t part, int64_t parts) {
+    const int64_t first = KEY_TILE * part / parts;
+    prefetch_rows(p, h, ahead + first, KEY_TILE * (part + 1) / parts - first);
+}
+
 /* A unit's queries (KV head h, tokens [t0, t1)) into qt; returns its padded row count. */
 static int64_t pack_queries(const flash_problem *p, float *qt, int64_t h, int64_t t0, int64_t t1) {
     const int64_t D = p->D, group = p->group, rows = (t1 - t0) * group, rows_pad = pad_rows(rows);
@@ -329,15 +335,12 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
                 const int valid = (int)(n - j < KEY_TILE ? n - j : KEY_TILE);
                 int64_t r0 = 0, part = 0;
                 for (; r0 + ROW_TILE <= rows_pad; r0 += ROW_TILE, ++part) {
-                    if (!asked)
-                        prefetch_rows(p, h, ahead + KEY_TILE * part / parts,
-                                      KEY_TILE * (part + 1) / parts - KEY_TILE * part / parts);
+                    if (!asked) prefetch_tile_part(p, h, ahead, part, parts);
                     scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                                 valid, ROW_VECS);
                 }
                 if (r0 < rows_pad) { /* one vector of rows left */
-                    if (!asked)
-                        prefetch_rows(p, h, ahead + KEY_TILE * part / parts, KEY_TILE - KEY_TILE * part / parts);
+                    if (!asked) prefetch_tile_part(p, h, ahead, part, parts); /* the last part */
                     scores_tile(kt, tile_rs, unit->qt + r0, rows_pad, D, b->st + j * rows_pad + r0, b->top + r0,
                                 valid, 1);
                 }

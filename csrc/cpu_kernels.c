@@ -28,6 +28,13 @@
 
 #define BLOCK GEMV_BLOCK
 
+/* The first n (<= 4) of a block's four sums into y: vsum4 of their accumulators. */
+SIMD_INLINE void store_sums(float *y, int64_t n, vfloat a, vfloat b, vfloat c, vfloat d) {
+    float sums[4];
+    vsum4(a, b, c, d, sums, sums + 1, sums + 2, sums + 3);
+    for (int64_t q = 0; q < n; ++q) y[q] = sums[q];
+}
+
 /* One block of up to BLOCK output rows [o, o + n) for every activation row. */
 void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf16, int64_t out, float *y, int64_t o,
                 int64_t n) {
@@ -64,9 +71,7 @@ void gemv_block(const float *x, int64_t rows, int64_t in, const void *w, int bf1
             a2 = vfma(load_any_part(w2, bf16, full, rest), xv, a2);
             a3 = vfma(load_any_part(w3, bf16, full, rest), xv, a3);
         }
-        float sums[4];
-        vsum4(a0, a1, a2, a3, sums, sums + 1, sums + 2, sums + 3);
-        for (int64_t q = 0; q < n; ++q) y[r * out + o + q] = sums[q];
+        store_sums(y + r * out + o, n, a0, a1, a2, a3);
     }
 }
 
@@ -186,9 +191,7 @@ void gemv_block_pairs(const float *xs, int64_t rows, int64_t in, const uint16_t 
             vload_bf16_pairs(w3 + i, &w_even, &w_odd);
             e3 = vfma(w_even, x_even, e3), o3 = vfma(w_odd, x_odd, o3);
         }
-        float sums[4];
-        vsum4(e0 + o0, e1 + o1, e2 + o2, e3 + o3, sums, sums + 1, sums + 2, sums + 3);
-        for (int64_t q = 0; q < n; ++q) y[r * out + o + q] = sums[q];
+        store_sums(y + r * out + o, n, e0 + o0, e1 + o1, e2 + o2, e3 + o3);
     }
 }
 
@@ -236,9 +239,7 @@ void gemv_block_pairs_q8(const float *xs, int64_t rows, int64_t in, const int8_t
                 e3 = vfma(vfma(w_even, s3, b3), x_even, e3), o3 = vfma(vfma(w_odd, t3, d3), x_odd, o3);
             }
         }
-        float sums[4];
-        vsum4(e0 + o0, e1 + o1, e2 + o2, e3 + o3, sums, sums + 1, sums + 2, sums + 3);
-        for (int64_t q = 0; q < n; ++q) y[r * out + o + q] = sums[q];
+        store_sums(y + r * out + o, n, e0 + o0, e1 + o1, e2 + o2, e3 + o3);
     }
 }
 

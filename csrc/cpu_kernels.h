@@ -121,6 +121,9 @@ RINGCTX_INTERNAL void token_rms_norm(const void *x, int x_bf16, const void *w, i
 RINGCTX_INTERNAL void token_rope(void *x, int x_bf16, const void *cos, const void *sin, int bf16, int64_t d);
 RINGCTX_INTERNAL void token_swiglu(const void *gate, const void *up, int in_bf16, int bf16, int64_t n, void *out,
                                    int out_bf16);
+/* One partial attention result merged into a running one (cpu_token_ops.c; PartialAccumulator.add). */
+int ringctx_merge_rows(float *acc_out, int64_t a_rs, float *acc_lse, int64_t l_hs, const void *out, int out_bf16,
+                       int64_t o_rs, int64_t o_hs, const float *lse, int64_t lse_hs, int64_t n, int64_t H, int64_t D);
 
 /* bf16 rows widen in pairs (vload_bf16_pairs) where a row is a whole number of runs of 2 VW
  * elements; the other operand is then split alike and outputs joined back (below). */

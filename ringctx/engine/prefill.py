@@ -321,7 +321,6 @@ class PrefillRun:
                                   tp_size=model.tp.size)
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
         self.next_chunk = 0
-        self._fused: FusedPrefill | bool | None = None  # built on first use (False: does not apply)
         self._slice: _ChunkInProgress | None = None  # a chunk that step(layers=...) has begun
 
     @property
@@ -404,9 +403,7 @@ class PrefillRun:
         document on a CPU without bf16 units), else None."""
         if self.world != 1 or self.model.tp.size != 1:
             return None
-        if self._fused is None:
-            self._fused = FusedPrefill.build(self.model) or False
-        fused = self._fused or None
+        fused = FusedPrefill.build(self.model)  # kept per model
         return fused if fused is not None and fused.takes(rows, self.shard, rows_before,
                                                           self.config.attn_backend) else None
 

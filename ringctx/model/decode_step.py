@@ -182,13 +182,7 @@ class FusedBatchStep:
     def build(cls, model) -> "FusedBatchStep | None":
         """The fused batch step for this model, or None where the kernel does not apply (the lone
         step's conditions on the model; caches are checked per call by `takes`)."""
-        config = model.config
-        if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        if config.head_dim % 16 or config.head_dim > 256 or config.n_heads // config.n_kv_heads > 64:
-            return None
-        weights = [t for block in model.layers for t in _block_tensors(block)]
-        if not all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights):
+        if not _layers_fit(model):
             return None
         lib = cpu_kernels.library()
         return None if lib is None else cls(model, lib)
@@ -337,7 +331,7 @@ class FusedPrefill:
     @classmethod
     def build(cls, model) -> "FusedPrefill | None":
         """The fused prefill for this model, or None where it cannot apply: the fused batch step's
-        conditions (FusedBatchStep.build), and a bf16 model on a CPU computing it in float32
+        conditions (`_layers_fit`), and a bf16 model on a CPU computing it in float32
         (elsewhere `linear` and attention_block take other kernels at a question's rows). Kept per
         model while its weights stay where they are (building one took ~3 ms, once per question)."""
         if model.dtype != torch.bfloat16 or not computes_in_float32(model.layers[0].attention_norm.weight) \
@@ -350,7 +344,7 @@ class FusedPrefill:
         kept = _PREFILLS.get(model)
         if kept is not None and kept.lib is lib and kept.weights == weights:
             return kept
-        if FusedBatchStep.build(model) is None:
+        if not _layers_fit(model):
             return None
         _PREFILLS[model] = fused = cls(model, lib, weights)
         return fused
@@ -401,6 +395,19 @@ def step_logits(model, x: torch.Tensor) -> torch.Tensor:
     row takes (past MAX_ROWS rows `linear` takes PyTorch's matmul, whose sums depend on the row
     count) and a row's logits do not depend on how many rows share the step."""
     return torch.cat([model.head(model.norm(rows)) for rows in x.split(cpu_kernels.MAX_ROWS)])
+
+
+def _layers_fit(model) -> bool:
+    """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
+    bf16, head_dim a multiple of 16 up to 256, at most 64 query heads per KV head, every layer's
+    weights contiguous on the CPU in the model dtype."""
+    config = model.config
+    if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if config.head_dim % 16 or config.head_dim > 256 or config.n_heads // config.n_kv_heads > 64:
+        return False
+    weights = [t for block in model.layers for t in _block_tensors(block)]
+    return all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights)
 
 
 def _shape_and_layers(model):
