@@ -3,6 +3,7 @@
 The public API, re-exported from the packages that implement it:
 
     Engine, Document                        chunked CP prefill, KV hand-off, questions (ringctx.engine)
+    EngineConfig                            every setting of an Engine, its default and meaning
     load_model, KVCache                     the Llama-family decoder and its decode cache (ringctx.model)
     ring_attention, ShardLayout, CommStats  ring pass-KV / pass-Q over torch.distributed (ringctx.parallel)
     choose_strategy, plan_prefill, load_profile   the heuristic, the cost model, hardware profiles
@@ -17,12 +18,13 @@ from .model.presets import get_preset
 from .engine import Document, Engine, PrefillResult, PrefillStats, RankFailure
 from .model import KVCache, load_model
 from .parallel import CommStats, ShardLayout, ring_attention
+from .planning.engine_config import EngineConfig
 from .planning.hardware import HardwareProfile, load_profile
 from .planning.prefill_plan import plan_prefill
 from .planning.strategy import choose_strategy
 
 __all__ = [
-    "CommStats", "Document", "Engine", "HardwareProfile", "KVCache", "ModelConfig", "PrefillResult", "PrefillStats",
+    "CommStats", "Document", "Engine", "EngineConfig", "HardwareProfile", "KVCache", "ModelConfig", "PrefillResult", "PrefillStats",
     "RankFailure", "ShardLayout", "attention_block", "attention_with_cache", "choose_strategy", "get_preset", "load_model",
     "load_profile", "merge_partials", "plan_prefill", "reference_attention", "ring_attention",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -16,6 +17,8 @@ import click
 
 from ..attention.quant import KV_DTYPES
 from ..model.int8_weights import WEIGHT_CHOICES
+from ..planning.engine_config import ATTN_BACKENDS, COMMAND_LINE, STRATEGY_CHOICES, field_help
+from ..planning.strategy import RULES
 from ..units import fmt_bytes
 from rich.console import Console
 from rich.table import Table
@@ -107,65 +110,72 @@ def nproc_option(default, serving: bool = False):
                         help=f"Local ranks to spawn: a number, or {auto}. Ignored under torchrun, which sets the world.")
 
 
-TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=300.0, show_default=True,
-                              help="Seconds before a stuck or dead rank ends the job with an error.")
-TP_OPTION = click.option(
-    "--tp", "tp", default=1, show_default=True, type=int,
-    help="Tensor-parallel ranks per model copy (consecutive ranks of one host; the weights are split over them). "
-         "The ranks form a (ranks / tp) CP x tp TP mesh: under torchrun launch tp x (CP ranks per host) per node.")
+def _help(name: str) -> str:
+    """An engine option's help: the EngineConfig field's docstring (written once, there)."""
+    return field_help()[name]
+
+
+TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=COMMAND_LINE.timeout_s, show_default=True,
+                              help=_help("timeout_s"))
+TP_OPTION = click.option("--tp", "tp", default=COMMAND_LINE.tp, show_default=True, type=int,
+                         help=_help("tp") + " Under torchrun launch tp x (CP ranks per host) per node.")
 WEIGHTS_OPTION = click.option(
-    "--weights", type=click.Choice(WEIGHT_CHOICES), default="model", show_default=True,
-    help="model: the checkpoint's values in --dtype; int8: every matrix of the blocks (not the output head) "
-         "rounded to int8 with a power-of-two scale per 64 inputs, which CPU decode steps read instead of bf16 "
-         "(bf16 or float32 models; the prefill keeps reading the same values in bf16, so the codes add half the "
-         "blocks' bytes).")
+    "--weights", type=click.Choice(WEIGHT_CHOICES), default=COMMAND_LINE.weights, show_default=True,
+    help=_help("weights") + " bf16 or float32 models; the prefill keeps reading the same values in bf16, so the "
+                            "codes add half the blocks' bytes.")
 DECODE_RANKS_OPTION = click.option(
-    "--decode-ranks", type=int, default=None,
-    help="Ranks of the decode host that keep the KV cache (split by token) and decode together [default: every "
-         "rank of the decode host; 1: the whole cache on rank 0]. A document saved by any number loads on any other.")
+    "--decode-ranks", type=int, default=COMMAND_LINE.decode_ranks,
+    help=_help("decode_ranks") + " A document saved by any number loads on any other.")
+MODEL_OPTION = click.option("--model", default=COMMAND_LINE.model, show_default=True, help=_help("model"))
+
+ENGINE_OPTIONS = ("model", "nproc", "tp", "chunk_tokens", "strategy", "hardware", "rule", "dtype", "device",
+                  "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights")
+"""The EngineConfig fields a command of `engine_options` takes from its command line."""
 
 
 def engine_options(f=None, *, serving: bool = False):
-    """Options shared by every command that builds an Engine (serving: --nproc auto is the serving layout)."""
+    """The options of every command that builds an Engine, handed to it as one `config`
+    (an EngineConfig; defaults: COMMAND_LINE). serving: --nproc auto is the serving layout."""
     if f is None:
         return lambda g: engine_options(g, serving=serving)
     options = [
-        click.option("--model", default="smollm2-135m", show_default=True,
-                     help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging "
-                          "Face cache."),
-        nproc_option("auto", serving=serving),
+        MODEL_OPTION,
+        nproc_option(COMMAND_LINE.nproc, serving=serving),
         TP_OPTION,
-        click.option("--chunk-tokens", type=int, default=None, help="Tokens per prefill chunk (default: from model size)."),
-        click.option("--strategy", type=click.Choice(["auto", "pass-kv", "pass-q"]), default="auto", show_default=True),
-        click.option("--hardware", default=None, help="Hardware profile for --strategy auto: built-in name or JSON path."),
-        click.option("--rule", type=click.Choice(["alg1", "alg5", "empirical", "cost"]), default="alg5", show_default=True,
-                     help="Decision rule of --strategy auto (paper Alg. 1/5, fitted h(T,P), or the cost model)."),
-        click.option("--dtype", default="auto", show_default=True,
-                     help="auto (bfloat16 on GPUs and bf16-capable CPUs, else float32), bfloat16, float16, float32."),
-        click.option("--device", default=None, help="cpu or cuda (default: one GPU per rank when available)."),
-        click.option("--attn-backend", type=click.Choice(["auto", "torch", "triton", "flash-attn"]), default="auto",
-                     show_default=True, help="Local attention kernels (auto: flash-attn on CUDA when installed, else torch)."),
+        click.option("--chunk-tokens", type=int, default=COMMAND_LINE.chunk_tokens, help=_help("chunk_tokens")),
+        click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default=COMMAND_LINE.strategy,
+                     show_default=True, help=_help("strategy")),
+        click.option("--hardware", default=COMMAND_LINE.hardware, help=_help("hardware")),
+        click.option("--rule", type=click.Choice(RULES), default=COMMAND_LINE.rule, show_default=True,
+                     help=_help("rule")),
+        click.option("--dtype", default=COMMAND_LINE.dtype, show_default=True, help=_help("dtype")),
+        click.option("--device", default=COMMAND_LINE.device, help=_help("device")),
+        click.option("--attn-backend", type=click.Choice(ATTN_BACKENDS), default=COMMAND_LINE.attn_backend,
+                     show_default=True, help=_help("attn_backend")),
         TIMEOUT_OPTION,
         DECODE_RANKS_OPTION,
-        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
-                     help="KV cache storage: the model's dtype, another float dtype, or 8 bits per value with a "
-                          "float32 scale per token and KV head (fp8 = float8 e4m3, int8)."),
+        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=COMMAND_LINE.kv_dtype, show_default=True,
+                     help=_help("kv_dtype")),
         WEIGHTS_OPTION,
     ]
+
+    @functools.wraps(f)
+    def with_config(**kwargs):
+        settings = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
+        return f(config=COMMAND_LINE.replace(**settings), **kwargs)
+
     for option in reversed(options):
-        f = option(f)
-    return f
+        with_config = option(with_config)
+    return with_config
 
 
-def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                 decode_ranks=None, kv_dtype="model", tp=1, weights="model"):
+def build_engine(config):
+    """The Engine of `config` (an EngineConfig), or the command's one-line error."""
     from ..engine import Engine
     from ..engine.failures import RankFailure
 
     try:
-        return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
-                      hardware=hardware, rule=rule, attn_backend=attn_backend, timeout_s=timeout_s,
-                      decode_ranks=decode_ranks, kv_dtype=kv_dtype, tp=tp, weights=weights)
+        return Engine(config=config)
     except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
         raise _rank_error(exc) from None
 
@@ -320,9 +330,7 @@ def _efficiency_rows(e) -> list[tuple[str, str]]:
               help="Write the prompt's KV cache the decode ranks hold (a ringctx document directory, one slice per "
                    "rank) here.")
 @engine_options
-def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logits_path, kv_path, model, nproc, tp,
-            chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s, decode_ranks, kv_dtype,
-            weights):
+def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logits_path, kv_path, config):
     """Benchmark a context-parallel prefill of synthetic tokens, e.g. `ringctx prefill --tokens 1000000`.
 
     With no options: the embedded model on every GPU of this machine (2 ranks on a CPU), about a
@@ -341,14 +349,13 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
         raise _AgreedBadParameter(f"must be >= 0, got {follow_up}", param_hint="--follow-up")
     if decode_tokens < 0:
         raise _AgreedBadParameter(f"must be >= 0, got {decode_tokens}", param_hint="--decode")
-    if nproc == "auto":
-        nproc = auto_nproc(device, tp)
-    world = int(os.environ.get("WORLD_SIZE", nproc))
+    if config.nproc == "auto":
+        config = config.replace(nproc=auto_nproc(config.device, config.tp))
+    world = int(os.environ.get("WORLD_SIZE", config.nproc))
     if world > tokens:
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                          decode_ranks, kv_dtype, tp, weights)
+    engine = build_engine(config)
     printing = _is_printing_rank()
     follow_stats = answer = None
     dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))
@@ -359,7 +366,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, engine.model.config.vocab_size, (tokens + follow_up,), generator=generator)
         if printing:
-            err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {model} ({engine.model.dtype}) "
+            err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {config.model} ({engine.model.dtype}) "
                               f"on {_mesh_words(engine)}, chunks of {engine.chunk_tokens:,} tokens, KV cache "
                               f"left on {engine.decode_ranks} decode rank(s)"
                               + (f", then {follow_up:,} more on top of it" if follow_up else "") + "[/dim]")
@@ -385,7 +392,8 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
         return
     stats = result.stats
     efficiency = measure_efficiency(engine, stats, answer, before=peaks)
-    report = {"model": model, "dtype": str(engine.model.dtype).removeprefix("torch."), **stats.to_dict(),
+    report = {"model": config.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
+              "engine_config": engine.config.to_dict(), **stats.to_dict(),
               "follow_up": follow_stats.to_dict() if follow_stats else None, "compute_dtypes": dtypes,
               "predicted_s": predicted_s, "efficiency": efficiency.to_dict() if efficiency else None}
     if json_path == "-":  # for machines: JSON alone on stdout (the headers and notes are on stderr)
@@ -439,8 +447,7 @@ def _write_json(path: str, data: dict) -> None:
               help="Document to write (a directory: one KV slice per decode rank, a manifest, the tokens).")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
 @engine_options(serving=True)
-def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, hardware, rule, dtype, device,
-           attn_backend, timeout_s, decode_ranks, kv_dtype, weights):
+def ingest(file, save_path, no_chat, config):
     """Prefill a document and save its KV cache, to `ask` questions about it later."""
     try:
         with open(file, "rb") as f:
@@ -456,9 +463,8 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
 
     from ..engine import serving_layout
 
-    nproc, layout_note = serving_layout(nproc, device, tp)  # the note goes with the closing lines
-    engine = build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
-                          decode_ranks, kv_dtype, tp, weights)
+    nproc, layout_note = serving_layout(config.nproc, config.device, config.tp)  # the note goes with the closing lines
+    engine = build_engine(config.replace(nproc=nproc))
     printing = _is_printing_rank()
     try:
         try:
@@ -487,7 +493,7 @@ def _ingest_with_progress(engine, text, chat):
 @main.command()
 @click.argument("kv_file", type=click.Path())
 @click.argument("questions", nargs=-1, required=True)
-@click.option("--model", default="smollm2-135m", show_default=True, help="The model the document was made with.")
+@click.option("--model", default=COMMAND_LINE.model, show_default=True, help="The model the document was made with.")
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
 @nproc_option("auto", serving=True)
 @TP_OPTION

@@ -18,9 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..model.int8_weights import WEIGHT_CHOICES
-from ..planning.hardware import DEFAULT_PROFILE_PATH
+from ..model.loader import DEFAULT_MODEL
+from ..planning.engine_config import COMMAND_LINE
+from ..planning.hardware import calibrated_profile_path, default_profile_name, shown_source
 from ..planning.strategy import RULES
-from ..units import fmt_gb
+from ..units import fmt_duration, fmt_gb
 
 console = Console()
 err_console = Console(stderr=True)
@@ -42,16 +44,13 @@ def _fail(err: Exception) -> "click.ClickException":
     return click.ClickException(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
 
-def _default_hardware() -> str:
-    """./ringctx-hardware.json when `ringctx calibrate` wrote one here, else the built-in profile."""
-    if os.path.isfile(DEFAULT_PROFILE_PATH):
-        return DEFAULT_PROFILE_PATH
+def _on_gpu() -> bool:
     try:
         import torch
 
-        return "h200" if torch.cuda.is_available() else "cpu"
+        return torch.cuda.is_available()
     except ImportError:
-        return "cpu"
+        return False
 
 
 def _table_gb(x: float) -> str:
@@ -59,14 +58,15 @@ def _table_gb(x: float) -> str:
 
 
 def _ms(x: float) -> str:
-    return f"{x:,.4g}" if x < 1000 else f"{x:,.0f}"
+    """A predicted time in milliseconds, in the unit that reads (ms, s, min, h, days)."""
+    return fmt_duration(x / 1e3)
 
 
 # ----------------------------------------------------------------------------- plan
 
 
 @click.command()
-@click.option("--model", default="smollm2-135m", show_default=True,
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="Model preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging Face "
                    "cache (only its config is read).")
 @click.option("--hosts", type=click.IntRange(min=1), default=None,
@@ -75,21 +75,25 @@ def _ms(x: float) -> str:
 @click.option("--gpus-per-host", type=click.IntRange(min=1), default=None,
               help="GPUs (ranks) of one host; a TP group lies inside one [default: the profile's devices_per_host].")
 @click.option("--cp", "cp_size", type=int, default=None,
-              help="Context-parallel ranks N (forces the mesh) [default: 1].")
+              help="Context-parallel ranks N (forces the mesh) [default: the ranks `ringctx prefill --nproc auto` "
+                   "starts: here without --hardware, else one per device of the profile's host; / --tp].")
 @click.option("--tp", "tp_size", type=int, default=None,
               help="Tensor-parallel degree inside each CP rank, a divisor of --gpus-per-host (forces it; with "
                    "--hosts, cp = hosts x gpus-per-host / tp) [default: 1, or proposed with --hosts].")
 @click.option("--hardware", default=None,
-              help="Hardware profile: built-in name (cpu, h100-rdma, h100-tcp, h200) or JSON path "
-                   f"[default: ./{DEFAULT_PROFILE_PATH} if present, else cpu (h200 with CUDA)].")
+              help="Hardware profile: built-in name (cpu, h100-rdma, h100-tcp, h200) or JSON path [default: as "
+                   "prefill and ingest: this machine's calibrated profile (`ringctx calibrate`) if there is one, "
+                   "else cpu (h200 with CUDA)].")
 @click.option("--tokens", type=int, required=True, help="New tokens T of the prompt.")
 @click.option("--cached", type=int, default=0, show_default=True, help="Tokens P already in the KV cache.")
 @click.option("--chunk-tokens", type=int, default=None,
-              help="Prefill in chunks of this many tokens [default: one (partial) prefill of all T].")
+              help="Prefill in chunks of this many tokens; 0: one (partial) prefill of all T [default: the "
+                   "engine's chunk for the model, ranks and dtype, as prefill and ingest take it].")
 @click.option("--rule", type=click.Choice(RULES), default="alg5", show_default=True,
               help="Strategy rule: paper Algorithm 1 or 5, the empirical fit, or the cost model.")
-@click.option("--dtype", default="bfloat16", show_default=True,
-              help="Activation/attention dtype (and the KV cache's with --kv-dtype model).")
+@click.option("--dtype", default=COMMAND_LINE.dtype, show_default=True,
+              help="Activation/attention dtype (and the KV cache's with --kv-dtype model); auto: as prefill's "
+                   "--dtype auto, the dtype measured fastest here without --hardware, else bfloat16.")
 @click.option("--weight-dtype", default=None, help="Weight dtype [default: --dtype].")
 @click.option("--weights", type=click.Choice(WEIGHT_CHOICES), default="model", show_default=True,
               help="int8: the block matrices as int8 codes (`prefill/ingest/serve --weights int8`); on CPU "
@@ -127,19 +131,25 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
 
     try:
         config = resolve_model_config(model)
-        hw = load_profile(hardware or _default_hardware())
+        hw = load_profile(hardware or default_profile_name(_on_gpu()))
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
     gpus = _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw)
     if gpus_per_host is not None:  # the job's hosts, whatever the profile says
         hw = dataclasses.replace(hw, devices_per_host=gpus)
-    common = dict(cached=cached, chunk_tokens=chunk_tokens, dtype=dtype, rule=rule, weight_dtype=weight_dtype,
-                  handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype, weights=weights)
+    tp = 1 if tp_size is None else tp_size
+    try:
+        as_run = RunDefaults.resolve(config, hw, here=hardware is None, hosts=hosts, gpus=gpus, cp_size=cp_size,
+                                     tp=tp, chunk_tokens=chunk_tokens, dtype=dtype)
+    except ValueError as err:
+        raise _fail(err) from None
+    common = dict(cached=cached, chunk_tokens=as_run.chunk_tokens, dtype=as_run.dtype, rule=rule,
+                  weight_dtype=weight_dtype, handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
+                  weights=weights)
     try:
         if hosts is None:
             proposal = None
-            result = plan_prefill(config, 1 if cp_size is None else cp_size, hw, tokens,
-                                  tp_size=1 if tp_size is None else tp_size, **common)
+            result = plan_prefill(config, as_run.cp_size, hw, tokens, tp_size=tp, **common)
         else:
             proposal = propose_mesh(config, hosts, gpus, hw, tokens, tp_size=tp_size, **common)
             result = proposal.chosen.plan if proposal.chosen is not None else None
@@ -148,6 +158,7 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
     problem = proposal.problem() if result is None else decode_problem(result)
     if as_json:
         data = {} if result is None else result.to_dict()
+        data["as_run"] = as_run.notes
         if proposal is not None:
             data = {**data, "mesh": proposal.to_dict()}
         if result is None:
@@ -157,9 +168,62 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
         if proposal is not None:
             render_mesh(proposal)
         if not problem:
-            render_plan(result)
+            render_plan(result, as_run.notes)
     if problem:
         raise DoesNotFit(problem)
+
+
+@dataclasses.dataclass
+class RunDefaults:
+    """The settings `plan` fills in as `ringctx prefill` and `ingest` would with the same options,
+    and for each, in `notes`, what it is and where it came from (printed in the plan's header)."""
+
+    cp_size: int
+    chunk_tokens: int | None
+    dtype: str
+    notes: dict[str, str]
+
+    @classmethod
+    def resolve(cls, config, hw, *, here: bool, hosts, gpus: int, cp_size, tp: int, chunk_tokens, dtype):
+        from ..engine.startup import auto_nproc
+        from ..model.tensor_parallel import TensorParallel
+        from ..planning.machine_speed import preferred_dtype
+        from ..planning.prefill_plan import chunk_tokens_for
+
+        notes = {}
+        if cp_size is not None or hosts is not None:
+            cp = 1 if cp_size is None else cp_size  # with --hosts the proposal chooses; its world is hosts x gpus
+            notes["ranks"] = "as given"
+        elif here:
+            cp = max(1, auto_nproc(None, tp) // tp)
+            notes["ranks"] = f"CP {cp} x TP {tp}: the ranks `prefill --nproc auto` starts here"
+        else:
+            cp = max(1, hw.host_devices() // tp)
+            notes["ranks"] = f"CP {cp} x TP {tp}: one rank per device of one {hw.name} host, as --nproc auto"
+        if dtype == "auto":
+            dtype = preferred_dtype(None) if here else "bfloat16"
+            notes["dtype"] = f"{dtype}: --dtype auto, " + ("what this machine runs fastest" if here
+                                                            else "as on GPUs and bf16-capable CPUs")
+        else:
+            notes["dtype"] = f"{dtype}: as given"
+        world = (hosts * gpus) if hosts is not None else cp * tp
+        if chunk_tokens is None:
+            shard = TensorParallel(tp, 0).shard_config(config) if tp > 1 else config
+            chunk_tokens = chunk_tokens_for(shard, world, dtype, on_gpu=not _is_cpu_profile(hw))
+            notes["chunks"] = f"{chunk_tokens:,} tokens: the engine's default chunk for this model on {world} ranks"
+        elif chunk_tokens is None:
+            notes["chunks"] = "one prefill of all the tokens"
+        elif chunk_tokens == 0:
+            chunk_tokens, notes["chunks"] = None, "one prefill of all the tokens (--chunk-tokens 0)"
+        else:
+            notes["chunks"] = f"{chunk_tokens:,} tokens: as given"
+        notes["hardware"] = f"{hw.name} ({shown_source(hw)})"
+        return cls(cp, chunk_tokens, dtype, notes)
+
+
+def _is_cpu_profile(hw) -> bool:
+    """Whether a profile describes CPU ranks (the engine then keeps its chunks to 4,096 tokens)."""
+    return hw.name == "cpu" or hw.host_cores is not None
 
 
 def _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw) -> int:
@@ -202,19 +266,23 @@ def render_mesh(proposal) -> None:
 
 
 def _seconds(ms: float) -> str:
-    return f"{ms / 1e3:,.1f} s" if ms >= 1e4 else f"{ms / 1e3:.3g} s"
+    return fmt_duration(ms / 1e3)
 
 
-def render_plan(result) -> None:
-    """Rich tables of a Plan: the setting, the chunks, the times and the memory per rank."""
+def render_plan(result, as_run: dict[str, str] | None = None) -> None:
+    """Rich tables of a Plan: the setting, the chunks, the times and the memory per rank; `as_run`
+    (RunDefaults.notes) says where each setting came from."""
     hw = result.hardware
-    head = Table(title="ringctx plan", show_header=False)
+    head = Table(title="ringctx plan: what `ringctx prefill` / `ingest` run with these options", show_header=False)
     head.add_column("what", style="bold")
     head.add_column("value")
     cal = "calibrated" if hw.calibrated else "UNCALIBRATED (run `ringctx calibrate`)"
     head.add_row("model", f"{result.model.name}: {result.model.n_layers} layers, {result.model.n_heads} q / "
                           f"{result.model.n_kv_heads} kv heads x {result.model.head_dim}")
-    head.add_row("hardware", f"{hw.name} ({cal})" + (f", {hw.source_path}" if hw.source_path else ""))
+    head.add_row("hardware", f"{hw.name} ({cal}), {shown_source(hw)}")
+    for what, note in (as_run or {}).items():
+        if what != "hardware" and not note.endswith("as given"):
+            head.add_row(f"default {what}", note)
     head.add_row("ranks", f"CP {result.cp_size} x TP {result.tp_size}")
     weights = f", weights {result.weight_dtype}" if result.weight_dtype != result.dtype else ""
     weights += ", int8 weights" if result.weights == "int8" else ""
@@ -227,7 +295,7 @@ def render_plan(result) -> None:
     if len(result.entries) == 1:
         (e,) = result.entries
         one = Table(title="strategy", show_header=True)
-        for col in ("strategy", "pass-KV ms", "pass-Q ms", "miss rate"):
+        for col in ("strategy", "pass-KV", "pass-Q", "miss rate"):
             one.add_column(col, justify="right" if col != "strategy" else "left")
         one.add_row(f"[bold]{e.strategy}[/bold]", _ms(e.predicted_ms["pass-kv"]), _ms(e.predicted_ms["pass-q"]),
                     f"{e.choice.miss_rate:.3g}")
@@ -239,7 +307,7 @@ def render_plan(result) -> None:
         # each chunk's short reason where the terminal has room for it; the lines below the table
         # name the reason of chunk 0 and of each switch in any case
         wide = console.width >= WIDE_TERMINAL_COLUMNS
-        for col in ("#", "new", "cached", "strategy", "pass-KV ms", "pass-Q ms", "miss rate") + (("reason",) if wide else ()):
+        for col in ("#", "new", "cached", "strategy", "pass-KV", "pass-Q", "miss rate") + (("reason",) if wide else ()):
             chunks.add_column(col, justify="left" if col in ("strategy", "reason") else "right")
         shown = result.entries if len(result.entries) <= 40 else result.entries[:20] + result.entries[-20:]
         for i, e in enumerate(shown):
@@ -261,7 +329,7 @@ def render_plan(result) -> None:
 
     times = Table(title="predicted time to first token", show_header=False)
     times.add_column("what", style="bold")
-    times.add_column("ms", justify="right")
+    times.add_column("time", justify="right")
     times.add_row("chunks (chosen strategies)", _ms(sum(e.chosen_ms for e in result.entries)))
     if result.tp_size > 1:
         times.add_row("  of which TP all-reduces", _ms(result.tp_allreduce_ms))
@@ -328,11 +396,13 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
 @click.command()
 @click.option("--nproc", default="2", show_default=True,
               help="Ring size(s) of the live gloo groups to measure, e.g. 2 or 2,4 (ignored under torchrun).")
-@click.option("--model", default="smollm2-135m", show_default=True,
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="Model whose attention heads and linear shapes are measured (preset, GGUF or HF directory).")
 @click.option("--dtype", "dtypes", multiple=True, default=("bfloat16",), show_default=True,
               help="Compute dtype to measure (repeat for several; communication uses the first).")
-@click.option("--out", "out_path", default=DEFAULT_PROFILE_PATH, show_default=True, help="Profile JSON to write.")
+@click.option("--out", "out_path", default=None,
+              help="Profile JSON to write [default: this machine's profile, which every run without --hardware "
+                   f"reads: $RINGCTX_HARDWARE_PROFILE, else ~/.config/ringctx/hardware.json].")
 @click.option("--name", default=None, help="Profile name [default: calibrated-<hostname>].")
 @click.option("--tp", "tp_size", type=int, default=0,
               help="Measure the tensor-parallel all-reduce (tp_latency_s, tp_bandwidth_bytes_per_s) among this many "
@@ -354,6 +424,9 @@ def calibrate(nproc, model, dtypes, out_path, name, tp_size, quick, repeats, as_
                                             tp_size=tp_size)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
+    if out_path is None:  # this machine's own profile: its directory is made when missing
+        out_path = str(calibrated_profile_path())
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(out_dir):
         raise click.ClickException(f"--out {out_path}: directory {out_dir} does not exist")
@@ -413,20 +486,29 @@ def render_calibration(result, path: str) -> None:
             lin.add_row(str(t), f"{fb / 1e9:.1f}", f"{fg / 1e9:.1f}")
         console.print(lin)
 
-    rings = Table(title="ring sizes (per rank)")
-    for col in ("N", "threads", "compute scale", "SendRecv latency us", "SendRecv GB/s", "All2All latency us",
-                "All2All GB/s", "overlap", "pass-KV overhead ms", "pass-Q overhead ms"):
-        rings.add_column(col, justify="right")
-    for n, r in sorted(hw.ring_sizes.items()):
+    # Two tables of few columns, so that each reads on 80 columns: messages, then compute and overlap.
+    rings = sorted(hw.ring_sizes.items())
+    messages = Table(title="ring messages per rank (N > 1)")
+    for col in ("N", "SendRecv us", "SendRecv GB/s", "All2All us", "All2All GB/s"):
+        messages.add_column(col, justify="right")
+    for n, r in rings:
+        if n > 1:
+            messages.add_row(str(n), f"{r.latency_s * 1e6:.0f}", f"{r.bandwidth_bytes_per_s / 1e9:.2f}",
+                             f"{r.all2all_latency_s * 1e6:.0f}", f"{r.all2all_bandwidth_bytes_per_s / 1e9:.2f}")
+    if messages.row_count:
+        console.print(messages)
+    compute = Table(title="ring sizes: compute and overlap")
+    for col in ("N", "threads", "compute x", "overlap", "pass-KV +ms", "pass-Q +ms"):
+        compute.add_column(col, justify="right")
+    for n, r in rings:
         comm = n > 1
-        rings.add_row(str(n), str(r.threads_per_rank), f"{r.compute_scale:.2f}",
-                      f"{r.latency_s * 1e6:.0f}" if comm else "-", f"{r.bandwidth_bytes_per_s / 1e9:.2f}" if comm else "-",
-                      f"{r.all2all_latency_s * 1e6:.0f}" if comm else "-",
-                      f"{r.all2all_bandwidth_bytes_per_s / 1e9:.2f}" if comm else "-",
-                      f"{r.comm_overlap:.2f}" if comm else "-",
-                      f"{r.overhead_s['pass-kv'] * 1e3:.2f}" if comm else "-",
-                      f"{r.overhead_s['pass-q'] * 1e3:.2f}" if comm else "-")
-    console.print(rings)
+        compute.add_row(str(n), str(r.threads_per_rank), f"{r.compute_scale:.2f}",
+                        f"{r.comm_overlap:.2f}" if comm else "-",
+                        f"{r.overhead_s['pass-kv'] * 1e3:.2f}" if comm else "-",
+                        f"{r.overhead_s['pass-q'] * 1e3:.2f}" if comm else "-")
+    console.print(compute)
+    console.print("[dim]compute x: a rank's compute rate against one alone; overlap: the share of messages hidden "
+                  "under compute; +ms: a ring step's fixed overhead per strategy[/dim]")
     console.print(f"use it: [bold]ringctx plan --hardware {path} ...[/bold] or [bold]--hardware {path}[/bold] "
                   "with prefill/ingest")
 

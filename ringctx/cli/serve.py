@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
-from .main import DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, main, nproc_option
+from .main import DECODE_RANKS_OPTION, MODEL_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, main, nproc_option
 
 
 class _Bytes(click.ParamType):
@@ -31,8 +31,7 @@ def _log(line: str) -> None:
 
 
 @main.command()
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Preset name, GGUF file, Hugging Face directory, or ORG/NAME from the local Hugging Face cache.")
+@MODEL_OPTION
 @nproc_option("auto", serving=True)
 @TP_OPTION
 @DECODE_RANKS_OPTION

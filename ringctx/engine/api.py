@@ -31,16 +31,17 @@ import torch.distributed as dist
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, check_token_ids
 from ..model.generate import Generation
-from ..model.int8_weights import check_int8_model, check_weights
+from ..model.int8_weights import check_int8_model
 from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
 from ..parallel.mesh import mesh_problem
+from ..planning.engine_config import EngineConfig
 from . import commands
 from .commands import Command, ids_to_bytes
 from .document import Document, chat_frame
 from .failures import CLOSED, Health, RankFailure, first_line
 from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
-from .prefill import STRATEGY_CHOICES, PrefillResult
+from .prefill import PrefillResult
 from .rank_state import EngineSettings
 from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
                       resolve_decode_ranks)
@@ -56,37 +57,15 @@ class Engine:
     """Chunked context-parallel prefill with a KV hand-off to the decode ranks of one host.
 
     Args:
-        model: preset name, GGUF path or Hugging Face directory (see ringctx.load_model).
-        nproc: local ranks to spawn (this process is rank 0), or "auto" (see `auto_nproc`); ignored
-            under torchrun.
-        tp: tensor-parallel ranks per model copy (consecutive ranks of one host; 1: none). The
-            job's ranks form a (world / tp) x tp mesh: context parallelism runs across the
-            copies, each TP rank in the ring of its own heads. `decode_rank` and `decode_ranks`
-            then count CP ranks (each a group of tp ranks).
-        dtype: weights and activations (None: the model's default; "auto": bfloat16 on GPUs and
-            bf16-capable CPUs, else float32).
-        device: None: one GPU per rank when CUDA is available, else CPU.
-        chunk_tokens: tokens per prefill chunk (None: `default_chunk_tokens`).
-        strategy: "auto" (paper Algorithm 5 with `hardware`), "pass-kv" or "pass-q".
-        hardware: HardwareProfile or built-in profile name or JSON path for "auto" (None: "cpu").
-        rule: the decision rule of "auto": "alg1", "alg5" or "empirical".
-        decode_rank: the first decode rank: it receives the logits, samples and streams the text.
-        decode_ranks: how many ranks (decode_rank, decode_rank + 1, ..., all on one host) keep the
-            KV cache after a prefill, each a balanced slice of the tokens, and decode together
-            (None: every rank of the decode host from decode_rank on; 1: the whole cache on one rank).
-        kv_dtype: how the KV cache is stored: "model" (the model's dtype), "bfloat16", "float16",
-            "float32", or 8 bits per value with a float32 scale per token and KV head: "fp8"
-            (float8 e4m3) or "int8".
-        weights: "model" (the checkpoint's values in `dtype`) or "int8": every matrix of the blocks
-            (not the output head) rounded to int8 with a power-of-two scale per 64 inputs, which CPU
-            decode steps read instead of bf16 (the model with those values on every path, see
-            ringctx.model.int8_weights). bfloat16 or float32 models only.
-        timeout_s: a collective that does not complete within this many seconds (a dead or stuck
-            rank) ends the job with an error.
-        startup_timeout_s: how long start-up may take: spawning or joining the ranks, loading the
-            model on each, and their agreement check (None: the larger of timeout_s and
-            DEFAULT_STARTUP_TIMEOUT_S). A stuck rank is then detected after timeout_s.
-        attn_backend: attention backend of the local blocks.
+        model: preset name, GGUF path or Hugging Face directory (see ringctx.load_model); the same as
+            `config.model`, which it replaces when given.
+        config: an EngineConfig (ringctx.planning.engine_config: every setting, its default and what
+            it means); None: the defaults.
+        **settings: any EngineConfig field by name (nproc, tp, dtype, device, chunk_tokens, strategy,
+            hardware, rule, decode_rank, decode_ranks, kv_dtype, weights, timeout_s,
+            startup_timeout_s, attn_backend), replacing the config's. `Engine(model, nproc=2)` and
+            `Engine(config=EngineConfig(model=model, nproc=2))` build the same engine. Under tp > 1,
+            `decode_rank` and `decode_ranks` count CP ranks (each a group of tp ranks).
 
     Failures (see ringctx.engine.failures and docs/MULTIHOST.md): ranks that loaded a different
     model, dtype or ringctx version are refused at start-up (ValueError naming both sides); a
@@ -99,30 +78,20 @@ class Engine:
     every rank concerned runs; the engine only validates, sends and collects.
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, nproc: int = 1, dtype=None, device=None,
-                 chunk_tokens: int | None = None, strategy: str = "auto", hardware=None, rule: str = "alg5",
-                 decode_rank: int = 0, decode_ranks: int | None = None, kv_dtype: str = "model",
-                 timeout_s: float = 300.0, attn_backend: str = "auto", tp: int = 1,
-                 startup_timeout_s: float | None = None, weights: str = "model"):
-        check_kv_dtype(kv_dtype)
-        check_weights(weights, dtype)
-        if strategy not in STRATEGY_CHOICES:
-            raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **settings):
+        config = (config or EngineConfig()).replace(**settings, **({} if model is None else {"model": str(model)}))
+        config.check()
+        nproc, dtype, device, tp = config.nproc, config.dtype, config.device, config.tp
+        decode_rank, timeout_s = config.decode_rank, config.timeout_s
         if nproc == "auto":
             nproc = auto_nproc(device, tp)
-        if not isinstance(nproc, int) or nproc < 1:
-            raise ValueError(f"nproc must be a positive integer or 'auto', got {nproc!r}")
-        if chunk_tokens is not None and chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-        if not timeout_s or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
-        if startup_timeout_s is not None and startup_timeout_s <= 0:
-            raise ValueError(f"startup_timeout_s must be > 0 seconds, got {startup_timeout_s!r}")
         if dtype == "auto":
             from ..planning.machine_speed import preferred_dtype
 
             dtype = preferred_dtype(None if device is None else str(device))
-        self.model_name, self.dtype = str(model), dtype
+        # What runs, "auto" resolved: what `self.config` reports and a saved document records.
+        self.config = config = config.replace(nproc=nproc, dtype=dtype)
+        self.model_name, self.dtype = config.model, dtype
         self._forgotten: list[int] = []  # documents the caller let go of: the workers drop theirs (see _keep)
         self._ending: list[LeaderDecoder] = []  # answers that ended here: the followers leave them next
         self._next_id = 0
@@ -144,18 +113,19 @@ class Engine:
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
-            config = peek_config(self.model_name, dtype)
-            problem = (mesh_problem(world, tp, per_host) or tp_problem(config, tp)
-                       or (check_int8_model(config, tp) if weights == "int8" else None))
+            model_config = peek_config(self.model_name, dtype)
+            problem = (mesh_problem(world, tp, per_host) or tp_problem(model_config, tp)
+                       or (check_int8_model(model_config, tp) if config.weights == "int8" else None))
             if problem:
                 raise ValueError(problem)
         self.settings = settings = EngineSettings(
-            model_name=self.model_name, dtype=dtype, strategy=strategy, rule=rule, hardware=load_hardware(hardware),
-            chunk_tokens=chunk_tokens, decode_rank=decode_rank,
-            decode_ranks=resolve_decode_ranks(decode_ranks, decode_rank, world // tp, per_host // tp),
-            kv_dtype=kv_dtype, weights=weights, timeout_s=float(timeout_s),
-            startup_timeout_s=float(startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
-            attn_backend=attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp)
+            model_name=self.model_name, dtype=dtype, strategy=config.strategy, rule=config.rule,
+            hardware=load_hardware(config.hardware), chunk_tokens=config.chunk_tokens, decode_rank=decode_rank,
+            decode_ranks=resolve_decode_ranks(config.decode_ranks, decode_rank, world // tp, per_host // tp),
+            kv_dtype=config.kv_dtype, weights=config.weights, timeout_s=float(timeout_s),
+            startup_timeout_s=float(config.startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
+            attn_backend=config.attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp,
+            config=config.to_dict())
         try:
             if torchrun:
                 self.mode = "torchrun"

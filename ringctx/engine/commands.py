@@ -47,7 +47,7 @@ from ..units import fmt_bytes
 from .batch import BatchDecoder
 from .decode import ShardedDecoder
 from .document import Document
-from .documents import PendingSave, load_document_slices, start_document_save
+from .documents import ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
 from .failures import with_test_hook
 from .handoff import gather_in_order
 from .memory_check import available_memory, memory_problem
@@ -243,7 +243,8 @@ def _start_save(state: RankState, document_id: int, path: str, document: Documen
     tp, full = model.tp, model.full_config
     heads = tp.kv_heads(full)
     writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
-    return start_document_save(path, document.rewind(), document.token_ids, model, document.frame,
+    extra = {**document.frame, ENGINE_CONFIG_KEY: s.config}  # what made it, for whoever reads the manifest
+    return start_document_save(path, document.rewind(), document.token_ids, model, extra,
                                group=state.control_group, rank=state.decode_index * s.tp_size + tp.rank,
                                world=s.decode_ranks * s.tp_size, tp_size=s.tp_size, heads=heads, writes=writes)
 
@@ -257,6 +258,7 @@ def load(state: RankState, path: str, document_id: int, decode_room: int) -> Doc
         path, state.model, group=state.decode_group, rank=state.decode_index, world=s.decode_ranks,
         room=decode_room, kv_dtype=s.kv_dtype if s.kv_dtype != "model" else None,
         memory_check=lambda rows, per_row: _slice_memory_problem(state.model, rows, per_row, local))
+    extra.pop(ENGINE_CONFIG_KEY, None)  # the engine that made it, not a property of the document
     document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
                         question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=document_id)
     state.documents[document_id] = document

@@ -50,6 +50,8 @@ FORMAT = "ringctx-doc/1"
 LOAD_BLOCK_ROWS = 16384
 """Rows read (and converted, for another kv_dtype) at a time while loading: bounds the temporaries."""
 MANIFEST = "manifest.json"
+ENGINE_CONFIG_KEY = "engine_config"
+"""The manifest's extra entry that records the EngineConfig a document was made with (`to_dict`)."""
 TOKENS = "tokens.safetensors"
 
 
@@ -254,16 +256,19 @@ def read_manifest(path: str) -> dict:
 
 def describe_document(path: str) -> dict:
     """dtype, kv_dtype, weights ("model" or "int8": what the model it was made with was loaded
-    as) and length of a saved document (a directory, or the older single file), read from its
-    manifest or header alone; ValueError naming the problem."""
+    as), length and engine_config (the EngineConfig it was made with, as a dict; None in files
+    written before it was recorded) of a saved document (a directory, or the older single file),
+    read from its manifest or header alone; ValueError naming the problem."""
     from ..model.kvfile import read_kv_metadata
 
     if os.path.isfile(path):
         meta = read_kv_metadata(path)
-        return {"dtype": meta["dtype"], "kv_dtype": "model", "weights": "model", "length": int(meta["length"])}
+        return {"dtype": meta["dtype"], "kv_dtype": "model", "weights": "model", "length": int(meta["length"]),
+                "engine_config": None}
     manifest = read_manifest(path)
     return {"dtype": manifest["dtype"], "kv_dtype": manifest["kv_dtype"], "weights": manifest.get("weights", "model"),
-            "length": int(manifest["length"])}
+            "length": int(manifest["length"]),
+            "engine_config": (manifest.get("extra") or {}).get(ENGINE_CONFIG_KEY)}
 
 
 def read_document(path: str, model, room: int = 0) -> tuple[KVCache, torch.Tensor, dict]:

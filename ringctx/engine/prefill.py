@@ -45,8 +45,8 @@ from ..parallel.comm import (
 )
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
+from ..planning.engine_config import STRATEGY_CHOICES
 
-STRATEGY_CHOICES = ("auto", *STRATEGIES)
 RING_KINDS = ("ring-kv", "ring-q", "all2all")
 """CommStats kinds of the ring attention's messages."""
 TP_KINDS = ("all-reduce", "tp-embed", "tp-logits")

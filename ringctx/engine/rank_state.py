@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from ..parallel.comm import LOCAL
 from .document import Document
-from .prefill import STRATEGY_CHOICES, PrefillConfig
+from ..planning.engine_config import STRATEGY_CHOICES
+from .prefill import PrefillConfig
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class EngineSettings:
     """Tensor-parallel ranks per model copy."""
     cp_size: int
     """Context-parallel ranks: world / tp_size."""
+    config: dict = field(default_factory=dict)
+    """The EngineConfig as it runs ("auto" resolved; `EngineConfig.to_dict`), recorded in saved documents."""
 
 
 @dataclass

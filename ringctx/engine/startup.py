@@ -105,12 +105,13 @@ def peek_config(model_name: str, dtype):
 
 
 def load_hardware(hardware):
-    """The profile "auto" decides with, loaded once (default: the built-in "cpu" or "h200"-like GPU)."""
-    from ..planning.hardware import HardwareProfile, load_profile
+    """The profile "auto" decides with, loaded once (default: planning.hardware.default_profile_name:
+    this machine's calibrated profile, else the built-in "cpu" or "h200" on GPUs)."""
+    from ..planning.hardware import HardwareProfile, default_profile_name, load_profile
 
     if isinstance(hardware, HardwareProfile):
         return hardware
-    return load_profile(hardware or ("h200" if torch.cuda.is_available() else "cpu"))
+    return load_profile(hardware or default_profile_name(torch.cuda.is_available()))
 
 
 def check_loadable(model_name: str, dtype) -> None:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from ringctx.cpu_features import cpu_model
 from ringctx.model.config import ModelConfig
+from ringctx.model.loader import DEFAULT_MODEL
 from ringctx.parallel.ring import STRATEGIES
 from ringctx.planning.hardware import (
     EmpiricalRuleCoefficients, HardwareProfile, RingCalibration, ThroughputPoint,
@@ -87,7 +88,7 @@ class CalibrationSettings:
     0: the smallest measured group. It is measured as one of cp_sizes."""
 
     @classmethod
-    def make(cls, model: "ModelConfig | str" = "smollm2-135m", *, dtypes=("bfloat16",), cp_sizes=(2,),
+    def make(cls, model: "ModelConfig | str" = DEFAULT_MODEL, *, dtypes=("bfloat16",), cp_sizes=(2,),
              quick: bool = False, repeats: int | None = None, tp_size: int = 0) -> "CalibrationSettings":
         model = resolve_model_config(model)
         dtypes = tuple(dict.fromkeys(canonical_dtype(d) for d in dtypes))

@@ -33,9 +33,41 @@ from ringctx.parallel.ring import STRATEGIES
 SCHEMA_VERSION = 1
 """Version of the profile JSON format; bumped when a field changes meaning."""
 
-DEFAULT_PROFILE_PATH = "ringctx-hardware.json"
-"""Where `ringctx calibrate` writes a profile unless --out says otherwise, and the profile `ringctx plan`
-reads when it finds one there (in the working directory)."""
+PROFILE_PATH_ENV = "RINGCTX_HARDWARE_PROFILE"
+"""An environment variable naming the calibrated profile's path instead of the user's config directory."""
+
+
+def calibrated_profile_path() -> Path:
+    """Where `ringctx calibrate` writes this machine's profile unless --out says otherwise, and where
+    every run that is given no --hardware looks for it: $RINGCTX_HARDWARE_PROFILE, else
+    ringctx/hardware.json in the user's config directory ($XDG_CONFIG_HOME, else ~/.config).
+    Never inside the installed package, which an upgrade replaces and a user may not write."""
+    if os.environ.get(PROFILE_PATH_ENV):
+        return Path(os.environ[PROFILE_PATH_ENV]).expanduser()
+    config_home = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(config_home) / "ringctx" / "hardware.json"
+
+
+def default_profile_name(on_gpu: bool) -> str:
+    """The profile a run decides with when given none: this machine's calibrated profile when
+    `ringctx calibrate` wrote one (calibrated_profile_path), else the built-in "h200" on GPUs or
+    "cpu". `Engine`, `prefill`, `ingest`, `serve` and `plan` all start from this one rule."""
+    path = calibrated_profile_path()
+    if path.is_file():
+        return str(path)
+    return "h200" if on_gpu else "cpu"
+
+
+def shown_source(profile: "HardwareProfile") -> str:
+    """Where a profile came from, as a person reads it: "built-in" for the package's own files
+    (their path lies inside the installed package), else the file's path."""
+    if profile.source_path is None:
+        return "given in code"
+    try:
+        Path(profile.source_path).resolve().relative_to(BUILTIN_DIR)
+        return "built-in"
+    except ValueError:
+        return profile.source_path
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "hardware"
 """Where the built-in profiles live (package data ``ringctx/hardware/*.json``)."""

@@ -30,7 +30,7 @@ from ringctx.planning.decode_plan import (
     FALLBACK_KV_DTYPE, DecodeMemory, DecodeSetting, check_decode_ranks, decode_memory, default_decode_ranks,
     smallest_decode_setting,
 )
-from ringctx.planning.hardware import HardwareProfile, element_bytes
+from ringctx.planning.hardware import DTYPE_BYTES, HardwareProfile, canonical_dtype, element_bytes
 from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, MemoryEstimate, activation_bytes_per_rank, as_model_config, check_integers,
     kv_cache_bytes_per_rank, kv_row_bytes, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
@@ -391,19 +391,27 @@ def fitting_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "Ha
 
 
 def default_chunk_tokens(model, world: int) -> int:
-    """The engine's chunk size for a loaded `model` (a Transformer) on `world` ranks, when the user gives
-    none: large enough to keep attention efficient, small enough that activations stay
-    small next to the weights and KV shard (the per-rank activation peak is ~ chunk/N tokens of
-    the MLP's 3*ffn_dim plus the logits of one token).
+    """The engine's chunk size for a loaded `model` (a Transformer, its TP shard under TP) on `world`
+    ranks, when the user gives none (see `chunk_tokens_for`)."""
+    return chunk_tokens_for(model.config, world, model.dtype, on_gpu=model.device.type == "cuda")
+
+
+def chunk_tokens_for(shard_config, world: int, dtype, *, on_gpu: bool) -> int:
+    """The engine's default chunk for one rank's model shard (`shard_config`, a ModelConfig) in
+    `dtype` (a torch dtype or its name) on `world` ranks: large enough to keep attention efficient,
+    small enough that activations stay small next to the weights and KV shard (the per-rank
+    activation peak is ~ chunk/N tokens of the MLP's 3*ffn_dim plus the logits of one token).
+    `ringctx plan` asks the same function, so it plans the chunks a run would take.
 
     On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
     chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
     get up to 64K tokens within a 1 GiB activation budget per rank.
     """
-    per_token = (3 * model.config.ffn_dim + 4 * model.config.dim) * torch.finfo(model.dtype).bits // 8
+    bits = torch.finfo(dtype).bits if isinstance(dtype, torch.dtype) else 8 * DTYPE_BYTES[canonical_dtype(dtype)]
+    per_token = (3 * shard_config.ffn_dim + 4 * shard_config.dim) * bits // 8
     budget = 1 << 30  # 1 GiB of chunk activations per rank
     by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
-    return by_memory if model.device.type == "cuda" else min(by_memory, 4096)
+    return by_memory if on_gpu else min(by_memory, 4096)
 
 
 SERVING_CPU_CHUNK_TOKENS = 512

@@ -31,6 +31,7 @@ import torch
 from ..engine import Engine
 from ..engine.document import chat_frame
 from ..engine.memory_check import available_memory
+from ..model.loader import DEFAULT_MODEL
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..planning.work import WorkProgress, prefill_chunk_flops
 from ..units import fmt_bytes
@@ -80,7 +81,7 @@ class EngineBackend:
         log: where one-line notices go (layout, documents loaded), e.g. print.
     """
 
-    def __init__(self, *, model: str = "smollm2-135m", nproc="auto", tp: int = 1, decode_ranks=None,
+    def __init__(self, *, model: str = DEFAULT_MODEL, nproc="auto", tp: int = 1, decode_ranks=None,
                  kv_dtype: str = "model", dtype="auto", weights: str = "model", store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
                  max_document_tokens: int | None = None, chunk_tokens: int | None = None, max_batch: int = 16,

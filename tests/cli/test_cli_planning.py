@@ -21,10 +21,10 @@ def run(cmd, args):
 
 def test_plan_table_single_prefill():
     result = run(plan, ["--model", "llama3-8b", "--cp", "4", "--hardware", "h100-rdma", "--tokens", "100000",
-                        "--cached", "900000"])
+                        "--cached", "900000", "--chunk-tokens", "0"])
     assert result.exit_code == 0, result.output
     out = result.output
-    for text in ("ringctx plan", "pass-KV ms", "pass-Q ms", "reason:", "alg5:", "TTFT", "prefill memory per rank",
+    for text in ("ringctx plan", "pass-KV", "pass-Q", "reason:", "alg5:", "TTFT", "prefill memory per rank",
                  "KV-cache shard", "decode memory per device", "4 of 8 on one host", "bfloat16 (model)",
                  "KV slice (250,064 tokens)", "fits: yes", "UNCALIBRATED"):
         assert text in out, text
@@ -226,7 +226,7 @@ def test_plan_proposes_the_mesh_for_the_hosts():
 
 
 def test_plan_mesh_json_carries_the_proposal_and_alternatives():
-    result = run(plan, [*PAPER_1M, "--hosts", "16", "--json"])
+    result = run(plan, [*PAPER_1M, "--hosts", "16", "--chunk-tokens", "0", "--json"])
     assert result.exit_code == 0, result.output
     d = json.loads(result.output)
     mesh = d["mesh"]
