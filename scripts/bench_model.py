@@ -82,7 +82,7 @@ def transformers_twin(model):
     import transformers
 
     config = model.config
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf_config())
+    hf_config = transformers.AutoConfig.for_model(**hf_config_dict(config))
     hf_config._attn_implementation = "sdpa"
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=model.dtype)
@@ -155,6 +155,7 @@ def main() -> None:
     from ringctx import cpu_kernels
     from ringctx.planning.machine_speed import decode_bytes_per_token, read_bandwidth
     from ringctx.model import load_model, resolve_dtype
+    from ringctx.model.config_hf import hf_config_dict
 
     cpu_kernels.use_variant(args.cpu_isa)
     bandwidths = [read_bandwidth(threads=args.threads)]

@@ -92,6 +92,81 @@ def layering_problems(package: Path = PACKAGE) -> list[str]:
     return problems
 
 
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines inside `if TYPE_CHECKING:` blocks: imports for annotations only, never run."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the ringctx modules it imports when run (any depth, not under TYPE_CHECKING)."""
+    graph = {}
+    for path in sorted(package.rglob("*.py")):
+        module = module_name(path, package)
+        if module in TOP:
+            continue
+        skip = _type_checking_lines(ast.parse(path.read_text()))
+        graph[module] = {target for line, target in imports(path, package)
+                         if line not in skip and target.startswith("ringctx.") and target not in TOP
+                         and target != module and is_module(target, package)}
+    return graph
+
+
+def import_circles(package: Path = PACKAGE) -> list[list[str]]:
+    """Every set of modules that import each other round a circle (Tarjan's strongly connected
+    components of more than one module), each sorted, e.g. [['ringctx.a', 'ringctx.b']]."""
+    graph = import_graph(package)
+    index, low, on_stack, stack, circles = {}, {}, set(), [], []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(circles)
+
+
+def test_no_import_circles():
+    circles = import_circles()
+    assert not circles, "modules that import each other (a package's __init__ counts):\n" + "\n".join(
+        " <-> ".join(circle) for circle in circles)
+
+
+def test_the_circle_check_finds_one(tmp_path):
+    root = tmp_path / "ringctx"
+    (root / "model").mkdir(parents=True)
+    for name, text in {"__init__.py": "", "model/__init__.py": "from .config import Config\n",
+                       "model/config.py": "def f():\n    from .reader import read\n",
+                       "model/reader.py": "from ringctx.model import config\n",
+                       "model/hints.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .reader import x\n",
+                       "model/leaf.py": "from .hints import y\n"}.items():
+        (root / name).write_text(text)
+    assert import_circles(root) == [["ringctx.model.config", "ringctx.model.reader"]]
+
+
 def test_imports_only_point_down():
     problems = layering_problems()
     assert not problems, "imports against the layering of docs/ARCHITECTURE.md:\n" + "\n".join(problems)

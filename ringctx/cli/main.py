@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import sys
 
 import click
 
-from ..attention.quant import KV_DTYPES
-from ..model.int8_weights import WEIGHT_CHOICES
-from ..planning.engine_config import ATTN_BACKENDS, COMMAND_LINE, STRATEGY_CHOICES, field_help
-from ..planning.strategy import RULES
 from ..units import fmt_bytes
 from rich.console import Console
 from rich.table import Table
 
+from .options import (COMMAND_LINE, DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, _AgreedBadParameter,
+                      _AgreedError, _rank_error, build_engine, engine_options, nproc_option)
 from .progress import prefill_progress, work_bar
 
 console = Console()
@@ -46,138 +43,10 @@ class _Group(click.Group):
             raise click.exceptions.Exit(130) from None
 
 
-class _OnePerHost:
-    """For errors every rank raises alike (bad input, start-up mismatch, memory): under torchrun only
-    local rank 0 of each host prints it, instead of every rank repeating it. The other ranks leave a
-    moment later, so that torchrun does not stop local rank 0 before it has printed."""
-
-    def show(self, file=None) -> None:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            super().show(file)
-        else:
-            import time
-
-            time.sleep(3)
-
-
-class _AgreedError(_OnePerHost, click.ClickException):
-    pass
-
-
-class _AgreedBadParameter(_OnePerHost, click.BadParameter):
-    pass
-
-
-def _rank_error(exc: Exception) -> click.ClickException:
-    """One clear line for an error out of the engine (RankFailure lines are per rank: all print)."""
-    from ..engine.failures import CLOSED, RankFailure
-
-    text = str(exc)
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":  # str(KeyError) quotes its message
-        text = text[1:-1]
-    text = text.removesuffix(CLOSED)  # the CLI ends anyway: no "create a new Engine"
-    return click.ClickException(text) if isinstance(exc, RankFailure) else _AgreedError(text)
-
-
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ringctx")
 def main() -> None:
     """ringctx: exact context-parallel prefill of very long prompts (ring pass-KV / pass-Q)."""
-
-
-class _RankCount(click.ParamType):
-    """--nproc: a positive integer, or "auto" (one rank per GPU; 2 on a CPU with 2+ cores)."""
-
-    name = "N|auto"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "auto":
-            return value
-        try:
-            n = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither a number of ranks nor 'auto'", param, ctx)
-        if n < 1:
-            self.fail(f"must be >= 1, got {n}", param, ctx)
-        return n
-
-
-# Options that `ask` shares with the commands of engine_options.
-def nproc_option(default, serving: bool = False):
-    auto = ("auto (the layout that serves fastest: one rank per GPU, one rank with every core on a CPU)" if serving
-            else "auto (one per GPU; 2 on a CPU with 2+ cores, each with half the threads)")
-    return click.option("--nproc", default=default, show_default=True, type=_RankCount(),
-                        help=f"Local ranks to spawn: a number, or {auto}. Ignored under torchrun, which sets the world.")
-
-
-def _help(name: str) -> str:
-    """An engine option's help: the EngineConfig field's docstring (written once, there)."""
-    return field_help()[name]
-
-
-TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=COMMAND_LINE.timeout_s, show_default=True,
-                              help=_help("timeout_s"))
-TP_OPTION = click.option("--tp", "tp", default=COMMAND_LINE.tp, show_default=True, type=int,
-                         help=_help("tp") + " Under torchrun launch tp x (CP ranks per host) per node.")
-WEIGHTS_OPTION = click.option(
-    "--weights", type=click.Choice(WEIGHT_CHOICES), default=COMMAND_LINE.weights, show_default=True,
-    help=_help("weights") + " bf16 or float32 models; the prefill keeps reading the same values in bf16, so the "
-                            "codes add half the blocks' bytes.")
-DECODE_RANKS_OPTION = click.option(
-    "--decode-ranks", type=int, default=COMMAND_LINE.decode_ranks,
-    help=_help("decode_ranks") + " A document saved by any number loads on any other.")
-MODEL_OPTION = click.option("--model", default=COMMAND_LINE.model, show_default=True, help=_help("model"))
-
-ENGINE_OPTIONS = ("model", "nproc", "tp", "chunk_tokens", "strategy", "hardware", "rule", "dtype", "device",
-                  "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights")
-"""The EngineConfig fields a command of `engine_options` takes from its command line."""
-
-
-def engine_options(f=None, *, serving: bool = False):
-    """The options of every command that builds an Engine, handed to it as one `config`
-    (an EngineConfig; defaults: COMMAND_LINE). serving: --nproc auto is the serving layout."""
-    if f is None:
-        return lambda g: engine_options(g, serving=serving)
-    options = [
-        MODEL_OPTION,
-        nproc_option(COMMAND_LINE.nproc, serving=serving),
-        TP_OPTION,
-        click.option("--chunk-tokens", type=int, default=COMMAND_LINE.chunk_tokens, help=_help("chunk_tokens")),
-        click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default=COMMAND_LINE.strategy,
-                     show_default=True, help=_help("strategy")),
-        click.option("--hardware", default=COMMAND_LINE.hardware, help=_help("hardware")),
-        click.option("--rule", type=click.Choice(RULES), default=COMMAND_LINE.rule, show_default=True,
-                     help=_help("rule")),
-        click.option("--dtype", default=COMMAND_LINE.dtype, show_default=True, help=_help("dtype")),
-        click.option("--device", default=COMMAND_LINE.device, help=_help("device")),
-        click.option("--attn-backend", type=click.Choice(ATTN_BACKENDS), default=COMMAND_LINE.attn_backend,
-                     show_default=True, help=_help("attn_backend")),
-        TIMEOUT_OPTION,
-        DECODE_RANKS_OPTION,
-        click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=COMMAND_LINE.kv_dtype, show_default=True,
-                     help=_help("kv_dtype")),
-        WEIGHTS_OPTION,
-    ]
-
-    @functools.wraps(f)
-    def with_config(**kwargs):
-        settings = {name: kwargs.pop(name) for name in ENGINE_OPTIONS}
-        return f(config=COMMAND_LINE.replace(**settings), **kwargs)
-
-    for option in reversed(options):
-        with_config = option(with_config)
-    return with_config
-
-
-def build_engine(config):
-    """The Engine of `config` (an EngineConfig), or the command's one-line error."""
-    from ..engine import Engine
-    from ..engine.failures import RankFailure
-
-    try:
-        return Engine(config=config)
-    except (ValueError, OSError, RankFailure) as exc:  # bad names, paths, files, lost ranks: one clear line
-        raise _rank_error(exc) from None
 
 
 def _mesh_words(engine) -> str:
@@ -399,7 +268,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     if json_path == "-":  # for machines: JSON alone on stdout (the headers and notes are on stderr)
         click.echo(json.dumps(report, indent=2))
     else:
-        for table in stats_tables(stats, f"ringctx prefill: {model}, {tokens:,} tokens", follow_stats, efficiency):
+        for table in stats_tables(stats, f"ringctx prefill: {config.model}, {tokens:,} tokens", follow_stats, efficiency):
             console.print(table)
         if json_path:
             _write_json(json_path, report)
@@ -629,7 +498,9 @@ main.add_command(plan)
 main.add_command(calibrate)
 
 # `ringctx serve` lives in a module of its own (it registers itself on `main`).
-from . import serve  # noqa: E402,F401
+from .serve import serve  # noqa: E402
+
+main.add_command(serve)
 
 if __name__ == "__main__":
     sys.exit(main())

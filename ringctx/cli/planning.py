@@ -402,7 +402,7 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
               help="Compute dtype to measure (repeat for several; communication uses the first).")
 @click.option("--out", "out_path", default=None,
               help="Profile JSON to write [default: this machine's profile, which every run without --hardware "
-                   f"reads: $RINGCTX_HARDWARE_PROFILE, else ~/.config/ringctx/hardware.json].")
+                   "reads: $RINGCTX_HARDWARE_PROFILE, else ~/.config/ringctx/hardware.json].")
 @click.option("--name", default=None, help="Profile name [default: calibrated-<hostname>].")
 @click.option("--tp", "tp_size", type=int, default=0,
               help="Measure the tensor-parallel all-reduce (tp_latency_s, tp_bandwidth_bytes_per_s) among this many "

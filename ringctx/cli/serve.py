@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
-from .main import DECODE_RANKS_OPTION, MODEL_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, main, nproc_option
+from .options import DECODE_RANKS_OPTION, MODEL_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, nproc_option
 
 
 class _Bytes(click.ParamType):
@@ -30,7 +30,7 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-@main.command()
+@click.command()
 @MODEL_OPTION
 @nproc_option("auto", serving=True)
 @TP_OPTION

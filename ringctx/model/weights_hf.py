@@ -14,6 +14,7 @@ import os
 import torch
 
 from .config import ModelConfig
+from .config_hf import read_hf_config
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take
 
@@ -119,7 +120,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, 
     dtype None: the checkpoint's `torch_dtype`/`dtype` from config.json (float32 if absent).
     """
     directory = os.fspath(directory)
-    config = ModelConfig.from_hf_config(directory, name=name)
+    config = read_hf_config(directory, name=name)
     if dtype is None:
         dtype = checkpoint_dtype(directory)
     model = empty_model(config, dtype=dtype, device=device, tp=tp)

@@ -25,6 +25,8 @@ import torch
 from ringctx.attention.quant import is_quantized
 from ringctx.hub import local_model_path
 from ringctx.model.config import ModelConfig
+from ringctx.model.config_gguf import read_gguf_config
+from ringctx.model.config_hf import read_hf_config
 from ringctx.model.presets import PRESETS, get_preset
 from ringctx.planning.decode_plan import (
     FALLBACK_KV_DTYPE, DecodeMemory, DecodeSetting, check_decode_ranks, decode_memory, default_decode_ranks,
@@ -202,17 +204,17 @@ def resolve_model_config(model: "ModelConfig | str | os.PathLike") -> ModelConfi
                          "name a preset, a .gguf file or a Hugging Face model directory")
     if os.path.isdir(text):
         if os.path.isfile(os.path.join(text, "config.json")):
-            return ModelConfig.from_hf_config(text)
+            return read_hf_config(text)
         ggufs = sorted(f for f in os.listdir(text) if f.endswith(".gguf"))
         if len(ggufs) == 1:
-            return ModelConfig.from_gguf(os.path.join(text, ggufs[0]))
+            return read_gguf_config(os.path.join(text, ggufs[0]))
         raise ValueError(f"{text}: a directory without config.json or a single .gguf file; not a model directory")
     if os.path.basename(text) == "config.json":
-        return ModelConfig.from_hf_config(text)
+        return read_hf_config(text)
     with open(text, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
-        return ModelConfig.from_gguf(text)
+        return read_gguf_config(text)
     raise ValueError(f"{text}: neither a GGUF file nor a Hugging Face config.json; name a model preset, "
                      "a .gguf file or a model directory")
 

@@ -64,9 +64,10 @@ def test_plan_counts_int8_weights_codes_on_a_cpu():
 
 
 def test_plan_reads_a_model_directory_config(tmp_path):
+    from ringctx.model.config_hf import hf_config_dict
     from ringctx.model.presets import get_preset
 
-    (tmp_path / "config.json").write_text(json.dumps(get_preset("smollm2-135m").to_hf_config()))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(get_preset("smollm2-135m"))))
     result = run(plan, ["--model", str(tmp_path), "--hardware", "cpu", "--tokens", "1000", "--json",
                         "--dtype", "float32"])
     assert result.exit_code == 0, result.output

@@ -16,6 +16,7 @@ import torch
 
 from ringctx.attention import attention_block
 from ringctx.model.config import ModelConfig, RopeScaling
+from ringctx.model.config_hf import hf_config_dict
 from ringctx.model.presets import get_preset
 from ringctx.model import KVCache, forward_with_cache, load_model
 from ringctx.model.generate import Sampler, StopStrings
@@ -33,7 +34,7 @@ def make_hf_model(config: ModelConfig, seed: int = 0):
     """A transformers model of `config` with every parameter random (biases and norms too)."""
     import transformers
 
-    hf_config = transformers.AutoConfig.for_model(**config.to_hf_config())
+    hf_config = transformers.AutoConfig.for_model(**hf_config_dict(config))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -289,7 +290,7 @@ def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=r"config\.json: unsupported architecture model_type='gpt2'"):
         load_model(str(tmp_path), device="cpu")
-    cfg = TINY.to_hf_config()
+    cfg = hf_config_dict(TINY)
     cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
     cfg.pop("rope_scaling")
     (tmp_path / "config.json").write_text(json.dumps(cfg))

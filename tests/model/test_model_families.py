@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ringctx.model.config import ModelConfig, RopeScaling
+from ringctx.model.config_hf import read_hf_config
 from ringctx.model import load_model
 from tests.helpers import one_thread_for_module, rel_err
 from tests.model.test_model_gguf import gguf_weights_from_hf, write_gguf
@@ -175,7 +176,7 @@ def test_gguf_logits_match_transformers(name, arch, keys, tmp_path):
     with their RoPE scaling in the rope.scaling.* keys; past the original context."""
     hf = random_hf_model(name)
     hf.save_pretrained(tmp_path)
-    config = ModelConfig.from_hf_config(tmp_path)
+    config = read_hf_config(tmp_path)
     path = str(tmp_path / f"{name}.gguf")
     write_gguf(path, config, arch=arch, weights=gguf_weights_from_hf(hf, config), add_keys=keys)
     ours = load_model(path, device="cpu")
@@ -212,7 +213,7 @@ BASE = {"model_type": "llama", **SHAPE}
 def test_unsupported_features_are_refused_in_one_line(change, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **change}))
     with pytest.raises(ValueError, match=message) as info:
-        ModelConfig.from_hf_config(tmp_path)
+        read_hf_config(tmp_path)
     assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
 
 

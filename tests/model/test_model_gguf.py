@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ringctx.model.config import ModelConfig, RopeScaling
+from ringctx.model.config_hf import hf_config_dict
 from ringctx.model.presets import get_preset
 from ringctx.model import load_model
 from ringctx.model.weights_gguf import unpermute_rotary_rows
@@ -249,7 +250,7 @@ def test_gguf_logits_match_transformers(case, tmp_path):
         config, arch, types = dataclasses.replace(tiny, **gqa3, qkv_bias=True), "llama", (Q.F32,)
     else:  # qwen2 keeps the Hugging Face row order: no permutation
         config, arch, types = dataclasses.replace(tiny, **gqa3, qkv_bias=True, tie_embeddings=True), "qwen2", (Q.F32,)
-    hf_cfg = config.to_hf_config()
+    hf_cfg = hf_config_dict(config)
     if case == "llama-qkv-bias":
         hf_cfg["attention_bias"] = True  # transformers' Llama then has an o_proj bias too: zero below
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from ringctx.model.config_hf import hf_config_dict
 from ringctx.model.presets import get_preset
 from ringctx.planning.calibrate import (
     LAYER_OVERHEAD_TOKENS, CalibrationSettings, calibrate, fit_latency_bandwidth, fit_linear_block, ring_strategy_job,
@@ -202,7 +203,7 @@ def test_fit_rule_to_measurements_finds_the_boundary():
 
 def test_resolve_model_config(tmp_path):
     assert resolve_model_config("tiny") == TINY
-    (tmp_path / "config.json").write_text(json.dumps(SMOL.to_hf_config()))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(SMOL)))
     cfg = resolve_model_config(str(tmp_path))
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.dim, cfg.n_layers) == (9, 3, 576, 30)
     with pytest.raises(ValueError, match=r"unknown model 'gpt-5'.*smollm2-135m"):

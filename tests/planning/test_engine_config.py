@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ringctx.cli.main import ENGINE_OPTIONS, engine_options
+from ringctx.cli.options import ENGINE_OPTIONS, engine_options
 from ringctx.cli.planning import plan, render_calibration
 from ringctx.planning.calibrate import Calibration
 from ringctx.planning.engine_config import COMMAND_LINE, EngineConfig, field_help, field_names
