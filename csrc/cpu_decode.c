@@ -1,5 +1,5 @@
 /* Decode steps of a Llama-family decoder: B tokens, one per sequence, through every layer in one
- * call (built with cpu_kernels.c by ringctx/cpu_kernels.py, once per variant, see cpu_simd.h;
+ * call (built with cpu_kernels.c by ringctx/kernels/build.py, once per variant, see cpu_simd.h;
  * driven by ringctx/model/decode_step.py, where a lone answer is a batch of one).
  *
  * Why: a decode step should take the time to read the weights and the KV cache once. Run as
@@ -26,6 +26,7 @@
  * may land one step away), not bit for bit.
  */
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 #include <omp.h>
 
@@ -156,7 +157,7 @@ typedef struct {
 
 #define MAX_BATCH 64
 /* Most rows a batch step's products read int8 weights' codes for (INT8_MAX_ROWS of
- * ringctx/cpu_kernels.py): widening a code costs more than widening a bf16 value, and each row
+ * ringctx/kernels/selection.py): widening a code costs more than widening a bf16 value, and each row
  * widens them again; SmolLM2 steps at 8K tokens took 0.94x the time of the bf16 values' with one
  * row, 1.00x with 2, 1.11x with 4, 1.20x with 8, so more rows read the values (the same sums). */
 #define INT8_MAX_ROWS 1
@@ -615,4 +616,82 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     }
     for (int64_t i = 0; i < t * s->dim; ++i) store_one(x, bf16, i, w.resid[i]);
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * The layout of the structs above and the limits the Python side copies (ringctx/kernels/abi.py
+ * declares them as ctypes Structures): reported so that the loader checks its copy against the
+ * compiler's, field by field, before any kernel runs. A field added, moved or resized on one side
+ * only then fails the load with its name, instead of a step reading the wrong bytes.
+ * ------------------------------------------------------------------------------------------ */
+
+typedef struct {
+    const char *name; /* "struct" (offset 0, size its sizeof) or "struct.field" */
+    int64_t offset, size;
+} ringctx_abi_field;
+
+typedef struct {
+    const char *name; /* the C macro's name */
+    int64_t value;
+} ringctx_abi_limit;
+
+#define ABI_STRUCT(type) {#type, 0, (int64_t)sizeof(type)}
+#define ABI_FIELD(type, field) {#type "." #field, (int64_t)offsetof(type, field), (int64_t)sizeof(((type *)0)->field)}
+
+static const ringctx_abi_field abi_fields[] = {
+    ABI_STRUCT(ringctx_decoder_shape),
+    ABI_FIELD(ringctx_decoder_shape, dim),
+    ABI_FIELD(ringctx_decoder_shape, n_heads),
+    ABI_FIELD(ringctx_decoder_shape, n_kv_heads),
+    ABI_FIELD(ringctx_decoder_shape, head_dim),
+    ABI_FIELD(ringctx_decoder_shape, ffn_dim),
+    ABI_FIELD(ringctx_decoder_shape, norm_eps),
+    ABI_FIELD(ringctx_decoder_shape, softmax_scale),
+    ABI_FIELD(ringctx_decoder_shape, bf16),
+    ABI_STRUCT(ringctx_decoder_layer),
+    ABI_FIELD(ringctx_decoder_layer, attention_norm),
+    ABI_FIELD(ringctx_decoder_layer, wqkv),
+    ABI_FIELD(ringctx_decoder_layer, bqkv),
+    ABI_FIELD(ringctx_decoder_layer, wo),
+    ABI_FIELD(ringctx_decoder_layer, bo),
+    ABI_FIELD(ringctx_decoder_layer, ffn_norm),
+    ABI_FIELD(ringctx_decoder_layer, w13),
+    ABI_FIELD(ringctx_decoder_layer, w2),
+    ABI_FIELD(ringctx_decoder_layer, q_norm),
+    ABI_FIELD(ringctx_decoder_layer, k_norm),
+    ABI_FIELD(ringctx_decoder_layer, wqkv_codes),
+    ABI_FIELD(ringctx_decoder_layer, wo_codes),
+    ABI_FIELD(ringctx_decoder_layer, w13_codes),
+    ABI_FIELD(ringctx_decoder_layer, w2_codes),
+    ABI_FIELD(ringctx_decoder_layer, wqkv_exps),
+    ABI_FIELD(ringctx_decoder_layer, wo_exps),
+    ABI_FIELD(ringctx_decoder_layer, w13_exps),
+    ABI_FIELD(ringctx_decoder_layer, w2_exps),
+    ABI_STRUCT(ringctx_attention_source),
+    ABI_FIELD(ringctx_attention_source, k),
+    ABI_FIELD(ringctx_attention_source, v),
+    ABI_FIELD(ringctx_attention_source, k_scale),
+    ABI_FIELD(ringctx_attention_source, v_scale),
+    ABI_FIELD(ringctx_attention_source, rows),
+    ABI_FIELD(ringctx_attention_source, n_rows),
+    ABI_FIELD(ringctx_attention_source, keys),
+    ABI_FIELD(ringctx_attention_source, write_row),
+    ABI_FIELD(ringctx_attention_source, kv_q8),
+};
+
+static const ringctx_abi_limit abi_limits[] = {
+    {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8},
+};
+
+/* The struct and field table above; *count receives its length. Plain data: safe to call before
+ * ringctx_cpu_kernels_supported, though the loader asks after it. */
+const ringctx_abi_field *ringctx_abi_fields(int64_t *count) {
+    *count = (int64_t)(sizeof abi_fields / sizeof abi_fields[0]);
+    return abi_fields;
+}
+
+/* The limits above; *count receives their number. */
+const ringctx_abi_limit *ringctx_abi_limits(int64_t *count) {
+    *count = (int64_t)(sizeof abi_limits / sizeof abi_limits[0]);
+    return abi_limits;
 }

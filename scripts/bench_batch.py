@@ -123,7 +123,7 @@ def run_kv_dtype(args, kv_dtype: str, weights: str, bandwidth: float) -> list[di
 
 def main() -> int:
     args = parse_args()
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels.cpu_features import cpu_model
     from ringctx.planning.machine_speed import read_bandwidth
 
     bandwidth = read_bandwidth()

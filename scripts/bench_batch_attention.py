@@ -34,10 +34,10 @@ import time
 
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block
 from ringctx.attention.kernels import group_queries, ungroup_rows
 from ringctx.attention.quant import attention_block_quantized, quantize_rows
+from ringctx.kernels import build, cpu
 from ringctx.planning.machine_speed import read_bandwidth
 
 HQ, HKV, D = 9, 3, 64
@@ -47,21 +47,21 @@ ROTATION_BYTES = 1 << 30  # the caches one shape's calls rotate over (> 2x this 
 def _old_two_pass(q, k, v, scale):
     """The path attention_block took before the one-pass kernel: scores out, softmax in PyTorch, PV."""
     qg = group_queries(q, HKV)
-    scores = cpu_kernels.decode_scores(qg, k, scale)
+    scores = cpu.decode_scores(qg, k, scale)
     row_max = scores.amax(dim=-1, keepdim=True)
     probs = scores.sub_(row_max).exp_()
     row_sum = probs.sum(dim=-1, keepdim=True)
-    out = cpu_kernels.decode_pv(probs, v).div_(row_sum)
+    out = cpu.decode_pv(probs, v).div_(row_sum)
     return ungroup_rows(out, (row_max + row_sum.log()).squeeze(-1), q.shape[0], q.dtype)
 
 
 def _old_two_pass_q8(q, kd, ks, vd, vs, scale):
     qg = group_queries(q, HKV)
-    scores = cpu_kernels.decode_scores_q8(qg, kd, ks, scale)
+    scores = cpu.decode_scores_q8(qg, kd, ks, scale)
     row_max = scores.amax(dim=-1, keepdim=True)
     probs = scores.sub_(row_max).exp_()
     row_sum = probs.sum(dim=-1, keepdim=True)
-    out = cpu_kernels.decode_pv_q8(probs, vd, vs).div_(row_sum)
+    out = cpu.decode_pv_q8(probs, vd, vs).div_(row_sum)
     return ungroup_rows(out, (row_max + row_sum.log()).squeeze(-1), q.shape[0], q.dtype)
 
 
@@ -96,12 +96,12 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=7, help="alternating calls of old and new per row")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--variants", nargs="+", default=[v.name for v in cpu_kernels.VARIANTS
-                                                     if cpu_kernels.runs_here(v) is None])
+    p.add_argument("--variants", nargs="+", default=[v.name for v in build.VARIANTS
+                                                     if build.runs_here(v) is None])
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args()
-    if cpu_kernels.library() is None:
-        print(f"the CPU kernels are not available here: {cpu_kernels.kernel_error()}", file=sys.stderr)
+    if build.library() is None:
+        print(f"the CPU kernels are not available here: {build.kernel_error()}", file=sys.stderr)
         return 1
     threads = torch.get_num_threads()
     bandwidth_before = read_bandwidth(threads=threads)
@@ -111,7 +111,7 @@ def main() -> int:
         for cache in ("bf16", "fp8"):
             layers, nbytes = layer_caches(S, cache)
             for variant in args.variants:
-                cpu_kernels.use_variant(variant)
+                build.use_variant(variant)
                 for B in args.batches:
                     q = torch.randn(B, HQ, D, generator=torch.Generator().manual_seed(B)).bfloat16()
                     if cache == "bf16":
@@ -126,7 +126,7 @@ def main() -> int:
                     print(f"S={S} {cache} {variant} B={B}: old {1e3 * row['old_s']:.2f} ms, new "
                           f"{1e3 * row['new_s']:.2f} ms, new/old {row['ratio']:.2f}, new reads "
                           f"{nbytes / row['new_s'] / 1e9:.1f} GB/s", flush=True)
-            cpu_kernels.use_variant(None)
+            build.use_variant(None)
             del layers
     bandwidth = max(bandwidth_before, read_bandwidth(threads=threads))
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),

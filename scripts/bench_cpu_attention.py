@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block
+from ringctx.kernels import build, cpu, selection
 
 # (name, queries, keys, query heads, KV heads, head dim, causal, threads)
 FLOAT32_BLOCKS = [
@@ -64,7 +64,7 @@ def time_block(kernel, name, T, S, hq, hkv, d, causal, threads, rounds):
     if kernel == "amx":
         ours = lambda: attention_block(q, k, v, causal=causal, backend="amx")  # noqa: E731
     else:
-        ours = lambda: cpu_kernels.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)  # noqa: E731
+        ours = lambda: cpu.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)  # noqa: E731
     if kernel == "float32-bf16":  # PyTorch's float32 op on the float32 copies of the same values
         q32, k32, v32 = q.float(), k.float(), v.float()
         theirs = lambda: attention_block(q32, k32, v32, causal=causal, backend="torch")  # noqa: E731
@@ -97,21 +97,21 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=9, help="alternating calls of each per block")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args()
-    if args.kernel == "amx" and not cpu_kernels.amx_available():
-        print(f"the AMX kernel is not available here: {cpu_kernels.amx_unavailable_reason()}", file=sys.stderr)
+    if args.kernel == "amx" and not selection.amx_available():
+        print(f"the AMX kernel is not available here: {selection.amx_unavailable_reason()}", file=sys.stderr)
         return 1
-    if args.kernel != "amx" and cpu_kernels.active_variant() is None:
-        print(f"the CPU kernels are not available here: {cpu_kernels.kernel_error()}", file=sys.stderr)
+    if args.kernel != "amx" and build.active_variant() is None:
+        print(f"the CPU kernels are not available here: {build.kernel_error()}", file=sys.stderr)
         return 1
 
     from rich.console import Console
     from rich.table import Table
 
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels.cpu_features import cpu_model
 
     blocks = BLOCKS if args.kernel == "amx" else FLOAT32_BLOCKS
     rows = [time_block(args.kernel, *block, args.rounds) for block in blocks]
-    variant = "AMX" if args.kernel == "amx" else f"float32 flash, {cpu_kernels.active_variant().name}"
+    variant = "AMX" if args.kernel == "amx" else f"float32 flash, {build.active_variant().name}"
     if args.kernel == "float32-bf16":
         variant += ", bf16 inputs"
     table = Table(title=f"{cpu_model()}: attention block, ringctx ({variant}) vs PyTorch's CPU op "

@@ -114,7 +114,7 @@ def main() -> int:
     import httpx
     import openai
 
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels.cpu_features import cpu_model
     from ringctx.model.loader import embedded_gguf_path
     from ringctx.model.tokenizer import load_tokenizer
 

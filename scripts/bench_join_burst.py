@@ -36,7 +36,7 @@ def main() -> int:
 
     import torch
 
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels.cpu_features import cpu_model
     from ringctx.engine import Engine
     from ringctx.engine.scheduler import Scheduler, Text
     from ringctx.model.loader import embedded_gguf_path

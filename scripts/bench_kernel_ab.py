@@ -13,7 +13,7 @@ process loads SmolLM2-135M, prefills random tokens and decodes 64 greedy tokens 
 `model.generate`, and reports the median step. Printed: per configuration, the median over
 rounds per side and the median of the per-round ratios (this checkout / base), which cancels
 most of the machine's drift. Configurations are DTYPE:PROMPT[:VARIANT] (VARIANT: a CPU kernel
-variant, see ringctx.cpu_kernels; default: the widest this CPU runs). `--base-env KEY=VALUE`
+variant, see ringctx.kernels.build; default: the widest this CPU runs). `--base-env KEY=VALUE`
 sets an environment variable in the base side's processes only: with `--base HEAD`, the same code
 with and without a setting. Each process also reports its read bandwidth
 (ringctx.planning.machine_speed.read_bandwidth, where the revision has it), printed per side.
@@ -35,10 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 _MEASURE = """
 import json, statistics, sys, torch
 torch.set_num_threads(2)
-from ringctx import cpu_kernels
+from ringctx.kernels import build
 from ringctx.model import load_model, resolve_dtype
 dtype, prompt, variant = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None
-cpu_kernels.use_variant(variant)
+build.use_variant(variant)
 model = load_model("smollm2-135m", dtype=resolve_dtype(dtype), device="cpu")
 ids = torch.randint(0, model.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
 model.generate(ids[:256], max_new_tokens=3, stop_token_ids=[])  # build and warm the kernels
@@ -50,7 +50,7 @@ try:
 except ImportError:  # an older revision
     read_gbps = None
 print(json.dumps({"step_ms": 1e3 * statistics.median(result.token_times_s), "tokens": result.token_ids[:8],
-                  "variant": getattr(cpu_kernels.active_variant(), "name", None), "package": ringctx.__file__,
+                  "variant": getattr(build.active_variant(), "name", None), "package": ringctx.__file__,
                   "read_gbps": read_gbps}))
 """
 

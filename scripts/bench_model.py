@@ -13,7 +13,7 @@ Beside each decode row: the floor, the time to read what a decode step must read
 weight but the embedding table, whose one row is negligible, and the KV cache at the row's mean
 context) at this machine's read bandwidth (ringctx.planning.machine_speed.read_bandwidth, measured before
 and after the rows; the larger counts), and ringctx's step as a multiple of it.
-`--cpu-isa avx2` runs ringctx's AVX2 kernels on an AVX-512 machine (see ringctx.cpu_kernels);
+`--cpu-isa avx2` runs ringctx's AVX2 kernels on an AVX-512 machine (see ringctx.kernels.build);
 `--torch-isa avx2` keeps PyTorch, oneDNN and MKL to AVX2 as well (so transformers runs the code it
 runs on an AVX2-only CPU: no AVX-512, no AMX, no bf16 units). With both, every instruction either
 side executes is one an AVX2-only machine has; the memory system is still this machine's.
@@ -152,15 +152,16 @@ def main() -> None:
     if args.torch_isa:
         cap_torch_isa(args.torch_isa)
     torch.set_num_threads(args.threads)
-    from ringctx import cpu_kernels
+    from ringctx.kernels import build
+    from ringctx.kernels.report import cpu_kernels_status
     from ringctx.planning.machine_speed import decode_bytes_per_token, read_bandwidth
     from ringctx.model import load_model, resolve_dtype
     from ringctx.model.config_hf import hf_config_dict
 
-    cpu_kernels.use_variant(args.cpu_isa)
+    build.use_variant(args.cpu_isa)
     bandwidths = [read_bandwidth(threads=args.threads)]
     print(f"read bandwidth {bandwidths[0] / 1e9:.1f} GB/s ({args.threads} threads); CPU kernels: "
-          f"{cpu_kernels.cpu_kernels_status()}", flush=True)
+          f"{cpu_kernels_status()}", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     rows = []
     for dtype_name in args.dtypes:
@@ -190,12 +191,12 @@ def main() -> None:
         row["floor_ms"] = 1e3 * row["decode_bytes_per_token"] / bandwidth
         if row["ringctx"]["decode_ms_per_token"] is not None:
             row["ringctx_over_floor"] = row["ringctx"]["decode_ms_p50"] / row["floor_ms"]
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels.cpu_features import cpu_model
 
     report = {
         "model": args.model, "threads": args.threads, "torch": torch.__version__,
         "transformers": _version("transformers"), "cpu": cpu_model(), "machine": platform.machine(),
-        "read_bandwidth_bytes_per_s": bandwidths, "cpu_kernel_variant": getattr(cpu_kernels.active_variant(), "name", None),
+        "read_bandwidth_bytes_per_s": bandwidths, "cpu_kernel_variant": getattr(build.active_variant(), "name", None),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_isa_env": {key: os.environ[key] for env in TORCH_ISA_ENV.values() for key in env if key in os.environ},
         "rounds": args.rounds,
@@ -236,11 +237,12 @@ def _version(package: str) -> str | None:
 
 
 def _cpu_features() -> dict:
-    from ringctx import cpu_kernels
-    from ringctx.cpu_features import cpu_has_fast_bf16
+    from ringctx.kernels.cpu_features import cpu_has_fast_bf16
+    from ringctx.kernels.report import cpu_kernels_status
+    from ringctx.kernels.selection import amx_available
 
-    return {"native_bf16": cpu_has_fast_bf16(), "amx_attention": cpu_kernels.amx_available(),
-            "cpu_kernels": cpu_kernels.cpu_kernels_status()}
+    return {"native_bf16": cpu_has_fast_bf16(), "amx_attention": amx_available(),
+            "cpu_kernels": cpu_kernels_status()}
 
 
 def print_row(row: dict) -> None:

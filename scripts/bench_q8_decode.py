@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block
 from ringctx.attention.quant import attention_block_quantized, quantize_rows
+from ringctx.kernels import build, cpu
 
 HQ, HKV, D = 9, 3, 64
 SHAPES = [(65536, 1), (65536, 2), (131072, 1), (131072, 2)]  # (cached tokens, threads)
@@ -52,9 +52,9 @@ def time_shape(S: int, threads: int, rounds: int, evict: torch.Tensor | None) ->
     def kernels(name):
         if name == "bf16":
             kb, vb = caches[name]
-            return lambda: (cpu_kernels.decode_scores(qg, kb, scale), cpu_kernels.decode_pv(probs, vb))
+            return lambda: (cpu.decode_scores(qg, kb, scale), cpu.decode_pv(probs, vb))
         kd, ks, vd, vs = caches[name]
-        return lambda: (cpu_kernels.decode_scores_q8(qg, kd, ks, scale), cpu_kernels.decode_pv_q8(probs, vd, vs))
+        return lambda: (cpu.decode_scores_q8(qg, kd, ks, scale), cpu.decode_pv_q8(probs, vd, vs))
 
     def attention(name):
         if name == "bf16":
@@ -92,8 +92,8 @@ def main() -> int:
     p.add_argument("--no-evict", action="store_true", help="do not evict the cache before each call")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args()
-    if cpu_kernels.library() is None:
-        print(f"the CPU kernels are not available here: {cpu_kernels.kernel_error()}", file=sys.stderr)
+    if build.library() is None:
+        print(f"the CPU kernels are not available here: {build.kernel_error()}", file=sys.stderr)
         return 1
 
     from rich.console import Console

@@ -481,7 +481,7 @@ def main() -> int:
 
     import openai
 
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels.cpu_features import cpu_model
     from ringctx.model.loader import embedded_gguf_path
     from ringctx.model.tokenizer import load_tokenizer
 

@@ -16,7 +16,7 @@ the kernel variant (avx512, avx2, portable).
 
 --rows: the products alone, as a batch step of R rows would run them: every block matrix of the
 model times R activation rows, small_linear_int8 over the codes (allowed any R here, past
-cpu_kernels.INT8_MAX_ROWS) against small_linear over the values, alternating; the same results
+selection.INT8_MAX_ROWS) against small_linear over the values, alternating; the same results
 bit for bit. This is the measurement INT8_MAX_ROWS comes from.
 
 --answers N: what the rounding does to answers: the embedded SmolLM2 with bf16 weights and with
@@ -53,8 +53,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    from ringctx import cpu_kernels
-    from ringctx.cpu_features import cpu_model
+    from ringctx.kernels import build, cpu, selection
+    from ringctx.kernels.cpu_features import cpu_model
     from ringctx.model import KVCache, forward_with_cache, load_model
     from ringctx.model.decode_step import DecodeStep
     from ringctx.model.int8_weights import quantized_matrices
@@ -68,7 +68,7 @@ def main() -> int:
             m.weight._ringctx_int8 = kept[id(m.weight)] if on else None
 
     bandwidth = read_bandwidth()
-    variant = cpu_kernels.active_variant()
+    variant = build.active_variant()
     print(f"{cpu_model()}: {variant.name if variant else 'no'} kernels, read bandwidth {bandwidth / 1e9:.1f} GB/s, "
           f"{torch.get_num_threads()} threads; {args.steps} steps x {args.rounds} rounds", flush=True)
     rows = []
@@ -109,7 +109,7 @@ def main() -> int:
                   f"(floor {row['int8_floor_ms']:5.1f})  bf16 {row['bf16_ms']:6.2f} ms "
                   f"(floor {row['bf16_floor_ms']:5.1f})  int8/bf16 {row['ratio']:.2f}", flush=True)
     products = []
-    cpu_kernels.INT8_MAX_ROWS = max(args.rows, default=1)  # the codes for any rows, to compare
+    selection.INT8_MAX_ROWS = max(args.rows, default=1)  # the codes for any rows, to compare
     matrices = [(kept[id(m.weight)], m.weight) for m in quantized_matrices(model)]
     for rows in args.rows:
         xs = {n: torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)).bfloat16()
@@ -120,12 +120,12 @@ def main() -> int:
                 t0 = time.perf_counter()
                 for q, w in matrices:
                     x = xs[w.shape[1]]
-                    y = cpu_kernels.small_linear_int8(x, q.codes, q.exponents) if codes else cpu_kernels.small_linear(x, w)
+                    y = cpu.small_linear_int8(x, q.codes, q.exponents) if codes else cpu.small_linear(x, w)
                     assert y is not None, "the kernels declined"
                 times[codes].append(time.perf_counter() - t0)
         q, w = matrices[0]
         x = xs[w.shape[1]]
-        if not torch.equal(cpu_kernels.small_linear_int8(x, q.codes, q.exponents), cpu_kernels.small_linear(x, w)):
+        if not torch.equal(cpu.small_linear_int8(x, q.codes, q.exponents), cpu.small_linear(x, w)):
             raise SystemExit("the product over the codes differs from the product over their values")
         row = {"rows": rows, "int8_ms": 1000 * statistics.median(times[True]),
                "bf16_ms": 1000 * statistics.median(times[False]),

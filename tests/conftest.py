@@ -9,12 +9,12 @@ import shutil
 
 import pytest
 
-from ringctx import cpu_kernels
+from ringctx.kernels import build
 from ringctx.parallel.launch import RankPool
 
-KERNEL_VARIANTS = ([v.name for v in cpu_kernels.VARIANTS if cpu_kernels.runs_here(v) is None]
+KERNEL_VARIANTS = ([v.name for v in build.VARIANTS if build.runs_here(v) is None]
                    if shutil.which("cc") or shutil.which("gcc") else [])
-"""The CPU kernel variants this machine runs (avx512, avx2, portable: see ringctx.cpu_kernels), all
+"""The CPU kernel variants this machine runs (avx512, avx2, portable: see ringctx.kernels.build), all
 of which the kernel tests check: an AVX-512 machine also checks the AVX2 and portable builds."""
 
 
@@ -22,9 +22,9 @@ of which the kernel tests check: an AVX-512 machine also checks the AVX2 and por
 def kernel_variant(request):
     """Each CPU kernel test runs once per variant this machine runs (once with none where there is
     no C compiler: the tests then check the PyTorch fallback)."""
-    cpu_kernels.use_variant(request.param)
+    build.use_variant(request.param)
     yield request.param
-    cpu_kernels.use_variant(None)
+    build.use_variant(None)
 
 _pools: dict[int, RankPool] = {}
 

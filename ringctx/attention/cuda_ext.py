@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .. import kernel_paths
+from ..kernels import paths
 
 _SOURCES = ("bindings.cpp", "merge_partials.cu", "scatter_kv.cu")
 _HEADERS = ("ringctx_kernels.h", "vec_io.cuh")
@@ -50,8 +50,8 @@ _off_in_scope = 0
 
 
 def csrc_dir(files: Sequence[str] = _SOURCES + _HEADERS) -> Path | None:
-    """Where the CUDA kernel sources are (ringctx.kernel_paths.csrc_dir); None when not found."""
-    return kernel_paths.csrc_dir(files)
+    """Where the CUDA kernel sources are (ringctx.kernels.paths.csrc_dir); None when not found."""
+    return paths.csrc_dir(files)
 
 
 def load_extension(*, verbose: bool | None = None):

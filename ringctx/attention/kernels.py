@@ -33,8 +33,8 @@ import math
 
 import torch
 
-from .. import cpu_kernels
-from ..cpu_features import computes_in_float32
+from ..kernels import cpu, selection
+from ..kernels.cpu_features import computes_in_float32
 from .merge import PartialAccumulator, sanitize_lse
 from .reference import reference_attention
 
@@ -61,9 +61,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "flash-attn" and not flash_attn_available():
         raise ValueError("attention backend 'flash-attn' requested but flash-attn is not installed "
                          "(pip install 'ringctx[flash]' on a CUDA machine), or use backend 'torch'")
-    if backend == "amx" and not (device.type == "cpu" and cpu_kernels.amx_available()):
+    if backend == "amx" and not (device.type == "cpu" and selection.amx_available()):
         raise ValueError("attention backend 'amx' requested but this machine cannot run it (it needs a CPU "
-                         f"with AMX-BF16 and the CPU kernels: {cpu_kernels.amx_unavailable_reason() or 'not a CPU tensor'}); "
+                         f"with AMX-BF16 and the CPU kernels: {selection.amx_unavailable_reason() or 'not a CPU tensor'}); "
                          "use backend 'torch'")
     return backend
 
@@ -88,9 +88,9 @@ def attention_block(
         backend: see the module docstring.
         one_sequence: the queries are one sequence's tokens (a prefill's block), so the kernel may
             be chosen by the number of rows alone (AMX from AMX_FROM_ROWS_PER_KV_HEAD rows per KV
-            head). False: they may be different sequences' (a batched decode step), and each row
-            gets the same bits whatever else shares the call (the decode kernel up to its
-            MAX_QUERY_ROWS_PER_KV_HEAD rows, as the fused batch step computes them).
+            head, kernels/selection.py). False: they may be different sequences' (a batched decode
+            step), and each row gets the same bits whatever else shares the call (the decode kernel
+            up to its MAX_QUERY_ROWS_PER_KV_HEAD rows, as the fused batch step computes them).
 
     Returns:
         out [T, Hq, D] in q's dtype and lse [Hq, T] float32 (natural log). With S == 0 every row
@@ -135,44 +135,23 @@ def attention_block(
                     and decode_applies(q, k) and triton_available(q.device):
                 return triton_decode_attention(q, k, v, softmax_scale=scale)
         return _torch_cuda_block(q, k, v, causal, scale)
-    amx_first = (one_sequence and requested == "auto" and T * (Hq // Hkv) >= AMX_FROM_ROWS_PER_KV_HEAD
-                 and cpu_kernels.amx_attention_applies(q, k, v))
-    flash_first = (one_sequence and requested == "auto" and T * (Hq // Hkv) >= FLASH_FROM_ROWS_PER_KV_HEAD
-                   and computes_in_float32(q) and cpu_kernels.flash_attention_applies(q, k, v))
-    if backend != "amx" and not causal and not (amx_first or flash_first) and cpu_kernels.decode_kernels_apply(q, k, v):
+    # Which CPU kernel takes the block: the rules and thresholds are kernels/selection.py's, which
+    # the fused prefill (model/decode_step.py) asks too.
+    amx_first = (one_sequence and requested == "auto" and selection.amx_before_decode(T * (Hq // Hkv))
+                 and selection.amx_attention_applies(q, k, v))
+    flash_first = (one_sequence and requested == "auto" and selection.flash_before_decode(T * (Hq // Hkv))
+                   and computes_in_float32(q) and selection.flash_attention_applies(q, k, v))
+    if backend != "amx" and not causal and not (amx_first or flash_first) and selection.decode_kernels_apply(q, k, v):
         done = _decode_kernel_block(q, k, v, scale)
         if done is not None:
             return done
-    if backend == "amx" or amx_first or (requested == "auto" and T > SMALL_QUERY_ROWS
-                                         and cpu_kernels.amx_attention_applies(q, k, v)):
-        if not cpu_kernels.amx_attention_applies(q, k, v):
-            raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {cpu_kernels.AMX_HEAD_DIMS}; "
+    if backend == "amx" or amx_first or (requested == "auto" and not selection.few_query_rows(T)
+                                         and selection.amx_attention_applies(q, k, v)):
+        if not selection.amx_attention_applies(q, k, v):
+            raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {selection.AMX_HEAD_DIMS}; "
                              f"got {q.dtype} q {tuple(q.shape)}; use backend 'torch'")
-        return cpu_kernels.amx_attention(q, k, v, causal=causal, scale=scale)
+        return cpu.amx_attention(q, k, v, causal=causal, scale=scale)
     return _torch_cpu_block(q, k, v, causal, scale, own_kernel=requested == "auto")
-
-
-SMALL_QUERY_ROWS = 8
-"""Without the CPU decode kernels, full blocks with at most this many query rows (decode steps)
-skip the fused CPU op, whose per-call setup dominates at T = 1 (and which has no native bf16 path
-without AMX). With them, every full block of at most cpu_kernels.MAX_QUERY_ROWS_PER_KV_HEAD query
-rows per KV head takes the decode kernel (B questions decoded together are one call that reads the
-shared K/V once), below AMX_FROM_ROWS_PER_KV_HEAD where AMX applies."""
-
-AMX_FROM_ROWS_PER_KV_HEAD = 16
-"""Full blocks of one sequence (`one_sequence`) with at least this many query rows per KV head take
-AMX before the decode kernel, whose vector FMAs are bound by arithmetic there (a question's tokens
-against a document, 8K keys, GQA group 3, bf16, 2 threads, AMX tiles shared by a GQA group's rows:
-decode kernel against AMX 0.46 / 0.70 ms at 6 rows, 0.73 / 0.71 at 12, 0.98 / 0.82 at 18, 1.81 /
-1.19 at 36, 2.83 / 1.07 at 63; the decode kernel's time grows with the rows, AMX's by tiles of 16)."""
-
-FLASH_FROM_ROWS_PER_KV_HEAD = 40
-"""A bf16 sequence's block on a CPU without bf16 units (computing in float32) takes the float32
-flash kernel from this many query rows per KV head, the decode kernel below: a question's tokens
-over a document's cache, 8,192 keys, SmolLM2's heads, 2 threads, AVX2 and AVX-512 builds: the flash
-kernel 0.94-1.16x the decode kernel's time at 24 rows, 0.99-1.06x at 36-42, 0.69-0.91x at 48-63
-(docs/BENCHMARKS.md). A float32 model's blocks keep the decode kernel up to its 64 rows (flash took
-1.07-1.08x its time at 63)."""
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:
@@ -199,7 +178,7 @@ def _decode_kernel_block(q, k, v, scale):
     about this document) through ringctx's one-pass CPU decode attention (csrc/cpu_kernels.c): every
     K and V row read once, in place, for all B x Hq query rows. None if the kernel refused."""
     T = q.shape[0]
-    done = cpu_kernels.decode_attention(group_queries(q, k.shape[1]), k, v, scale)
+    done = cpu.decode_attention(group_queries(q, k.shape[1]), k, v, scale)
     return None if done is None else ungroup_rows(*done, T, q.dtype)
 
 
@@ -226,31 +205,31 @@ def reads_kv_in_place(q: torch.Tensor, backend: str = "auto") -> bool:
     that a caller need not pack them into one tensor."""
     if q.device.type != "cpu" or backend not in ("auto", "amx"):
         return False
-    if cpu_kernels.amx_available():
+    if selection.amx_available():
         return True
     # A float32 model's blocks keep packed, head-major K/V: its float32 flash kernel read the
     # cache's token-major rows 3-6% slower on long blocks (bf16 ones are widened into a buffer).
     return q.dtype == torch.bfloat16 and computes_in_float32(q) and backend == "auto" \
-        and cpu_kernels.flash_attention_built(q.shape[-1])
+        and selection.flash_attention_built(q.shape[-1])
 
 
 def _torch_cpu_block(q, k, v, causal, scale, own_kernel: bool = False):
     """A block on the CPU with PyTorch's fused op; own_kernel: float32 blocks take ringctx's flash
     kernel instead where it applies (0.77-0.91x the time of PyTorch's op on causal blocks,
     0.88-0.99x on full ones: AVX2 and AVX-512, 1-2 threads; docs/BENCHMARKS.md)."""
-    if not causal and q.shape[0] <= SMALL_QUERY_ROWS:
+    if not causal and selection.few_query_rows(q.shape[0]):
         return _small_query_block(q, k, v, scale)
     if computes_in_float32(q):  # no bf16 units: float32 is faster and rounds only once
-        if own_kernel and cpu_kernels.flash_attention_applies(q, k, v):
+        if own_kernel and selection.flash_attention_applies(q, k, v):
             # the kernel widens bf16 as it reads (a question over a document's cache: no float32
             # copy of the document's rows; 0.83x the time for 16 tokens over 8K keys, the same for
             # a prefill's blocks: docs/BENCHMARKS.md)
-            out, lse = cpu_kernels.flash_attention(q, k, v, causal=causal, scale=scale)
+            out, lse = cpu.flash_attention(q, k, v, causal=causal, scale=scale)
             return out.to(q.dtype), lse
         out, lse = _torch_cpu_block(q.float(), k.float(), v.float(), causal, scale, own_kernel)
         return out.to(q.dtype), lse
-    if own_kernel and q.dtype == torch.float32 and cpu_kernels.flash_attention_applies(q, k, v):
-        return cpu_kernels.flash_attention(q, k, v, causal=causal, scale=scale)
+    if own_kernel and q.dtype == torch.float32 and selection.flash_attention_applies(q, k, v):
+        return cpu.flash_attention(q, k, v, causal=causal, scale=scale)
     # The op wants [B, H, S, D]; a transposed view of our token-major tensors costs nothing, and
     # it returns out whose memory is token-major, so the transpose back is free too.
     qb, kb, vb = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from .. import cpu_kernels
+from ..kernels import cpu
 
 
 def sanitize_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ class PartialAccumulator:
         if n == 0:
             return
         adopt = owned and self._out is None and row_start == 0 and n == self.rows and out.dtype == torch.float32
-        if not adopt and out.device.type == "cpu" and cpu_kernels.merge_rows(
+        if not adopt and out.device.type == "cpu" and cpu.merge_rows(
                 self.out[row_start:row_start + n], self.lse[:, row_start:row_start + n], out, lse):
             return  # the same merge in one C pass (its ops cost more than the arithmetic at few rows)
         lse = sanitize_lse(lse)

@@ -41,8 +41,8 @@ import math
 
 import torch
 
-from .. import cpu_kernels
-from ..cpu_features import computes_in_float32
+from ..kernels import cpu, selection
+from ..kernels.cpu_features import computes_in_float32
 from .kernels import attention_block, group_queries, resolve_backend, ungroup_rows
 from .merge import PartialAccumulator
 
@@ -170,7 +170,7 @@ def attention_block_quantized(
     resolve_backend(backend, q.device)  # unknown names and backends this machine lacks: a ValueError
     if backend in ("auto", "torch"):
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()  # a copy, if any, is 1/D of the data
-        if cpu_kernels.decode_q8_kernels_apply(q, k_data, k_scale, v_data, v_scale):
+        if selection.decode_q8_kernels_apply(q, k_data, k_scale, v_data, v_scale):
             done = _decode_in_place(q, k_data, k_scale, v_data, v_scale, scale)
             if done is not None:
                 return done
@@ -202,7 +202,7 @@ def _check(q, k_data, k_scale, v_data, v_scale, block_rows):
 def _decode_in_place(q, k_data, k_scale, v_data, v_scale, scale):
     """A few query rows per KV head through the one-pass CPU q8 kernel (see `_decode_kernel_block` in
     attention/kernels.py, which this follows); None if the kernel refused."""
-    done = cpu_kernels.decode_attention_q8(group_queries(q, k_data.shape[1]), k_data, k_scale, v_data, v_scale, scale)
+    done = cpu.decode_attention_q8(group_queries(q, k_data.shape[1]), k_data, k_scale, v_data, v_scale, scale)
     return None if done is None else ungroup_rows(*done, q.shape[0], q.dtype)
 
 

@@ -31,6 +31,8 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.selection import MAX_QUERY_ROWS_PER_KV_HEAD
+
 _LOG2E = 1.4426950408889634  # scores are kept in base 2 inside the kernel: exp2 is one instruction
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,18 +76,16 @@ def triton_attention_block(
     return _forward(q, k, v, plan)
 
 
-DECODE_MAX_ROWS = 64
-"""Most query rows per KV head (GQA group x query tokens) `triton_decode_attention` takes in one
-tile: the B query tokens of the questions about one document, against its K/V."""
-
-
 def decode_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """True when a full block of q [T, Hq, D] against k [S, Hkv, D] is a decode block for
-    `triton_decode_attention`: at most DECODE_MAX_ROWS query rows per KV head, S >= 1, head dim up
-    to 128 (the caller checks dtypes and devices as for `triton_attention_block`)."""
+    `triton_decode_attention`: at most MAX_QUERY_ROWS_PER_KV_HEAD query rows per KV head (one tile:
+    the B query tokens of the questions about one document, as many as the CPU decode kernel
+    takes, kernels/selection.py), S >= 1, head dim up to 128 (the caller checks dtypes and devices
+    as for `triton_attention_block`)."""
     T, Hq, D = q.shape
     S, Hkv = k.shape[:2]
-    return T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and Hq // Hkv * T <= DECODE_MAX_ROWS and D <= _MAX_HEAD_DIM
+    return T >= 1 and S >= 1 and Hkv >= 1 and Hq % Hkv == 0 and Hq // Hkv * T <= MAX_QUERY_ROWS_PER_KV_HEAD \
+        and D <= _MAX_HEAD_DIM
 
 
 def triton_decode_attention(
@@ -108,7 +108,7 @@ def triton_decode_attention(
 
     Args:
         q: [T, Hq, D]; k, v: [S, Hkv, D] (float16/bfloat16/float32, one dtype, one device), with
-            Hq // Hkv * T <= DECODE_MAX_ROWS; unit stride along D (others any).
+            Hq // Hkv * T <= MAX_QUERY_ROWS_PER_KV_HEAD; unit stride along D (others any).
         softmax_scale: defaults to 1/sqrt(D).
         splits: key slices (default: enough programs for the GPU's SMs, a few in the interpreter).
 
@@ -120,7 +120,7 @@ def triton_decode_attention(
     S, Hkv, _ = k.shape
     if T and not decode_applies(q, k) and S:
         raise ValueError(f"triton_decode_attention: {Hq // Hkv * T} query rows per KV head (at most "
-                         f"{DECODE_MAX_ROWS}) or head dim {D} (at most {_MAX_HEAD_DIM}); use triton_attention_block")
+                         f"{MAX_QUERY_ROWS_PER_KV_HEAD}) or head dim {D} (at most {_MAX_HEAD_DIM}); use triton_attention_block")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)

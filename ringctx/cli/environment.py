@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ..attention.kernels import flash_attn_available
-from ..cpu_features import cpu_has_fast_bf16, cpu_model, phase_dtypes
-from ..cpu_kernels import active_variant, amx_available, cpu_kernels_report
+from ..kernels.build import active_variant
+from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
+from ..kernels.report import cpu_kernels_report, phase_dtypes
+from ..kernels.selection import amx_available
 from ..host_memory import huge_pages_report
 from ..planning.machine_speed import auto_dtype
 

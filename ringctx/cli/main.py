@@ -207,7 +207,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     steps; the table says how close both ran to this machine's measured peak."""
     import torch
 
-    from ..cpu_features import phase_dtypes
+    from ..kernels.report import phase_dtypes
     from ..engine import auto_nproc
     from ..engine.efficiency import measure_efficiency, measure_peaks
     from ..engine.failures import RankFailure

@@ -3,7 +3,7 @@
     prefill share = cost-model FLOPs of the chunks (attention + matmuls, `chunk_flops`)
                     / the chunks' seconds / peak
     peak          = a GEMM of the model's MLP shapes, one chunk's rows, every core of this host,
-                    in the dtype the prefill computes in (`cpu_features.compute_dtype`: float32
+                    in the dtype the prefill computes in (`kernels.cpu_features.compute_dtype`: float32
                     where bf16 is emulated, bf16 where the CPU has bf16 units)
     decode share  = floor / measured step, floor = bytes a step reads / read bandwidth
                     (every decode rank reads the weights once and its slice of the KV cache)
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu_features import compute_dtype
+from ..kernels.cpu_features import compute_dtype
 from ..planning.machine_speed import decode_bytes_per_token, matmul_flops_per_s, read_bandwidth
 from ..planning.work import chunk_flops
 

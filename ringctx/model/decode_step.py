@@ -9,7 +9,7 @@ A decode step multiplies one activation row by every weight matrix and attends o
 Run as PyTorch ops, a layer of a small model is ~40 ops on vectors of a few hundred elements, and
 on a CPU their dispatch costs about as much as reading the weights (docs/BENCHMARKS.md). Where
 the fused kernel applies (`FusedBatchStep.build`: a CPU model in float32 or bf16 with head_dim a
-multiple of 16, the kernels built, see ringctx/cpu_kernels.py), the step runs every layer in one
+multiple of 16, the kernels built, see ringctx/kernels/), the step runs every layer in one
 call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
 too. Everywhere else it is `forward_with_cache` on one token.
@@ -45,9 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cpu_kernels
-from ..attention.kernels import FLASH_FROM_ROWS_PER_KV_HEAD, SMALL_QUERY_ROWS
-from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
+from ..kernels import abi, build, selection
+from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
 from .kvcache import KVCache, forward_with_cache
 
@@ -167,7 +166,7 @@ class FusedBatchStep:
         x = step(tokens, positions, documents, own, merge)    # [B, dim] model dtype, before the final norm
     """
 
-    max_rows = cpu_kernels.MAX_BATCH
+    max_rows = selection.MAX_BATCH
     """Most tokens one call takes."""
 
     def __init__(self, model, lib: ctypes.CDLL):
@@ -175,7 +174,7 @@ class FusedBatchStep:
         self.shape, self.layers = _shape_and_layers(model)
         self.rows, self.threads = 0, 0  # what the work buffer below is sized for
         self._merge, self._merge_error = None, None
-        self._callback = cpu_kernels.MERGE_FN(self._on_merge)  # one object, kept alive with the step
+        self._callback = abi.MERGE_FN(self._on_merge)  # one object, kept alive with the step
         self._pointers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> its layer tables
 
     @classmethod
@@ -184,24 +183,24 @@ class FusedBatchStep:
         step's conditions on the model; caches are checked per call by `takes`)."""
         if not _layers_fit(model):
             return None
-        lib = cpu_kernels.library()
+        lib = build.library()
         return None if lib is None else cls(model, lib)
 
     def takes(self, cache: KVCache) -> bool:
         """Whether the kernel reads this cache: rows in the model dtype or 8-bit, on the CPU."""
         stored = cache.k[0].dtype
-        return cache.device.type == "cpu" and (stored == self.model.dtype or stored in cpu_kernels.Q8_KINDS)
+        return cache.device.type == "cpu" and (stored == self.model.dtype or stored in abi.Q8_KINDS)
 
     def __call__(self, tokens: list[int], positions: list[int], documents: list[AttentionSource],
                  own: list[AttentionSource], merge=None) -> torch.Tensor:
         """tokens[i] at global position positions[i] -> the last layer's outputs [B, dim] (model
         dtype, before the final norm). documents: the shared caches (never written); own: at most
         one source per batch row, each with that one row. merge(out, lse) -> float32 [B, Hq, D], or
-        None when these sources hold every key of every row. B must be 1 .. cpu_kernels.MAX_BATCH."""
+        None when these sources hold every key of every row. B must be 1 .. selection.MAX_BATCH."""
         model = self.model
         B = len(tokens)
-        if not 1 <= B <= cpu_kernels.MAX_BATCH or len(positions) != B:
-            raise ValueError(f"a fused batch step takes 1..{cpu_kernels.MAX_BATCH} tokens, one position each "
+        if not 1 <= B <= selection.MAX_BATCH or len(positions) != B:
+            raise ValueError(f"a fused batch step takes 1..{selection.MAX_BATCH} tokens, one position each "
                              f"(got {B} tokens, {len(positions)} positions)")
         vocab = model.config.vocab_size
         if any(not 0 <= t < vocab for t in tokens):
@@ -216,7 +215,7 @@ class FusedBatchStep:
             status = self.lib.ringctx_decode_step_batch(
                 ctypes.byref(self.shape), self.layers, len(self.layers), x.data_ptr(), B, cos.data_ptr(),
                 sin.data_ptr(), sources, len(sources), len(documents), self.work.data_ptr(), self.threads,
-                self._callback if merge is not None else cpu_kernels.MERGE_FN())
+                self._callback if merge is not None else abi.MERGE_FN())
         finally:
             self._merge = None
             del keep
@@ -229,7 +228,7 @@ class FusedBatchStep:
 
     def _sources(self, documents: list[AttentionSource], own: list[AttentionSource], batch: int):
         """The kernel's source array, and what must stay alive while it runs (the row lists)."""
-        array = (cpu_kernels.AttentionSource * max(1, len(documents) + len(own)))()
+        array = (abi.AttentionSource * max(1, len(documents) + len(own)))()
         keep = []
         owned = [r for source in own for r in source.rows]
         if len(set(owned)) != len(owned):  # the kernel merges a row's own partial from one thread only
@@ -254,7 +253,7 @@ class FusedBatchStep:
                                                           v_scale and ctypes.addressof(v_scale))
             slot.rows, slot.n_rows, slot.keys = ctypes.addressof(rows), len(source.rows), source.keys
             slot.write_row = -1 if source.write_row is None else source.write_row
-            slot.kv_q8 = cpu_kernels.Q8_KINDS.get(source.cache.k[0].dtype, -1)
+            slot.kv_q8 = abi.Q8_KINDS.get(source.cache.k[0].dtype, -1)
         return array, keep
 
     def _layer_pointers(self, cache: KVCache, first_row: int):
@@ -306,10 +305,11 @@ class FusedPrefill:
     """A short prefill's layers on one rank in one C call (ringctx_prefill_rows, csrc/cpu_decode.c):
     a question's T tokens over the rows a cache already holds (its document's), with the bits of
     `Block.forward` run layer by layer, where that path's kernels are the ones the call is made of
-    (`takes`): a bf16 model on a CPU without bf16 units (computing in float32), T rows in the
-    range `linear` gives small_linear and whose blocks attention_block gives the float32 flash
-    kernel. From Python such a prefill spent ~0.45 ms a layer between its kernels (a 15-token
-    question over an 8K-token document, SmolLM2, 2 cores: 14 of its 100 ms).
+    (`build` and `takes`, which ask kernels/selection.py what that path asks it): a bf16 model on a
+    CPU without bf16 units (computing in float32), T rows in the range `linear` gives small_linear
+    and whose blocks attention_block gives the float32 flash kernel. From Python such a prefill
+    spent ~0.45 ms a layer between its kernels (a 15-token question over an 8K-token document,
+    SmolLM2, 2 cores: 14 of its 100 ms).
 
         fused = FusedPrefill.build(model)                   # None where the kernel does not apply
         if fused is not None and fused.takes(T, cache, cached, backend):
@@ -332,12 +332,13 @@ class FusedPrefill:
     def build(cls, model) -> "FusedPrefill | None":
         """The fused prefill for this model, or None where it cannot apply: the fused batch step's
         conditions (`_layers_fit`), and a bf16 model on a CPU computing it in float32
-        (elsewhere `linear` and attention_block take other kernels at a question's rows). Kept per
-        model while its weights stay where they are (building one took ~3 ms, once per question)."""
-        if model.dtype != torch.bfloat16 or not computes_in_float32(model.layers[0].attention_norm.weight) \
-                or cpu_kernels.amx_available() or not cpu_kernels.flash_attention_built(model.config.head_dim):
+        (`selection.fused_prefill_applies`: elsewhere `linear` and attention_block take other
+        kernels at a question's rows). Kept per model while its weights stay where they are
+        (building one took ~3 ms, once per question)."""
+        if not selection.fused_prefill_applies(model.dtype, computes_in_float32(model.layers[0].attention_norm.weight),
+                                               model.config.head_dim):
             return None
-        lib = cpu_kernels.library()
+        lib = build.library()
         if lib is None:
             return None
         weights = tuple(t.data_ptr() for block in model.layers for t in _block_tensors(block))
@@ -351,13 +352,10 @@ class FusedPrefill:
 
     def takes(self, rows: int, cache: KVCache, cached: int, backend: str) -> bool:
         """Whether `rows` tokens over `cached` rows of `cache` take exactly the kernels of this call
-        on the Python path: small_linear's rows (past MAX_ROWS, below UPCAST_MIN_ROWS), the flash
-        kernel for the full block over the cached rows (FLASH_FROM_ROWS_PER_KV_HEAD query rows per
-        KV head) and for the causal one; a cache in the model dtype with room for the rows."""
-        if backend != "auto" or not (max(cpu_kernels.MAX_ROWS, SMALL_QUERY_ROWS) < rows < UPCAST_MIN_ROWS
-                                     and rows <= cpu_kernels.MAX_BATCH):
-            return False
-        if cached and rows * self.group < FLASH_FROM_ROWS_PER_KV_HEAD:
+        on the Python path (`selection.fused_prefill_takes`: small_linear's rows past the
+        decode-sized ones, the flash kernel for the full block over the cached rows and for the
+        causal one); a cache in the model dtype with room for the rows."""
+        if not selection.fused_prefill_takes(rows, self.group, cached, backend):
             return False
         return (cache.device.type == "cpu" and cache.k[0].dtype == self.dtype
                 and 0 <= cached and cached + rows <= cache.max_tokens
@@ -375,8 +373,8 @@ class FusedPrefill:
         v = pointers(*(t.data_ptr() for t in cache.v[first:end]))
         threads = torch.get_num_threads()
         work = torch.empty(self.lib.ringctx_prefill_work_floats(ctypes.byref(self.shape), rows, threads))
-        layers = ctypes.cast(ctypes.byref(self.layers, first * ctypes.sizeof(cpu_kernels.DecoderLayer)),
-                             ctypes.POINTER(cpu_kernels.DecoderLayer))
+        layers = ctypes.cast(ctypes.byref(self.layers, first * ctypes.sizeof(abi.DecoderLayer)),
+                             ctypes.POINTER(abi.DecoderLayer))
         status = self.lib.ringctx_prefill_rows(ctypes.byref(self.shape), layers, n, x.data_ptr(), rows,
                                                cos.data_ptr(), sin.data_ptr(), k, v, cached, work.data_ptr(),
                                                threads)
@@ -391,20 +389,20 @@ _PREFILLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def step_logits(model, x: torch.Tensor) -> torch.Tensor:
     """The final norm and LM head of a decode step's rows x [B, dim]: float32 logits [B, vocab],
-    cpu_kernels.MAX_ROWS rows at a time, so that every row goes through the product a lone step's
-    row takes (past MAX_ROWS rows `linear` takes PyTorch's matmul, whose sums depend on the row
+    selection.MAX_ROWS rows at a time, so that every row goes through the product a lone step's
+    row takes (past MAX_ROWS rows `linear` may take PyTorch's matmul, whose sums depend on the row
     count) and a row's logits do not depend on how many rows share the step."""
-    return torch.cat([model.head(model.norm(rows)) for rows in x.split(cpu_kernels.MAX_ROWS)])
+    return torch.cat([model.head(model.norm(rows)) for rows in x.split(selection.MAX_ROWS)])
 
 
 def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
-    bf16, head_dim a multiple of 16 up to 256, at most 64 query heads per KV head, every layer's
-    weights contiguous on the CPU in the model dtype."""
+    bf16, heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
+    most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if config.head_dim % 16 or config.head_dim > 256 or config.n_heads // config.n_kv_heads > 64:
+    if not selection.fused_step_shape_fits(config.head_dim, config.n_heads, config.n_kv_heads):
         return False
     weights = [t for block in model.layers for t in _block_tensors(block)]
     return all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights)
@@ -414,14 +412,14 @@ def _shape_and_layers(model):
     """The kernel's DecoderShape and DecoderLayer array for `model` (its caches come per step, as
     attention sources)."""
     config = model.config
-    shape = cpu_kernels.DecoderShape(
+    shape = abi.DecoderShape(
         dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
         softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
-    layers = (cpu_kernels.DecoderLayer * config.n_layers)()
+    layers = (abi.DecoderLayer * config.n_layers)()
     for i, block in enumerate(model.layers):
         attention, mlp = block.attention, block.feed_forward
-        layers[i] = cpu_kernels.DecoderLayer(
+        layers[i] = abi.DecoderLayer(
             attention_norm=block.attention_norm.weight.data_ptr(),
             wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
             wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
@@ -429,7 +427,7 @@ def _shape_and_layers(model):
             w2=mlp.w2.weight.data_ptr(),
             q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
             k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
-        if model.dtype == torch.bfloat16 and cpu_kernels.reads_int8_weights():  # int8 weights: their codes
+        if model.dtype == torch.bfloat16 and selection.reads_int8_weights():  # int8 weights: their codes
             for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", mlp.w13), ("w2", mlp.w2)):
                 codes = int8_of(linear.weight)
                 if codes is not None:

@@ -16,7 +16,7 @@ A power of two, not the usual float scale (llama.cpp's Q8_0), for exactness: cod
 most 7 significant bits, so it is a bf16 (and float32) value exactly. `quantize_model` writes those
 values back into the model's weights, so the quantized model is an ordinary model with these
 weights on every path: a prefill, a question's join, TP shards, GPUs, float32 references. The
-CPU decode kernels read the codes instead (cpu_kernels.small_linear_int8, the fused decode step
+CPU decode kernels read the codes instead (kernels/cpu.py's small_linear_int8, the fused decode step
 of csrc/cpu_decode.c), widen and scale them in registers and sum the same products in the same
 order as over the bf16 values: the same results bit for bit from half the bytes. The price of
 the power of two: a group's step is up to 2x a float scale's, i.e. 6-7 significant bits (Q8_0

@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from ..cpu_features import UPCAST_MIN_ROWS, computes_in_float32
-from .. import cpu_kernels
-from ..cpu_kernels import AMX_LINEAR_ROWS, MAX_ROWS, amx_linear, small_linear, small_linear_int8
+from ..kernels import cpu, selection
+from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
 from .tensor_parallel import NO_TP, TensorParallel
 
@@ -50,25 +49,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear: x [T, in] @ weight[out, in]^T (+ bias) -> [T, out] in x's dtype.
 
     On a CPU without bf16 units a half-precision matmul runs in float32 and is rounded back (see
-    ringctx/cpu_features.py): the same result as a native bf16 GEMM up to summation order, 1.5-4x
-    faster there; below UPCAST_MIN_ROWS rows in the decode kernels' product, over the weight in place.
+    ringctx/kernels/cpu_features.py): the same result as a native bf16 GEMM up to summation order,
+    1.5-4x faster there; below UPCAST_MIN_ROWS rows in the decode kernels' product, over the weight
+    in place (the rows each product takes: kernels/selection.py's `linear_kernel`).
     """
-    rows, on_cpu, half_in_float32 = x.shape[0], x.device.type == "cpu", computes_in_float32(x)
-    if on_cpu and (rows <= MAX_ROWS or (half_in_float32 and rows < UPCAST_MIN_ROWS)):
+    half_in_float32 = computes_in_float32(x)
+    kernel = selection.linear_kernel(x.shape[0], x.device.type == "cpu", half_in_float32)
+    if kernel == selection.SMALL_LINEAR:
         # Decode-sized inputs (and, without bf16 units, any below UPCAST_MIN_ROWS): a kernel that
         # streams the weights at memory speed (PyTorch's bf16 GEMV ran at half of it, with bf16
         # units or without; its float32 one at 0.8-1x); int8 weights' codes where the model has
         # them (the same result from half the bytes).
         codes = int8_of(weight)
-        y = None if codes is None else small_linear_int8(x, codes.codes, codes.exponents, bias)
+        y = None if codes is None else cpu.small_linear_int8(x, codes.codes, codes.exponents, bias)
         if y is None:
-            y = small_linear(x, weight, bias, max_rows=UPCAST_MIN_ROWS - 1)
+            y = cpu.small_linear(x, weight, bias, max_rows=selection.UPCAST_MIN_ROWS - 1)
         if y is not None:
             return y
-    elif on_cpu and rows <= AMX_LINEAR_ROWS[1] and not half_in_float32:
+    elif kernel == selection.AMX_LINEAR:
         # A question's or a short prompt's rows, bf16 on AMX: the weights read once, in place
         # (PyTorch's bf16 matmul took 1.2-1.4x the time at 9-16 rows: csrc/cpu_attention_amx.c).
-        y = amx_linear(x, weight, bias)
+        y = cpu.amx_linear(x, weight, bias)
         if y is not None:
             return y
     if half_in_float32:  # what the kernels did not take (float16, no kernels, many rows)
@@ -103,7 +104,7 @@ def apply_rotary(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
 def apply_rotary_(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
     """`apply_rotary` in place (x must be a buffer the caller owns); returns x. On the CPU one pass
     of ringctx's kernel (csrc/cpu_token_ops.c), the same roundings."""
-    if not cpu_kernels.rope_(x, rope.cos, rope.sin):
+    if not cpu.rope_(x, rope.cos, rope.sin):
         x.copy_(apply_rotary(x, rope))
     return x
 
@@ -123,7 +124,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim] in x's dtype (on the CPU in one pass of ringctx's kernel)."""
-        out = cpu_kernels.rms_norm(x, self.weight, self.eps) if x.device.type == "cpu" else None
+        out = cpu.rms_norm(x, self.weight, self.eps) if x.device.type == "cpu" else None
         return out if out is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -210,7 +211,7 @@ class FeedForward(nn.Module):
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
         # In place over the gate half: no [T, ffn] temporaries (w2 reads the strided view as is);
         # on the CPU one pass of ringctx's kernel instead of two PyTorch ops.
-        if not (gate_up.device.type == "cpu" and cpu_kernels.swiglu_(gate_up, self.ffn_dim)):
+        if not (gate_up.device.type == "cpu" and cpu.swiglu_(gate_up, self.ffn_dim)):
             F.silu(gate, inplace=True).mul_(up)
         return self.tp.all_reduce(linear(gate, self.w2.weight))
 

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ringctx.cpu_features import cpu_model
+from ringctx.kernels.cpu_features import cpu_model
 from ringctx.model.config import ModelConfig
 from ringctx.model.loader import DEFAULT_MODEL
 from ringctx.parallel.ring import STRATEGIES

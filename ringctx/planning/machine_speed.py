@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from ..cpu_features import cpu_has_fast_bf16, cpu_model
 from ..host_memory import host_tensors, huge_pages_enabled
+from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
 
 BF16_MARGIN = 0.9
 """bfloat16 is chosen when its median step takes less than this fraction of float32's."""
@@ -93,7 +93,7 @@ def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | No
     codes and exponents, which the decode reads instead), plus K and V of `context` cached tokens
     in every layer (`kv_bytes_per_token` each; default: in the weights' dtype, every layer and KV
     head)."""
-    from ..cpu_kernels import reads_int8_weights
+    from ..kernels.selection import reads_int8_weights
     from ..model.int8_weights import int8_of
 
     codes_read = model.device.type == "cpu" and reads_int8_weights()
@@ -157,7 +157,7 @@ def auto_dtype(device: str | None = None) -> DtypeChoice:
 def measure_dtype_choice(rounds: int = 3, steps: int = 6) -> DtypeChoice:
     """Decode steps of the probe model in float32 and bfloat16, alternating for `rounds` rounds
     of `steps` steps each; the faster (by BF16_MARGIN) wins."""
-    from .. import cpu_kernels
+    from ..kernels import build
 
     probes = {name: _probe_step(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
     times: dict[str, list[float]] = {name: [] for name in probes}
@@ -169,7 +169,7 @@ def measure_dtype_choice(rounds: int = 3, steps: int = 6) -> DtypeChoice:
                 times[name] += [_seconds(lambda t=t: step(t)) for t in range(2, 2 + steps)]
     ms = {name: round(1e3 * statistics.median(ts), 3) for name, ts in times.items()}
     dtype, ratio = faster_dtype(ms)
-    variant = cpu_kernels.active_variant()
+    variant = build.active_variant()
     path = f"ringctx's {variant.name} CPU kernels" if variant else "PyTorch's ops (no CPU kernels)"
     why = (f"a decode step took {ms['bfloat16']:.2f} ms in bf16 and {ms['float32']:.2f} ms in float32 "
            f"({ratio:.2f}x) through {path}; bf16 is chosen below {BF16_MARGIN}x")
@@ -220,10 +220,10 @@ def preferred_dtype(device: str | None = None) -> str:
 
 
 def _choice_path() -> Path:
-    from .. import cpu_kernels
+    from ..kernels import build, cpu_features
 
-    lib = cpu_kernels.library()  # its file name carries the hash of the kernel sources and flags
-    key = "|".join((cpu_model(), ",".join(sorted(cpu_kernels.cpu_flags())), getattr(lib, "_name", "no kernels"),
+    lib = build.library()  # its file name carries the hash of the kernel sources and flags
+    key = "|".join((cpu_model(), ",".join(sorted(cpu_features.cpu_flags())), getattr(lib, "_name", "no kernels"),
                     torch.__version__, torch.backends.cpu.get_cpu_capability(), f"bf16 units {cpu_has_fast_bf16()}",
                     str(torch.get_num_threads()), f"huge pages {huge_pages_enabled()}"))
-    return cpu_kernels._cache_dir() / f"dtype-choice-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return build.cache_dir() / f"dtype-choice-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
-from tests.core.test_cpu_kernels import check_rounds_the_exact_product
+from ringctx.kernels import cpu, selection
+from tests.kernels.test_cpu_kernels import check_rounds_the_exact_product
 
-needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(),
-                               reason=f"needs the AMX attention kernel: {cpu_kernels.amx_unavailable_reason()}")
+needs_amx = pytest.mark.skipif(not selection.amx_available(),
+                               reason=f"needs the AMX attention kernel: {selection.amx_unavailable_reason()}")
 
 
 def rand(*shape, seed, scale=1.0):
@@ -107,7 +107,7 @@ def test_what_amx_does_not_take_is_a_clear_error():
 
 
 def test_amx_backend_is_refused_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    monkeypatch.setattr(selection, "amx_available", lambda: False)
     q = rand(20, 4, 64, seed=1)
     with pytest.raises(ValueError, match="cannot run it"):
         attention_block(q, q[:, :2], q[:, :2], backend="amx")
@@ -130,7 +130,7 @@ def test_keys_in_place_or_packed_give_the_same_bits(t, s):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
-# -- cpu_kernels.amx_linear: a question's matmuls on the tiles (same file: same AMX requirement) --
+# -- cpu.amx_linear: a question's matmuls on the tiles (same file: same AMX requirement) --
 
 
 @needs_amx
@@ -139,7 +139,7 @@ def test_keys_in_place_or_packed_give_the_same_bits(t, s):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
     """Exact products, float32 sums, one rounding: small_linear's contract."""
-    check_rounds_the_exact_product(cpu_kernels.amx_linear, rows, n_out, n_in, with_bias)
+    check_rounds_the_exact_product(cpu.amx_linear, rows, n_out, n_in, with_bias)
 
 
 @needs_amx
@@ -150,12 +150,12 @@ def test_amx_linear_rows_do_not_depend_on_the_others_or_the_threads():
 
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(48, 576, generator=g).bfloat16(), torch.randn(960, 576, generator=g).bfloat16()
-    all_rows = cpu_kernels.amx_linear(x, w)
-    assert torch.equal(cpu_kernels.amx_linear(x[20:29], w), all_rows[20:29])
+    all_rows = cpu.amx_linear(x, w)
+    assert torch.equal(cpu.amx_linear(x[20:29], w), all_rows[20:29])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.amx_linear(x, w), all_rows)
+        assert torch.equal(cpu.amx_linear(x, w), all_rows)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(linear(x[:16], w), all_rows[:16])
@@ -164,14 +164,14 @@ def test_amx_linear_rows_do_not_depend_on_the_others_or_the_threads():
 def test_amx_linear_declines_what_it_does_not_cover():
     w = torch.randn(32, 64).bfloat16()
     x = torch.randn(16, 64).bfloat16()
-    assert cpu_kernels.amx_linear(x[:8], w) is None  # decode-sized: small_linear's rows
-    assert cpu_kernels.amx_linear(torch.randn(cpu_kernels.AMX_LINEAR_ROWS[1] + 1, 64).bfloat16(), w) is None
-    assert cpu_kernels.amx_linear(x.float(), w.float()) is None
-    assert cpu_kernels.amx_linear(x[:, :48], w[:, :48]) is None  # in not a multiple of 32
-    assert cpu_kernels.amx_linear(x, w[:24]) is None  # out not a multiple of 16
-    assert cpu_kernels.amx_linear(x, torch.randn(64, 32).bfloat16().t()) is None  # not contiguous
+    assert cpu.amx_linear(x[:8], w) is None  # decode-sized: small_linear's rows
+    assert cpu.amx_linear(torch.randn(selection.AMX_LINEAR_ROWS[1] + 1, 64).bfloat16(), w) is None
+    assert cpu.amx_linear(x.float(), w.float()) is None
+    assert cpu.amx_linear(x[:, :48], w[:, :48]) is None  # in not a multiple of 32
+    assert cpu.amx_linear(x, w[:24]) is None  # out not a multiple of 16
+    assert cpu.amx_linear(x, torch.randn(64, 32).bfloat16().t()) is None  # not contiguous
     with torch.enable_grad():
-        assert cpu_kernels.amx_linear(x, w.clone().requires_grad_()) is None
+        assert cpu.amx_linear(x, w.clone().requires_grad_()) is None
 
 
 @needs_amx

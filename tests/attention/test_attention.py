@@ -128,12 +128,12 @@ def test_accumulator_row_ranges_and_validation():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_accumulator_merges_in_c_as_in_pytorch(monkeypatch, dtype):
     """PartialAccumulator.add runs its merge in one C pass where the CPU kernels are built
-    (cpu_kernels.merge_rows): against PyTorch's ops on partials with empty-row markers (+inf, NaN,
+    (cpu.merge_rows): against PyTorch's ops on partials with empty-row markers (+inf, NaN,
     -inf LSE over garbage), row ranges, a head-strided LSE and an output view."""
-    from ringctx import cpu_kernels
+    from ringctx.kernels import build, cpu
 
-    if cpu_kernels._load() is None:
-        pytest.skip(f"no CPU kernels here: {cpu_kernels.kernel_error()}")
+    if build.library() is None:
+        pytest.skip(f"no CPU kernels here: {build.kernel_error()}")
     g = torch.Generator().manual_seed(5)
     parts = []
     for rows, start in ((9, 0), (4, 2), (9, 0), (3, 6)):
@@ -145,7 +145,7 @@ def test_accumulator_merges_in_c_as_in_pytorch(monkeypatch, dtype):
     results = []
     for use_c in (True, False):
         if not use_c:
-            monkeypatch.setattr(cpu_kernels, "merge_rows", lambda *a: False)
+            monkeypatch.setattr(cpu, "merge_rows", lambda *a: False)
         acc = PartialAccumulator(9, 4, 16)
         for out, lse, start in parts:
             acc.add(out, lse, row_start=start)

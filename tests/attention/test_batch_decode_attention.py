@@ -14,10 +14,10 @@ import math
 import pytest
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
 from ringctx.attention.quant import attention_block_quantized, dequantize_rows, quantize_rows
-from tests.core.test_cpu_kernels import needs_kernels
+from ringctx.kernels import cpu, selection
+from tests.kernels.test_cpu_kernels import needs_kernels
 
 pytestmark = [pytest.mark.usefixtures("kernel_variant"), needs_kernels]
 
@@ -35,14 +35,14 @@ def two_threads():
 
 
 def _spy(monkeypatch, name):
-    """Count the calls of cpu_kernels.<name>: the tests check that the kernel, not a fallback, ran."""
-    calls, real = [], getattr(cpu_kernels, name)
+    """Count the calls of kernels/cpu.py's <name>: the tests check that the kernel, not a fallback, ran."""
+    calls, real = [], getattr(cpu, name)
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, name, spy)
+    monkeypatch.setattr(cpu, name, spy)
     return calls
 
 
@@ -76,7 +76,7 @@ def test_model_dtype_cache_matches_float64(dtype, B, group, S, monkeypatch):
     D = 64 if B % 2 else 128  # both head dims over every group and length, at half the cases
     q, k, v = (x.to(dtype) for x in _inputs(B, group, S, D, seed=S + 10 * B + group + D))
     calls = _spy(monkeypatch, "decode_attention")
-    monkeypatch.setattr(cpu_kernels, "amx_attention_applies", lambda *a: False)  # the decode kernel at every size
+    monkeypatch.setattr(selection, "amx_attention_applies", lambda *a: False)  # the decode kernel at every size
     out, lse = attention_block(q, k, v, causal=False)
     assert len(calls) == (1 if S else 0)  # S == 0 returns before any kernel
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double())
@@ -111,11 +111,11 @@ def test_kernel_alone_matches_float64_and_is_deterministic(cache, S):
     qg = q.view(9, HKV, 3, 64).permute(1, 2, 0, 3).reshape(HKV, 27, 64).contiguous()
     if cache in ("int8", "fp8"):
         (kd, ks), (vd, vs) = quantize_rows(k, cache), quantize_rows(v, cache)
-        run = lambda: cpu_kernels.decode_attention_q8(qg, kd, ks, vd, vs, 0.125)  # noqa: E731
+        run = lambda: cpu.decode_attention_q8(qg, kd, ks, vd, vs, 0.125)  # noqa: E731
         k64, v64 = dequantize_rows(kd, ks, torch.float64), dequantize_rows(vd, vs, torch.float64)
     else:
         k, v = k.to(getattr(torch, cache)), v.to(getattr(torch, cache))
-        run = lambda: cpu_kernels.decode_attention(qg, k, v, 0.125)  # noqa: E731
+        run = lambda: cpu.decode_attention(qg, k, v, 0.125)  # noqa: E731
         k64, v64 = k.double(), v.double()
     out, lse = run()
     assert out.shape == (HKV, 27, 64) and lse.shape == (HKV, 27)
@@ -181,16 +181,16 @@ def test_amx_takes_blocks_of_many_query_rows_per_kv_head(B, monkeypatch):
     AMX_FROM_ROWS_PER_KV_HEAD rows per KV head or more take it (the decode kernel is bound by
     arithmetic there); without bf16 units, from FLASH_FROM_ROWS_PER_KV_HEAD the float32 flash
     kernel; fewer rows, or rows of several sequences, take the decode kernel."""
-    from ringctx.attention.kernels import AMX_FROM_ROWS_PER_KV_HEAD, FLASH_FROM_ROWS_PER_KV_HEAD
-    from ringctx.cpu_features import computes_in_float32
+    from ringctx.kernels.selection import AMX_FROM_ROWS_PER_KV_HEAD, FLASH_FROM_ROWS_PER_KV_HEAD
+    from ringctx.kernels.cpu_features import computes_in_float32
 
     q, k, v = (x.bfloat16() for x in _inputs(B, 3, LONG, 64, seed=B))
     decode, amx = _spy(monkeypatch, "decode_attention"), _spy(monkeypatch, "amx_attention")
     flash = _spy(monkeypatch, "flash_attention")
     out, lse = attention_block(q, k, v, causal=False, one_sequence=True)
-    uses_amx = cpu_kernels.amx_available() and 3 * B >= AMX_FROM_ROWS_PER_KV_HEAD
+    uses_amx = selection.amx_available() and 3 * B >= AMX_FROM_ROWS_PER_KV_HEAD
     uses_flash = (not uses_amx and computes_in_float32(q) and 3 * B >= FLASH_FROM_ROWS_PER_KV_HEAD
-                  and cpu_kernels.flash_attention_applies(q, k, v))
+                  and selection.flash_attention_applies(q, k, v))
     assert (len(amx), len(flash), len(decode)) == (int(uses_amx), int(uses_flash), int(not (uses_amx or uses_flash)))
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double())
     _check(out, lse, ref_out, ref_lse, q, out_tol=2 ** -8)

@@ -17,8 +17,8 @@ import contextlib
 import pytest
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
+from ringctx.kernels import build, cpu, selection
 
 
 def rand(*shape, seed, scale=1.0):
@@ -26,9 +26,9 @@ def rand(*shape, seed, scale=1.0):
 
 
 def needs_kernel(q, k, v):
-    if not cpu_kernels.flash_attention_applies(q, k, v):
+    if not selection.flash_attention_applies(q, k, v):
         pytest.skip(f"the flash kernel does not take head dim {q.shape[2]} on the "
-                    f"{getattr(cpu_kernels.active_variant(), 'name', 'no')} variant (or no kernels here)")
+                    f"{getattr(build.active_variant(), 'name', 'no')} variant (or no kernels here)")
 
 
 @contextlib.contextmanager
@@ -48,7 +48,7 @@ def check(q, k, v, causal, softmax_scale=None):
     ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), visible.tril() if causal else visible,
                                            softmax_scale)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    out, lse = cpu_kernels.flash_attention(q, k, v, causal=causal, scale=scale)
+    out, lse = cpu.flash_attention(q, k, v, causal=causal, scale=scale)
     torch_out, torch_lse = attention_block(q, k, v, causal=causal, softmax_scale=softmax_scale, backend="torch")
     assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == (q.shape[1], T)
     err, torch_err = (out.double() - ref_out).abs().max().item(), (torch_out.double() - ref_out).abs().max().item()
@@ -89,15 +89,15 @@ def test_a_rows_bits_depend_on_nothing_else(kernel_variant, threads):
     q, k, v = rand(200, 6, 64, seed=1), rand(200, 2, 64, seed=2), rand(200, 2, 64, seed=3)
     needs_kernel(q, k, v)
     with torch_threads(threads):
-        out, lse = cpu_kernels.flash_attention(q, k, v, causal=True, scale=0.125)
+        out, lse = cpu.flash_attention(q, k, v, causal=True, scale=0.125)
     with torch_threads(1):
-        one_out, one_lse = cpu_kernels.flash_attention(q, k, v, causal=True, scale=0.125)
+        one_out, one_lse = cpu.flash_attention(q, k, v, causal=True, scale=0.125)
     assert torch.equal(out, one_out) and torch.equal(lse, one_lse)
     for n in (1, 37, 96, 131):
-        part_out, part_lse = cpu_kernels.flash_attention(q[:n], k[:n], v[:n], causal=True, scale=0.125)
+        part_out, part_lse = cpu.flash_attention(q[:n], k[:n], v[:n], causal=True, scale=0.125)
         assert torch.equal(part_out, out[:n]) and torch.equal(part_lse, lse[:, :n])
-    full_out, full_lse = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
-    some_out, some_lse = cpu_kernels.flash_attention(q[50:53], k, v, causal=False, scale=0.125)
+    full_out, full_lse = cpu.flash_attention(q, k, v, causal=False, scale=0.125)
+    some_out, some_lse = cpu.flash_attention(q[50:53], k, v, causal=False, scale=0.125)
     assert torch.equal(some_out, full_out[50:53]) and torch.equal(some_lse, full_lse[:, 50:53])
 
 
@@ -108,9 +108,9 @@ def test_spans_shared_out_or_per_unit_give_the_same_bits(kernel_variant, threads
     q, k, v = rand(700, 9, 64, seed=5), rand(4500, 3, 64, seed=6), rand(4500, 3, 64, seed=7)
     needs_kernel(q, k, v)
     with torch_threads(threads):
-        many_out, many_lse = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
+        many_out, many_lse = cpu.flash_attention(q, k, v, causal=False, scale=0.125)
         for rows in (slice(0, 1), slice(3, 35), slice(600, 700)):
-            few_out, few_lse = cpu_kernels.flash_attention(q[rows], k, v, causal=False, scale=0.125)
+            few_out, few_lse = cpu.flash_attention(q[rows], k, v, causal=False, scale=0.125)
             assert torch.equal(few_out, many_out[rows]) and torch.equal(few_lse, many_lse[:, rows])
 
 
@@ -127,15 +127,15 @@ def test_units_that_read_each_block_together_keep_their_bits(kernel_variant, dty
         runs = []
         for threads in (1, 2, 3):
             with torch_threads(threads):
-                runs.append(cpu_kernels.flash_attention(q, k[:keys], v[:keys], causal=causal, scale=0.125))
+                runs.append(cpu.flash_attention(q, k[:keys], v[:keys], causal=causal, scale=0.125))
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), causal
         rows = slice(0, 77) if causal else slice(500, 577)
-        alone = cpu_kernels.flash_attention(q[rows], k[:77] if causal else k, v[:77] if causal else v,
+        alone = cpu.flash_attention(q[rows], k[:77] if causal else k, v[:77] if causal else v,
                                             causal=causal, scale=0.125)
         assert torch.equal(alone[0], runs[0][0][rows]) and torch.equal(alone[1], runs[0][1][:, rows]), causal
         if dtype == torch.bfloat16:
-            copies = cpu_kernels.flash_attention(q.float(), k[:keys].float(), v[:keys].float(), causal=causal,
+            copies = cpu.flash_attention(q.float(), k[:keys].float(), v[:keys].float(), causal=causal,
                                                  scale=0.125)
             assert torch.equal(copies[0], runs[0][0]) and torch.equal(copies[1], runs[0][1]), causal
 
@@ -146,7 +146,7 @@ def test_strided_views_are_read_in_place(kernel_variant):
     qkv = rand(150, 6 + 2 + 2, 64, seed=4)
     q, k, v = qkv[:, :6], qkv[:, 6:8], qkv[:, 8:]
     out, lse = check(q, k, v, causal=True)
-    out2, lse2 = cpu_kernels.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
+    out2, lse2 = cpu.flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True,
                                              scale=64 ** -0.5)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
@@ -155,16 +155,16 @@ def test_auto_takes_it_for_float32_blocks_and_for_bf16_without_bf16_units(kernel
     q, k, v = rand(40, 4, 64, seed=1), rand(40, 2, 64, seed=2), rand(40, 2, 64, seed=3)
     needs_kernel(q, k, v)
     auto = attention_block(q, k, v, causal=True)
-    own = cpu_kernels.flash_attention(q, k, v, causal=True, scale=64 ** -0.5)
+    own = cpu.flash_attention(q, k, v, causal=True, scale=64 ** -0.5)
     assert torch.equal(auto[0], own[0]) and torch.equal(auto[1], own[1])
     # a bf16 model on a CPU without bf16 units computes its blocks in float32, with this kernel
     import ringctx.attention.kernels as kernels
 
     monkeypatch.setattr(kernels, "computes_in_float32", lambda x: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    monkeypatch.setattr(selection, "amx_available", lambda: False)
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     out, lse = attention_block(qb, kb, vb, causal=True)
-    ref = cpu_kernels.flash_attention(qb.float(), kb.float(), vb.float(), causal=True, scale=64 ** -0.5)
+    ref = cpu.flash_attention(qb.float(), kb.float(), vb.float(), causal=True, scale=64 ** -0.5)
     assert out.dtype == torch.bfloat16 and torch.equal(out, ref[0].bfloat16()) and torch.equal(lse, ref[1])
 
 
@@ -181,7 +181,7 @@ def test_bf16_inputs_give_the_bits_of_their_float32_copies(kernel_variant, causa
     cache_k, cache_v = rand(s + 9, hkv, d, seed=s).bfloat16(), rand(s + 9, hkv, d, seed=s + 1).bfloat16()
     k, v = cache_k[:s], cache_v[:s]
     needs_kernel(q, k, v)
-    out, lse = cpu_kernels.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)
+    out, lse = cpu.flash_attention(q, k, v, causal=causal, scale=d ** -0.5)
     out32, lse32 = check(q.float(), k.float(), v.float(), causal)
     assert out.dtype == torch.float32 and torch.equal(out, out32) and torch.equal(lse, lse32)
 
@@ -194,13 +194,13 @@ def test_a_bf16_questions_block_over_a_document_takes_the_kernel_from_40_rows(ke
     import ringctx.attention.kernels as kernels
 
     monkeypatch.setattr(kernels, "computes_in_float32", lambda x: x.dtype == torch.bfloat16)
-    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    monkeypatch.setattr(selection, "amx_available", lambda: False)
     k, v = rand(3000, 3, 64, seed=1).bfloat16(), rand(3000, 3, 64, seed=2).bfloat16()
-    rows = kernels.FLASH_FROM_ROWS_PER_KV_HEAD
+    rows = selection.FLASH_FROM_ROWS_PER_KV_HEAD
     for tokens in (rows // 3 - 1, -(-rows // 3), 21):
         q = rand(tokens, 9, 64, seed=tokens).bfloat16()
         needs_kernel(q, k, v)
-        flash = cpu_kernels.flash_attention(q, k, v, causal=False, scale=0.125)
+        flash = cpu.flash_attention(q, k, v, causal=False, scale=0.125)
         decode = kernels._decode_kernel_block(q, k, v, 0.125)
         assert decode is not None
         out, lse = attention_block(q, k, v, causal=False, one_sequence=True)
@@ -214,10 +214,10 @@ def test_a_bf16_questions_block_over_a_document_takes_the_kernel_from_40_rows(ke
 
 def test_what_it_does_not_take_is_refused(kernel_variant):
     q = rand(20, 4, 64, seed=1)
-    assert not cpu_kernels.flash_attention_applies(q.bfloat16(), q[:, :2], q[:, :2])  # mixed dtypes
-    assert not cpu_kernels.flash_attention_applies(q.half(), q[:, :2].half(), q[:, :2].half())
-    assert not cpu_kernels.flash_attention_applies(q[:, :, :18], q[:, :2, :18], q[:, :2, :18])
-    assert not cpu_kernels.flash_attention_applies(q, q[:, :3], q[:, :3])  # 4 query heads over 3 KV heads
+    assert not selection.flash_attention_applies(q.bfloat16(), q[:, :2], q[:, :2])  # mixed dtypes
+    assert not selection.flash_attention_applies(q.half(), q[:, :2].half(), q[:, :2].half())
+    assert not selection.flash_attention_applies(q[:, :, :18], q[:, :2, :18], q[:, :2, :18])
+    assert not selection.flash_attention_applies(q, q[:, :3], q[:, :3])  # 4 query heads over 3 KV heads
     needs_kernel(q, q[:, :2], q[:, :2])
     with pytest.raises(RuntimeError, match="status -1"):
-        cpu_kernels.flash_attention(q, q[:10, :2], q[:10, :2], causal=True, scale=0.125)  # causal needs T == S
+        cpu.flash_attention(q, q[:10, :2], q[:10, :2], causal=True, scale=0.125)  # causal needs T == S

@@ -14,11 +14,11 @@ import os
 import pytest
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import attention_block, reference_attention
 from ringctx.attention import quant
 from ringctx.attention.quant import attention_block_quantized, dequantize_rows, quantize_rows
-from tests.core.test_cpu_kernels import BUILDABLE
+from ringctx.kernels import build, cpu, selection
+from tests.kernels.test_cpu_kernels import BUILDABLE
 
 pytestmark = pytest.mark.usefixtures("kernel_variant")  # once per CPU kernel variant here
 
@@ -28,9 +28,9 @@ KINDS = ("int8", "fp8")
 def require_kernels():
     """Skip (with the loader's reason) where this CPU cannot build or run the kernels; a failed
     build on a CPU that can is a failure."""
-    if cpu_kernels.library() is not None:
+    if build.library() is not None:
         return
-    reason = cpu_kernels.kernel_error() or "CPU kernels unavailable"
+    reason = build.kernel_error() or "CPU kernels unavailable"
     if BUILDABLE and os.environ.get("RINGCTX_CPU_KERNELS", "1") != "0":
         pytest.fail(reason)
     pytest.skip(reason)
@@ -57,18 +57,18 @@ def _reference(q, kd, ks, vd, vs, scale=None):
 
 
 def _kernels_off(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "decode_q8_kernels_apply", lambda *a: False)
+    monkeypatch.setattr(selection, "decode_q8_kernels_apply", lambda *a: False)
 
 
 def _count_kernel_calls(monkeypatch):
     calls = []
-    real = cpu_kernels.decode_attention_q8
+    real = cpu.decode_attention_q8
 
     def spy(*args):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(cpu_kernels, "decode_attention_q8", spy)
+    monkeypatch.setattr(cpu, "decode_attention_q8", spy)
     return calls
 
 
@@ -269,23 +269,23 @@ def test_switched_off_kernels_leave_the_blocked_path(monkeypatch):
     monkeypatch.setenv("RINGCTX_CPU_KERNELS", "0")
     kd, ks, vd, vs = _quantized(50, 3, 64, "fp8", seed=2)
     q = torch.randn(1, 9, 64)
-    assert not cpu_kernels.decode_q8_kernels_apply(q, kd, ks, vd, vs)
+    assert not selection.decode_q8_kernels_apply(q, kd, ks, vd, vs)
     _assert_matches_reference(*attention_block_quantized(q, kd, ks, vd, vs), *_reference(q, kd, ks, vd, vs), q)
 
 
 def test_kernels_decline_what_they_do_not_cover():
     kd, ks, vd, vs = _quantized(10, 2, 64, "int8", seed=0)
     q = torch.randn(1, 4, 64)
-    if cpu_kernels.library() is not None:
-        assert cpu_kernels.decode_q8_kernels_apply(q, kd, ks, vd, vs)
-        assert cpu_kernels.decode_q8_kernels_apply(q, kd.view(torch.float8_e4m3fn), ks, vd, vs)  # mixed formats
+    if build.library() is not None:
+        assert selection.decode_q8_kernels_apply(q, kd, ks, vd, vs)
+        assert selection.decode_q8_kernels_apply(q, kd.view(torch.float8_e4m3fn), ks, vd, vs)  # mixed formats
     k72, s72, v72, w72 = _quantized(10, 2, 72, "int8", seed=0)
-    assert not cpu_kernels.decode_q8_kernels_apply(torch.randn(1, 4, 72), k72, s72, v72, w72)  # D % 16
-    assert not cpu_kernels.decode_q8_kernels_apply(q, kd[::2], ks[::2], vd[::2], vs[::2])  # strided rows
-    assert not cpu_kernels.decode_q8_kernels_apply(q, kd, ks.double(), vd, vs)
-    assert not cpu_kernels.decode_q8_kernels_apply(q, kd.float(), ks, vd.float(), vs)  # not 8-bit
-    assert not cpu_kernels.decode_q8_kernels_apply(torch.randn(33, 4, 64), kd, ks, vd, vs)  # 66 rows per KV head
-    assert not cpu_kernels.decode_q8_kernels_apply(q, kd[:0], ks[:0], vd[:0], vs[:0])
+    assert not selection.decode_q8_kernels_apply(torch.randn(1, 4, 72), k72, s72, v72, w72)  # D % 16
+    assert not selection.decode_q8_kernels_apply(q, kd[::2], ks[::2], vd[::2], vs[::2])  # strided rows
+    assert not selection.decode_q8_kernels_apply(q, kd, ks.double(), vd, vs)
+    assert not selection.decode_q8_kernels_apply(q, kd.float(), ks, vd.float(), vs)  # not 8-bit
+    assert not selection.decode_q8_kernels_apply(torch.randn(33, 4, 64), kd, ks, vd, vs)  # 66 rows per KV head
+    assert not selection.decode_q8_kernels_apply(q, kd[:0], ks[:0], vd[:0], vs[:0])
 
 
 def test_strided_caches_take_the_blocked_path():
@@ -337,18 +337,18 @@ def test_q8_kernels_against_float64(kind, R, D, S, threads):
     g = torch.Generator().manual_seed(D)
     qg = torch.randn(Hkv, R, D, generator=g)
     k64, v64 = dequantize_rows(kd, ks, torch.float64), dequantize_rows(vd, vs, torch.float64)
-    scores = cpu_kernels.decode_scores_q8(qg, kd, ks, 0.3)
+    scores = cpu.decode_scores_q8(qg, kd, ks, 0.3)
     want = 0.3 * torch.einsum("hrd,shd->hrs", qg.double(), k64)
     assert scores.shape == (Hkv, R, S) and scores.dtype == torch.float32
     torch.testing.assert_close(scores.double(), want, atol=2e-6 * want.abs().max().item(), rtol=1e-6)
     probs = torch.rand(Hkv, R, S, generator=g)
-    out = cpu_kernels.decode_pv_q8(probs, vd, vs)
+    out = cpu.decode_pv_q8(probs, vd, vs)
     want = torch.einsum("hrs,shd->hrd", probs.double(), v64)
     assert out.shape == (Hkv, R, D) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), want, atol=2e-6 * want.abs().max().item(), rtol=1e-6)
     # Deterministic: per-thread partial sums are added in thread order.
-    assert torch.equal(cpu_kernels.decode_pv_q8(probs, vd, vs), out)
-    assert torch.equal(cpu_kernels.decode_scores_q8(qg, kd, ks, 0.3), scores)
+    assert torch.equal(cpu.decode_pv_q8(probs, vd, vs), out)
+    assert torch.equal(cpu.decode_scores_q8(qg, kd, ks, 0.3), scores)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -365,12 +365,12 @@ def test_q8_kernels_widen_every_byte_exactly(kind):
     scale = torch.ones(S, 2)
     q = torch.zeros(2, 1, D)
     q[1, 0, 5] = 1.0
-    scores = cpu_kernels.decode_scores_q8(q, data, scale, 1.0)
+    scores = cpu.decode_scores_q8(q, data, scale, 1.0)
     assert torch.equal(scores[1, 0], values) and (scores[0] == 0).all()
     for j in (0, 1, S // 2, S - 1):  # PV with one-hot weights picks one key's row
         probs = torch.zeros(2, 1, S)
         probs[:, 0, j] = 1.0
-        out = cpu_kernels.decode_pv_q8(probs, data, scale)
+        out = cpu.decode_pv_q8(probs, data, scale)
         assert out[1, 0, 5] == values[j] and (out[0] == 0).all() and (out[1, 0, :5] == 0).all()
 
 
@@ -385,12 +385,12 @@ def test_q8_kernels_read_each_heads_own_rows_and_scales():
         data[7 * h + 1, h, :] = h + 1
         scale[7 * h + 1, h] = 10.0 ** h
     q = torch.ones(Hkv, 2, D)
-    scores = cpu_kernels.decode_scores_q8(q, data, scale, 1.0)
+    scores = cpu.decode_scores_q8(q, data, scale, 1.0)
     for h in range(Hkv):
         expected = torch.zeros(S)
         expected[7 * h + 1] = D * (h + 1) * 10.0 ** h
         torch.testing.assert_close(scores[h, 0], expected, rtol=1e-6, atol=0)
-    out = cpu_kernels.decode_pv_q8(torch.ones(Hkv, 2, S), data, scale)
+    out = cpu.decode_pv_q8(torch.ones(Hkv, 2, S), data, scale)
     for h in range(Hkv):
         torch.testing.assert_close(out[h], torch.full((2, D), (h + 1) * 10.0 ** h), rtol=1e-6, atol=0)
 

@@ -9,8 +9,8 @@ import torch
 
 from ringctx.engine import Engine
 from ringctx.model import KVCache
-from tests.core.test_cpu_kernels import needs_kernels
 from tests.engine.test_batch import DOCS, SAMPLED, alone, run_plan
+from tests.kernels.test_cpu_kernels import needs_kernels
 
 
 @needs_kernels
@@ -33,7 +33,7 @@ def test_an_answer_alone_and_in_a_batch_are_the_same_bits(decode_ranks, kv_dtype
 
 @needs_kernels
 def test_more_rows_than_the_small_products_take_change_no_answer():
-    """Ten questions at once (more rows than cpu_kernels.MAX_ROWS: the LM head goes MAX_ROWS rows at a
+    """Ten questions at once (more rows than selection.MAX_ROWS: the LM head goes MAX_ROWS rows at a
     time, as PyTorch's matmul sums by the row count), float32: each answer equal, bit for bit, to
     the question asked alone."""
     questions = [[7 + i, 3 * i + 1, 90 - i] for i in range(10)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.core.test_cpu_kernels import needs_kernels
+from tests.kernels.test_cpu_kernels import needs_kernels
 
 DOCS = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (301, 130, 57)]
 QUESTIONS = [[5, 17, 99, 3, 42, 7, 8], [11, 12], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13], [77]]

@@ -14,12 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringctx import cpu_features
 from ringctx.engine import prefill
 from ringctx.engine.prefill import PrefillConfig, PrefillRun, cp_prefill
+from ringctx.kernels import cpu_features
 from ringctx.model import KVCache
 from ringctx.model.decode_step import FusedPrefill
-from tests.core.test_cpu_kernels import needs_kernels
+from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.model.test_decode_step import SHAPES, random_model, threads  # noqa: F401 (threads: a fixture, 1 and 3)
 
 pytestmark = pytest.mark.usefixtures("kernel_variant")

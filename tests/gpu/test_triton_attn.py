@@ -302,7 +302,8 @@ def test_compiles_for_sm90(case, aot_results):
 
 # --- decode blocks: B query tokens against a long K/V (split over the keys) ----------------------
 
-from ringctx.attention.triton_attn import DECODE_MAX_ROWS, triton_decode_attention  # noqa: E402
+from ringctx.attention.triton_attn import triton_decode_attention  # noqa: E402
+from ringctx.kernels.selection import MAX_QUERY_ROWS_PER_KV_HEAD  # noqa: E402
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -345,7 +346,7 @@ def test_decode_kernel_empty_and_refused():
     q, k, v = _qkv(3, 0, 4, 2, 64)
     out, lse = triton_decode_attention(q, k, v)
     assert (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, 3)
-    q, k, v = _qkv(DECODE_MAX_ROWS // 2 + 1, 8, 4, 2, 64)  # 66 rows per KV head
+    q, k, v = _qkv(MAX_QUERY_ROWS_PER_KV_HEAD // 2 + 1, 8, 4, 2, 64)  # 66 rows per KV head
     with pytest.raises(ValueError, match="query rows per KV head"):
         triton_decode_attention(q, k, v)
 

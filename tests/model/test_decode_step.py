@@ -14,14 +14,14 @@ import dataclasses
 import pytest
 import torch
 
-from ringctx import cpu_kernels
+from ringctx.kernels import build, cpu
 from ringctx.model.config import RopeScaling, yarn_attention_factor
 from ringctx.model.presets import get_preset
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.decode_step import DecodeStep, FusedStep
 from ringctx.model.weights import empty_model
 from tests.helpers import rel_err
-from tests.core.test_cpu_kernels import needs_kernels
+from tests.kernels.test_cpu_kernels import needs_kernels
 
 pytestmark = pytest.mark.usefixtures("kernel_variant")  # once per CPU kernel variant here
 
@@ -149,7 +149,7 @@ def test_e4m3_rounding_matches_pytorch():
     gives PyTorch's float8_e4m3fn byte."""
     values = torch.cat([torch.linspace(-448, 448, 20001), torch.linspace(-0.02, 0.02, 4001),
                         torch.tensor([0.0, -0.0, 2.0 ** -9, 3 * 2.0 ** -10, 2.0 ** -6, 448.0, -448.0, 0.0146484375])])
-    ours = cpu_kernels.encode_e4m3(values)
+    ours = cpu.encode_e4m3(values)
     assert torch.equal(ours, values.to(torch.float8_e4m3fn).view(torch.uint8))
 
 
@@ -205,7 +205,7 @@ def test_falls_back_where_the_kernel_does_not_apply(monkeypatch):
     half = random_model(TINY, torch.float16)
     assert not DecodeStep(half, prefilled(half, 5)).is_fused
     model = random_model(TINY, torch.float32)
-    monkeypatch.setattr(cpu_kernels, "library", lambda: None)
+    monkeypatch.setattr(build, "library", lambda: None)
     cache = prefilled(model, 5)
     step = DecodeStep(model, cache)
     assert not step.is_fused

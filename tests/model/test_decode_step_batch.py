@@ -21,7 +21,7 @@ import torch
 from ringctx.attention import PartialAccumulator
 from ringctx.model import KVCache
 from ringctx.model.decode_step import AttentionSource, FusedBatchStep, FusedStep, step_logits
-from tests.core.test_cpu_kernels import needs_kernels
+from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.helpers import rel_err
 from tests.model.test_decode_step import (  # noqa: F401
     SHAPES,

@@ -1,5 +1,5 @@
 """Int8 weights (ringctx/model/int8_weights.py): the quantizer, and the decode kernels that read the
-codes (cpu_kernels.small_linear_int8, the fused lone and batch steps) against the same model
+codes (cpu.small_linear_int8, the fused lone and batch steps) against the same model
 read as bf16, once per CPU kernel variant here.
 
 The contract: a quantized model is an ordinary model whose weights are codes * 2^exponents (exact
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringctx import cpu_kernels
+from ringctx.kernels import build, cpu, selection
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.decode_step import DecodeStep, FusedBatchStep
 from ringctx.model.int8_weights import (GROUP, MIN_EXPONENT, check_int8_model, check_weights, code_bytes, int8_of,
                                         quantize, quantize_model, quantized_matrices)
 from ringctx.model.presets import get_preset
-from tests.core.test_cpu_kernels import needs_kernels
+from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.model.test_decode_step import SHAPES, prefilled, random_model, threads  # noqa: F401
 from tests.model.test_decode_step_batch import fused_batch, with_documents
 
@@ -131,14 +131,14 @@ def test_quantize_model_rounds_every_matrix_once_and_keeps_codes_for_bf16_cpu_mo
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 128), (130, 64), (64, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_int8_equals_small_linear_over_the_values(rows, n_out, n_in, with_bias, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "INT8_MAX_ROWS", cpu_kernels.MAX_ROWS)  # the kernel takes more rows
+    monkeypatch.setattr(selection, "INT8_MAX_ROWS", selection.MAX_ROWS)  # the kernel takes more rows
     codes, exponents, values = quantize(matrix(n_out, n_in, seed=n_out + n_in).bfloat16())
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     bias = torch.randn(n_out, generator=g).bfloat16() if with_bias else None
-    got = cpu_kernels.small_linear_int8(x, codes, exponents, bias)
-    want = cpu_kernels.small_linear(x, values, bias)
-    if not cpu_kernels.reads_int8_weights():  # the portable variant reads the values (faster there)
+    got = cpu.small_linear_int8(x, codes, exponents, bias)
+    want = cpu.small_linear(x, values, bias)
+    if not selection.reads_int8_weights():  # the portable variant reads the values (faster there)
         assert got is None
         return
     assert got is not None and got.dtype == torch.bfloat16
@@ -151,12 +151,12 @@ def test_small_linear_int8_equals_small_linear_over_the_values(rows, n_out, n_in
 def test_small_linear_int8_declines_what_it_does_not_cover():
     codes, exponents, _ = quantize(matrix(8, 128, seed=5))
     x = torch.randn(1, 128).bfloat16()
-    assert cpu_kernels.small_linear_int8(x.float(), codes, exponents) is None  # float32 activations
-    assert cpu_kernels.small_linear_int8(torch.randn(cpu_kernels.INT8_MAX_ROWS + 1, 128).bfloat16(), codes,
+    assert cpu.small_linear_int8(x.float(), codes, exponents) is None  # float32 activations
+    assert cpu.small_linear_int8(torch.randn(selection.INT8_MAX_ROWS + 1, 128).bfloat16(), codes,
                                          exponents) is None  # more rows read the values
-    assert cpu_kernels.small_linear_int8(x, codes, exponents[:, :1].contiguous()) is None  # exponents' shape
-    assert cpu_kernels.small_linear_int8(x[:, :96], codes[:, :96].contiguous(), exponents) is None  # not whole groups
-    assert cpu_kernels.small_linear_int8(x, codes.t().contiguous().t(), exponents) is None  # not contiguous
+    assert cpu.small_linear_int8(x, codes, exponents[:, :1].contiguous()) is None  # exponents' shape
+    assert cpu.small_linear_int8(x[:, :96], codes[:, :96].contiguous(), exponents) is None  # not whole groups
+    assert cpu.small_linear_int8(x, codes.t().contiguous().t(), exponents) is None  # not contiguous
 
 
 def quantized_pair(shape, seed=0):
@@ -208,12 +208,12 @@ def test_the_fused_step_reads_the_codes_where_the_variant_does():
     first_three = fused_batch(FusedBatchStep.build(model), three.copy(), [1, 2, 3])
     int8_of(model.layers[1].feed_forward.w2.weight).codes.zero_()
     cache.length -= 1
-    moved = cpu_kernels.reads_int8_weights()
+    moved = selection.reads_int8_weights()
     assert torch.equal(DecodeStep(model, cache)(5), first) is not moved
     assert torch.equal(fused_batch(FusedBatchStep.build(model), one.copy(), [1]), first_one) is not moved
     # past INT8_MAX_ROWS rows the batch step reads the values
     assert torch.equal(fused_batch(FusedBatchStep.build(model), three.copy(), [1, 2, 3]), first_three)
-    assert cpu_kernels.reads_int8_weights() is (cpu_kernels.active_variant().name in ("avx512", "avx2"))
+    assert selection.reads_int8_weights() is (build.active_variant().name in ("avx512", "avx2"))
 
 
 @needs_kernels

@@ -382,8 +382,8 @@ def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32, ext
     is the float64 product rounded to bf16 (the rest differ by one bf16 step). Without bf16 units,
     from UPCAST_MIN_ROWS rows the float32 GEMM; below, the decode kernels' product (a row's bits
     those of the row alone)."""
-    from ringctx import cpu_kernels
-    from ringctx.cpu_features import UPCAST_MIN_ROWS
+    from ringctx.kernels import build
+    from ringctx.kernels.selection import UPCAST_MIN_ROWS
     from ringctx.model import transformer
 
     monkeypatch.setattr(transformer, "computes_in_float32", lambda x: in_float32)
@@ -397,7 +397,7 @@ def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32, ext
     torch.testing.assert_close(got.float(), exact.float(), rtol=2 ** -7, atol=1e-3)
     if in_float32 and extra_rows > 0:
         assert torch.equal(got, torch.nn.functional.linear(x.float(), w.float()).bfloat16())
-    if in_float32 and extra_rows < 0 and cpu_kernels.library() is not None:
+    if in_float32 and extra_rows < 0 and build.library() is not None:
         assert torch.equal(got, torch.cat([transformer.linear(row, w) for row in x.split(1)]))
 
 
@@ -413,9 +413,9 @@ def test_half_linear_rounds_like_a_native_bf16_gemm(monkeypatch, in_float32, ext
 def test_fast_bf16_needs_the_units_and_pytorch_allowed_to_use_them(monkeypatch, flags, aten, onednn, fast):
     """bf16 matmuls run natively only where the CPU has bf16 units and neither of PyTorch's caps
     (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) keeps it off them; otherwise ringctx upcasts."""
-    from ringctx import cpu_features, cpu_kernels
+    from ringctx.kernels import cpu_features
 
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: aten)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     if onednn is None:

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from ringctx import cpu_kernels
 from ringctx.attention import kernels as attention_kernels
+from ringctx.kernels import build, cpu, cpu_features, report, selection
 from tests.conftest import KERNEL_VARIANTS
 
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.usefixtures("kernel_variant")
 
 @needs_kernels
 def test_kernels_build_and_load_here():
-    assert cpu_kernels._load() is not None, cpu_kernels.kernel_error()
-    assert cpu_kernels.kernel_error() is None
+    assert build.library() is not None, build.kernel_error()
+    assert build.kernel_error() is None
 
 
 @needs_kernels
@@ -34,7 +34,7 @@ def test_kernels_build_and_load_here():
 def test_small_linear_float32_matches_float64(rows, n_out, n_in):
     g = torch.Generator().manual_seed(rows + n_in)
     x, w, b = torch.randn(rows, n_in, generator=g), torch.randn(n_out, n_in, generator=g), torch.randn(n_out, generator=g)
-    got = cpu_kernels.small_linear(x, w, b)
+    got = cpu.small_linear(x, w, b)
     assert got is not None and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), x.double() @ w.double().t() + b.double(), atol=1e-4, rtol=1e-5)
 
@@ -44,7 +44,7 @@ def test_small_linear_float32_matches_float64(rows, n_out, n_in):
 @pytest.mark.parametrize("n_out,n_in", [(960, 576), (7, 33), (130, 16), (5, 1000)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_linear_rounds_the_exact_product(rows, n_out, n_in, with_bias):
-    check_rounds_the_exact_product(cpu_kernels.small_linear, rows, n_out, n_in, with_bias)
+    check_rounds_the_exact_product(cpu.small_linear, rows, n_out, n_in, with_bias)
 
 
 @needs_kernels
@@ -57,13 +57,13 @@ def test_small_linear_gives_a_row_the_bits_it_has_alone(rows, n_out, n_in):
     g = torch.Generator().manual_seed(rows * 7 + n_out)
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     w = torch.randn(n_out, n_in, generator=g).bfloat16()
-    got = cpu_kernels.small_linear(x, w, max_rows=32)
+    got = cpu.small_linear(x, w, max_rows=32)
     assert got is not None
-    alone = torch.cat([cpu_kernels.small_linear(x[r:r + 1], w) for r in range(rows)])
+    alone = torch.cat([cpu.small_linear(x[r:r + 1], w) for r in range(rows)])
     assert torch.equal(got, alone)
-    check_rounds_the_exact_product(lambda x, w, b: cpu_kernels.small_linear(x, w, b, max_rows=32), rows, n_out, n_in,
+    check_rounds_the_exact_product(lambda x, w, b: cpu.small_linear(x, w, b, max_rows=32), rows, n_out, n_in,
                                    True)
-    assert cpu_kernels.small_linear(x, w) is None or rows <= cpu_kernels.MAX_ROWS  # MAX_ROWS unless told
+    assert cpu.small_linear(x, w) is None or rows <= selection.MAX_ROWS  # MAX_ROWS unless told
 
 
 def check_rounds_the_exact_product(linear, rows, n_out, n_in, with_bias):
@@ -85,12 +85,12 @@ def check_rounds_the_exact_product(linear, rows, n_out, n_in, with_bias):
 
 def test_small_linear_declines_what_it_does_not_cover():
     x, w = torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()
-    assert cpu_kernels.small_linear(x, w.float()) is None  # mixed dtypes
-    assert cpu_kernels.small_linear(x.half(), w.half()) is None
-    assert cpu_kernels.small_linear(torch.randn(cpu_kernels.MAX_ROWS + 1, 32).bfloat16(), w) is None
-    assert cpu_kernels.small_linear(x, torch.randn(32, 8).bfloat16().t()) is None  # not contiguous
+    assert cpu.small_linear(x, w.float()) is None  # mixed dtypes
+    assert cpu.small_linear(x.half(), w.half()) is None
+    assert cpu.small_linear(torch.randn(selection.MAX_ROWS + 1, 32).bfloat16(), w) is None
+    assert cpu.small_linear(x, torch.randn(32, 8).bfloat16().t()) is None  # not contiguous
     with torch.enable_grad():
-        assert cpu_kernels.small_linear(x, w.clone().requires_grad_()) is None
+        assert cpu.small_linear(x, w.clone().requires_grad_()) is None
 
 
 def _reference(q, k, v, scale):
@@ -115,7 +115,7 @@ def test_decode_attention_kernels_match_float64(dtype, T, Hq, Hkv, D, S):
     k, v = cache_k[:S], cache_v[:S]  # a cache's first rows, as decode reads them
     q = torch.randn(T, Hq, D, generator=g).to(dtype)
     scale = 1 / math.sqrt(D)
-    assert cpu_kernels.decode_kernels_apply(q, k, v)
+    assert selection.decode_kernels_apply(q, k, v)
     out, lse = attention_kernels._decode_kernel_block(q, k, v, scale)
     assert out.dtype == dtype and out.shape == (T, Hq, D) and lse.shape == (Hq, T) and lse.dtype == torch.float32
     ref_out, ref_lse = _reference(q, k, v, scale)
@@ -135,11 +135,11 @@ def test_decode_products_against_float64():
     """The two kernels alone: scale * Q K^T and P V per KV head over a token-major cache."""
     g = torch.Generator().manual_seed(1)
     qg, k, v = torch.randn(3, 4, 64, generator=g), torch.randn(50, 3, 64, generator=g), torch.randn(50, 3, 64, generator=g)
-    scores = cpu_kernels.decode_scores(qg, k, 0.25)
+    scores = cpu.decode_scores(qg, k, 0.25)
     torch.testing.assert_close(scores.double(), 0.25 * torch.einsum("hrd,shd->hrs", qg.double(), k.double()),
                                atol=1e-5, rtol=0)
     probs = torch.rand(3, 4, 50, generator=g)
-    torch.testing.assert_close(cpu_kernels.decode_pv(probs, v).double(),
+    torch.testing.assert_close(cpu.decode_pv(probs, v).double(),
                                torch.einsum("hrs,shd->hrd", probs.double(), v.double()), atol=1e-5, rtol=0)
 
 
@@ -148,7 +148,7 @@ def test_decode_attention_with_and_without_the_kernels_agree(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 9, 64, generator=g), torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
     with_kernels = attention_kernels.attention_block(q, k, v)
-    monkeypatch.setattr(cpu_kernels, "decode_kernels_apply", lambda *a: False)
+    monkeypatch.setattr(selection, "decode_kernels_apply", lambda *a: False)
     without = attention_kernels.attention_block(q, k, v)
     torch.testing.assert_close(with_kernels[0], without[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(with_kernels[1], without[1], atol=1e-6, rtol=0)
@@ -156,28 +156,28 @@ def test_decode_attention_with_and_without_the_kernels_agree(monkeypatch):
 
 def test_decode_kernels_decline_unsupported_inputs():
     q, k = torch.randn(1, 4, 72), torch.randn(10, 2, 72)  # head dim not a multiple of 16
-    assert not cpu_kernels.decode_kernels_apply(q, k, k)
+    assert not selection.decode_kernels_apply(q, k, k)
     q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
-    assert not cpu_kernels.decode_kernels_apply(q, k[::2], k[::2])  # strided cache rows
-    assert not cpu_kernels.decode_kernels_apply(q.half(), k.half(), k.half())
-    assert not cpu_kernels.decode_kernels_apply(torch.randn(17, 8, 64), k, k)  # 17 x 4 query rows per KV head > 64
+    assert not selection.decode_kernels_apply(q, k[::2], k[::2])  # strided cache rows
+    assert not selection.decode_kernels_apply(q.half(), k.half(), k.half())
+    assert not selection.decode_kernels_apply(torch.randn(17, 8, 64), k, k)  # 17 x 4 query rows per KV head > 64
 
 
 def test_switched_off_means_pytorch(monkeypatch):
     monkeypatch.setenv("RINGCTX_CPU_KERNELS", "0")
     q, k = torch.randn(1, 4, 64), torch.randn(10, 2, 64)
-    assert not cpu_kernels.decode_kernels_apply(q, k, k)
-    assert "RINGCTX_CPU_KERNELS=0" in cpu_kernels.kernel_error()
+    assert not selection.decode_kernels_apply(q, k, k)
+    assert "RINGCTX_CPU_KERNELS=0" in build.kernel_error()
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("RINGCTX_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_kernels, "_libraries", {})
-    monkeypatch.setattr(cpu_kernels, "_errors", {})
-    assert cpu_kernels.small_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None
-    assert cpu_kernels.library() is None
-    assert "no-such-compiler" in cpu_kernels.kernel_error()
+    monkeypatch.setattr(build, "_libraries", {})
+    monkeypatch.setattr(build, "_errors", {})
+    assert cpu.small_linear(torch.randn(1, 32).bfloat16(), torch.randn(8, 32).bfloat16()) is None
+    assert build.library() is None
+    assert "no-such-compiler" in build.kernel_error()
 
 
 def test_the_c_sources_ship_inside_the_package():
@@ -188,7 +188,7 @@ def test_the_c_sources_ship_inside_the_package():
     import ringctx
 
     package_csrc = Path(ringctx.__file__).parent / "csrc"
-    for name in cpu_kernels._SOURCES + (cpu_kernels._AMX_SOURCE, cpu_kernels._DETECT_SOURCE) + cpu_kernels._HEADERS:
+    for name in build._SOURCES + (build._AMX_SOURCE, build._DETECT_SOURCE) + build._HEADERS:
         assert (package_csrc / name).is_file(), name
 
 
@@ -202,7 +202,7 @@ def test_rms_norm_rows_equal_f_rms_norm(dtype, rows, dim):
     g = torch.Generator().manual_seed(rows + dim)
     x = (torch.randn(rows, 2 * dim, generator=g) * 3).to(dtype)[:, :dim]  # a strided view
     w = (torch.rand(dim, generator=g) + 0.5).to(dtype)
-    got, want = cpu_kernels.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (dim,), w, 1e-5)
+    got, want = cpu.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (dim,), w, 1e-5)
     assert got.dtype == dtype and got.shape == (rows, dim)
     if dtype == torch.bfloat16:  # one rounding, as F.rms_norm: equal but for the odd sum-order flip
         assert (got == want).float().mean() >= 0.999
@@ -224,7 +224,7 @@ def test_rope_rows_equal_the_pytorch_formula(dtype, d):
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)[:, None]
     want = apply_rotary(qkv[:, :5], RopeAngles(cos, sin))
     untouched = qkv[:, 5:].clone()
-    assert cpu_kernels.rope_(qkv[:, :5], cos, sin)  # in place on a view of the fused projection
+    assert cpu.rope_(qkv[:, :5], cos, sin)  # in place on a view of the fused projection
     torch.testing.assert_close(qkv[:, :5], want, atol=1e-6, rtol=1e-6)
     if dtype == torch.bfloat16:
         assert torch.equal(qkv[:, :5], want)  # the same two roundings
@@ -239,7 +239,7 @@ def test_swiglu_rows_equal_silu_times_up(dtype, ffn):
     gate_up = (torch.randn(40, 2 * ffn, generator=g) * 4).to(dtype)
     want = torch.nn.functional.silu(gate_up[:, :ffn].clone()).mul_(gate_up[:, ffn:])
     up = gate_up[:, ffn:].clone()
-    assert cpu_kernels.swiglu_(gate_up, ffn)
+    assert cpu.swiglu_(gate_up, ffn)
     torch.testing.assert_close(gate_up[:, :ffn], want, atol=1e-6, rtol=1e-5)
     if dtype == torch.bfloat16:
         assert (gate_up[:, :ffn] == want).float().mean() >= 0.999
@@ -248,10 +248,10 @@ def test_swiglu_rows_equal_silu_times_up(dtype, ffn):
 
 def test_row_ops_decline_what_they_do_not_cover():
     x = torch.randn(4, 8)
-    assert cpu_kernels.rms_norm(x.half(), torch.ones(8).half(), 1e-5) is None
-    assert cpu_kernels.rms_norm(x, torch.ones(8).bfloat16(), 1e-5) is None  # mixed dtypes
-    assert not cpu_kernels.swiglu_(torch.randn(4, 10), 4)  # not [T, 2 ffn]
-    assert not cpu_kernels.rope_(torch.randn(4, 2, 8), torch.randn(4, 1, 6), torch.randn(4, 1, 6))
+    assert cpu.rms_norm(x.half(), torch.ones(8).half(), 1e-5) is None
+    assert cpu.rms_norm(x, torch.ones(8).bfloat16(), 1e-5) is None  # mixed dtypes
+    assert not cpu.swiglu_(torch.randn(4, 10), 4)  # not [T, 2 ffn]
+    assert not cpu.rope_(torch.randn(4, 2, 8), torch.randn(4, 1, 6), torch.randn(4, 1, 6))
 
 
 # ---------------------------------------------------------------- which variant runs here
@@ -260,49 +260,49 @@ def test_row_ops_decline_what_they_do_not_cover():
 def test_the_variant_in_use_is_the_widest_this_cpu_runs():
     """avx512 on an AVX-512 CPU, avx2 on an AVX2-only one, portable elsewhere (arm64 included):
     the library that loads says which it is, and `info` names it."""
-    cpu_kernels.use_variant(None)
+    build.use_variant(None)
     if not BUILDABLE:
-        assert cpu_kernels.library() is None and cpu_kernels.cpu_kernels_report()["variant"] is None
+        assert build.library() is None and report.cpu_kernels_report()["variant"] is None
         return
     widest = KERNEL_VARIANTS[0]
-    assert cpu_kernels.active_variant().name == widest
-    assert cpu_kernels.library().ringctx_simd_width() == cpu_kernels.active_variant().vector_floats
-    report = cpu_kernels.cpu_kernels_report()
-    assert report["variant"] == widest and report["variants_this_cpu_runs"] == KERNEL_VARIANTS
-    assert report["kernels"]["fused decode step"] == "in use"
-    assert widest in cpu_kernels.cpu_kernels_status()
+    assert build.active_variant().name == widest
+    assert build.library().ringctx_simd_width() == build.active_variant().vector_floats
+    info = report.cpu_kernels_report()
+    assert info["variant"] == widest and info["variants_this_cpu_runs"] == KERNEL_VARIANTS
+    assert info["kernels"]["fused decode step"] == "in use"
+    assert widest in report.cpu_kernels_status()
 
 
 def test_kernel_variant_fixture_runs_the_named_library(kernel_variant):
     if kernel_variant is None:
         pytest.skip("no C compiler: no variant to run")
-    widths = {v.name: v.vector_floats for v in cpu_kernels.VARIANTS}
-    assert cpu_kernels.library().ringctx_simd_width() == widths[kernel_variant]
+    widths = {v.name: v.vector_floats for v in build.VARIANTS}
+    assert build.library().ringctx_simd_width() == widths[kernel_variant]
 
 
 def test_an_avx2_only_cpu_gets_the_avx2_variant(monkeypatch):
-    if not cpu_kernels._is_x86_64():
+    if not build._is_x86_64():
         pytest.skip("x86-64 variants")
-    cpu_kernels.use_variant(None)
+    build.use_variant(None)
     zen3 = frozenset({"sse2", "avx", "avx2", "fma", "f16c", "bmi2"})  # no AVX-512
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: zen3)
-    variant, why = cpu_kernels.choose_variant()
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: zen3)
+    variant, why = build.choose_variant()
     assert variant.name == "avx2"
     assert "not avx512: this CPU has no avx512bw, avx512f, avx512vl" in why
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
-    assert cpu_kernels.choose_variant()[0].name == "portable"
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    assert build.choose_variant()[0].name == "portable"
 
 
 def test_a_variant_this_cpu_cannot_run_is_refused_with_the_flags_it_lacks(monkeypatch):
-    cpu_kernels.use_variant(None)
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))
+    build.use_variant(None)
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma", "f16c"}))
     monkeypatch.setenv("RINGCTX_CPU_ISA", "avx512")
-    variant, why = cpu_kernels.choose_variant()
-    if cpu_kernels._is_x86_64():
+    variant, why = build.choose_variant()
+    if build._is_x86_64():
         assert variant is None and why == "RINGCTX_CPU_ISA=avx512 cannot run here: this CPU has no avx512bw, avx512f, avx512vl"
     monkeypatch.setenv("RINGCTX_CPU_ISA", "sse9")
-    assert cpu_kernels.choose_variant()[0] is None and "not a variant" in cpu_kernels.choose_variant()[1]
+    assert build.choose_variant()[0] is None and "not a variant" in build.choose_variant()[1]
     monkeypatch.setenv("RINGCTX_CPU_ISA", "portable")
-    assert cpu_kernels.choose_variant()[0].name == "portable"
+    assert build.choose_variant()[0].name == "portable"
     with pytest.raises(ValueError, match="unknown CPU kernel variant"):
-        cpu_kernels.use_variant("avx1024")
+        build.use_variant("avx1024")

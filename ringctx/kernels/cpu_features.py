@@ -6,7 +6,10 @@ attention op 15% slower. On such CPUs ringctx computes big half-precision matmul
 blocks in float32 and rounds the result back: the same contract as a native bf16 kernel (half
 inputs, float32 accumulation, half output), with fewer roundings inside, and several times faster.
 Small matmuls (decode steps) stay native: there, converting the weights would cost more than the
-arithmetic it saves.
+arithmetic it saves (the row count where that turns, UPCAST_MIN_ROWS, is kernels/selection.py's).
+
+This module holds what the CPU is (its flags, its model name, whether PyTorch computes bf16
+natively on it) and the dtype that follows; which kernel runs is kernels/selection.py's.
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ import torch
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-UPCAST_MIN_ROWS = 33
-"""Fewest rows of activations for which a half-precision CPU matmul runs in float32 where the CPU
-has no bf16 units (the weight converted, then the float32 GEMM); fewer rows, such as a question's
-prefill, take the decode kernels' product (cpu_kernels.small_linear), which reads the bf16 weight in
-place and widens each weight vector once for four rows (AVX2) or two (AVX-512). PyTorch's emulated
-bf16 matmul took 1.5-3.9x the time of the float32 route. SmolLM2's 120 block matrices, 2 threads,
-2026-12-05, the kernel's time (two-row tile) over the float32 route's: capped at AVX2, 8 rows 0.46,
-16 rows 0.68, 24 rows 0.98, 32 rows 0.97, 48 rows 1.27; AVX-512 without bf16 units, 16 rows 0.55,
-32 rows 0.79, 48 rows 0.99; the four-row tile took 0.82-0.96x the two-row one's time on AVX2
-(docs/BENCHMARKS.md)."""
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split(":", 1)[-1].split())
+    except OSError:
+        return frozenset()
 
 
 # oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) under which its matmuls still have bf16 units.
@@ -43,8 +45,6 @@ def cpu_has_fast_bf16() -> bool:
     /proc/cpuinfo) and PyTorch may use them. It may not when ATEN_CPU_CAPABILITY caps ATen below
     AVX-512 or ONEDNN_MAX_CPU_ISA caps oneDNN below its bf16 instruction sets: PyTorch then emulates
     bf16 as on an AVX2-only CPU, and ringctx treats the machine as one."""
-    from .cpu_kernels import cpu_flags
-
     if not cpu_flags() & {"amx_bf16", "avx512_bf16"}:
         return False
     onednn_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
@@ -69,26 +69,8 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def phase_dtypes(dtype: torch.dtype, device: str = "cpu") -> dict[str, str]:
-    """Which dtype each phase computes in, and why, for a model held in `dtype` on `device`:
-    {"prefill": sentence, "decode": sentence} (what `ringctx info` and `ringctx prefill` say)."""
-    name = str(dtype).removeprefix("torch.")
-    if dtype not in HALF_DTYPES:
-        return {"prefill": f"{name}: the model's dtype", "decode": f"{name}: the model's dtype"}
-    if not str(device).startswith("cpu"):
-        return {"prefill": f"{name}: GPUs compute it natively (tensor cores)",
-                "decode": f"{name}: GPUs compute it natively (tensor cores)"}
-    if cpu_has_fast_bf16():
-        native = f"{name}, natively: this CPU has AMX or AVX512-BF16 units that PyTorch uses"
-        return {"prefill": native, "decode": native}
-    return {"prefill": f"float32, rounded back to {name}: matmuls (from {name} weights read in place below "
-                       f"{UPCAST_MIN_ROWS} rows) and attention blocks, as PyTorch would emulate {name} here "
-                       f"(no {name} units it may use)",
-            "decode": f"{name}: one row per matmul, where converting the weights to float32 would cost more "
-                      f"than the arithmetic it saves"}
-
-
 def compute_dtype(dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
-    """The dtype a prefill's big matmuls and attention blocks compute in (see `phase_dtypes`)."""
+    """The dtype a prefill's big matmuls and attention blocks compute in (see
+    kernels/report.py's `phase_dtypes`)."""
     on_cpu = str(device).startswith("cpu")
     return torch.float32 if (dtype in HALF_DTYPES and on_cpu and not cpu_has_fast_bf16()) else dtype
