@@ -67,7 +67,7 @@ class _AgreedBadParameter(_OnePerHost, click.BadParameter):
 
 def _rank_error(exc: Exception) -> click.ClickException:
     """One clear line for an error out of the engine (RankFailure lines are per rank: all print)."""
-    from ..engine.failures import CLOSED, RankFailure
+    from ..runtime.failures import CLOSED, RankFailure
 
     text = str(exc)
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":  # str(KeyError) quotes its message
@@ -160,7 +160,7 @@ def engine_options(f=None, *, serving: bool = False):
 def build_engine(model, nproc, chunk_tokens, strategy, hardware, rule, dtype, device, attn_backend, timeout_s,
                  decode_ranks=None, kv_dtype="model", tp=1, weights="model"):
     from ..engine import Engine
-    from ..engine.failures import RankFailure
+    from ..runtime.failures import RankFailure
 
     try:
         return Engine(model, nproc=nproc, dtype=dtype, device=device, chunk_tokens=chunk_tokens, strategy=strategy,
@@ -332,8 +332,8 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
 
     from ..cpu_features import phase_dtypes
     from ..engine import auto_nproc
-    from ..engine.efficiency import measure_efficiency, measure_peaks
-    from ..engine.failures import RankFailure
+    from ..runtime.efficiency import measure_efficiency, measure_peaks
+    from ..runtime.failures import RankFailure
 
     if tokens < 1:
         raise _AgreedBadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
@@ -452,7 +452,7 @@ def ingest(file, save_path, no_chat, model, nproc, tp, chunk_tokens, strategy, h
         raise _AgreedError(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
     if not text.strip():
         raise _AgreedError(f"{file} is empty: nothing to ingest")
-    from ..engine.failures import RankFailure
+    from ..runtime.failures import RankFailure
 
     from ..engine import serving_layout
 
@@ -537,8 +537,8 @@ def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
     document's dtype and KV dtype (nproc auto: the serving layout) with the document loaded on it.
     The engine is closed on leaving; bad input and a lost rank become the command's error."""
     from ..engine import Engine, serving_layout
-    from ..engine.documents import describe_document
-    from ..engine.failures import RankFailure
+    from ..runtime.documents import describe_document
+    from ..runtime.failures import RankFailure
 
     engine = None
     try:

@@ -35,13 +35,13 @@ from ..model.int8_weights import check_int8_model, check_weights
 from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
 from ..parallel.mesh import mesh_problem
-from . import commands
-from .commands import Command, ids_to_bytes
-from .document import Document, chat_frame
-from .failures import CLOSED, Health, RankFailure, first_line
+from ..runtime import commands
+from ..runtime.commands import Command, ids_to_bytes
+from ..runtime.document import Document, chat_frame
+from ..runtime.failures import CLOSED, Health, RankFailure, first_line
 from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
-from .prefill import STRATEGY_CHOICES, PrefillResult
-from .rank_state import EngineSettings
+from ..runtime.prefill import STRATEGY_CHOICES, PrefillResult
+from ..runtime.rank_state import EngineSettings
 from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
                       resolve_decode_ranks)
 from .workers import (BroadcastRanks, SpawnedRanks, command_group, rank_device, receive_broadcast, run_commands,
@@ -88,14 +88,14 @@ class Engine:
             DEFAULT_STARTUP_TIMEOUT_S). A stuck rank is then detected after timeout_s.
         attn_backend: attention backend of the local blocks.
 
-    Failures (see ringctx.engine.failures and docs/MULTIHOST.md): ranks that loaded a different
+    Failures (see ringctx.runtime.failures and docs/MULTIHOST.md): ranks that loaded a different
     model, dtype or ringctx version are refused at start-up (ValueError naming both sides); a
     prefill that would not fit the available memory is refused before it starts (ValueError with
     the numbers and a fix); a rank that dies, hangs past `timeout_s` or never joins raises
     `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
     the engine stays usable.
 
-    Every public method below is one or more of the commands in ringctx/engine/commands.py, which
+    Every public method below is one or more of the commands in ringctx/runtime/commands.py, which
     every rank concerned runs; the engine only validates, sends and collects.
     """
 
@@ -560,7 +560,7 @@ class Engine:
     def batch(self) -> Batch:
         """The engine's batch: sequences (questions about documents, or prompts of their own)
         decoded together, one step for all, each document's rows read once per step for every
-        question on it (engine/batch.py). Rank 0 only, of one process or of spawned ranks (under
+        question on it (runtime/batch.py). Rank 0 only, of one process or of spawned ranks (under
         torchrun after `lead()`); `Scheduler` and `ask_many` drive it."""
         if self.mode == "worker" or (self.mode == "torchrun" and (self.rank != 0 or self._followers is None)):
             raise ValueError("a batch is driven by rank 0 alone: under torchrun call lead() on rank 0 and follow() "
@@ -607,7 +607,7 @@ class Engine:
         return "".join(self.generate(document, question, **kwargs))
 
     def save_document(self, document: Document, path: str) -> None:
-        """Save `document` as a directory of per-rank slices (see ringctx.engine.documents), atomically.
+        """Save `document` as a directory of per-rank slices (see ringctx.runtime.documents), atomically.
 
         Call on every decode rank (torchrun); a document saved by N decode ranks loads on any number."""
         if not self.state.is_decode_rank:

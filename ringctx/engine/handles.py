@@ -1,7 +1,7 @@
 """What the Engine's long calls hand back on rank 0: `PrefillJob` (a prefill a chunk at a time),
 `SaveJob` (a document saved in the background), `Answer` (an answer a token at a time) and
 `LeaderDecoder`, through which an answer's steps become commands every decode rank runs
-(engine/commands.py); `Batch` (sequences decoded together, one step for all: engine/batch.py)
+(runtime/commands.py); `Batch` (sequences decoded together, one step for all: runtime/batch.py)
 with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model.generate import Generation
-from . import commands
-from .commands import ids_to_bytes
-from .document import Document
-from .prefill import ChunkStats, PrefillResult
+from ..runtime import commands
+from ..runtime.commands import ids_to_bytes
+from ..runtime.document import Document
+from ..runtime.prefill import ChunkStats, PrefillResult
 
 if TYPE_CHECKING:
     from .api import Engine

@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .failures import RankFailure
+from ..runtime.failures import RankFailure
 
 
 class SchedulerStopped(RuntimeError):

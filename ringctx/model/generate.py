@@ -219,7 +219,7 @@ class Generation:
         """After the first token: the token the next decode step feeds (the last one sampled), or
         None when the generation decodes no more (`advance()` then finishes it). With `accept`, the
         two halves of `advance` for a caller that runs the decode step itself (a batch of
-        generations decoded together, engine/batch.py)."""
+        generations decoded together, runtime/batch.py)."""
         state = self._state
         if state is None or self._closed or self.result is not None or state.finish is not None:
             return None

@@ -29,8 +29,8 @@ import time
 import torch
 
 from ..engine import Engine
-from ..engine.document import chat_frame
-from ..engine.memory_check import available_memory
+from ..runtime.document import chat_frame
+from ..runtime.memory_check import available_memory
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..planning.work import WorkProgress, prefill_chunk_flops
 from ..units import fmt_bytes
@@ -647,7 +647,7 @@ class _Answer:
 
 def _kv_bytes_per_token(engine: Engine) -> int:
     """KV bytes one token of a document takes over all decode ranks (every KV head, every layer)."""
-    from ..engine.efficiency import kv_bytes_per_token
+    from ..runtime.efficiency import kv_bytes_per_token
 
     return kv_bytes_per_token(engine)
 

@@ -10,7 +10,7 @@ import torch
 from ringctx.engine import Engine
 from ringctx.model import KVCache
 from tests.core.test_cpu_kernels import needs_kernels
-from tests.engine.test_batch import DOCS, SAMPLED, alone, run_plan
+from tests.runtime.test_batch import DOCS, SAMPLED, alone, run_plan
 
 
 @needs_kernels

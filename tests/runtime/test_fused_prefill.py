@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ringctx import cpu_features
-from ringctx.engine import prefill
-from ringctx.engine.prefill import PrefillConfig, PrefillRun, cp_prefill
+from ringctx.runtime import prefill
+from ringctx.runtime.prefill import PrefillConfig, PrefillRun, cp_prefill
 from ringctx.model import KVCache
 from ringctx.model.decode_step import FusedPrefill
 from tests.core.test_cpu_kernels import needs_kernels
