@@ -122,3 +122,21 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
 def test_every_part_exists(part):
     """The layers named here are the packages there are (a renamed package must be named here)."""
     assert part == "core" or (PACKAGE / part / "__init__.py").is_file()
+
+
+def test_the_ranks_half_never_imports_rank_zeros_api(tmp_path):
+    """runtime/ (what every rank runs) sits below engine/ (rank 0's API over it): an import of the
+    API from the ranks' half is found, the other way round is not a problem."""
+    root = tmp_path / "ringctx"
+    for part in ("runtime", "engine"):
+        (root / part).mkdir(parents=True)
+        (root / part / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "runtime" / "commands.py").write_text("from ..engine.api import Engine\n")
+    (root / "runtime" / "batch.py").write_text("def f():\n    import ringctx.engine.handles\n")
+    (root / "engine" / "handles.py").write_text("")
+    (root / "engine" / "api.py").write_text("from ..runtime import commands\nfrom . import handles\n")
+    found = layering_problems(root)
+    assert any(p.startswith("ringctx/runtime/commands.py:1 imports ringctx.engine.api") for p in found), found
+    assert any(p.startswith("ringctx/runtime/batch.py:2 imports ringctx.engine.handles") for p in found), found
+    assert not any(p.startswith("ringctx/engine/") for p in found), found
