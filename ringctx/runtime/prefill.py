@@ -40,6 +40,7 @@ from ..model.decode_step import FusedPrefill
 from ..model.tensor_parallel import split_range
 from ..model.transformer import rope_position_problem
 from ..parallel import STRATEGIES, CommStats, ShardLayout, ring_attention
+from ..parallel.ring import PASS_KV
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
 )
@@ -544,7 +545,7 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int,
             config: PrefillConfig) -> tuple[str, str, str, str]:
     """The chunk's strategy, the reason as a sentence, the reason in short, and the rule's formula."""
     if world == 1:
-        return "pass-kv", "one rank: nothing travels", "one rank: nothing travels", ""
+        return PASS_KV, "one rank: nothing travels", "one rank: nothing travels", ""
     if config.strategy != "auto":
         forced = f"forced: strategy={config.strategy}"
         return config.strategy, forced, forced, ""
