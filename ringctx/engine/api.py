@@ -126,7 +126,8 @@ class Engine:
         self._forgotten: list[int] = []  # documents the caller let go of: the workers drop theirs (see keep_document)
         self._ending: list[LeaderDecoder] = []  # answers that ended here: the followers leave them next
         self._next_id = 0
-        self._open_answer = None  # weakref to the newest answer's Generation, which a newer question ends
+        # weakref to the newest answer's Generation (driving a LeaderDecoder), which a newer question ends
+        self._open_answer = None
         self._batch: Batch | None = None  # the sequences decoded together (batch(), ask_many)
         # The ranks this one sends its commands to: spawned workers, or (after lead()) torchrun's other ranks.
         self._followers: SpawnedRanks | BroadcastRanks | None = None
@@ -560,8 +561,7 @@ class Engine:
         place on the other decode ranks: end it (reading it further raises ValueError). Part of the
         handles' port too: a batch's join ends it first."""
         generation = self._open_answer() if self._open_answer is not None else None
-        if generation is None or (document is not None and getattr(generation.decoder, "document", document)
-                                  is not document):
+        if generation is None or (document is not None and generation.decoder.document is not document):
             return
         self._open_answer = None
         try:

@@ -95,6 +95,14 @@ class PrefillJob:
         return self.run.total_chunks
 
     @property
+    def next_chunk_tokens(self) -> int:
+        """New tokens of the chunk the next `step` works on (0 once every chunk has run)."""
+        if self.run.done:
+            return 0
+        start, end = self.run.chunks[self.run.next_chunk]
+        return end - start
+
+    @property
     def layer_in_chunk(self) -> int:
         """Layers of the current chunk that `step(layers=...)` has run (0 between two chunks)."""
         return self.run.layer_in_chunk
