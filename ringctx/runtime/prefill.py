@@ -8,7 +8,7 @@
             append this rank's k, v of the chunk to its KV shard          (the shard never leaves the rank)
         the strategy of the chunk: pass-KV or pass-Q (the paper's rule, or forced)
     hand-off: the decode ranks (decode_rank .. decode_rank + decode_ranks - 1, on one host) keep
-              their shards; the other ranks' rows are spread over them (engine/handoff.py), so each
+              their shards; the other ranks' rows are spread over them (runtime/handoff.py), so each
               decode rank ends with a balanced slice of the tokens. With one decode rank the rows are
               gathered there in sequence order.
 
