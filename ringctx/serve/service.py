@@ -34,21 +34,16 @@ import torch
 from ..engine import Engine
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..engine.work_items import Prefill, Question
-from ..runtime.memory_check import available_memory
 from ..units import fmt_bytes
 from . import backend as api
-from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument
+from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument, auto_kv_budget, kv_bytes_per_token
 from .prompts import PromptRenderer, text_sha256
 from .store import DocumentStore, new_document_id, now
-
-KV_BUDGET_SHARE = 0.5
-"""Of the memory free once the model is loaded (times the planner's usable fraction), the share the
-documents' KV caches may keep: the rest stays free for an ingest in flight (its shards live on
-every rank until the hand-off) and for answers' rows."""
 
 ANSWER_ROWS_SHARE = 0.25
 """KV rows the questions decoding together may hold (prompts and max_tokens), as a share of the
 documents' KV budget: beyond it new questions wait in the queue (see Scheduler's max_rows)."""
+
 
 def is_server_rank() -> bool:
     """Whether this process serves HTTP: rank 0 of a torchrun launch, or the only process."""
@@ -63,7 +58,7 @@ class EngineBackend:
             layout that serves fastest here, see ringctx.engine.serving_nproc).
         store_dir: where documents are kept (records and KV caches); made if missing.
         kv_budget_bytes: bytes of KV cache the decode ranks keep in memory in all (None: see
-            KV_BUDGET_SHARE); beyond it the least recently used documents leave memory.
+            documents.KV_BUDGET_SHARE); beyond it the least recently used documents leave memory.
         max_queue: answers that may wait for their turn; more are refused with Overloaded.
         max_document_tokens: the longest document accepted (None: what the KV budget holds).
         chunk_tokens: the chunk documents are ingested in (None: serving_chunk_tokens, short
@@ -124,8 +119,8 @@ class EngineBackend:
             engine.close()
             raise ValueError(f"model {model!r} has no tokenizer (a random-weight preset): serve a GGUF file or a "
                              "Hugging Face directory")
-        self.bytes_per_token = _kv_bytes_per_token(engine)
-        self.kv_budget_bytes = int(kv_budget_bytes if kv_budget_bytes is not None else _auto_kv_budget(engine))
+        self.bytes_per_token = kv_bytes_per_token(engine)
+        self.kv_budget_bytes = int(kv_budget_bytes if kv_budget_bytes is not None else auto_kv_budget(engine))
         self.max_document_tokens = int(max_document_tokens or
                                        max(1, self.kv_budget_bytes // self.bytes_per_token - QUESTION_ROOM_TOKENS))
         self._lock = threading.Lock()  # the counters below (the scheduler's thread writes too)
@@ -343,22 +338,6 @@ class _Answer:
         finally:
             with backend._lock:
                 backend.running -= 1
-
-
-def _kv_bytes_per_token(engine: Engine) -> int:
-    """KV bytes one token of a document takes over all decode ranks (every KV head, every layer)."""
-    from ..runtime.efficiency import kv_bytes_per_token
-
-    return kv_bytes_per_token(engine)
-
-
-def _auto_kv_budget(engine: Engine) -> int:
-    """What the decode ranks may keep of documents: KV_BUDGET_SHARE of the memory free after loading."""
-    from ..planning.memory import MEMORY_USABLE_FRACTION
-
-    free, _ = available_memory(engine.model.device)
-    per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks
-    return int(per_device * MEMORY_USABLE_FRACTION * KV_BUDGET_SHARE)
 
 
 class _OwnPrompt:
