@@ -85,7 +85,7 @@ def prefill_document(docs: str, context: int) -> float:
 def tile_document(docs: str, source: int, context: int) -> None:
     """A `context`-token document made of the `source`-token one's KV rows repeated (positions and
     token ids continued), for decode timing only."""
-    from ringctx.engine.documents import read_document, save_document_slices
+    from ringctx.runtime.documents import read_document, save_document_slices
     from ringctx.model import KVCache, load_model
 
     model = load_model(MODEL, dtype="bfloat16")

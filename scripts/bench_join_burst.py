@@ -39,6 +39,7 @@ def main() -> int:
     from ringctx.kernels.cpu_features import cpu_model
     from ringctx.engine import Engine
     from ringctx.engine.scheduler import Scheduler, Text
+    from ringctx.engine.work_items import Prefill, Question
     from ringctx.model.loader import embedded_gguf_path
     from ringctx.model.tokenizer import load_tokenizer
 
@@ -49,19 +50,16 @@ def main() -> int:
     rendered, suffix = engine.document_text(text)
     ids = torch.tensor(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
-    def start():
-        job = engine.start_prefill(ids, as_document=True, decode_room=512)
-        job.frame = (suffix, {"chat": True})  # questions framed as `ringctx serve` frames them
-        return job
-
-    document = scheduler.submit_prefill(start).wait().document
+    # questions framed as `ringctx serve` frames them
+    ingest = Prefill(ids, as_document=True, decode_room=512, frame=(suffix, {"chat": True}))
+    document = scheduler.submit_prefill(ingest).wait().document
     questions = [scheduler.call(lambda q=q: engine.question_ids(document, q)) for q in bench_serve.QUESTIONS]
     bench_serve.log(f"{cpu_model()}, {os.cpu_count()} cores; {document.length:,}-token document, bf16; "
                     f"2 answers in flight, a burst of {args.burst}")
 
     def ask(i: int, max_new_tokens: int):
-        return scheduler.submit_question(lambda: (document, questions[i]), prompt_tokens=len(questions[i]),
-                                         max_new_tokens=max_new_tokens, temperature=0)
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=0)
+        return scheduler.submit_question(Question(questions[i], len(questions[i]), sampling, document=document))
 
     def arrivals(ticket, times: list) -> None:
         for event in ticket:

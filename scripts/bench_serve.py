@@ -430,7 +430,7 @@ def engine_child(spec_path: str) -> None:
 
 
 def continuation_ids(tok, question: str) -> list[int]:
-    """What `ringctx serve` prefills after a document's rows for a one-message chat (its _continuation)."""
+    """What `ringctx serve` prefills after a document's rows for a one-message chat (PromptRenderer.continuation)."""
     marker = "\x00RINGCTX_DOCUMENT\x00"
     rendered = tok.apply_chat_template([{"role": "user", "content": marker + question}], tokenize=False,
                                        add_generation_prompt=True)

@@ -71,7 +71,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
     """One rank of the memory run: join, load the shard, prefill; RSS readings as a dict."""
     import torch.distributed as dist
 
-    from ringctx.engine.prefill import PrefillConfig, cp_prefill
+    from ringctx.runtime.prefill import PrefillConfig, cp_prefill
     from ringctx.model import load_model
     from ringctx.engine.startup import tensor_parallel
     from ringctx.parallel.mesh import build_mesh

@@ -1,6 +1,6 @@
 """The layering of docs/ARCHITECTURE.md, checked on the source: imports only point down.
 
-    cli  ->  serve  ->  engine  ->  planning  ->  {model, parallel}  ->  attention  ->  kernels  ->  core
+    cli  ->  serve  ->  engine  ->  runtime  ->  planning  ->  {model, parallel}  ->  attention  ->  kernels  ->  core
 
 Every module of ringctx/ is parsed (never imported) and every import it makes is checked, those
 inside functions too: a module may import its own package and the layers below it, never one
@@ -18,8 +18,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ringctx"
 
-LAYERS = {"core": 0, "kernels": 1, "attention": 2, "model": 3, "parallel": 3, "planning": 4, "engine": 5, "serve": 6,
-          "cli": 7}
+LAYERS = {"core": 0, "kernels": 1, "attention": 2, "model": 3, "parallel": 3, "planning": 4, "runtime": 5, "engine": 6,
+          "serve": 7, "cli": 8}
 """Each part's height; a module imports parts of its height or lower, and at its own height only its own part."""
 
 TOP = {"ringctx", "ringctx.__main__"}
@@ -197,3 +197,21 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
 def test_every_part_exists(part):
     """The layers named here are the packages there are (a renamed package must be named here)."""
     assert part == "core" or (PACKAGE / part / "__init__.py").is_file()
+
+
+def test_the_ranks_half_never_imports_rank_zeros_api(tmp_path):
+    """runtime/ (what every rank runs) sits below engine/ (rank 0's API over it): an import of the
+    API from the ranks' half is found, the other way round is not a problem."""
+    root = tmp_path / "ringctx"
+    for part in ("runtime", "engine"):
+        (root / part).mkdir(parents=True)
+        (root / part / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "runtime" / "commands.py").write_text("from ..engine.api import Engine\n")
+    (root / "runtime" / "batch.py").write_text("def f():\n    import ringctx.engine.handles\n")
+    (root / "engine" / "handles.py").write_text("")
+    (root / "engine" / "api.py").write_text("from ..runtime import commands\nfrom . import handles\n")
+    found = layering_problems(root)
+    assert any(p.startswith("ringctx/runtime/commands.py:1 imports ringctx.engine.api") for p in found), found
+    assert any(p.startswith("ringctx/runtime/batch.py:2 imports ringctx.engine.handles") for p in found), found
+    assert not any(p.startswith("ringctx/engine/") for p in found), found

@@ -63,7 +63,7 @@ cd "$OUT" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" "$PY" - <<'PYEOF'
 import json, os, torch
 from safetensors.torch import load_file
 from ringctx.engine import Engine
-from ringctx.engine.documents import read_document
+from ringctx.runtime.documents import read_document
 
 assert not os.path.exists("host1/out.json"), "outputs belong to host 0"
 stats = json.load(open("host0/out.json"))

@@ -209,8 +209,8 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
 
     from ..kernels.report import phase_dtypes
     from ..engine import auto_nproc
-    from ..engine.efficiency import measure_efficiency, measure_peaks
-    from ..engine.failures import RankFailure
+    from ..runtime.efficiency import measure_efficiency, measure_peaks
+    from ..runtime.failures import RankFailure
 
     if tokens < 1:
         raise _AgreedBadParameter(f"must be >= 1, got {tokens}", param_hint="--tokens")
@@ -328,7 +328,7 @@ def ingest(file, save_path, no_chat, config):
         raise _AgreedError(f"{file} is not UTF-8 text (byte {exc.start}); convert it first") from None
     if not text.strip():
         raise _AgreedError(f"{file} is empty: nothing to ingest")
-    from ..engine.failures import RankFailure
+    from ..runtime.failures import RankFailure
 
     from ..engine import serving_layout
 
@@ -412,8 +412,8 @@ def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
     document's dtype and KV dtype (nproc auto: the serving layout) with the document loaded on it.
     The engine is closed on leaving; bad input and a lost rank become the command's error."""
     from ..engine import Engine, serving_layout
-    from ..engine.documents import describe_document
-    from ..engine.failures import RankFailure
+    from ..runtime.documents import describe_document
+    from ..runtime.failures import RankFailure
 
     engine = None
     try:

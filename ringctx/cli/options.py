@@ -42,7 +42,7 @@ class _AgreedBadParameter(_OnePerHost, click.BadParameter):
 
 def _rank_error(exc: Exception) -> click.ClickException:
     """One clear line for an error out of the engine (RankFailure lines are per rank: all print)."""
-    from ..engine.failures import CLOSED, RankFailure
+    from ..runtime.failures import CLOSED, RankFailure
 
     text = str(exc)
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":  # str(KeyError) quotes its message
@@ -138,7 +138,7 @@ def engine_options(f=None, *, serving: bool = False):
 def build_engine(config):
     """The Engine of `config` (an EngineConfig), or the command's one-line error."""
     from ..engine import Engine
-    from ..engine.failures import RankFailure
+    from ..runtime.failures import RankFailure
 
     try:
         return Engine(config=config)

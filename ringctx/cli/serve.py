@@ -16,7 +16,7 @@ class _Bytes(click.ParamType):
     name = "BYTES"
 
     def convert(self, value, param, ctx):
-        from ..engine.memory_check import parse_bytes
+        from ..runtime.memory_check import parse_bytes
 
         if isinstance(value, int):
             return value
@@ -83,7 +83,7 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, 
           max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
           join_share, drain_s, timeout_s):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
-    from ..engine.failures import RankFailure
+    from ..runtime.failures import RankFailure
     from ..serve.protocol import Limits
     from ..serve import serve as serve_forever
 

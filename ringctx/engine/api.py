@@ -36,13 +36,13 @@ from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
 from ..parallel.mesh import mesh_problem
 from ..planning.engine_config import EngineConfig
-from . import commands
-from .commands import Command, ids_to_bytes
-from .document import Document, chat_frame
-from .failures import CLOSED, Health, RankFailure, first_line
+from ..runtime import commands
+from ..runtime.commands import Command, ids_to_bytes
+from ..runtime.document import Document, chat_frame
+from ..runtime.failures import CLOSED, Health, RankFailure, first_line
 from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
-from .prefill import PrefillResult
-from .rank_state import EngineSettings
+from ..runtime.prefill import PrefillResult
+from ..runtime.rank_state import EngineSettings
 from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
                       resolve_decode_ranks)
 from .workers import (BroadcastRanks, SpawnedRanks, command_group, rank_device, receive_broadcast, run_commands,
@@ -67,14 +67,14 @@ class Engine:
             `Engine(config=EngineConfig(model=model, nproc=2))` build the same engine. Under tp > 1,
             `decode_rank` and `decode_ranks` count CP ranks (each a group of tp ranks).
 
-    Failures (see ringctx.engine.failures and docs/MULTIHOST.md): ranks that loaded a different
+    Failures (see ringctx.runtime.failures and docs/MULTIHOST.md): ranks that loaded a different
     model, dtype or ringctx version are refused at start-up (ValueError naming both sides); a
     prefill that would not fit the available memory is refused before it starts (ValueError with
     the numbers and a fix); a rank that dies, hangs past `timeout_s` or never joins raises
     `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
     the engine stays usable.
 
-    Every public method below is one or more of the commands in ringctx/engine/commands.py, which
+    Every public method below is one or more of the commands in ringctx/runtime/commands.py, which
     every rank concerned runs; the engine only validates, sends and collects.
     """
 
@@ -92,10 +92,11 @@ class Engine:
         # What runs, "auto" resolved: what `self.config` reports and a saved document records.
         self.config = config = config.replace(nproc=nproc, dtype=dtype)
         self.model_name, self.dtype = config.model, dtype
-        self._forgotten: list[int] = []  # documents the caller let go of: the workers drop theirs (see _keep)
+        self._forgotten: list[int] = []  # documents the caller let go of: the workers drop theirs (see keep_document)
         self._ending: list[LeaderDecoder] = []  # answers that ended here: the followers leave them next
         self._next_id = 0
-        self._open_answer = None  # weakref to the newest answer's Generation, which a newer question ends
+        # weakref to the newest answer's Generation (driving a LeaderDecoder), which a newer question ends
+        self._open_answer = None
         self._batch: Batch | None = None  # the sequences decoded together (batch(), ask_many)
         # The ranks this one sends its commands to: spawned workers, or (after lead()) torchrun's other ranks.
         self._followers: SpawnedRanks | BroadcastRanks | None = None
@@ -142,7 +143,7 @@ class Engine:
             self.device = rank_device(device, self._local_rank())
             self.state = build_rank_state(self.rank, self.world_size, settings, self.device, self.mode)
             # This rank's part of every live document, by id, held by the caller (weakly here) and
-            # dropped on the spawned workers once the caller lets go of it (see _keep).
+            # dropped on the spawned workers once the caller lets go of it (see keep_document).
             self.state.documents = weakref.WeakValueDictionary()
             if self.world_size > 1:
                 set_collective_timeout(settings.timeout_s)
@@ -221,7 +222,7 @@ class Engine:
         others call follow(); both first make the group the commands travel over."""
         if self.mode != "torchrun" or self.rank != 0:
             raise ValueError("lead() is for rank 0 of a torchrun job (spawned engines are led already)")
-        self._check_open()
+        self.check_open()
         self._followers = BroadcastRanks(command_group(), self.world_size)
 
     def follow(self) -> None:
@@ -229,12 +230,12 @@ class Engine:
         Returns once rank 0 has stopped; a lost rank is raised as a RankFailure."""
         if self.mode != "torchrun" or self.rank == 0:
             raise ValueError("follow() is for the ranks of a torchrun job other than rank 0, which calls lead()")
-        self._check_open()
+        self.check_open()
         self.state.documents = dict(self.state.documents)  # held here now, as a worker holds them, until DROP
         try:
             run_commands(self.state, receive_broadcast(command_group(), self.rank))
         except BaseException as exc:
-            self._raise_failure(exc, "serving")
+            self.raise_failure(exc, "serving")
         self.close()
 
     # ------------------------------------------------------------------ failures and closing
@@ -277,10 +278,6 @@ class Engine:
         if self.mode != "single" and self._closed is None:
             self._closed = why.removesuffix(CLOSED)
 
-    def _check_open(self) -> None:
-        if self._closed is not None:
-            raise RankFailure(f"this engine is closed: {self._closed}; create a new Engine")
-
     def close(self) -> None:
         """End spawned workers and the process group this engine created (idempotent)."""
         if self._closed is None:
@@ -292,22 +289,35 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ running commands
-    def _run(self, during: str, command: Command, *fields, **local):
+    # ------------------------------------------------------------------ the port its handles use
+    # What PrefillJob, SaveJob, LeaderDecoder, Answer, Batch and ManyAnswers (engine/handles.py) call
+    # back: the `EnginePort` declared there. Public so that the handles need none of the engine's
+    # private members; a caller of the engine needs none of them.
+    @property
+    def is_open(self) -> bool:
+        """Whether the engine can still run commands (a lost rank, or close(), ends that)."""
+        return self._closed is None
+
+    def check_open(self) -> None:
+        """Raise the RankFailure saying why, once the engine can no longer run commands."""
+        if self._closed is not None:
+            raise RankFailure(f"this engine is closed: {self._closed}; create a new Engine")
+
+    def run_command(self, during: str, command: Command, *fields, **local):
         """Run `command` on this rank as its part of a job every rank concerned takes part in.
 
         Spawn mode: rank 0 first sends the command's name and fields to the workers concerned
         (every worker, or only the decode ranks for a decode_only command). A ValueError (bad
         input, the same on every rank) leaves the engine usable; any other failure (a lost or
         stuck rank, Ctrl-C) releases every rank and is raised as a RankFailure naming the rank."""
-        self._check_open()
+        self.check_open()
         try:
-            self._send(command, fields)
+            self.send_command(command, fields)
             return command.run(self.state, *fields, **local)
         except BaseException as exc:
-            self._raise_failure(exc, during)
+            self.raise_failure(exc, during)
 
-    def _send(self, command: Command, fields: tuple) -> None:
+    def send_command(self, command: Command, fields: tuple) -> None:
         """Spawn mode: send `command` to the workers concerned, after what is pending (answers that
         ended, documents let go of). Never called from a finalizer: sends keep every worker's order."""
         if self._followers is None:
@@ -321,14 +331,7 @@ class Engine:
             self._followers.send(commands.DROP, (document_id,), self.state.holds_decode)
         self._followers.send(command, fields, lambda r: not command.decode_only or self.state.holds_decode(r))
 
-    def _guarded(self, pieces, during: str):
-        """An iterator over `pieces` whose failures are handled like `_run`'s."""
-        try:
-            yield from pieces
-        except BaseException as exc:
-            self._raise_failure(exc, during)
-
-    def _raise_failure(self, exc: BaseException, during: str):
+    def raise_failure(self, exc: BaseException, during: str):
         """Raise what `exc`, which interrupted `during`, means: a ValueError as it is (every rank
         raised it before communicating); anything else releases every rank and is raised as the
         RankFailure naming the lost rank, or as itself when no rank was lost."""
@@ -339,12 +342,21 @@ class Engine:
             raise exc
         raise failure from exc
 
-    def _new_id(self) -> int:
+    def answer_over(self, decoder: LeaderDecoder) -> None:
+        """An answer is over on this rank (LeaderDecoder.close): with followers, they leave it with
+        the next command sent (it may be over in a finalizer, where a send could reorder the
+        workers' commands); alone, it ends here now."""
+        if self._followers is not None:
+            self._ending.append(decoder)
+        else:
+            decoder.end_here()
+
+    def new_id(self) -> int:
         """The next document, prefill or answer number: every rank makes the same calls, so they count alike."""
         self._next_id += 1
         return self._next_id
 
-    def _keep(self, document: Document) -> Document:
+    def keep_document(self, document: Document) -> Document:
         """A new document on this rank (held weakly in state.documents; the caller holds it): rank 0
         of a spawned job has the workers drop theirs once the caller lets go of it (at the next command)."""
         self.state.documents[document.id] = document
@@ -404,10 +416,10 @@ class Engine:
             raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 and tp=1 (this engine has "
                              f"{self.decode_ranks} and {self.tp_size}); ask about a Document instead, which stays split")
         cached = cache.length if cache is not None and self.rank == state.leader else 0
-        prefill_id, keep = self._new_id(), (self._new_id() if as_document else None)
+        prefill_id, keep = self.new_id(), (self.new_id() if as_document else None)
         fields = (prefill_id, ids_to_bytes(token_ids), config.chunk_tokens, config.strategy, decode_room, bool(trace),
                   cached, keep)
-        run = self._run("prefill", commands.PREFILL_START, *fields, cache=cache, cache_token_ids=cache_token_ids,
+        run = self.run_command("prefill", commands.PREFILL_START, *fields, cache=cache, cache_token_ids=cache_token_ids,
                         on_chunk=on_chunk)
         return PrefillJob(self, prefill_id, run)
 
@@ -473,10 +485,10 @@ class Engine:
             if self.mode == "spawn":
                 raise RuntimeError("extend runs on the decode ranks only")
             return None
-        self._end_open_answer(document)  # it would write into the rows the extension takes
+        self.end_open_answer(document)  # it would write into the rows the extension takes
         if self._batch is not None and any(m.document is document for m in self._batch.members):
             raise ValueError("the document has questions decoding in the batch: extend it once they are answered")
-        return self._run("extend", commands.EXTEND, document.id, ids_to_bytes(ids), decode_room, document=document,
+        return self.run_command("extend", commands.EXTEND, document.id, ids_to_bytes(ids), decode_room, document=document,
                          on_chunk=on_chunk)
 
     def generate(self, document: Document, prompt, *, max_new_tokens: int = 256, **sampling):
@@ -500,10 +512,10 @@ class Engine:
             if self.mode == "spawn" or self.decode_ranks == 1:
                 raise RuntimeError("generate runs on the decode ranks only")
             return iter(())
-        self._end_open_answer()
+        self.end_open_answer()
         ids = self.question_ids(document, prompt)
         if self.rank != state.leader:  # a follower (torchrun): every step, then nothing to show
-            self._run("decode", commands.ANSWER_FOLLOW, document.id, ids,
+            self.run_command("decode", commands.ANSWER_FOLLOW, document.id, ids,
                       commands.answer_room(max_new_tokens, self.decode_ranks), document=document)
             return iter(())
         # One decode rank or several: the question's prefill and the steps as a batch runs them
@@ -514,28 +526,28 @@ class Engine:
         self._open_answer = weakref.ref(generation)
         return Answer(self, generation)
 
-    def _end_open_answer(self, document: Document | None = None) -> None:
+    def end_open_answer(self, document: Document | None = None) -> None:
         """The newest answer (of `document`, or of any) holds its document's rows and, split, its
-        place on the other decode ranks: end it (reading it further raises ValueError)."""
+        place on the other decode ranks: end it (reading it further raises ValueError). Part of the
+        handles' port too: a batch's join ends it first."""
         generation = self._open_answer() if self._open_answer is not None else None
-        if generation is None or (document is not None and getattr(generation.decoder, "document", document)
-                                  is not document):
+        if generation is None or (document is not None and generation.decoder.document is not document):
             return
         self._open_answer = None
         try:
             generation.close()
         except BaseException as exc:
-            self._raise_failure(exc, "decode")
+            self.raise_failure(exc, "decode")
 
     def batch(self) -> Batch:
         """The engine's batch: sequences (questions about documents, or prompts of their own)
         decoded together, one step for all, each document's rows read once per step for every
-        question on it (engine/batch.py). Rank 0 only, of one process or of spawned ranks (under
+        question on it (runtime/batch.py). Rank 0 only, of one process or of spawned ranks (under
         torchrun after `lead()`); `Scheduler` and `ask_many` drive it."""
         if self.mode == "worker" or (self.mode == "torchrun" and (self.rank != 0 or self._followers is None)):
             raise ValueError("a batch is driven by rank 0 alone: under torchrun call lead() on rank 0 and follow() "
                              "on the others first (as ringctx serve does)")
-        self._check_open()
+        self.check_open()
         if self._batch is None:
             self._batch = Batch(self)
         return self._batch
@@ -577,13 +589,13 @@ class Engine:
         return "".join(self.generate(document, question, **kwargs))
 
     def save_document(self, document: Document, path: str) -> None:
-        """Save `document` as a directory of per-rank slices (see ringctx.engine.documents), atomically.
+        """Save `document` as a directory of per-rank slices (see ringctx.runtime.documents), atomically.
 
         Call on every decode rank (torchrun); a document saved by N decode ranks loads on any number."""
         if not self.state.is_decode_rank:
             return
-        self._end_open_answer(document)  # the saved rows are the document's: an answer's are cut off
-        self._run("save", commands.SAVE, document.id, os.fspath(path), document=document)
+        self.end_open_answer(document)  # the saved rows are the document's: an answer's are cut off
+        self.run_command("save", commands.SAVE, document.id, os.fspath(path), document=document)
 
     def start_save(self, document: Document, path: str) -> "SaveJob | None":
         """`save_document` in the background: every decode rank starts writing its slice on a thread
@@ -591,9 +603,9 @@ class Engine:
         (a short collective; call it when `written`, or it waits). None off the decode ranks."""
         if not self.state.is_decode_rank:
             return None
-        self._end_open_answer(document)
-        save_id = self._new_id()
-        pending = self._run("save", commands.SAVE_START, document.id, os.fspath(path), save_id, document=document)
+        self.end_open_answer(document)
+        save_id = self.new_id()
+        pending = self.run_command("save", commands.SAVE_START, document.id, os.fspath(path), save_id, document=document)
         return SaveJob(self, save_id, pending)
 
     def load_document(self, path: str, *, decode_room: int = 256) -> Document | None:
@@ -602,13 +614,13 @@ class Engine:
         is not "model" (a bf16 document loads as fp8, say), else as saved. None off the decode ranks."""
         if not self.state.is_decode_rank:
             return None
-        document = self._run("load", commands.LOAD, os.fspath(path), self._new_id(), decode_room)
-        return self._keep(document)
+        document = self.run_command("load", commands.LOAD, os.fspath(path), self.new_id(), decode_room)
+        return self.keep_document(document)
 
     def drop_document(self, document: Document) -> None:
         """Free `document`'s KV cache on every decode rank."""
         if self.state.is_decode_rank:
-            self._run("drop", commands.DROP, document.id)
+            self.run_command("drop", commands.DROP, document.id)
 
     def document_rows(self, document: Document) -> list[int]:
         """KV rows (tokens) of `document` each decode rank holds now, its answers' rows included."""
@@ -616,7 +628,7 @@ class Engine:
             return []
         if self.decode_ranks == 1:
             return [document.cache.length]
-        return self._run("rows", commands.ROWS, document.id)
+        return self.run_command("rows", commands.ROWS, document.id)
 
     def move_document_pages(self) -> int:
         """One 2 MiB page of the document caches still in small pages moved into a huge page on every
@@ -624,7 +636,7 @@ class Engine:
         returns how many such caches there were over all decode ranks (0: nothing left to move)."""
         if not self.state.is_decode_rank:
             return 0
-        return self._run("pages", commands.MOVE_PAGES)
+        return self.run_command("pages", commands.MOVE_PAGES)
 
     def whole_cache(self, document: Document) -> KVCache | None:
         """The document's KV cache in sequence order, gathered on the (first) decode rank (None on
@@ -633,8 +645,8 @@ class Engine:
             return None
         if self.decode_ranks == 1 and self.tp_size == 1:
             return document.rewind()
-        self._end_open_answer(document)  # the gathered rows are the document's: an answer's are cut off
-        return self._run("gather", commands.GATHER, document.id)
+        self.end_open_answer(document)  # the gathered rows are the document's: an answer's are cut off
+        return self.run_command("gather", commands.GATHER, document.id)
 
     def _tokenizer(self):
         tokenizer = self.model.tokenizer

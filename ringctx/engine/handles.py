@@ -1,24 +1,75 @@
 """What the Engine's long calls hand back on rank 0: `PrefillJob` (a prefill a chunk at a time),
 `SaveJob` (a document saved in the background), `Answer` (an answer a token at a time) and
 `LeaderDecoder`, through which an answer's steps become commands every decode rank runs
-(engine/commands.py); `Batch` (sequences decoded together, one step for all: engine/batch.py)
-with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many)."""
+(runtime/commands.py); `Batch` (sequences decoded together, one step for all: runtime/batch.py)
+with its `BatchMember`s, and `ManyAnswers` (Engine.ask_many).
+
+The handles reach the engine through `EnginePort` alone, the few public methods of Engine declared
+below: they run commands and never touch the engine's private state, and this module imports
+nothing of engine/api.py (which imports it).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..model.generate import Generation
-from . import commands
-from .commands import ids_to_bytes
-from .document import Document
-from .prefill import ChunkStats, PrefillResult
+from ..runtime import commands
+from ..runtime.commands import Command, ids_to_bytes
+from ..runtime.document import Document
+from ..runtime.prefill import ChunkStats, PrefillResult
+from ..runtime.rank_state import RankState
 
-if TYPE_CHECKING:
-    from .api import Engine
+
+class EnginePort(Protocol):
+    """What a handle needs of the Engine that made it (Engine implements it, in its section "the
+    port its handles use"). Every call runs on the thread that drives the engine."""
+
+    state: RankState
+    """This rank's state (model, mesh, documents)."""
+
+    @property
+    def model(self): ...
+
+    @property
+    def decode_ranks(self) -> int: ...
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the engine can still run commands."""
+
+    def check_open(self) -> None:
+        """Raise the RankFailure that closed the engine, if one did."""
+
+    def run_command(self, during: str, command: Command, *fields, **local):
+        """Send `command` to the ranks concerned and run this rank's part; failures as every Engine method's."""
+
+    def send_command(self, command: Command, fields: tuple) -> None:
+        """Only send `command` to the ranks concerned (this rank runs its part itself)."""
+
+    def raise_failure(self, exc: BaseException, during: str):
+        """Raise what `exc`, which interrupted `during`, means (a ValueError as it is, else a RankFailure)."""
+
+    def new_id(self) -> int:
+        """The next prefill, answer or sequence number (every rank counts alike)."""
+
+    def keep_document(self, document: Document) -> Document:
+        """Hold a new document on this rank (the followers drop theirs once the caller lets go of it)."""
+
+    def end_open_answer(self, document: Document | None = None) -> None:
+        """End the newest lone answer (of `document`), which holds rows a new sequence takes."""
+
+    def answer_over(self, decoder: LeaderDecoder) -> None:
+        """A lone answer is over here: the followers leave it with the next command (or now, alone)."""
+
+    def question_ids(self, document: Document | None, prompt) -> torch.Tensor:
+        """A question's token ids as they follow `document`."""
+
+    def batch(self) -> Batch:
+        """The engine's one Batch."""
 
 
 class PrefillJob:
@@ -26,7 +77,7 @@ class PrefillJob:
     chunk on every rank (`step(layers=n)` a slice of it), `finish()` hands the KV cache off and
     returns the PrefillResult (`.document` too, for an ingest); `cancel()` gives it up."""
 
-    def __init__(self, engine: Engine, prefill_id: int, run):
+    def __init__(self, engine: EnginePort, prefill_id: int, run):
         self.engine, self.id, self.run = engine, prefill_id, run
         self.frame: tuple[str, dict] | None = None  # an ingest's (question suffix, metadata)
 
@@ -44,6 +95,14 @@ class PrefillJob:
         return self.run.total_chunks
 
     @property
+    def next_chunk_tokens(self) -> int:
+        """New tokens of the chunk the next `step` works on (0 once every chunk has run)."""
+        if self.run.done:
+            return 0
+        start, end = self.run.chunks[self.run.next_chunk]
+        return end - start
+
+    @property
     def layer_in_chunk(self) -> int:
         """Layers of the current chunk that `step(layers=...)` has run (0 between two chunks)."""
         return self.run.layer_in_chunk
@@ -53,20 +112,20 @@ class PrefillJob:
         the chunk's last layer has run; the same bits as the chunk run whole)."""
         if layers is not None and layers < 1:
             raise ValueError(f"a prefill slice runs at least one layer, got layers={layers}")
-        return self.engine._run("prefill", commands.PREFILL_CHUNK, self.id, layers or 0)
+        return self.engine.run_command("prefill", commands.PREFILL_CHUNK, self.id, layers or 0)
 
     def finish(self) -> PrefillResult:
         """The hand-off to the decode ranks, and the result (`result.document` when it was kept)."""
-        result = self.engine._run("prefill", commands.PREFILL_FINISH, self.id)
+        result = self.engine.run_command("prefill", commands.PREFILL_FINISH, self.id)
         if result.document is not None:
             if self.frame is not None:
                 result.document.question_suffix, result.document.metadata = self.frame
-            self.engine._keep(result.document)
+            self.engine.keep_document(result.document)
         return result
 
     def cancel(self) -> None:
         """Give up the prefill on every rank (no collective runs; the engine stays usable)."""
-        self.engine._run("prefill", commands.PREFILL_CANCEL, self.id)
+        self.engine.run_command("prefill", commands.PREFILL_CANCEL, self.id)
 
 
 class SaveJob:
@@ -74,7 +133,7 @@ class SaveJob:
     this rank's slice is on disk (every decode rank writes about as much, at once), `finish()`
     completes the document on every decode rank (a short collective once the slices are written)."""
 
-    def __init__(self, engine: Engine, save_id: int, pending):
+    def __init__(self, engine: EnginePort, save_id: int, pending):
         self.engine, self.id, self.pending = engine, save_id, pending
 
     @property
@@ -86,7 +145,7 @@ class SaveJob:
         return self.pending.wait_written(timeout)
 
     def finish(self) -> None:
-        self.engine._run("save", commands.SAVE_FINISH, self.id)
+        self.engine.run_command("save", commands.SAVE_FINISH, self.id)
 
 
 class LeaderDecoder:
@@ -100,25 +159,25 @@ class LeaderDecoder:
     and an end releases them at once.
     """
 
-    def __init__(self, engine: Engine, document: Document, max_new_tokens: int):
+    def __init__(self, engine: EnginePort, document: Document, max_new_tokens: int):
         self.engine, self.document = engine, document
         self.room = commands.answer_room(max_new_tokens, engine.decode_ranks)
-        self.id = engine._new_id()
+        self.id = engine.new_id()
         self.inner = None  # the ShardedDecoder, once the question's prefill has started
         self._closed = False
 
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
         self._check_not_closed()
         engine = self.engine
-        engine._check_open()
-        engine._send(commands.ANSWER_START, (self.id, self.document.id, ids_to_bytes(token_ids), self.room))
+        engine.check_open()
+        engine.send_command(commands.ANSWER_START, (self.id, self.document.id, ids_to_bytes(token_ids), self.room))
         self.inner = commands.answer_decoder(engine.state, self.document, self.room)
         return self.inner.prefill(token_ids)
 
     def step(self, token: int) -> torch.Tensor:
         self._check_not_closed()
-        self.engine._check_open()
-        self.engine._send(commands.ANSWER_STEP, (self.id,))
+        self.engine.check_open()
+        self.engine.send_command(commands.ANSWER_STEP, (self.id,))
         return self.inner.step(token)
 
     def full(self) -> bool:
@@ -131,10 +190,7 @@ class LeaderDecoder:
         self._closed = True
         if self.inner is None:
             return  # never started: no rank holds anything of it
-        if self.engine._followers is not None:
-            self.engine._ending.append(self)
-        else:
-            self.end_here()
+        self.engine.answer_over(self)
 
     def end_here(self) -> None:
         """The leader's part of the end: release the followers' step, keep the (grown) slice."""
@@ -152,9 +208,16 @@ class Answer:
     token at a time (what a scheduler does); `.result` (a GenerationResult) once it is complete.
     A lost rank surfaces from either as a RankFailure, as from every Engine method."""
 
-    def __init__(self, engine: Engine, generation: Generation):
+    def __init__(self, engine: EnginePort, generation: Generation):
         self.engine, self.generation = engine, generation
-        self._pieces = engine._guarded(iter(generation), "decode")
+        self._pieces = self._guarded(iter(generation))
+
+    def _guarded(self, pieces):
+        """The generation's pieces, a failure raised as from every Engine method."""
+        try:
+            yield from pieces
+        except BaseException as exc:
+            self.engine.raise_failure(exc, "decode")
 
     def __iter__(self):
         return self._pieces
@@ -167,7 +230,7 @@ class Answer:
         try:
             return self.generation.advance()
         except BaseException as exc:
-            self.engine._raise_failure(exc, "decode")
+            self.engine.raise_failure(exc, "decode")
 
     def close(self) -> None:
         """Give the answer up (its rows are freed with the next command)."""
@@ -205,15 +268,13 @@ class BatchMember:
         return self.generation.result
 
 
-class _JoinDecoder:
-    """The decoder a member's Generation drives itself: only the question's prefill (a JOIN); the
-    steps come from Batch.step, which feeds every member's token at once."""
-
-    def __init__(self, batch: "Batch", sequence_id: int, document: Document | None):
-        self.batch, self.id, self.document = batch, sequence_id, document
+class _MemberDecoder:
+    """The decoder of a member's Generation, which never drives it: the question's prefill is the
+    member's JOIN, run by Batch.join, and its steps come from Batch.step, which feeds every member's
+    token at once (the Generation only samples and detokenizes: `accept_first`, `accept`)."""
 
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.batch._join(self.id, self.document, token_ids)[None]
+        raise RuntimeError("a batch member's question is prefilled by its join, in Batch.join")
 
     def step(self, token: int) -> torch.Tensor:
         raise RuntimeError("a batch member's steps run in Batch.step, for every member at once")
@@ -235,11 +296,11 @@ class Batch:
             for member, piece in batch.step():                         # one step for all
                 ...   # piece: text that became final; None: the member is complete and has left
 
-    `engine` is the Engine (its `_run` sends each command to the decode ranks and runs this rank's
-    part). One Batch per engine: every decode rank holds one BatchDecoder.
+    `engine` is the Engine (its `run_command` sends each command to the decode ranks and runs this
+    rank's part). One Batch per engine: every decode rank holds one BatchDecoder.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine: EnginePort):
         self.engine = engine
         self.members: list[BatchMember] = []
         self.steps = 0
@@ -252,11 +313,13 @@ class Batch:
         ids = engine.question_ids(document, prompt)
         if ids.numel() == 0:
             raise ValueError("the question is empty: ask something")
-        sequence_id = engine._new_id()
-        generation = Generation(engine.model, ids, max_new_tokens=max_new_tokens,
-                                decoder=_JoinDecoder(self, sequence_id, document), **sampling)
+        sequence_id = engine.new_id()
+        generation = Generation(engine.model, ids, max_new_tokens=max_new_tokens, decoder=_MemberDecoder(),
+                                **sampling)
         member = BatchMember(self, sequence_id, document, generation, int(ids.numel()) + max_new_tokens)
-        member.first_piece = generation.advance()  # the JOIN; a ValueError leaves nothing behind
+        started = time.perf_counter()
+        logits = self._join(sequence_id, document, generation.prompt_ids)  # a ValueError leaves nothing behind
+        member.first_piece = generation.accept_first(logits, started)
         self.members.append(member)
         return member
 
@@ -276,8 +339,8 @@ class Batch:
             events.append((member, None))
         if feeding:
             t0 = time.perf_counter()
-            logits = self.engine._run("decode", commands.BATCH_STEP, _ints([m.id for m, _ in feeding]),
-                                      _ints([t for _, t in feeding]))
+            logits = self.engine.run_command("decode", commands.BATCH_STEP, _ints([m.id for m, _ in feeding]),
+                                             _ints([t for _, t in feeding]))
             self.last_step_s = seconds = time.perf_counter() - t0
             self.steps += 1
             for i, (member, _) in enumerate(feeding):
@@ -292,7 +355,7 @@ class Batch:
         if member in self.members:
             self.members.remove(member)
         member.generation.close()
-        self.engine._run("decode", commands.BATCH_LEAVE, member.id)
+        self.engine.run_command("decode", commands.BATCH_LEAVE, member.id)
 
     @property
     def rows_reserved(self) -> int:
@@ -300,11 +363,13 @@ class Batch:
         return sum(m.reserved_rows for m in self.members)
 
     def _join(self, sequence_id: int, document: Document | None, token_ids: torch.Tensor) -> torch.Tensor:
+        """The JOIN on every decode rank: the question's prefill on top of the document's rows; the
+        float32 logits [vocab] of its last token (on the leader)."""
         engine = self.engine
         if document is not None:
-            engine._end_open_answer(document)  # a lone answer's rows sit where the question's go for a moment
-        return engine._run("decode", commands.BATCH_JOIN, sequence_id, -1 if document is None else document.id,
-                           _ints(token_ids.tolist()), document=document)
+            engine.end_open_answer(document)  # a lone answer's rows sit where the question's go for a moment
+        return engine.run_command("decode", commands.BATCH_JOIN, sequence_id, -1 if document is None else document.id,
+                                  _ints(token_ids.tolist()), document=document)
 
 
 def _ints(values) -> bytes:
@@ -314,7 +379,7 @@ def _ints(values) -> bytes:
 class ManyAnswers:
     """Engine.ask_many's answers: iterate for (question index, text piece); `results` after."""
 
-    def __init__(self, engine: Engine, document, questions: list, max_batch: int, kwargs: dict):
+    def __init__(self, engine: EnginePort, document, questions: list, max_batch: int, kwargs: dict):
         self.engine, self.document, self.questions, self.max_batch, self.kwargs = (
             engine, document, questions, max_batch, kwargs)
         self.results: list = [None] * len(questions)
@@ -342,6 +407,6 @@ class ManyAnswers:
                     elif piece:
                         yield index[member.id], piece
         finally:  # stopped early: the rest leave the batch, freeing their rows (unless a lost rank closed it)
-            if self.engine._closed is None:
+            if self.engine.is_open:
                 for member in mine:
                     batch.leave(member)

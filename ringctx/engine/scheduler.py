@@ -1,7 +1,10 @@
 """A step-level scheduler over an Engine: one thread runs the engine's work a step at a time.
 
-    submit_question(...) / submit_prefill(...) / submit_answer(...) / call(fn)
-                                from any thread: returns a ticket at once
+    submit_question(Question) / submit_prefill(Prefill) / submit_answer(LoneAnswer)
+                                from any thread: returns a ticket at once (the work items are
+                                engine/work_items.py's dataclasses)
+    run(DropDocument | FinishSave) / call(fn)
+                                from any thread: waits for it to run between two steps
     the scheduler's thread, each turn (a step):
         calls (save, load, drop)   run between two steps, in the order they came
         questions (the batch)      cancelled ones leave at once (their rows freed); waiting ones
@@ -16,7 +19,7 @@
                                    layers of its current chunk, as many as fit `ingest_share` times
                                    the batch's decode step, at least one); when none decodes: a
                                    whole chunk
-        a lone answer              (submit_answer: an Engine.generate Answer) one token per turn,
+        a lone answer              (submit_answer: Engine.generate's Answer) one token per turn,
                                    one at a time, when no question is in the batch; an ingest gets
                                    a slice beside it as beside the batch
 
@@ -63,7 +66,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .failures import RankFailure
+from ..runtime.failures import RankFailure
+from .work_items import DropDocument, EngineCall, FinishSave, LoneAnswer, Prefill, Question
 
 
 class SchedulerStopped(RuntimeError):
@@ -89,9 +93,9 @@ class AnswerTicket:
     `async for` over it on an event loop; `cancel()` ends it at the next step. Errors (bad input, a
     lost rank) are raised from the iterator."""
 
-    def __init__(self, start: Callable[[], Any]):
-        self.start = start  # on the scheduler's thread: -> the Engine's Answer
-        self.answer = None
+    def __init__(self, work: LoneAnswer | Question):
+        self.work = work
+        self.answer = None  # the Engine's Answer once it has started (a lone answer)
         self.cancelled = False
         self.submitted = time.monotonic()
         self.started: float | None = None
@@ -142,19 +146,12 @@ class AnswerTicket:
 
 
 class QuestionTicket(AnswerTicket):
-    """A question for the batch: `start()` (on the scheduler's thread) returns (document or None,
-    token ids to prefill after it); it then joins the batch with `sampling` (max_new_tokens,
-    temperature, top_k, top_p, seed, stop). prompt_tokens: the ids' count (the budget it takes)."""
+    """A question in the scheduler (a `Question`): it joins the batch when the step's budget allows."""
 
-    def __init__(self, start: Callable[[], Any], prompt_tokens: int, sampling: dict):
-        super().__init__(start)
-        self.prompt_tokens, self.sampling = prompt_tokens, sampling
+    def __init__(self, question: Question):
+        super().__init__(question)
+        self.prompt_tokens, self.rows = question.prompt_tokens, question.rows
         self.member = None  # the engine's BatchMember once it has joined
-
-    @property
-    def rows(self) -> int:
-        """KV rows it may hold at most: its prompt and every token it may generate."""
-        return self.prompt_tokens + int(self.sampling.get("max_new_tokens", 256))
 
 
 class PrefillTicket:
@@ -162,10 +159,10 @@ class PrefillTicket:
     each chunk and `on_done(result)` after the hand-off (it may use the engine: it is on that thread);
     `wait()` returns the PrefillResult (or raises its error); `cancel()` gives it up."""
 
-    def __init__(self, start: Callable[[], Any], on_chunk=None, on_done=None):
-        self.start = start  # on the scheduler's thread: -> the Engine's PrefillJob
+    def __init__(self, work: Prefill, on_chunk=None, on_done=None):
+        self.work = work
         self.on_chunk, self.on_done = on_chunk, on_done
-        self.job = None
+        self.job = None  # the Engine's PrefillJob once it has started
         self.cancelled = False
         self.layer_s: float | None = None  # seconds per layer of its recent steps (slices are sized by it)
         self._done = threading.Event()
@@ -265,21 +262,31 @@ class Scheduler:
         self._go.set()
 
     # ------------------------------------------------------------------ from any thread
-    def submit_answer(self, start: Callable[[], Any]) -> AnswerTicket:
-        """Queue an answer; `start()` runs on the scheduler's thread and returns the Engine's Answer."""
-        return self._submit(self.answers, AnswerTicket(start))
+    def submit_answer(self, answer: LoneAnswer) -> AnswerTicket:
+        """Queue an answer decoded alone (Engine.generate), a token per turn."""
+        return self._submit(self.answers, AnswerTicket(answer))
 
-    def submit_question(self, start: Callable[[], Any], *, prompt_tokens: int, **sampling) -> QuestionTicket:
-        """Queue a question for the batch; `start()` runs on the scheduler's thread and returns
-        (the Engine's Document or None, the token ids to prefill after it); prompt_tokens: their count."""
-        return self._submit(self.questions, QuestionTicket(start, prompt_tokens, sampling))
+    def submit_question(self, question: Question) -> QuestionTicket:
+        """Queue a question for the batch."""
+        return self._submit(self.questions, QuestionTicket(question))
 
-    def submit_prefill(self, start: Callable[[], Any], on_chunk=None, on_done=None) -> PrefillTicket:
-        """Queue a prefill; `start()` runs on the scheduler's thread and returns the Engine's PrefillJob."""
-        return self._submit(self.prefills, PrefillTicket(start, on_chunk, on_done))
+    def submit_prefill(self, prefill: Prefill, on_chunk=None, on_done=None) -> PrefillTicket:
+        """Queue a prefill. `on_chunk(job, chunk_stats)` and `on_done(result)` are called on the
+        scheduler's thread (see PrefillTicket)."""
+        return self._submit(self.prefills, PrefillTicket(prefill, on_chunk, on_done))
+
+    def run(self, work: EngineCall, timeout: float | None = None):
+        """Run a DropDocument or FinishSave between two steps; wait for it and return what it returns (or raise)."""
+        if not isinstance(work, (DropDocument, FinishSave)):
+            raise TypeError(f"the scheduler runs a DropDocument or a FinishSave between two steps, not {work!r}")
+        if threading.current_thread() is self._thread:  # a notification (on_done) asking: it is that thread
+            return self._engine_call(work)
+        return self.call(lambda: self._engine_call(work), timeout)
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None):
-        """Run fn() on the scheduler's thread between two steps and return what it returns (or raise)."""
+        """Run fn() on the scheduler's thread between two steps and return what it returns (or raise):
+        for tests and scripts that look at the engine between two steps (ringctx serve submits
+        work items only)."""
         call = self._submit(self.calls, _Call(fn))
         if not call.done.wait(timeout):
             raise TimeoutError("the engine did not get to this call in time")
@@ -399,7 +406,8 @@ class Scheduler:
                 self._end_answer(ticket, None)
                 return
             try:
-                ticket.answer = ticket.start()
+                work = ticket.work
+                ticket.answer = self.engine.generate(work.document, work.prompt, **work.sampling)
             except ValueError as exc:  # bad input: this answer only
                 self.running = None
                 ticket._put(exc)
@@ -452,8 +460,9 @@ class Scheduler:
             ticket.started = time.monotonic()
             t0 = time.perf_counter()
             try:
-                document, ids = ticket.start()
-                ticket.member = batch.join(document, ids, **ticket.sampling)
+                question = ticket.work
+                document = question.source.document(self.engine) if question.source is not None else question.document
+                ticket.member = batch.join(document, question.prompt, **question.sampling)
             except ValueError as exc:  # bad input: this question only
                 self.batched.remove(ticket)
                 ticket._put(exc)
@@ -511,11 +520,9 @@ class Scheduler:
 
     def _chunk_tokens(self, ticket: PrefillTicket) -> int:
         """Tokens the prefill's next step prefills (its first: the engine's chunk size)."""
-        run = getattr(ticket.job, "run", None)
-        if run is None or run.done:
-            return 0 if run is not None else self.engine.state.chunk_tokens
-        start, end = run.chunks[run.next_chunk]
-        return end - start
+        if ticket.job is None:
+            return self.engine.chunk_tokens
+        return ticket.job.next_chunk_tokens
 
     def _end_answer(self, ticket: AnswerTicket, result) -> None:
         self.running = None
@@ -532,7 +539,7 @@ class Scheduler:
                 ticket._finish(error=SchedulerStopped("the prefill was cancelled"))
                 return 0
             if ticket.job is None:
-                ticket.job = ticket.start()
+                ticket.job = self._start_prefill(ticket.work)
             if not ticket.job.done:
                 total = len(self.engine.model.layers)
                 ran = total - ticket.job.layer_in_chunk
@@ -555,6 +562,17 @@ class Scheduler:
         self.prefills.popleft()
         ticket._finish(result)
         return 0
+
+    def _start_prefill(self, work: Prefill):
+        job = self.engine.start_prefill(work.token_ids, as_document=work.as_document, decode_room=work.decode_room,
+                                        chunk_tokens=work.chunk_tokens)
+        job.frame = work.frame
+        return job
+
+    def _engine_call(self, work: EngineCall):
+        if isinstance(work, DropDocument):
+            return self.engine.drop_document(work.document)
+        return work.job.finish()
 
     def _fail_all(self, error: BaseException) -> None:
         """End everything still queued or running with `error`."""
@@ -586,4 +604,4 @@ def slowest_recent(previous: float | None, measured: float) -> float:
 
 def default_step_tokens(engine, max_batch: int) -> int:
     """The default step budget: one prefill chunk of the engine beside a full batch's decode tokens."""
-    return int(engine.state.chunk_tokens) + max_batch
+    return int(engine.chunk_tokens) + max_batch

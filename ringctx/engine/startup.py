@@ -15,7 +15,7 @@ from ..model.tensor_parallel import NO_TP, TensorParallel
 from ..parallel.comm import agree_across_ranks
 from ..parallel.mesh import Mesh, build_mesh, decode_groups
 from ..planning.prefill_plan import default_chunk_tokens
-from .rank_state import EngineSettings, RankState
+from ..runtime.rank_state import EngineSettings, RankState
 
 
 def tensor_parallel(mesh: Mesh) -> TensorParallel:

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .commands import COMMANDS, Command
-from .failures import ProcessWatch, RankFailure, first_line, maybe_die
+from ..runtime.commands import COMMANDS, Command
+from ..runtime.failures import ProcessWatch, RankFailure, first_line, maybe_die
 
 STOP = "stop"
 """The message that ends a worker's loop (not a command: it runs nothing)."""

@@ -14,10 +14,10 @@ call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; 
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
 too. Everywhere else it is `forward_with_cache` on one token.
 
-There is one fused kernel, for B sequences at once (`FusedBatchStep`, what engine/batch.py runs);
+There is one fused kernel, for B sequences at once (`FusedBatchStep`, what runtime/batch.py runs);
 a lone sequence (`FusedStep`) is a batch of one. Its cache's first `shared_rows` rows are its
 document and the rows after them its own (the question and the answer so far): the engine's
-decode (engine/decode.py) names the document's rows, so that its attention over the two is merged
+decode (runtime/decode.py) names the document's rows, so that its attention over the two is merged
 by log-sum-exp exactly as a batch merges a document's rows and a sequence's own, and an answer
 asked alone and the same answer decoded beside others are the same bits, in every dtype.
 `step_logits` computes the final norm and head a few rows at a time for the same reason.
@@ -33,7 +33,7 @@ and output projection.
 
 `FusedPrefill` runs a question's prefill on one rank (its T tokens over a document's rows) in one
 call of the kernels the layer-by-layer path would run (a bf16 model on a CPU without bf16 units),
-with that path's bits; the prefill engine (engine/prefill.py) takes it where `takes` says so.
+with that path's bits; the prefill engine (runtime/prefill.py) takes it where `takes` says so.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class FusedBatchStep:
     queries on it, then each sequence's own rows, merged by log-sum-exp, all inside the kernel; a
     rank holding part of the rows gives `merge`, called once per layer with this rank's float32
     partial (out [B, Hq, D], lse [Hq, B]) and returning the float32 output merged over every rank
-    (engine/batch.py: one exchange per layer for the whole batch).
+    (runtime/batch.py: one exchange per layer for the whole batch).
 
         step = FusedBatchStep.build(model)                    # None where the kernel does not apply
         x = step(tokens, positions, documents, own, merge)    # [B, dim] model dtype, before the final norm

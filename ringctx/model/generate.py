@@ -219,7 +219,7 @@ class Generation:
         """After the first token: the token the next decode step feeds (the last one sampled), or
         None when the generation decodes no more (`advance()` then finishes it). With `accept`, the
         two halves of `advance` for a caller that runs the decode step itself (a batch of
-        generations decoded together, engine/batch.py)."""
+        generations decoded together, runtime/batch.py)."""
         state = self._state
         if state is None or self._closed or self.result is not None or state.finish is not None:
             return None
@@ -233,14 +233,30 @@ class Generation:
         self._state.token_times.append(seconds)
         return self._take(self._sample(logits))
 
+    def accept_first(self, logits: torch.Tensor, started: float) -> str:
+        """The prompt's prefill, run by the caller (a batch's join prefills a member's question on
+        every decode rank): sample the first token from its float32 logits [vocab] and return the
+        text it made final (as the first `advance`); `started`: time.perf_counter() when the
+        prefill began (the time to the first token counts from it)."""
+        if self._state is not None:
+            raise RuntimeError("the generation has its first token already")
+        state = self._begin()
+        token = self._sample(logits)
+        state.ttft = time.perf_counter() - started
+        return self._take(token)
+
     def _first_token(self) -> str:
-        tokenizer = _tokenizer_if_any(self.model)
-        state = self._state = _GenerationState(IncrementalDecoder(tokenizer) if tokenizer is not None else None,
-                                               [] if self.keep_logits else None)
+        state = self._begin()
         t0 = time.perf_counter()
         token = self._sample(self.decoder.prefill(self.prompt_ids)[0])
         state.ttft = time.perf_counter() - t0
         return self._take(token)
+
+    def _begin(self) -> _GenerationState:
+        tokenizer = _tokenizer_if_any(self.model)
+        self._state = _GenerationState(IncrementalDecoder(tokenizer) if tokenizer is not None else None,
+                                       [] if self.keep_logits else None)
+        return self._state
 
     def _sample(self, logits: torch.Tensor) -> int:
         if self._state.kept is not None:

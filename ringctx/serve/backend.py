@@ -128,7 +128,9 @@ class Answer(Protocol):
 
 @dataclass
 class DocumentInfo:
-    """What the documents API shows of one document."""
+    """One document: what the server's store keeps of it (store.STORED_FIELDS, with `status`
+    "ingesting", "ready" or "failed") and what the documents API shows (a copy with the live numbers
+    filled in, and "on_disk" for a ready document not in memory)."""
 
     id: str
     name: str
@@ -156,6 +158,12 @@ class DocumentInfo:
     bytes_on_disk: int = 0
     error: str | None = None
     """Why it failed."""
+    kv_dtype: str = ""
+    """How its KV cache is stored (the engine's kv_dtype when it was ingested)."""
+    text_chars: int = 0
+    """Characters of the text its tokens were made from (the chat frame included)."""
+    text_sha256: str = ""
+    """SHA-256 of that text (UTF-8): how a prompt that resends the document is recognised."""
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """EngineBackend: the engine side of `ringctx serve` (the `Backend` of ringctx/serve/backend.py).
 
     HTTP handlers (app.py) ──▶ EngineBackend ──▶ Scheduler thread ──▶ Engine ──▶ every rank
-                                 documents: records in the store, KV caches in the decode ranks'
-                                 memory while they fit the KV budget (least recently used leave first)
+                                 documents (documents.py): records in the store, KV caches in the
+                                 decode ranks' memory while they fit the KV budget (least recently
+                                 used leave first); prompts (prompts.py): which document's rows a
+                                 request follows, and its tokens after them
 
 What it adds to the Engine:
 - Documents by id: an ingest is tokenized and checked at once (413 before any prefill when it
@@ -15,13 +17,14 @@ What it adds to the Engine:
   --max-step-tokens per step), each answer what it is alone; a cancelled one frees its rows at once.
 - Limits and faults: a bounded queue (Overloaded), and a lost rank ends every request with
   RankLost and turns the backend unhealthy (the server then exits non-zero).
+- The numbers of /metrics and /health (`stats`).
 
-Every Engine call runs on the scheduler's thread; the handlers only tokenize and read records.
+Every Engine call runs on the scheduler's thread, submitted as the work items of
+engine/work_items.py; the handlers only tokenize and read records.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 import time
@@ -29,26 +32,18 @@ import time
 import torch
 
 from ..engine import Engine
-from ..engine.document import chat_frame
-from ..engine.memory_check import available_memory
-from ..model.loader import DEFAULT_MODEL
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
-from ..planning.work import WorkProgress, prefill_chunk_flops
+from ..engine.work_items import Prefill, Question
+from ..model.loader import DEFAULT_MODEL
 from ..units import fmt_bytes
 from . import backend as api
-from .store import DocumentRecord, DocumentStore, new_document_id, now
-
-KV_BUDGET_SHARE = 0.5
-"""Of the memory free once the model is loaded (times the planner's usable fraction), the share the
-documents' KV caches may keep: the rest stays free for an ingest in flight (its shards live on
-every rank until the hand-off) and for answers' rows."""
+from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument, auto_kv_budget, kv_bytes_per_token
+from .prompts import PromptRenderer, text_sha256
+from .store import DocumentStore, new_document_id, now
 
 ANSWER_ROWS_SHARE = 0.25
 """KV rows the questions decoding together may hold (prompts and max_tokens), as a share of the
 documents' KV budget: beyond it new questions wait in the queue (see Scheduler's max_rows)."""
-
-QUESTION_ROOM_TOKENS = 256
-"""KV rows a document keeps free for a question and its answer (they grow past it as needed)."""
 
 
 def is_server_rank() -> bool:
@@ -64,7 +59,7 @@ class EngineBackend:
             layout that serves fastest here, see ringctx.engine.serving_nproc).
         store_dir: where documents are kept (records and KV caches); made if missing.
         kv_budget_bytes: bytes of KV cache the decode ranks keep in memory in all (None: see
-            KV_BUDGET_SHARE); beyond it the least recently used documents leave memory.
+            documents.KV_BUDGET_SHARE); beyond it the least recently used documents leave memory.
         max_queue: answers that may wait for their turn; more are refused with Overloaded.
         max_document_tokens: the longest document accepted (None: what the KV budget holds).
         chunk_tokens: the chunk documents are ingested in (None: serving_chunk_tokens, short
@@ -125,29 +120,22 @@ class EngineBackend:
             engine.close()
             raise ValueError(f"model {model!r} has no tokenizer (a random-weight preset): serve a GGUF file or a "
                              "Hugging Face directory")
-        self.prefix, self.suffix = chat_frame(self.tokenizer)
-        self.bytes_per_token = _kv_bytes_per_token(engine)
-        self.kv_budget_bytes = int(kv_budget_bytes if kv_budget_bytes is not None else _auto_kv_budget(engine))
+        self.bytes_per_token = kv_bytes_per_token(engine)
+        self.kv_budget_bytes = int(kv_budget_bytes if kv_budget_bytes is not None else auto_kv_budget(engine))
         self.max_document_tokens = int(max_document_tokens or
                                        max(1, self.kv_budget_bytes // self.bytes_per_token - QUESTION_ROOM_TOKENS))
-        self._lock = threading.Lock()  # records, memory accounting and counters (the scheduler's thread writes too)
-        self._records: dict[str, DocumentRecord] = {}
-        self._in_memory: dict[str, object] = {}  # id -> the Engine's Document, least recently used first
-        self._tokens: dict[str, torch.Tensor] = {}  # id -> its token ids (prefix matching, sizes)
-        self._progress: dict[str, dict] = {}  # id -> the ingest's live numbers
-        self._ingests: dict[str, object] = {}  # id -> PrefillTicket
-        self._saving: dict[str, object] = {}  # id -> the Engine's SaveJob of a document not yet complete on disk
+        self._lock = threading.Lock()  # the counters below (the scheduler's thread writes too)
         self._problem: str | None = None
         self._draining = False
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
         self.document_chunks_prefilled = 0
         self.running = 0
-        for record in self.store.open():
-            self._records[record.id] = record
+        self.docs = ServedDocuments(self.store, engine, self.scheduler, bytes_per_token=self.bytes_per_token,
+                                    kv_budget_bytes=self.kv_budget_bytes, log=self.log)
+        self.prompts = PromptRenderer(self.tokenizer, self.docs)
         answer_rows = max(1, int(self.kv_budget_bytes * ANSWER_ROWS_SHARE) // self.bytes_per_token)
         self.scheduler.max_rows = answer_rows  # nothing is submitted before this point
-        self._reload_tokens()
 
     # ------------------------------------------------------------------ documents
     def add_document(self, text: str, name: str = "") -> api.DocumentInfo:
@@ -167,222 +155,42 @@ class EngineBackend:
         if n + QUESTION_ROOM_TOKENS > self.max_context_tokens:
             raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.max_context_tokens:,}",
                                param="text")
-        record = DocumentRecord(id=new_document_id(), name=name or "untitled", created=now(), tokens=n,
-                                chunks_total=-(-n // self.chunk_tokens), kv_dtype=self.engine.kv_dtype,
-                                text_chars=len(rendered), text_sha256=_sha256(rendered))
-        self.store.write(record)
+        record = api.DocumentInfo(id=new_document_id(), name=name or "untitled", status="ingesting", created=now(),
+                                  tokens=n, chunks_total=-(-n // self.chunk_tokens), kv_dtype=self.engine.kv_dtype,
+                                  text_chars=len(rendered), text_sha256=text_sha256(rendered))
         ids_tensor = torch.tensor(ids, dtype=torch.long)
-        with self._lock:
-            self._records[record.id] = record
-            self._tokens[record.id] = ids_tensor
-            started = time.monotonic()
-            self._progress[record.id] = {"started": started, "last": started,
-                                         "work": _ingest_progress(self.engine, n, self.chunk_tokens)}
-
-        def start():
-            job = self.engine.start_prefill(ids_tensor, as_document=True, decode_room=QUESTION_ROOM_TOKENS,
-                                            chunk_tokens=self.chunk_tokens)
-            job.frame = (suffix, {"chat": True})
-            return job
-
+        self.docs.add(record, ids_tensor, self.chunk_tokens)
+        ingest = Prefill(ids_tensor, as_document=True, decode_room=QUESTION_ROOM_TOKENS, chunk_tokens=self.chunk_tokens,
+                         frame=(suffix, {"chat": True}))
         try:
-            self._ingests[record.id] = self.scheduler.submit_prefill(
-                start, on_chunk=lambda job, stats: self._chunk_done(record.id, stats),
-                on_done=lambda result: self._ingested(record.id, result))
+            self.docs.ingesting(record.id, self.scheduler.submit_prefill(
+                ingest, on_chunk=lambda job, stats: self._chunk_done(record.id, stats),
+                on_done=lambda result: self.docs.ingested(record.id, result)))
         except SchedulerStopped as exc:
             raise api.Unavailable(str(exc)) from None
         return self.document(record.id)
 
     def _chunk_done(self, doc_id: str, stats) -> None:
         """Scheduler thread: one chunk of an ingest has run."""
-        with self._lock:
-            record = self._records.get(doc_id)
-            if record is None:
-                return
-            record.chunk_strategies.append(stats.strategy)
-            record.chunk_seconds.append(round(stats.seconds, 4))
-            record.chunk_tokens.append(stats.tokens)
-            record.seconds = round(time.monotonic() - self._progress[doc_id]["started"], 3)
-            # wall time between chunks: decode steps the scheduler runs between them slow the rest alike
-            progress, now = self._progress[doc_id], time.monotonic()
-            progress["work"].chunk_done(now - progress["last"])
-            progress["last"] = now
-            self.prefill_tokens += stats.tokens
-            self.prefill_seconds += stats.seconds
-            self.document_chunks_prefilled += 1
-
-    def _ingested(self, doc_id: str, result) -> None:
-        """Scheduler thread: the ingest's hand-off is done. The document answers from memory at once;
-        its slices are written to the store in the background (a save of a long document takes
-        seconds and must not pause the answers in flight) and `_saved` completes it."""
-        document = result.document
-        record = self._records.get(doc_id)
-        if record is None:  # deleted meanwhile
-            self.engine.drop_document(document)
-            return
-        self._make_room(self._kv_bytes(record.tokens))
-        job = self.engine.start_save(document, self.store.kv_path(doc_id))
-        with self._lock:
-            record.status, record.seconds = "ready", round(time.monotonic() - self._progress[doc_id]["started"], 3)
-            self._progress.pop(doc_id, None)
-            self._ingests.pop(doc_id, None)
-            self._in_memory[doc_id] = document
-            self._saving[doc_id] = job
-
-        def when_written():
-            job.wait_written()
-            try:
-                self.scheduler.call(lambda: self._saved(doc_id))
-            except SchedulerStopped:
-                pass
-
-        threading.Thread(target=when_written, name=f"ringctx-save-{doc_id}", daemon=True).start()
-
-    def _saved(self, doc_id: str) -> None:
-        """Scheduler thread: complete a document's save (every decode rank has, or is about to have,
-        written its slice); only now does the store list it as ready."""
-        with self._lock:
-            job = self._saving.pop(doc_id, None)
-        if job is None:  # completed already (a drain got there first)
-            return
-        try:
-            job.finish()
-        except ValueError as exc:  # disk full, say (or deleted meanwhile): nothing is kept half-saved
+        if self.docs.chunk_done(doc_id, stats):
             with self._lock:
-                record, document = self._records.get(doc_id), self._in_memory.pop(doc_id, None)
-                if record is not None:
-                    record.status, record.error = "failed", f"could not save it: {exc}"
-            if document is not None:
-                self.engine.drop_document(document)
-            if record is None:
-                self.store.delete(doc_id)
-                return
-            self.store.write(record)
-            self.log(f"ringctx serve: {doc_id} could not be saved: {exc}")
-            return
-        with self._lock:
-            record = self._records.get(doc_id)
-            if record is not None:
-                record.bytes_on_disk = self.store.kv_bytes(doc_id)
-        if record is None:  # deleted while it was being written
-            self.store.delete(doc_id)
-        else:
-            self.store.write(record)
+                self.prefill_tokens += stats.tokens
+                self.prefill_seconds += stats.seconds
+                self.document_chunks_prefilled += 1
 
     def document(self, doc_id: str) -> api.DocumentInfo:
-        with self._lock:
-            record = self._records.get(doc_id)
-            if record is None:
-                raise api.NotFound(f"no document {doc_id!r}: list them with GET /v1/documents", param="document")
-            return self._info(record)
+        info = self.docs.info(doc_id)
+        if info is None:
+            raise api.NotFound(f"no document {doc_id!r}: list them with GET /v1/documents", param="document")
+        return info
 
     def documents(self) -> list[api.DocumentInfo]:
-        with self._lock:
-            return [self._info(r) for r in sorted(self._records.values(), key=lambda r: (r.created, r.id))]
+        return self.docs.infos()
 
     def delete_document(self, doc_id: str) -> api.DocumentInfo:
         info = self.document(doc_id)
-        ticket = self._ingests.pop(doc_id, None)
-        if ticket is not None:
-            ticket.cancel()
-        with self._lock:
-            self._records.pop(doc_id, None)
-            self._tokens.pop(doc_id, None)
-            self._progress.pop(doc_id, None)
-            document = self._in_memory.pop(doc_id, None)
-        if document is not None and self._problem is None:
-            try:
-                self.scheduler.call(lambda: self.engine.drop_document(document))
-            except SchedulerStopped:
-                pass
-        self.store.delete(doc_id)
+        self.docs.delete(doc_id, drop=self._problem is None)
         return info
-
-    def _info(self, record: DocumentRecord) -> api.DocumentInfo:
-        """The API's view of a record (caller holds the lock)."""
-        in_memory = record.id in self._in_memory
-        status = record.status
-        if status == "ready" and not in_memory:
-            status = "on_disk"
-        info = api.DocumentInfo(id=record.id, name=record.name, status=status, created=record.created,
-                                tokens=record.tokens, chunks_done=len(record.chunk_strategies),
-                                chunks_total=record.chunks_total, chunk_strategies=list(record.chunk_strategies),
-                                chunk_seconds=list(record.chunk_seconds), chunk_tokens=list(record.chunk_tokens),
-                                seconds=record.seconds, tokens_per_s=_rate(record.chunk_tokens, record.chunk_seconds),
-                                bytes_on_disk=record.bytes_on_disk, error=record.error)
-        progress = self._progress.get(record.id)
-        if record.status == "ingesting" and progress is not None:
-            info.seconds = round(time.monotonic() - progress["started"], 3)
-            eta = progress["work"].eta_s(time.monotonic() - progress["last"])
-            if eta is not None:
-                info.eta_s = round(eta, 1)
-        if in_memory:
-            info.kv_bytes_per_rank = self._rank_bytes(record.tokens)
-            info.decode_ranks = self._decode_global_ranks()
-        return info
-
-    # ------------------------------------------------------------------ memory
-    def _kv_bytes(self, tokens: int) -> int:
-        return tokens * self.bytes_per_token
-
-    def _rank_bytes(self, tokens: int) -> list[int]:
-        """KV bytes each decode rank holds for a document of `tokens` tokens (balanced slices)."""
-        n = self.engine.decode_ranks
-        return [((tokens * (r + 1)) // n - (tokens * r) // n) * self.bytes_per_token for r in range(n)]
-
-    def _decode_global_ranks(self) -> list[int]:
-        e = self.engine
-        return [(e.decode_rank + i) * e.tp_size + t for i in range(e.decode_ranks) for t in range(e.tp_size)]
-
-    def _make_room(self, need: int) -> None:
-        """Scheduler thread: drop the least recently used documents until `need` more bytes fit."""
-        while True:
-            with self._lock:
-                held = sum(self._kv_bytes(self._records[d].tokens) for d in self._in_memory if d in self._records)
-                victims = [d for d in self._in_memory if d not in self._saving]  # memory is its only copy yet
-                if held + need <= self.kv_budget_bytes or not victims:
-                    return
-                victim = victims[0]
-                document = self._in_memory.pop(victim)
-            self.engine.drop_document(document)
-            self.log(f"ringctx serve: {victim} left memory (KV budget {fmt_bytes(self.kv_budget_bytes)}); it stays on disk")
-
-    def _resident(self, doc_id: str):
-        """Scheduler thread: the Engine's Document of a ready document, loaded from the store if needed."""
-        with self._lock:
-            document = self._in_memory.pop(doc_id, None)
-            record = self._records.get(doc_id)
-            if document is not None:
-                self._in_memory[doc_id] = document  # now the most recently used
-                return document
-        if record is None or record.status != "ready":
-            raise ValueError(f"document {doc_id} is no longer available")
-        self._make_room(self._kv_bytes(record.tokens))
-        try:
-            document = self.engine.load_document(self.store.kv_path(doc_id), decode_room=QUESTION_ROOM_TOKENS)
-        except (ValueError, OSError) as exc:
-            with self._lock:
-                record.status, record.error = "failed", f"its saved KV cache does not load: {exc}"
-            self.store.write(record)
-            raise ValueError(f"document {doc_id} failed to load from the store: {exc}") from None
-        with self._lock:
-            if doc_id in self._records:
-                self._in_memory[doc_id] = document
-        return document
-
-    def _reload_tokens(self) -> None:
-        """The token ids of every saved document (for prefix reuse), read from the store's files."""
-        from safetensors.torch import load_file
-
-        for record in list(self._records.values()):
-            if record.status != "ready":
-                continue
-            try:
-                self._tokens[record.id] = load_file(str(self.store.kv_path(record.id) / "tokens.safetensors"))[
-                    "token_ids"].long()
-            except Exception as exc:  # noqa: BLE001 - a damaged store entry fails alone
-                record.status, record.error = "failed", f"its tokens could not be read: {exc}"
-                self.store.write(record)
 
     # ------------------------------------------------------------------ answers
     def generate(self, request: api.GenerateRequest) -> "_Answer":
@@ -394,8 +202,8 @@ class EngineBackend:
             raise api.BadRequest("top_p must be in (0, 1]", param="top_p")
         if s.temperature < 0:
             raise api.BadRequest("temperature must be >= 0", param="temperature")
-        doc_id, question = self._prompt(request)
-        doc_tokens = self._records[doc_id].tokens if doc_id else 0
+        doc_id, question = self.prompts.prompt(request)
+        doc_tokens = self.docs.get(doc_id).tokens if doc_id else 0
         total = doc_tokens + len(question) + s.max_tokens
         if total > self.max_context_tokens:
             raise api.BadRequest(f"{doc_tokens + len(question):,} prompt tokens and max_tokens={s.max_tokens} go past "
@@ -405,129 +213,23 @@ class EngineBackend:
                                  f"{self.max_queue}); try again shortly", retry_after_s=2.0)
         sampling = dict(max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                         stop=list(s.stop) or None)
-
-        def start():
-            if doc_id is not None:
-                document = self._resident(doc_id)
-                ids = question
-            else:  # a prompt of its own: prefilled over every rank, then answered as a question on it
-                document = self.engine.ingest(question[:-1].tolist(), decode_room=QUESTION_ROOM_TOKENS + s.max_tokens)
-                ids = question[-1:]
-                with self._lock:
-                    self.prefill_tokens += len(question) - 1
-                    self.prefill_seconds += document.stats.ttft_s if document.stats else 0.0
-            return document, ids  # the batch's member keeps the document alive while it runs
-
+        # the prompt's tokens count against the step's budget (a prompt of its own is ingested in its step)
+        if doc_id is not None:
+            work = Question(question, len(question), sampling, source=StoredDocument(self.docs, doc_id))
+        else:  # a prompt of its own: prefilled over every rank, then answered as a question on it
+            work = Question(question[-1:], len(question), sampling,
+                            source=_OwnPrompt(self, question[:-1], QUESTION_ROOM_TOKENS + s.max_tokens))
         try:
-            # the prompt's tokens count against the step's budget (a prompt of its own is ingested in its step)
-            ticket = self.scheduler.submit_question(start, prompt_tokens=len(question), **sampling)
+            ticket = self.scheduler.submit_question(work)
         except SchedulerStopped as exc:
             raise self._stopped_error(str(exc)) from None
         return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached_tokens=doc_tokens)
 
-    def _prompt(self, request: api.GenerateRequest) -> tuple[str | None, torch.Tensor]:
-        """(the document whose rows are the prefix, or None; the token ids to prefill after it)."""
-        tok = self.tokenizer
-        if request.document is not None:
-            with self._lock:
-                record = self._records.get(request.document)
-            if record is None:
-                raise api.NotFound(f"no document {request.document!r}: list them with GET /v1/documents",
-                                   param="document")
-            if record.status == "ingesting":
-                raise api.BadRequest(f"document {record.id} is still being ingested "
-                                     f"({len(record.chunk_strategies)} of {record.chunks_total} chunks); ask once its "
-                                     f"status is ready", param="document")
-            if record.status == "failed":
-                raise api.BadRequest(f"document {record.id} failed: {record.error}", param="document")
-            if request.messages is not None:
-                text = self._continuation(list(request.messages))
-            else:
-                text = request.prompt or ""
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise api.BadRequest("the prompt is empty: ask something about the document", param="messages")
-            return record.id, torch.tensor(ids, dtype=torch.long)
-        if request.messages is not None:
-            text = tok.apply_chat_template(list(request.messages), tokenize=False, add_generation_prompt=True)
-        else:
-            text = request.prompt or ""
-        reuse = self._document_text_prefix(text)  # a resent document: its text is not tokenized again
-        if reuse is not None:
-            return reuse
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        if len(ids) < 2:
-            raise api.BadRequest("the prompt has fewer than 2 tokens: give a longer prompt",
-                                 param="messages" if request.messages is not None else "prompt")
-        ids = torch.tensor(ids, dtype=torch.long)
-        reuse = self._prefix_document(ids)
-        return reuse if reuse is not None else (None, ids)
-
-    def _continuation(self, messages: list[dict]) -> str:
-        """What follows a document's rows for a chat request: the document opened the first user
-        turn; its content, the rest of the conversation and the assistant's header come next."""
-        if not messages or messages[0].get("role") != "user":
-            raise api.BadRequest("a conversation about a document starts with a user message (the document "
-                                 "opens that turn; put instructions in it rather than in a system message)",
-                                 param="messages")
-        marker = "\x00RINGCTX_DOCUMENT\x00"
-        first = dict(messages[0], content=marker + str(messages[0].get("content") or ""))
-        rendered = self.tokenizer.apply_chat_template([first, *messages[1:]], tokenize=False,
-                                                      add_generation_prompt=True)
-        return rendered.split(marker, 1)[1]
-
-    def _document_text_prefix(self, text: str) -> tuple[str, torch.Tensor] | None:
-        """(a ready document whose text begins the prompt's, the tokens of the prompt's text after
-        it), for a client that resends the document, or None. The longest such document wins.
-
-        Found by text, before the prompt is tokenized (an 8K-token document took 11 ms to tokenize
-        again, most of what a resent question cost over one naming its document): the SHA-256 of the
-        prompt's first characters against each document's rendered text, one pass over the prompt
-        for all of them. Tokens alone would not tell: where the document ends the prompt's text goes
-        on, and BPE merges across that boundary differently ("sun. \n\n" alone, "sun. \n\nWhat" in
-        the prompt). So the rest of the prompt is tokenized on its own: the tokens Engine.ask puts
-        after the document for that text."""
-        with self._lock:
-            candidates = sorted((r for r in self._records.values()
-                                 if r.status == "ready" and r.text_sha256 and r.text_chars < len(text)),
-                                key=lambda r: r.text_chars)
-        digest, hashed, best = hashlib.sha256(), 0, None
-        for record in candidates:
-            digest.update(text[hashed:record.text_chars].encode("utf-8", "surrogatepass"))
-            hashed = record.text_chars
-            if digest.hexdigest() == record.text_sha256:
-                best = record  # a longer one later wins
-        if best is None:
-            return None
-        rest = self.tokenizer(text[best.text_chars:], add_special_tokens=False)["input_ids"]
-        return (best.id, torch.tensor(rest, dtype=torch.long)) if rest else None
-
-    def _prefix_document(self, ids: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        """(a ready document whose tokens begin the prompt's, the prompt's tokens after them), or None
-        (a prompt sent as the document's tokens' text without its rendered frame, say). The longest
-        such document wins."""
-        with self._lock:
-            candidates = [(self._records[d], t) for d, t in self._tokens.items()
-                          if d in self._records and self._records[d].status == "ready"]
-        for record, tokens in sorted(candidates, key=lambda c: -c[1].numel()):
-            n = tokens.numel()
-            if n < ids.numel() and torch.equal(ids[:n], tokens):
-                return record.id, ids[n:]
-        return None
-
     # ------------------------------------------------------------------ health and closing
     def stats(self) -> api.BackendStats:
         problem = self._problem or self._dead_rank()
+        by_status, per_rank = self.docs.counts()
         with self._lock:
-            by_status: dict[str, int] = {}
-            for record in self._records.values():
-                status = "on_disk" if record.status == "ready" and record.id not in self._in_memory else record.status
-                by_status[status] = by_status.get(status, 0) + 1
-            per_rank = [0] * self.engine.decode_ranks
-            for doc_id in self._in_memory:
-                if doc_id in self._records:
-                    for r, b in enumerate(self._rank_bytes(self._records[doc_id].tokens)):
-                        per_rank[r] += b
             return api.BackendStats(
                 healthy=problem is None, ranks=self.engine.world_size, queue_depth=self.scheduler.queued_answers,
                 running=self.running, documents_by_status=by_status, kv_bytes_per_rank=per_rank,
@@ -571,19 +273,12 @@ class EngineBackend:
         while time.monotonic() < deadline and (scheduler.running is not None or scheduler.answers
                                                or scheduler.questions or scheduler.batched):
             time.sleep(0.05)
-        for doc_id in list(self._saving):  # a document answered from memory is completed on disk
+        for doc_id in self.docs.unsaved():  # a document answered from memory is completed on disk
             try:
-                self.scheduler.call(lambda doc_id=doc_id: self._saved(doc_id),
-                                    timeout=max(1.0, deadline - time.monotonic()))
+                self.docs.saved(doc_id, timeout=max(1.0, deadline - time.monotonic()))
             except (SchedulerStopped, TimeoutError) as exc:
                 self.log(f"ringctx serve: {doc_id} was not saved before the stop ({exc}); add it again")
-        for doc_id, ticket in list(self._ingests.items()):  # an ingest cut short is failed, never half-kept
-            ticket.cancel()
-            with self._lock:
-                record = self._records.get(doc_id)
-                if record is not None and record.status == "ingesting":
-                    record.status, record.error = "failed", "the server stopped during the ingest; add it again"
-                    self.store.write(record)
+        self.docs.stop_ingests()  # an ingest cut short is failed, never half-kept
         self.scheduler.stop()
         self.engine.close()
 
@@ -646,33 +341,18 @@ class _Answer:
                 backend.running -= 1
 
 
-def _kv_bytes_per_token(engine: Engine) -> int:
-    """KV bytes one token of a document takes over all decode ranks (every KV head, every layer)."""
-    from ..engine.efficiency import kv_bytes_per_token
+class _OwnPrompt:
+    """A prompt of its own as a question's document (engine/work_items.DocumentSource): all but its
+    last token ingested over every rank when it joins; its last token is the question."""
 
-    return kv_bytes_per_token(engine)
+    def __init__(self, backend: EngineBackend, token_ids: torch.Tensor, decode_room: int):
+        self.backend, self.token_ids, self.decode_room = backend, token_ids, decode_room
 
+    def document(self, engine):
+        document = engine.ingest(self.token_ids.tolist(), decode_room=self.decode_room)
+        backend = self.backend
+        with backend._lock:
+            backend.prefill_tokens += len(self.token_ids)
+            backend.prefill_seconds += document.stats.ttft_s if document.stats else 0.0
+        return document  # the batch's member keeps the document alive while it runs
 
-def _auto_kv_budget(engine: Engine) -> int:
-    """What the decode ranks may keep of documents: KV_BUDGET_SHARE of the memory free after loading."""
-    from ..planning.memory import MEMORY_USABLE_FRACTION
-
-    free, _ = available_memory(engine.model.device)
-    per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks
-    return int(per_device * MEMORY_USABLE_FRACTION * KV_BUDGET_SHARE)
-
-
-def _ingest_progress(engine: Engine, tokens: int, chunk_tokens: int) -> WorkProgress:
-    """The ETA of an ingest of `tokens` tokens: the cost model's work per chunk (chunk k attends to
-    all before it), at the rate its timed chunks ran (`WorkProgress`, as the CLI's progress bar)."""
-    return WorkProgress(prefill_chunk_flops([tokens], chunk_tokens, engine.model.full_config))
-
-
-def _rate(chunk_tokens: list[int], chunk_seconds: list[float]) -> float | None:
-    """Tokens per second of the chunks done (their own seconds, not time spent waiting behind answers)."""
-    seconds = sum(chunk_seconds[:len(chunk_tokens)])
-    return round(sum(chunk_tokens) / seconds, 1) if chunk_tokens and seconds > 0 else None
-
-
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()

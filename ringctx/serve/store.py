@@ -20,8 +20,9 @@ import secrets
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from .backend import DocumentInfo
 
 ID_PATTERN = re.compile(r"^doc-[0-9a-f]{24}$")
 RECORD_FORMAT = "ringctx-serve-document/1"
@@ -31,29 +32,10 @@ def new_document_id() -> str:
     return f"doc-{secrets.token_hex(12)}"
 
 
-@dataclass
-class DocumentRecord:
-    """What the store keeps of one document besides its KV cache."""
-
-    id: str
-    name: str
-    created: int
-    status: str = "ingesting"
-    """"ingesting", "ready" (saved; the server says whether it is in memory) or "failed"."""
-    tokens: int = 0
-    chunks_total: int = 0
-    chunk_strategies: list[str] = field(default_factory=list)
-    chunk_seconds: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
-    """New tokens of each chunk done (a record written before this field has none: its rate is unknown)."""
-    seconds: float = 0.0
-    error: str | None = None
-    kv_dtype: str = ""
-    bytes_on_disk: int = 0
-    text_chars: int = 0
-    """Characters of the text its tokens were made from (the chat frame included)."""
-    text_sha256: str = ""
-    """SHA-256 of that text (UTF-8): how a prompt that resends the document is recognised."""
+STORED_FIELDS = ("id", "name", "created", "status", "tokens", "chunks_total", "chunk_strategies", "chunk_seconds",
+                 "chunk_tokens", "seconds", "error", "kv_dtype", "bytes_on_disk", "text_chars", "text_sha256")
+"""The fields of a DocumentInfo a record file holds, in the file's order (the rest are live numbers).
+A record written before `chunk_tokens` existed has none: its rate is unknown."""
 
 
 class DocumentStore:
@@ -69,7 +51,7 @@ class DocumentStore:
     def _record_path(self, doc_id: str) -> Path:
         return self.root / f"{_checked(doc_id)}.json"
 
-    def open(self) -> list[DocumentRecord]:
+    def open(self) -> list[DocumentInfo]:
         """Every record, oldest first, after settling what a stopped server left behind."""
         for partial in self.root.glob("doc-*.kv.partial"):
             shutil.rmtree(partial, ignore_errors=True)
@@ -78,7 +60,7 @@ class DocumentStore:
             try:
                 record = _read_record(path)
             except (OSError, ValueError, TypeError) as exc:
-                record = DocumentRecord(id=path.stem, name="", created=int(path.stat().st_mtime), status="failed",
+                record = DocumentInfo(id=path.stem, name="", created=int(path.stat().st_mtime), status="failed",
                                         error=f"its record could not be read ({exc})")
                 if not ID_PATTERN.match(record.id):
                     continue
@@ -91,9 +73,10 @@ class DocumentStore:
             records.append(record)
         return sorted(records, key=lambda r: (r.created, r.id))
 
-    def write(self, record: DocumentRecord) -> None:
+    def write(self, record: DocumentInfo) -> None:
         """Write the record atomically."""
-        data = json.dumps({"format": RECORD_FORMAT, **asdict(record)}, indent=1).encode()
+        data = json.dumps({"format": RECORD_FORMAT, **{name: getattr(record, name) for name in STORED_FIELDS}},
+                          indent=1).encode()
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".record-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -126,12 +109,11 @@ def _checked(doc_id: str) -> str:
     return doc_id
 
 
-def _read_record(path: Path) -> DocumentRecord:
+def _read_record(path: Path) -> DocumentInfo:
     data = json.loads(path.read_text())
     if data.pop("format", None) != RECORD_FORMAT:
         raise ValueError(f"not a {RECORD_FORMAT} record")
-    known = {f for f in DocumentRecord.__dataclass_fields__}
-    record = DocumentRecord(**{k: v for k, v in data.items() if k in known})
+    record = DocumentInfo(**{k: v for k, v in data.items() if k in STORED_FIELDS})
     if record.id != path.stem or not ID_PATTERN.match(record.id):
         raise ValueError("its id does not match its file name")
     return record

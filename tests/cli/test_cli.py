@@ -132,7 +132,7 @@ def test_the_default_runs_reasons_fit_80_columns():
     from rich.console import Console
 
     from ringctx.cli.main import DEFAULT_FOLLOW_UP_TOKENS, DEFAULT_PREFILL_TOKENS, stats_tables
-    from ringctx.engine.prefill import ChunkStats, PrefillStats
+    from ringctx.runtime.prefill import ChunkStats, PrefillStats
     from ringctx.planning.strategy import choose_strategy
 
     def stats(tokens, cached, chunk, dtype):
@@ -199,7 +199,7 @@ def test_the_progress_bar_counts_work_not_chunks():
     from rich.console import Console
 
     from ringctx.cli.progress import prefill_progress, work_bar
-    from ringctx.engine.prefill import ChunkStats
+    from ringctx.runtime.prefill import ChunkStats
     from ringctx.model.presets import get_preset
     from ringctx.planning.work import prefill_chunk_flops
 

@@ -186,7 +186,7 @@ def test_int8_weights_answer_as_the_quantized_model_on_any_layout(tmp_path):
     two decode ranks (the split fused step, in a process of its own: this module's engines hold
     this process's group) give the same greedy answer, its documents say they were made with int8
     weights, and a model read as it is refuses them."""
-    from ringctx.engine.documents import describe_document
+    from ringctx.runtime.documents import describe_document
     from ringctx.model import load_model
     from ringctx.model.int8_weights import int8_of, quantize_model
 

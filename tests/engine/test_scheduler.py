@@ -11,6 +11,7 @@ import torch
 
 from ringctx import Engine
 from ringctx.engine.scheduler import Done, Scheduler, SchedulerStopped, Text
+from ringctx.engine.work_items import LoneAnswer, Prefill
 
 DOC = [(3 * i) % 250 + 3 for i in range(257)]
 LONG = [(7 * i) % 250 + 3 for i in range(700)]
@@ -42,18 +43,13 @@ def collect(ticket):
 
 
 def test_an_answer_interleaved_with_a_long_prefill_equals_each_alone(engine, alone):
-    order = []
+    chunk_times = []
     scheduler = Scheduler(engine)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-        prefill = scheduler.submit_prefill(lambda: engine.start_prefill(LONG),
-                                           on_chunk=lambda job, stats: order.append("chunk"))
-
-        def start():
-            order.append("answer")
-            return engine.generate(document, QUESTION, keep_logits=True, **GREEDY)
-
-        answer = scheduler.submit_answer(start)
+        prefill = scheduler.submit_prefill(Prefill(LONG),
+                                           on_chunk=lambda job, stats: chunk_times.append(time.monotonic()))
+        answer = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(keep_logits=True, **GREEDY)))
         text, result = collect(answer)
         long = prefill.wait(timeout=300)
     finally:
@@ -63,44 +59,38 @@ def test_an_answer_interleaved_with_a_long_prefill_equals_each_alone(engine, alo
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(long.logits, alone["long_logits"], rtol=1e-5, atol=1e-6)
     # The answer started before the prefill's last chunk (answers come first), and both finished.
-    assert "answer" in order and order.index("answer") < len(order) - 1
-    assert order.count("chunk") == len(range(0, len(LONG), 64))
+    assert answer.started is not None and answer.started < chunk_times[-1]
+    assert len(chunk_times) == len(range(0, len(LONG), 64))
 
 
 def test_a_prefill_gets_chunks_while_answers_keep_coming(engine):
     """A queued prefill advances beside the answers (a slice beside each token), not after them."""
-    order = []
+    chunk_times = []
     scheduler = Scheduler(engine)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-
-        def start():
-            order.append("answer")
-            return engine.generate(document, QUESTION, **GREEDY)
-
-        answers = [scheduler.submit_answer(start) for _ in range(2)]
-        prefill = scheduler.submit_prefill(lambda: engine.start_prefill(LONG),
-                                           on_chunk=lambda job, stats: order.append("chunk"))
+        answers = [scheduler.submit_answer(LoneAnswer(document, QUESTION, GREEDY)) for _ in range(2)]
+        prefill = scheduler.submit_prefill(Prefill(LONG),
+                                           on_chunk=lambda job, stats: chunk_times.append(time.monotonic()))
         for a in answers:
             collect(a)
         prefill.wait(timeout=300)
     finally:
         scheduler.stop()
-    first_chunk, second_answer = order.index("chunk"), len(order) - 1 - order[::-1].index("answer")
-    assert first_chunk < second_answer  # the prefill did not wait for every answer
+    assert chunk_times[0] < answers[1].started  # the prefill did not wait for every answer
 
 
 def test_a_cancelled_answer_ends_at_once_and_the_next_is_unchanged(engine, alone):
     scheduler = Scheduler(engine)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-        first = scheduler.submit_answer(lambda: engine.generate(document, QUESTION, max_new_tokens=5000))
+        first = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(max_new_tokens=5000)))
         while scheduler.running is not first or first.answer is None:  # wait until it decodes
             time.sleep(0.001)
         first.cancel()
         rest = list(first)
         assert isinstance(rest[-1], Done) and rest[-1].result is None  # ended unfinished
-        text, result = collect(scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)))
+        text, result = collect(scheduler.submit_answer(LoneAnswer(document, QUESTION, GREEDY)))
         assert result.token_ids == alone["tokens"]
         assert scheduler.call(lambda: engine.document_rows(document)) and scheduler.idle()
     finally:
@@ -110,7 +100,7 @@ def test_a_cancelled_answer_ends_at_once_and_the_next_is_unchanged(engine, alone
 def test_bad_input_fails_its_ticket_only(engine):
     scheduler = Scheduler(engine)
     try:
-        bad = scheduler.submit_prefill(lambda: engine.start_prefill([10 ** 6]))  # outside the vocabulary
+        bad = scheduler.submit_prefill(Prefill([10 ** 6]))  # outside the vocabulary
         with pytest.raises(ValueError, match="outside the vocabulary"):
             bad.wait(timeout=120)
         with pytest.raises(ValueError, match="bad call"):
@@ -119,7 +109,7 @@ def test_bad_input_fails_its_ticket_only(engine):
     finally:
         scheduler.stop()
     with pytest.raises(SchedulerStopped):
-        scheduler.submit_answer(lambda: None)
+        scheduler.submit_answer(LoneAnswer(None, QUESTION))
 
 
 def _raise_value_error():
@@ -131,7 +121,7 @@ def test_tickets_are_read_from_other_threads(engine, alone):
     results = {}
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-        tickets = [scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)) for _ in range(3)]
+        tickets = [scheduler.submit_answer(LoneAnswer(document, QUESTION, GREEDY)) for _ in range(3)]
         threads = [threading.Thread(target=lambda i=i, t=t: results.__setitem__(i, collect(t))) for i, t in
                    enumerate(tickets)]
         for t in threads:
@@ -157,11 +147,11 @@ def test_tickets_are_read_on_an_event_loop(engine, alone):
 
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-        tickets = [scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)) for _ in range(3)]
+        tickets = [scheduler.submit_answer(LoneAnswer(document, QUESTION, GREEDY)) for _ in range(3)]
         for events in asyncio.run(read_all(tickets)):
             assert isinstance(events[-1], Done) and events[-1].result.token_ids == alone["tokens"]
             assert "".join(e.text for e in events if isinstance(e, Text)) == alone["text"]
-        bad = scheduler.submit_answer(lambda: engine.generate(document, [10 ** 6], **GREEDY))
+        bad = scheduler.submit_answer(LoneAnswer(document, [10 ** 6], GREEDY))
         with pytest.raises(ValueError, match="outside the vocabulary"):
             asyncio.run(read(bad))
 
@@ -172,10 +162,10 @@ def test_tickets_are_read_on_an_event_loop(engine, alone):
             except asyncio.TimeoutError:
                 return False
 
-        left = scheduler.submit_answer(lambda: engine.generate(document, QUESTION, max_new_tokens=300))
+        left = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(max_new_tokens=300)))
         if not asyncio.run(give_up(left)):
             assert isinstance(list(left)[-1], Done)  # the rest is still there to read, from a thread
-        text, result = collect(scheduler.submit_answer(lambda: engine.generate(document, QUESTION, **GREEDY)))
+        text, result = collect(scheduler.submit_answer(LoneAnswer(document, QUESTION, GREEDY)))
         assert result.token_ids == alone["tokens"] and scheduler.stopped is None
     finally:
         scheduler.stop()
@@ -194,7 +184,7 @@ def test_an_engine_given_as_a_function_is_built_on_the_schedulers_thread_and_ans
         engine = scheduler.engine
         document = scheduler.call(lambda: engine.ingest(DOC))
         text, result = collect(scheduler.submit_answer(
-            lambda: engine.generate(document, QUESTION, keep_logits=True, **GREEDY)))
+            LoneAnswer(document, QUESTION, dict(keep_logits=True, **GREEDY))))
         assert result.token_ids == alone["tokens"]
     finally:
         scheduler.stop()
@@ -228,7 +218,7 @@ def test_idle_turns_move_a_documents_small_pages_into_huge_ones_without_changing
         while scheduler.call(engine.move_document_pages) and time.monotonic() < deadline:
             pass
         text, result = collect(scheduler.submit_answer(
-            lambda: engine.generate(document, QUESTION, keep_logits=True, **GREEDY)))
+            LoneAnswer(document, QUESTION, dict(keep_logits=True, **GREEDY))))
     finally:
         scheduler.stop()
     assert result.token_ids == alone["tokens"] and text == alone["text"]

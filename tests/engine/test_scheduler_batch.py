@@ -9,6 +9,7 @@ import torch
 
 from ringctx import Engine
 from ringctx.engine.scheduler import Done, Scheduler, Text
+from ringctx.engine.work_items import Prefill, Question
 
 DOCS = [[(3 * i) % 250 + 3 for i in range(257)], [(5 * i) % 240 + 7 for i in range(90)]]
 LONG = [(7 * i) % 250 + 3 for i in range(300)]
@@ -55,11 +56,15 @@ def watch(engine, scheduler):
     return seen
 
 
+def question(documents, i):
+    """Question i about its document, as the batch runs it."""
+    q = QUESTIONS[i]
+    return Question(q, len(q), dict(max_new_tokens=NEW[i], stop_token_ids=[], **SAMPLING[i]), document=documents[i % 2])
+
+
 def submit_all(scheduler, documents, ingest=None):
     def submit():
-        tickets = [scheduler.submit_question(lambda d=documents[i % 2], q=q: (d, q), prompt_tokens=len(q),
-                                             max_new_tokens=NEW[i], stop_token_ids=[], **SAMPLING[i])
-                   for i, q in enumerate(QUESTIONS)]
+        tickets = [scheduler.submit_question(question(documents, i)) for i in range(len(QUESTIONS))]
         return tickets, ingest() if ingest else None
     return scheduler.call(submit)
 
@@ -82,8 +87,7 @@ def run_questions(engine, scheduler, documents, ingest=None):
 def test_questions_batch_within_the_budget_beside_an_ingest(engine, setup):
     documents, alone = setup
     scheduler = Scheduler(engine, max_batch=3, max_step_tokens=70)
-    results, seen, long = run_questions(engine, scheduler, documents, lambda: scheduler.submit_prefill(
-        lambda: engine.start_prefill(LONG)))
+    results, seen, long = run_questions(engine, scheduler, documents, lambda: scheduler.submit_prefill(Prefill(LONG)))
     assert [r.token_ids for r in results] == alone
     assert torch.equal(long.logits, engine.prefill(LONG).logits)  # slices beside answers: the same bits
     sizes = [n for n, _, _ in seen]
@@ -107,12 +111,11 @@ def test_a_cancelled_question_leaves_at_once_and_frees_its_rows(engine, setup):
     documents, alone = setup
     scheduler = Scheduler(engine, max_batch=4)
     try:
-        long = scheduler.submit_question(lambda: (documents[0], QUESTIONS[0]), prompt_tokens=4,
-                                         max_new_tokens=100000, stop_token_ids=[])
+        long = scheduler.submit_question(Question(QUESTIONS[0], 4, dict(max_new_tokens=100000, stop_token_ids=[]),
+                                                  document=documents[0]))
         while not scheduler.call(lambda: long.member is not None and long.member.generation.next_input() is not None):
             pass  # until it has joined and is decoding
-        other = scheduler.submit_question(lambda: (documents[1], QUESTIONS[1]), prompt_tokens=4, max_new_tokens=NEW[1],
-                                          stop_token_ids=[], **SAMPLING[1])
+        other = scheduler.submit_question(question(documents, 1))
         assert scheduler.call(lambda: scheduler.rows_reserved) >= 4 + 100000
         long.cancel()
         rest = list(long)
@@ -148,15 +151,12 @@ def test_while_answers_decode_joins_are_bounded_by_time(engine, setup, join_shar
         events = counted()  # the scheduler's thread: all four arrive at once, whatever the timing
         if not tickets:
             before.append(len(seen))
-            tickets.extend(scheduler.submit_question(lambda d=documents[i % 2], q=QUESTIONS[i]: (d, q),
-                                                     prompt_tokens=4, max_new_tokens=NEW[i], stop_token_ids=[],
-                                                     **SAMPLING[i]) for i in range(1, 5))
+            tickets.extend(scheduler.submit_question(question(documents, i)) for i in range(1, 5))
         return events
 
     batch.step = step_then_burst
     try:
-        first = scheduler.submit_question(lambda: (documents[0], QUESTIONS[0]), prompt_tokens=4,
-                                          max_new_tokens=NEW[0], stop_token_ids=[], **SAMPLING[0])
+        first = scheduler.submit_question(question(documents, 0))
         results = [collect(first)[1]]
         results += [collect(t)[1] for t in tickets]
         held = scheduler.joins_held

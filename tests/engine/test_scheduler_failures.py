@@ -6,6 +6,7 @@ import pytest
 from ringctx import Engine
 from ringctx.engine import RankFailure
 from ringctx.engine.scheduler import Scheduler, SchedulerStopped
+from ringctx.engine.work_items import LoneAnswer
 
 DOC = [(3 * i) % 250 + 3 for i in range(257)]
 QUESTION = [5, 9, 11, 4]
@@ -18,15 +19,15 @@ def test_a_rank_lost_mid_answer_ends_every_ticket_naming_it(monkeypatch):
     scheduler = Scheduler(engine, on_failure=failures.append)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-        answer = scheduler.submit_answer(lambda: engine.generate(document, QUESTION, max_new_tokens=50))
-        queued = scheduler.submit_answer(lambda: engine.generate(document, QUESTION, max_new_tokens=5))
+        answer = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(max_new_tokens=50)))
+        queued = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(max_new_tokens=5)))
         with pytest.raises(RankFailure, match=r"rank 1 of 2 .* during decode"):
             list(answer)
         with pytest.raises(RankFailure, match=r"rank 1 of 2"):
             list(queued)
         assert len(failures) == 1 and scheduler.stopped is not None
         with pytest.raises(SchedulerStopped, match="rank 1 of 2"):
-            scheduler.submit_answer(lambda: None)
+            scheduler.submit_answer(LoneAnswer(document, QUESTION))
     finally:
         scheduler.stop()
         engine.close()

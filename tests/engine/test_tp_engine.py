@@ -94,7 +94,7 @@ def test_documents_move_between_tp_sizes(mesh_run, tmp_path):
     path = str(tmp_path / "doc.kv")
     engine.save_document(got["document"], path)
     # every TP rank wrote its own KV heads (one file for replicated heads): parts cover the heads once
-    from ringctx.engine.documents import read_manifest, slice_parts
+    from ringctx.runtime.documents import read_manifest, slice_parts
 
     hkv = engine.model.full_config.n_kv_heads
     for entry in read_manifest(path)["slices"]:

@@ -188,7 +188,7 @@ def test_float32_batch_equals_pytorch_batch_and_lone_steps(shape, batch, threads
 
 def half_merge(out, lse):
     """A stand-in for another rank: its partial is this one's again (the merged output is this
-    rank's own; the exchange and rank order are engine/batch.py's, tested there)."""
+    rank's own; the exchange and rank order are runtime/batch.py's, tested there)."""
     acc = PartialAccumulator(out.shape[0], out.shape[1], out.shape[2])
     acc.add(out.clone(), lse.clone())
     acc.add(out.clone(), lse.clone())

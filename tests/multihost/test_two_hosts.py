@@ -92,7 +92,7 @@ def one_process_reference(token_ids: torch.Tensor):
 def check_outputs(results, world_size: int, tp: int = 1) -> None:
     from safetensors.torch import load_file
 
-    from ringctx.engine.documents import read_document
+    from ringctx.runtime.documents import read_document
 
     for rc, err, _ in results:
         assert rc == 0, err[-4000:]

@@ -74,7 +74,7 @@ def shm_exchange_case(rank: int, world: int, steps: int):
     step agreed, and whether the shared buffer was available."""
     import torch.distributed as dist
 
-    from ringctx.engine.shm_exchange import ShmExchange
+    from ringctx.runtime.shm_exchange import ShmExchange
 
     shm = ShmExchange.create(37, None, timeout_s=30)
     if shm is None:

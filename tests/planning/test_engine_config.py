@@ -65,7 +65,7 @@ def test_engine_options_hand_the_command_one_config():
 
 def test_engine_built_from_a_config_or_keywords_is_the_same(tmp_path):
     from ringctx import Engine
-    from ringctx.engine.documents import describe_document
+    from ringctx.runtime.documents import describe_document
 
     config = EngineConfig(model="tiny", dtype="float32", chunk_tokens=48, kv_dtype="int8")
     with Engine(config=config) as a, Engine("tiny", dtype="float32", chunk_tokens=48, kv_dtype="int8") as b:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ringctx.model.presets import get_preset
-from ringctx.engine.prefill import PrefillConfig, cp_prefill
+from ringctx.runtime.prefill import PrefillConfig, cp_prefill
 from ringctx.model.weights import empty_model, init_random
 from ringctx.planning.work import WorkProgress, chunk_flops, prefill_chunk_flops
 

@@ -1,21 +1,20 @@
-"""How `ringctx serve` recognises a prompt that resends a document (EngineBackend's
-_document_text_prefix, then _prefix_document): by the SHA-256 of the prompt's first characters
+"""How `ringctx serve` recognises a prompt that resends a document (PromptRenderer's
+document_text_prefix, then prefix_document): by the SHA-256 of the prompt's first characters
 before any tokenizing, the longest ready document winning, the rest tokenized on its own; by
-tokens for a prompt that is a document's tokens followed by more. Run on a stand-in backend (no
+tokens for a prompt that is a document's tokens followed by more. Run over stand-in documents (no
 engine): the live server's resend test (tests/serve/test_live_server.py) runs the same path end to end.
 """
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("fastapi")
-from ringctx.serve.service import EngineBackend, _sha256  # noqa: E402
-from ringctx.serve.store import DocumentRecord  # noqa: E402
+from ringctx.serve.backend import DocumentInfo  # noqa: E402
+from ringctx.serve.prompts import PromptRenderer, text_sha256  # noqa: E402
 
 
 class CharTokenizer:
@@ -30,17 +29,18 @@ class CharTokenizer:
 
 
 def backend_with(*documents):
-    """A stand-in backend holding (id, rendered text, status) documents."""
-    records, tokens = {}, {}
+    """The prompts over stand-in documents: (id, rendered text, status) each."""
+    records, tokens = [], {}
     for doc_id, text, status in documents:
-        records[doc_id] = DocumentRecord(id=doc_id, name=doc_id, created=0, status=status, tokens=len(text),
-                                         text_chars=len(text), text_sha256=_sha256(text))
+        records.append(DocumentInfo(id=doc_id, name=doc_id, created=0, status=status, tokens=len(text),
+                                    text_chars=len(text), text_sha256=text_sha256(text)))
         tokens[doc_id] = torch.tensor([ord(c) for c in text])
-    return SimpleNamespace(_lock=threading.Lock(), _records=records, _tokens=tokens, tokenizer=CharTokenizer())
+    served = SimpleNamespace(ready=lambda: [(r, tokens[r.id]) for r in records if r.status == "ready"])
+    return PromptRenderer(CharTokenizer(), served)
 
 
 def find(backend, text):
-    return EngineBackend._document_text_prefix(backend, text)
+    return backend.document_text_prefix(text)
 
 
 def test_a_resent_document_is_found_by_text_and_only_the_rest_tokenized():
@@ -66,6 +66,6 @@ def test_the_longest_ready_document_wins_and_others_are_not_taken():
 
 def test_a_prompt_of_a_documents_tokens_and_more_is_found_by_tokens():
     backend = backend_with(("doc-a", "abc", "ready"), ("doc-b", "abcdef", "ready"), ("doc-c", "abcdefgh", "failed"))
-    doc_id, rest = EngineBackend._prefix_document(backend, torch.tensor([ord(c) for c in "abcdefghij"]))
+    doc_id, rest = backend.prefix_document(torch.tensor([ord(c) for c in "abcdefghij"]))
     assert doc_id == "doc-b" and rest.tolist() == [ord(c) for c in "ghij"]
-    assert EngineBackend._prefix_document(backend, torch.tensor([ord(c) for c in "abc"])) is None
+    assert backend.prefix_document(torch.tensor([ord(c) for c in "abc"])) is None

@@ -1,7 +1,7 @@
 """All-gather of small tensors between the ranks of one host through shared memory.
 
 Why: a decode step over a KV cache split across the decode ranks merges every rank's partial
-attention once per layer (engine/decode.py). The decode ranks are always on one host, and on CPUs
+attention once per layer (runtime/decode.py). The decode ranks are always on one host, and on CPUs
 gloo's all-gather of those few KiB took 0.2 ms on an idle 2-core machine and about 1.5 ms while the
 other rank computed (TCP loopback and wake-ups): 30-45 ms a token for SmolLM2's 30 layers, a third
 of the step at 128K tokens. Here each rank writes its tensor into its slot of a shared buffer and

@@ -17,7 +17,7 @@ layer instead of N - 1 ring steps plus an all-to-all; for one token both are lat
 the all-gather is one round trip (scripts/bench_decode.py --merge: pass-Q took 5.7-17x longer at
 2 ranks).
 On CPUs the decode ranks, which always share a host, all-gather through shared memory
-(engine/shm_exchange.py) rather than gloo; on GPUs through the process group (NCCL).
+(runtime/shm_exchange.py) rather than gloo; on GPUs through the process group (NCCL).
 
 On CPUs with the ringctx kernels the whole step runs in the fused decode kernel (8-bit slices
 too), which calls back into `_merge` between each layer's attention and output projection;
@@ -25,7 +25,7 @@ elsewhere it runs as PyTorch ops layer by layer (`_layers`).
 
 The question that precedes an answer is prefilled over the same ranks with `cp_prefill`, each
 rank's slice serving as its cached tokens in place. One decode rank is the same with a group of
-one (LOCAL): an answer alone then takes the steps a batch takes (engine/batch.py: the same
+one (LOCAL): an answer alone then takes the steps a batch takes (runtime/batch.py: the same
 prefill, the fused step's document the slice's rows before the answer, the same owner rule), so
 `Engine.generate` and a batch give the same bits.
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from ringctx.engine import Engine, RankFailure
-from ringctx.engine.documents import read_document
+from ringctx.runtime.documents import read_document
 
 from .test_decode_ranks import DOC, STEPS, answer, assert_same_cache, assert_same_logits, reference  # noqa: F401
 

@@ -9,8 +9,8 @@ import torch
 
 from ringctx.engine import Engine
 from ringctx.model import KVCache
-from tests.engine.test_batch import DOCS, SAMPLED, alone, run_plan
 from tests.kernels.test_cpu_kernels import needs_kernels
+from tests.runtime.test_batch import DOCS, SAMPLED, alone, run_plan
 
 
 @needs_kernels

@@ -1,24 +1,24 @@
 """The engine's commands: every job the ranks of an engine run together, and what each runs on a rank.
 
-A public `Engine` method (api.py) is one or more of these commands. In a spawned job rank 0 sends
-each command's name and fields to the workers concerned over their pipes (workers.py) and runs the
+A public `Engine` method (engine/api.py) is one or more of these commands. In a spawned job rank 0
+sends each command's name and fields to the workers concerned over their pipes (engine/workers.py) and runs the
 same function itself; under torchrun every rank calls the Engine method and runs the function
 directly. Either way, every rank concerned runs the same functions in the same order, so their
 collectives match:
 
-    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks, PREFILL_FINISH  ->  engine/prefill.py PrefillRun
+    Engine.prefill / ingest  ->  PREFILL_START, PREFILL_CHUNK x chunks, PREFILL_FINISH  ->  runtime/prefill.py PrefillRun
                                  (PREFILL_CHUNK with a layer count: a slice of a chunk)
     Engine.extend            ->  EXTEND         ->  cp_prefill over the decode ranks, on a document's slices
-    Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  engine/decode.py ShardedDecoder
+    Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  runtime/decode.py ShardedDecoder
                                  (under torchrun, where every rank calls generate: ANSWER_FOLLOW on the followers)
     Engine.batch / ask_many  ->  BATCH_JOIN per question, BATCH_STEP per step of every sequence, BATCH_LEAVE
-                                                                                 ->  engine/batch.py BatchDecoder
-    Engine.save_document     ->  SAVE           ->  engine/documents.py save_document_slices
+                                                                                 ->  runtime/batch.py BatchDecoder
+    Engine.save_document     ->  SAVE           ->  runtime/documents.py save_document_slices
     Engine.start_save        ->  SAVE_START, SAVE_FINISH   (the slices written on a thread between them)
-    Engine.load_document     ->  LOAD           ->  engine/documents.py load_document_slices
+    Engine.load_document     ->  LOAD           ->  runtime/documents.py load_document_slices
     Engine.drop_document     ->  DROP
     Engine.document_rows     ->  ROWS
-    Engine.whole_cache       ->  GATHER         ->  engine/handoff.py gather_in_order
+    Engine.whole_cache       ->  GATHER         ->  runtime/handoff.py gather_in_order
     Engine.move_document_pages -> MOVE_PAGES    ->  model/kvcache.py KVCache.huge_page_steps
 
 A prefill is three commands so that a scheduler can run other commands between two of its

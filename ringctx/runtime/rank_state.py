@@ -84,7 +84,7 @@ class RankState:
     answers: dict = field(default_factory=dict)
     """Answer id -> (Document, ShardedDecoder) a following decode rank takes part in (commands.ANSWER_*)."""
     batch: object = None
-    """This decode rank's BatchDecoder (engine/batch.py): the sequences decoded together (commands.BATCH_*)."""
+    """This decode rank's BatchDecoder (runtime/batch.py): the sequences decoded together (commands.BATCH_*)."""
     page_mover: object = None
     """The KVCache.huge_page_steps generator of the document cache being moved into 2 MiB pages
     (commands.MOVE_PAGES), or None."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from ringctx.engine.handoff import fill_levels, spread_plan
+from ringctx.runtime.handoff import fill_levels, spread_plan
 
 DOC = torch.randint(0, 256, (301,), generator=torch.Generator().manual_seed(0)).tolist()
 QUESTION = [5, 17, 99, 3, 42, 7, 8]

@@ -3,7 +3,7 @@
 Lost ranks (spawn mode, torchrun), a rendezvous that never completes, Ctrl-C, ranks that loaded a
 different model / dtype / ringctx version, prefills that would not fit in memory, and bad input
 in spawn mode and under torchrun. Cross-host failures are in tests/multihost/.
-Ranks are killed at a known point with the RINGCTX_TEST_KILL test hook (ringctx.engine.failures).
+Ranks are killed at a known point with the RINGCTX_TEST_KILL test hook (ringctx.runtime.failures).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from click.testing import CliRunner
 
 from ringctx.cli import main
 from ringctx.engine import Engine
-from ringctx.engine.failures import RankFailure, process_state
-from ringctx.engine.memory_check import memory_problem, prefill_memory_need
+from ringctx.runtime.failures import RankFailure, process_state
+from ringctx.runtime.memory_check import memory_problem, prefill_memory_need
 from ringctx.parallel.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Many sequences decoded together (engine/batch.py): at W = 1, 2, 4 decode ranks, batches of 1 to 9
+"""Many sequences decoded together (runtime/batch.py): at W = 1, 2, 4 decode ranks, batches of 1 to 9
 sequences over 0 to 3 documents of different lengths, joining and leaving at different steps; every
 sequence's logits equal its answer alone (float32, 1e-5 relative), greedy and seeded tokens identical,
 slices balanced, the documents' rows untouched, every row freed when the sequences leave."""

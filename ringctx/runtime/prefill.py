@@ -8,7 +8,7 @@
             append this rank's k, v of the chunk to its KV shard          (the shard never leaves the rank)
         the strategy of the chunk: pass-KV or pass-Q (the paper's rule, or forced)
     hand-off: the decode ranks (decode_rank .. decode_rank + decode_ranks - 1, on one host) keep
-              their shards; the other ranks' rows are spread over them (engine/handoff.py), so each
+              their shards; the other ranks' rows are spread over them (runtime/handoff.py), so each
               decode rank ends with a balanced slice of the tokens. With one decode rank the rows are
               gathered there in sequence order.
 
@@ -40,6 +40,7 @@ from ..model.decode_step import FusedPrefill
 from ..model.tensor_parallel import split_range
 from ..model.transformer import rope_position_problem
 from ..parallel import STRATEGIES, CommStats, ShardLayout, ring_attention
+from ..parallel.ring import PASS_KV
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
 )
@@ -544,7 +545,7 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int,
             config: PrefillConfig) -> tuple[str, str, str, str]:
     """The chunk's strategy, the reason as a sentence, the reason in short, and the rule's formula."""
     if world == 1:
-        return "pass-kv", "one rank: nothing travels", "one rank: nothing travels", ""
+        return PASS_KV, "one rank: nothing travels", "one rank: nothing travels", ""
     if config.strategy != "auto":
         forced = f"forced: strategy={config.strategy}"
         return config.strategy, forced, forced, ""

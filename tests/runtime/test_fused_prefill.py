@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringctx.engine import prefill
-from ringctx.engine.prefill import PrefillConfig, PrefillRun, cp_prefill
 from ringctx.kernels import cpu_features
+from ringctx.runtime import prefill
+from ringctx.runtime.prefill import PrefillConfig, PrefillRun, cp_prefill
 from ringctx.model import KVCache
 from ringctx.model.decode_step import FusedPrefill
 from tests.kernels.test_cpu_kernels import needs_kernels

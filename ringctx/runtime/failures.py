@@ -10,7 +10,7 @@ Test hook (for tests only, never set it in production): RINGCTX_TEST_KILL="<rank
 makes that rank SIGKILL itself at <point>: "join" (a spawned worker, before it joins the group),
 "chunk<N>" (right after chunk N of a prefill, 1-based) or "decode<N>" (before decode step N over a
 split KV cache). It is how tests kill a rank mid-prefill
-deterministically; tests/engine/test_failures.py and tests/multihost/ use it.
+deterministically; tests/runtime/test_failures.py and tests/multihost/ use it.
 """
 
 from __future__ import annotations
