@@ -168,6 +168,31 @@ def test_the_circle_check_finds_one(tmp_path):
     assert import_circles(root) == [["ringctx.model.config", "ringctx.model.reader"]]
 
 
+BETWEEN_RANKS = {"parallel", "runtime", "engine", "ringctx.model.tensor_parallel", "ringctx.planning.calibrate"}
+"""Where torch.distributed may be imported: the packages that run between ranks (communication,
+what every rank runs, the engine that starts and drives the ranks), the tensor-parallel model's
+collectives, and calibration's measurement jobs. Anything else asks one of these."""
+
+
+def distributed_problems(package: Path = PACKAGE) -> list[str]:
+    """One line per torch.distributed import outside BETWEEN_RANKS."""
+    problems = []
+    for path in sorted(package.rglob("*.py")):
+        module = module_name(path, package)
+        if module in TOP or module in BETWEEN_RANKS or part_of(module) in BETWEEN_RANKS:
+            continue
+        for line, target in imports(path, package):
+            if target == "torch.distributed" or target.startswith("torch.distributed."):
+                problems.append(f"{path.relative_to(package.parent)}:{line} imports {target} (only "
+                                f"{', '.join(sorted(BETWEEN_RANKS))} talk between ranks)")
+    return problems
+
+
+def test_torch_distributed_only_where_ranks_talk():
+    problems = distributed_problems()
+    assert not problems, "\n".join(problems)
+
+
 def test_imports_only_point_down():
     problems = layering_problems()
     assert not problems, "imports against the layering of docs/ARCHITECTURE.md:\n" + "\n".join(problems)

@@ -9,10 +9,10 @@ import os
 import platform
 
 import torch
-import torch.distributed as dist
 
 from ..attention.kernels import flash_attn_available
 from ..kernels.build import active_variant
+from ..parallel.launch import available_backends
 from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
 from ..kernels.report import cpu_kernels_report, phase_dtypes
 from ..kernels.selection import amx_available
@@ -43,7 +43,7 @@ def environment_report() -> dict:
     if importlib.util.find_spec("triton") is not None:
         attention.append("triton" + ("" if cuda else " (interpreter only: TRITON_INTERPRET=1)"))
     dtype_auto = auto_dtype()
-    distributed = [name for name, ok in [("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())] if ok]
+    distributed = available_backends()
     return {
         "ringctx": _version("ringctx"),
         "python": platform.python_version(),

@@ -57,9 +57,9 @@ def _mesh_words(engine) -> str:
 
 
 def _is_printing_rank() -> bool:
-    import torch.distributed as dist
+    from ..parallel.launch import is_first_rank
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return is_first_rank()
 
 
 PREDICTION_NOTICE_S = 300.0

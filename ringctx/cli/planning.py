@@ -436,14 +436,10 @@ def calibrate(nproc, model, dtypes, out_path, name, tp_size, quick, repeats, as_
             err_console.print(f"[dim]calibrate:[/dim] {msg}")
 
     if torchrun:
-        import datetime
+        from ..parallel.launch import is_first_rank
 
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        result = calibrate_spmd(settings, name=name, progress=progress if dist.get_rank() == 0 else None)
-        if result is None:  # not rank 0: nothing to print or write
+        result = calibrate_spmd(settings, name=name, progress=progress, join_torchrun=True)
+        if result is None or not is_first_rank():  # not rank 0: nothing to print or write
             return
     else:
         result = run_calibration(settings, name=name, progress=progress)

@@ -58,17 +58,13 @@ def share_weights_digest(model) -> str:
 def _gather_over_tp(weight: torch.Tensor, tp, dim: int) -> torch.Tensor:
     """The first rows of a weight split over the TP ranks along `dim` (rows 0, columns 1), put back
     together: enough whole rows of the whole weight for the 4096 values `_digest` reads."""
-    import torch.distributed as dist
-
     full_cols = weight.shape[1] * (tp.size if dim == 1 else 1)
     rows = -(-4096 // full_cols)
     mine = weight[:rows].float()
     padded = mine.new_zeros(rows, weight.shape[1])
     padded[:mine.shape[0]] = mine
-    pieces = [torch.empty_like(padded) for _ in range(tp.size)]
-    counts = [torch.zeros(1, dtype=torch.long, device=weight.device) for _ in range(tp.size)]
-    dist.all_gather(pieces, padded, group=tp.group)
-    dist.all_gather(counts, torch.tensor([mine.shape[0]], device=weight.device), group=tp.group)
+    pieces = tp.all_gather(padded)
+    counts = tp.all_gather(torch.tensor([mine.shape[0]], device=weight.device))
     if dim == 1:
         return torch.cat(pieces, dim=1)
     return torch.cat([p[:int(c)] for p, c in zip(pieces, counts)])[:rows]

@@ -121,6 +121,14 @@ class TensorParallel:
             self.stats.record(what, 0, 2 * (self.size - 1) * x.numel() * x.element_size() // self.size)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's `x` (the same shape on each), in rank order ([x] without TP)."""
+        if self.size == 1:
+            return [x]
+        pieces = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(pieces, x, group=self.group)
+        return pieces
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """This rank's logits [N, V_t] of its ids -> every id's logits [N, vocab_size] (all ranks)."""
         if self.size == 1:

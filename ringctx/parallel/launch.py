@@ -41,6 +41,16 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def available_backends() -> list[str]:
+    """The torch.distributed backends this build of torch has ("gloo", "nccl")."""
+    return [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+
+
+def is_first_rank() -> bool:
+    """Whether this process is rank 0 of its job, or runs alone (the one that prints)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def default_backend() -> str:
     """NCCL when every local rank can have its own GPU, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"

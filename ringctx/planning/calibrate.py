@@ -687,14 +687,18 @@ def calibrate(settings: CalibrationSettings, *, name: str | None = None, progres
 
 
 def calibrate_spmd(settings: CalibrationSettings, *, name: str | None = None,
-                   progress: Callable[[str], None] | None = None) -> Calibration | None:
+                   progress: Callable[[str], None] | None = None, join_torchrun: bool = False) -> Calibration | None:
     """Calibrate inside an initialised process group (torchrun): call on every rank.
 
     Rank 0 measures compute while the others wait, then every rank runs the live-group job on
-    the launched world. Returns the Calibration on rank 0, None elsewhere.
+    the launched world. Returns the Calibration on rank 0, None elsewhere. `join_torchrun`: join
+    torchrun's gloo group from the environment first when no group is initialised; `progress` is
+    called on rank 0 only.
     """
+    if join_torchrun and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    say = progress or (lambda _msg: None)
+    say = (progress if rank == 0 else None) or (lambda _msg: None)
     start = time.perf_counter()
     calibration = None
     if rank == 0:
