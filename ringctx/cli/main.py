@@ -18,6 +18,7 @@ from ..units import fmt_bytes
 from rich.console import Console
 from rich.table import Table
 
+from ..planning.hardware import MEASURED, shown_source
 from .options import (COMMAND_LINE, DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, _AgreedBadParameter,
                       _AgreedError, _rank_error, build_engine, engine_options, nproc_option)
 from .progress import prefill_progress, work_bar
@@ -86,14 +87,14 @@ def _duration(seconds: float) -> str:
 
 def _predicted_seconds(engine, tokens: int, peaks: dict | None = None) -> float | None:
     """The cost model's time to first token of this prefill (as `ringctx plan` predicts it), or
-    None when the planner cannot plan it. On an uncalibrated profile (the built-in CPU one holds
-    placeholder numbers) `peaks` (measure_peaks: this host's GEMM rate, measured now) stands in
+    None when the planner cannot plan it. On an uncalibrated profile that was not measured at
+    start-up (the built-in CPU one holds placeholder numbers) `peaks` (measure_peaks: this host's GEMM rate, measured now) stands in
     for its peak FLOP/s, shared by the ranks."""
     from ..planning.prefill_plan import plan_prefill
 
     hardware, dtype = engine.hardware, str(engine.model.dtype).removeprefix("torch.")
     gemm = (peaks or {}).get("gemm_flops_per_s", {})
-    if not hardware.calibrated and gemm:
+    if not hardware.calibrated and hardware.name != MEASURED and gemm:  # a measured profile has its own
         rate = (gemm.get(dtype) or gemm["float32"]) / max(1, engine.cp_size * engine.tp_size)
         hardware = dataclasses.replace(hardware, peak_flops={**hardware.peak_flops, dtype: rate},
                                        linear_flops_per_s={**hardware.linear_flops_per_s, dtype: rate})
@@ -110,11 +111,12 @@ def _short(c) -> str:
     return c.short_reason or c.reason
 
 
-def stats_tables(stats, title: str, follow_up=None, efficiency=None) -> list:
+def stats_tables(stats, title: str, follow_up=None, efficiency=None, hardware=None) -> list:
     """The summary table and the per-chunk table of a PrefillStats (and of the follow-up prefilled
     on top of it, whose chunks are numbered +0, +1, ...), each chunk with its short reason, then
     the rules' formulas with their constants once (the full reasons are in --json). `efficiency`
-    (a RunEfficiency) adds the run's share of this machine's peak."""
+    (a RunEfficiency) adds the run's share of this machine's peak; `hardware` (the profile the
+    rule decided with) a line saying which it was."""
     summary = Table(title=title, show_header=False)
     summary.add_column("what", style="bold")
     summary.add_column("value", justify="right")
@@ -162,7 +164,8 @@ def stats_tables(stats, title: str, follow_up=None, efficiency=None) -> list:
         chunks.add_row(f"+{c.index}", f"{c.tokens:,}", f"{c.cached:,}", c.strategy, f"{c.seconds:.2f}", _short(c))
     every = stats.chunks + (follow_up.chunks if follow_up is not None else [])
     formulas = list(dict.fromkeys(c.formula for c in every if c.formula))
-    return [summary, chunks, *(f"[dim]{formula}[/dim]" for formula in formulas)]
+    decided = [f"[dim]the rule decided with {hardware.name}: {shown_source(hardware)}[/dim]"] if hardware else []
+    return [summary, chunks, *(f"[dim]{formula}[/dim]" for formula in formulas), *decided]
 
 
 def _efficiency_rows(e) -> list[tuple[str, str]]:
@@ -262,13 +265,18 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     stats = result.stats
     efficiency = measure_efficiency(engine, stats, answer, before=peaks)
     report = {"model": config.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
-              "engine_config": engine.config.to_dict(), **stats.to_dict(),
+              "engine_config": engine.config.to_dict(),
+              "hardware": {"name": engine.hardware.name, "source": shown_source(engine.hardware),
+                           "peak_flops": engine.hardware.peak_flops,
+                           "bandwidth_bytes_per_s": engine.hardware.bandwidth_bytes_per_s},
+              **stats.to_dict(),
               "follow_up": follow_stats.to_dict() if follow_stats else None, "compute_dtypes": dtypes,
               "predicted_s": predicted_s, "efficiency": efficiency.to_dict() if efficiency else None}
     if json_path == "-":  # for machines: JSON alone on stdout (the headers and notes are on stderr)
         click.echo(json.dumps(report, indent=2))
     else:
-        for table in stats_tables(stats, f"ringctx prefill: {config.model}, {tokens:,} tokens", follow_stats, efficiency):
+        for table in stats_tables(stats, f"ringctx prefill: {config.model}, {tokens:,} tokens", follow_stats, efficiency,
+                                  engine.hardware):
             console.print(table)
         if json_path:
             _write_json(json_path, report)
@@ -346,7 +354,8 @@ def ingest(file, save_path, no_chat, config):
     finally:
         engine.close()
     if printing:
-        for table in stats_tables(document.stats, f"ringctx ingest: {file} ({document.length:,} tokens)"):
+        for table in stats_tables(document.stats, f"ringctx ingest: {file} ({document.length:,} tokens)",
+                                  hardware=engine.hardware):
             console.print(table)
         if layout_note:
             err_console.print(f"[dim]{layout_note}[/dim]")

@@ -20,7 +20,7 @@ from rich.table import Table
 from ..model.int8_weights import WEIGHT_CHOICES
 from ..model.loader import DEFAULT_MODEL
 from ..planning.engine_config import COMMAND_LINE
-from ..planning.hardware import calibrated_profile_path, default_profile_name, shown_source
+from ..planning.hardware import AUTO, MEASURED, calibrated_profile_path, measured_profile_path, resolve_hardware, shown_source
 from ..planning.strategy import RULES
 from ..units import fmt_duration, fmt_gb
 
@@ -131,7 +131,10 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
 
     try:
         config = resolve_model_config(model)
-        hw = load_profile(hardware or default_profile_name(_on_gpu()))
+        hw_note = None
+        if hardware is None:  # this machine, as prefill and ingest see it (hardware "auto")
+            hardware, hw_note = _this_machine_profile(cp_size, tp_size or 1)
+        hw = load_profile(hardware)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
     gpus = _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw)
@@ -139,10 +142,12 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
         hw = dataclasses.replace(hw, devices_per_host=gpus)
     tp = 1 if tp_size is None else tp_size
     try:
-        as_run = RunDefaults.resolve(config, hw, here=hardware is None, hosts=hosts, gpus=gpus, cp_size=cp_size,
+        as_run = RunDefaults.resolve(config, hw, here=hw_note is not None, hosts=hosts, gpus=gpus, cp_size=cp_size,
                                      tp=tp, chunk_tokens=chunk_tokens, dtype=dtype)
     except ValueError as err:
         raise _fail(err) from None
+    if hw_note:
+        as_run.notes["hardware"] = hw_note
     common = dict(cached=cached, chunk_tokens=as_run.chunk_tokens, dtype=as_run.dtype, rule=rule,
                   weight_dtype=weight_dtype, handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
                   weights=weights)
@@ -171,6 +176,25 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
             render_plan(result, as_run.notes)
     if problem:
         raise DoesNotFit(problem)
+
+
+def _this_machine_profile(cp_size: int | None, tp: int) -> tuple[str, str]:
+    """(profile, where it came from) for a plan of this machine, as `prefill` and `ingest` decide
+    with it by default (hardware "auto"): the calibrated profile; on a CPU without one, what an
+    engine measured here at start-up on as many CP ranks (it keeps it for plan), else the
+    built-in "cpu" with a word on how to get this machine's numbers."""
+    from ..engine.startup import auto_nproc
+
+    name = resolve_hardware(AUTO, _on_gpu())
+    if name != MEASURED:
+        return name, (f"this machine's calibrated profile, {name}" if name.endswith(".json")
+                      else f"the built-in {name}")
+    cp = cp_size if cp_size is not None else max(1, auto_nproc(None, tp) // tp)
+    path = measured_profile_path(cp)
+    if path.is_file():
+        return str(path), f"measured here by an engine on {cp} CP rank{'s' if cp > 1 else ''} ({path})"
+    return "cpu", ("the built-in cpu: `prefill` and `ingest` measure this machine at start-up (run one, or "
+                   "`ringctx calibrate`, then plan again with its numbers)")
 
 
 @dataclasses.dataclass
@@ -217,13 +241,12 @@ class RunDefaults:
             chunk_tokens, notes["chunks"] = None, "one prefill of all the tokens (--chunk-tokens 0)"
         else:
             notes["chunks"] = f"{chunk_tokens:,} tokens: as given"
-        notes["hardware"] = f"{hw.name} ({shown_source(hw)})"
         return cls(cp, chunk_tokens, dtype, notes)
 
 
 def _is_cpu_profile(hw) -> bool:
     """Whether a profile describes CPU ranks (the engine then keeps its chunks to 4,096 tokens)."""
-    return hw.name == "cpu" or hw.host_cores is not None
+    return hw.name in ("cpu", MEASURED) or hw.host_cores is not None
 
 
 def _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw) -> int:
@@ -279,7 +302,7 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     cal = "calibrated" if hw.calibrated else "UNCALIBRATED (run `ringctx calibrate`)"
     head.add_row("model", f"{result.model.name}: {result.model.n_layers} layers, {result.model.n_heads} q / "
                           f"{result.model.n_kv_heads} kv heads x {result.model.head_dim}")
-    head.add_row("hardware", f"{hw.name} ({cal}), {shown_source(hw)}")
+    head.add_row("hardware", f"{hw.name} ({cal}): {(as_run or {}).get('hardware') or shown_source(hw)}")
     for what, note in (as_run or {}).items():
         if what != "hardware" and not note.endswith("as given"):
             head.add_row(f"default {what}", note)

@@ -36,6 +36,7 @@ from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
 from ..parallel.mesh import mesh_problem
 from ..planning.engine_config import EngineConfig
+from ..planning.hardware import measured_profile_path, save_profile
 from ..runtime import commands
 from ..runtime.commands import Command, ids_to_bytes
 from ..runtime.document import Document, chat_frame
@@ -119,9 +120,10 @@ class Engine:
                        or (check_int8_model(model_config, tp) if config.weights == "int8" else None))
             if problem:
                 raise ValueError(problem)
+        hardware, measure = load_hardware(config.hardware, device)
         self.settings = settings = EngineSettings(
             model_name=self.model_name, dtype=dtype, strategy=config.strategy, rule=config.rule,
-            hardware=load_hardware(config.hardware), chunk_tokens=config.chunk_tokens, decode_rank=decode_rank,
+            hardware=hardware, chunk_tokens=config.chunk_tokens, decode_rank=decode_rank,
             decode_ranks=resolve_decode_ranks(config.decode_ranks, decode_rank, world // tp, per_host // tp),
             kv_dtype=config.kv_dtype, weights=config.weights, timeout_s=float(timeout_s),
             startup_timeout_s=float(config.startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
@@ -149,11 +151,27 @@ class Engine:
                 set_collective_timeout(settings.timeout_s)
             if self._health is not None:
                 self._health.learn_peers()  # every rank published its place before the check
+            if measure:
+                self._measure_hardware()
         except BaseException as exc:
             failure = self._fail(exc, "start-up")
             if failure is exc:
                 raise
             raise failure from exc
+
+    def _measure_hardware(self) -> None:
+        """hardware="measured" (or "auto" without a calibrated profile, on a CPU): every rank
+        measures this machine together (runtime/measure.py) and the per-chunk rule decides with
+        it; rank 0 keeps the profile where `ringctx plan` finds it (measured_profile_path)."""
+        profile = self.run_command("start-up", commands.MEASURE_HARDWARE)
+        self.settings = self.state.settings
+        if self.rank == 0:
+            try:
+                path = measured_profile_path(self.settings.cp_size)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_profile(profile, path)
+            except OSError:  # a read-only home: the run decides with it all the same
+                pass
 
     # ------------------------------------------------------------------ what callers read
     model = property(lambda self: self.state.model, doc="This rank's Transformer (its TP shard under tp > 1).")

@@ -104,14 +104,21 @@ def peek_config(model_name: str, dtype):
     return load_model(model_name, dtype=dtype, device="meta").full_config
 
 
-def load_hardware(hardware):
-    """The profile "auto" decides with, loaded once (default: planning.hardware.default_profile_name:
-    this machine's calibrated profile, else the built-in "cpu" or "h200" on GPUs)."""
-    from ..planning.hardware import HardwareProfile, default_profile_name, load_profile
+def load_hardware(hardware, device=None):
+    """(profile, measure): the profile the "auto" strategy decides with, loaded once
+    (planning.hardware.resolve_hardware: None is this machine's calibrated profile, else the
+    built-in "cpu" or "h200" on GPUs), and whether the ranks must measure this machine at start-up
+    ("measured", or "auto" without a calibrated profile on a CPU); the profile is then the built-in
+    "cpu" until they have."""
+    from ..planning.hardware import MEASURED, HardwareProfile, load_profile, resolve_hardware
 
     if isinstance(hardware, HardwareProfile):
-        return hardware
-    return load_profile(hardware or default_profile_name(torch.cuda.is_available()))
+        return hardware, False
+    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
+    resolved = resolve_hardware(hardware, on_gpu)
+    if resolved == MEASURED:
+        return load_profile("cpu"), True
+    return load_profile(resolved), False
 
 
 def check_loadable(model_name: str, dtype) -> None:

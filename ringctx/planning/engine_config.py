@@ -55,8 +55,10 @@ class EngineConfig:
     strategy: str = "auto"
     """"auto" (the decision rule picks pass-KV or pass-Q per chunk), "pass-kv" or "pass-q" for every chunk."""
     hardware: object = None
-    """Hardware profile the "auto" strategy decides with: a built-in name (cpu, h100-rdma, h100-tcp, h200)
-    or a JSON path (or a HardwareProfile); unset: the built-in "cpu" (or "h200" with CUDA)."""
+    """Hardware profile the "auto" strategy decides with: a built-in name (cpu, h100-rdma, h100-tcp, h200),
+    a JSON path (or a HardwareProfile), "measured" (the ranks measure this CPU's GEMM rate and ring
+    bandwidth at start-up, about a second) or "auto" (this machine's calibrated profile, else measured
+    on CPUs, else h200); unset: the calibrated profile, else the built-in "cpu" (or "h200" with CUDA)."""
     rule: str = "alg5"
     """Decision rule of "auto": paper Algorithm 1 or 5, the fitted h(T,P), or the cost model."""
     decode_rank: int = 0
@@ -141,10 +143,12 @@ class EngineConfig:
         return "\n".join(rows)
 
 
-COMMAND_LINE = EngineConfig(nproc="auto", dtype="auto")
+COMMAND_LINE = EngineConfig(nproc="auto", dtype="auto", hardware="auto")
 """What `ringctx prefill`, `ingest` and `plan` run when given no options: every local rank that helps
-(`auto_nproc`) and the dtype this machine computes fastest, where the Python API starts one process
-in the model's dtype (the least surprising for a library call)."""
+(`auto_nproc`), the dtype this machine computes fastest, and the per-chunk rule with this machine's
+own numbers (its calibrated profile, else measured at start-up), where the Python API starts one
+process in the model's dtype with the calibrated or built-in profile (the least surprising, and
+cheapest, for a library call)."""
 
 
 def field_names() -> tuple[str, ...]:

@@ -58,9 +58,57 @@ def default_profile_name(on_gpu: bool) -> str:
     return "h200" if on_gpu else "cpu"
 
 
+MEASURED = "measured"
+"""`hardware="measured"`: the engine's ranks measure this machine at start-up (runtime/measure.py)."""
+
+AUTO = "auto"
+"""`hardware="auto"` (the CLI's default): this machine's calibrated profile when there is one, else
+measured at start-up on CPUs, else the built-in "h200"."""
+
+
+def resolve_hardware(hardware, on_gpu: bool):
+    """What a run decides with, before anything is measured: a HardwareProfile, a built-in name or
+    path passes through; None becomes `default_profile_name` (calibrated, else built-in); "auto"
+    becomes the calibrated profile's path, or MEASURED on CPUs (the built-in "h200" on GPUs);
+    MEASURED stays (off a GPU; on GPUs the built-in "h200", whose numbers are the device's)."""
+    if hardware is None:
+        return default_profile_name(on_gpu)
+    if hardware == AUTO:
+        path = calibrated_profile_path()
+        return str(path) if path.is_file() else ("h200" if on_gpu else MEASURED)
+    if hardware == MEASURED and on_gpu:
+        return "h200"
+    return hardware
+
+
+def measured_profile_path(cp_size: int) -> Path:
+    """Where an engine that measured this machine on `cp_size` CP ranks keeps the profile it
+    measured (beside the calibrated profile), so that `ringctx plan` plans with the same numbers."""
+    return calibrated_profile_path().with_name(f"measured-cp{cp_size}.json")
+
+
+def measured_profile(base: "HardwareProfile", flops: dict[str, float], *, bandwidth_bytes_per_s: float | None,
+                     ranks: int) -> "HardwareProfile":
+    """`base` with this machine's measured per-rank GEMM rate (`flops`, by dtype name) as its peak
+    and its linear layers' rate, and its measured ring bandwidth (None: the base's, for one rank),
+    named "measured": the per-chunk rule and the cost model then decide with what this machine
+    does, not the built-in placeholders."""
+    flops = {canonical_dtype(name): rate for name, rate in flops.items()}
+    shown = ", ".join(f"{name} {rate / 1e12:.3g} TFLOP/s" for name, rate in sorted(flops.items()))
+    ring = f", ring {bandwidth_bytes_per_s / 1e9:.3g} GB/s" if bandwidth_bytes_per_s else ""
+    return dataclasses.replace(
+        base, name=MEASURED, calibrated=False,
+        description=f"measured at start-up on {ranks} rank{'s' if ranks > 1 else ''}: GEMM {shown}{ring}",
+        peak_flops={**base.peak_flops, **flops}, linear_flops_per_s={**base.linear_flops_per_s, **flops},
+        achieved_fraction=1.0, bandwidth_bytes_per_s=bandwidth_bytes_per_s or base.bandwidth_bytes_per_s,
+        source_path=None)
+
+
 def shown_source(profile: "HardwareProfile") -> str:
     """Where a profile came from, as a person reads it: "built-in" for the package's own files
     (their path lies inside the installed package), else the file's path."""
+    if profile.name == MEASURED:
+        return profile.description
     if profile.source_path is None:
         return "given in code"
     try:
@@ -461,7 +509,9 @@ def save_profile(profile: HardwareProfile, path: "str | os.PathLike") -> Path:
     path = Path(path)
     data = profile.to_dict()
     _parse_profile(json.loads(json.dumps(data)), str(path))  # never write what load would refuse
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")  # atomic: a reader sees old or new
+    partial.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(partial, path)
     return path
 
 

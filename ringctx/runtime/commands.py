@@ -20,6 +20,7 @@ collectives match:
     Engine.document_rows     ->  ROWS
     Engine.whole_cache       ->  GATHER         ->  runtime/handoff.py gather_in_order
     Engine.move_document_pages -> MOVE_PAGES    ->  model/kvcache.py KVCache.huge_page_steps
+    Engine(hardware="measured") -> MEASURE_HARDWARE at start-up -> runtime/measure.py measure_hardware
 
 A prefill is three commands so that a scheduler can run other commands between two of its
 chunks (a decode step of an answer, a chunk of another prefill); an answer is one command per
@@ -34,6 +35,7 @@ raised on every rank alike before any communication; the engine stays usable.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,6 +45,7 @@ import torch
 from ..model import KVCache
 from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
+from ..planning.hardware import HardwareProfile
 from ..units import fmt_bytes
 from .batch import BatchDecoder
 from .decode import ShardedDecoder
@@ -50,6 +53,7 @@ from .document import Document
 from .documents import ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
 from .failures import with_test_hook
 from .handoff import gather_in_order
+from .measure import measure_hardware
 from .memory_check import available_memory, memory_problem
 from .prefill import PrefillRun, cp_prefill
 from .rank_state import RankState
@@ -217,6 +221,15 @@ def batch_leave(state: RankState, sequence_id: int) -> None:
     batch_decoder(state).leave(sequence_id)
 
 
+# ------------------------------------------------------------------------------------------ start-up
+def measure(state: RankState) -> HardwareProfile:
+    """Every rank measures this machine with the others (runtime/measure.py) and decides with the
+    profile from now on; every rank builds the same one from the same all-gathered numbers."""
+    profile = measure_hardware(state)
+    state.settings = dataclasses.replace(state.settings, hardware=profile)
+    return profile
+
+
 # ------------------------------------------------------------------------------------------ documents
 def save(state: RankState, document_id: int, path: str, *, document: Document | None = None) -> None:
     """Every rank of the decode host writes its own rows of its own KV heads (a replicated KV head
@@ -350,9 +363,10 @@ DROP = Command("drop", drop, decode_only=True)
 ROWS = Command("rows", rows, decode_only=True)
 GATHER = Command("gather", gather, decode_only=True)
 MOVE_PAGES = Command("move_pages", move_pages, decode_only=True)
+MEASURE_HARDWARE = Command("measure_hardware", measure, decode_only=False)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
     ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP, ROWS, GATHER,
-    MOVE_PAGES)}
+    MOVE_PAGES, MEASURE_HARDWARE)}
 """Every command by the name that travels: what a worker looks up for each message."""

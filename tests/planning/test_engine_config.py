@@ -148,3 +148,38 @@ def test_calibration_tables_read_on_80_columns(capsys):
     assert "…" not in out and max(len(line) for line in out.splitlines()) <= 80
     for header in ("SendRecv GB/s", "All2All us", "compute x", "pass-KV +ms"):
         assert header in out
+
+
+def test_hardware_choices_resolve_before_anything_is_measured(tmp_path, monkeypatch):
+    from ringctx.planning.hardware import AUTO, MEASURED, resolve_hardware
+
+    monkeypatch.setenv(PROFILE_PATH_ENV, str(tmp_path / "hardware.json"))
+    assert resolve_hardware(None, on_gpu=False) == "cpu" and resolve_hardware(None, on_gpu=True) == "h200"
+    assert resolve_hardware(AUTO, on_gpu=False) == MEASURED and resolve_hardware(AUTO, on_gpu=True) == "h200"
+    assert resolve_hardware(MEASURED, on_gpu=False) == MEASURED and resolve_hardware(MEASURED, on_gpu=True) == "h200"
+    assert resolve_hardware("h100-tcp", on_gpu=False) == "h100-tcp"
+    save_profile(dataclasses.replace(load_profile("cpu"), name="mine", calibrated=True), tmp_path / "hardware.json")
+    assert resolve_hardware(AUTO, on_gpu=False) == str(tmp_path / "hardware.json") == resolve_hardware(None, False)
+
+
+def test_measured_hardware_is_what_every_rank_decides_with(tmp_path, monkeypatch):
+    """hardware="measured": the ranks measure together, every rank holds the same profile (the same
+    choices on every rank), the rule's constants are the measured ones, plan finds it afterwards."""
+    from ringctx import Engine
+    from ringctx.planning.hardware import MEASURED, measured_profile_path
+    from ringctx.planning.strategy import choose_strategy
+
+    monkeypatch.setenv(PROFILE_PATH_ENV, str(tmp_path / "hardware.json"))
+    with Engine("tiny", nproc=2, hardware="measured", dtype="float32") as engine:
+        hw = engine.hardware
+        assert hw.name == MEASURED and not hw.calibrated and hw.bandwidth_bytes_per_s != load_profile("cpu").bandwidth_bytes_per_s
+        assert hw.peak_flops["float32"] > 0 and "measured at start-up on 2 ranks" in hw.description
+        result = engine.prefill(torch.arange(300) % 250, chunk_tokens=100)
+        for chunk in result.stats.chunks:
+            want = choose_strategy(chunk.tokens, chunk.cached, engine.model.full_config, 2, hw, "alg5", dtype="float32")
+            assert chunk.strategy == want.strategy
+    saved = load_profile(str(measured_profile_path(2)))
+    assert saved.peak_flops == hw.peak_flops and saved.bandwidth_bytes_per_s == hw.bandwidth_bytes_per_s
+    planned = CliRunner().invoke(plan, ["--model", "tiny", "--tokens", "1000", "--dtype", "float32", "--json"])
+    assert planned.exit_code == 0, planned.output
+    assert json.loads(planned.output)["as_run"]["hardware"].startswith("measured here by an engine on 2 CP ranks")
