@@ -7,6 +7,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
+from ..planning.engine_config import SERVING
 from .options import DECODE_RANKS_OPTION, MODEL_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, nproc_option
 
 
@@ -92,10 +93,11 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, 
     try:
         status = serve_forever(host=host, port=port, api_key=api_key, drain_s=drain_s, log=_log,
                                limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit),
-                               model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
-                               dtype=dtype, weights=weights, store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
-                               timeout_s=timeout_s, max_document_tokens=max_document_tokens,
-                               chunk_tokens=chunk_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
+                               config=SERVING.replace(model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks,
+                                                      kv_dtype=kv_dtype, dtype=dtype, weights=weights,
+                                                      timeout_s=timeout_s, chunk_tokens=chunk_tokens),
+                               store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
+                               max_document_tokens=max_document_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                ingest_share=ingest_share, join_share=join_share)
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None

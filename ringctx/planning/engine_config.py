@@ -151,6 +151,12 @@ process in the model's dtype with the calibrated or built-in profile (the least 
 cheapest, for a library call)."""
 
 
+SERVING = EngineConfig(nproc="auto", dtype="auto")
+"""What `ringctx serve` (and `ringctx.serve.serve`) runs when given no options: "auto" ranks mean the
+layout that serves fastest here (one rank per GPU, one rank with every core on a CPU:
+engine.startup.serving_nproc) and the dtype this machine computes fastest."""
+
+
 def field_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(EngineConfig))
 

@@ -34,7 +34,7 @@ import torch
 from ..engine import Engine
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..engine.work_items import Prefill, Question
-from ..model.loader import DEFAULT_MODEL
+from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
 from . import backend as api
 from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument, auto_kv_budget, kv_bytes_per_token
@@ -55,15 +55,16 @@ class EngineBackend:
     """The Backend of `ringctx serve`, over an Engine whose ranks start once and stay up.
 
     Args:
-        model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, timeout_s: as Engine's ("auto" nproc: the
-            layout that serves fastest here, see ringctx.engine.serving_nproc).
+        config: the engine's EngineConfig (default SERVING; "auto" nproc: the layout that serves
+            fastest here, see ringctx.engine.serving_nproc); its chunk_tokens is the chunk
+            documents are ingested in (unset: serving_chunk_tokens, short on CPUs so that an
+            ingest pauses answers in flight briefly).
+        **settings: EngineConfig fields by name, replacing the config's (model=, nproc=, ...).
         store_dir: where documents are kept (records and KV caches); made if missing.
         kv_budget_bytes: bytes of KV cache the decode ranks keep in memory in all (None: see
             documents.KV_BUDGET_SHARE); beyond it the least recently used documents leave memory.
         max_queue: answers that may wait for their turn; more are refused with Overloaded.
         max_document_tokens: the longest document accepted (None: what the KV budget holds).
-        chunk_tokens: the chunk documents are ingested in (None: serving_chunk_tokens, short
-            on CPUs so that an ingest pauses answers in flight briefly).
         max_batch: questions decoded together at most (each step runs every one of them).
         max_step_tokens: tokens one step may run: one per question decoding plus the prompt tokens
             it prefills (questions joining, an ingest's chunk); None: the Scheduler's default (one
@@ -76,17 +77,18 @@ class EngineBackend:
         log: where one-line notices go (layout, documents loaded), e.g. print.
     """
 
-    def __init__(self, *, model: str = DEFAULT_MODEL, nproc="auto", tp: int = 1, decode_ranks=None,
-                 kv_dtype: str = "model", dtype="auto", weights: str = "model", store_dir: str = "ringctx-store",
-                 kv_budget_bytes: int | None = None, max_queue: int = 64, timeout_s: float = 300.0,
-                 max_document_tokens: int | None = None, chunk_tokens: int | None = None, max_batch: int = 16,
-                 max_step_tokens: int | None = None, ingest_share: float = 1.0, join_share: float = 1.0,
-                 log=None):
+    def __init__(self, config: EngineConfig = SERVING, *, store_dir: str = "ringctx-store",
+                 kv_budget_bytes: int | None = None, max_queue: int = 64, max_document_tokens: int | None = None,
+                 max_batch: int = 16, max_step_tokens: int | None = None, ingest_share: float = 1.0,
+                 join_share: float = 1.0, log=None, **settings):
         from ..engine import serving_layout
         from ..planning.prefill_plan import serving_chunk_tokens
 
         self.log = log or (lambda line: None)
-        nproc, note = serving_layout(nproc, None, tp)
+        config = config.replace(**settings).check()  # bad settings fail before any rank starts
+        nproc, note = serving_layout(config.nproc, config.device, config.tp)
+        config = config.replace(nproc=nproc)
+        model, chunk_tokens = config.model, config.chunk_tokens
         if note:
             self.log(f"ringctx serve: {note}")
         # Under torchrun every rank builds the Engine; rank 0 serves and leads, the others follow it.
@@ -95,8 +97,7 @@ class EngineBackend:
             self.store = DocumentStore(store_dir)  # a bad path fails before any rank starts
 
         def build() -> Engine:
-            built = Engine(model, nproc=nproc, tp=tp, decode_ranks=decode_ranks, kv_dtype=kv_dtype, dtype=dtype,
-                           timeout_s=timeout_s, chunk_tokens=chunk_tokens, weights=weights)
+            built = Engine(config=config)
             if self.is_server_rank and built.mode == "torchrun":
                 built.lead()
             return built
