@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ..model.int8_weights import WEIGHT_CHOICES
 from ..model.loader import DEFAULT_MODEL
+from ..parallel.ring import PASS_KV, PASS_Q
 from ..planning.engine_config import COMMAND_LINE
 from ..planning.hardware import AUTO, MEASURED, calibrated_profile_path, measured_profile_path, resolve_hardware, shown_source
 from ..planning.strategy import RULES
@@ -320,7 +321,7 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
         one = Table(title="strategy", show_header=True)
         for col in ("strategy", "pass-KV", "pass-Q", "miss rate"):
             one.add_column(col, justify="right" if col != "strategy" else "left")
-        one.add_row(f"[bold]{e.strategy}[/bold]", _ms(e.predicted_ms["pass-kv"]), _ms(e.predicted_ms["pass-q"]),
+        one.add_row(f"[bold]{e.strategy}[/bold]", _ms(e.predicted_ms[PASS_KV]), _ms(e.predicted_ms[PASS_Q]),
                     f"{e.choice.miss_rate:.3g}")
         console.print(one)
         console.print(f"[bold]reason:[/bold] {e.choice.short_reason}")
@@ -338,8 +339,8 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
                 chunks.add_row("...", *[""] * (len(chunks.columns) - 1))
             fast = min(e.predicted_ms, key=e.predicted_ms.get)
             cells = {s: (f"[bold]{_ms(v)}[/bold]" if s == fast else _ms(v)) for s, v in e.predicted_ms.items()}
-            chunks.add_row(str(e.index), f"{e.new_tokens:,}", f"{e.cached_tokens:,}", e.strategy, cells["pass-kv"],
-                           cells["pass-q"], f"{e.choice.miss_rate:.3g}", *((e.choice.short_reason,) if wide else ()))
+            chunks.add_row(str(e.index), f"{e.new_tokens:,}", f"{e.cached_tokens:,}", e.strategy, cells[PASS_KV],
+                           cells[PASS_Q], f"{e.choice.miss_rate:.3g}", *((e.choice.short_reason,) if wide else ()))
         console.print(chunks)
         # where the strategy switches (rows of a long plan may be left out above), then the rule once
         switches = [e for prev, e in zip(result.entries, result.entries[1:]) if e.strategy != prev.strategy]
@@ -523,8 +524,8 @@ def render_calibration(result, path: str) -> None:
         comm = n > 1
         compute.add_row(str(n), str(r.threads_per_rank), f"{r.compute_scale:.2f}",
                         f"{r.comm_overlap:.2f}" if comm else "-",
-                        f"{r.overhead_s['pass-kv'] * 1e3:.2f}" if comm else "-",
-                        f"{r.overhead_s['pass-q'] * 1e3:.2f}" if comm else "-")
+                        f"{r.overhead_s[PASS_KV] * 1e3:.2f}" if comm else "-",
+                        f"{r.overhead_s[PASS_Q] * 1e3:.2f}" if comm else "-")
     console.print(compute)
     console.print("[dim]compute x: a rank's compute rate against one alone; overlap: the share of messages hidden "
                   "under compute; +ms: a ring step's fixed overhead per strategy[/dim]")

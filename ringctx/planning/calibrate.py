@@ -49,7 +49,7 @@ import torch.distributed as dist
 from ringctx.kernels.cpu_features import cpu_model
 from ringctx.model.config import ModelConfig
 from ringctx.model.loader import DEFAULT_MODEL
-from ringctx.parallel.ring import STRATEGIES
+from ringctx.parallel.ring import PASS_KV, PASS_Q, STRATEGIES
 from ringctx.planning.hardware import (
     EmpiricalRuleCoefficients, HardwareProfile, RingCalibration, ThroughputPoint,
     canonical_dtype,
@@ -508,7 +508,7 @@ def fit_ring_model(measurements: list[dict[str, Any]], hw: HardwareProfile, mode
     (and All2All bandwidth) = 1/x, comm_overlap = f (compute_scale, which the linear layers use
     too, stays as measured). Returns the RingCalibration and the details.
     """
-    from ringctx.planning.strategy import PASS_KV, predict_strategy_cost
+    from ringctx.planning.strategy import predict_strategy_cost
 
     ring = hw.ring_sizes[world]
     base = dataclasses.replace(ring, comm_overlap=0.0, overhead_s={s: 0.0 for s in STRATEGIES},
@@ -549,7 +549,7 @@ def fit_ring_model(measurements: list[dict[str, Any]], hw: HardwareProfile, mode
     bw = 1.0 / x if x > 0 else max(ring.bandwidth_bytes_per_s, ring.all2all_bandwidth_bytes_per_s) * 10
     fitted = dataclasses.replace(ring, attention_factor=float(k), bandwidth_bytes_per_s=bw,
                                  all2all_bandwidth_bytes_per_s=bw, comm_overlap=f,
-                                 overhead_s={PASS_KV: float(o_kv), "pass-q": float(o_q)})
+                                 overhead_s={PASS_KV: float(o_kv), PASS_Q: float(o_q)})
     check = dataclasses.replace(hw, ring_sizes={**hw.ring_sizes, world: fitted})
     errors = []
     for m in measurements:
@@ -557,7 +557,7 @@ def fit_ring_model(measurements: list[dict[str, Any]], hw: HardwareProfile, mode
             pred = predict_strategy_cost(s, m["new_tokens"], m["cached_tokens"], model, world, check,
                                          dtype=dtype).attention_s
             errors.append(pred / m["seconds"][s] - 1)
-    details = {"overhead_s": {PASS_KV: float(o_kv), "pass-q": float(o_q)}, "compute_factor": float(k),
+    details = {"overhead_s": {PASS_KV: float(o_kv), PASS_Q: float(o_q)}, "compute_factor": float(k),
                "effective_bandwidth_bytes_per_s": bw, "comm_overlap": f, "cases": len(measurements),
                "median_abs_error": float(np.median(np.abs(errors))) if errors else None,
                "max_abs_error": float(np.max(np.abs(errors))) if errors else None}
@@ -598,7 +598,7 @@ def fit_rules_to_cost_model(hw: HardwareProfile, model: ModelConfig, cp_sizes, d
 
     Grid: T, P in {round(2**(k/4))} up to `max_tokens` (and P = 0); source "fit-to-cost-model".
     """
-    from ringctx.planning.strategy import PASS_KV, fit_empirical_rule, fitting_grid, predict_costs
+    from ringctx.planning.strategy import fit_empirical_rule, fitting_grid, predict_costs
 
     T, P = fitting_grid(max_tokens)
     rules = []
@@ -609,7 +609,7 @@ def fit_rules_to_cost_model(hw: HardwareProfile, model: ModelConfig, cp_sizes, d
             labels = []
             for t, p in zip(T.tolist(), P.tolist()):
                 costs = predict_costs(int(t), int(p), model, N, hw, dtype=dtype)
-                labels.append(costs[PASS_KV].attention_s <= costs["pass-q"].attention_s)
+                labels.append(costs[PASS_KV].attention_s <= costs[PASS_Q].attention_s)
             a, b, c, _ = fit_empirical_rule(T, P, labels)
             a, b, c = (round(x, decimals) for x in (a, b, c))
             h = a * np.log(T) + b * np.log(T / (T + P)) + c
