@@ -25,9 +25,9 @@ import os
 import torch
 
 from . import build
+# The C code's own limits, defined and checked in abi.py; the layers above read them here, beside
+# the rules built on them.
 from .abi import MAX_BATCH, MAX_HEAD_DIM, MAX_QUERY_ROWS_PER_KV_HEAD, Q8_KINDS
-
-__all__ = ["MAX_BATCH", "MAX_HEAD_DIM", "MAX_QUERY_ROWS_PER_KV_HEAD"]  # read here by the layers above
 
 # -- matrix products -------------------------------------------------------------------------
 
