@@ -157,7 +157,7 @@ typedef struct {
 
 #define MAX_BATCH 64
 /* Most rows a batch step's products read int8 weights' codes for (INT8_MAX_ROWS of
- * ringctx/kernels/selection.py): widening a code costs more than widening a bf16 value, and each row
+ * ringctx/kernels/abi.py, checked at load): widening a code costs more than widening a bf16 value, and each row
  * widens them again; SmolLM2 steps at 8K tokens took 0.94x the time of the bf16 values' with one
  * row, 1.00x with 2, 1.11x with 4, 1.20x with 8, so more rows read the values (the same sums). */
 #define INT8_MAX_ROWS 1
@@ -680,7 +680,8 @@ static const ringctx_abi_field abi_fields[] = {
 };
 
 static const ringctx_abi_limit abi_limits[] = {
-    {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8},
+    {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"INT8_MAX_ROWS", INT8_MAX_ROWS},
+    {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8},
 };
 
 /* The struct and field table above; *count receives its length. Plain data: safe to call before

@@ -28,6 +28,12 @@ Triton decode kernel (attention/triton_attn.py) takes the same rows on GPUs."""
 MAX_HEAD_DIM = 256
 """Widest head the attention kernels, RoPE and the fused steps take (MAX_D of csrc/cpu_kernels.h)."""
 
+INT8_MAX_ROWS = 1
+"""Most activation rows `small_linear_int8` (and the fused batch step, INT8_MAX_ROWS of
+csrc/cpu_decode.c) read int8 codes for: each row widens the codes again, dearer than widening
+bf16, so that a batch step at 8K tokens took 0.94x the time of the values' with one row and
+1.00-1.20x with 2-8; more rows read the bf16 values (the same sums). kernels/selection.py reads it."""
+
 Q8_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 """The 8-bit cache formats the q8 decode kernels read (ringctx/attention/quant.py), and their `kind`
 code in csrc/cpu_kernels.h (Q8_INT8, Q8_FP8)."""
@@ -75,6 +81,7 @@ LIMITS: dict[str, int] = {
     "MAX_BATCH": MAX_BATCH,
     "MAX_R": MAX_QUERY_ROWS_PER_KV_HEAD,
     "MAX_D": MAX_HEAD_DIM,
+    "INT8_MAX_ROWS": INT8_MAX_ROWS,
     "Q8_INT8": Q8_KINDS[torch.int8],
     "Q8_FP8": Q8_KINDS[torch.float8_e4m3fn],
 }

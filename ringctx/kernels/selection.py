@@ -5,9 +5,9 @@ The layer-by-layer path asks these questions (model/transformer.py's `linear`,
 attention/kernels.py's `attention_block`, attention/quant.py), the wrappers of kernels/cpu.py
 check their inputs with the `*_applies` rules here, and the fused steps (model/decode_step.py)
 ask the same functions, so that a fused call runs exactly where the Python path would have run
-the kernels it is made of. Limits that are the C code's own (MAX_BATCH, MAX_QUERY_ROWS_PER_KV_HEAD,
-MAX_HEAD_DIM) are defined in kernels/abi.py, checked against the library when it loads, and read
-here.
+the kernels it is made of. Limits the C code holds too (MAX_BATCH, MAX_QUERY_ROWS_PER_KV_HEAD,
+MAX_HEAD_DIM, INT8_MAX_ROWS) are defined in kernels/abi.py, checked against the library when it
+loads, and read here.
 
     rows of activations   1..MAX_ROWS        small_linear (decode-sized: `decode_sized_rows`)
     (`linear_kernel`)     ..UPCAST_MIN_ROWS-1 small_linear where bf16 computes in float32, else
@@ -25,9 +25,9 @@ import os
 import torch
 
 from . import build
-from .abi import MAX_BATCH, MAX_HEAD_DIM, MAX_QUERY_ROWS_PER_KV_HEAD, Q8_KINDS
-
-__all__ = ["MAX_BATCH", "MAX_HEAD_DIM", "MAX_QUERY_ROWS_PER_KV_HEAD"]  # read here by the layers above
+# The limits the C code holds too, defined and checked in abi.py; the layers above read them here,
+# beside the rules built on them.
+from .abi import INT8_MAX_ROWS, MAX_BATCH, MAX_HEAD_DIM, MAX_QUERY_ROWS_PER_KV_HEAD, Q8_KINDS
 
 # -- matrix products -------------------------------------------------------------------------
 
@@ -50,12 +50,6 @@ AMX_LINEAR_ROWS = (9, 48)
 """Rows of x that `amx_linear` takes: above small_linear's MAX_ROWS (decode steps keep their own
 kernel, whose rows do not depend on the batch) up to 48, where PyTorch's matmul caught up
 (measured: csrc/cpu_attention_amx.c; the kernel itself takes up to 64)."""
-
-INT8_MAX_ROWS = 1
-"""Most activation rows `small_linear_int8` (and the fused batch step, INT8_MAX_ROWS of
-csrc/cpu_decode.c) read int8 codes for: each row widens the codes again, dearer than widening
-bf16, so that a batch step at 8K tokens took 0.94x the time of the values' with one row and
-1.00-1.20x with 2-8; more rows read the bf16 values (the same sums)."""
 
 SMALL_LINEAR = "small_linear"
 AMX_LINEAR = "amx_linear"
