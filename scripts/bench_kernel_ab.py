@@ -35,7 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 _MEASURE = """
 import json, statistics, sys, torch
 torch.set_num_threads(2)
-from ringctx.kernels import build
+try:
+    from ringctx.kernels import build
+except ImportError:  # a revision before ringctx/kernels/
+    from ringctx import cpu_kernels as build
 from ringctx.model import load_model, resolve_dtype
 dtype, prompt, variant = sys.argv[1], int(sys.argv[2]), sys.argv[3] or None
 build.use_variant(variant)
