@@ -1,6 +1,6 @@
 """Does the strategy heuristic pick the faster of ring pass-KV and pass-Q on this machine?
 
-    python scripts/bench_strategy.py --hardware ringctx-hardware.json [--worlds 2,4]
+    python scripts/bench_strategy.py [--hardware PROFILE] [--worlds 2,4]
         [--tokens 64,128,...,8192] [--miss 0.01,0.02,0.05,0.1,0.2,0.5,1] [--repeats 3]
         [--max-case-seconds 1.0] [--max-full-seconds 4.0] [--json .bench/strategy.json]
         [--write-rules PROFILE.json] [--from-json EARLIER.json] [--quick]
@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ringctx.planning.calibrate import ring_strategy_job
+from ringctx.planning.hardware import calibrated_profile_path
 from ringctx.planning.empirical import (
     evaluate_picks, faster, fit_rule_to_measurements, gap, leave_one_out_picks, rule_picks,
 )
@@ -76,7 +77,7 @@ def evaluate(measurements, model, world, hw, dtype):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hardware", default="ringctx-hardware.json", help="profile (from ringctx calibrate)")
+    ap.add_argument("--hardware", default=str(calibrated_profile_path()), help="profile (default: the one `ringctx calibrate` wrote)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--worlds", default="2,4")

@@ -1,6 +1,6 @@
 """Predicted versus measured time to first token of the engine's prefill at W = 1, 2, 4.
 
-    python scripts/bench_ttft_prediction.py --hardware ringctx-hardware.json [--worlds 1,2,4]
+    python scripts/bench_ttft_prediction.py [--hardware PROFILE] [--worlds 1,2,4]
         [--tokens 4096] [--chunk-tokens 4096] [--dtype bfloat16] [--rule alg5] [--repeats 2]
         [--json .bench/ttft.json]
 
@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ringctx.engine import Engine
-from ringctx.planning.hardware import load_profile
+from ringctx.planning.hardware import calibrated_profile_path, load_profile
 from ringctx.planning.prefill_plan import plan_prefill, resolve_model_config
 
 console = Console(width=160)
@@ -52,7 +52,7 @@ def measure(model: str, world: int, hw, tokens: int, chunk: int, dtype: str, rul
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hardware", default="ringctx-hardware.json")
+    ap.add_argument("--hardware", default=str(calibrated_profile_path()), help="profile (default: the one `ringctx calibrate` wrote)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--tokens", type=int, default=4096)
