@@ -106,8 +106,6 @@ class EngineConfig:
             raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.decode_ranks is not None and self.decode_ranks < 1:
-            raise ValueError(f"decode_ranks must be >= 1, got {self.decode_ranks}")
         if not self.timeout_s or self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
         if self.startup_timeout_s is not None and self.startup_timeout_s <= 0:
