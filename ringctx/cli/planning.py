@@ -113,6 +113,8 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
          weight_dtype, weights, no_handoff, decode_ranks, kv_dtype, as_json):
     """Plan a prefill and the decode after it: strategy per chunk and why, predicted times, TTFT,
     memory per prefill rank and per decode device. With --hosts, first propose the mesh (cp, tp).
+    Options left out take what `ringctx prefill` would run with (ranks, chunks, dtype, this
+    machine's profile); the header says which.
 
     \b
     Exit status:
@@ -179,18 +181,23 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
         raise DoesNotFit(problem)
 
 
+def _ranks_here(tp: int) -> int:
+    """CP ranks `ringctx prefill --nproc auto` starts on this machine (engine.startup.auto_nproc)."""
+    from ..engine.startup import auto_nproc
+
+    return max(1, auto_nproc(None, tp) // tp)
+
+
 def _this_machine_profile(cp_size: int | None, tp: int) -> tuple[str, str]:
     """(profile, where it came from) for a plan of this machine, as `prefill` and `ingest` decide
     with it by default (hardware "auto"): the calibrated profile; on a CPU without one, what an
     engine measured here at start-up on as many CP ranks (it keeps it for plan), else the
     built-in "cpu" with a word on how to get this machine's numbers."""
-    from ..engine.startup import auto_nproc
-
     name = resolve_hardware(AUTO, _on_gpu())
     if name != MEASURED:
         return name, (f"this machine's calibrated profile, {name}" if name.endswith(".json")
                       else f"the built-in {name}")
-    cp = cp_size if cp_size is not None else max(1, auto_nproc(None, tp) // tp)
+    cp = cp_size if cp_size is not None else _ranks_here(tp)
     path = measured_profile_path(cp)
     if path.is_file():
         return str(path), f"measured here by an engine on {cp} CP rank{'s' if cp > 1 else ''} ({path})"
@@ -210,7 +217,6 @@ class RunDefaults:
 
     @classmethod
     def resolve(cls, config, hw, *, here: bool, hosts, gpus: int, cp_size, tp: int, chunk_tokens, dtype):
-        from ..engine.startup import auto_nproc
         from ..model.tensor_parallel import TensorParallel
         from ..planning.machine_speed import preferred_dtype
         from ..planning.prefill_plan import chunk_tokens_for
@@ -220,8 +226,9 @@ class RunDefaults:
             cp = 1 if cp_size is None else cp_size  # with --hosts the proposal chooses; its world is hosts x gpus
             notes["ranks"] = "as given"
         elif here:
-            cp = max(1, auto_nproc(None, tp) // tp)
-            notes["ranks"] = f"CP {cp} x TP {tp}: the ranks `prefill --nproc auto` starts here"
+            cp = _ranks_here(tp)
+            notes["ranks"] = (f"CP {cp} x TP {tp}: the ranks `prefill --nproc auto` starts here (`ingest` and "
+                              "`serve` run one rank with every core on a CPU: --cp 1)")
         else:
             cp = max(1, hw.host_devices() // tp)
             notes["ranks"] = f"CP {cp} x TP {tp}: one rank per device of one {hw.name} host, as --nproc auto"
@@ -236,8 +243,6 @@ class RunDefaults:
             shard = TensorParallel(tp, 0).shard_config(config) if tp > 1 else config
             chunk_tokens = chunk_tokens_for(shard, world, dtype, on_gpu=not _is_cpu_profile(hw))
             notes["chunks"] = f"{chunk_tokens:,} tokens: the engine's default chunk for this model on {world} ranks"
-        elif chunk_tokens is None:
-            notes["chunks"] = "one prefill of all the tokens"
         elif chunk_tokens == 0:
             chunk_tokens, notes["chunks"] = None, "one prefill of all the tokens (--chunk-tokens 0)"
         else:
@@ -297,7 +302,7 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     """Rich tables of a Plan: the setting, the chunks, the times and the memory per rank; `as_run`
     (RunDefaults.notes) says where each setting came from."""
     hw = result.hardware
-    head = Table(title="ringctx plan: what `ringctx prefill` / `ingest` run with these options", show_header=False)
+    head = Table(title="ringctx plan: what `ringctx prefill` runs with these options", show_header=False)
     head.add_column("what", style="bold")
     head.add_column("value")
     cal = "calibrated" if hw.calibrated else "UNCALIBRATED (run `ringctx calibrate`)"
