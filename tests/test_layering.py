@@ -4,9 +4,10 @@
 
 Every module of ringctx/ is parsed (never imported) and every import it makes is checked, those
 inside functions too: a module may import its own package and the layers below it, never one
-above; `model/` and `parallel/` are siblings that do not import each other; single-device
-attention (`attention/`) imports no `torch.distributed`. A failure names the module, the line and
-the import.
+above; `model/` and `parallel/` are siblings that do not import each other; `torch.distributed`
+is imported only by the code that runs between ranks (BETWEEN_RANKS: never single-device
+attention); no modules import each other round a circle. A failure names the module, the line and
+the import (a circle: its modules).
 """
 
 from __future__ import annotations
@@ -67,29 +68,29 @@ def is_module(name: str, package: Path = PACKAGE) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+def module_imports(package: Path = PACKAGE):
+    """(file, module, line, imported module) of every import of every module but TOP's."""
+    for path in sorted(package.rglob("*.py")):
+        module = module_name(path, package)
+        if module not in TOP:
+            for line, target in imports(path, package):
+                yield path.relative_to(package.parent), module, line, target
+
+
 def layering_problems(package: Path = PACKAGE) -> list[str]:
     """One line per import against the layering, e.g. 'ringctx/parallel/mesh.py:20 imports
     ringctx.model.tensor_parallel (parallel may not import model)'."""
     problems = []
-    for path in sorted(package.rglob("*.py")):
-        module = module_name(path, package)
-        if module in TOP:
+    for where, module, line, target in module_imports(package):
+        if target in TOP:
+            problems.append(f"{where}:{line} imports {target} (the package's public face; import "
+                            "the module that defines the name)")
             continue
-        here = part_of(module)
-        where = path.relative_to(package.parent)
-        for line, target in imports(path, package):
-            if here == "attention" and (target == "torch.distributed" or target.startswith("torch.distributed.")):
-                problems.append(f"{where}:{line} imports {target} (single-device attention uses no torch.distributed)")
-            if not target.startswith("ringctx.") or target in TOP:
-                if target in TOP:
-                    problems.append(f"{where}:{line} imports {target} (the package's public face; import "
-                                    "the module that defines the name)")
-                continue
-            there = part_of(target)
-            if there == here:
-                continue
-            if LAYERS[there] >= LAYERS[here]:
-                problems.append(f"{where}:{line} imports {target} ({here} may not import {there})")
+        if not target.startswith("ringctx."):
+            continue
+        here, there = part_of(module), part_of(target)
+        if there != here and LAYERS[there] >= LAYERS[here]:
+            problems.append(f"{where}:{line} imports {target} ({here} may not import {there})")
     return problems
 
 
@@ -175,17 +176,11 @@ collectives, and calibration's measurement jobs. Anything else asks one of these
 
 
 def distributed_problems(package: Path = PACKAGE) -> list[str]:
-    """One line per torch.distributed import outside BETWEEN_RANKS."""
-    problems = []
-    for path in sorted(package.rglob("*.py")):
-        module = module_name(path, package)
-        if module in TOP or module in BETWEEN_RANKS or part_of(module) in BETWEEN_RANKS:
-            continue
-        for line, target in imports(path, package):
-            if target == "torch.distributed" or target.startswith("torch.distributed."):
-                problems.append(f"{path.relative_to(package.parent)}:{line} imports {target} (only "
-                                f"{', '.join(sorted(BETWEEN_RANKS))} talk between ranks)")
-    return problems
+    """One line per torch.distributed import outside BETWEEN_RANKS (single-device attention among them)."""
+    return [f"{where}:{line} imports {target} (only {', '.join(sorted(BETWEEN_RANKS))} talk between ranks)"
+            for where, module, line, target in module_imports(package)
+            if (target == "torch.distributed" or target.startswith("torch.distributed."))
+            and module not in BETWEEN_RANKS and part_of(module) not in BETWEEN_RANKS]
 
 
 def test_torch_distributed_only_where_ranks_talk():
@@ -214,7 +209,7 @@ def test_the_check_sees_imports_inside_functions_and_relative_ones(tmp_path):
     found = layering_problems(root)
     assert any(p.startswith("ringctx/model/bad.py:2 imports ringctx.engine") for p in found), found
     assert any(p.startswith("ringctx/model/sideways.py:1 imports ringctx.parallel") for p in found), found
-    assert any("attention/dist.py:1 imports torch.distributed" in p for p in found), found
+    assert any("attention/dist.py:1 imports torch.distributed" in p for p in distributed_problems(root)), found
     assert not any(p.startswith("ringctx/engine/") for p in found), found
 
 
