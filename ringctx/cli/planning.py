@@ -45,15 +45,6 @@ def _fail(err: Exception) -> "click.ClickException":
     return click.ClickException(str(err).splitlines()[0] if str(err) else type(err).__name__)
 
 
-def _on_gpu() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
 def _table_gb(x: float) -> str:
     return fmt_gb(x, places=3)
 
@@ -193,7 +184,9 @@ def _this_machine_profile(cp_size: int | None, tp: int) -> tuple[str, str]:
     with it by default (hardware "auto"): the calibrated profile; on a CPU without one, what an
     engine measured here at start-up on as many CP ranks (it keeps it for plan), else the
     built-in "cpu" with a word on how to get this machine's numbers."""
-    name = resolve_hardware(AUTO, _on_gpu())
+    from ..engine.startup import runs_on_gpu
+
+    name = resolve_hardware(AUTO, runs_on_gpu())
     if name != MEASURED:
         return name, (f"this machine's calibrated profile, {name}" if name.endswith(".json")
                       else f"the built-in {name}")

@@ -43,13 +43,17 @@ def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mo
     return state
 
 
+def runs_on_gpu(device=None) -> bool:
+    """Whether ranks given `device` run on GPUs: "cuda" asked for, or none asked for and CUDA here."""
+    return (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
+
+
 def auto_nproc(device=None, tp: int = 1) -> int:
     """Local ranks for nproc="auto": one per GPU; on a CPU with 2 or more cores, 2 ranks, each with
     half of the cores' threads (a CPU host gains little from more ranks than threads would give it,
     and every rank holds a copy of the weights); 1 on a single core. A mesh needs a multiple of
     `tp`: GPUs round down to one (never more ranks than GPUs, at least tp), CPU ranks round up."""
-    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
-    if on_gpu:
+    if runs_on_gpu(device):
         return max(tp, torch.cuda.device_count() // tp * tp)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return -(-(2 if cores >= 2 else 1) // tp) * tp
@@ -61,8 +65,7 @@ def serving_nproc(device=None, tp: int = 1) -> tuple[int, str]:
     second rank brings no compute or bandwidth, only messages: on a 2-core AMD EPYC a decode step of
     SmolLM2 took 43-47 ms on one rank against 80-92 ms on two, and a first question over an
     8K-token document 36.8 s against 42.5 s (docs/BENCHMARKS.md). GPUs each bring their own."""
-    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
-    if on_gpu:
+    if runs_on_gpu(device):
         n = max(tp, torch.cuda.device_count() // tp * tp)
         return n, f"one rank per GPU ({n}): each brings its own compute and memory"
     return tp, ("one rank with every core: CPU ranks of one host share its cores and memory bandwidth, so more "
@@ -114,8 +117,7 @@ def load_hardware(hardware, device=None):
 
     if isinstance(hardware, HardwareProfile):
         return hardware, False
-    on_gpu = (device is None and torch.cuda.is_available()) or (device is not None and "cuda" in str(device))
-    resolved = resolve_hardware(hardware, on_gpu)
+    resolved = resolve_hardware(hardware, runs_on_gpu(device))
     if resolved == MEASURED:
         return load_profile("cpu"), True
     return load_profile(resolved), False

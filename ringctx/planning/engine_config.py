@@ -19,8 +19,9 @@ import functools
 import inspect
 from dataclasses import dataclass
 
+from ..attention.kernels import BACKENDS
 from ..attention.quant import check_kv_dtype
-from ..model.int8_weights import WEIGHT_CHOICES, check_weights
+from ..model.int8_weights import check_weights
 from ..model.loader import DEFAULT_MODEL
 from ..parallel.ring import STRATEGIES
 from .strategy import RULES
@@ -29,7 +30,7 @@ STRATEGY_CHOICES = ("auto", *STRATEGIES)
 """What `strategy` accepts: the per-chunk rule, or one strategy for every chunk."""
 
 ATTN_BACKENDS = ("auto", "torch", "triton", "flash-attn")
-"""What `attn_backend` accepts (ringctx.attention.kernels)."""
+"""The `attn_backend`s the command line offers; the Python API takes any of attention.kernels.BACKENDS."""
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,8 @@ class EngineConfig:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
         if self.rule not in RULES:
             raise ValueError(f"unknown rule {self.rule!r}; use one of {', '.join(RULES)}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"unknown attn_backend {self.attn_backend!r}; use one of {', '.join(ATTN_BACKENDS)}")
+        if self.attn_backend not in BACKENDS:
+            raise ValueError(f"unknown attn_backend {self.attn_backend!r}; use one of {', '.join(BACKENDS)}")
         if self.nproc != "auto" and (not isinstance(self.nproc, int) or isinstance(self.nproc, bool) or self.nproc < 1):
             raise ValueError(f"nproc must be a positive integer or 'auto', got {self.nproc!r}")
         if not isinstance(self.tp, int) or self.tp < 1:

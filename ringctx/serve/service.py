@@ -85,7 +85,7 @@ class EngineBackend:
         from ..planning.prefill_plan import serving_chunk_tokens
 
         self.log = log or (lambda line: None)
-        config = config.replace(**settings).check()  # bad settings fail before any rank starts
+        config = config.replace(**settings)
         nproc, note = serving_layout(config.nproc, config.device, config.tp)
         config = config.replace(nproc=nproc)
         model, chunk_tokens = config.model, config.chunk_tokens
