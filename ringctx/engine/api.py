@@ -635,6 +635,27 @@ class Engine:
         document = self.run_command("load", commands.LOAD, os.fspath(path), self.new_id(), decode_room)
         return self.keep_document(document)
 
+    def document_prefix(self, document: Document, tokens: int, *, decode_room: int = 256) -> Document | None:
+        """A new Document of `document`'s first `tokens` tokens (a prompt that shares only its start
+        with a cached one asks about this): each decode rank copies its rows at those positions,
+        where they are, with `decode_room` rows free. None off the decode ranks.
+
+        Example:
+            >>> engine = Engine("tiny", dtype="float32")
+            >>> document = engine.ingest(list(range(100)))
+            >>> engine.document_prefix(document, 40).length
+            40
+        """
+        if not self.state.is_decode_rank:
+            return None
+        if not 0 < tokens <= document.length:
+            raise ValueError(f"a prefix of {tokens} tokens of a {document.length}-token document: give 1 to "
+                             f"{document.length}")
+        self.end_open_answer(document)  # an answer's rows would be cut off the copy anyway
+        prefix = self.run_command("prefix", commands.PREFIX, document.id, int(tokens), self.new_id(), decode_room,
+                                  document=document)
+        return self.keep_document(prefix)
+
     def drop_document(self, document: Document) -> None:
         """Free `document`'s KV cache on every decode rank."""
         if self.state.is_decode_rank:

@@ -257,6 +257,12 @@ class BatchMember:
         self.first_piece: str | None = None
         """The text its first token (sampled at join) made final."""
         self.left = False
+        self.keep: str | None = None
+        """What becomes of its rows once it completes: None, freed; "copy", kept as a new document
+        (its document's rows, its question's and its answer's); "extend", added to its document (a
+        document no other member reads; else as "copy"). A cancelled member's rows are freed."""
+        self.kept: Document | None = None
+        """The document its rows became (after it left, with `keep`), or None."""
 
     @property
     def done(self) -> bool:
@@ -306,9 +312,15 @@ class Batch:
         self.steps = 0
         self.last_step_s = 0.0
 
-    def join(self, document: Document | None, prompt, *, max_new_tokens: int = 256, **sampling) -> BatchMember:
+    def join(self, document: Document | None, prompt, *, max_new_tokens: int = 256, keep: str | None = None,
+             **sampling) -> BatchMember:
         """Add a sequence: its question's prefill and first token now (`first_piece`); it then
-        advances with every `step`. prompt: question text (in the document's chat frame) or token ids."""
+        advances with every `step`. prompt: question text (in the document's chat frame) or token ids;
+        keep: what becomes of its rows when it completes (BatchMember.keep)."""
+        if keep not in (None, "copy", "extend"):
+            raise ValueError(f"keep must be None, 'copy' or 'extend', got {keep!r}")
+        if keep == "extend" and document is None:
+            keep = "copy"
         engine = self.engine
         ids = engine.question_ids(document, prompt)
         if ids.numel() == 0:
@@ -317,6 +329,7 @@ class Batch:
         generation = Generation(engine.model, ids, max_new_tokens=max_new_tokens, decoder=_MemberDecoder(),
                                 **sampling)
         member = BatchMember(self, sequence_id, document, generation, int(ids.numel()) + max_new_tokens)
+        member.keep = keep
         started = time.perf_counter()
         logits = self._join(sequence_id, document, generation.prompt_ids)  # a ValueError leaves nothing behind
         member.first_piece = generation.accept_first(logits, started)
@@ -355,7 +368,24 @@ class Batch:
         if member in self.members:
             self.members.remove(member)
         member.generation.close()
+        if member.keep is not None and member.result is not None:
+            try:
+                member.kept = self._keep(member)
+            except ValueError:  # its rows could not be kept (checked alike on every rank): they are freed
+                member.kept = None
         self.engine.run_command("decode", commands.BATCH_LEAVE, member.id)
+
+    def _keep(self, member: BatchMember) -> Document:
+        """BATCH_KEEP on every decode rank: the member's rows as a document (see BatchMember.keep)."""
+        engine = self.engine
+        generated = member.result.token_ids
+        fed = torch.cat([member.generation.prompt_ids.cpu(),
+                         torch.tensor(generated[:max(0, len(generated) - 1)], dtype=torch.long)])
+        shared = member.document is None or any(m.document is member.document for m in self.members)
+        new_id = engine.new_id() if member.keep == "copy" or shared else -1
+        document = engine.run_command("decode", commands.BATCH_KEEP, member.id, _ints(fed.tolist()), new_id,
+                                      KEPT_ROOM_ROWS)
+        return document if new_id < 0 else engine.keep_document(document)
 
     @property
     def rows_reserved(self) -> int:
@@ -370,6 +400,10 @@ class Batch:
             engine.end_open_answer(document)  # a lone answer's rows sit where the question's go for a moment
         return engine.run_command("decode", commands.BATCH_JOIN, sequence_id, -1 if document is None else document.id,
                                   _ints(token_ids.tolist()), document=document)
+
+
+KEPT_ROOM_ROWS = 256
+"""Rows a kept sequence's document keeps free on each decode rank for the next question's prefill."""
 
 
 def _ints(values) -> bytes:

@@ -131,6 +131,38 @@ class BatchDecoder:
         """Forget a sequence: its own rows are freed (not collective; unknown ids are ignored)."""
         self.sequences.pop(sequence_id, None)
 
+    def keep(self, sequence_id: int, token_ids: torch.Tensor, new_id: int | None, room: int) -> Document:
+        """The sequence's rows kept as a document (a conversation's next turn asks about it): its
+        document's rows and its own rows (question and answer so far), this rank's part of them.
+
+        token_ids: the sequence's tokens after its document whose K/V its rows hold (its question,
+        then the answer's tokens fed back; the last sampled token has no row and is not given).
+        new_id: the new document's id, or None to extend the sequence's document in place (only
+        when no other sequence reads it: its rows would grow under them); room: rows kept free.
+        Not collective: every decode rank keeps its own rows."""
+        s = self.sequences[sequence_id]
+        document = s.document
+        before = document.length if document is not None else 0
+        if int(token_ids.numel()) != s.length - before:
+            raise ValueError(f"sequence {sequence_id} holds {s.length - before} tokens after its document, "
+                             f"{int(token_ids.numel())} given")
+        base = document.rewind() if document is not None else None
+        if new_id is None:
+            if document is None:
+                raise ValueError("a sequence without a document has none to extend: give the new document an id")
+            if any(o is not s and o.document is document for o in self.sequences.values()):
+                raise ValueError("another sequence reads the document: keep this one as a new document")
+            cache = append_rows(base, s.own, room)
+            document.cache, document.rows = cache, cache.length
+            document.token_ids = torch.cat([document.token_ids, token_ids.to(document.token_ids.dtype)])
+            return document
+        cache = joined_rows(base, s.own, room)
+        tokens = token_ids if document is None else torch.cat([document.token_ids, token_ids])
+        if document is None:
+            return Document(cache=cache, token_ids=tokens, id=new_id)
+        return Document(cache=cache, token_ids=tokens, question_prefix=document.question_prefix,
+                        question_suffix=document.question_suffix, metadata=dict(document.metadata), id=new_id)
+
     # -- one step -----------------------------------------------------------------------------
     def step(self, sequence_ids: list[int], tokens: list[int]) -> torch.Tensor | None:
         """Feed tokens[i] to sequence sequence_ids[i], all in one step; float32 logits [B, vocab] of
@@ -236,6 +268,57 @@ class BatchDecoder:
         cfg = self.model.config
         self._shm = ShmExchange.create(size * cfg.n_heads * (cfg.head_dim + 1), self.group, self.timeout_s)
         self._shm_batch = size if self._shm is not None else 1 << 62  # None: the process group, for good
+
+
+def append_rows(cache: KVCache, rows: KVCache, room: int) -> KVCache:
+    """`cache` (grown when it lacks the room) with `rows`' valid rows after its own, positions kept;
+    `room` rows stay free after them. An in-order cache stays in order (rows must then continue it)."""
+    n, start = rows.length, cache.length
+    if cache.positions is None and not torch.equal(rows.row_positions(), torch.arange(start, start + n)):
+        raise ValueError("rows appended to a cache in sequence order must continue it")
+    cache = cache.grown(start + n + room)
+    for dst, src in zip(cache.storage_tensors(), rows.storage_tensors()):
+        dst[start:start + n].copy_(src[:n])
+    if cache.positions is not None:
+        cache.positions[start:start + n] = rows.row_positions()
+    cache.length = start + n
+    return cache
+
+
+def joined_rows(first: KVCache | None, rows: KVCache, room: int) -> KVCache:
+    """A new cache of `first`'s valid rows (None: none) then `rows`', positions kept, `room` rows free."""
+    like = first if first is not None else rows
+    total = (first.length if first is not None else 0) + rows.length
+    sliced = first is None or first.positions is not None
+    out = KVCache(like.n_layers, total + max(room, 1), like.n_kv_heads, like.head_dim, dtype=like.dtype,
+                  device=like.device, kv_dtype=like.kv_dtype, sliced=sliced)
+    if first is not None:
+        for dst, src in zip(out.storage_tensors(), first.storage_tensors()):
+            dst[:first.length].copy_(src[:first.length])
+        if sliced:
+            out.positions[:first.length] = first.row_positions()
+        out.length = first.length
+    return append_rows(out, rows, room)
+
+
+def prefix_rows(cache: KVCache, tokens: int, room: int) -> KVCache:
+    """A new cache of `cache`'s rows at positions below `tokens`, in their order, positions kept
+    (`room` rows free): a document cut back to its first `tokens` tokens."""
+    positions = cache.row_positions()
+    keep = torch.nonzero(positions < tokens).flatten()
+    n = int(keep.numel())
+    out = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
+                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=cache.positions is not None)
+    contiguous = n == 0 or int(keep[-1]) == n - 1  # the first n rows: one copy each
+    for dst, src in zip(out.storage_tensors(), cache.storage_tensors()):
+        if contiguous:
+            dst[:n].copy_(src[:n])
+        else:
+            torch.index_select(src, 0, keep.to(src.device), out=dst[:n])
+    if out.positions is not None:
+        out.positions[:n] = positions[keep]
+    out.length = n
+    return out
 
 
 def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:

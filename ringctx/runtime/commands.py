@@ -12,7 +12,9 @@ collectives match:
     Engine.generate / ask    ->  ANSWER_START, ANSWER_STEP x tokens, ANSWER_END          ->  runtime/decode.py ShardedDecoder
                                  (under torchrun, where every rank calls generate: ANSWER_FOLLOW on the followers)
     Engine.batch / ask_many  ->  BATCH_JOIN per question, BATCH_STEP per step of every sequence, BATCH_LEAVE
+                                 (BATCH_KEEP before it: the sequence's rows kept as a document)
                                                                                  ->  runtime/batch.py BatchDecoder
+    Engine.document_prefix   ->  PREFIX         ->  a document's first tokens as a new document
     Engine.save_document     ->  SAVE           ->  runtime/documents.py save_document_slices
     Engine.start_save        ->  SAVE_START, SAVE_FINISH   (the slices written on a thread between them)
     Engine.load_document     ->  LOAD           ->  runtime/documents.py load_document_slices
@@ -47,7 +49,7 @@ from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
 from ..planning.hardware import HardwareProfile
 from ..units import fmt_bytes
-from .batch import BatchDecoder
+from .batch import BatchDecoder, prefix_rows
 from .decode import ShardedDecoder
 from .document import Document
 from .documents import ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
@@ -221,6 +223,30 @@ def batch_leave(state: RankState, sequence_id: int) -> None:
     batch_decoder(state).leave(sequence_id)
 
 
+def batch_keep(state: RankState, sequence_id: int, ids: bytes, new_id: int, room: int) -> Document:
+    """A sequence's rows kept as a document before it leaves (BatchDecoder.keep): new_id -1 extends
+    its document in place. No message between ranks: each keeps its own rows."""
+    document = batch_decoder(state).keep(sequence_id, ids_from_bytes(ids), None if new_id < 0 else new_id, room)
+    state.documents[document.id] = document
+    return document
+
+
+# ------------------------------------------------------------------------------------------ prefixes
+def document_prefix(state: RankState, document_id: int, tokens: int, new_id: int, room: int, *,
+                    document: Document | None = None) -> Document:
+    """A new document of a document's first `tokens` tokens: each decode rank copies its rows at
+    those positions (no message between ranks; the rows stay where they were)."""
+    document = document or state.document(document_id)
+    if not 0 < tokens <= document.length:
+        raise ValueError(f"a prefix of {tokens} tokens of a {document.length}-token document")
+    cache = prefix_rows(document.rewind(), tokens, room)
+    prefix = Document(cache=cache, token_ids=document.token_ids[:tokens].clone(),
+                      question_prefix=document.question_prefix, question_suffix=document.question_suffix,
+                      metadata=dict(document.metadata), id=new_id)
+    state.documents[new_id] = prefix
+    return prefix
+
+
 # ------------------------------------------------------------------------------------------ start-up
 def measure(state: RankState) -> HardwareProfile:
     """Every rank measures this machine with the others (runtime/measure.py) and decides with the
@@ -355,6 +381,8 @@ ANSWER_FOLLOW = Command("answer_follow", follow_answer, decode_only=True)
 BATCH_JOIN = Command("batch_join", batch_join, decode_only=True)
 BATCH_STEP = Command("batch_step", batch_step, decode_only=True)
 BATCH_LEAVE = Command("batch_leave", batch_leave, decode_only=True)
+BATCH_KEEP = Command("batch_keep", batch_keep, decode_only=True)
+PREFIX = Command("prefix", document_prefix, decode_only=True)
 SAVE = Command("save", save, decode_only=True)
 SAVE_START = Command("save_start", save_start, decode_only=True)
 SAVE_FINISH = Command("save_finish", save_finish, decode_only=True)
@@ -367,6 +395,6 @@ MEASURE_HARDWARE = Command("measure_hardware", measure, decode_only=False)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
-    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP, ROWS, GATHER,
+    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, BATCH_KEEP, PREFIX, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP, ROWS, GATHER,
     MOVE_PAGES, MEASURE_HARDWARE)}
 """Every command by the name that travels: what a worker looks up for each message."""
