@@ -257,10 +257,11 @@ class BatchMember:
         self.first_piece: str | None = None
         """The text its first token (sampled at join) made final."""
         self.left = False
-        self.keep: str | None = None
+        self.keep = None
         """What becomes of its rows once it completes: None, freed; "copy", kept as a new document
         (its document's rows, its question's and its answer's); "extend", added to its document (a
-        document no other member reads; else as "copy"). A cancelled member's rows are freed."""
+        document no other member reads; else as "copy"); or a function of the member giving one of
+        these when it completes. A cancelled member's rows are freed."""
         self.kept: Document | None = None
         """The document its rows became (after it left, with `keep`), or None."""
 
@@ -317,10 +318,8 @@ class Batch:
         """Add a sequence: its question's prefill and first token now (`first_piece`); it then
         advances with every `step`. prompt: question text (in the document's chat frame) or token ids;
         keep: what becomes of its rows when it completes (BatchMember.keep)."""
-        if keep not in (None, "copy", "extend"):
-            raise ValueError(f"keep must be None, 'copy' or 'extend', got {keep!r}")
-        if keep == "extend" and document is None:
-            keep = "copy"
+        if keep not in (None, "copy", "extend") and not callable(keep):
+            raise ValueError(f"keep must be None, 'copy', 'extend' or a function of the member, got {keep!r}")
         engine = self.engine
         ids = engine.question_ids(document, prompt)
         if ids.numel() == 0:
@@ -368,21 +367,22 @@ class Batch:
         if member in self.members:
             self.members.remove(member)
         member.generation.close()
-        if member.keep is not None and member.result is not None:
+        mode = member.keep(member) if callable(member.keep) and member.result is not None else member.keep
+        if mode is not None and member.result is not None:
             try:
-                member.kept = self._keep(member)
+                member.kept = self._keep(member, mode)
             except ValueError:  # its rows could not be kept (checked alike on every rank): they are freed
                 member.kept = None
         self.engine.run_command("decode", commands.BATCH_LEAVE, member.id)
 
-    def _keep(self, member: BatchMember) -> Document:
+    def _keep(self, member: BatchMember, mode: str) -> Document:
         """BATCH_KEEP on every decode rank: the member's rows as a document (see BatchMember.keep)."""
         engine = self.engine
         generated = member.result.token_ids
         fed = torch.cat([member.generation.prompt_ids.cpu(),
                          torch.tensor(generated[:max(0, len(generated) - 1)], dtype=torch.long)])
         shared = member.document is None or any(m.document is member.document for m in self.members)
-        new_id = engine.new_id() if member.keep == "copy" or shared else -1
+        new_id = engine.new_id() if mode != "extend" or shared else -1
         document = engine.run_command("decode", commands.BATCH_KEEP, member.id, _ints(fed.tolist()), new_id,
                                       KEPT_ROOM_ROWS)
         return document if new_id < 0 else engine.keep_document(document)

@@ -152,6 +152,12 @@ class QuestionTicket(AnswerTicket):
         super().__init__(question)
         self.prompt_tokens, self.rows = question.prompt_tokens, question.rows
         self.member = None  # the engine's BatchMember once it has joined
+        self.prefill: PrefillTicket | None = None  # what runs before it queues (submit_question_after)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.prefill is not None:
+            self.prefill.cancel()
 
 
 class PrefillTicket:
@@ -159,9 +165,9 @@ class PrefillTicket:
     each chunk and `on_done(result)` after the hand-off (it may use the engine: it is on that thread);
     `wait()` returns the PrefillResult (or raises its error); `cancel()` gives it up."""
 
-    def __init__(self, work: Prefill, on_chunk=None, on_done=None):
+    def __init__(self, work: Prefill, on_chunk=None, on_done=None, on_error=None):
         self.work = work
-        self.on_chunk, self.on_done = on_chunk, on_done
+        self.on_chunk, self.on_done, self.on_error = on_chunk, on_done, on_error
         self.job = None  # the Engine's PrefillJob once it has started
         self.cancelled = False
         self.layer_s: float | None = None  # seconds per layer of its recent steps (slices are sized by it)
@@ -185,6 +191,8 @@ class PrefillTicket:
     def _finish(self, result=None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._done.set()
+        if error is not None and self.on_error is not None:
+            self.on_error(error)
 
 
 class _Call:
@@ -246,6 +254,7 @@ class Scheduler:
         self.decoded_tokens = 0
         self.decode_seconds = 0.0  # and the seconds they took (the mean step, beside the inter-token time)
         self.answers: collections.deque[AnswerTicket] = collections.deque()
+        self._waiting_prefill = 0  # questions whose prompt is prefilled before they queue
         self.prefills: collections.deque[PrefillTicket] = collections.deque()
         self.calls: collections.deque[_Call] = collections.deque()
         self.running: AnswerTicket | None = None
@@ -275,6 +284,38 @@ class Scheduler:
         scheduler's thread (see PrefillTicket)."""
         return self._submit(self.prefills, PrefillTicket(prefill, on_chunk, on_done))
 
+    def submit_question_after(self, prefill: Prefill, question: Question,
+                              ready: Callable[[Any], Any], on_chunk=None) -> QuestionTicket:
+        """Queue a question whose document is prefilled first (a long prompt of its own): `prefill`
+        runs a slice per step beside the answers in flight, as an ingest does; when it is done,
+        `ready(result)` (on the scheduler's thread) gives the Document the question then asks, and
+        it joins the queue. Its ticket's cancel() cancels the prefill too; the prefill's error ends it."""
+        ticket = QuestionTicket(question)
+
+        def done(result):
+            question.document, question.source = ready(result), None
+            with self._wake:
+                self._waiting_prefill -= 1
+                if self.stopped is None:
+                    self.questions.append(ticket)
+                    return
+            ticket._put(SchedulerStopped(self.stopped))
+
+        def failed(error):
+            with self._wake:
+                self._waiting_prefill -= 1
+            ticket._put(error)
+
+        with self._wake:
+            self._waiting_prefill += 1
+        try:
+            ticket.prefill = self._submit(self.prefills, PrefillTicket(prefill, on_chunk, done, failed))
+        except SchedulerStopped:
+            with self._wake:
+                self._waiting_prefill -= 1
+            raise
+        return ticket
+
     def run(self, work: EngineCall, timeout: float | None = None):
         """Run a DropDocument or FinishSave between two steps; wait for it and return what it returns (or raise)."""
         if not isinstance(work, (DropDocument, FinishSave)):
@@ -296,8 +337,8 @@ class Scheduler:
 
     @property
     def queued_answers(self) -> int:
-        """Answers and questions waiting for their turn."""
-        return len(self.answers) + len(self.questions)
+        """Answers and questions waiting for their turn (those whose prompt is prefilled first included)."""
+        return len(self.answers) + len(self.questions) + self._waiting_prefill
 
     @property
     def rows_reserved(self) -> int:
@@ -462,7 +503,7 @@ class Scheduler:
             try:
                 question = ticket.work
                 document = question.source.document(self.engine) if question.source is not None else question.document
-                ticket.member = batch.join(document, question.prompt, **question.sampling)
+                ticket.member = batch.join(document, question.prompt, keep=question.keep, **question.sampling)
             except ValueError as exc:  # bad input: this question only
                 self.batched.remove(ticket)
                 ticket._put(exc)
@@ -505,6 +546,8 @@ class Scheduler:
         if ticket in self.batched:
             self.batched.remove(ticket)
         batch.leave(ticket.member)
+        if ticket.work.on_leave is not None:  # before Done: a next turn then finds what it kept
+            ticket.work.on_leave(ticket.member)
         ticket._put(Done(result))
 
     def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> int:

@@ -16,7 +16,7 @@ the scheduler asks for the document when the question joins.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..runtime.document import Document
 
@@ -43,6 +43,12 @@ class Question:
     """Batch.join's keywords: max_new_tokens, temperature, top_k, top_p, seed, stop."""
     document: Document | None = None
     source: DocumentSource | None = None
+    keep: Any = None
+    """What becomes of its rows once it completes (BatchMember.keep): None, "copy", "extend", or a
+    function of the BatchMember giving one of them when it leaves."""
+    on_leave: Callable[[Any], None] | None = None
+    """Called on the scheduler's thread with its BatchMember once it has left (its `kept` set),
+    before its Done: a prefix cache keeps what it left behind."""
 
     @property
     def rows(self) -> int:

@@ -81,6 +81,15 @@ class EngineConfig:
     attn_backend: str = "auto"
     """Local attention kernels: "auto" (flash-attn on CUDA when installed, else torch), "torch", "triton",
     "flash-attn"."""
+    prefix_cache: bool = True
+    """Keep each prompt's KV (and its answer's) on the decode ranks after the request, found again by its
+    tokens, so that a later prompt that begins alike prefills only the rest (ringctx serve, Engine.chat)."""
+    prefix_cache_min_tokens: int = 256
+    """The shortest prompt kept, and the shortest shared start a later prompt reuses: below it a prefill
+    costs about as much as a few decode steps, less than an entry's copy and bookkeeping."""
+    prefix_cache_share: float = 0.5
+    """Of the KV budget (serve's --kv-budget), the share the kept prompts may take in memory; beyond it the
+    least recently used move to disk (serve) or are dropped. Registered documents come first."""
 
     # ------------------------------------------------------------------ building and checking
     def replace(self, **changes) -> "EngineConfig":
@@ -109,6 +118,11 @@ class EngineConfig:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if not self.timeout_s or self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.prefix_cache_min_tokens, int) or self.prefix_cache_min_tokens < 1:
+            raise ValueError(f"prefix_cache_min_tokens must be a positive number of tokens, got "
+                             f"{self.prefix_cache_min_tokens!r}")
+        if not 0 < self.prefix_cache_share <= 1:
+            raise ValueError(f"prefix_cache_share must be in (0, 1], got {self.prefix_cache_share!r}")
         if self.startup_timeout_s is not None and self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0 seconds, got {self.startup_timeout_s!r}")
         return self
@@ -138,7 +152,7 @@ class EngineConfig:
         rows = []
         for name, value in self.to_dict().items():
             mark = "*" if getattr(self, name) != getattr(default, name) else " "
-            rows.append(f"{mark} {name:<17} = {value!r}")
+            rows.append(f"{mark} {name:<23} = {value!r}")
         return "\n".join(rows)
 
 

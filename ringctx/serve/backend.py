@@ -94,6 +94,8 @@ class GenerateRequest:
     """A document id ("doc-..."): its KV cache is the prompt's prefix."""
     sampling: Sampling = Sampling()
     request_id: str = ""
+    cache_salt: str | None = None
+    """Requests reuse each other's cached prompts only when their salts are equal (None: no salt)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ class Finished:
     """Prompt tokens of the request, the document's included."""
     completion_tokens: int
     cached_tokens: int
-    """Of prompt_tokens, those that came from a document's cache (not prefilled for this request)."""
+    """Of prompt_tokens, those whose KV came from a document or a cached prompt (not prefilled for this
+    request)."""
     time_to_first_token_s: float = 0.0
 
 
@@ -212,6 +215,8 @@ class BackendStats:
     decode_seconds: float = 0.0
     """Seconds those steps took in the engine (decode_seconds / decode_steps: the mean step, which the
     inter-token time a client sees exceeds by what the HTTP layer and the joins add)."""
+    prefix_cache: object | None = None
+    """The prefix cache's counters (engine.prefix_cache.PrefixCacheStats), None when it is off."""
 
 
 class Backend(Protocol):

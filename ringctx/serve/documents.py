@@ -68,6 +68,7 @@ class ServedDocuments:
         self._progress: dict[str, dict] = {}  # id -> the ingest's live numbers
         self._ingests: dict[str, object] = {}  # id -> PrefillTicket
         self._saving: dict[str, object] = {}  # id -> the Engine's SaveJob of a document not yet complete on disk
+        self.implicit = None  # the prefix cache (engine/prefix_cache.py): its entries make room for documents
         for record in self.store.open():
             self._records[record.id] = record
         self._reload_tokens()
@@ -77,6 +78,16 @@ class ServedDocuments:
         """The record (the stored status), or None."""
         with self.lock:
             return self._records.get(doc_id)
+
+    def tokens(self, doc_id: str) -> torch.Tensor | None:
+        """A document's token ids (None when unknown)."""
+        with self.lock:
+            return self._tokens.get(doc_id)
+
+    def bytes_in_memory(self) -> int:
+        """KV bytes the documents in memory hold over every decode rank."""
+        with self.lock:
+            return sum(self.kv_bytes(self._records[d].tokens) for d in self._in_memory if d in self._records)
 
     def ready(self) -> list[tuple[DocumentInfo, torch.Tensor | None]]:
         """(record, token ids or None when unknown) of every ready document, in the order they came."""
@@ -266,7 +277,10 @@ class ServedDocuments:
         return [(e.decode_rank + i) * e.tp_size + t for i in range(e.decode_ranks) for t in range(e.tp_size)]
 
     def make_room(self, need: int) -> None:
-        """Scheduler thread: drop the least recently used documents until `need` more bytes fit."""
+        """Scheduler thread: make `need` more bytes fit: the prefix cache's entries leave memory
+        first (documents come first), then the least recently used documents."""
+        if self.implicit is not None:
+            self.implicit.shrink(max(0, self.kv_budget_bytes - self.bytes_in_memory() - need))
         while True:
             with self.lock:
                 held = sum(self.kv_bytes(self._records[d].tokens) for d in self._in_memory if d in self._records)

@@ -82,6 +82,9 @@ class _Generation(_Lenient):
     stream_options: StreamOptions | None = None
     document: str | None = None
     """ringctx: the id of a ready document whose KV cache is the prompt's prefix."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    """As vLLM's: requests reuse each other's cached prompts only when their salts are equal (a
+    tenant's own salt keeps its prompts, and the time its first tokens take, apart from others')."""
     user: str | None = None
 
 
@@ -141,7 +144,8 @@ def generate_request(body: ChatRequest | CompletionRequest, limits: Limits, requ
                              for m in body.messages)
         except ValueError as exc:
             raise RequestProblem(str(exc), "messages") from None
-        return GenerateRequest(messages=messages, document=body.document, sampling=sampling, request_id=request_id)
+        return GenerateRequest(messages=messages, document=body.document, sampling=sampling, request_id=request_id,
+                               cache_salt=body.cache_salt)
     if body.echo or body.logprobs or body.suffix:
         field = "echo" if body.echo else "logprobs" if body.logprobs else "suffix"
         raise RequestProblem(f"{field} is not supported by this server", field)
@@ -150,7 +154,8 @@ def generate_request(body: ChatRequest | CompletionRequest, limits: Limits, requ
         if len(prompt) != 1:
             raise RequestProblem("send one prompt per request (a list of prompts is n answers)", "prompt")
         prompt = prompt[0]
-    return GenerateRequest(prompt=prompt, document=body.document, sampling=sampling, request_id=request_id)
+    return GenerateRequest(prompt=prompt, document=body.document, sampling=sampling, request_id=request_id,
+                           cache_salt=body.cache_salt)
 
 
 # ---------------------------------------------------------------------------- responses

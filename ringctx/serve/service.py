@@ -33,6 +33,7 @@ import torch
 
 from ..engine import Engine
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
+from ..engine.prefix_cache import PrefixCache, prefix_seed
 from ..engine.work_items import Prefill, Question
 from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
@@ -40,6 +41,9 @@ from . import backend as api
 from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument, auto_kv_budget, kv_bytes_per_token
 from .prompts import PromptRenderer, text_sha256
 from .store import DocumentStore, new_document_id, now
+
+PREFIX_DISK_BUDGET_TIMES = 4
+"""The prefix cache's disk budget, as a multiple of its memory budget (--prefix-cache-disk unset)."""
 
 ANSWER_ROWS_SHARE = 0.25
 """KV rows the questions decoding together may hold (prompts and max_tokens), as a share of the
@@ -74,13 +78,15 @@ class EngineBackend:
             decode steps (Scheduler's ingest_share): 1.0 keeps their inter-token time near 2x.
         join_share: beside answers in flight, the questions joining in one step take about this many
             decode steps, at least one question (Scheduler's join_share).
+        prefix_cache_disk_bytes: bytes the prefix cache's entries may take in the store when they
+            leave memory (None: PREFIX_DISK_BUDGET_TIMES its memory budget; 0: none are saved).
         log: where one-line notices go (layout, documents loaded), e.g. print.
     """
 
     def __init__(self, config: EngineConfig = SERVING, *, store_dir: str = "ringctx-store",
                  kv_budget_bytes: int | None = None, max_queue: int = 64, max_document_tokens: int | None = None,
                  max_batch: int = 16, max_step_tokens: int | None = None, ingest_share: float = 1.0,
-                 join_share: float = 1.0, log=None, **settings):
+                 join_share: float = 1.0, prefix_cache_disk_bytes: int | None = None, log=None, **settings):
         from ..engine import serving_layout
         from ..planning.prefill_plan import serving_chunk_tokens
 
@@ -135,6 +141,19 @@ class EngineBackend:
         self.docs = ServedDocuments(self.store, engine, self.scheduler, bytes_per_token=self.bytes_per_token,
                                     kv_budget_bytes=self.kv_budget_bytes, log=self.log)
         self.prompts = PromptRenderer(self.tokenizer, self.docs)
+        self.prefix_cache: PrefixCache | None = None
+        if config.prefix_cache:
+            share = int(self.kv_budget_bytes * config.prefix_cache_share)
+            disk = share * PREFIX_DISK_BUDGET_TIMES if prefix_cache_disk_bytes is None else prefix_cache_disk_bytes
+            self.prefix_cache = PrefixCache(
+                engine, bytes_per_token=self.bytes_per_token, budget_bytes=share,
+                min_tokens=config.prefix_cache_min_tokens, directory=self.store.root / "prefix-cache",
+                disk_budget_bytes=disk, others_bytes=self.docs.bytes_in_memory, limit_bytes=self.kv_budget_bytes,
+                log=self.log)
+            self.docs.implicit = self.prefix_cache  # registered documents come first: entries make room for them
+        # what a cached prompt's KV depends on besides its tokens (a request's cache_salt is added)
+        self._seed_fields = (str(config.model), f"{engine.model.dtype}/{config.weights}", engine.kv_dtype,
+                             getattr(self.tokenizer, "chat_template", None))
         answer_rows = max(1, int(self.kv_budget_bytes * ANSWER_ROWS_SHARE) // self.bytes_per_token)
         self.scheduler.max_rows = answer_rows  # nothing is submitted before this point
 
@@ -214,17 +233,46 @@ class EngineBackend:
                                  f"{self.max_queue}); try again shortly", retry_after_s=2.0)
         sampling = dict(max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                         stop=list(s.stop) or None)
-        # the prompt's tokens count against the step's budget (a prompt of its own is ingested in its step)
-        if doc_id is not None:
-            work = Question(question, len(question), sampling, source=StoredDocument(self.docs, doc_id))
-        else:  # a prompt of its own: prefilled over every rank, then answered as a question on it
-            work = Question(question[-1:], len(question), sampling,
-                            source=_OwnPrompt(self, question[:-1], QUESTION_ROOM_TOKENS + s.max_tokens))
+        reuse = self._reuse(doc_id, question, request.cache_salt)
         try:
-            ticket = self.scheduler.submit_question(work)
+            if reuse.match is not None:  # a cached prompt begins it: the rest is its question
+                rest = reuse.prompt_ids[reuse.match.tokens:]
+                ticket = self.scheduler.submit_question(Question(rest, len(rest), sampling, source=reuse,
+                                                                 keep=reuse.keep, on_leave=reuse.left))
+            elif doc_id is not None:
+                ticket = self.scheduler.submit_question(Question(question, len(question), sampling,
+                                                                 source=StoredDocument(self.docs, doc_id),
+                                                                 keep=reuse.keep, on_leave=reuse.left))
+            else:  # a prompt of its own: prefilled over every rank (a slice per step), then its last token asked
+                room = QUESTION_ROOM_TOKENS + s.max_tokens
+                ticket = self.scheduler.submit_question_after(
+                    Prefill(question[:-1], as_document=True, decode_room=room, chunk_tokens=self.chunk_tokens),
+                    Question(question[-1:], len(question), sampling, keep=reuse.keep, on_leave=reuse.left),
+                    ready=reuse.prefilled, on_chunk=lambda job, stats: self._prompt_chunk_done(stats))
         except SchedulerStopped as exc:
             raise self._stopped_error(str(exc)) from None
-        return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached_tokens=doc_tokens)
+        return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached=reuse)
+
+    def _reuse(self, doc_id: str | None, question: torch.Tensor, salt: str | None) -> "_CachedPrompt":
+        """What the request's prompt reuses: the longest cached prompt that begins it (when it is
+        longer than its document, if it names one), and how its rows are kept afterwards."""
+        cache = self.prefix_cache
+        doc_ids = self.docs.tokens(doc_id) if doc_id is not None else None
+        prompt_ids = question if doc_id is None else (torch.cat([doc_ids, question]) if doc_ids is not None else None)
+        seed = prefix_seed(*self._seed_fields, salt) if cache is not None else ""
+        match = None
+        if cache is not None and prompt_ids is not None and prompt_ids.numel() > cache.min_tokens:
+            match = cache.lookup(prompt_ids, seed)
+            if match is not None and match.tokens <= (doc_ids.numel() if doc_ids is not None else 0):
+                match = None  # its document gives as much, without a lookup's copy
+        cached = match.tokens if match is not None else (int(doc_ids.numel()) if doc_ids is not None else 0)
+        return _CachedPrompt(cache, seed, match, prompt_ids, cached)
+
+    def _prompt_chunk_done(self, stats) -> None:
+        """Scheduler thread: a chunk of a prompt of its own has run."""
+        with self._lock:
+            self.prefill_tokens += stats.tokens
+            self.prefill_seconds += stats.seconds
 
     # ------------------------------------------------------------------ health and closing
     def stats(self) -> api.BackendStats:
@@ -244,7 +292,7 @@ class EngineBackend:
                 decoded_tokens=self.scheduler.decoded_tokens, decode_seconds=self.scheduler.decode_seconds,
                 prefill_tokens=self.prefill_tokens,
                 prefill_seconds=self.prefill_seconds, document_chunks_prefilled=self.document_chunks_prefilled,
-                problem=problem)
+                problem=problem, prefix_cache=self.prefix_cache.stats() if self.prefix_cache is not None else None)
 
     def _dead_rank(self) -> str | None:
         for rank, process in enumerate(self.engine.worker_processes, start=1):
@@ -304,9 +352,9 @@ class EngineBackend:
 class _Answer:
     """An answer as the HTTP layer sees it (backend.Answer): Pieces, then Finished."""
 
-    def __init__(self, backend: EngineBackend, ticket, *, prompt_tokens: int, cached_tokens: int):
+    def __init__(self, backend: EngineBackend, ticket, *, prompt_tokens: int, cached: "_CachedPrompt"):
         self.backend, self.ticket = backend, ticket
-        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
+        self.prompt_tokens, self.cached = prompt_tokens, cached
 
     def cancel(self) -> None:
         self.ticket.cancel()
@@ -325,7 +373,7 @@ class _Answer:
                         return
                     yield api.Finished(finish_reason="length" if result.finish_reason == "length" else "stop",
                                        prompt_tokens=self.prompt_tokens, completion_tokens=len(result.token_ids),
-                                       cached_tokens=self.cached_tokens,
+                                       cached_tokens=self.cached.cached_tokens,
                                        time_to_first_token_s=result.time_to_first_token_s)
         except ValueError as exc:
             raise api.BadRequest(str(exc)) from None
@@ -342,18 +390,44 @@ class _Answer:
                 backend.running -= 1
 
 
-class _OwnPrompt:
-    """A prompt of its own as a question's document (engine/work_items.DocumentSource): all but its
-    last token ingested over every rank when it joins; its last token is the question."""
+class _CachedPrompt:
+    """A request's prompt and the prefix cache (engine/prefix_cache.py): the cached prompt it
+    reuses (a DocumentSource when it joins), how its rows are kept when it completes (`keep`), and
+    what then becomes an entry (`left`). With the cache off, `keep` keeps nothing."""
 
-    def __init__(self, backend: EngineBackend, token_ids: torch.Tensor, decode_room: int):
-        self.backend, self.token_ids, self.decode_room = backend, token_ids, decode_room
+    def __init__(self, cache: PrefixCache | None, seed: str, match, prompt_ids: torch.Tensor | None, cached: int):
+        self.cache, self.seed, self.match, self.prompt_ids = cache, seed, match, prompt_ids
+        self.cached_tokens = cached
+        """Of the prompt's tokens, those whose rows it did not prefill (usage.prompt_tokens_details)."""
 
     def document(self, engine):
-        document = engine.ingest(self.token_ids.tolist(), decode_room=self.decode_room)
-        backend = self.backend
-        with backend._lock:
-            backend.prefill_tokens += len(self.token_ids)
-            backend.prefill_seconds += document.stats.ttft_s if document.stats else 0.0
-        return document  # the batch's member keeps the document alive while it runs
+        """Scheduler thread, when the question joins: the cached prompt's Document of exactly the
+        matched tokens; when its entry has gone since the lookup, those tokens prefilled now."""
+        document = self.cache.open(self.match)
+        if document is None:
+            self.cached_tokens = 0
+            prefix = self.prompt_ids[:self.match.tokens]
+            document = engine.ingest(prefix.tolist(), decode_room=QUESTION_ROOM_TOKENS)
+            document = self.cache.add(document, self.seed, users=1) or document
+        return document
 
+    def prefilled(self, result):
+        """Scheduler thread: a prompt of its own was prefilled; kept as an entry when it is long enough."""
+        if self.cache is None:
+            return result.document
+        return self.cache.add(result.document, self.seed, users=1) or result.document
+
+    def keep(self, member) -> str | None:
+        """Scheduler thread, as the question leaves: how its rows are kept (BatchMember.keep)."""
+        if self.cache is None:
+            return None
+        new_tokens = int(member.generation.prompt_ids.numel()) + len(member.result.token_ids)
+        return self.cache.keep_mode(member.document, new_tokens)
+
+    def left(self, member) -> None:
+        """Scheduler thread: the question has left; what it kept becomes an entry."""
+        if self.cache is None:
+            return
+        if member.kept is not None:
+            self.cache.kept(member.kept, self.seed)
+        self.cache.close(member.document)

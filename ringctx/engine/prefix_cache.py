@@ -1,0 +1,565 @@
+"""Automatic prefix caching: every long prompt's KV stays on the decode ranks, found again by its tokens.
+
+A client that resends a long prompt (a document pasted into the chat, a conversation that grew by
+one turn, a system prompt shared by many clients) should prefill only what is new. Each kept
+prompt is an *entry*: an engine Document (split over the decode ranks like any document) with its
+token ids, found by a hash chain over fixed blocks of its tokens:
+
+    seed      SHA-256 of what the KV depends on besides the tokens: model, dtype, KV dtype, chat
+              template, and the request's cache_salt (tenants' entries never meet)
+    chain     h[i] = BLAKE2b(h[i-1] + tokens of block i), one per full block of BLOCK_TOKENS tokens
+    index     h[i] -> the entries whose first i blocks are exactly these
+
+A prompt's lookup hashes its own blocks and walks the chain while the index knows it: the last hash
+found names every entry sharing those blocks, and the tokens after them are compared directly, so a
+match ends at the exact token where the prompt and the entry part. Then:
+
+    the whole entry begins the prompt     the question is the rest, on the entry's rows (no copy)
+    the prompt parts inside the entry     a new entry of the entry's first blocks (PREFIX: each
+                                          decode rank copies its rows below that position), a
+                                          *branch* that every later prompt sharing it reuses whole
+    nothing, or fewer than min_tokens     a miss: the prompt is prefilled, then kept
+
+When an answer completes, its sequence's rows (question and answer) are kept too (Batch: keep), so
+the next turn of a conversation finds all of it: a leaf entry (not a branch, a registered document
+or in another question's use) grows in place, any other is copied with the new rows when they are
+at least min_tokens. Entries live within a memory budget (least recently used first out); with a
+directory, an entry leaving memory is saved there (the document format, checked on load) and comes
+back when a prompt needs it, within a disk budget, and a restart on the same directory finds them.
+
+The cache is used on the engine's thread (a Scheduler's, or the caller's); `lookup`, `stats` and
+the counters may be read from any thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..runtime.document import Document
+
+BLOCK_TOKENS = 64
+"""Tokens per hashed block. Shorter blocks find a parting point closer (a branch keeps more of a
+shared start) but hash more per prompt; 64 keeps a 1M-token prompt's chain at 16K hashes (about
+15 ms) and loses at most 63 tokens of a partial match, re-prefilled with the question."""
+
+RECORD_FORMAT = "ringctx-prefix-entry/1"
+ENTRY_ID_LENGTH = 24
+
+
+def prefix_seed(model: str, dtype: str, kv_dtype: str, chat_template: str | None, salt: str | None = None) -> str:
+    """What an entry's KV depends on besides its tokens, as the hash chain's first link (hex)."""
+    key = json.dumps({"model": model, "dtype": dtype, "kv_dtype": kv_dtype, "chat_template": chat_template or "",
+                      "salt": salt or ""}, sort_keys=True)
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def block_hashes(seed: str, token_ids: torch.Tensor) -> list[str]:
+    """The chain's links, one per full block of `token_ids` (see the module docstring)."""
+    data = token_ids.to(torch.int64).contiguous().numpy().tobytes()
+    step = BLOCK_TOKENS * 8
+    out, link = [], bytes.fromhex(seed)
+    for start in range(0, len(data) - step + 1, step):
+        link = hashlib.blake2b(link + data[start:start + step], digest_size=16).digest()
+        out.append(link.hex())
+    return out
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many tokens a and b share from their start."""
+    n = min(int(a.numel()), int(b.numel()))
+    if n == 0:
+        return 0
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.numel() else n
+
+
+@dataclass
+class Entry:
+    """One kept prompt: its tokens, and its Document on the decode ranks (None while on disk)."""
+
+    id: str
+    seed: str
+    token_ids: torch.Tensor
+    hashes: list[str]
+    document: Document | None = None
+    on_disk: bool = False
+    """Saved in the cache's directory (and identical to the document, when it is in memory too)."""
+    branch: bool = False
+    """Made where prompts part (shared by them): never grown in place."""
+    users: int = 0
+    """Questions reading it now: it stays in memory until they leave."""
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+
+@dataclass
+class PrefixMatch:
+    """What a lookup found: `tokens` of the prompt's first tokens that `entry`'s rows give."""
+
+    entry: Entry
+    tokens: int
+
+    @property
+    def whole(self) -> bool:
+        """The whole entry begins the prompt (else a branch of its first `tokens` is made)."""
+        return self.tokens == self.entry.length
+
+
+@dataclass
+class PrefixCacheStats:
+    """The prefix cache's counters (ringctx serve's /metrics)."""
+
+    lookups: int = 0
+    hits: int = 0
+    tokens_reused: int = 0
+    prompt_tokens: int = 0
+    entries_kept: int = 0
+    branches: int = 0
+    evicted_to_disk: int = 0
+    evicted_dropped: int = 0
+    loaded_from_disk: int = 0
+    not_kept: int = 0
+    """Prompts not kept: too large for the budget, or their rows could not be kept."""
+    entries_in_memory: int = 0
+    entries_on_disk: int = 0
+    bytes_in_memory: int = 0
+    bytes_on_disk: int = 0
+    budget_bytes: int = 0
+    disk_budget_bytes: int = 0
+
+
+class PrefixCache:
+    """The kept prompts of one engine (see the module docstring).
+
+    Args:
+        engine: the Engine; used only on the engine's thread (document_prefix, save, load, drop).
+        bytes_per_token: KV bytes one token takes over every decode rank.
+        budget_bytes: bytes the entries may keep in memory in all (a share of the KV budget).
+        min_tokens: the shortest prompt kept, and the shortest shared start reused.
+        directory: where entries leaving memory are saved (None: they are dropped). Made if missing;
+            one that cannot be written is reported once through `log` and not used.
+        disk_budget_bytes: bytes the saved entries may take (least recently used deleted first).
+        others_bytes: the KV bytes the engine's other documents hold now: the entries take what
+            is left of `limit_bytes` after them (registered documents come first).
+        limit_bytes: the KV budget the entries share with those documents (None: budget_bytes).
+        log: where one-line notices go.
+    """
+
+    def __init__(self, engine, *, bytes_per_token: int, budget_bytes: int, min_tokens: int,
+                 directory: str | os.PathLike | None = None, disk_budget_bytes: int = 0,
+                 others_bytes: Callable[[], int] | None = None, limit_bytes: int | None = None, log=None):
+        if min_tokens < 1:
+            raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+        self.engine, self.bytes_per_token = engine, bytes_per_token
+        self.budget_bytes, self.min_tokens = int(budget_bytes), int(min_tokens)
+        self.limit_bytes = int(limit_bytes if limit_bytes is not None else budget_bytes)
+        self.others_bytes = others_bytes or (lambda: 0)
+        self.disk_budget_bytes = int(disk_budget_bytes)
+        self.log = log or (lambda line: None)
+        self.lock = threading.Lock()  # the entries and the index (lookups come from other threads)
+        self.entries: dict[str, Entry] = {}  # least recently used first
+        self.index: dict[str, set[str]] = {}  # chain link -> entry ids
+        self.by_document: dict[int, Entry] = {}  # id(Document) -> its entry
+        self.counts = PrefixCacheStats()
+        self.directory = self._open_directory(directory)
+        self._disk_bytes: dict[str, int] = {}
+        if self.directory is not None:
+            self._reopen()
+
+    # ------------------------------------------------------------------ any thread
+    def lookup(self, token_ids: torch.Tensor, seed: str) -> PrefixMatch | None:
+        """The entry whose rows give the most of the prompt's first tokens (at least min_tokens, at
+        most all but its last token: a question needs a token of its own), or None."""
+        token_ids = token_ids.reshape(-1).to(torch.long)
+        hashes = block_hashes(seed, token_ids)
+        best: PrefixMatch | None = None
+        with self.lock:
+            self.counts.lookups += 1
+            self.counts.prompt_tokens += int(token_ids.numel())
+            found: set[str] = set()
+            for link in hashes:  # the chain as far as the index knows it
+                ids = self.index.get(link)
+                if not ids:
+                    break
+                found = ids
+            limit = int(token_ids.numel()) - 1
+            for entry_id in found:
+                entry = self.entries[entry_id]
+                shared = min(common_prefix(entry.token_ids, token_ids), limit)
+                tokens = shared if shared == entry.length else shared // BLOCK_TOKENS * BLOCK_TOKENS
+                if tokens < self.min_tokens:
+                    continue
+                rank = (tokens, tokens == entry.length, entry.document is not None, entry.last_used)
+                if best is None or rank > (best.tokens, best.whole, best.entry.document is not None,
+                                           best.entry.last_used):
+                    best = PrefixMatch(entry, tokens)
+            if best is not None:
+                self.counts.hits += 1
+                self.counts.tokens_reused += best.tokens
+        return best
+
+    def stats(self) -> PrefixCacheStats:
+        with self.lock:
+            out = dataclasses.replace(self.counts)
+            held = [e for e in self.entries.values() if e.document is not None]
+            out.entries_in_memory, out.bytes_in_memory = len(held), sum(self._bytes(e) for e in held)
+            out.entries_on_disk = sum(e.on_disk for e in self.entries.values())
+            out.bytes_on_disk = sum(self._disk_bytes.values())
+            out.budget_bytes, out.disk_budget_bytes = self.budget_bytes, self.disk_budget_bytes
+        return out
+
+    # ------------------------------------------------------------------ the engine's thread
+    def open(self, match: PrefixMatch) -> Document | None:
+        """A Document of exactly the match's first `tokens` tokens, in memory and marked in use
+        (`close` it when its question leaves), or None when the entry is gone (the prompt is then a
+        miss). The entry itself when it still has that length; else (a partial match, or an entry
+        that grew with a conversation since the lookup) a branch of its first `tokens` tokens."""
+        entry = match.entry
+        with self.lock:
+            if self.entries.get(entry.id) is not entry:
+                return None
+            entry.users += 1  # in use from here: nothing evicts it while it loads or branches
+        if entry.document is None and not self._load(entry):
+            return None
+        if entry.length == match.tokens:
+            self._touch(entry)
+            return entry.document
+        try:
+            self._make_room(match.tokens * self.bytes_per_token)
+            document = self.engine.document_prefix(entry.document, match.tokens)
+        except ValueError as exc:
+            self.log(f"ringctx: prefix cache: a branch of {match.tokens:,} tokens could not be made ({exc})")
+            return None
+        finally:
+            entry.users -= 1
+        branch = self._add(document, entry.seed, branch=True, users=1)
+        if branch is None:
+            return None
+        with self.lock:
+            self.counts.branches += 1
+        return branch.document
+
+    def close(self, document: Document | None) -> None:
+        """A question that read `document` has left."""
+        entry = self.by_document.get(id(document)) if document is not None else None
+        if entry is not None and entry.users > 0:
+            entry.users -= 1
+
+    def keep_mode(self, document: Document | None, new_tokens: int) -> str | None:
+        """How a question's rows are kept when it completes (Batch's keep): "extend" its document
+        when that is a leaf entry no other question reads (a conversation's entry grows with it);
+        "copy" when its own tokens (question and answer) reach min_tokens; else None (freed)."""
+        entry = self.by_document.get(id(document)) if document is not None else None
+        if entry is not None and not entry.branch and entry.users <= 1:
+            return "extend"
+        return "copy" if new_tokens >= self.min_tokens else None
+
+    def kept(self, document: Document | None, seed: str) -> None:
+        """A completed question's rows were kept as `document` (a new one, or its own grown): it
+        becomes an entry, or its entry follows its new length. None: its rows were not kept."""
+        if document is None:
+            with self.lock:
+                self.counts.not_kept += 1
+            return
+        entry = self.by_document.get(id(document))
+        if entry is not None:  # grown in place
+            with self.lock:
+                self._unindex(entry)
+                entry.token_ids = document.token_ids.clone()
+                entry.hashes = block_hashes(entry.seed, entry.token_ids)
+                self._index(entry)
+            if entry.on_disk:  # the saved copy is the shorter one: forget it
+                self._delete_files(entry.id)
+                entry.on_disk = False
+            self._touch(entry)
+            self._make_room(0)
+            return
+        if document.length < self.min_tokens:
+            self.engine.drop_document(document)
+            return
+        self._add(document, seed)
+
+    def add(self, document: Document, seed: str, users: int = 0) -> Document | None:
+        """Keep a prefilled prompt (a miss's document) as an entry, `users` questions reading it
+        (each `close`s it); the Document its questions read (another entry's when one holds the
+        same tokens), or None when it is shorter than min_tokens (kept out of the cache, as it is)."""
+        if document.length < self.min_tokens:
+            return None
+        entry = self._add(document, seed, users=users)
+        return None if entry is None else entry.document
+
+    def clear(self) -> None:
+        """Forget every entry in memory (their documents dropped); saved ones stay on disk."""
+        for entry in list(self.entries.values()):
+            if entry.document is not None:
+                self._release(entry, drop=True)
+                if not entry.on_disk:
+                    self._forget(entry)
+
+    # ------------------------------------------------------------------ inside
+    def _add(self, document: Document, seed: str, branch: bool = False, users: int = 0) -> Entry | None:
+        """`document` kept as an entry (or, when an entry has the same tokens, that one kept instead
+        and `document` dropped); None when it is larger than the budget (dropped)."""
+        need = document.length * self.bytes_per_token
+        if need > self.budget_bytes:
+            self.log(f"ringctx: prefix cache: a prompt of {document.length:,} tokens ({need:,} bytes of KV) is "
+                     f"larger than the cache's budget ({self.budget_bytes:,} bytes); it is not kept")
+            with self.lock:
+                self.counts.not_kept += 1
+            self.engine.drop_document(document)
+            return None
+        token_ids = document.token_ids.clone()
+        with self.lock:  # the same tokens kept twice (two clients at once): one entry stays
+            same = next((e for e in self.entries.values() if e.seed == seed and e.length == document.length
+                         and torch.equal(e.token_ids, token_ids)), None)
+            if same is not None and same.document is None:  # saved only: this copy is its memory now
+                same.document = document
+                self.by_document[id(document)] = same
+            if same is not None:
+                same.users += users
+                self._touch_locked(same)
+        if same is not None:
+            if same.document is not document:
+                self.engine.drop_document(document)
+            return same
+        entry = Entry(id=_new_id(), seed=seed, token_ids=token_ids, hashes=block_hashes(seed, token_ids),
+                      document=document, branch=branch, users=users + 1)  # + 1: while room is made for it
+        with self.lock:
+            self.entries[entry.id] = entry
+            self.by_document[id(document)] = entry
+            self._index(entry)
+            self.counts.entries_kept += 1
+        self._make_room(0)
+        entry.users -= 1
+        return entry
+
+    def _bytes(self, entry: Entry) -> int:
+        return entry.length * self.bytes_per_token
+
+    def _memory_limit(self) -> int:
+        return max(0, min(self.budget_bytes, self.limit_bytes - self.others_bytes()))
+
+    def _make_room(self, need: int) -> None:
+        """Move the least recently used entries out of memory until `need` more bytes fit."""
+        while True:
+            with self.lock:
+                held = [e for e in self.entries.values() if e.document is not None]
+                used = sum(self._bytes(e) for e in held)
+                victims = [e for e in held if e.users == 0]
+                if used + need <= self._memory_limit() or not victims:
+                    return
+                victim = victims[0]
+            self._release(victim, drop=False)
+
+    def shrink(self, limit: int) -> None:
+        """Move entries out of memory until they hold at most `limit` bytes (a registered document needs room)."""
+        while True:
+            with self.lock:
+                held = [e for e in self.entries.values() if e.document is not None]
+                victims = [e for e in held if e.users == 0]
+                if sum(self._bytes(e) for e in held) <= limit or not victims:
+                    return
+                victim = victims[0]
+            self._release(victim, drop=False)
+
+    def bytes_in_memory(self) -> int:
+        with self.lock:
+            return sum(self._bytes(e) for e in self.entries.values() if e.document is not None)
+
+    def _release(self, entry: Entry, drop: bool) -> None:
+        """An entry leaves memory: saved to the directory first (when there is one and it fits)."""
+        document = entry.document
+        saved = entry.on_disk or (not drop and self._save(entry))
+        with self.lock:
+            entry.document = None
+            self.by_document.pop(id(document), None)
+            if saved:
+                self.counts.evicted_to_disk += not drop
+            else:
+                self.counts.evicted_dropped += 1
+                self._forget_locked(entry)
+        self.engine.drop_document(document)
+
+    def _save(self, entry: Entry) -> bool:
+        if self.directory is None:
+            return False
+        need = self._bytes(entry)
+        if need > self.disk_budget_bytes:
+            return False
+        self._trim_disk(self.disk_budget_bytes - need)
+        path = self.directory / f"{entry.id}.kv"
+        try:
+            self.engine.save_document(entry.document, path)
+            _write_json(self.directory / f"{entry.id}.json", {
+                "format": RECORD_FORMAT, "id": entry.id, "seed": entry.seed, "tokens": entry.length,
+                "branch": entry.branch, "saved": time.time()})
+        except (OSError, ValueError) as exc:
+            self.log(f"ringctx: prefix cache: an entry could not be saved in {self.directory} ({exc}); it is dropped")
+            self._delete_files(entry.id)
+            return False
+        entry.on_disk = True
+        self._disk_bytes[entry.id] = _tree_bytes(path)
+        return True
+
+    def _trim_disk(self, limit: int) -> None:
+        """Delete the least recently used saved entries (not in memory) until at most `limit` bytes remain."""
+        while sum(self._disk_bytes.values()) > limit:
+            with self.lock:
+                victims = [e for e in self.entries.values() if e.on_disk and e.document is None]
+                if not victims:
+                    return
+                victim = victims[0]
+                self._forget_locked(victim)
+            self._delete_files(victim.id)
+
+    def _load(self, entry: Entry) -> bool:
+        """Bring a saved entry back into memory; False (and the entry forgotten) when it does not load."""
+        self._make_room(self._bytes(entry))
+        path = self.directory / f"{entry.id}.kv"
+        try:
+            document = self.engine.load_document(path)
+            if not torch.equal(document.token_ids.to(torch.long), entry.token_ids):
+                self.engine.drop_document(document)
+                raise ValueError("its tokens differ from its record's")
+        except (OSError, ValueError) as exc:
+            self.log(f"ringctx: prefix cache: a saved entry does not load ({exc}); it is deleted")
+            with self.lock:
+                self._forget_locked(entry)
+            self._delete_files(entry.id)
+            return False
+        with self.lock:
+            entry.document = document
+            self.by_document[id(document)] = entry
+            self.counts.loaded_from_disk += 1
+            self._touch_locked(entry)
+        return True
+
+    def _touch(self, entry: Entry) -> None:
+        with self.lock:
+            self._touch_locked(entry)
+
+    def _touch_locked(self, entry: Entry) -> None:
+        entry.last_used = time.monotonic()
+        if entry.id in self.entries:
+            self.entries[entry.id] = self.entries.pop(entry.id)  # now the most recently used
+
+    def _index(self, entry: Entry) -> None:
+        for link in entry.hashes:
+            self.index.setdefault(link, set()).add(entry.id)
+
+    def _unindex(self, entry: Entry) -> None:
+        for link in entry.hashes:
+            ids = self.index.get(link)
+            if ids is not None:
+                ids.discard(entry.id)
+                if not ids:
+                    del self.index[link]
+
+    def _forget(self, entry: Entry) -> None:
+        with self.lock:
+            self._forget_locked(entry)
+
+    def _forget_locked(self, entry: Entry) -> None:
+        if self.entries.pop(entry.id, None) is not None:
+            self._unindex(entry)
+
+    def _delete_files(self, entry_id: str) -> None:
+        self._disk_bytes.pop(entry_id, None)
+        if self.directory is None:
+            return
+        try:
+            (self.directory / f"{entry_id}.json").unlink()
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(self.directory / f"{entry_id}.kv", ignore_errors=True)
+
+    # ------------------------------------------------------------------ the directory
+    def _open_directory(self, directory) -> Path | None:
+        if directory is None:
+            return None
+        path = Path(directory)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-", delete=True)
+            probe.close()
+        except OSError as exc:
+            self.log(f"ringctx: prefix cache: {path} cannot be written ({exc.strerror or exc}); kept prompts stay "
+                     "in memory only (give a writable --store)")
+            return None
+        return path
+
+    def _reopen(self) -> None:
+        """The entries a previous run saved: their records and tokens (their rows load when asked)."""
+        from safetensors.torch import load_file
+
+        for partial in self.directory.glob("*.kv.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+        found = []
+        for record_path in self.directory.glob("*.json"):
+            entry_id = record_path.stem
+            try:
+                record = json.loads(record_path.read_text())
+                if record.get("format") != RECORD_FORMAT or record.get("id") != entry_id or not _is_id(entry_id):
+                    raise ValueError("not a prefix cache record")
+                tokens = load_file(str(self.directory / f"{entry_id}.kv" / "tokens.safetensors"))["token_ids"].long()
+                if int(tokens.numel()) != int(record["tokens"]):
+                    raise ValueError("its tokens and its record disagree")
+                seed = str(record["seed"])
+                bytes.fromhex(seed)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.log(f"ringctx: prefix cache: {record_path.name} is damaged ({exc}); it is deleted")
+                if _is_id(entry_id):
+                    self._delete_files(entry_id)
+                continue
+            found.append((float(record.get("saved", 0.0)), Entry(id=entry_id, seed=seed, token_ids=tokens,
+                                                                  hashes=block_hashes(seed, tokens), on_disk=True,
+                                                                  branch=bool(record.get("branch", False)))))
+        for _, entry in sorted(found, key=lambda f: f[0]):  # the oldest first: least recently used
+            self.entries[entry.id] = entry
+            self._index(entry)
+            self._disk_bytes[entry.id] = _tree_bytes(self.directory / f"{entry.id}.kv")
+        self._trim_disk(self.disk_budget_bytes)
+
+
+def _new_id() -> str:
+    return "pfx-" + secrets.token_hex(ENTRY_ID_LENGTH // 2)
+
+
+def _is_id(name: str) -> bool:
+    return (len(name) == 4 + ENTRY_ID_LENGTH and name.startswith("pfx-")
+            and all(c in "0123456789abcdef" for c in name[4:]))
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Atomically: a temporary file, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
