@@ -7,7 +7,7 @@ import sys
 import click
 
 from ..attention.quant import KV_DTYPES
-from ..planning.engine_config import SERVING
+from ..planning.engine_config import SERVING, field_help
 from .options import DECODE_RANKS_OPTION, MODEL_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, nproc_option
 
 
@@ -77,12 +77,21 @@ def _log(line: str) -> None:
               help="Beside answers in flight the questions joining in one step (each a prefill over its "
                    "document) take about this many decode steps, at least one question: a burst of questions "
                    "joins over several steps instead of pausing the answers for all of them.")
+@click.option("--prefix-cache/--no-prefix-cache", default=SERVING.prefix_cache, show_default=True,
+              help=field_help()["prefix_cache"] + " Any client: the tokens are what is matched, not a document id.")
+@click.option("--prefix-cache-min-tokens", default=SERVING.prefix_cache_min_tokens, show_default=True,
+              type=click.IntRange(1), help=field_help()["prefix_cache_min_tokens"])
+@click.option("--prefix-cache-share", default=SERVING.prefix_cache_share, show_default=True,
+              type=click.FloatRange(min=0, max=1, min_open=True), help=field_help()["prefix_cache_share"])
+@click.option("--prefix-cache-disk", "prefix_cache_disk", type=_Bytes(), default=None,
+              help="Bytes the kept prompts may take in --store/prefix-cache once they leave memory [default: 4x "
+                   "their memory budget; 0: none are saved].")
 @click.option("--drain", "drain_s", default=30.0, show_default=True,
               help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
 @TIMEOUT_OPTION
 def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, api_key, store_dir, kv_budget, max_queue,
           max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
-          join_share, drain_s, timeout_s):
+          join_share, prefix_cache, prefix_cache_min_tokens, prefix_cache_share, prefix_cache_disk, drain_s, timeout_s):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
     from ..runtime.failures import RankFailure
     from ..serve.protocol import Limits
@@ -95,10 +104,14 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, 
                                limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit),
                                config=SERVING.replace(model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks,
                                                       kv_dtype=kv_dtype, dtype=dtype, weights=weights,
-                                                      timeout_s=timeout_s, chunk_tokens=chunk_tokens),
+                                                      timeout_s=timeout_s, chunk_tokens=chunk_tokens,
+                                                      prefix_cache=prefix_cache,
+                                                      prefix_cache_min_tokens=prefix_cache_min_tokens,
+                                                      prefix_cache_share=prefix_cache_share),
                                store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                max_document_tokens=max_document_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
-                               ingest_share=ingest_share, join_share=join_share)
+                               ingest_share=ingest_share, join_share=join_share,
+                               prefix_cache_disk_bytes=prefix_cache_disk)
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None
     sys.exit(status)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, check_token_ids
-from ..model.generate import Generation
+from ..model.generate import Generation, GenerationResult
 from ..model.int8_weights import check_int8_model
 from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
@@ -38,9 +38,12 @@ from ..parallel.mesh import mesh_problem
 from ..planning.engine_config import EngineConfig
 from ..planning.hardware import measured_profile_path, save_profile
 from ..runtime import commands
-from ..runtime.commands import Command, ids_to_bytes
+from ..runtime.commands import Command, answer_room, ids_to_bytes
+from ..runtime.efficiency import kv_bytes_per_token
+from ..runtime.memory_check import auto_kv_budget
 from ..runtime.document import Document, chat_frame
 from ..runtime.failures import CLOSED, Health, RankFailure, first_line
+from .prefix_cache import CachedPrompt, PrefixCache, engine_seed
 from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
 from ..runtime.prefill import PrefillResult
 from ..runtime.rank_state import EngineSettings
@@ -99,6 +102,7 @@ class Engine:
         # weakref to the newest answer's Generation (driving a LeaderDecoder), which a newer question ends
         self._open_answer = None
         self._batch: Batch | None = None  # the sequences decoded together (batch(), ask_many)
+        self._prefix_cache: PrefixCache | None = None  # chat's kept prompts (made at first use)
         # The ranks this one sends its commands to: spawned workers, or (after lead()) torchrun's other ranks.
         self._followers: SpawnedRanks | BroadcastRanks | None = None
         self._health: Health | None = None
@@ -605,6 +609,74 @@ class Engine:
     def ask(self, document: Document, question: str, **kwargs) -> str:
         """The whole answer to `question` about `document` (see `generate`; "" on the other ranks)."""
         return "".join(self.generate(document, question, **kwargs))
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prompts `chat` keeps (engine/prefix_cache.py), in memory within prefix_cache_share of
+        the KV budget (runtime/memory_check.auto_kv_budget); None with prefix_cache=False. Rank 0."""
+        if not self.config.prefix_cache:
+            return None
+        if self._prefix_cache is None:
+            budget = int(auto_kv_budget(self) * self.config.prefix_cache_share)
+            self._prefix_cache = PrefixCache(self, bytes_per_token=kv_bytes_per_token(self), budget_bytes=budget,
+                                             min_tokens=self.config.prefix_cache_min_tokens)
+        return self._prefix_cache
+
+    def chat(self, messages, *, max_new_tokens: int = 256, cache_salt: str | None = None,
+             **sampling) -> GenerationResult:
+        """Answer a prompt of its own, reusing the rows of any earlier prompt (or conversation turn
+        and its answer) that began the same way (the prefix cache: `prefix_cache`).
+
+        messages: a chat ([{"role", "content"}, ...], rendered by the chat template with the
+        assistant's header), a prompt text (tokenized as it is) or token ids. The prompt's tokens
+        after the longest cached prompt that begins it are prefilled on top of its rows, over the
+        decode ranks; a prompt no entry begins is prefilled over every rank. When the answer is
+        complete its rows (prompt and answer) are kept, so the next turn of the conversation
+        prefills only its new message. cache_salt: prompts reuse each other only with equal salts.
+        sampling: temperature, top_k, top_p, seed, stop (as `generate`'s).
+
+        Returns the GenerationResult; its `cached_tokens` of the prompt's tokens came from the
+        cache and `prompt_tokens` were prefilled. Rank 0 of one process or of spawned ranks.
+
+        Example:
+            >>> engine = Engine("tiny", dtype="float32", prefix_cache_min_tokens=64)
+            >>> first = engine.chat(list(range(1, 200)), max_new_tokens=4)    # 199 tokens, kept with the answer
+            >>> turn = list(range(1, 200)) + first.token_ids + [7, 8]          # the next turn
+            >>> again = engine.chat(turn, max_new_tokens=4)
+            >>> first.cached_tokens, again.cached_tokens, again.prompt_tokens  # the answer's last token had no row
+            (0, 202, 3)
+        """
+        ids = self._prompt_ids(messages)
+        if ids.numel() < 2:
+            raise ValueError("the prompt has fewer than 2 tokens: give a longer prompt")
+        cache = self.prefix_cache
+        seed = engine_seed(self, cache_salt) if cache is not None else ""
+        match = cache.lookup(ids, seed) if cache is not None and ids.numel() > cache.min_tokens else None
+        prompt = CachedPrompt(cache, seed, match, ids, match.tokens if match is not None else 0,
+                              room=answer_room(max_new_tokens, self.decode_ranks))
+        if match is not None:
+            document, rest = prompt.document(self), ids[match.tokens:]
+        else:  # over every rank, then its last token asked on it
+            document, rest = prompt.prefilled(self.prefill(ids[:-1], as_document=True, decode_room=prompt.room)), ids[-1:]
+        batch = self.batch()
+        member = batch.join(document, rest, max_new_tokens=max_new_tokens, keep=prompt.keep, **sampling)
+        while not member.left:
+            batch.step()
+        prompt.left(member)
+        result = member.result
+        result.cached_tokens, result.prompt_tokens = prompt.cached_tokens, int(ids.numel()) - prompt.cached_tokens
+        return result
+
+    def _prompt_ids(self, prompt) -> torch.Tensor:
+        """A chat's, a text's or token ids' prompt as token ids [T]."""
+        if isinstance(prompt, str):
+            return torch.tensor(self._tokenizer()(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            text = self._tokenizer().apply_chat_template(items, tokenize=False, add_generation_prompt=True)
+            return torch.tensor(self._tokenizer()(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        return torch.as_tensor(list(map(int, items)) if not torch.is_tensor(prompt) else prompt,
+                               dtype=torch.long).reshape(-1)
 
     def save_document(self, document: Document, path: str) -> None:
         """Save `document` as a directory of per-rank slices (see ringctx.runtime.documents), atomically.

@@ -66,6 +66,13 @@ def prefix_seed(model: str, dtype: str, kv_dtype: str, chat_template: str | None
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def engine_seed(engine, salt: str | None = None) -> str:
+    """`prefix_seed` of an Engine: its model as named, its dtype and weights, KV dtype and chat template."""
+    config = engine.config
+    template = getattr(engine.model.tokenizer, "chat_template", None) if engine.model.tokenizer is not None else None
+    return prefix_seed(str(config.model), f"{engine.model.dtype}/{config.weights}", engine.kv_dtype, template, salt)
+
+
 def block_hashes(seed: str, token_ids: torch.Tensor) -> list[str]:
     """The chain's links, one per full block of `token_ids` (see the module docstring)."""
     data = token_ids.to(torch.int64).contiguous().numpy().tobytes()
@@ -563,3 +570,57 @@ def _write_json(path: Path, data: dict) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+class CachedPrompt:
+    """One prompt and the prefix cache, for a question that asks it: the cached prompt it reuses (a
+    work_items.DocumentSource when the question joins), how its rows are kept when it completes
+    (`keep`, Batch's keep) and what then becomes an entry (`left`, a Question's on_leave). With the
+    cache off (None) nothing is kept. Engine.chat and ringctx serve ask alike through it.
+
+    Args:
+        cache: the PrefixCache, or None.
+        seed: the prompt's `engine_seed` (with its salt).
+        match: what `cache.lookup` found for the prompt, or None.
+        prompt_ids: the prompt's token ids [T] (a document's included).
+        cached: the prompt's tokens whose rows it will not prefill (the match's, or its document's).
+        room: rows a Document prefilled here keeps free for the question.
+    """
+
+    def __init__(self, cache: PrefixCache | None, seed: str, match: PrefixMatch | None,
+                 prompt_ids: torch.Tensor | None, cached: int, room: int = 256):
+        self.cache, self.seed, self.match, self.prompt_ids, self.room = cache, seed, match, prompt_ids, room
+        self.cached_tokens = cached
+        """Of the prompt's tokens, those whose rows it did not prefill (usage.prompt_tokens_details)."""
+
+    def document(self, engine):
+        """Scheduler thread, when the question joins: the cached prompt's Document of exactly the
+        matched tokens; when its entry has gone since the lookup, those tokens prefilled now."""
+        document = self.cache.open(self.match)
+        if document is None:
+            self.cached_tokens = 0
+            prefix = self.prompt_ids[:self.match.tokens]
+            document = engine.ingest(prefix.tolist(), decode_room=self.room)
+            document = self.cache.add(document, self.seed, users=1) or document
+        return document
+
+    def prefilled(self, result):
+        """Scheduler thread: a prompt of its own was prefilled; kept as an entry when it is long enough."""
+        if self.cache is None:
+            return result.document
+        return self.cache.add(result.document, self.seed, users=1) or result.document
+
+    def keep(self, member) -> str | None:
+        """Scheduler thread, as the question leaves: how its rows are kept (BatchMember.keep)."""
+        if self.cache is None:
+            return None
+        new_tokens = int(member.generation.prompt_ids.numel()) + len(member.result.token_ids)
+        return self.cache.keep_mode(member.document, new_tokens)
+
+    def left(self, member) -> None:
+        """Scheduler thread: the question has left; what it kept becomes an entry."""
+        if self.cache is None:
+            return
+        if member.kept is not None:
+            self.cache.kept(member.kept, self.seed)
+        self.cache.close(member.document)

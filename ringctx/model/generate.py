@@ -46,6 +46,8 @@ class GenerationResult:
     """Seconds each later token took (one decode step each)."""
     step_logits: list[torch.Tensor] | None = None
     """With keep_logits: the float32 logits [vocab] each token was sampled from (for checks)."""
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from a cache (Engine.chat's prefix cache), not prefilled."""
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -212,3 +212,19 @@ def _longest_prompt(fits, tokens: int) -> int:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
+
+
+KV_BUDGET_SHARE = 0.5
+"""Of the memory free once the model is loaded (times the planner's usable fraction), the share kept
+documents and prompts may hold (a server's KV budget, unless given): the rest stays free for an
+ingest in flight (its shards live on every rank until the hand-off) and for answers' rows."""
+
+
+def auto_kv_budget(engine) -> int:
+    """KV bytes the decode ranks may keep of documents and prompts: KV_BUDGET_SHARE of the memory
+    free after loading (every decode GPU's, or the host's once: CPU ranks share it)."""
+    from ..planning.memory import MEMORY_USABLE_FRACTION
+
+    free, _ = available_memory(engine.model.device)
+    per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks
+    return int(per_device * MEMORY_USABLE_FRACTION * KV_BUDGET_SHARE)

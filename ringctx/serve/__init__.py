@@ -21,7 +21,8 @@ def serve(*, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = No
     backend_options: those of EngineBackend: the engine's `config` (an EngineConfig, default
     SERVING) or its fields by name (model, nproc, tp, decode_ranks, kv_dtype, dtype, weights,
     timeout_s, chunk_tokens, ...), and the server's own (store_dir, kv_budget_bytes, max_queue,
-    max_document_tokens, max_batch, max_step_tokens, ingest_share, join_share). Under torchrun call
+    max_document_tokens, max_batch, max_step_tokens, ingest_share, join_share,
+    prefix_cache_disk_bytes). Under torchrun call
     it on every rank: rank 0 serves, the others follow it until it stops."""
     from .server import listen_socket, run_server
     from .service import EngineBackend, is_server_rank

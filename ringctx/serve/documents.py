@@ -5,8 +5,6 @@
                         one in memory, least recently used first, within the KV budget
     StoredDocument      a question's document as the scheduler asks for it when the question joins
                         (engine/work_items.DocumentSource): loaded back from the store if it left memory
-    auto_kv_budget      the KV budget when none is given: KV_BUDGET_SHARE of the memory free after
-                        loading; kv_bytes_per_token what one token of a document takes of it
 
 A document's life: `add` (the record, "ingesting") -> `chunk_done` per chunk -> `ingested` (the
 hand-off: it answers from memory at once, and its slices are written to the store in the
@@ -27,21 +25,13 @@ import torch
 
 from ..engine.scheduler import SchedulerStopped
 from ..engine.work_items import DropDocument, FinishSave
-from ..planning.memory import MEMORY_USABLE_FRACTION
 from ..planning.work import WorkProgress, prefill_chunk_flops
-from ..runtime.memory_check import available_memory
 from ..units import fmt_bytes
 from .backend import DocumentInfo
 from .store import DocumentStore
 
 QUESTION_ROOM_TOKENS = 256
 """KV rows a document keeps free for a question and its answer (they grow past it as needed)."""
-
-KV_BUDGET_SHARE = 0.5
-"""Of the memory free once the model is loaded (times the planner's usable fraction), the share the
-documents' KV caches may keep: the rest stays free for an ingest in flight (its shards live on
-every rank until the hand-off) and for answers' rows."""
-
 
 class ServedDocuments:
     """Every document of the server, and which of them the decode ranks keep in memory.
@@ -340,20 +330,6 @@ class StoredDocument:
 
     def document(self, engine):
         return self.documents.resident(self.doc_id)
-
-
-def kv_bytes_per_token(engine) -> int:
-    """KV bytes one token of a document takes over all decode ranks (every KV head, every layer)."""
-    from ..runtime.efficiency import kv_bytes_per_token as per_token
-
-    return per_token(engine)
-
-
-def auto_kv_budget(engine) -> int:
-    """What the decode ranks may keep of documents: KV_BUDGET_SHARE of the memory free after loading."""
-    free, _ = available_memory(engine.model.device)
-    per_device = free if engine.model.device.type == "cpu" else free * engine.decode_ranks
-    return int(per_device * MEMORY_USABLE_FRACTION * KV_BUDGET_SHARE)
 
 
 def _ingest_progress(engine, tokens: int, chunk_tokens: int) -> WorkProgress:

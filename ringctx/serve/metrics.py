@@ -101,3 +101,38 @@ class _BackendCollector:
                                 value=stats.prefill_tokens / stats.prefill_seconds if stats.prefill_seconds else 0.0)
         yield CounterMetricFamily("ringctx_document_chunks_prefilled", "Document chunks prefilled since start",
                                   value=stats.document_chunks_prefilled)
+        cache = stats.prefix_cache
+        if cache is None:
+            return
+        yield CounterMetricFamily("ringctx_prefix_cache_lookups", "Prompts looked up in the prefix cache",
+                                  value=cache.lookups)
+        yield CounterMetricFamily("ringctx_prefix_cache_hits", "Prompts that began with a cached prompt",
+                                  value=cache.hits)
+        yield CounterMetricFamily("ringctx_prefix_cache_tokens_reused", "Prompt tokens whose KV came from the "
+                                  "prefix cache (not prefilled)", value=cache.tokens_reused)
+        yield CounterMetricFamily("ringctx_prefix_cache_prompt_tokens", "Prompt tokens looked up (over them: the "
+                                  "share reused)", value=cache.prompt_tokens)
+        yield CounterMetricFamily("ringctx_prefix_cache_branches", "Entries made where two prompts part",
+                                  value=cache.branches)
+        yield CounterMetricFamily("ringctx_prefix_cache_loads", "Entries loaded back from disk",
+                                  value=cache.loaded_from_disk)
+        evictions = CounterMetricFamily("ringctx_prefix_cache_evictions", "Entries that left memory, by where "
+                                        "they went", labels=["to"])
+        evictions.add_metric(["disk"], cache.evicted_to_disk)
+        evictions.add_metric(["dropped"], cache.evicted_dropped)
+        yield evictions
+        yield CounterMetricFamily("ringctx_prefix_cache_not_kept", "Prompts not kept (larger than the budget, or "
+                                  "their rows could not be kept)", value=cache.not_kept)
+        entries = GaugeMetricFamily("ringctx_prefix_cache_entries", "Cached prompts by place", labels=["place"])
+        entries.add_metric(["memory"], cache.entries_in_memory)
+        entries.add_metric(["disk"], cache.entries_on_disk)
+        yield entries
+        held = GaugeMetricFamily("ringctx_prefix_cache_bytes", "Bytes of cached prompts by place", labels=["place"])
+        held.add_metric(["memory"], cache.bytes_in_memory)
+        held.add_metric(["disk"], cache.bytes_on_disk)
+        yield held
+        budget = GaugeMetricFamily("ringctx_prefix_cache_budget_bytes", "Bytes the cached prompts may take by place",
+                                   labels=["place"])
+        budget.add_metric(["memory"], cache.budget_bytes)
+        budget.add_metric(["disk"], cache.disk_budget_bytes)
+        yield budget

@@ -33,12 +33,14 @@ import torch
 
 from ..engine import Engine
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
-from ..engine.prefix_cache import PrefixCache, prefix_seed
+from ..engine.prefix_cache import CachedPrompt, PrefixCache, engine_seed
 from ..engine.work_items import Prefill, Question
 from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
 from . import backend as api
-from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument, auto_kv_budget, kv_bytes_per_token
+from ..runtime.efficiency import kv_bytes_per_token
+from ..runtime.memory_check import auto_kv_budget
+from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument
 from .prompts import PromptRenderer, text_sha256
 from .store import DocumentStore, new_document_id, now
 
@@ -151,9 +153,6 @@ class EngineBackend:
                 disk_budget_bytes=disk, others_bytes=self.docs.bytes_in_memory, limit_bytes=self.kv_budget_bytes,
                 log=self.log)
             self.docs.implicit = self.prefix_cache  # registered documents come first: entries make room for them
-        # what a cached prompt's KV depends on besides its tokens (a request's cache_salt is added)
-        self._seed_fields = (str(config.model), f"{engine.model.dtype}/{config.weights}", engine.kv_dtype,
-                             getattr(self.tokenizer, "chat_template", None))
         answer_rows = max(1, int(self.kv_budget_bytes * ANSWER_ROWS_SHARE) // self.bytes_per_token)
         self.scheduler.max_rows = answer_rows  # nothing is submitted before this point
 
@@ -253,20 +252,20 @@ class EngineBackend:
             raise self._stopped_error(str(exc)) from None
         return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached=reuse)
 
-    def _reuse(self, doc_id: str | None, question: torch.Tensor, salt: str | None) -> "_CachedPrompt":
+    def _reuse(self, doc_id: str | None, question: torch.Tensor, salt: str | None) -> CachedPrompt:
         """What the request's prompt reuses: the longest cached prompt that begins it (when it is
         longer than its document, if it names one), and how its rows are kept afterwards."""
         cache = self.prefix_cache
         doc_ids = self.docs.tokens(doc_id) if doc_id is not None else None
         prompt_ids = question if doc_id is None else (torch.cat([doc_ids, question]) if doc_ids is not None else None)
-        seed = prefix_seed(*self._seed_fields, salt) if cache is not None else ""
+        seed = engine_seed(self.engine, salt) if cache is not None else ""
         match = None
         if cache is not None and prompt_ids is not None and prompt_ids.numel() > cache.min_tokens:
             match = cache.lookup(prompt_ids, seed)
             if match is not None and match.tokens <= (doc_ids.numel() if doc_ids is not None else 0):
                 match = None  # its document gives as much, without a lookup's copy
         cached = match.tokens if match is not None else (int(doc_ids.numel()) if doc_ids is not None else 0)
-        return _CachedPrompt(cache, seed, match, prompt_ids, cached)
+        return CachedPrompt(cache, seed, match, prompt_ids, cached, room=QUESTION_ROOM_TOKENS)
 
     def _prompt_chunk_done(self, stats) -> None:
         """Scheduler thread: a chunk of a prompt of its own has run."""
@@ -352,7 +351,7 @@ class EngineBackend:
 class _Answer:
     """An answer as the HTTP layer sees it (backend.Answer): Pieces, then Finished."""
 
-    def __init__(self, backend: EngineBackend, ticket, *, prompt_tokens: int, cached: "_CachedPrompt"):
+    def __init__(self, backend: EngineBackend, ticket, *, prompt_tokens: int, cached: CachedPrompt):
         self.backend, self.ticket = backend, ticket
         self.prompt_tokens, self.cached = prompt_tokens, cached
 
@@ -388,46 +387,3 @@ class _Answer:
         finally:
             with backend._lock:
                 backend.running -= 1
-
-
-class _CachedPrompt:
-    """A request's prompt and the prefix cache (engine/prefix_cache.py): the cached prompt it
-    reuses (a DocumentSource when it joins), how its rows are kept when it completes (`keep`), and
-    what then becomes an entry (`left`). With the cache off, `keep` keeps nothing."""
-
-    def __init__(self, cache: PrefixCache | None, seed: str, match, prompt_ids: torch.Tensor | None, cached: int):
-        self.cache, self.seed, self.match, self.prompt_ids = cache, seed, match, prompt_ids
-        self.cached_tokens = cached
-        """Of the prompt's tokens, those whose rows it did not prefill (usage.prompt_tokens_details)."""
-
-    def document(self, engine):
-        """Scheduler thread, when the question joins: the cached prompt's Document of exactly the
-        matched tokens; when its entry has gone since the lookup, those tokens prefilled now."""
-        document = self.cache.open(self.match)
-        if document is None:
-            self.cached_tokens = 0
-            prefix = self.prompt_ids[:self.match.tokens]
-            document = engine.ingest(prefix.tolist(), decode_room=QUESTION_ROOM_TOKENS)
-            document = self.cache.add(document, self.seed, users=1) or document
-        return document
-
-    def prefilled(self, result):
-        """Scheduler thread: a prompt of its own was prefilled; kept as an entry when it is long enough."""
-        if self.cache is None:
-            return result.document
-        return self.cache.add(result.document, self.seed, users=1) or result.document
-
-    def keep(self, member) -> str | None:
-        """Scheduler thread, as the question leaves: how its rows are kept (BatchMember.keep)."""
-        if self.cache is None:
-            return None
-        new_tokens = int(member.generation.prompt_ids.numel()) + len(member.result.token_ids)
-        return self.cache.keep_mode(member.document, new_tokens)
-
-    def left(self, member) -> None:
-        """Scheduler thread: the question has left; what it kept becomes an entry."""
-        if self.cache is None:
-            return
-        if member.kept is not None:
-            self.cache.kept(member.kept, self.seed)
-        self.cache.close(member.document)
