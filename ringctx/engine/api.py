@@ -657,7 +657,8 @@ class Engine:
         if match is not None:
             document, rest = prompt.document(self), ids[match.tokens:]
         else:  # over every rank, then its last token asked on it
-            document, rest = prompt.prefilled(self.prefill(ids[:-1], as_document=True, decode_room=prompt.room)), ids[-1:]
+            prefilled = self.prefill(ids[:-1], as_document=True, decode_room=prompt.room)
+            document, rest = prompt.prefilled(prefilled), ids[-1:]
         batch = self.batch()
         member = batch.join(document, rest, max_new_tokens=max_new_tokens, keep=prompt.keep, **sampling)
         while not member.left:

@@ -311,6 +311,21 @@ class PrefixCache:
         entry = self._add(document, seed, users=users)
         return None if entry is None else entry.document
 
+    def save_all(self, deadline: float | None = None) -> int:
+        """Save the entries held only in memory (the most recently used first, within the disk
+        budget, until time.monotonic() passes `deadline`), so that a restart on the same directory
+        finds them; they stay in memory. Returns how many were saved."""
+        if self.directory is None:
+            return 0
+        with self.lock:
+            waiting = [e for e in reversed(self.entries.values()) if e.document is not None and not e.on_disk]
+        saved = 0
+        for entry in waiting:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            saved += self._save(entry, keep_newer=True)
+        return saved
+
     def clear(self) -> None:
         """Forget every entry in memory (their documents dropped); saved ones stay on disk."""
         for entry in list(self.entries.values()):
@@ -403,13 +418,17 @@ class PrefixCache:
                 self._forget_locked(entry)
         self.engine.drop_document(document)
 
-    def _save(self, entry: Entry) -> bool:
+    def _save(self, entry: Entry, keep_newer: bool = False) -> bool:
+        """Write the entry into the directory within the disk budget, deleting the least recently
+        used saved entries to make room (with keep_newer, only those used before it)."""
         if self.directory is None:
             return False
         need = self._bytes(entry)
         if need > self.disk_budget_bytes:
             return False
-        self._trim_disk(self.disk_budget_bytes - need)
+        self._trim_disk(self.disk_budget_bytes - need, before=entry.last_used if keep_newer else None)
+        if sum(self._disk_bytes.values()) + need > self.disk_budget_bytes:
+            return False
         path = self.directory / f"{entry.id}.kv"
         try:
             self.engine.save_document(entry.document, path)
@@ -424,11 +443,13 @@ class PrefixCache:
         self._disk_bytes[entry.id] = _tree_bytes(path)
         return True
 
-    def _trim_disk(self, limit: int) -> None:
-        """Delete the least recently used saved entries (not in memory) until at most `limit` bytes remain."""
+    def _trim_disk(self, limit: int, before: float | None = None) -> None:
+        """Delete the least recently used saved entries (not in memory; used before `before` when
+        given) until at most `limit` bytes remain."""
         while sum(self._disk_bytes.values()) > limit:
             with self.lock:
-                victims = [e for e in self.entries.values() if e.on_disk and e.document is None]
+                victims = [e for e in self.entries.values() if e.on_disk and e.document is None
+                           and (before is None or e.last_used < before)]
                 if not victims:
                     return
                 victim = victims[0]

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, RankFailure
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..engine.prefix_cache import CachedPrompt, PrefixCache, engine_seed
 from ..engine.work_items import Prefill, Question
@@ -326,6 +326,13 @@ class EngineBackend:
                 self.docs.saved(doc_id, timeout=max(1.0, deadline - time.monotonic()))
             except (SchedulerStopped, TimeoutError) as exc:
                 self.log(f"ringctx serve: {doc_id} was not saved before the stop ({exc}); add it again")
+        if self.prefix_cache is not None and self._problem is None:  # a restart on this store finds them
+            try:
+                saved = scheduler.call(lambda: self.prefix_cache.save_all(deadline),
+                                       timeout=max(1.0, deadline - time.monotonic()))
+                self.log(f"ringctx serve: {saved} cached prompt(s) saved in the store")
+            except (SchedulerStopped, TimeoutError, RankFailure) as exc:
+                self.log(f"ringctx serve: the cached prompts were not all saved before the stop ({exc})")
         self.docs.stop_ingests()  # an ingest cut short is failed, never half-kept
         self.scheduler.stop()
         self.engine.close()
@@ -334,8 +341,6 @@ class EngineBackend:
         """Torchrun, every rank but 0: run rank 0's commands until it stops; the exit status (0, or 1
         when a rank was lost)."""
         import signal
-
-        from ..engine import RankFailure
 
         # Rank 0 leads the stop (it drains, then tells every rank); torchrun signals every rank at once.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -378,12 +383,8 @@ class _Answer:
             raise api.BadRequest(str(exc)) from None
         except SchedulerStopped as exc:
             raise backend._stopped_error(str(exc)) from None
-        except Exception as exc:  # noqa: BLE001 - a RankFailure from the engine
-            from ..engine import RankFailure
-
-            if isinstance(exc, RankFailure):
-                raise api.RankLost(str(exc)) from None
-            raise
+        except RankFailure as exc:
+            raise api.RankLost(str(exc)) from None
         finally:
             with backend._lock:
                 backend.running -= 1
