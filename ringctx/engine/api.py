@@ -729,6 +729,25 @@ class Engine:
                                   document=document)
         return self.keep_document(prefix)
 
+    def join_documents(self, first: Document, second: Document, tokens: int | None = None, *,
+                       first_tokens: int | None = None, decode_room: int = 256) -> Document | None:
+        """A new Document of `first`'s first `first_tokens` tokens (None: all) then `second`'s rows,
+        which continue them (the own rows a batch member kept with keep="own": its question and
+        answer), `tokens` tokens in all (None: every one of both). Each decode rank joins its own
+        rows where they are, with `decode_room` rows free. None off the decode ranks."""
+        if not self.state.is_decode_rank:
+            return None
+        first_tokens = first.length if first_tokens is None else int(first_tokens)
+        total = first_tokens + second.length
+        tokens = total if tokens is None else int(tokens)
+        if not 0 < first_tokens <= first.length or not first_tokens < tokens <= total:
+            raise ValueError(f"{tokens} tokens of {first_tokens} of a {first.length}-token document and a "
+                             f"{second.length}-token one after them: give {first_tokens + 1} to {total}")
+        self.end_open_answer(first)
+        joined = self.run_command("joined", commands.JOINED, first.id, second.id, first_tokens, tokens,
+                                  self.new_id(), decode_room, first=first, second=second)
+        return self.keep_document(joined)
+
     def drop_document(self, document: Document) -> None:
         """Free `document`'s KV cache on every decode rank."""
         if self.state.is_decode_rank:

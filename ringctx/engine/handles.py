@@ -260,8 +260,9 @@ class BatchMember:
         self.keep = None
         """What becomes of its rows once it completes: None, freed; "copy", kept as a new document
         (its document's rows, its question's and its answer's); "extend", added to its document (a
-        document no other member reads; else as "copy"); or a function of the member giving one of
-        these when it completes. A cancelled member's rows are freed."""
+        document no other member reads; else as "copy"); "own", its own rows alone as a new
+        document (Engine.join_documents puts it after its document when needed); or a function of
+        the member giving one of these when it completes. A cancelled member's rows are freed."""
         self.kept: Document | None = None
         """The document its rows became (after it left, with `keep`), or None."""
 
@@ -318,8 +319,8 @@ class Batch:
         """Add a sequence: its question's prefill and first token now (`first_piece`); it then
         advances with every `step`. prompt: question text (in the document's chat frame) or token ids;
         keep: what becomes of its rows when it completes (BatchMember.keep)."""
-        if keep not in (None, "copy", "extend") and not callable(keep):
-            raise ValueError(f"keep must be None, 'copy', 'extend' or a function of the member, got {keep!r}")
+        if keep not in KEEP_MODES and not callable(keep):
+            raise ValueError(f"keep must be one of {KEEP_MODES} or a function of the member, got {keep!r}")
         engine = self.engine
         ids = engine.question_ids(document, prompt)
         if ids.numel() == 0:
@@ -382,9 +383,11 @@ class Batch:
         fed = torch.cat([member.generation.prompt_ids.cpu(),
                          torch.tensor(generated[:max(0, len(generated) - 1)], dtype=torch.long)])
         shared = member.document is None or any(m.document is member.document for m in self.members)
+        if mode not in KEEP_MODES:
+            raise ValueError(f"keep must be one of {KEEP_MODES}, got {mode!r}")
         new_id = engine.new_id() if mode != "extend" or shared else -1
         document = engine.run_command("decode", commands.BATCH_KEEP, member.id, _ints(fed.tolist()), new_id,
-                                      KEPT_ROOM_ROWS)
+                                      KEPT_ROOM_ROWS, mode == "own")
         return document if new_id < 0 else engine.keep_document(document)
 
     @property
@@ -401,6 +404,9 @@ class Batch:
         return engine.run_command("decode", commands.BATCH_JOIN, sequence_id, -1 if document is None else document.id,
                                   _ints(token_ids.tolist()), document=document)
 
+
+KEEP_MODES = (None, "copy", "extend", "own")
+"""What a batch member's rows may become when it completes (BatchMember.keep)."""
 
 KEPT_ROOM_ROWS = 256
 """Rows a kept sequence's document keeps free on each decode rank for the next question's prefill."""

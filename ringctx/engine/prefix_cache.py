@@ -109,10 +109,20 @@ class Entry:
     users: int = 0
     """Questions reading it now: it stays in memory until they leave."""
     last_used: float = field(default_factory=time.monotonic)
+    parent: "Entry | None" = None
+    """A *tail*: the kept turn (question and answer) of a question on `parent`, its own rows alone;
+    `token_ids` are the parent's first `parent_tokens` then the turn's. Joined to the parent's rows
+    (one copy) only when a next turn reaches into it; never saved."""
+    parent_tokens: int = 0
 
     @property
     def length(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def rows(self) -> int:
+        """Tokens whose rows it holds itself (a tail's after its parent's)."""
+        return self.length - self.parent_tokens
 
 
 @dataclass
@@ -206,16 +216,30 @@ class PrefixCache:
                     break
                 found = ids
             limit = int(token_ids.numel()) - 1
+            def rank(match: PrefixMatch) -> tuple:  # more tokens; then no copy; in memory; recent
+                e = match.entry
+                return (match.tokens, match.whole and e.parent is None, e.document is not None, e.last_used)
+
             for entry_id in found:
                 entry = self.entries[entry_id]
+                if entry.parent is not None and self.entries.get(entry.parent.id) is not entry.parent:
+                    continue  # a tail whose parent has gone
                 shared = min(common_prefix(entry.token_ids, token_ids), limit)
                 tokens = shared if shared == entry.length else shared // BLOCK_TOKENS * BLOCK_TOKENS
+                if entry.parent is not None and shared > entry.parent_tokens:
+                    tokens = shared  # a tail is joined to its parent at any token: no block to keep whole
                 if tokens < self.min_tokens:
                     continue
-                rank = (tokens, tokens == entry.length, entry.document is not None, entry.last_used)
-                if best is None or rank > (best.tokens, best.whole, best.entry.document is not None,
-                                           best.entry.last_used):
-                    best = PrefixMatch(entry, tokens)
+                if entry.parent is not None and tokens <= entry.parent_tokens:
+                    match = PrefixMatch(entry.parent, tokens)  # none of the tail: its parent's rows
+                    if match.tokens != entry.parent.length:
+                        match.tokens = tokens // BLOCK_TOKENS * BLOCK_TOKENS
+                        if match.tokens < self.min_tokens:
+                            continue
+                else:
+                    match = PrefixMatch(entry, tokens)
+                if best is None or rank(match) > rank(best):
+                    best = match
             if best is not None:
                 self.counts.hits += 1
                 self.counts.tokens_reused += best.tokens
@@ -238,6 +262,8 @@ class PrefixCache:
         miss). The entry itself when it still has that length; else (a partial match, or an entry
         that grew with a conversation since the lookup) a branch of its first `tokens` tokens."""
         entry = match.entry
+        if entry.parent is not None:
+            return self._join_tail(entry, match.tokens)
         with self.lock:
             if self.entries.get(entry.id) is not entry:
                 return None
@@ -262,6 +288,31 @@ class PrefixCache:
             self.counts.branches += 1
         return branch.document
 
+    def _join_tail(self, tail: Entry, tokens: int) -> Document | None:
+        """A next turn reached into a kept turn: its parent's rows and its own joined (one copy) into
+        a new leaf entry of `tokens` tokens, which replaces the tail; None when the parent has gone."""
+        parent = tail.parent
+        with self.lock:
+            if self.entries.get(tail.id) is not tail or self.entries.get(parent.id) is not parent:
+                return None
+            parent.users += 1
+            tail.users += 1
+        try:
+            if parent.document is None and not self._load(parent):
+                return None
+            self._make_room(tokens * self.bytes_per_token)
+            document = self.engine.join_documents(parent.document, tail.document, tokens,
+                                                  first_tokens=tail.parent_tokens)
+        except ValueError as exc:
+            self.log(f"ringctx: prefix cache: a kept turn could not be joined to its prompt ({exc})")
+            return None
+        finally:
+            parent.users -= 1
+            tail.users -= 1
+        self._discard(tail)  # the leaf holds all of it now
+        leaf = self._add(document, tail.seed, users=1)
+        return None if leaf is None else leaf.document
+
     def close(self, document: Document | None) -> None:
         """A question that read `document` has left."""
         entry = self.by_document.get(id(document)) if document is not None else None
@@ -269,17 +320,25 @@ class PrefixCache:
             entry.users -= 1
 
     def keep_mode(self, document: Document | None, new_tokens: int) -> str | None:
-        """How a question's rows are kept when it completes (Batch's keep): "extend" its document
-        when that is a leaf entry no other question reads (a conversation's entry grows with it);
-        "copy" when its own tokens (question and answer) reach min_tokens; else None (freed)."""
+        """How a question's rows are kept when it completes (Batch's keep), so that the next turn of
+        its conversation (its prompt, its answer, a new message) finds all of it: "extend" its
+        document when that is a leaf entry no other question reads (the entry grows with the
+        conversation, no copy); "own" on any other entry (its own rows alone, a tail: joined to the
+        entry's rows only if a next turn comes); on a document outside the cache (a registered
+        one), "copy" when its own tokens reach min_tokens; else None (freed)."""
         entry = self.by_document.get(id(document)) if document is not None else None
         if entry is not None and not entry.branch and entry.users <= 1:
             return "extend"
+        if entry is not None:
+            return "own" if new_tokens > 0 else None
         return "copy" if new_tokens >= self.min_tokens else None
 
-    def kept(self, document: Document | None, seed: str) -> None:
-        """A completed question's rows were kept as `document` (a new one, or its own grown): it
-        becomes an entry, or its entry follows its new length. None: its rows were not kept."""
+    def kept(self, document: Document | None, seed: str, after: Document | None = None,
+             after_tokens: int = 0) -> None:
+        """A completed question's rows were kept as `document`: its own document grown (its entry
+        follows its new length), a new one (an entry), or, with `after` (the question's document,
+        keep "own"), its own rows alone, which continue after's first `after_tokens` tokens (a tail
+        of after's entry). None: its rows were not kept."""
         if document is None:
             with self.lock:
                 self.counts.not_kept += 1
@@ -297,19 +356,52 @@ class PrefixCache:
             self._touch(entry)
             self._make_room(0)
             return
+        parent = self.by_document.get(id(after)) if after is not None else None
+        if after is not None and (parent is None or parent.length < after_tokens):
+            self.engine.drop_document(document)  # its entry has gone: the turn's rows alone are no use
+            return
+        if parent is not None:
+            self._add_tail(document, parent, after_tokens)
+            return
         if document.length < self.min_tokens:
             self.engine.drop_document(document)
             return
         self._add(document, seed)
 
+    def _add_tail(self, document: Document, parent: Entry, parent_tokens: int) -> None:
+        token_ids = torch.cat([parent.token_ids[:parent_tokens], document.token_ids.to(torch.long)])
+        tail = Entry(id=_new_id(), seed=parent.seed, token_ids=token_ids, hashes=block_hashes(parent.seed, token_ids),
+                     document=document, parent=parent, parent_tokens=parent_tokens, users=1)
+        with self.lock:
+            self.entries[tail.id] = tail
+            self.by_document[id(document)] = tail
+            self._index(tail)
+            self.counts.entries_kept += 1
+        self._make_room(0)
+        tail.users -= 1
+
     def add(self, document: Document, seed: str, users: int = 0) -> Document | None:
         """Keep a prefilled prompt (a miss's document) as an entry, `users` questions reading it
         (each `close`s it); the Document its questions read (another entry's when one holds the
-        same tokens), or None when it is shorter than min_tokens (kept out of the cache, as it is)."""
+        same tokens), or None when it is not kept (shorter than min_tokens, or larger than the
+        budget): the caller's document is then left as it is, for its question alone."""
         if document.length < self.min_tokens:
+            return None
+        if not self._fits(document):
             return None
         entry = self._add(document, seed, users=users)
         return None if entry is None else entry.document
+
+    def _fits(self, document: Document) -> bool:
+        """Whether a document fits the budget at all (else one line, counted as not kept)."""
+        need = document.length * self.bytes_per_token
+        if need <= self.budget_bytes:
+            return True
+        self.log(f"ringctx: prefix cache: a prompt of {document.length:,} tokens ({need:,} bytes of KV) is "
+                 f"larger than the cache's budget ({self.budget_bytes:,} bytes); it is not kept")
+        with self.lock:
+            self.counts.not_kept += 1
+        return False
 
     def save_all(self, deadline: float | None = None) -> int:
         """Save the entries held only in memory (the most recently used first, within the disk
@@ -338,12 +430,7 @@ class PrefixCache:
     def _add(self, document: Document, seed: str, branch: bool = False, users: int = 0) -> Entry | None:
         """`document` kept as an entry (or, when an entry has the same tokens, that one kept instead
         and `document` dropped); None when it is larger than the budget (dropped)."""
-        need = document.length * self.bytes_per_token
-        if need > self.budget_bytes:
-            self.log(f"ringctx: prefix cache: a prompt of {document.length:,} tokens ({need:,} bytes of KV) is "
-                     f"larger than the cache's budget ({self.budget_bytes:,} bytes); it is not kept")
-            with self.lock:
-                self.counts.not_kept += 1
+        if not self._fits(document):
             self.engine.drop_document(document)
             return None
         token_ids = document.token_ids.clone()
@@ -372,7 +459,7 @@ class PrefixCache:
         return entry
 
     def _bytes(self, entry: Entry) -> int:
-        return entry.length * self.bytes_per_token
+        return entry.rows * self.bytes_per_token
 
     def _memory_limit(self) -> int:
         return max(0, min(self.budget_bytes, self.limit_bytes - self.others_bytes()))
@@ -418,10 +505,22 @@ class PrefixCache:
                 self._forget_locked(entry)
         self.engine.drop_document(document)
 
+    def _discard(self, entry: Entry) -> None:
+        """Forget an entry another one supersedes (its document dropped, its files deleted)."""
+        with self.lock:
+            self._forget_locked(entry)
+            document = entry.document
+            entry.document = None
+            self.by_document.pop(id(document), None)
+        if document is not None:
+            self.engine.drop_document(document)
+        if entry.on_disk:
+            self._delete_files(entry.id)
+
     def _save(self, entry: Entry, keep_newer: bool = False) -> bool:
         """Write the entry into the directory within the disk budget, deleting the least recently
         used saved entries to make room (with keep_newer, only those used before it)."""
-        if self.directory is None:
+        if self.directory is None or entry.parent is not None:  # a tail is its parent's: never saved alone
             return False
         need = self._bytes(entry)
         if need > self.disk_budget_bytes:
@@ -613,6 +712,8 @@ class CachedPrompt:
         self.cache, self.seed, self.match, self.prompt_ids, self.room = cache, seed, match, prompt_ids, room
         self.cached_tokens = cached
         """Of the prompt's tokens, those whose rows it did not prefill (usage.prompt_tokens_details)."""
+        self.kept_mode: str | None = None  # what `keep` chose
+        self.kept_after = 0
 
     def document(self, engine):
         """Scheduler thread, when the question joins: the cached prompt's Document of exactly the
@@ -636,12 +737,17 @@ class CachedPrompt:
         if self.cache is None:
             return None
         new_tokens = int(member.generation.prompt_ids.numel()) + len(member.result.token_ids)
-        return self.cache.keep_mode(member.document, new_tokens)
+        self.kept_mode = self.cache.keep_mode(member.document, new_tokens)
+        # the tokens its own rows continue (its document may grow before `left`: another question's keep)
+        self.kept_after = member.document.length if member.document is not None else 0
+        return self.kept_mode
 
     def left(self, member) -> None:
         """Scheduler thread: the question has left; what it kept becomes an entry."""
         if self.cache is None:
             return
-        if member.kept is not None:
-            self.cache.kept(member.kept, self.seed)
+        if member.kept is not None or self.kept_mode is not None:
+            own = self.kept_mode == "own"
+            self.cache.kept(member.kept, self.seed, after=member.document if own else None,
+                            after_tokens=self.kept_after if own else 0)
         self.cache.close(member.document)

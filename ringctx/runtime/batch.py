@@ -131,14 +131,17 @@ class BatchDecoder:
         """Forget a sequence: its own rows are freed (not collective; unknown ids are ignored)."""
         self.sequences.pop(sequence_id, None)
 
-    def keep(self, sequence_id: int, token_ids: torch.Tensor, new_id: int | None, room: int) -> Document:
-        """The sequence's rows kept as a document (a conversation's next turn asks about it): its
-        document's rows and its own rows (question and answer so far), this rank's part of them.
+    def keep(self, sequence_id: int, token_ids: torch.Tensor, new_id: int | None, room: int,
+             own_only: bool = False) -> Document:
+        """The sequence's rows kept as a document (a conversation's next turn asks about it), this
+        rank's part of them: its document's rows and its own rows (question and answer so far).
 
         token_ids: the sequence's tokens after its document whose K/V its rows hold (its question,
         then the answer's tokens fed back; the last sampled token has no row and is not given).
         new_id: the new document's id, or None to extend the sequence's document in place (only
         when no other sequence reads it: its rows would grow under them); room: rows kept free.
+        own_only: the new document holds only the sequence's own rows (positions after its
+        document's; `joined_rows` puts the two together when a next turn needs them), no copy.
         Not collective: every decode rank keeps its own rows."""
         s = self.sequences[sequence_id]
         document = s.document
@@ -146,6 +149,8 @@ class BatchDecoder:
         if int(token_ids.numel()) != s.length - before:
             raise ValueError(f"sequence {sequence_id} holds {s.length - before} tokens after its document, "
                              f"{int(token_ids.numel())} given")
+        if own_only:
+            return Document(cache=s.own, token_ids=token_ids.clone(), id=new_id)
         base = document.rewind() if document is not None else None
         if new_id is None:
             if document is None:

@@ -15,6 +15,7 @@ collectives match:
                                  (BATCH_KEEP before it: the sequence's rows kept as a document)
                                                                                  ->  runtime/batch.py BatchDecoder
     Engine.document_prefix   ->  PREFIX         ->  a document's first tokens as a new document
+    Engine.join_documents    ->  JOINED         ->  a document and a kept turn's own rows as one document
     Engine.save_document     ->  SAVE           ->  runtime/documents.py save_document_slices
     Engine.start_save        ->  SAVE_START, SAVE_FINISH   (the slices written on a thread between them)
     Engine.load_document     ->  LOAD           ->  runtime/documents.py load_document_slices
@@ -49,7 +50,7 @@ from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
 from ..planning.hardware import HardwareProfile
 from ..units import fmt_bytes
-from .batch import BatchDecoder, prefix_rows
+from .batch import BatchDecoder, append_rows, prefix_rows
 from .decode import ShardedDecoder
 from .document import Document
 from .documents import ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
@@ -223,12 +224,30 @@ def batch_leave(state: RankState, sequence_id: int) -> None:
     batch_decoder(state).leave(sequence_id)
 
 
-def batch_keep(state: RankState, sequence_id: int, ids: bytes, new_id: int, room: int) -> Document:
+def batch_keep(state: RankState, sequence_id: int, ids: bytes, new_id: int, room: int, own_only: bool) -> Document:
     """A sequence's rows kept as a document before it leaves (BatchDecoder.keep): new_id -1 extends
     its document in place. No message between ranks: each keeps its own rows."""
-    document = batch_decoder(state).keep(sequence_id, ids_from_bytes(ids), None if new_id < 0 else new_id, room)
+    document = batch_decoder(state).keep(sequence_id, ids_from_bytes(ids), None if new_id < 0 else new_id, room,
+                                         own_only=bool(own_only))
     state.documents[document.id] = document
     return document
+
+
+def documents_joined(state: RankState, first_id: int, second_id: int, first_tokens: int, tokens: int, new_id: int,
+                     room: int, *, first: Document | None = None, second: Document | None = None) -> Document:
+    """A new document of `first`'s first `first_tokens` tokens then `second`'s (which continues them:
+    a kept turn's own rows), `tokens` tokens in all: each decode rank joins its own rows (no message)."""
+    first, second = first or state.document(first_id), second or state.document(second_id)
+    if not 0 < first_tokens <= first.length or not first_tokens < tokens <= first_tokens + second.length:
+        raise ValueError(f"{tokens} tokens of {first_tokens} of a {first.length}-token document and a "
+                         f"{second.length}-token one after them")
+    tail = prefix_rows(second.rewind(), tokens, 0)
+    cache = append_rows(prefix_rows(first.rewind(), first_tokens, tail.length + room), tail, room)
+    token_ids = torch.cat([first.token_ids[:first_tokens], second.token_ids[:tokens - first_tokens]])
+    joined = Document(cache=cache, token_ids=token_ids, question_prefix=first.question_prefix,
+                      question_suffix=first.question_suffix, metadata=dict(first.metadata), id=new_id)
+    state.documents[new_id] = joined
+    return joined
 
 
 # ------------------------------------------------------------------------------------------ prefixes
@@ -383,6 +402,7 @@ BATCH_STEP = Command("batch_step", batch_step, decode_only=True)
 BATCH_LEAVE = Command("batch_leave", batch_leave, decode_only=True)
 BATCH_KEEP = Command("batch_keep", batch_keep, decode_only=True)
 PREFIX = Command("prefix", document_prefix, decode_only=True)
+JOINED = Command("joined", documents_joined, decode_only=True)
 SAVE = Command("save", save, decode_only=True)
 SAVE_START = Command("save_start", save_start, decode_only=True)
 SAVE_FINISH = Command("save_finish", save_finish, decode_only=True)
@@ -395,6 +415,6 @@ MEASURE_HARDWARE = Command("measure_hardware", measure, decode_only=False)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
-    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, BATCH_KEEP, PREFIX, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP,
+    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, BATCH_KEEP, PREFIX, JOINED, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP,
     ROWS, GATHER, MOVE_PAGES, MEASURE_HARDWARE)}
 """Every command by the name that travels: what a worker looks up for each message."""
