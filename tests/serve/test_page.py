@@ -406,8 +406,8 @@ def test_the_page_fits_a_narrow_window(browser, fake):
         assert width <= 400
         assert browser.execute_script("return document.documentElement.scrollWidth") <= width  # no sideways scroll
         wait_for(browser, lambda d: d.find_elements("css selector", "#doc-table tbody tr"), what="a document's row")
-        for element_id in ("ingest", "documents", "ask", "doc-text", "question", "ask-button", "ingest-button",
-                           "doc-table"):  # the table with its buttons, not only its scrolling box
+        for element_id in ("ingest", "documents", "ask", "doc-text", "question", "ask-button", "new-conversation",
+                           "ingest-button", "doc-table"):  # the table with its buttons, not only its scrolling box
             rect = browser.execute_script("return document.getElementById(arguments[0]).getBoundingClientRect().toJSON()",
                                           element_id)
             assert 0 <= rect["left"] and rect["right"] <= width, (element_id, rect, width)
