@@ -3,14 +3,15 @@
 Two servers, each started once for the module, and one browser for every test:
 - a live `ringctx serve --nproc 1` with the embedded SmolLM2: a needle document goes in through the
   page's file input, its ingest is watched to the end, and the answer streamed into the page must
-  hold the needle and equal the server's own greedy answer;
+  hold the needle and equal the server's own greedy answer, as must a follow-up's to the conversation;
 - the app over the fake backend of test_app.py, with an API key, answering markup: the key is asked
-  for, a wrong key shows an error, markup is shown as text and never runs, a narrow window fits.
+  for, a wrong key shows an error, markup is shown as text and never runs, a follow-up sends the
+  conversation before it (as the backend received it), a narrow window fits.
 
 Chromium and its driver are Debian's (`apt-get install chromium chromium-driver`, as .ci/run does),
 with the system chromedriver (selenium never downloads one). When they are missing the tests fail
 saying what to install; RINGCTX_SKIP_BROWSER_TESTS=1 skips them instead (for a developer's machine).
-Set RINGCTX_PAGE_SCREENSHOT=docs/page.png to save the page after its answer (the README's picture).
+Set RINGCTX_PAGE_SCREENSHOT=docs/page.png to save the page after its follow-up (the README's picture).
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def set_value(driver, element_id, text):
 
 
 def ask(driver, question, max_tokens, document=None):
-    """Ask on the page; the answer's text and its stats line once the stream has ended."""
+    """Ask on the page (a follow-up when a conversation is going on); the answer's text and its stats
+    line once the stream has ended (the newest turn's: #answer and #answer-stats)."""
     from selenium.webdriver.support.ui import Select
 
     if document is not None:
@@ -176,6 +178,13 @@ def ask(driver, question, max_tokens, document=None):
     assert by_id(driver, "answer").get_attribute("data-state") == "done", errors_shown(driver)
     answer = driver.execute_script("return document.getElementById('answer').textContent")
     return answer, by_id(driver, "answer-stats").text
+
+
+def turns_shown(driver) -> list[tuple[str, str]]:
+    """The conversation on the page, oldest first: (question, answer) of each turn as shown."""
+    return [tuple(driver.execute_script("return arguments[0].textContent", turn.find_element("css selector", part))
+                  for part in (".question", ".answer"))
+            for turn in driver.find_elements("css selector", "#turns .turn")]
 
 
 # ---------------------------------------------------------------------------- the live server
@@ -213,6 +222,20 @@ def test_a_needle_document_ingested_and_asked_on_the_page(browser, live, tmp_pat
     assert answer == live.ask(doc_id, QUESTION).choices[0].message.content
     assert re.search(r"first token after \d+\.\d\d s · \d+ tokens · \d+\.\d tokens/s · "
                      rf"{doc['tokens']:,} prompt tokens from the cache", stats), stats
+    assert errors_shown(browser) == []
+
+    # A follow-up continues the conversation: the page sends the first turn before it, so its answer
+    # is the server's to the whole conversation, with the document's KV (at least) from the cache.
+    follow_up = "Who knows it?"
+    second, stats = ask(browser, follow_up, 8)
+    conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": follow_up}]
+    reference = live.client.chat.completions.create(model="smollm2-135m", messages=conversation,
+                                                    extra_body={"document": doc_id}, max_tokens=8, temperature=0)
+    assert second == reference.choices[0].message.content
+    assert turns_shown(browser) == [(QUESTION, answer), (follow_up, second)]
+    cached = re.search(r"([\d,]+) prompt tokens from the cache", stats)
+    assert cached and int(cached[1].replace(",", "")) >= doc["tokens"], stats
     assert errors_shown(browser) == []
     if os.environ.get("RINGCTX_PAGE_SCREENSHOT"):
         browser.execute_script("window.scrollTo(0, 0)")
@@ -325,6 +348,55 @@ def test_an_error_in_the_middle_of_an_answer_is_shown_after_its_first_words(brow
     assert by_id(browser, "ask-button").is_enabled() and not by_id(browser, "stop-button").is_enabled()
 
 
+def test_a_follow_up_sends_the_conversation_and_new_conversation_clears_it(browser, fake, fake_backend):
+    open_page(browser, fake, key=KEY)
+    doc_id = fake_backend.add_document("a note of five words", name="note").id
+    assistant = {"role": "assistant", "content": MARKUP}  # every answer of MarkupBackend
+
+    def user(text):
+        return {"role": "user", "content": text}
+
+    assert ask(browser, "What is it?", 10, document=doc_id)[0] == MARKUP
+    assert fake_backend.requests[-1].messages == (user("What is it?"),)
+    answer, stats = ask(browser, "And then?", 10)
+    assert answer == MARKUP and stats.endswith("5 prompt tokens from the cache")  # the fake's: the document's
+    request = fake_backend.requests[-1]
+    assert request.messages == (user("What is it?"), assistant, user("And then?")) and request.document == doc_id
+    assert turns_shown(browser) == [("What is it?", MARKUP), ("And then?", MARKUP)]
+    stats_lines = [e.text for e in browser.find_elements("css selector", "#turns .turn .answer-stats")]
+    assert len(stats_lines) == 2 and all("prompt tokens from the cache" in line for line in stats_lines), stats_lines
+    assert len(browser.find_elements("css selector", "#answer, #answer-stats")) == 2  # the newest turn's only
+
+    # A failed answer is shown but not kept: the next question follows the turns before it.
+    fake_backend.fail_after = 1
+    try:
+        set_value(browser, "question", "Lost?")
+        by_id(browser, "ask-button").click()
+        wait_for(browser, lambda d: by_id(d, "answer").get_attribute("data-state") == "error", what="the answer's error")
+    finally:
+        fake_backend.fail_after = None
+    assert len(turns_shown(browser)) == 3
+    by_id(browser, "errors").find_element("css selector", ".error button").click()  # dismissed
+    ask(browser, "Third?", 10)
+    assert fake_backend.requests[-1].messages == (user("What is it?"), assistant, user("And then?"), assistant,
+                                                  user("Third?"))
+    assert [q for q, _ in turns_shown(browser)] == ["What is it?", "And then?", "Third?"]  # the failed one gone
+
+    by_id(browser, "new-conversation").click()
+    assert turns_shown(browser) == [] and not by_id(browser, "new-conversation").is_enabled()
+    ask(browser, "Anew?", 10)
+    assert fake_backend.requests[-1].messages == (user("Anew?"),) and fake_backend.requests[-1].document == doc_id
+
+    # Another document in the menu starts a new conversation, about that one.
+    from selenium.webdriver.support.ui import Select
+
+    Select(by_id(browser, "ask-doc")).select_by_value("")
+    assert turns_shown(browser) == []
+    ask(browser, "Nothing?", 10)
+    assert fake_backend.requests[-1].messages == (user("Nothing?"),) and fake_backend.requests[-1].document is None
+    assert errors_shown(browser) == []
+
+
 def test_the_page_fits_a_narrow_window(browser, fake):
     browser.set_window_size(400, 900)
     try:
@@ -334,8 +406,8 @@ def test_the_page_fits_a_narrow_window(browser, fake):
         assert width <= 400
         assert browser.execute_script("return document.documentElement.scrollWidth") <= width  # no sideways scroll
         wait_for(browser, lambda d: d.find_elements("css selector", "#doc-table tbody tr"), what="a document's row")
-        for element_id in ("ingest", "documents", "ask", "doc-text", "question", "ask-button", "ingest-button",
-                           "doc-table"):  # the table with its buttons, not only its scrolling box
+        for element_id in ("ingest", "documents", "ask", "doc-text", "question", "ask-button", "new-conversation",
+                           "ingest-button", "doc-table"):  # the table with its buttons, not only its scrolling box
             rect = browser.execute_script("return document.getElementById(arguments[0]).getBoundingClientRect().toJSON()",
                                           element_id)
             assert 0 <= rect["left"] and rect["right"] <= width, (element_id, rect, width)

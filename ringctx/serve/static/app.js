@@ -14,6 +14,11 @@ const state = {
   watching: null,       // id of the document shown in the ingest view
   needKey: false,       // the server answered 401: wait for the user's key before calling it again
   answer: null,         // AbortController of the answer streaming in
+  // The conversation: the document its first question was about ("" for none) and its turns, each a
+  // question with its answer in full (a stopped or failed answer is not one). Every question sends
+  // them all before it, so a follow-up continues the chat (and the server's prefix cache can reuse it).
+  conversation: { document: "", turns: [] },
+  offered: null,        // the watched document the question's menu has offered (chosen for the user once)
   rows: new Map(),      // document id -> its row in the documents table
   shownErrors: new Map(), // message -> its element (a repeated error is shown once)
 };
@@ -302,7 +307,7 @@ function newDocumentRow(doc) {
   ask.type = "button";
   ask.className = "small";
   ask.textContent = "ask";
-  ask.addEventListener("click", () => { $("ask-doc").value = doc.id; $("question").focus(); });
+  ask.addEventListener("click", () => { $("ask-doc").value = doc.id; documentChosen(); $("question").focus(); });
   const remove = document.createElement("button");
   remove.type = "button";
   remove.className = "small danger";
@@ -342,7 +347,9 @@ async function deleteDocument(docId, button) {
   }
 }
 
-/** The question's menu: documents that can be asked about (ready or on disk), the choice kept. */
+/** The question's menu: documents that can be asked about (ready or on disk), the choice kept. A
+ *  document ingested (or viewed) is chosen once it can be asked about, unless a conversation is
+ *  going on; when the chosen document has gone, the conversation about it ends. */
 function updateDocumentMenu(docs) {
   const menu = $("ask-doc");
   const chosen = menu.value;
@@ -352,21 +359,81 @@ function updateDocumentMenu(docs) {
   const same = options.length === menu.options.length &&
     options.every((o, i) => o.value === menu.options[i].value && o.text === menu.options[i].text);
   if (!same) menu.replaceChildren(...options);  // Option(text, value) sets text, never HTML
-  if (askable.some((d) => d.id === chosen)) menu.value = chosen;
-  else if (state.watching && askable.some((d) => d.id === state.watching)) menu.value = state.watching;
+  const watched = state.watching && askable.some((d) => d.id === state.watching) ? state.watching : "";
+  if (chosen && askable.some((d) => d.id === chosen)) menu.value = chosen;
+  else if (chosen) menu.value = watched;  // the chosen document has gone
+  else if (watched && watched !== state.offered && !conversationGoingOn()) menu.value = watched;
+  else menu.value = "";
+  if (watched) state.offered = watched;  // offered once: "no document" chosen after it stays chosen
+  documentChosen();
 }
 
 // ------------------------------------------------------------------ questions
 $("ask-button").addEventListener("click", () => ask());
 $("stop-button").addEventListener("click", () => { if (state.answer) state.answer.abort(); });
+$("new-conversation").addEventListener("click", () => { newConversation(); $("question").focus(); });
+$("ask-doc").addEventListener("change", () => documentChosen());
 
-/** POST /v1/chat/completions with stream: true; the answer's text streams into #answer. */
+function conversationGoingOn() {
+  return state.conversation.turns.length > 0 || state.answer !== null;
+}
+
+/** The question's menu may have changed: another document starts a new conversation. */
+function documentChosen() {
+  if ($("ask-doc").value !== state.conversation.document) newConversation();
+}
+
+/** An empty conversation about the document chosen in the menu; an answer streaming in is stopped. */
+function newConversation() {
+  if (state.answer) state.answer.abort();
+  state.conversation = { document: $("ask-doc").value, turns: [] };
+  $("turns").replaceChildren();
+  updateNewConversationButton();
+}
+
+function updateNewConversationButton() {
+  $("new-conversation").disabled = $("turns").children.length === 0;
+}
+
+/** A turn's element in the list, newest last: the question, its answer, its stats line. The newest
+ *  turn's answer and stats line are #answer and #answer-stats (the ids move on to the next turn). */
+function newTurn(question) {
+  for (const id of ["answer", "answer-stats"]) {
+    const previous = $(id);
+    if (previous) previous.removeAttribute("id");
+  }
+  const item = document.createElement("li");
+  item.className = "turn";
+  const asked = document.createElement("p");
+  asked.className = "question";
+  asked.textContent = question;
+  const answer = document.createElement("div");
+  answer.className = "answer";
+  answer.id = "answer";
+  const stats = document.createElement("p");
+  stats.className = "answer-stats muted";
+  stats.id = "answer-stats";
+  item.append(asked, answer, stats);
+  $("turns").append(item);
+  updateNewConversationButton();
+  return { item, answer, stats };
+}
+
+/** POST /v1/chat/completions with stream: true, the conversation's turns before the question; the
+ *  answer's text streams into a new turn, added to the conversation once it has ended in full. */
 async function ask() {
   const question = $("question").value.trim();
   if (!question) { showError("type a question first"); return; }
   const maxTokens = parseInt($("max-tokens").value, 10);
-  const answer = $("answer"), stats = $("answer-stats");
-  answer.textContent = "";
+  documentChosen();
+  const conversation = state.conversation;
+  for (const dropped of $("turns").querySelectorAll(".turn.dropped")) dropped.remove();  // asked again, or not
+  const messages = [];
+  for (const turn of conversation.turns) {
+    messages.push({ role: "user", content: turn.question }, { role: "assistant", content: turn.answer });
+  }
+  messages.push({ role: "user", content: question });
+  const { item, answer, stats } = newTurn(question);
   answer.dataset.state = "waiting";
   stats.textContent = "waiting for the first token…";
   $("ask-button").disabled = true;
@@ -374,27 +441,28 @@ async function ask() {
   const controller = new AbortController();
   state.answer = controller;
   const clock = { sent: performance.now(), first: null, last: null, pieces: 0, usage: null, finish: null };
+  let text = "";
   try {
     if (!state.model) await loadModel();
     const body = {
-      model: state.model, messages: [{ role: "user", content: question }], stream: true,
-      stream_options: { include_usage: true }, temperature: 0,
+      model: state.model, messages, stream: true, stream_options: { include_usage: true }, temperature: 0,
     };
     if (maxTokens > 0) body.max_tokens = maxTokens;
-    const docId = $("ask-doc").value;
-    if (docId) body.document = docId;  // ringctx's extra field: the document's KV cache is the prefix
+    // ringctx's extra field: the document's KV cache is the prefix (the same for every turn)
+    if (conversation.document) body.document = conversation.document;
     const response = await api("POST", "/v1/chat/completions", body, controller.signal);
     answer.dataset.state = "streaming";
     for await (const event of serverSentEvents(response)) {
       if (event.error) throw new ApiError(event.error.message, 200, event.error.code);
       if (event.usage) clock.usage = event.usage;
       for (const choice of event.choices || []) {
-        const text = choice.delta && choice.delta.content;
-        if (text) {
+        const piece = choice.delta && choice.delta.content;
+        if (piece) {
           clock.last = performance.now();
           if (clock.first === null) clock.first = clock.last;
           clock.pieces++;
-          answer.append(text);  // a text node: markup in the answer is shown as text
+          text += piece;
+          answer.append(piece);  // a text node: markup in the answer is shown as text
           stats.textContent = answerStats(clock);
         }
         if (choice.finish_reason) clock.finish = choice.finish_reason;
@@ -402,19 +470,24 @@ async function ask() {
     }
     answer.dataset.state = "done";
     stats.textContent = answerStats(clock);
+    if (state.conversation === conversation) conversation.turns.push({ question, answer: text });
+    if ($("question").value.trim() === question) $("question").value = "";
   } catch (error) {
+    item.classList.add("dropped");  // not part of the conversation: the question can be asked again
     if (error.name === "AbortError") {
       answer.dataset.state = "stopped";
-      stats.textContent = `${answerStats(clock)} (stopped)`;
+      stats.textContent = `${answerStats(clock)} (stopped; not kept in the conversation)`;
     } else {
       answer.dataset.state = "error";
-      stats.textContent = "";
+      stats.textContent = "not kept in the conversation";
       showError(`could not answer: ${messageOf(error)}`);
     }
   } finally {
-    state.answer = null;
-    $("ask-button").disabled = false;
-    $("stop-button").disabled = true;
+    if (state.answer === controller) {
+      state.answer = null;
+      $("ask-button").disabled = false;
+      $("stop-button").disabled = true;
+    }
   }
 }
 
