@@ -149,6 +149,52 @@ def test_a_client_that_resends_the_document_reuses_its_cache(server, needle, ref
     assert response.choices[0].message.content == reference["answer"]
 
 
+PLAIN = ("The lighthouse keeper writes down every ship that passes the northern cape, its flag and its cargo. " * 24
+         + "The ship that passed at dawn was the Aurora, carrying salt.")
+
+
+@pytest.fixture(scope="module")
+def uncached():
+    """Engine.chat's greedy answer to a conversation without the prefix cache (one process, float32)."""
+    import ringctx
+
+    with ringctx.Engine(dtype="float32", prefix_cache=False) as engine:
+        yield lambda messages: engine.chat(messages, max_new_tokens=GREEDY["max_tokens"]).text
+
+
+def test_a_plain_client_reuses_its_earlier_prompts_and_turns(server, uncached):
+    """No documents API: the document in the prompt, questions one after another, then a conversation."""
+    before = server.metric("ringctx_prefix_cache_hits")
+
+    def chat(messages, **kw):
+        response = server.client.chat.completions.create(model="smollm2-135m", messages=messages, **GREEDY, **kw)
+        assert response.choices[0].message.content == uncached(messages)
+        return response
+
+    first_turn = [{"role": "user", "content": PLAIN + "\n\nWhich ship passed at dawn?"}]
+    first = chat(first_turn)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = chat([{"role": "user", "content": PLAIN + "\n\nWhat does the keeper write down?"}])
+    reused = second.usage.prompt_tokens_details.cached_tokens
+    assert 256 <= reused < second.usage.prompt_tokens  # the text they share, in whole 64-token blocks
+    turn = first_turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "And what was it carrying?"}]
+    follow_up = chat(turn)
+    assert follow_up.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens  # all of turn one
+    tenant = chat([{"role": "user", "content": PLAIN + "\n\nWhat does the keeper write down?"}],
+                  extra_body={"cache_salt": "tenant-b"})
+    assert tenant.usage.prompt_tokens_details.cached_tokens == 0  # another salt never sees these
+    assert server.metric("ringctx_prefix_cache_hits") >= before + 2
+    assert server.metric('ringctx_prefix_cache_entries{place="memory"}') >= 1
+    assert server.metric("ringctx_prefix_cache_tokens_reused") >= reused
+
+
+def test_a_bad_cache_salt_is_an_error_object(server):
+    r = server.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "cache_salt": "",
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_completions_and_chat_without_a_document(server):
     completion = server.client.completions.create(model="smollm2-135m", prompt="The capital of France is",
                                                   max_tokens=8, temperature=0)
