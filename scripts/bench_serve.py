@@ -15,25 +15,47 @@ What "holding a document" means on each side:
   `--cache true`: its prompt cache and its own KV state reuse the common prefix). Its first
   tokens are bimodal (a prompt-cache hit ~0.2-0.3 s, a miss seconds): "llama.cpp hits" is the
   later questions within HIT_WITHIN of its fastest, and TTFT is compared with both.
+- a plain client of ringctx ("ringctx plain"): no documents API at all, every request sends
+  DOCUMENT + "\\n\\n" + question as llama.cpp gets it, so only the server's automatic prefix
+  cache can spare the prefill (each prompt kept, a later one beginning the same way prefilling
+  the rest). Its DOCUMENT is one of its own (a new seed, the same size), never registered: the
+  server recognises a registered document's text in a prompt, which is the resent path.
+- a conversation ("conversation", `--turns`, 5): over another new document, no documents API,
+  turn 1 sends the document + a question, each later turn the whole history (the user turns,
+  each answer's text as it came back, the new question), on ringctx (the answer's tokens join
+  the cached prefix, so a turn should prefill only its own question) and on llama.cpp.
 
 Per round and document size (`--tokens`): the first question over a new document (wall seconds:
-ringctx POST + ready + answer; llama.cpp the first request with the full text), then
-`--questions` different later questions, the sides alternating per question (both servers are up;
-only one works at a time; the idle one's CPU time is recorded to show it stayed idle). Then, per
-`--concurrency` N, N streamed questions sent at once to each server (aggregate answer tokens/s,
-each request's inter-token time; ringctx batches them, llama-cpp-python's server queues them and
-answers one at a time: it has no parallel slots, and runs with `--interrupt_requests false`, as
-its default ends a streaming answer when the next request arrives). Documents
-are varied filler sentences with a few needles, new per round and size, their length checked with
-the model's tokenizer. After the servers stop, an in-process `ringctx.Engine(nproc=1)` loads the
-documents ringctx saved and answers the same question tokens: its own decode step and time to
-first token, for the HTTP layer's cost; the server's own decode steps over the later questions
-(its /metrics: ringctx_decode_step_seconds over ringctx_decode_steps, timed as they ran) give that
-cost again without the machine's drift between the two runs ("/step": the answers' mean gap over
-the mean step). The compute floor of a later question's partial prefill: its FLOPs (question
-tokens x the model's linear FLOPs + attention over the cached tokens, the cost model of
-ringctx.planning.strategy, + the output head of one token) at the GEMM speed measured here on the
-model's own weight shapes and dtype.
+ringctx POST + ready + answer; the plain client's first request, its time to first token too;
+llama.cpp the first request with the full text), then `--questions` different later questions,
+the paths (id, resent, plain, llama.cpp) alternating per question (both servers are up; only one
+works at a time; the idle one's CPU time is recorded to show it stayed idle). Every ringctx
+answer's usage.prompt_tokens_details.cached_tokens is recorded; the plain client's later questions
+must have cached_tokens > 0. Then, per `--concurrency` N, N streamed questions sent at once to
+each server (aggregate answer tokens/s, each request's inter-token time; ringctx batches them,
+llama-cpp-python's server queues them and answers one at a time: it has no parallel slots, and
+runs with `--interrupt_requests false`, as its default ends a streaming answer when the next
+request arrives). Then the conversation, the sides alternating per turn: each turn's time to
+first token and cached_tokens; a later turn is held to "a question on a registered document"
+(the "ringctx id" later questions' median TTFT). Last, unmeasured: the plain client's last
+question and the conversation's last turn sent again with a new `cache_salt` (no cached prompt
+shares it: the whole prompt prefilled), their answers against the ones the prefix cache gave
+(`--no-cold-check` skips it). Documents are varied filler sentences with a few needles, new per
+round and size, their length checked with the model's tokenizer. After the servers stop, an
+in-process `ringctx.Engine(nproc=1)` loads the documents ringctx saved and answers the same
+question tokens: its own decode step and time to first token, for the HTTP layer's cost; the
+server's own decode steps over the later questions (its /metrics: ringctx_decode_step_seconds over
+ringctx_decode_steps, timed as they ran) give that cost again without the machine's drift between
+the two runs ("/step": the answers' mean gap over the mean step). The compute floor of a later
+question's partial prefill: its FLOPs (question tokens x the model's linear FLOPs + attention over
+the cached tokens, the cost model of ringctx.planning.strategy, + the output head of one token) at
+the GEMM speed measured here on the model's own weight shapes and dtype.
+
+The summary's ratios are paired within a round (then their median over rounds), each with the
+target it is held to: plain later-question TTFT (median) <= 0.5x llama.cpp's cache hits and
+<= 1.2x ringctx id's; the plain first question's TTFT <= 0.3x llama.cpp's first question's (its
+wall time beside it); every later conversation turn's TTFT <= 1.2x ringctx id's later-question
+median. /metrics' ringctx_prefix_cache_* samples are recorded after each document.
 
     python scripts/bench_serve.py --tokens 1000 --questions 2        # a quick check
     python scripts/bench_serve.py --json out/bench_serve.json         # 8K and 32K, 10 questions
@@ -88,6 +110,15 @@ QUESTIONS = [
     "Who repaired the clock tower last spring?",
 ]
 FIRST_QUESTION = "Summarize the document in one sentence."
+CONVERSATION = [  # the user's turns of the conversation over a document (the first one after the document)
+    "What is the secret code for the vault?",
+    "Who knows it?",
+    "What color is the lighthouse on the northern cape?",
+    "And which city did the blue train leave from?",
+    "Repeat the three answers you gave me in one sentence.",
+]
+PLAIN_SEED, CONVERSATION_SEED = 100, 200
+"""Added to a document's seed for the plain client's and the conversation's own documents."""
 
 NEEDLES = [
     "The secret code for the vault is 7492, and only Marta knows it.",
@@ -274,12 +305,18 @@ def start_llama(gguf: str, log_path: str, n_ctx: int, threads: int, flash_attn: 
 
 
 # ---------------------------------------------------------------------------- one request
-def ask(client, content: str, *, document: str | None, max_tokens: int, usage: bool) -> dict:
-    """One streamed, greedy chat completion; client-side timings."""
-    extra = {"document": document} if document else None
+def ask(client, content: str | None, *, document: str | None, max_tokens: int, usage: bool,
+        messages: list[dict] | None = None, cache_salt: str | None = None) -> dict:
+    """One streamed, greedy chat completion (one user message `content`, or the whole `messages`);
+    client-side timings."""
+    extra = {"document": document} if document else {}
+    if cache_salt:
+        extra["cache_salt"] = cache_salt
+    extra = extra or None
     kw = dict(stream_options={"include_usage": True}) if usage else {}
+    messages = messages if messages is not None else [{"role": "user", "content": content}]
     t0 = time.perf_counter()
-    stream = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": content}],
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages,
                                             extra_body=extra, max_tokens=max_tokens, temperature=0, stream=True,
                                             **kw)
     times, pieces, usage_obj, finish = [], [], None, None
@@ -463,6 +500,11 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8],
                    help="after the later questions: this many questions at once over the document, on each "
                         "server (none: skip)")
+    p.add_argument("--turns", type=int, default=len(CONVERSATION),
+                   help="turns of the conversation over a document (0: skip it)")
+    p.add_argument("--no-cold-check", action="store_true",
+                   help="skip the last check: the plain client's last question and the conversation's last turn "
+                        "prefilled whole (a new cache_salt), their answers against the prefix cache's")
     p.add_argument("--skip-llama", action="store_true", help="ringctx alone (against its own engine)")
     p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: the cores here)")
     p.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp --flash_attn true")
@@ -476,6 +518,8 @@ def main() -> int:
         return 0
     if args.questions > len(QUESTIONS):
         p.error(f"at most {len(QUESTIONS)} different questions")
+    if not 0 <= args.turns <= len(CONVERSATION):
+        p.error(f"--turns: 0 to {len(CONVERSATION)}")
     if args.n_ctx < max(args.tokens) + 512:
         p.error(f"--n-ctx {args.n_ctx} is too small for {max(args.tokens)} tokens")
 
@@ -564,16 +608,25 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
             seed = 1000 * (rnd + 1) + si
             text, counted = make_document(n_tokens, seed, tokenizer)
             log(f"document {n_tokens:,} tokens (seed {seed}): {counted:,} tokens by the tokenizer, {len(text):,} chars")
+            # the plain client's document: never registered (the server would recognise a registered
+            # document's text in the prompt and answer from it: the resent path)
+            plain_text, plain_counted = make_document(n_tokens, seed + PLAIN_SEED, tokenizer)
+            log(f"plain client's document (seed {seed + PLAIN_SEED}): {plain_counted:,} tokens")
             doc = {"target_tokens": n_tokens, "text_tokens": counted, "chars": len(text), "seed": seed,
-                   "first": {}, "later": {"ringctx id": [], "ringctx resent": [], "llama.cpp": []}}
+                   "plain": {"seed": seed + PLAIN_SEED, "text_tokens": plain_counted, "chars": len(plain_text)},
+                   "first": {}, "later": {"ringctx id": [], "ringctx resent": [], "ringctx plain": [],
+                                          "llama.cpp": []}}
             order = ["ringctx", "llama"] if have_llama else ["ringctx"]
+            firsts = ["ringctx", "ringctx plain"] + (["llama"] if have_llama else [])
             if (rnd + si) % 2 == 1:
                 order.reverse()
+                firsts.reverse()
             doc_id = None
-            for side in order:
+            for path in firsts:
+                side = "ringctx" if path == "ringctx plain" else path
                 time.sleep(0.5)
                 idle = {n: s.cpu_seconds() for n, s in servers.items() if n != side}
-                if side == "ringctx":
+                if path == "ringctx":
                     t0 = time.perf_counter()
                     r = http.post("/v1/documents", json={"text": text, "name": f"bench-{seed}"})
                     if r.status_code != 202:
@@ -595,6 +648,14 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
                     doc["first"]["ringctx"] = first
                     log(f"  ringctx first question: ingest {ready_s:.1f} s ({info['tokens']:,} tokens), "
                         f"+ answer {a['wall_s']:.2f} s = {first['wall_s']:.1f} s")
+                elif path == "ringctx plain":
+                    t0 = time.perf_counter()
+                    a = ask(clients["ringctx"], plain_text + "\n\n" + FIRST_QUESTION, document=None,
+                            max_tokens=args.max_tokens, usage=True)
+                    first = {"wall_s": time.perf_counter() - t0, "answer": a}
+                    doc["first"]["ringctx plain"] = first
+                    log(f"  ringctx plain first question: {first['wall_s']:.1f} s (first token {a['ttft_s']:.2f} s, "
+                        f"cached {a.get('cached_tokens')} of {a.get('prompt_tokens')})")
                 else:
                     t0 = time.perf_counter()
                     a = ask(clients["llama"], text + "\n\n" + FIRST_QUESTION, document=None,
@@ -604,7 +665,7 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
                     log(f"  llama.cpp first question: {first['wall_s']:.1f} s (first token {a['ttft_s']:.1f} s)")
                 first["idle_other_cpu_s"] = {n: servers[n].cpu_seconds() - c for n, c in idle.items()}
             # later questions: the sides alternate per question
-            paths = ["ringctx id", "ringctx resent"] + (["llama.cpp"] if have_llama else [])
+            paths = ["ringctx id", "ringctx resent", "ringctx plain"] + (["llama.cpp"] if have_llama else [])
             steps_before = decode_counters(http)
             for qi, q in enumerate(questions):
                 k = (qi + rnd) % len(paths)
@@ -617,6 +678,9 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
                     elif path == "ringctx resent":
                         a = ask(clients["ringctx"], text + "\n\n" + q, document=None, max_tokens=args.max_tokens,
                                 usage=True)
+                    elif path == "ringctx plain":
+                        a = ask(clients["ringctx"], plain_text + "\n\n" + q, document=None,
+                                max_tokens=args.max_tokens, usage=True)
                     else:
                         a = ask(clients["llama"], text + "\n\n" + q, document=None, max_tokens=args.max_tokens,
                                 usage=llama_usage)
@@ -632,6 +696,15 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
             steps, seconds = (after - before for after, before in zip(decode_counters(http), steps_before))
             doc["server_step_s"] = seconds / steps if steps else None
             doc["concurrent"] = at_once_phase(args, clients, order, questions, text, doc_id)
+            conversation, last_turn = None, None
+            if args.turns:
+                conversation, last_turn = conversation_phase(args, clients, servers, order, n_tokens, seed,
+                                                             tokenizer, llama_usage)
+                doc["conversation"] = conversation
+            if not args.no_cold_check:
+                doc["cold_check"] = cold_check(args, clients["ringctx"], plain_text, questions, doc["later"],
+                                               conversation, last_turn)
+            doc["prefix_cache_metrics"] = prefix_cache_metrics(http)
             doc["doc_id"] = doc_id
             doc["ringctx_serve_ttft_s"] = [float(m.group(1)) for ln in rc.lines for m in [SERVE_TTFT.search(ln)] if m]
             out["docs"].append(doc)
@@ -658,6 +731,66 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
     return out
 
 
+def conversation_phase(args, clients, servers, order, n_tokens, seed, tokenizer, llama_usage):
+    """A conversation over a new document, no documents API: turn 1 sends the document + its
+    question, each later turn the whole history (the user turns, each answer's text as it came
+    back, the new question), on each server; the sides alternate per turn, each side's own
+    answers in its history. (The turns, ringctx's last messages.)"""
+    text, counted = make_document(n_tokens, seed + CONVERSATION_SEED, tokenizer)
+    log(f"  conversation's document (seed {seed + CONVERSATION_SEED}): {counted:,} tokens, {args.turns} turns")
+    out = {"seed": seed + CONVERSATION_SEED, "text_tokens": counted, "chars": len(text),
+           "turns": {("llama.cpp" if side == "llama" else side): [] for side in order}}
+    history, last = {side: [] for side in order}, {}
+    for ti, q in enumerate(CONVERSATION[:args.turns]):
+        for side in (order if ti % 2 == 0 else order[::-1]):
+            path = "llama.cpp" if side == "llama" else side
+            messages = history[side] + [{"role": "user", "content": text + "\n\n" + q if ti == 0 else q}]
+            time.sleep(0.5)
+            idle = {n: s.cpu_seconds() for n, s in servers.items() if n != side}
+            a = ask(clients[side], None, messages=messages, document=None, max_tokens=args.max_tokens,
+                    usage=side == "ringctx" or llama_usage)
+            a["turn"] = ti + 1
+            a["idle_other_cpu_s"] = {n: servers[n].cpu_seconds() - c for n, c in idle.items()}
+            last[side] = messages
+            history[side] = messages + [{"role": "assistant", "content": a["text"]}]
+            out["turns"][path].append(a)
+            log(f"  turn {ti + 1} {path:9s}: TTFT {1e3 * a['ttft_s']:7.1f} ms, prompt {a.get('prompt_tokens')}, "
+                f"cached {a.get('cached_tokens')}  {a['text'][:40]!r}")
+    return out, last.get("ringctx")
+
+
+def cold_check(args, client, plain_text, questions, later, conversation, last_turn) -> dict:
+    """After the measured phases: the plain client's last question and the conversation's last
+    turn sent again with a new cache_salt, which no cached prompt shares (the whole prompt
+    prefilled), their answers against the ones the prefix cache gave."""
+    import uuid
+
+    out = {}
+    cases = [("plain", [{"role": "user", "content": plain_text + "\n\n" + questions[-1]}],
+              later["ringctx plain"][-1] if later["ringctx plain"] else None)]
+    if conversation and conversation["turns"].get("ringctx") and last_turn:
+        cases.append(("conversation", last_turn, conversation["turns"]["ringctx"][-1]))
+    for name, messages, cached in cases:
+        if cached is None:
+            continue
+        a = ask(client, None, messages=messages, document=None, max_tokens=args.max_tokens, usage=True,
+                cache_salt=uuid.uuid4().hex)
+        out[name] = {"equal": a["text"] == cached["text"], "cold_text": a["text"], "cached_text": cached["text"],
+                     "cold_ttft_s": a["ttft_s"], "cold_cached_tokens": a.get("cached_tokens"),
+                     "cached_tokens": cached.get("cached_tokens")}
+        log(f"  cold check {name}: {'same answer' if out[name]['equal'] else 'DIFFERENT answer'} prefilled whole "
+            f"(TTFT {1e3 * a['ttft_s']:.0f} ms, cached {a.get('cached_tokens')}): {a['text'][:40]!r}")
+    return out
+
+
+def prefix_cache_metrics(http) -> dict:
+    """ringctx serve's ringctx_prefix_cache_* samples in /metrics now (empty when it has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for family in text_string_to_metric_families(http.get("/metrics").text)
+            if family.name.startswith("ringctx_prefix_cache") for sample in family.samples}
+
+
 def decode_counters(http) -> tuple[float, float]:
     """ringctx serve's batched decode steps since start and the seconds they took (its /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -670,6 +803,51 @@ def decode_counters(http) -> tuple[float, float]:
 HIT_WITHIN = 3.0
 """A later llama.cpp question counts as a prompt-cache hit when its first token came within this
 factor of its fastest later question's."""
+
+
+def plain_and_conversation(row: dict, d: dict) -> None:
+    """One round's plain-client and conversation numbers into its summary row, with their ratios
+    paired within the round: to llama.cpp (its first question, its cache hits, its turns) and to
+    the registered document's later questions ("ringctx id")."""
+    def div(a, b):
+        return a / b if a is not None and b else None
+
+    first = d["first"].get("ringctx plain")
+    if first:
+        row["first_plain_ttft_s"], row["first_plain_s"] = first["answer"]["ttft_s"], first["wall_s"]
+        row["first_plain_cached"] = first["answer"].get("cached_tokens")
+    first_llama = d["first"].get("llama.cpp")
+    if first_llama:
+        row["first_llama_ttft_s"] = first_llama["answer"]["ttft_s"]
+    row["plain_cached"] = [a.get("cached_tokens") for a in d["later"]["ringctx plain"]]
+    row["plain_prompt_tokens"] = [a.get("prompt_tokens") for a in d["later"]["ringctx plain"]]
+    row["plain_cached_positive"] = sum(1 for c in row["plain_cached"] if c)
+    row["plain|first_vs_llama"] = div(row.get("first_plain_ttft_s"), row.get("first_llama_ttft_s"))
+    row["plain|first_wall_vs_llama"] = div(row.get("first_plain_s"), row.get("first_llama_s"))
+    row["plain|vs_hits"] = div(row.get("ringctx plain|ttft_s"), row.get("llama.cpp hits|ttft_s"))
+    row["plain|vs_id"] = div(row.get("ringctx plain|ttft_s"), row.get("ringctx id|ttft_s"))
+    for name, check in d.get("cold_check", {}).items():
+        row[f"cold_{name}_equal"] = check["equal"]
+    conversation = d.get("conversation")
+    if not conversation:
+        return
+    turns = conversation["turns"]
+    if "llama.cpp" in turns:
+        row["conv_equals_llama"] = sum(a["text"] == b["text"] for a, b in zip(turns["ringctx"], turns["llama.cpp"]))
+    for path, answers in turns.items():
+        for a in answers:
+            k = a["turn"]
+            row[f"conv|{path}|t{k}|ttft_s"] = a["ttft_s"]
+            row[f"conv|{path}|t{k}|cached"] = a.get("cached_tokens")
+            row[f"conv|{path}|t{k}|prompt_tokens"] = a.get("prompt_tokens")
+            if path == "ringctx":
+                row[f"conv|t{k}|vs_id"] = div(a["ttft_s"], row.get("ringctx id|ttft_s"))
+    turns = len(turns["ringctx"])
+    for k in range(1, turns + 1):
+        row[f"conv|t{k}|vs_llama"] = div(row.get(f"conv|ringctx|t{k}|ttft_s"), row.get(f"conv|llama.cpp|t{k}|ttft_s"))
+    later = [row[f"conv|t{k}|vs_id"] for k in range(2, turns + 1) if row.get(f"conv|t{k}|vs_id") is not None]
+    row["conv|later_max_vs_id"] = max(later) if later else None
+    row["conv_turns"] = turns
 
 
 def summarize(rounds, args, have_llama) -> dict:
@@ -693,6 +871,8 @@ def summarize(rounds, args, have_llama) -> dict:
             for path, answers in later.items():
                 if answers:
                     row[f"{path}|ttft_s"] = median([a["ttft_s"] for a in answers])
+                    row[f"{path}|ttft_min_s"] = min(a["ttft_s"] for a in answers)
+                    row[f"{path}|ttft_max_s"] = max(a["ttft_s"] for a in answers)
                     row[f"{path}|itl_s"] = median([a["gap_median_s"] for a in answers])
                     row[f"{path}|itl_tok_s"] = median([a.get("itl_tokens_s") for a in answers])
                     # the mean gap over every gap of these answers, against the server's mean step
@@ -709,6 +889,8 @@ def summarize(rounds, args, have_llama) -> dict:
             row["resent_cached"] = [a.get("cached_tokens") for a in d["later"]["ringctx resent"]]
             row["answer_tokens"] = [a.get("completion_tokens") for a in d["later"]["ringctx id"]]
             row["llama_deltas"] = [a["deltas"] for a in d["later"]["llama.cpp"]]
+            row["prefix_cache_metrics"] = d.get("prefix_cache_metrics")
+            plain_and_conversation(row, d)
             for n, sides in d.get("concurrent", {}).items():
                 for side, c in sides.items():
                     if "error" in c:
@@ -744,11 +926,11 @@ def summarize(rounds, args, have_llama) -> dict:
                 xs = [pr[a] / pr[b] for pr in per_round if pr.get(a) and pr.get(b)]
                 return median(xs)
             agg["first_ratio"] = ratio("first_ringctx_s", "first_llama_s")
-            for path in ("ringctx id", "ringctx resent"):
+            for path in ("ringctx id", "ringctx resent", "ringctx plain"):
                 agg[f"{path}|ttft_ratio"] = ratio(f"{path}|ttft_s", "llama.cpp|ttft_s")
                 agg[f"{path}|ttft_hits_ratio"] = ratio(f"{path}|ttft_s", "llama.cpp hits|ttft_s")
                 agg[f"{path}|itl_ratio"] = ratio(f"{path}|itl_s", "llama.cpp|itl_s")
-        for path in ("ringctx id", "ringctx resent"):
+        for path in ("ringctx id", "ringctx resent", "ringctx plain"):
             agg[f"{path}|ttft_vs_floor"] = agg[f"{path}|ttft_s"] / agg["floor_s"]
             agg[f"{path}|itl_vs_engine"] = agg[f"{path}|itl_s"] / agg["engine_step_s"]
             agg[f"{path}|itl_vs_server_step"] = median([  # means over means, paired within each round
@@ -780,7 +962,7 @@ def print_report(meta, results, args, have_llama) -> None:
     w(f"{'tokens':>7} {'path':<15}{'TTFT':>8}{'/llama':>8}{'/floor':>8}{'ITL':>7}{'/llama':>8}{'/engine':>8}"
       f"{'/step':>7}")
     for row in results["rows"]:
-        for path in ("ringctx id", "ringctx resent", "llama.cpp", "llama.cpp hits"):
+        for path in ("ringctx id", "ringctx resent", "ringctx plain", "llama.cpp", "llama.cpp hits"):
             if f"{path}|ttft_s" not in row:
                 continue
             w(f"{row['doc_tokens']:>7,} {path:<15}{1e3 * row[f'{path}|ttft_s']:>8.0f}"
@@ -794,6 +976,52 @@ def print_report(meta, results, args, have_llama) -> None:
               f"   (mean)")
         w(f"{row['doc_tokens']:>7,} {'compute floor':<15}{1e3 * row['floor_s']:>8.0f}   "
           f"({row['floor_flops'] / 1e9:.1f} GFLOP, {row['question_tokens']:.0f} question tokens)")
+    w()
+    w("Plain client: its own document + question each request, no documents API (TTFT ms)")
+    w(f"{'tokens':>7} {'path':<15}{'first':>8}{'later':>8}{'min':>7}{'max':>7}{'ITL':>7}")
+    for row in results["rows"]:
+        n = row["doc_tokens"]
+        for path, first in (("ringctx plain", "first_plain_ttft_s"), ("llama.cpp", "first_llama_ttft_s"),
+                            ("llama.cpp hits", None), ("ringctx id", None)):
+            if f"{path}|ttft_s" not in row:
+                continue
+            w(f"{n:>7,} {path:<15}{_f(_ms(row.get(first)) if first else None, '.0f'):>8}"
+              f"{1e3 * row[f'{path}|ttft_s']:>8.0f}{1e3 * row[f'{path}|ttft_min_s']:>7.0f}"
+              f"{1e3 * row[f'{path}|ttft_max_s']:>7.0f}{1e3 * row[f'{path}|itl_s']:>7.1f}")
+        for i, pr in enumerate(row["rounds"]):
+            cached = [c for c in pr["plain_cached"] if c is not None]
+            prompts = [t for t in pr["plain_prompt_tokens"] if t is not None]
+            w(f"{n:>7,} cached_tokens (round {i + 1}): first {pr.get('first_plain_cached')}; later "
+              f"{_span(cached)} of {_span(prompts)}, {pr['plain_cached_positive']}/{len(pr['plain_cached'])} > 0")
+    counters = {}
+    for row in results["rows"]:
+        for pr in row["rounds"]:
+            for name, value in (pr.get("prefix_cache_metrics") or {}).items():
+                if name.endswith("_total"):
+                    counters[name.removeprefix("ringctx_prefix_cache_").removesuffix("_total")] = value
+    line = "/metrics ringctx_prefix_cache_* at the end:" + ("" if counters else " none")
+    for name, value in counters.items():
+        item = f" {name}={value:,.0f}"
+        if len(line) + len(item) > 80:
+            w(line)
+            line = " "
+        line += item
+    w(line)
+    if args.turns:
+        w()
+        w(f"Conversation: {args.turns} turns, the whole history each turn, no documents API (TTFT ms;")
+        w("/id: over ringctx id's later questions' median)")
+        w(f"{'tokens':>7}{'turn':>5}{'prompt':>8}{'ringctx':>9}{'cached':>8}{'/id':>7}{'llama.cpp':>11}"
+          f"{'cached':>8}{'/llama':>8}")
+        for row in results["rows"]:
+            for k in range(1, args.turns + 1):
+                rc, ll = f"conv|ringctx|t{k}|", f"conv|llama.cpp|t{k}|"
+                if row.get(rc + "ttft_s") is None:
+                    continue
+                w(f"{row['doc_tokens']:>7,}{k:>5}{_f(row.get(rc + 'prompt_tokens'), ',.0f'):>8}"
+                  f"{1e3 * row[rc + 'ttft_s']:>9.0f}{_f(row.get(rc + 'cached'), ',.0f'):>8}"
+                  f"{_f(row.get(f'conv|t{k}|vs_id'), '.2f'):>7}{_f(_ms(row.get(ll + 'ttft_s')), '.0f'):>11}"
+                  f"{_f(row.get(ll + 'cached'), ',.0f'):>8}{_f(row.get(f'conv|t{k}|vs_llama'), '.2f'):>8}")
     if args.concurrency:
         w()
         w("Questions at once over the document (aggregate answer tokens/s; inter-token ms, median of requests)")
@@ -843,16 +1071,53 @@ def print_report(meta, results, args, have_llama) -> None:
             w(f"  {n:>7,} {'8 at once >= 5x tok/s of one':<28} {_f(a, '.2f'):>6}  {_met(None if a is None else 5 / a, 1.0)}")
             w(f"  {n:>7,} {'8 at once: ITL <= 1.6x one':<28} {_f(b, '.2f'):>6}  {_met(b, 1.6)}")
     w()
+    w("Targets: plain client and conversation (no documents API)")
+    for row in results["rows"]:
+        n = row["doc_tokens"]
+        if have_llama:
+            a = row.get("plain|vs_hits")
+            w(f"  {n:>7,} {'plain TTFT <= 0.5x llama hits':<30} {_f(a, '.2f'):>6}  {_met(a, 0.5)}")
+        a = row.get("plain|vs_id")
+        w(f"  {n:>7,} {'plain TTFT <= 1.2x ringctx id':<30} {_f(a, '.2f'):>6}  {_met(a, 1.2)}")
+        if have_llama:
+            a, b = row.get("plain|first_vs_llama"), row.get("plain|first_wall_vs_llama")
+            w(f"  {n:>7,} {'plain first TTFT <= 0.3x llama':<30} {_f(a, '.2f'):>6}  {_met(a, 0.3)}   "
+              f"(wall {_f(b, '.2f')})")
+        positive = [pr["plain_cached_positive"] == len(pr["plain_cached"]) for pr in row["rounds"]]
+        counts = ", ".join(f"{pr['plain_cached_positive']}/{len(pr['plain_cached'])}" for pr in row["rounds"])
+        w(f"  {n:>7,} {'plain later cached_tokens > 0':<30} {counts:>6}  {'met' if all(positive) else 'NOT met'}")
+        for k in range(2, args.turns + 1):
+            a = row.get(f"conv|t{k}|vs_id")
+            w(f"  {n:>7,} {f'turn {k} TTFT <= 1.2x ringctx id':<30} {_f(a, '.2f'):>6}  {_met(a, 1.2)}")
+    w()
     w("Answers (of the later questions): ringctx id = resent / = engine / = llama.cpp")
     for row in results["rows"]:
         for i, pr in enumerate(row["rounds"]):
             w(f"  {row['doc_tokens']:>7,} round {i + 1}: {pr['id_equals_resent']}/{args.questions}, "
               f"{pr['id_equals_engine']}/{args.questions}, {pr['id_equals_llama']}/{args.questions}; "
               f"resent cached {sorted(set(pr['resent_cached']), key=str)}")
+            cold = [f"{name} {'=' if pr[f'cold_{name}_equal'] else 'DIFFERS from'} cold"
+                    for name in ("plain", "conversation") if f"cold_{name}_equal" in pr]
+            if cold:
+                w(f"  {'':>7}   last answer, prefilled whole: {'; '.join(cold)}")
+            if "conv_equals_llama" in pr:
+                w(f"  {'':>7}   conversation: ringctx = llama.cpp in {pr['conv_equals_llama']}/{args.turns} turns")
 
 
 def _f(x, spec):
     return "-" if x is None else format(x, spec)
+
+
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def _span(xs):
+    """`a-b` (or `a`) of numbers, `-` for none."""
+    if not xs:
+        return "-"
+    lo, hi = min(xs), max(xs)
+    return f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
 
 
 def _met(x, limit, strict=False):
