@@ -44,7 +44,7 @@ from ..runtime.memory_check import auto_kv_budget
 from ..runtime.document import Document, chat_frame
 from ..runtime.failures import CLOSED, Health, RankFailure, first_line
 from .prefix_cache import CachedPrompt, PrefixCache, engine_seed
-from .handles import Answer, Batch, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
+from .handles import Answer, Batch, ExtendJob, LeaderDecoder, ManyAnswers, PrefillJob, SaveJob
 from ..runtime.prefill import PrefillResult
 from ..runtime.rank_state import EngineSettings
 from .startup import (auto_nproc, build_rank_state, check_loadable, load_hardware, peek_config,
@@ -513,6 +513,18 @@ class Engine:
         return self.run_command("extend", commands.EXTEND, document.id, ids_to_bytes(ids), decode_room, document=document,
                          on_chunk=on_chunk)
 
+    def start_extend(self, document: Document, token_ids, *, chunk_tokens: int, decode_room: int = 256) -> ExtendJob:
+        """`extend`, a chunk of `chunk_tokens` tokens at a time (ExtendJob: call `step()` until
+        `done`; between two steps the engine may run other commands): a long prompt after a cached
+        prefix, beside the answers in flight. The document must be one no question reads."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0 or chunk_tokens < 1:
+            raise ValueError("nothing to extend the document with, or chunk_tokens < 1")
+        if self._batch is not None and any(m.document is document for m in self._batch.members):
+            raise ValueError("the document has questions decoding in the batch: extend a copy of it")
+        self.end_open_answer(document)
+        return ExtendJob(self, document, ids, chunk_tokens, decode_room)
+
     def generate(self, document: Document, prompt, *, max_new_tokens: int = 256, **sampling):
         """Stream the answer to `prompt` (text, or token ids) appended to the document.
 
@@ -708,15 +720,18 @@ class Engine:
         document = self.run_command("load", commands.LOAD, os.fspath(path), self.new_id(), decode_room)
         return self.keep_document(document)
 
-    def document_prefix(self, document: Document, tokens: int, *, decode_room: int = 256) -> Document | None:
+    def document_prefix(self, document: Document, tokens: int, *, view: bool = False,
+                        decode_room: int = 256) -> Document | None:
         """A new Document of `document`'s first `tokens` tokens (a prompt that shares only its start
-        with a cached one asks about this): each decode rank copies its rows at those positions,
-        where they are, with `decode_room` rows free. None off the decode ranks.
+        with a cached one asks about this), each decode rank from its own rows where they are: a
+        copy of them with `decode_room` rows free, or with `view` a view (nothing copied: questions
+        may ask it while `document` lives; an answer alone or an extension copies it first). None
+        off the decode ranks.
 
         Example:
             >>> engine = Engine("tiny", dtype="float32")
             >>> document = engine.ingest(list(range(100)))
-            >>> engine.document_prefix(document, 40).length
+            >>> engine.document_prefix(document, 40, view=True).length
             40
         """
         if not self.state.is_decode_rank:
@@ -726,7 +741,7 @@ class Engine:
                              f"{document.length}")
         self.end_open_answer(document)  # an answer's rows would be cut off the copy anyway
         prefix = self.run_command("prefix", commands.PREFIX, document.id, int(tokens), self.new_id(), decode_room,
-                                  document=document)
+                                  bool(view), document=document)
         return self.keep_document(prefix)
 
     def join_documents(self, first: Document, second: Document, tokens: int | None = None, *,

@@ -77,6 +77,9 @@ class PrefillJob:
     chunk on every rank (`step(layers=n)` a slice of it), `finish()` hands the KV cache off and
     returns the PrefillResult (`.document` too, for an ingest); `cancel()` gives it up."""
 
+    slices = True
+    """`step(layers=n)` runs n layers of a chunk (a Scheduler sizes a slice by it)."""
+
     def __init__(self, engine: EnginePort, prefill_id: int, run):
         self.engine, self.id, self.run = engine, prefill_id, run
         self.frame: tuple[str, dict] | None = None  # an ingest's (question suffix, metadata)
@@ -126,6 +129,51 @@ class PrefillJob:
     def cancel(self) -> None:
         """Give up the prefill on every rank (no collective runs; the engine stays usable)."""
         self.engine.run_command("prefill", commands.PREFILL_CANCEL, self.id)
+
+
+class ExtendJob:
+    """`Engine.extend` a chunk at a time (see `Engine.start_extend`), with PrefillJob's interface for
+    a Scheduler: `step()` extends the document by the next chunk over the decode ranks (whole: a
+    slice's `layers` are not split), `finish()` returns an object whose `.document` is it."""
+
+    slices = False
+    """Every `step` runs a whole chunk (an extension is not split by layer)."""
+
+    def __init__(self, engine: EnginePort, document: Document, token_ids: torch.Tensor, chunk_tokens: int,
+                 decode_room: int):
+        self.engine, self.document, self.decode_room = engine, document, decode_room
+        self.chunks = list(token_ids.split(chunk_tokens))
+        self.frame = None
+        self.layer_in_chunk = 0  # a chunk runs whole
+
+    @property
+    def done(self) -> bool:
+        return not self.chunks
+
+    @property
+    def next_chunk_tokens(self) -> int:
+        return int(self.chunks[0].numel()) if self.chunks else 0
+
+    def step(self, layers: int | None = None) -> ChunkStats:
+        """The next chunk on top of the document (its last ChunkStats)."""
+        chunk = self.chunks.pop(0)
+        room = self.decode_room + sum(int(c.numel()) for c in self.chunks)  # what is still to come fits
+        stats = self.engine.run_command("extend", commands.EXTEND, self.document.id, ids_to_bytes(chunk), room,
+                                        document=self.document)
+        return stats.chunks[-1]
+
+    def finish(self):
+        return _Extended(self.document)
+
+    def cancel(self) -> None:
+        self.chunks = []
+
+
+class _Extended:
+    """What ExtendJob.finish gives a Scheduler's on_done (as a PrefillResult's `.document`)."""
+
+    def __init__(self, document: Document):
+        self.document = document
 
 
 class SaveJob:

@@ -14,18 +14,22 @@ A prompt's lookup hashes its own blocks and walks the chain while the index know
 found names every entry sharing those blocks, and the tokens after them are compared directly, so a
 match ends at the exact token where the prompt and the entry part. Then:
 
-    the whole entry begins the prompt     the question is the rest, on the entry's rows (no copy)
-    the prompt parts inside the entry     a new entry of the entry's first blocks (PREFIX: each
-                                          decode rank copies its rows below that position), a
-                                          *branch* that every later prompt sharing it reuses whole
+    the whole entry begins the prompt     the question is the rest, on the entry's rows
+    the prompt parts inside the entry     a *view* of the entry's rows below that token (PREFIX
+                                          with view: no copy; each decode rank's rows are kept in
+                                          position order, so they are its first rows)
+    it reaches into a kept turn (a tail)  the turn's own rows joined after its entry's (JOINED: one
+                                          copy) into a new entry that replaces the tail
     nothing, or fewer than min_tokens     a miss: the prompt is prefilled, then kept
 
 When an answer completes, its sequence's rows (question and answer) are kept too (Batch: keep), so
-the next turn of a conversation finds all of it: a leaf entry (not a branch, a registered document
-or in another question's use) grows in place, any other is copied with the new rows when they are
-at least min_tokens. Entries live within a memory budget (least recently used first out); with a
-directory, an entry leaving memory is saved there (the document format, checked on load) and comes
-back when a prompt needs it, within a disk budget, and a restart on the same directory finds them.
+the next turn of a conversation finds all of it: a leaf entry (one no other question reads, asked
+whole) grows in place; on any other entry (or a view of it) the turn's own rows alone are kept, a
+*tail*, joined to the entry's rows only if a next turn reaches into them; on a document outside the
+cache (a registered one) they are copied with the document's when the turn holds min_tokens.
+Entries live within a memory budget (least recently used first out); with a directory, an entry
+leaving memory is saved there (the document format, checked on load) and comes back when a prompt
+needs it, within a disk budget, and a restart on the same directory finds them.
 
 The cache is used on the engine's thread (a Scheduler's, or the caller's); `lookup`, `stats` and
 the counters may be read from any thread.
@@ -51,9 +55,8 @@ import torch
 from ..runtime.document import Document
 
 BLOCK_TOKENS = 64
-"""Tokens per hashed block. Shorter blocks find a parting point closer (a branch keeps more of a
-shared start) but hash more per prompt; 64 keeps a 1M-token prompt's chain at 16K hashes (about
-15 ms) and loses at most 63 tokens of a partial match, re-prefilled with the question."""
+"""Tokens per hashed block: the index's grain (a match is then found to the token by comparing
+tokens). Shorter blocks hash more per prompt; 64 keeps a 1M-token prompt's chain at 16K links."""
 
 RECORD_FORMAT = "ringctx-prefix-entry/1"
 ENTRY_ID_LENGTH = 24
@@ -104,8 +107,6 @@ class Entry:
     document: Document | None = None
     on_disk: bool = False
     """Saved in the cache's directory (and identical to the document, when it is in memory too)."""
-    branch: bool = False
-    """Made where prompts part (shared by them): never grown in place."""
     users: int = 0
     """Questions reading it now: it stays in memory until they leave."""
     last_used: float = field(default_factory=time.monotonic)
@@ -134,7 +135,7 @@ class PrefixMatch:
 
     @property
     def whole(self) -> bool:
-        """The whole entry begins the prompt (else a branch of its first `tokens` is made)."""
+        """The whole entry begins the prompt (else a view of its first `tokens` is asked)."""
         return self.tokens == self.entry.length
 
 
@@ -147,7 +148,10 @@ class PrefixCacheStats:
     tokens_reused: int = 0
     prompt_tokens: int = 0
     entries_kept: int = 0
-    branches: int = 0
+    partial_hits: int = 0
+    """Hits on part of an entry (a view of its first tokens)."""
+    tails_joined: int = 0
+    """Kept turns joined to their entry's rows because a next turn reached into them."""
     evicted_to_disk: int = 0
     evicted_dropped: int = 0
     loaded_from_disk: int = 0
@@ -193,6 +197,7 @@ class PrefixCache:
         self.entries: dict[str, Entry] = {}  # least recently used first
         self.index: dict[str, set[str]] = {}  # chain link -> entry ids
         self.by_document: dict[int, Entry] = {}  # id(Document) -> its entry
+        self.views: dict[int, tuple[Entry, Document]] = {}  # id(a view open) -> (its entry, the view)
         self.counts = PrefixCacheStats()
         self.directory = self._open_directory(directory)
         self._disk_bytes: dict[str, int] = {}
@@ -224,18 +229,11 @@ class PrefixCache:
                 entry = self.entries[entry_id]
                 if entry.parent is not None and self.entries.get(entry.parent.id) is not entry.parent:
                     continue  # a tail whose parent has gone
-                shared = min(common_prefix(entry.token_ids, token_ids), limit)
-                tokens = shared if shared == entry.length else shared // BLOCK_TOKENS * BLOCK_TOKENS
-                if entry.parent is not None and shared > entry.parent_tokens:
-                    tokens = shared  # a tail is joined to its parent at any token: no block to keep whole
+                tokens = min(common_prefix(entry.token_ids, token_ids), limit)
                 if tokens < self.min_tokens:
                     continue
                 if entry.parent is not None and tokens <= entry.parent_tokens:
                     match = PrefixMatch(entry.parent, tokens)  # none of the tail: its parent's rows
-                    if match.tokens != entry.parent.length:
-                        match.tokens = tokens // BLOCK_TOKENS * BLOCK_TOKENS
-                        if match.tokens < self.min_tokens:
-                            continue
                 else:
                     match = PrefixMatch(entry, tokens)
                 if best is None or rank(match) > rank(best):
@@ -259,34 +257,30 @@ class PrefixCache:
     def open(self, match: PrefixMatch) -> Document | None:
         """A Document of exactly the match's first `tokens` tokens, in memory and marked in use
         (`close` it when its question leaves), or None when the entry is gone (the prompt is then a
-        miss). The entry itself when it still has that length; else (a partial match, or an entry
-        that grew with a conversation since the lookup) a branch of its first `tokens` tokens."""
+        miss). The entry's own Document when it still has that length; else (a partial match, or
+        an entry that grew with a conversation since the lookup) a view of its first `tokens`."""
         entry = match.entry
         if entry.parent is not None:
             return self._join_tail(entry, match.tokens)
         with self.lock:
             if self.entries.get(entry.id) is not entry:
                 return None
-            entry.users += 1  # in use from here: nothing evicts it while it loads or branches
+            entry.users += 1  # in use from here until its question closes it
         if entry.document is None and not self._load(entry):
             return None
+        self._touch(entry)
         if entry.length == match.tokens:
-            self._touch(entry)
             return entry.document
         try:
-            self._make_room(match.tokens * self.bytes_per_token)
-            document = self.engine.document_prefix(entry.document, match.tokens)
+            view = self.engine.document_prefix(entry.document, match.tokens, view=True)
         except ValueError as exc:
-            self.log(f"ringctx: prefix cache: a branch of {match.tokens:,} tokens could not be made ({exc})")
-            return None
-        finally:
             entry.users -= 1
-        branch = self._add(document, entry.seed, branch=True, users=1)
-        if branch is None:
+            self.log(f"ringctx: prefix cache: a view of {match.tokens:,} tokens could not be made ({exc})")
             return None
         with self.lock:
-            self.counts.branches += 1
-        return branch.document
+            self.views[id(view)] = (entry, view)
+            self.counts.partial_hits += 1
+        return view
 
     def _join_tail(self, tail: Entry, tokens: int) -> Document | None:
         """A next turn reached into a kept turn: its parent's rows and its own joined (one copy) into
@@ -311,23 +305,42 @@ class PrefixCache:
             tail.users -= 1
         self._discard(tail)  # the leaf holds all of it now
         leaf = self._add(document, tail.seed, users=1)
+        if leaf is not None:
+            with self.lock:
+                self.counts.tails_joined += 1
         return None if leaf is None else leaf.document
 
     def close(self, document: Document | None) -> None:
-        """A question that read `document` has left."""
-        entry = self.by_document.get(id(document)) if document is not None else None
-        if entry is not None and entry.users > 0:
-            entry.users -= 1
+        """A question that read `document` (as `open` gave it) has left."""
+        if document is None:
+            return
+        with self.lock:
+            entry, view = self.views.pop(id(document), (None, None))
+            if entry is None:
+                entry = self.by_document.get(id(document))
+            if entry is not None and entry.users > 0:
+                entry.users -= 1
+        if view is not None:
+            self.engine.drop_document(view)
+
+    def _entry_of(self, document: Document | None) -> Entry | None:
+        """The entry whose rows `document` is (its own Document, or a view of it)."""
+        if document is None:
+            return None
+        with self.lock:
+            held = self.views.get(id(document))
+            return held[0] if held is not None else self.by_document.get(id(document))
 
     def keep_mode(self, document: Document | None, new_tokens: int) -> str | None:
         """How a question's rows are kept when it completes (Batch's keep), so that the next turn of
         its conversation (its prompt, its answer, a new message) finds all of it: "extend" its
-        document when that is a leaf entry no other question reads (the entry grows with the
-        conversation, no copy); "own" on any other entry (its own rows alone, a tail: joined to the
-        entry's rows only if a next turn comes); on a document outside the cache (a registered
-        one), "copy" when its own tokens reach min_tokens; else None (freed)."""
-        entry = self.by_document.get(id(document)) if document is not None else None
-        if entry is not None and not entry.branch and entry.users <= 1:
+        document when that is an entry asked whole that no other question reads (the entry grows
+        with the conversation, no copy); "own" on any other entry or a view of one (its own rows
+        alone, a tail: joined to the entry's rows only if a next turn reaches into them); on a
+        document outside the cache (a registered one), "copy" when its own tokens reach min_tokens;
+        else None (freed)."""
+        entry = self._entry_of(document)
+        if entry is not None and document is entry.document and entry.parent is None and entry.users <= 1:
             return "extend"
         if entry is not None:
             return "own" if new_tokens > 0 else None
@@ -356,7 +369,7 @@ class PrefixCache:
             self._touch(entry)
             self._make_room(0)
             return
-        parent = self.by_document.get(id(after)) if after is not None else None
+        parent = self._entry_of(after)
         if after is not None and (parent is None or parent.length < after_tokens):
             self.engine.drop_document(document)  # its entry has gone: the turn's rows alone are no use
             return
@@ -427,7 +440,7 @@ class PrefixCache:
                     self._forget(entry)
 
     # ------------------------------------------------------------------ inside
-    def _add(self, document: Document, seed: str, branch: bool = False, users: int = 0) -> Entry | None:
+    def _add(self, document: Document, seed: str, users: int = 0) -> Entry | None:
         """`document` kept as an entry (or, when an entry has the same tokens, that one kept instead
         and `document` dropped); None when it is larger than the budget (dropped)."""
         if not self._fits(document):
@@ -448,7 +461,7 @@ class PrefixCache:
                 self.engine.drop_document(document)
             return same
         entry = Entry(id=_new_id(), seed=seed, token_ids=token_ids, hashes=block_hashes(seed, token_ids),
-                      document=document, branch=branch, users=users + 1)  # + 1: while room is made for it
+                      document=document, users=users + 1)  # + 1: while room is made for it
         with self.lock:
             self.entries[entry.id] = entry
             self.by_document[id(document)] = entry
@@ -533,7 +546,7 @@ class PrefixCache:
             self.engine.save_document(entry.document, path)
             _write_json(self.directory / f"{entry.id}.json", {
                 "format": RECORD_FORMAT, "id": entry.id, "seed": entry.seed, "tokens": entry.length,
-                "branch": entry.branch, "saved": time.time()})
+                "saved": time.time()})
         except (OSError, ValueError) as exc:
             self.log(f"ringctx: prefix cache: an entry could not be saved in {self.directory} ({exc}); it is dropped")
             self._delete_files(entry.id)
@@ -655,8 +668,7 @@ class PrefixCache:
                     self._delete_files(entry_id)
                 continue
             found.append((float(record.get("saved", 0.0)), Entry(id=entry_id, seed=seed, token_ids=tokens,
-                                                                  hashes=block_hashes(seed, tokens), on_disk=True,
-                                                                  branch=bool(record.get("branch", False)))))
+                                                                  hashes=block_hashes(seed, tokens), on_disk=True)))
         for _, entry in sorted(found, key=lambda f: f[0]):  # the oldest first: least recently used
             self.entries[entry.id] = entry
             self._index(entry)
@@ -725,6 +737,15 @@ class CachedPrompt:
             document = engine.ingest(prefix.tolist(), decode_room=self.room)
             document = self.cache.add(document, self.seed, users=1) or document
         return document
+
+    def private_copy(self, engine):
+        """Scheduler thread: a copy of the cached rows of its own, to extend by a long rest of the
+        prompt a chunk per step (Prefill's on_top); the cached entry is released."""
+        document = self.document(engine)
+        copy = engine.document_prefix(document, document.length, decode_room=self.room)
+        if self.cache is not None:
+            self.cache.close(document)
+        return copy
 
     def prefilled(self, result):
         """Scheduler thread: a prompt of its own was prefilled; kept as an entry when it is long enough."""

@@ -586,7 +586,7 @@ class Scheduler:
             if not ticket.job.done:
                 total = len(self.engine.model.layers)
                 ran = total - ticket.job.layer_in_chunk
-                if layers is not None:
+                if layers is not None and ticket.job.slices:
                     ran = min(ran, layers)
                 t0 = time.perf_counter()
                 stats = ticket.job.step(layers)
@@ -607,6 +607,10 @@ class Scheduler:
         return 0
 
     def _start_prefill(self, work: Prefill):
+        if work.on_top is not None:
+            return self.engine.start_extend(work.on_top(self.engine), work.token_ids,
+                                            chunk_tokens=work.chunk_tokens or self.engine.chunk_tokens,
+                                            decode_room=work.decode_room)
         job = self.engine.start_prefill(work.token_ids, as_document=work.as_document, decode_room=work.decode_room,
                                         chunk_tokens=work.chunk_tokens)
         job.frame = work.frame

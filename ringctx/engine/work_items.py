@@ -76,6 +76,10 @@ class Prefill:
     chunk_tokens: int | None = None
     decode_room: int = 256
     frame: tuple[str, dict] | None = None
+    on_top: Callable[[Any], Document] | None = None
+    """Given: token_ids extend the Document it gives (called with the engine on the scheduler's
+    thread; one no question reads) a chunk per step (Engine.start_extend), instead of a prefill
+    over every rank: a long prompt after a cached prefix."""
 
 
 @dataclass

@@ -297,6 +297,46 @@ class KVCache:
             return torch.arange(self.length)
         return self.positions[:self.length]
 
+    def in_position_order(self) -> bool:
+        """Whether the valid rows lie in increasing position order (a cache in sequence order does)."""
+        if self.positions is None or self.length < 2:
+            return True
+        positions = self.positions[:self.length]
+        return bool((positions[1:] > positions[:-1]).all())
+
+    def sorted_by_position(self) -> "KVCache":
+        """This cache with its valid rows in position order: self when they are, else a sorted copy
+        (the same rows and room; attention over them gives the same result up to summation order)."""
+        if self.in_position_order():
+            return self
+        order = torch.argsort(self.positions[:self.length])
+        out = KVCache(self.n_layers, self.max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
+                      device=self.device, kv_dtype=self.kv_dtype, sliced=True, small_pages=self.small_pages)
+        for dst, src in zip(out.storage_tensors(), self.storage_tensors()):
+            torch.index_select(src[:self.length], 0, order.to(src.device), out=dst[:self.length])
+        out.positions[:self.length] = self.positions[:self.length][order]
+        out.length = self.length
+        return out
+
+    def view_below(self, tokens: int) -> "KVCache":
+        """A cache over the same storage whose valid rows are this one's at positions below `tokens`
+        (its rows must be in position order: they are then its first rows). Nothing is copied but
+        the positions: a write past the view's rows lands in this cache's storage, which whoever
+        writes must put back (runtime/batch.py: a question's join on a borrowed document)."""
+        if not self.in_position_order():
+            raise ValueError("a view of a cache needs its rows in position order (sorted_by_position)")
+        positions = self.row_positions()
+        rows = int(torch.searchsorted(positions, torch.tensor(int(tokens))))
+        out = KVCache.__new__(KVCache)
+        out.__dict__.update(self.__dict__)
+        out.k, out.v = list(self.k), list(self.v)
+        if self.quantized:
+            out.k_scale, out.v_scale = list(self.k_scale), list(self.v_scale)
+        out.positions = self.positions.clone() if self.positions is not None else None
+        out.small_pages = False  # its storage is the other cache's: moved into huge pages with it, not alone
+        out.length = rows
+        return out
+
     def attend(self, start: int, backend: str = "auto") -> "CachedAttend":
         """The default single-device `attend` for new tokens at positions start, start+1, ..."""
         return CachedAttend(self, start, backend)

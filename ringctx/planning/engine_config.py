@@ -86,7 +86,8 @@ class EngineConfig:
     tokens, so that a later prompt that begins alike prefills only the rest (ringctx serve, Engine.chat)."""
     prefix_cache_min_tokens: int = 256
     """The shortest prompt kept, and the shortest shared start a later prompt reuses: below it a prefill
-    costs about as much as a few decode steps, less than an entry's copy and bookkeeping."""
+    costs about as much as a few decode steps, less than keeping it (prompts are found by 64-token
+    blocks, so a shared start shorter than one block is never found)."""
     prefix_cache_share: float = 0.5
     """Of the KV budget (serve's --kv-budget), the share the kept prompts may take in memory; beyond it the
     least recently used move to disk (serve) or are dropped. Registered documents come first."""

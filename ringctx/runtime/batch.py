@@ -108,8 +108,11 @@ class BatchDecoder:
         if sequence_id in self.sequences:
             raise ValueError(f"sequence {sequence_id} is already in the batch")
         model = self.model
+        lent = None
         if document is not None:
             base, start = document.rewind(), document.rows
+            if document.borrowed:  # the rows its prefill writes past the view are another document's
+                lent = LentRows(base, start, int(token_ids.numel()) + 1)
         else:
             base = KVCache.for_model(model.config, 1, dtype=model.dtype, device=model.device, kv_dtype=kv_dtype,
                                      sliced=True)
@@ -118,8 +121,11 @@ class BatchDecoder:
         result = cp_prefill(model, token_ids, config, group=self.group, shard=base)
         cache = result.cache
         if document is not None:  # the question's rows leave the document's cache at once
-            document.cache = cache
             own = split_off(cache, start, room=ANSWER_ROOM_ROWS)
+            if lent is not None:
+                lent.give_back()
+                document.borrowed = cache is base  # a grown cache is its own copy
+            document.cache = cache
         else:
             own = cache.grown(cache.length + ANSWER_ROOM_ROWS)
         length = (document.length if document is not None else 0) + int(token_ids.numel())
@@ -155,6 +161,8 @@ class BatchDecoder:
         if new_id is None:
             if document is None:
                 raise ValueError("a sequence without a document has none to extend: give the new document an id")
+            if document.borrowed:
+                raise ValueError("the document is a view of another one's rows: keep this one as a new document")
             if any(o is not s and o.document is document for o in self.sequences.values()):
                 raise ValueError("another sequence reads the document: keep this one as a new document")
             cache = append_rows(base, s.own, room)
@@ -273,6 +281,28 @@ class BatchDecoder:
         cfg = self.model.config
         self._shm = ShmExchange.create(size * cfg.n_heads * (cfg.head_dim + 1), self.group, self.timeout_s)
         self._shm_batch = size if self._shm is not None else 1 << 62  # None: the process group, for good
+
+
+class LentRows:
+    """Rows `start` .. `start + n - 1` of a cache's storage, copied aside, to be put back (`give_back`)
+    after a write that borrows them (a question's prefill on a view of a longer document)."""
+
+    def __init__(self, cache: KVCache, start: int, n: int):
+        stop = min(cache.max_tokens, start + n)
+        self.start, self.stop = start, stop
+        self.places = [(t, t[start:stop].clone()) for t in cache.storage_tensors()] if stop > start else []
+
+    def give_back(self) -> None:
+        for storage, rows in self.places:
+            storage[self.start:self.stop].copy_(rows)
+
+
+def own_storage(document: Document, room: int) -> None:
+    """Give a borrowed document (a view) a copy of its rows of its own, with `room` rows free: for
+    writers that keep what they write there (an answer decoded alone, an extension)."""
+    if document.borrowed:
+        document.cache = prefix_rows(document.rewind(), document.length, room)
+        document.borrowed = False
 
 
 def append_rows(cache: KVCache, rows: KVCache, room: int) -> KVCache:

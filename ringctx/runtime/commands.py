@@ -50,7 +50,7 @@ from ..model.tensor_parallel import TensorParallel, gather_kv_heads
 from ..parallel.comm import agree_across_ranks, all_gather_bytes, all_gather_ints
 from ..planning.hardware import HardwareProfile
 from ..units import fmt_bytes
-from .batch import BatchDecoder, append_rows, prefix_rows
+from .batch import BatchDecoder, append_rows, own_storage, prefix_rows
 from .decode import ShardedDecoder
 from .document import Document
 from .documents import ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
@@ -140,6 +140,7 @@ def extend(state: RankState, document_id: int, ids: bytes, decode_room: int, *, 
     """Prefill tokens on top of a document over the decode ranks, each on its own slice (PrefillStats)."""
     document = document or state.document(document_id)
     token_ids = ids_from_bytes(ids)
+    own_storage(document, int(token_ids.numel()) + decode_room)  # a view's rows past it are another document's
     config = state.decode_prefill_config(document.cache.kv_dtype, decode_room)
     result = cp_prefill(state.model, token_ids, config, group=state.decode_group, shard=document.rewind(),
                         on_chunk=on_chunk)
@@ -152,6 +153,7 @@ def extend(state: RankState, document_id: int, ids: bytes, decode_room: int, *, 
 def answer_decoder(state: RankState, document: Document, answer_room: int) -> ShardedDecoder:
     """This decode rank's decoder of `document` (its slice cut back to the document); collective.
     answer_room: rows its slice keeps free after the question for the answer (`answer_room`)."""
+    own_storage(document, answer_room)  # the answer's rows stay after the document's: not in another's storage
     config = state.decode_prefill_config(document.cache.kv_dtype, answer_room)
     return ShardedDecoder(state.model, document.rewind(), document.length, state.decode_group, config,
                           timeout_s=state.settings.timeout_s, control_group=state.control_group, leader=state.leader)
@@ -251,17 +253,24 @@ def documents_joined(state: RankState, first_id: int, second_id: int, first_toke
 
 
 # ------------------------------------------------------------------------------------------ prefixes
-def document_prefix(state: RankState, document_id: int, tokens: int, new_id: int, room: int, *,
+def document_prefix(state: RankState, document_id: int, tokens: int, new_id: int, room: int, view: bool, *,
                     document: Document | None = None) -> Document:
-    """A new document of a document's first `tokens` tokens: each decode rank copies its rows at
-    those positions (no message between ranks; the rows stay where they were)."""
+    """A new document of a document's first `tokens` tokens, each decode rank from its own rows (no
+    message between ranks): a copy of those rows, or with `view` a view of them (no copy: its rows
+    sorted by position first when no question reads it, else copied after all)."""
     document = document or state.document(document_id)
     if not 0 < tokens <= document.length:
         raise ValueError(f"a prefix of {tokens} tokens of a {document.length}-token document")
-    cache = prefix_rows(document.rewind(), tokens, room)
+    base = document.rewind()
+    if view and not base.in_position_order():
+        readers = state.batch is not None and any(s.document is document for s in state.batch.sequences.values())
+        if not readers:  # sorted once (a loaded or handed-off slice); what questions read is never moved
+            document.cache = base = base.sorted_by_position()
+    borrowed = view and base.in_position_order()
+    cache = base.view_below(tokens) if borrowed else prefix_rows(base, tokens, room)
     prefix = Document(cache=cache, token_ids=document.token_ids[:tokens].clone(),
                       question_prefix=document.question_prefix, question_suffix=document.question_suffix,
-                      metadata=dict(document.metadata), id=new_id)
+                      metadata=dict(document.metadata), id=new_id, borrowed=borrowed)
     state.documents[new_id] = prefix
     return prefix
 

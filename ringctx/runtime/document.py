@@ -32,6 +32,9 @@ class Document:
     """The engine's handle for the document on every decode rank."""
     rows: int = -1
     """Rows of `cache` that belong to the document (the rest are an answer's); -1: cache.length."""
+    borrowed: bool = False
+    """Its cache's storage past `rows` is another document's (a view of a longer document's first
+    tokens, KVCache.view_below): a question's prefill that writes there puts the rows back after."""
 
     def __post_init__(self):
         if self.rows < 0:

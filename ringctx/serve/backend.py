@@ -118,6 +118,8 @@ class Finished:
     """Of prompt_tokens, those whose KV came from a document or a cached prompt (not prefilled for this
     request)."""
     time_to_first_token_s: float = 0.0
+    """Seconds from the request's arrival at the backend to its first answer text (its queue wait and
+    its prompt's prefill included)."""
 
 
 class Answer(Protocol):

@@ -112,8 +112,10 @@ class _BackendCollector:
                                   "prefix cache (not prefilled)", value=cache.tokens_reused)
         yield CounterMetricFamily("ringctx_prefix_cache_prompt_tokens", "Prompt tokens looked up (over them: the "
                                   "share reused)", value=cache.prompt_tokens)
-        yield CounterMetricFamily("ringctx_prefix_cache_branches", "Entries made where two prompts part",
-                                  value=cache.branches)
+        yield CounterMetricFamily("ringctx_prefix_cache_partial_hits", "Hits on part of a cached prompt (a view "
+                                  "of its first tokens, nothing copied)", value=cache.partial_hits)
+        yield CounterMetricFamily("ringctx_prefix_cache_tails_joined", "Kept turns joined to their prompt's rows "
+                                  "because a next turn reached into them (one copy each)", value=cache.tails_joined)
         yield CounterMetricFamily("ringctx_prefix_cache_loads", "Entries loaded back from disk",
                                   value=cache.loaded_from_disk)
         evictions = CounterMetricFamily("ringctx_prefix_cache_evictions", "Entries that left memory, by where "

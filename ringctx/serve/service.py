@@ -234,8 +234,14 @@ class EngineBackend:
                         stop=list(s.stop) or None)
         reuse = self._reuse(doc_id, question, request.cache_salt)
         try:
-            if reuse.match is not None:  # a cached prompt begins it: the rest is its question
-                rest = reuse.prompt_ids[reuse.match.tokens:]
+            rest = reuse.prompt_ids[reuse.match.tokens:] if reuse.match is not None else None
+            if rest is not None and len(rest) > self.chunk_tokens:  # a long rest: a chunk per step on a copy
+                ticket = self.scheduler.submit_question_after(
+                    Prefill(rest[:-1], chunk_tokens=self.chunk_tokens, decode_room=QUESTION_ROOM_TOKENS + s.max_tokens,
+                            on_top=reuse.private_copy),
+                    Question(rest[-1:], len(rest), sampling, keep=reuse.keep, on_leave=reuse.left),
+                    ready=reuse.prefilled, on_chunk=lambda job, stats: self._prompt_chunk_done(stats))
+            elif rest is not None:  # a cached prompt begins it: the rest is its question
                 ticket = self.scheduler.submit_question(Question(rest, len(rest), sampling, source=reuse,
                                                                  keep=reuse.keep, on_leave=reuse.left))
             elif doc_id is not None:
@@ -367,9 +373,12 @@ class _Answer:
         backend = self.backend
         with backend._lock:
             backend.running += 1
+        first_s = None  # from the request's arrival (a prompt of its own: its prefill included)
         try:
             async for event in self.ticket:
                 if isinstance(event, Text):
+                    if first_s is None:
+                        first_s = time.monotonic() - self.ticket.submitted
                     yield api.Piece(event.text)
                 elif isinstance(event, Done):
                     result = event.result
@@ -378,7 +387,8 @@ class _Answer:
                     yield api.Finished(finish_reason="length" if result.finish_reason == "length" else "stop",
                                        prompt_tokens=self.prompt_tokens, completion_tokens=len(result.token_ids),
                                        cached_tokens=self.cached.cached_tokens,
-                                       time_to_first_token_s=result.time_to_first_token_s)
+                                       time_to_first_token_s=first_s if first_s is not None else
+                                       time.monotonic() - self.ticket.submitted)
         except ValueError as exc:
             raise api.BadRequest(str(exc)) from None
         except SchedulerStopped as exc:

@@ -82,10 +82,10 @@ def test_lookup_finds_whole_partial_and_nothing_under_the_threshold(engine):
     cache.add(document, seed)
     whole = cache.lookup(torch.tensor(base + [5, 6]), seed)
     assert whole.whole and whole.tokens == 200
-    assert cache.lookup(torch.tensor(base[:150] + [7] * 40), seed).tokens == 128  # cut to a whole block
-    assert cache.lookup(torch.tensor(base[:100] + [7] * 40), seed).tokens == 64
+    assert cache.lookup(torch.tensor(base[:150] + [7] * 40), seed).tokens == 150  # to the token
+    assert cache.lookup(torch.tensor(base[:100] + [7] * 40), seed).tokens == 100
     assert cache.lookup(torch.tensor(base[:50] + [7] * 40), seed) is None  # under min_tokens
-    assert cache.lookup(torch.tensor(base), seed).tokens == 192  # a question keeps a token of its own
+    assert cache.lookup(torch.tensor(base), seed).tokens == 199  # a question keeps a token of its own
     assert cache.lookup(torch.tensor(base + [5]), engine_seed(engine, "tenant-b")) is None
     stats = cache.stats()
     assert stats.entries_in_memory == 1 and stats.bytes_in_memory == 200 * cache.bytes_per_token
@@ -97,16 +97,22 @@ def test_a_conversation_and_its_branches_answer_as_without_the_cache(engine):
     first = engine.chat(document + [11, 12, 13], max_new_tokens=6, keep_logits=True)
     assert first.cached_tokens == 0
     check_same(first, uncached(engine, document + [11, 12, 13]))
-    # another question on the same text: a branch of its whole blocks, the rest prefilled
+    # another question on the same text: a view of the first prompt's rows to where they part
     second_ids = document + [21, 22]
     second = engine.chat(second_ids, max_new_tokens=6, keep_logits=True)
-    assert second.cached_tokens == 300 // BLOCK_TOKENS * BLOCK_TOKENS
+    assert second.cached_tokens == 300
     check_same(second, uncached(engine, second_ids))
-    # a third reaches into the second's kept turn (its own rows after the branch): joined at its last token
+    # a third that parts earlier: another view, nothing copied
     third_ids = document[:290] + [31, 32, 33]
     third = engine.chat(third_ids, max_new_tokens=6, keep_logits=True)
     assert third.cached_tokens == 290
     check_same(third, uncached(engine, third_ids))
+    # the second's next turn reaches into its kept turn (its own rows after the view): joined, one copy
+    fourth_ids = second_ids + second.token_ids + [23]
+    fourth = engine.chat(fourth_ids, max_new_tokens=6, keep_logits=True)
+    assert fourth.cached_tokens == len(second_ids) + len(second.token_ids) - 1
+    check_same(fourth, uncached(engine, fourth_ids))
+    assert engine.prefix_cache.stats().tails_joined == 1 and engine.prefix_cache.stats().partial_hits >= 2
     # five turns: each sends the whole conversation; the previous turn and its answer are reused
     conversation, previous = document + [41, 42], None
     for turn in range(5):
@@ -126,7 +132,7 @@ def test_a_hit_that_ends_inside_a_block_and_one_on_every_token(engine):
     for cut in (BLOCK_TOKENS + 1, 2 * BLOCK_TOKENS, 2 * BLOCK_TOKENS + 9):
         ids = base[:cut] + [99, 98, 97]
         result = engine.chat(ids, max_new_tokens=4, keep_logits=True)
-        assert result.cached_tokens == cut // BLOCK_TOKENS * BLOCK_TOKENS
+        assert result.cached_tokens == cut
         check_same(result, uncached(engine, ids, max_new_tokens=4))
 
 
@@ -271,3 +277,33 @@ def test_records_are_json_and_checked(engine, tmp_path):
     data = json.loads(record.read_text())
     assert data["format"] == "ringctx-prefix-entry/1" and data["id"] == record.stem and data["tokens"] == 201 + 2 - 1  # the prompt, the answer but its last token
     assert cache.stats().entries_on_disk == 1
+
+
+def test_a_long_rest_is_prefilled_a_chunk_per_step_on_a_copy(engine):
+    from ringctx.engine.prefix_cache import CachedPrompt
+    from ringctx.engine.scheduler import Done, Scheduler
+    from ringctx.engine.work_items import Prefill, Question
+
+    cache = fresh_cache(engine)
+    seed = engine_seed(engine)
+    base = tokens(200, 17)
+    engine.chat(base + [1], max_new_tokens=2)
+    (entry,) = cache.entries.values()
+    kept = entry.length
+    ids = torch.tensor(base + [1] + tokens(130, 18))
+    match = cache.lookup(ids, seed)
+    prompt = CachedPrompt(cache, seed, match, ids, match.tokens)
+    rest, chunks = ids[match.tokens:], []
+    scheduler = Scheduler(engine)
+    try:
+        ticket = scheduler.submit_question_after(
+            Prefill(rest[:-1], chunk_tokens=40, on_top=prompt.private_copy),
+            Question(rest[-1:], len(rest), dict(max_new_tokens=4, keep_logits=True), keep=prompt.keep,
+                     on_leave=prompt.left),
+            ready=prompt.prefilled, on_chunk=lambda job, stats: chunks.append(stats.tokens))
+        result = [e for e in ticket if isinstance(e, Done)][0].result
+    finally:
+        scheduler.stop()
+    assert chunks == [40, 40, 40, len(rest) - 1 - 120]
+    assert entry.length == kept and entry.document.length == kept  # the cached rows were copied, not grown
+    check_same(result, uncached(engine, ids, max_new_tokens=4))
