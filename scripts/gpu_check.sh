@@ -5,9 +5,10 @@
 #
 # 1. The GPU unit tests of tests/gpu/test_csrc.py and tests/gpu/test_triton_attn.py on the device (the
 #    compile-only tests are CI's job and are left out), capped at 120 s.
-# 2. One request through `ringctx serve`'s HTTP path (scripts/serve_check.py): an 8K-token document
-#    ingested over POST /v1/documents, one streamed question; capped at 90 s. Writes
-#    OUT_DIR/serve_check.json.
+# 2. `ringctx serve`'s HTTP path (scripts/serve_check.py): an 8K-token document
+#    ingested over POST /v1/documents, one streamed question, then a plain client's prompt of the
+#    same length twice (a miss, then a prefix-cache hit: cached tokens and time to first token);
+#    capped at 90 s. Writes OUT_DIR/serve_check.json.
 # 3. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
 #    attention backend and both CUDA kernels against the float64 reference, kernel timings
 #    (TFLOP/s, GB/s; the split-K decode kernel's K/V read bandwidth at B = 1..16 query tokens

@@ -4,9 +4,12 @@
 
 Starts `python -m ringctx serve --port 0` on this machine's default layout (one rank per GPU),
 ingests a document of about --tokens tokens through POST /v1/documents, asks one streamed question
-about it with the `openai` client, and writes DIR/serve_check.json: the ingest's seconds and
-strategies, the question's time to first token and inter-token times (HTTP included), the answer,
-and the server's own log lines. Exit status 0 when the answer came back, 1 otherwise.
+about it with the `openai` client; then, as a plain client (no documents API), sends another text of
+the same length with a question twice, the second time another question: a miss, then a prefix-cache
+hit. Writes DIR/serve_check.json: the ingest's seconds and strategies, each question's time to first
+token and inter-token times (HTTP included), cached tokens and answer, and the server's own log
+lines. Exit status 0 when every answer came back and the second plain question reused the first's
+rows, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +28,27 @@ import time
 
 SENTENCE = "The harbour master logs every ship that passes the old lighthouse before dawn. "
 NEEDLE = "The code word for the vault is heliotrope."
+
+
+PLAIN_SENTENCE = "The ferry crosses the bay twice a day, and the ferryman counts the gulls on the pier. "
+PLAIN_NEEDLE = "The boat that sails at dawn is the Marigold, and she carries salt."
+
+
+def ask(client, model: str, messages: list[dict], extra_body: dict | None = None) -> dict:
+    """One streamed greedy question: its answer, time to first token, inter-token time and usage."""
+    t, times, pieces, usage = time.monotonic(), [], [], None
+    stream = client.chat.completions.create(model=model, messages=messages, extra_body=extra_body or {},
+                                            max_tokens=32, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.monotonic())
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"answer": "".join(pieces), "time_to_first_token_s": round(times[0] - t, 4) if times else None,
+            "inter_token_ms_median": round(statistics.median(gaps) * 1000, 2) if gaps else None,
+            "usage": usage.model_dump() if usage else None}
 
 
 def main() -> int:
@@ -68,21 +92,15 @@ def main() -> int:
             result["ingest_s"] = round(time.monotonic() - t, 3)
             result["document"] = {k: doc[k] for k in ("status", "tokens", "chunks", "kv", "error")}
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=args.budget_s)
-        t, times, pieces = time.monotonic(), [], []
-        stream = client.chat.completions.create(
-            model=client.models.list().data[0].id, messages=[{"role": "user", "content": "What is the code word?"}],
-            extra_body={"document": doc["id"]}, max_tokens=32, temperature=0, stream=True,
-            stream_options={"include_usage": True})
-        usage = None
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                times.append(time.monotonic())
-                pieces.append(chunk.choices[0].delta.content)
-            usage = chunk.usage or usage
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        result.update(answer="".join(pieces), time_to_first_token_s=round(times[0] - t, 4) if times else None,
-                      inter_token_ms_median=round(statistics.median(gaps) * 1000, 2) if gaps else None,
-                      usage=usage.model_dump() if usage else None, ok=bool(pieces))
+        model = client.models.list().data[0].id
+        result.update(ask(client, model, [{"role": "user", "content": "What is the code word?"}],
+                          extra_body={"document": doc["id"]}))
+        plain = PLAIN_SENTENCE * (sentences // 2) + PLAIN_NEEDLE + " " + PLAIN_SENTENCE * (sentences // 2)
+        result["plain_miss"] = ask(client, model, [{"role": "user", "content": plain + "\n\nWho sails at dawn?"}])
+        result["plain_hit"] = ask(client, model, [{"role": "user", "content": plain + "\n\nWhat does she carry?"}])
+        cached = (result["plain_hit"].get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        result["ok"] = bool(result["answer"] and result["plain_miss"]["answer"] and result["plain_hit"]["answer"]
+                            and cached > 0)
     except Exception as exc:  # noqa: BLE001 - reported in the JSON
         result["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -100,6 +118,11 @@ def main() -> int:
     print(f"serve check: ok={result['ok']} ingest {result.get('ingest_s')} s, first token "
           f"{result.get('time_to_first_token_s')} s, {result.get('inter_token_ms_median')} ms/token: "
           f"{result.get('answer', result.get('error'))!r}")
+    for name in ("plain_miss", "plain_hit"):
+        if name in result:
+            r = result[name]
+            print(f"serve check: {name}: first token {r.get('time_to_first_token_s')} s, cached tokens "
+                  f"{(r.get('usage') or {}).get('prompt_tokens_details', {}).get('cached_tokens')}")
     return 0 if result["ok"] else 1
 
 
