@@ -150,10 +150,11 @@ class EngineConfig:
     def describe(self) -> str:
         """One line per setting, `name = value`, the settings that differ from the defaults marked *."""
         default = EngineConfig()
+        width = max(map(len, field_names()))
         rows = []
         for name, value in self.to_dict().items():
             mark = "*" if getattr(self, name) != getattr(default, name) else " "
-            rows.append(f"{mark} {name:<23} = {value!r}")
+            rows.append(f"{mark} {name:<{width}} = {value!r}")
         return "\n".join(rows)
 
 

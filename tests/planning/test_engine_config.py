@@ -26,7 +26,8 @@ def test_every_field_has_its_help_and_a_round_trip():
     assert EngineConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     lines = config.describe().splitlines()
     assert len(lines) == len(field_names())
-    assert "* chunk_tokens      = 777" in lines and "  rule              = 'alg5'" in lines
+    width = max(map(len, field_names()))
+    assert f"* {'chunk_tokens':<{width}} = 777" in lines and f"  {'rule':<{width}} = 'alg5'" in lines
 
 
 def test_unknown_and_bad_settings_are_named():
