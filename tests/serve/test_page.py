@@ -124,11 +124,12 @@ def fake(fake_backend):
 # ---------------------------------------------------------------------------- helpers
 def wait_for(driver, condition, timeout=WAIT_S, what="the page"):
     """Wait (bounded) until condition(driver) is true; a timeout fails naming what and the errors shown."""
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+    try:  # an element the page re-renders between two reads (the document menu's refresh) is read again
+        return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
     except TimeoutException:
         raise AssertionError(f"{what}: not seen after {timeout} s; errors on the page: {errors_shown(driver)!r}") from None
 
@@ -167,9 +168,11 @@ def ask(driver, question, max_tokens, document=None):
     from selenium.webdriver.support.ui import Select
 
     if document is not None:
-        wait_for(driver, lambda d: document in [o.get_attribute("value") for o in Select(by_id(d, "ask-doc")).options],
+        wait_for(driver, lambda d: document in d.execute_script(
+            "return [...document.getElementById('ask-doc').options].map((o) => o.value)"),
                  what=f"{document} in the question's document menu")
-        Select(by_id(driver, "ask-doc")).select_by_value(document)
+        wait_for(driver, lambda d: Select(by_id(d, "ask-doc")).select_by_value(document) or True,
+                 what=f"{document} chosen in the question's document menu")
     set_value(driver, "question", question)
     set_value(driver, "max-tokens", str(max_tokens))
     by_id(driver, "ask-button").click()
