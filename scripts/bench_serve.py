@@ -278,12 +278,16 @@ def start_ringctx(store: str, log_path: str, nproc, dtype: str, timeout: float,
     return server
 
 
-def start_llama(gguf: str, log_path: str, n_ctx: int, threads: int, flash_attn: bool, timeout: float) -> Server:
+def start_llama(gguf: str, log_path: str, n_ctx: int, threads: int, flash_attn: bool, timeout: float,
+                cache_bytes: int = 2**30) -> Server:
     import httpx
 
     port = free_port()
+    # --cache_size: its RAM prompt cache counts a state's KV but not the logits it keeps with it (4 bytes
+    # x vocabulary x tokens: 1.6 GB at 8K, 6.4 GB at 32K), so its 2 GiB default grew past 21 GB here
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", str(n_ctx), "--host", "127.0.0.1",
-            "--port", str(port), "--cache", "true", "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--port", str(port), "--cache", "true", "--cache_size", str(cache_bytes),
+            "--n_threads", str(threads), "--n_threads_batch", str(threads),
             "--flash_attn", str(flash_attn).lower(), "--model_alias", MODEL_ID,
             # its default ends a streaming answer when another request arrives; queue them instead
             "--interrupt_requests", "false"]
@@ -509,6 +513,9 @@ def main() -> int:
     p.add_argument("--llama-threads", type=int, default=None, help="llama.cpp threads (default: the cores here)")
     p.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp --flash_attn true")
     p.add_argument("--n-ctx", type=int, default=40000, help="llama.cpp --n_ctx")
+    p.add_argument("--llama-cache-bytes", type=int, default=2**30,
+                   help="llama.cpp --cache_size (its RAM prompt cache; the logits it keeps beside each state are "
+                        "not counted in it)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--keep", action="store_true", help="keep the stores and server logs")
     p.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
@@ -552,7 +559,8 @@ def main() -> int:
     meta = {"date_utc": started.strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(), "cores": cores,
             "python": platform.python_version(), "gguf": os.path.basename(gguf), "dtype_arg": args.dtype,
             "ringctx_dtype": dtype, "ringctx_weights": args.weights, "llama_cpp_python": llama_version, "llama_threads": threads,
-            "llama_flash_attn": args.llama_flash_attn, "n_ctx": args.n_ctx, "argv": sys.argv[1:]}
+            "llama_flash_attn": args.llama_flash_attn, "n_ctx": args.n_ctx,
+            "llama_cache_bytes": args.llama_cache_bytes, "argv": sys.argv[1:]}
     try:
         import torch
 
@@ -595,7 +603,7 @@ def run_round(rnd, args, gguf, tokenizer, dtype, threads, have_llama, workdir, q
             log("starting llama_cpp.server")
             t0 = time.perf_counter()
             ll = start_llama(gguf, os.path.join(workdir, f"llama{rnd}.log"), args.n_ctx, threads,
-                             args.llama_flash_attn, 600)
+                             args.llama_flash_attn, 600, cache_bytes=args.llama_cache_bytes)
             servers["llama"] = ll
             out["llama_start_s"] = time.perf_counter() - t0
         import httpx

@@ -19,7 +19,9 @@ match ends at the exact token where the prompt and the entry part. Then:
                                           with view: no copy; each decode rank's rows are kept in
                                           position order, so they are its first rows)
     it reaches into a kept turn (a tail)  the turn's own rows joined after its entry's (JOINED: one
-                                          copy) into a new entry that replaces the tail
+                                          copy) into a new entry that replaces the tail, when it
+                                          covers at least half of the turn (its next turn); else
+                                          a view of the entry up to where the turn began
     nothing, or fewer than min_tokens     a miss: the prompt is prefilled, then kept
 
 When an answer completes, its sequence's rows (question and answer) are kept too (Batch: keep), so
@@ -221,10 +223,6 @@ class PrefixCache:
                     break
                 found = ids
             limit = int(token_ids.numel()) - 1
-            def rank(match: PrefixMatch) -> tuple:  # more tokens; then no copy; in memory; recent
-                e = match.entry
-                return (match.tokens, match.whole and e.parent is None, e.document is not None, e.last_used)
-
             for entry_id in found:
                 entry = self.entries[entry_id]
                 if entry.parent is not None and self.entries.get(entry.parent.id) is not entry.parent:
@@ -232,11 +230,13 @@ class PrefixCache:
                 tokens = min(common_prefix(entry.token_ids, token_ids), limit)
                 if tokens < self.min_tokens:
                     continue
-                if entry.parent is not None and tokens <= entry.parent_tokens:
-                    match = PrefixMatch(entry.parent, tokens)  # none of the tail: its parent's rows
+                if entry.parent is not None and 2 * (tokens - entry.parent_tokens) < entry.rows:
+                    # less than half of the kept turn (another question that starts like it, not its
+                    # next turn): its parent's rows, viewed, rather than a copy to join the two
+                    match = PrefixMatch(entry.parent, min(tokens, entry.parent_tokens))
                 else:
                     match = PrefixMatch(entry, tokens)
-                if best is None or rank(match) > rank(best):
+                if best is None or _rank(match) > _rank(best):
                     best = match
             if best is not None:
                 self.counts.hits += 1
@@ -674,6 +674,13 @@ class PrefixCache:
             self._index(entry)
             self._disk_bytes[entry.id] = _tree_bytes(self.directory / f"{entry.id}.kv")
         self._trim_disk(self.disk_budget_bytes)
+
+
+def _rank(match: PrefixMatch) -> tuple:
+    """Which of two matches a prompt takes: more tokens; then no copy (not a tail's); then one in
+    memory; then the most recently used."""
+    entry = match.entry
+    return (match.tokens, match.whole and entry.parent is None, entry.document is not None, entry.last_used)
 
 
 def _new_id() -> str:

@@ -113,6 +113,11 @@ def test_a_conversation_and_its_branches_answer_as_without_the_cache(engine):
     assert fourth.cached_tokens == len(second_ids) + len(second.token_ids) - 1
     check_same(fourth, uncached(engine, fourth_ids))
     assert engine.prefix_cache.stats().tails_joined == 1 and engine.prefix_cache.stats().partial_hits >= 2
+    # a question that starts like a kept turn's (not its next turn) views the rows before it: no copy
+    fifth_ids = third_ids[:291] + [77, 78]  # the third's question's first token, then another question
+    fifth = engine.chat(fifth_ids, max_new_tokens=6, keep_logits=True)
+    assert fifth.cached_tokens == 290 and engine.prefix_cache.stats().tails_joined == 1
+    check_same(fifth, uncached(engine, fifth_ids))
     # five turns: each sends the whole conversation; the previous turn and its answer are reused
     conversation, previous = document + [41, 42], None
     for turn in range(5):

@@ -318,10 +318,25 @@ def test_a_ready_document_is_saved_in_the_background_and_a_delete_meanwhile_leav
     assert not any("could not be saved" in line for line in server.lines)
 
 
-def test_restart_answers_from_the_store_without_prefilling(tmp_path, reference):
+def test_restart_answers_from_the_store_without_prefilling(tmp_path, reference, uncached):
+    """Documents and cached prompts both come back; a damaged cached prompt is a miss and one line."""
+    def chat(server, text, question):
+        messages = [{"role": "user", "content": text + "\n\n" + question}]
+        response = server.client.chat.completions.create(model="smollm2-135m", messages=messages, **GREEDY)
+        assert response.choices[0].message.content == uncached(messages)
+        return response.usage.prompt_tokens_details.cached_tokens
+
+    other = PLAIN.replace("lighthouse keeper", "harbour pilot")
     first = Server(tmp_path)
     doc = first.wait_ready(first.ingest(DOCUMENT)["id"])
+    assert chat(first, PLAIN, "Which ship passed at dawn?") == 0 and chat(first, other, "Who writes?") == 0
     assert first.stop() == 0
+    assert any("2 cached prompt(s) saved" in line for line in first.lines), "".join(first.lines)[-2000:]
+    damaged = sorted((tmp_path / "prefix-cache").glob("pfx-*.kv"))[0]  # one of the two, whichever
+    slice_file = sorted(damaged.glob("slice-*.safetensors"))[0]
+    data = bytearray(slice_file.read_bytes())
+    data[-16] ^= 0xFF
+    slice_file.write_bytes(bytes(data))
     second = Server(tmp_path)
     try:
         listed = second.http.get("/v1/documents").json()["data"]
@@ -329,6 +344,11 @@ def test_restart_answers_from_the_store_without_prefilling(tmp_path, reference):
         assert second.ask(doc["id"], QUESTION).choices[0].message.content == reference["answer"]
         assert second.metric("ringctx_document_chunks_prefilled") == 0
         assert second.http.get(f"/v1/documents/{doc['id']}").json()["status"] == "ready"
+        assert second.metric('ringctx_prefix_cache_entries{place="disk"}') == 2
+        reused = [chat(second, PLAIN, "What does the keeper write down?"), chat(second, other, "What is carried?")]
+        assert sorted(reused)[0] == 0 and sorted(reused)[1] > 256  # the damaged one a miss, the other loaded
+        assert second.metric("ringctx_prefix_cache_loads") == 1
+        assert any("does not load" in line for line in second.lines), "".join(second.lines)[-2000:]
     finally:
         assert second.stop() == 0
 
