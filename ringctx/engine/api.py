@@ -763,6 +763,19 @@ class Engine:
                                   self.new_id(), decode_room, first=first, second=second)
         return self.keep_document(joined)
 
+    def cut_document(self, document: Document, tokens: int) -> None:
+        """Cut `document` back to its first `tokens` tokens in place, on every decode rank (its rows
+        past them are forgotten, nothing is copied); it must be one no question reads."""
+        if not self.state.is_decode_rank:
+            return
+        if not 0 < tokens <= document.length:
+            raise ValueError(f"a cut to {tokens} tokens of a {document.length}-token document: give 1 to "
+                             f"{document.length}")
+        if self._batch is not None and any(m.document is document for m in self._batch.members):
+            raise ValueError("the document has questions decoding in the batch: cut it once they are answered")
+        self.end_open_answer(document)
+        self.run_command("cut", commands.CUT, document.id, int(tokens), document=document)
+
     def drop_document(self, document: Document) -> None:
         """Free `document`'s KV cache on every decode rank."""
         if self.state.is_decode_rank:

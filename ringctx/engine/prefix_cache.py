@@ -22,6 +22,9 @@ match ends at the exact token where the prompt and the entry part. Then:
                                           copy) into a new entry that replaces the tail, when it
                                           covers at least half of the turn (its next turn); else
                                           a view of the entry up to where the turn began
+    it parts inside a leaf's last answer  the leaf (a conversation's own entry) cut back in place to
+                                          there (CUT): the client retold the answer as text, which
+                                          tokenizes otherwise than it was sampled
     nothing, or fewer than min_tokens     a miss: the prompt is prefilled, then kept
 
 When an answer completes, its sequence's rows (question and answer) are kept too (Batch: keep), so
@@ -117,6 +120,9 @@ class Entry:
     `token_ids` are the parent's first `parent_tokens` then the turn's. Joined to the parent's rows
     (one copy) only when a next turn reaches into it; never saved."""
     parent_tokens: int = 0
+    answer_from: int = -1
+    """Where the last answer it keeps begins (-1: it keeps none): a next turn that parts from it
+    after that point retold the answer (as text, tokenized otherwise) and cuts it back there."""
 
     @property
     def length(self) -> int:
@@ -154,6 +160,9 @@ class PrefixCacheStats:
     """Hits on part of an entry (a view of its first tokens)."""
     tails_joined: int = 0
     """Kept turns joined to their entry's rows because a next turn reached into them."""
+    cuts: int = 0
+    """Conversations' entries cut back in place to where their next turn parted (its last answer
+    retold as text tokenizes otherwise)."""
     evicted_to_disk: int = 0
     evicted_dropped: int = 0
     loaded_from_disk: int = 0
@@ -271,6 +280,8 @@ class PrefixCache:
         self._touch(entry)
         if entry.length == match.tokens:
             return entry.document
+        if self._cut_instead(entry, match.tokens):  # a conversation's own entry, its last answer retold
+            return entry.document
         try:
             view = self.engine.document_prefix(entry.document, match.tokens, view=True)
         except ValueError as exc:
@@ -281,6 +292,33 @@ class PrefixCache:
             self.views[id(view)] = (entry, view)
             self.counts.partial_hits += 1
         return view
+
+    def _cut_instead(self, entry: Entry, tokens: int) -> bool:
+        """Cut the entry back to `tokens` in place, rather than view it, when it is a conversation's
+        own entry and its next turn parts from it inside its last answer (the client sent the answer
+        back as text, which tokenizes otherwise than it was sampled), and no one else reads it or
+        keeps a turn after it: the next turn grows it again, no copy."""
+        if entry.answer_from < 0 or tokens < entry.answer_from or entry.users != 1:
+            return False
+        with self.lock:
+            if any(e is entry for e, _ in self.views.values()) or any(
+                    e.parent is entry for e in self.entries.values()):
+                return False
+        try:
+            self.engine.cut_document(entry.document, tokens)
+        except ValueError:
+            return False
+        with self.lock:
+            self._unindex(entry)
+            entry.token_ids = entry.token_ids[:tokens].clone()
+            entry.hashes = block_hashes(entry.seed, entry.token_ids)
+            entry.answer_from = -1
+            self._index(entry)
+            self.counts.cuts += 1
+        if entry.on_disk:  # the saved copy is the longer one: forget it
+            self._delete_files(entry.id)
+            entry.on_disk = False
+        return True
 
     def _join_tail(self, tail: Entry, tokens: int) -> Document | None:
         """A next turn reached into a kept turn: its parent's rows and its own joined (one copy) into
@@ -347,11 +385,12 @@ class PrefixCache:
         return "copy" if new_tokens >= self.min_tokens else None
 
     def kept(self, document: Document | None, seed: str, after: Document | None = None,
-             after_tokens: int = 0) -> None:
+             after_tokens: int = 0, answer_tokens: int = 0) -> None:
         """A completed question's rows were kept as `document`: its own document grown (its entry
         follows its new length), a new one (an entry), or, with `after` (the question's document,
         keep "own"), its own rows alone, which continue after's first `after_tokens` tokens (a tail
-        of after's entry). None: its rows were not kept."""
+        of after's entry); its last `answer_tokens` tokens are the answer's. None: its rows were not
+        kept."""
         if document is None:
             with self.lock:
                 self.counts.not_kept += 1
@@ -362,6 +401,7 @@ class PrefixCache:
                 self._unindex(entry)
                 entry.token_ids = document.token_ids.clone()
                 entry.hashes = block_hashes(entry.seed, entry.token_ids)
+                entry.answer_from = entry.length - answer_tokens
                 self._index(entry)
             if entry.on_disk:  # the saved copy is the shorter one: forget it
                 self._delete_files(entry.id)
@@ -776,6 +816,7 @@ class CachedPrompt:
             return
         if member.kept is not None or self.kept_mode is not None:
             own = self.kept_mode == "own"
+            answer = max(0, len(member.result.token_ids) - 1) if member.result is not None else 0
             self.cache.kept(member.kept, self.seed, after=member.document if own else None,
-                            after_tokens=self.kept_after if own else 0)
+                            after_tokens=self.kept_after if own else 0, answer_tokens=answer)
         self.cache.close(member.document)

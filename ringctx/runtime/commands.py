@@ -16,6 +16,7 @@ collectives match:
                                                                                  ->  runtime/batch.py BatchDecoder
     Engine.document_prefix   ->  PREFIX         ->  a document's first tokens as a new document
     Engine.join_documents    ->  JOINED         ->  a document and a kept turn's own rows as one document
+    Engine.cut_document      ->  CUT            ->  a document cut back to its first tokens, in place
     Engine.save_document     ->  SAVE           ->  runtime/documents.py save_document_slices
     Engine.start_save        ->  SAVE_START, SAVE_FINISH   (the slices written on a thread between them)
     Engine.load_document     ->  LOAD           ->  runtime/documents.py load_document_slices
@@ -235,6 +236,18 @@ def batch_keep(state: RankState, sequence_id: int, ids: bytes, new_id: int, room
     return document
 
 
+def document_cut(state: RankState, document_id: int, tokens: int, *, document: Document | None = None) -> None:
+    """Cut a document back to its first `tokens` tokens in place: each decode rank keeps its rows at
+    those positions (sorted by position first: no question reads it), nothing copied."""
+    document = document or state.document(document_id)
+    if not 0 < tokens <= document.length:
+        raise ValueError(f"a cut to {tokens} tokens of a {document.length}-token document")
+    cache = document.rewind().sorted_by_position()
+    cache.truncate(int(torch.searchsorted(cache.row_positions(), torch.tensor(int(tokens)))))
+    document.cache, document.rows = cache, cache.length
+    document.token_ids = document.token_ids[:tokens].clone()
+
+
 def documents_joined(state: RankState, first_id: int, second_id: int, first_tokens: int, tokens: int, new_id: int,
                      room: int, *, first: Document | None = None, second: Document | None = None) -> Document:
     """A new document of `first`'s first `first_tokens` tokens then `second`'s (which continues them:
@@ -412,6 +425,7 @@ BATCH_LEAVE = Command("batch_leave", batch_leave, decode_only=True)
 BATCH_KEEP = Command("batch_keep", batch_keep, decode_only=True)
 PREFIX = Command("prefix", document_prefix, decode_only=True)
 JOINED = Command("joined", documents_joined, decode_only=True)
+CUT = Command("cut", document_cut, decode_only=True)
 SAVE = Command("save", save, decode_only=True)
 SAVE_START = Command("save_start", save_start, decode_only=True)
 SAVE_FINISH = Command("save_finish", save_finish, decode_only=True)
@@ -424,6 +438,6 @@ MEASURE_HARDWARE = Command("measure_hardware", measure, decode_only=False)
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
     PREFILL_START, PREFILL_CHUNK, PREFILL_FINISH, PREFILL_CANCEL, EXTEND, ANSWER_START, ANSWER_STEP, ANSWER_END,
-    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, BATCH_KEEP, PREFIX, JOINED, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP,
+    ANSWER_FOLLOW, BATCH_JOIN, BATCH_STEP, BATCH_LEAVE, BATCH_KEEP, PREFIX, JOINED, CUT, SAVE, SAVE_START, SAVE_FINISH, LOAD, DROP,
     ROWS, GATHER, MOVE_PAGES, MEASURE_HARDWARE)}
 """Every command by the name that travels: what a worker looks up for each message."""

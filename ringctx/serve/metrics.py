@@ -116,6 +116,8 @@ class _BackendCollector:
                                   "of its first tokens, nothing copied)", value=cache.partial_hits)
         yield CounterMetricFamily("ringctx_prefix_cache_tails_joined", "Kept turns joined to their prompt's rows "
                                   "because a next turn reached into them (one copy each)", value=cache.tails_joined)
+        yield CounterMetricFamily("ringctx_prefix_cache_cuts", "Conversations' cached prompts cut back in place to "
+                                  "where their next turn parted (an answer retold as text)", value=cache.cuts)
         yield CounterMetricFamily("ringctx_prefix_cache_loads", "Entries loaded back from disk",
                                   value=cache.loaded_from_disk)
         evictions = CounterMetricFamily("ringctx_prefix_cache_evictions", "Entries that left memory, by where "

@@ -130,6 +130,22 @@ def test_a_conversation_and_its_branches_answer_as_without_the_cache(engine):
     assert engine.prefix_cache.stats().hits >= 6
 
 
+def test_a_conversation_whose_client_retells_the_answer_otherwise_grows_its_entry_without_copies(engine):
+    """A client sends the last answer back as text, which may tokenize otherwise than it was sampled:
+    the conversation's own entry is cut back to where the turn parts and grows again, no copy."""
+    cache = fresh_cache(engine)
+    conversation = tokens(300, 19) + [41, 42]
+    for turn in range(4):
+        result = engine.chat(conversation, max_new_tokens=5, keep_logits=True)
+        check_same(result, uncached(engine, conversation, max_new_tokens=5))
+        if turn:
+            assert result.cached_tokens == len(conversation) - 5  # all but the retold part of the answer, and the message
+        retold = result.token_ids[:2] + [(t + 1) % 250 + 1 for t in result.token_ids[2:]]  # parts after 2 tokens
+        conversation = conversation + retold + [50 + turn, 60 + turn]
+    stats = cache.stats()
+    assert stats.cuts == 3 and stats.tails_joined == 0 and stats.entries_in_memory == 1
+
+
 def test_a_hit_that_ends_inside_a_block_and_one_on_every_token(engine):
     fresh_cache(engine, min_tokens=1)
     base = tokens(2 * BLOCK_TOKENS + 17, 3)  # not a whole number of blocks
@@ -310,5 +326,6 @@ def test_a_long_rest_is_prefilled_a_chunk_per_step_on_a_copy(engine):
     finally:
         scheduler.stop()
     assert chunks == [40, 40, 40, len(rest) - 1 - 120]
-    assert entry.length == kept and entry.document.length == kept  # the cached rows were copied, not grown
+    # the entry was cut back to where the prompt parts inside its answer, its rows copied, the copy extended
+    assert kept == match.tokens + 1 and entry.length == entry.document.length == match.tokens
     check_same(result, uncached(engine, ids, max_new_tokens=4))
