@@ -82,7 +82,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    from ringctx.kernels.cpu_features import cpu_name
+    from ringctx.kernels.cpu_features import cpu_model as cpu_name
 
     rows = [measure(d, k, args.turns, args.questions, args.max_new_tokens)
             for d, k in (("float32", "model"), ("bfloat16", "model"), ("bfloat16", "fp8"))]

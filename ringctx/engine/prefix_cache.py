@@ -423,15 +423,9 @@ class PrefixCache:
 
     def _add_tail(self, document: Document, parent: Entry, parent_tokens: int) -> None:
         token_ids = torch.cat([parent.token_ids[:parent_tokens], document.token_ids.to(torch.long)])
-        tail = Entry(id=_new_id(), seed=parent.seed, token_ids=token_ids, hashes=block_hashes(parent.seed, token_ids),
-                     document=document, parent=parent, parent_tokens=parent_tokens, users=1)
-        with self.lock:
-            self.entries[tail.id] = tail
-            self.by_document[id(document)] = tail
-            self._index(tail)
-            self.counts.entries_kept += 1
-        self._make_room(0)
-        tail.users -= 1
+        self._insert(Entry(id=_new_id(), seed=parent.seed, token_ids=token_ids,
+                           hashes=block_hashes(parent.seed, token_ids), document=document, parent=parent,
+                           parent_tokens=parent_tokens))
 
     def add(self, document: Document, seed: str, users: int = 0) -> Document | None:
         """Keep a prefilled prompt (a miss's document) as an entry, `users` questions reading it
@@ -500,11 +494,15 @@ class PrefixCache:
             if same.document is not document:
                 self.engine.drop_document(document)
             return same
-        entry = Entry(id=_new_id(), seed=seed, token_ids=token_ids, hashes=block_hashes(seed, token_ids),
-                      document=document, users=users + 1)  # + 1: while room is made for it
+        return self._insert(Entry(id=_new_id(), seed=seed, token_ids=token_ids,
+                                  hashes=block_hashes(seed, token_ids), document=document, users=users))
+
+    def _insert(self, entry: Entry) -> Entry:
+        """A new entry in the cache and its index; older ones leave memory if it needs the room."""
+        entry.users += 1  # while room is made for it
         with self.lock:
             self.entries[entry.id] = entry
-            self.by_document[id(document)] = entry
+            self.by_document[id(entry.document)] = entry
             self._index(entry)
             self.counts.entries_kept += 1
         self._make_room(0)
