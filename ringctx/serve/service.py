@@ -232,7 +232,7 @@ class EngineBackend:
                                  f"{self.max_queue}); try again shortly", retry_after_s=2.0)
         sampling = dict(max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                         stop=list(s.stop) or None)
-        reuse = self._reuse(doc_id, question, request.cache_salt)
+        reuse = self._reuse(doc_id, doc_tokens, question, request.cache_salt)
         try:
             rest = reuse.prompt_ids[reuse.match.tokens:] if reuse.match is not None else None
             if rest is not None and len(rest) > self.chunk_tokens:  # a long rest: a chunk per step on a copy
@@ -258,9 +258,10 @@ class EngineBackend:
             raise self._stopped_error(str(exc)) from None
         return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached=reuse)
 
-    def _reuse(self, doc_id: str | None, question: torch.Tensor, salt: str | None) -> CachedPrompt:
+    def _reuse(self, doc_id: str | None, doc_tokens: int, question: torch.Tensor, salt: str | None) -> CachedPrompt:
         """What the request's prompt reuses: the longest cached prompt that begins it (when it is
-        longer than its document, if it names one), and how its rows are kept afterwards."""
+        longer than its document of `doc_tokens` tokens, if it names one), and how its rows are kept
+        afterwards."""
         cache = self.prefix_cache
         doc_ids = self.docs.tokens(doc_id) if doc_id is not None else None
         prompt_ids = question if doc_id is None else (torch.cat([doc_ids, question]) if doc_ids is not None else None)
@@ -268,9 +269,9 @@ class EngineBackend:
         match = None
         if cache is not None and prompt_ids is not None and prompt_ids.numel() > cache.min_tokens:
             match = cache.lookup(prompt_ids, seed)
-            if match is not None and match.tokens <= (doc_ids.numel() if doc_ids is not None else 0):
-                match = None  # its document gives as much, without a lookup's copy
-        cached = match.tokens if match is not None else (int(doc_ids.numel()) if doc_ids is not None else 0)
+            if match is not None and match.tokens <= doc_tokens:
+                match = None  # its document gives as much
+        cached = match.tokens if match is not None else doc_tokens
         return CachedPrompt(cache, seed, match, prompt_ids, cached, room=QUESTION_ROOM_TOKENS)
 
     def _prompt_chunk_done(self, stats) -> None:
