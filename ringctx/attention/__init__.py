@@ -6,8 +6,16 @@ Nothing here talks between ranks (no torch.distributed); ringctx.parallel builds
 from .kernels import BACKENDS, attention_block, attention_with_cache, reads_kv_in_place, resolve_backend
 from .merge import PartialAccumulator, merge_partials, sanitize_lse
 from .reference import causal_mask, reference_attention
+from .spans import FULL, Band, LayerSoftmax, Run, Span, band_blocks, runs_of
 
 __all__ = [
+    "FULL",
+    "Band",
+    "LayerSoftmax",
+    "Run",
+    "Span",
+    "band_blocks",
+    "runs_of",
     "BACKENDS",
     "PartialAccumulator",
     "attention_block",

@@ -77,13 +77,21 @@ def attention_block(
     softmax_scale: float | None = None,
     backend: str = "auto",
     one_sequence: bool = False,
+    q_offset: int = 0,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries against one block of keys, with its log-sum-exp.
 
     Args:
         q: [T, Hq, D].
         k, v: [S, Hkv, D], Hq a multiple of Hkv; query head h reads KV head h // (Hq // Hkv).
-        causal: False: a full block. True: a square diagonal block (T == S), query i sees 0..i.
+        causal: False: a full block. True: a band: query i sees key j iff j <= i + q_offset and
+            (window == 0 or j > i + q_offset - window). With q_offset 0 and no window a square
+            diagonal block (T == S), query i sees 0..i; other bands come from a layer's span
+            (attention/spans.py: sliding windows, blocks whose queries start after their keys).
+        q_offset, window: the band (causal blocks only); see causal.
+        softcap: > 0: scores become softcap * tanh(score / softcap) before the softmax.
         softmax_scale: defaults to 1/sqrt(D).
         backend: see the module docstring.
         one_sequence: the queries are one sequence's tokens (a prefill's block), so the kernel may
@@ -104,18 +112,23 @@ def attention_block(
     """
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
-    if causal and T != S:
-        raise ValueError(f"a causal (diagonal) block must be square, got {T} queries and {S} keys; "
-                         "split unequal blocks into full and diagonal parts by global position")
+    if not causal and (q_offset or window):
+        raise ValueError(f"q_offset={q_offset} and window={window} describe a causal band; "
+                         "a full block (causal=False) takes neither")
+    if window < 0:
+        raise ValueError(f"window must be a positive token count (0: none), got {window}")
+    band = causal and (q_offset != 0 or window != 0 or T != S)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     if T == 0 or S == 0:  # the fused ops divide by zero (SIGFPE) on empty blocks
         return (torch.zeros_like(q),
                 torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device))
     requested, backend = backend, resolve_backend(backend, q.device)
     if backend == "reference":
-        visible = torch.ones(T, S, dtype=torch.bool, device=q.device)
-        out, lse = reference_attention(q, k, v, visible.tril() if causal else visible, scale)
+        visible = band_mask(T, S, q_offset, window, q.device) if causal else None
+        out, lse = reference_attention(q, k, v, visible, scale, softcap=softcap)
         return out.to(q.dtype), lse.float()
+    if band or softcap:
+        return _band_block(q, k, v, causal, q_offset, window, softcap, scale)
     if backend == "flash-attn":
         return _flash_attn_block(q, k, v, causal, scale)
     if backend == "triton":
@@ -152,6 +165,56 @@ def attention_block(
                              f"got {q.dtype} q {tuple(q.shape)}; use backend 'torch'")
         return cpu.amx_attention(q, k, v, causal=causal, scale=scale)
     return _torch_cpu_block(q, k, v, causal, scale, own_kernel=requested == "auto")
+
+
+def band_mask(T: int, S: int, q_offset: int, window: int, device=None) -> torch.Tensor:
+    """[T, S] bool: query i sees key j in a causal band (see attention_block)."""
+    i = torch.arange(T, device=device).view(-1, 1)
+    j = torch.arange(S, device=device).view(1, -1)
+    seen = j <= i + q_offset
+    if window:
+        seen &= j > i + q_offset - window
+    return seen
+
+
+BAND_ROWS = 256
+"""Query rows per step of `_band_block`: its float32 scores are [Hq, rows, keys the rows see]."""
+
+
+def _band_block(q, k, v, causal, q_offset, window, softcap, scale):
+    """A banded or soft-capped block in float32 PyTorch ops, any device: query rows a slice at a
+    time against only the keys that slice sees (a window W costs T*W, not T*S), GQA without
+    expanding K/V. The exact fallback of every kernel that lacks the band or the soft-cap."""
+    T, Hq, D = q.shape
+    S, Hkv, _ = k.shape
+    group = Hq // Hkv
+    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
+    lse = torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device)
+    for r0 in range(0, T, BAND_ROWS):
+        r1 = min(r0 + BAND_ROWS, T)
+        lo, hi = 0, S
+        if causal:  # keys the rows r0..r1-1 can see
+            hi = min(S, r1 - 1 + q_offset + 1)
+            lo = max(0, r0 + q_offset - window + 1) if window else 0
+        if lo >= hi:
+            continue
+        qg = group_queries(q[r0:r1], Hkv)  # [Hkv, group * rows, D]
+        scores = torch.bmm(qg, k[lo:hi].float().permute(1, 2, 0)).mul_(scale)  # [Hkv, group*rows, keys]
+        if softcap:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        if causal:
+            seen = band_mask(r1 - r0, hi - lo, q_offset + r0 - lo, window, q.device)  # [rows, keys]
+            scores.view(Hkv, group, r1 - r0, hi - lo).masked_fill_(~seen, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True)
+        finite = torch.isfinite(row_max)
+        probs = scores.sub_(torch.where(finite, row_max, torch.zeros_like(row_max))).exp_()
+        row_sum = probs.sum(dim=-1, keepdim=True)
+        part = torch.bmm(probs, v[lo:hi].float().transpose(0, 1))
+        part = torch.where(row_sum > 0, part / row_sum.clamp_min(1e-38), torch.zeros_like(part))
+        part_lse = torch.where(finite, row_max + row_sum.log(), row_max).squeeze(-1)
+        o, l = ungroup_rows(part, part_lse, r1 - r0, torch.float32)
+        out[r0:r1], lse[:, r0:r1] = o, l
+    return out.to(q.dtype), lse
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:

@@ -22,6 +22,9 @@ def reference_attention(
     v: torch.Tensor,
     visible: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    *,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention in float64 with an explicit boolean visibility mask.
 
@@ -30,6 +33,9 @@ def reference_attention(
         k, v: [S, Hkv, D] keys and values; query head h reads KV head h // (Hq // Hkv).
         visible: [T, S] bool, True where query t may attend to key s; None means all visible.
         softmax_scale: defaults to 1/sqrt(D).
+        softcap: > 0: scores become softcap * tanh(score / softcap) before the softmax.
+        sinks: [Hq] sink logits, or None: each row's softmax gets one more term exp(sink[h]) in
+            its denominator (a key with value 0 that every query sees); lse includes it.
 
     Returns:
         (out [T, Hq, D] float64, lse [Hq, T] float64, natural log).
@@ -49,8 +55,14 @@ def reference_attention(
     k64 = k.double().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
     v64 = v.double().transpose(0, 1).repeat_interleave(group, dim=0)
     scores = torch.einsum("htd,hsd->hts", q64, k64) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if visible is not None:
         scores = scores.masked_fill(~visible.to(scores.device).unsqueeze(0), float("-inf"))
+    if sinks is not None:  # one more column, seen by every row, whose value is 0
+        sink_col = sinks.double().to(scores.device).view(Hq, 1, 1).expand(Hq, T, 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+        v64 = torch.cat([v64, v64.new_zeros(Hq, 1, D)], dim=1)
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, T]; -inf for rows with no visible key
     finite = torch.isfinite(lse)
     probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))

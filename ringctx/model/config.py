@@ -185,6 +185,69 @@ def yarn_attention_factor(factor: float, attention_factor: float | None = None, 
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """How one decoder layer's attention sees and rotates, when it differs from plain causal
+    attention with the model's RoPE (`ModelConfig.layer_attention`). Every path reads it: the
+    single-device forward, the ring (which skips what the span excludes), decode and the cache.
+
+    The defaults describe a plain layer, so a config only spells out what a layer changes."""
+
+    window: int = 0
+    """Sliding window W: a query at position p sees keys p-W+1..p. 0: no window."""
+    chunk: int = 0
+    """Aligned chunk C: a query at p sees the keys of its own chunk, from C * (p // C). 0: none."""
+    rope: bool = True
+    """False: a NoPE layer (no rotary embedding on q or k: Llama 4's global layers)."""
+    rope_theta: float = 0.0
+    """> 0: this layer's own RoPE base, with `rope_scaling` as its scaling (Gemma 3's local layers:
+    base 10,000, unscaled, where the global ones use 1,000,000 scaled x8). 0: the model's base
+    and scaling."""
+    rope_scaling: RopeScaling | None = None
+    """This layer's own scaling when rope_theta > 0 (None: plain); ignored otherwise."""
+    rotary_dim: int = 0
+    """Partial rotary: only the first rotary_dim dims of each head rotate (pairs (i, i + rotary_dim/2)),
+    the rest pass through (Phi-4, Gemma 4's global layers). 0: the whole head_dim."""
+    scale: float = 0.0
+    """The softmax scale multiplying q.k. 0: 1/sqrt(head_dim)."""
+    softcap: float = 0.0
+    """> 0: scores become softcap * tanh(score / softcap) before the softmax."""
+    sinks: bool = False
+    """The layer has a learned sink logit per query head (weights `sinks` [Hq], gpt-oss)."""
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk", "rotary_dim"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LayerAttention: {name} must be a positive count (0: none), got {getattr(self, name)}")
+        if self.rotary_dim % 2:
+            raise ValueError(f"LayerAttention: rotary_dim must be even (dims rotate in pairs), got {self.rotary_dim}")
+
+    @property
+    def is_plain(self) -> bool:
+        """True for plain causal attention with the model's RoPE (the default)."""
+        return self == LayerAttention()
+
+    def describe(self) -> str:
+        """A few words for tables: 'full', 'window 4096', 'chunk 8192', with ', NoPE' etc."""
+        kind = f"window {self.window}" if self.window else f"chunk {self.chunk}" if self.chunk else "full"
+        extras = [] if self.rope else ["NoPE"]
+        if self.sinks:
+            extras.append("sinks")
+        if self.softcap:
+            extras.append(f"soft-cap {self.softcap:g}")
+        return ", ".join([kind, *extras])
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "LayerAttention":
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+PLAIN_LAYER = LayerAttention()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2-style bias,
     Qwen3-style q/k norms)."""
@@ -225,6 +288,9 @@ class ModelConfig:
     """Beginning-of-sequence token id, if the tokenizer has one."""
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     """Token ids that end generation."""
+    layer_attention: tuple[LayerAttention, ...] = ()
+    """Per layer, how its attention sees and rotates (sliding windows, chunks, NoPE, its own RoPE,
+    sinks, soft-cap, scale); empty: every layer plain (see `attention`)."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -236,6 +302,26 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig {self.name!r}: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
             )
+        layers = tuple(self.layer_attention)
+        if all(layer.is_plain for layer in layers):
+            layers = ()  # one spelling of "every layer plain": fingerprints and files agree
+        object.__setattr__(self, "layer_attention", layers)
+        if layers and len(layers) != self.n_layers:
+            raise ValueError(f"ModelConfig {self.name!r}: layer_attention describes {len(layers)} layers "
+                             f"but the model has n_layers={self.n_layers}")
+        for i, layer in enumerate(layers):
+            if layer.rotary_dim > self.head_dim:
+                raise ValueError(f"ModelConfig {self.name!r}: layer {i} rotates {layer.rotary_dim} dims "
+                                 f"of a head of {self.head_dim}")
+
+    def attention(self, layer: int) -> LayerAttention:
+        """How layer `layer`'s attention sees and rotates."""
+        return self.layer_attention[layer] if self.layer_attention else PLAIN_LAYER
+
+    @property
+    def has_plain_attention(self) -> bool:
+        """True when every layer is plain causal attention with the model's RoPE."""
+        return not self.layer_attention
 
     @property
     def gqa_group(self) -> int:
@@ -270,6 +356,7 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["layer_attention"] = tuple(LayerAttention.from_dict(x) for x in d.get("layer_attention") or ())
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -283,22 +370,33 @@ class ModelConfig:
         for key, default in _LATER_FIELDS.items():
             if d.get(key) == default:
                 d.pop(key)
+        if d.get("layer_attention"):
+            d["layer_attention"] = [{k: v for k, v in layer.items() if getattr(PLAIN_LAYER, k) != v}
+                                    for layer in d["layer_attention"]]
         if d["rope_scaling"] is not None:
             d["rope_scaling"] = {k: v for k, v in d["rope_scaling"].items()
                                  if _LATER_ROPE_FIELDS.get(k, _MISSING) != v}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-    def rope_inv_freq(self) -> list[float]:
-        """Rotary angular frequencies per pair of head dims [head_dim // 2], scaling applied (float64)."""
-        plain = [self.rope_theta ** (-(2 * i) / self.head_dim) for i in range(self.head_dim // 2)]
-        if self.rope_scaling is None:
-            return plain
-        return self.rope_scaling.scaled_inv_freq(plain, self.rope_theta)
+    def rope_inv_freq(self, layer: int | None = None) -> list[float]:
+        """Rotary angular frequencies per rotating pair of head dims [rotary_dim // 2], scaling
+        applied (float64): the model's, or layer `layer`'s own (its base, scaling, rotary dims)."""
+        theta, scaling, dims = self.rope_of(layer)
+        plain = [theta ** (-(2 * i) / dims) for i in range(dims // 2)]
+        return plain if scaling is None else scaling.scaled_inv_freq(plain, theta)
 
-    @property
-    def rope_attention_factor(self) -> float:
+    def rope_of(self, layer: int | None = None) -> tuple[float, RopeScaling | None, int]:
+        """(base, scaling, rotating dims) of layer `layer`'s RoPE (None: the model's)."""
+        attention = PLAIN_LAYER if layer is None else self.attention(layer)
+        dims = attention.rotary_dim or self.head_dim
+        if attention.rope_theta > 0:
+            return attention.rope_theta, attention.rope_scaling, dims
+        return self.rope_theta, self.rope_scaling, dims
+
+    def rope_attention_factor(self, layer: int | None = None) -> float:
         """The factor RoPE's cos and sin are multiplied by (YaRN's; 1.0 otherwise)."""
-        return 1.0 if self.rope_scaling is None else self.rope_scaling.attention_factor
+        scaling = self.rope_of(layer)[1]
+        return 1.0 if scaling is None else scaling.attention_factor
 
 
 _DTYPE_NAMES = {
@@ -320,7 +418,7 @@ def resolve_dtype(dtype: "torch.dtype | str | None") -> "torch.dtype | None":
 
 _MISSING = object()
 
-_LATER_FIELDS = {"qk_norm": False}
+_LATER_FIELDS = {"qk_norm": False, "layer_attention": ()}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                       "attention_factor": 1.0}

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from .config import ModelConfig, RopeScaling
+from .config import LayerAttention, ModelConfig, RopeScaling
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -17,7 +17,7 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 """Hugging Face `model_type`s ringctx's decoder runs."""
 
 
@@ -30,15 +30,6 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
         raise unsupported("mlp_bias=true")
     if d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
-    # Mistral's window is on whenever it is set; Qwen2/Qwen3 keep a window size but use it only
-    # with use_sliding_window; transformers 5 also lists each layer's kind in layer_types.
-    if model_type == "mistral" and d.get("sliding_window") is not None:
-        raise unsupported(f"sliding-window attention (sliding_window={d['sliding_window']})")
-    if d.get("use_sliding_window"):
-        raise unsupported(f"sliding-window attention (use_sliding_window={d['use_sliding_window']})")
-    kinds = set(d.get("layer_types") or ())
-    if kinds - {"full_attention"}:
-        raise unsupported(f"layer_types with {sorted(kinds - {'full_attention'})} (only full_attention)")
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
                 "num_experts_per_tok"):
         if d.get(key):
@@ -48,15 +39,63 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
             raise unsupported(f"soft-capping ({key}={d[key]})")
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""`layer_types` entries ringctx computes."""
+
+
+def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> tuple[LayerAttention, ...]:
+    """Each layer's attention kind from a config dict, as transformers decides it per model type:
+
+    - mistral: one sliding window on every layer whenever `sliding_window` is set (MistralModel
+      ignores layer_types);
+    - ministral and others: `layer_types`, else derived as transformers' config classes do:
+      qwen2/qwen3 slide from layer `max_window_layers` on when `use_sliding_window`; ministral
+      slides everywhere when `sliding_window` is set.
+    An empty tuple when every layer is plain causal attention."""
+    n_layers = int(d["num_hidden_layers"])
+    window = d.get("sliding_window")
+    if model_type == "mistral":
+        kinds = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    elif d.get("layer_types"):
+        kinds = list(d["layer_types"])
+        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+            window = None  # transformers' Qwen2/Qwen3 configs drop the window unless it is used
+    elif model_type in ("qwen2", "qwen3"):
+        first = int(d.get("max_window_layers") or 0)
+        slides = bool(d.get("use_sliding_window")) and window is not None
+        kinds = ["sliding_attention" if slides and i >= first else "full_attention" for i in range(n_layers)]
+    else:
+        kinds = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    if len(kinds) != n_layers:
+        raise unsupported(f"layer_types lists {len(kinds)} layers for num_hidden_layers={n_layers}")
+    layers = []
+    for kind in kinds:
+        if kind not in LAYER_TYPES:
+            raise unsupported(f"layer_types entry {kind!r} (ringctx computes {', '.join(LAYER_TYPES)})")
+        if kind == "sliding_attention":
+            if window is None or int(window) <= 0:
+                raise unsupported(f"sliding_attention layers with sliding_window={window!r} (a positive window)")
+            layers.append(LayerAttention(window=int(window)))
+        elif kind == "chunked_attention":
+            chunk = d.get("attention_chunk_size")
+            if chunk is None or int(chunk) <= 0:
+                raise unsupported(f"chunked_attention layers with attention_chunk_size={chunk!r} (a positive size)")
+            layers.append(LayerAttention(chunk=int(chunk)))
+        else:
+            layers.append(LayerAttention())
+    return tuple(layers) if any(not layer.is_plain for layer in layers) else ()
+
+
 def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str | None = None) -> ModelConfig:
     """The config of a Hugging Face checkpoint: a `config.json` dict, file or directory.
 
-    Accepts model_type llama, mistral (without sliding window), qwen2 and qwen3, with plain,
+    Accepts model_type llama, mistral, ministral, qwen2 and qwen3 (sliding windows and
+    `layer_types` included: `read_layer_attention`), with plain,
     llama3, linear, dynamic or yarn RoPE, in both the transformers 4 (`rope_scaling`,
     `rope_theta`) and 5 (`rope_parameters`) spellings. From a directory, the EOS ids of
     `generation_config.json` are added too (Llama-3 instruct models end turns with <|eot_id|>,
-    listed only there). Anything ringctx would compute differently from transformers (sliding
-    windows, mixtures of experts, partial rotary, soft-capping...) is rejected with a one-line
+    listed only there). Anything ringctx would compute differently from transformers (mixtures
+    of experts, partial rotary, soft-capping...) is rejected with a one-line
     ValueError naming the config key and its value.
     """
     source = "config"
@@ -124,11 +163,15 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         max_seq_len=max_position,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos),
+        layer_attention=read_layer_attention(d, model_type, unsupported),
     )
 
 
 def hf_config_dict(self: ModelConfig) -> dict:
     """A transformers `config.json` dict for this config (LlamaConfig, Qwen2Config or Qwen3Config fields)."""
+    if not self.has_plain_attention:
+        raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one's "
+                         "layers have windows, chunks or their own RoPE")
     qwen3 = self.qk_norm
     qwen2 = not qwen3 and self.qkv_bias and not self.attn_out_bias
     if qwen3 and self.qkv_bias != self.attn_out_bias:

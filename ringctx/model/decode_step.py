@@ -402,6 +402,8 @@ def _layers_fit(model) -> bool:
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if not config.has_plain_attention:  # its layer code computes plain causal attention only
+        return False
     if not selection.fused_step_shape_fits(config.head_dim, config.n_heads, config.n_kv_heads):
         return False
     weights = [t for block in model.layers for t in _block_tensors(block)]

@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..attention import attention_block
+from ..attention.spans import KeyRows, LayerSoftmax, Run, is_plain, span_attention
 from .decode_step import DecodeStep
 from .kvcache import KVCache, forward_with_cache
 from .tokenizer import IncrementalDecoder, Prompt, encode_prompt
@@ -394,12 +395,16 @@ def sequence_logits(model, token_ids) -> torch.Tensor:
         raise ValueError("logits of an empty sequence: give at least one token")
     with torch.inference_mode():
         positions = torch.arange(ids.numel(), device=model.device)
-        return model(ids, positions, _causal_attend, logits="all")
+        return model(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v, model.layer_softmax(layer)),
+                     logits="all")
 
 
-def _causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal self-attention of one sequence (no cache to fill)."""
-    return attention_block(q, k, v, causal=True)[0]
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: LayerSoftmax) -> torch.Tensor:
+    """Causal self-attention of one sequence from position 0 (no cache to fill), as the layer says."""
+    if is_plain(softmax):
+        return attention_block(q, k, v, causal=True, softmax_scale=softmax.scale)[0]
+    runs = [Run(0, 0, q.shape[0])]
+    return softmax.finish(*span_attention(q, runs, [KeyRows(k, v, runs)], softmax))
 
 
 def _tokenizer_if_any(model):

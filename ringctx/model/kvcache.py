@@ -27,6 +27,7 @@ import torch
 
 from ..attention import PartialAccumulator, attention_block, attention_with_cache
 from ..attention import quant
+from ..attention.spans import KeyRows, LayerSoftmax, Run, is_plain, runs_of, span_attention
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from .config import ModelConfig
 from ..host_memory import collapse_steps, host_tensors
@@ -247,17 +248,43 @@ class KVCache:
         return data[layer][start:stop].to(dtype)
 
     def attend_rows(self, layer: int, q: torch.Tensor, stop: int | None = None, *, backend: str = "auto",
-                    softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q [T, Hq, D] over rows 0..stop-1 (default: the valid rows), every query
-        seeing every row (a full block): (out [T, Hq, D], lse [Hq, T] float32). 8-bit rows are
-        dequantized block by block inside the attention."""
+                    softmax_scale: float | None = None, softmax: LayerSoftmax | None = None,
+                    q_positions: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [T, Hq, D] over rows 0..stop-1 (default: the valid rows): (out [T, Hq, D],
+        lse [Hq, T] float32), a partial (sinks not applied). 8-bit rows are dequantized block by
+        block inside the attention.
+
+        Plain layers (softmax None or plain): every query sees every row (a full block). Otherwise
+        query t at position q_positions[t] sees the rows its layer's span and causality allow, by
+        the rows' positions (`row_positions`), and softmax's scale and soft-cap apply."""
         stop = self.length if stop is None else stop
+        if not is_plain(softmax):
+            return self._attend_span(layer, q, stop, softmax, q_positions, backend)
+        if softmax is not None:
+            softmax_scale = softmax.scale
         if self.quantized:
             return quant.attention_block_quantized(q, self.k[layer][:stop], self.k_scale[layer][:stop],
                                                    self.v[layer][:stop], self.v_scale[layer][:stop],
                                                    softmax_scale=softmax_scale, backend=backend)
         return attention_block(q, self.k[layer][:stop], self.v[layer][:stop], softmax_scale=softmax_scale,
                                backend=backend)
+
+    def _attend_span(self, layer, q, stop, softmax, q_positions, backend):
+        """attend_rows for a layer with a span or a soft-cap: each query against the rows it sees."""
+        if q_positions is None or len(q_positions) != q.shape[0]:
+            raise ValueError("a windowed, chunked or soft-capped layer's attention over a cache needs "
+                             "each query's position (q_positions)")
+        # Rows past `length` were written for this step (their positions set by the writer first).
+        k_runs = runs_of(torch.arange(stop) if self.positions is None else self.positions[:stop])
+        q_runs = [Run(t, p, 1) for t, p in enumerate(q_positions)]
+        first = min(softmax.span.first_visible(p) for p in q_positions)
+        wanted = [r for r in k_runs if r.position + r.length > first]  # rows any query may see
+        if not wanted:
+            return (q.new_zeros(q.shape), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device))
+        lo, hi = min(r.row for r in wanted), max(r.row + r.length for r in wanted)
+        k, v = self.read_rows(layer, lo, hi, q.dtype)  # views; dequantized rows of 8-bit caches
+        runs = [Run(r.row - lo, r.position, r.length) for r in wanted]
+        return span_attention(q, q_runs, [KeyRows(k, v, runs)], softmax, backend=backend, one_sequence=False)
 
     def grown(self, max_tokens: int) -> "KVCache":
         """A cache with room for `max_tokens` rows holding this one's valid rows (self if it has the room)."""
@@ -337,9 +364,10 @@ class KVCache:
         out.length = rows
         return out
 
-    def attend(self, start: int, backend: str = "auto") -> "CachedAttend":
-        """The default single-device `attend` for new tokens at positions start, start+1, ..."""
-        return CachedAttend(self, start, backend)
+    def attend(self, start: int, backend: str = "auto", softmax_of=None) -> "CachedAttend":
+        """The default single-device `attend` for new tokens at positions start, start+1, ...
+        (softmax_of(layer) -> LayerSoftmax: the model's `layer_softmax`; None: plain layers)."""
+        return CachedAttend(self, start, backend, softmax_of)
 
 
 class CachedAttend:
@@ -352,14 +380,22 @@ class CachedAttend:
         otherwise   `attention_with_cache` (a full block over the cache merged with a diagonal one).
     """
 
-    __slots__ = ("cache", "start", "backend")
+    __slots__ = ("cache", "start", "backend", "softmax_of")
 
-    def __init__(self, cache: KVCache, start: int, backend: str = "auto"):
-        self.cache, self.start, self.backend = cache, start, backend
+    def __init__(self, cache: KVCache, start: int, backend: str = "auto", softmax_of=None):
+        self.cache, self.start, self.backend, self.softmax_of = cache, start, backend, softmax_of
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, T, cache = self.start, q.shape[0], self.cache
         cache.update(layer, start, k, v)
+        softmax = None if self.softmax_of is None else self.softmax_of(layer)
+        if not is_plain(softmax):  # a span, soft-cap or sinks: the cache's rows by position, then ours
+            positions = list(range(start, start + T))
+            out, lse = cache.attend_rows(layer, q, start + T, softmax=softmax, q_positions=positions,
+                                         backend=self.backend)
+            return softmax.finish(out, lse)
+        if softmax is not None and softmax.scale != q.shape[-1] ** -0.5:
+            return self._scaled(layer, q, k, v, softmax.scale)
         if start == 0:
             return attention_block(q, k, v, causal=True, backend=self.backend)[0]
         if T == 1:  # the new row is written: one full block over rows 0..start
@@ -371,6 +407,16 @@ class CachedAttend:
         acc = PartialAccumulator(T, q.shape[1], q.shape[2], device=q.device)
         acc.add(*cache.attend_rows(layer, q, start, backend=self.backend), owned=True)
         acc.add(*attention_block(q, k, v, causal=True, backend=self.backend))
+        return acc.result(q.dtype)[0]
+
+
+    def _scaled(self, layer, q, k, v, scale):
+        """A plain layer with its own softmax scale (Gemma's query_pre_attn_scalar)."""
+        start, cache = self.start, self.cache
+        acc = PartialAccumulator(q.shape[0], q.shape[1], q.shape[2], device=q.device)
+        if start:
+            acc.add(*cache.attend_rows(layer, q, start, backend=self.backend, softmax_scale=scale), owned=True)
+        acc.add(*attention_block(q, k, v, causal=True, softmax_scale=scale, backend=self.backend))
         return acc.result(q.dtype)[0]
 
 
@@ -403,6 +449,6 @@ def forward_with_cache(model, token_ids: torch.Tensor, cache: KVCache, *, logits
     cache.ensure_room(T)
     start = cache.length
     positions = torch.arange(start, start + T, device=token_ids.device)
-    out = model(token_ids, positions, cache.attend(start, backend), logits=logits)
+    out = model(token_ids, positions, cache.attend(start, backend, model.layer_softmax), logits=logits)
     cache.length = start + T
     return out

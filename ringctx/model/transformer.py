@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.spans import LayerSoftmax, Span
 from .config import ModelConfig
 from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
@@ -91,19 +92,46 @@ class RopeAngles(NamedTuple):
         """The angles of tokens start..stop-1."""
         return RopeAngles(self.cos[start:stop], self.sin[start:stop])
 
+    def for_layer(self, layer: int) -> "RopeAngles":
+        """The angles layer `layer` rotates with: these (every layer shares the model's RoPE)."""
+        return self
+
+
+class LayerRopes:
+    """RoPE angles of T tokens for a model whose layers rotate differently (their own base or
+    scaling, partial rotary, NoPE layers): one RopeAngles per distinct RoPE, shared by the layers
+    that use it; `for_layer` gives a layer's (None for a NoPE layer). Sliced like RopeAngles."""
+
+    def __init__(self, angles: list[RopeAngles], of_layer: list[int]):
+        self.angles, self.of_layer = angles, of_layer  # of_layer[i]: index into angles, -1: NoPE
+
+    def rows(self, start: int, stop: int) -> "LayerRopes":
+        return LayerRopes([a.rows(start, stop) for a in self.angles], self.of_layer)
+
+    def for_layer(self, layer: int) -> RopeAngles | None:
+        index = self.of_layer[layer]
+        return None if index < 0 else self.angles[index]
+
 
 def apply_rotary(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
-    """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + D/2)) of x [T, H, D] -> [T, H, D].
+    """Rotate-half RoPE (Hugging Face layout: pairs are (i, i + R/2)) of x [T, H, D] -> [T, H, D],
+    over the first R dims (R = rope's width: D, or fewer for partial rotary; the rest pass through).
 
     The same formula as transformers' `x * cos + rotate_half(x) * sin` in three ops instead of six:
-    rolling x by D/2 gives (x2, x1), and the sign of rotate_half's -x2 lives in `rope.sin`.
+    rolling x by R/2 gives (x2, x1), and the sign of rotate_half's -x2 lives in `rope.sin`.
     """
+    width = rope.cos.shape[-1]
+    if width != x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :width], rope), x[..., width:]], dim=-1)
     return torch.addcmul(x * rope.cos, x.roll(x.shape[-1] // 2, dims=-1), rope.sin)
 
 
 def apply_rotary_(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
     """`apply_rotary` in place (x must be a buffer the caller owns); returns x. On the CPU one pass
     of ringctx's kernel (csrc/cpu_token_ops.c), the same roundings."""
+    if rope.cos.shape[-1] != x.shape[-1]:  # partial rotary: the rotating dims only
+        x[..., :rope.cos.shape[-1]] = apply_rotary(x[..., :rope.cos.shape[-1]], rope)
+        return x
     if not cpu.rope_(x, rope.cos, rope.sin):
         x.copy_(apply_rotary(x, rope))
     return x
@@ -146,16 +174,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.attn_out_bias)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
+        # Learned sink logits [Hq] (gpt-oss) of this layer, when it has them (set by Block).
+        self.sinks: nn.Parameter | None = None
 
-    def project(self, x: torch.Tensor, rope: RopeAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE), v [T, Hkv, D]."""
+    def project(self, x: torch.Tensor, rope: RopeAngles | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE; rope None: a NoPE layer), v [T, Hkv, D]."""
         T = x.shape[0]
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias).view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         split = self.n_heads + self.n_kv_heads
         if self.q_norm is not None:  # per head, before RoPE (Qwen3); rows of [T * H, D] for the kernel
             for norm, heads in ((self.q_norm, qkv[:, : self.n_heads]), (self.k_norm, qkv[:, self.n_heads : split])):
                 heads.copy_(norm.forward(heads.reshape(-1, self.head_dim)).view(heads.shape))
-        qk = apply_rotary_(qkv[:, :split], rope)  # one rotation for q and k heads together, in place
+        qk = qkv[:, :split] if rope is None else apply_rotary_(qkv[:, :split], rope)  # q and k heads together
         return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -219,12 +249,24 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h))."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
         super().__init__()
+        self.layer = layer
+        self.kind = kind = config.attention(layer)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, tp)
+        if kind.sinks:
+            self.attention.sinks = nn.Parameter(torch.zeros(config.n_heads, dtype=torch.float32))
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config, tp)
+        self.span = Span(window=kind.window, chunk=kind.chunk)
+        self.scale = kind.scale or config.head_dim ** -0.5
+
+    def softmax(self) -> LayerSoftmax:
+        """This layer's softmax settings (scale, soft-cap, span, sinks) for whoever computes its
+        attention (`attend` implementations ask `Transformer.layer_softmax`)."""
+        sinks = self.attention.sinks
+        return LayerSoftmax(self.scale, self.kind.softcap, self.span, None if sinks is None else sinks.detach())
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
         """x [T, dim] -> [T, dim]: h = x + wo(attend(q, k, v)) with q, k, v from norm(x); h + mlp(norm(h)).
@@ -236,6 +278,7 @@ class Block(nn.Module):
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
         T = x.shape[0]
         attention = self.attention
+        rope = rope.for_layer(layer_idx)
         width = attention.n_heads * attention.head_dim  # explicit: reshape(0, -1) is ambiguous for 0 rows
         slices = row_slices(T, x.dtype)
         if len(slices) == 1:  # one slice: no q/k/v buffers to fill (decode steps stay lean)
@@ -246,7 +289,8 @@ class Block(nn.Module):
         k = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         v = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         for start, stop in slices:
-            q[start:stop], k[start:stop], v[start:stop] = self._qkv(x[start:stop], rope.rows(start, stop))
+            q[start:stop], k[start:stop], v[start:stop] = self._qkv(
+                x[start:stop], None if rope is None else rope.rows(start, stop))
         out = attend(layer_idx, q, k, v).reshape(T, width)
         del q, k, v  # attend copied what it keeps
         # Each slice's result depends on its own rows of x and out only, so when shapes allow it the
@@ -257,7 +301,7 @@ class Block(nn.Module):
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
 
-    def _qkv(self, x: torch.Tensor, rope: RopeAngles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, x: torch.Tensor, rope: RopeAngles | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows x [n, dim] -> q, k (after RoPE), v of those rows."""
         return self.attention.project(self.attention_norm.forward(x), rope)
 
@@ -294,7 +338,7 @@ class Transformer(nn.Module):
         self.config = config = tp.shard_config(config)
         vocab = tp.vocab(config)
         self.tok_embeddings = nn.Embedding(vocab[1] - vocab[0], config.dim)
-        self.layers = nn.ModuleList(Block(config, tp) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, tp, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, vocab[1] - vocab[0], bias=False)
         self.tie_weights()
@@ -304,8 +348,22 @@ class Transformer(nn.Module):
         self._tokenizer_loader: Callable[[], object] | None = None
         # float64 so that angles stay exact at million-token positions; not a registered buffer,
         # so dtype casts of the module leave it alone and meta-device construction costs nothing.
-        self._inv_freq = torch.tensor(config.rope_inv_freq(), dtype=torch.float64, device="cpu")
-        self._rope_factor = config.rope_attention_factor  # YaRN multiplies cos and sin by it
+        # One table per distinct RoPE among the layers ((inv_freq, YaRN's cos/sin factor));
+        # _rope_of_layer[i] indexes it, -1 for a NoPE layer.
+        self._rope_tables: list[tuple[torch.Tensor, float]] = []
+        self._rope_of_layer: list[int] = []
+        keys: dict = {}
+        for i in range(config.n_layers):
+            if not config.attention(i).rope:
+                self._rope_of_layer.append(-1)
+                continue
+            key = config.rope_of(i)
+            if key not in keys:
+                keys[key] = len(self._rope_tables)
+                self._rope_tables.append((torch.tensor(config.rope_inv_freq(i), dtype=torch.float64, device="cpu"),
+                                          config.rope_attention_factor(i)))
+            self._rope_of_layer.append(keys[key])
+        self._one_rope = self._rope_of_layer == [0] * config.n_layers
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -336,25 +394,36 @@ class Transformer(nn.Module):
         x = F.embedding((token_ids - lo).masked_fill_(elsewhere, 0), self.tok_embeddings.weight)
         return self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0), "tp-embed")
 
-    def rope(self, positions: torch.Tensor) -> RopeAngles:
-        """Rotary cos/sin for positions [T] long (global positions), in the activation dtype.
+    def rope(self, positions: torch.Tensor) -> "RopeAngles | LayerRopes":
+        """Rotary cos/sin for positions [T] long (global positions), in the activation dtype: one
+        RopeAngles when every layer rotates alike, else LayerRopes (a RopeAngles per layer).
 
         Global positions make ring attention exact with any scaling: a rank holding tokens past
         the original context gets the angles one device would. A ValueError for positions the
         scaling cannot compute exactly (dynamic RoPE past its original context, see RopeScaling).
         """
         check_rope_positions(self.config, positions)
+        angles = [self._angles(positions, i) for i in range(len(self._rope_tables))]
+        return angles[0] if self._one_rope else LayerRopes(angles, self._rope_of_layer)
+
+    def _angles(self, positions: torch.Tensor, table: int) -> RopeAngles:
         device = positions.device
         math_device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
-        if self._inv_freq.device != math_device:
-            self._inv_freq = self._inv_freq.to(math_device)
-        angles = positions.to(math_device, torch.float64)[:, None] * self._inv_freq[None, :]  # [T, D/2]
+        inv_freq, factor = self._rope_tables[table]
+        if inv_freq.device != math_device:
+            inv_freq = inv_freq.to(math_device)
+            self._rope_tables[table] = (inv_freq, factor)
+        angles = positions.to(math_device, torch.float64)[:, None] * inv_freq[None, :]  # [T, R/2]
         cos, sin = angles.cos(), angles.sin()
-        if self._rope_factor != 1.0:
-            cos, sin = cos * self._rope_factor, sin * self._rope_factor
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
         cos = torch.cat((cos, cos), dim=-1).to(device, self.dtype)
         sin = torch.cat((-sin, sin), dim=-1).to(device, self.dtype)
         return RopeAngles(cos[:, None, :], sin[:, None, :])
+
+    def layer_softmax(self, layer: int) -> LayerSoftmax:
+        """Layer `layer`'s softmax settings: its scale, soft-cap, span and sinks."""
+        return self.layers[layer].softmax()
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [N, dim] -> float32 logits [N, vocab] (under TP: on every TP rank,

@@ -53,9 +53,11 @@ def test_empty_key_block_gives_zero_and_minus_inf():
     assert out.shape == (0, 4, 16) and lse.shape == (4, 0)
 
 
-def test_causal_block_must_be_square():
-    with pytest.raises(ValueError, match="must be square"):
-        attention_block(rand(3, 2, 8), rand(5, 2, 8), rand(5, 2, 8), causal=True)
+def test_a_full_block_takes_no_band():
+    with pytest.raises(ValueError, match="a full block \\(causal=False\\) takes neither"):
+        attention_block(rand(3, 2, 8), rand(5, 2, 8), rand(5, 2, 8), q_offset=2)
+    with pytest.raises(ValueError, match="window must be a positive token count"):
+        attention_block(rand(3, 2, 8), rand(5, 2, 8), rand(5, 2, 8), causal=True, window=-1)
 
 
 def test_unknown_backend_and_missing_flash_attn_are_clear_errors():

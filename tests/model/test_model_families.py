@@ -196,10 +196,12 @@ BASE = {"model_type": "llama", **SHAPE}
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "mistral", "sliding_window": 4096}, r"sliding_window=4096"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 128}, r"use_sliding_window=True"),
-    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]},
-     r"layer_types with \['sliding_attention'\]"),
+    ({"model_type": "mistral", "sliding_window": 0}, r"sliding_window=0 \(a positive window\)"),
+    ({"model_type": "ministral", "layer_types": ["full_attention", "linear_attention"]},
+     r"layer_types entry 'linear_attention'"),
+    ({"model_type": "ministral", "layer_types": ["full_attention"]}, r"layer_types lists 1 layers"),
+    ({"model_type": "ministral", "layer_types": ["chunked_attention", "full_attention"]},
+     r"attention_chunk_size=None \(a positive size\)"),
     ({"model_type": "qwen3_moe", "num_experts": 8}, r"unsupported architecture model_type='qwen3_moe'"),
     ({"model_type": "mixtral", "num_local_experts": 8}, r"unsupported architecture model_type='mixtral'"),
     ({"num_experts": 8}, r"mixture-of-experts layers \(num_experts=8\)"),
