@@ -421,6 +421,11 @@ class Transformer(nn.Module):
         sin = torch.cat((-sin, sin), dim=-1).to(device, self.dtype)
         return RopeAngles(cos[:, None, :], sin[:, None, :])
 
+    @property
+    def has_spans(self) -> bool:
+        """True when some layer sees only part of the earlier keys (a sliding window or chunks)."""
+        return any(not block.span.is_full for block in self.layers)
+
     def layer_softmax(self, layer: int) -> LayerSoftmax:
         """Layer `layer`'s softmax settings: its scale, soft-cap, span and sinks."""
         return self.layers[layer].softmax()

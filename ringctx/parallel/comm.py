@@ -18,7 +18,8 @@ class CommEvent:
     """One communication a rank took part in."""
 
     kind: str
-    """"ring-kv" (pass-KV shift), "ring-q" (pass-Q shift), "all2all" (pass-Q partials), "check"."""
+    """"ring-kv" (pass-KV shift), "ring-q" (pass-Q shift), "all2all" (pass-Q partials), "span-kv"
+    (a windowed or chunked layer's KV rows sent straight to the ranks whose queries see them), "check"."""
     step: int
     """Ring step (0-based) or 0 for collectives."""
     bytes_sent: int
@@ -110,6 +111,16 @@ class Ring:
         ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=self.send_peer),
                dist.P2POp(dist.irecv, recv, group=self.group, group_peer=self.recv_peer)]
         return dist.batch_isend_irecv(ops)
+
+
+def start_exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
+                   group: dist.ProcessGroup | None) -> list[dist.Work]:
+    """Post point-to-point sends (sends[peer] to rank peer of `group`) and receives (into
+    recvs[peer] from rank peer); `wait_all` the returned works. Every pair of ranks must post
+    matching sizes (both sides derive them from the same layout)."""
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for peer, t in sorted(sends.items())]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for peer, t in sorted(recvs.items())]
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def wait_all(works: list[dist.Work]) -> None:

@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from ..attention.spans import FULL, Run, Span, band_blocks, runs_of
+
 
 @dataclass(frozen=True)
 class BlockTask:
@@ -48,7 +50,12 @@ class BlockTask:
     k_end: int
     """One past the last KV row."""
     causal: bool
-    """True for a square diagonal block (a chunk against itself), False for a full block."""
+    """False for a full block; True for a band (`attention_block`): with q_offset 0 and no window
+    a square diagonal block (a chunk against itself)."""
+    q_offset: int = 0
+    """The band's offset: query row i sees key rows up to i + q_offset (windowed and chunked layers)."""
+    window: int = 0
+    """The band's sliding window (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,11 @@ class ShardLayout:
     """New (not yet cached) tokens per sequence."""
     cached_counts: tuple[tuple[int, ...], ...]
     """cached_counts[rank][seq]: cached tokens of sequence seq held by rank."""
+    cached_runs: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] | None = None
+    """cached_runs[rank][seq]: the positions of those cached rows, in row order, as (first position,
+    rows) runs of consecutive positions; None: each sequence's cached tokens lie in position order,
+    split contiguously over the ranks (rank 0 the first). Only windowed and chunked layers read
+    positions of cached rows (`block_tasks` with a span); full attention sees them all."""
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
     """Per-instance cache of derived index tensors and task lists (layouts are immutable)."""
 
@@ -96,6 +108,8 @@ class ShardLayout:
         cached_lens: int | Sequence[int] | None = None,
         *,
         cached_counts: Sequence[Sequence[int]] | None = None,
+        cached_positions: Sequence[Sequence[torch.Tensor]] | None = None,
+        cached_runs: Sequence[Sequence[Sequence[tuple[int, int]]]] | None = None,
     ) -> "ShardLayout":
         """Balanced layout of `new_lens` new tokens per sequence over `world_size` ranks.
 
@@ -105,6 +119,11 @@ class ShardLayout:
             cached_lens: cached tokens of each sequence, split contiguously and as evenly as
                 possible (rank r gets [floor(r*P/N), floor((r+1)*P/N))).
             cached_counts: instead of cached_lens, the exact split: cached_counts[rank][seq].
+            cached_positions: with cached_counts, the positions of each rank's cached rows of each
+                sequence, [rank][seq] -> LongTensor [cached_counts[rank][seq]] (rows in any order);
+                None: in order, as cached_lens splits them.
+            cached_runs: the same as (position, rows) runs of consecutive positions in row order
+                (what a long prefill keeps: two runs per chunk, not a position per row).
 
         Example:
             >>> layout = ShardLayout.balanced([10], 2)
@@ -140,7 +159,15 @@ class ShardLayout:
             raise ValueError(f"cached_counts must be [world_size={world_size}][num_seqs={len(new_lens)}]")
         if any(c < 0 for row in counts for c in row):
             raise ValueError("cached_counts must be >= 0")
-        return cls(world_size=world_size, new_lens=new_lens, cached_counts=counts)
+        runs = None
+        if cached_positions is not None:
+            cached_runs = [[[(r.position, r.length) for r in _runs(p)] for p in ranks] for ranks in cached_positions]
+        if cached_runs is not None:
+            runs = tuple(tuple(tuple((int(p), int(n)) for p, n in seq if n) for seq in ranks) for ranks in cached_runs)
+            got = [[sum(n for _, n in seq) for seq in ranks] for ranks in runs]
+            if got != [list(row) for row in counts]:
+                raise ValueError(f"cached_positions give {got} rows per rank and sequence, cached_counts {counts}")
+        return cls(world_size=world_size, new_lens=new_lens, cached_counts=counts, cached_runs=runs)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -292,17 +319,67 @@ class ShardLayout:
             src_new += n_new
         return tuple(segs)
 
-    def block_tasks(self, q_rank: int, kv_rank: int) -> tuple[BlockTask, ...]:
+    def block_tasks(self, q_rank: int, kv_rank: int, span: Span = FULL) -> tuple[BlockTask, ...]:
         """The attention calls that q_rank's new tokens need against kv_rank's KV message.
 
-        Fully masked blocks produce no task (they are skipped, not computed). With a = chunk
+        Fully masked blocks produce no task (they are skipped, not computed). A layer with a span
+        (sliding window, chunks) gets blocks cut by global positions (`_span_tasks`): only keys its
+        queries see, banded where needed. Plain causal layers: With a = chunk
         q_rank, b = chunk 2N-1-q_rank of the queries and a', b' those of the keys:
             kv_rank <  q_rank: [a, b] x [cached, a']            (b' is in the future of both)
             kv_rank >  q_rank: b x [cached, a', b'];  a x cached (a', b' are after a)
             kv_rank == q_rank: [a, b] x cached, and [a, b] x [a', b'] as one diagonal block (rows
                                and keys are the same tokens in increasing position order)
         """
+        if not span.is_full:
+            return self._cached(("tasks", q_rank, kv_rank, span), lambda: self._span_tasks(q_rank, kv_rank, span))
         return self._cached(("tasks", q_rank, kv_rank), lambda: self._compute_tasks(q_rank, kv_rank))
+
+    def new_runs(self, rank: int) -> list[tuple[int, int]]:
+        """(position, rows) runs of `rank`'s new rows of a one-sequence layout, in row order (the
+        runs its cached rows gain once this layout's tokens are prefilled)."""
+        if self.num_seqs != 1:
+            raise ValueError("new_runs describes one sequence's rows")
+        piece, base = self._pieces(rank)[0], self.cached_lens[0]
+        return [(base + lo, hi - lo) for lo, hi in (piece.a, piece.b) if hi > lo]
+
+    def _span_tasks(self, q_rank: int, kv_rank: int, span: Span) -> tuple[BlockTask, ...]:
+        """block_tasks for a span: each sequence's query runs (chunks a and b of q_rank) against
+        the runs of kv_rank's message (its cached rows' positions, then chunks a' and b')."""
+        tasks: list[BlockTask] = []
+        q_row, k_row = 0, 0
+        for s, (qp, kp) in enumerate(zip(self._pieces(q_rank), self._pieces(kv_rank))):
+            base = self.cached_lens[s]  # new tokens follow the sequence's cached ones
+            q_runs = []
+            for lo, hi in (qp.a, qp.b):
+                if hi > lo:
+                    q_runs.append(Run(q_row, base + lo, hi - lo))
+                    q_row += hi - lo
+            k_runs = []
+            for position, n in self._cached_runs(kv_rank, s):
+                k_runs.append(Run(k_row, position, n))
+                k_row += n
+            for lo, hi in (kp.a, kp.b):
+                if hi > lo:
+                    k_runs.append(Run(k_row, base + lo, hi - lo))
+                    k_row += hi - lo
+            tasks.extend(BlockTask(*band) for band in band_blocks(span, q_runs, k_runs))
+        return tuple(tasks)
+
+    def _cached_runs(self, rank: int, seq: int) -> tuple[tuple[int, int], ...]:
+        """(position, rows) runs of `rank`'s cached rows of sequence `seq`, in row order."""
+        if self.cached_runs is not None:
+            return self.cached_runs[rank][seq]
+        count = self.cached_counts[rank][seq]
+        return ((sum(self.cached_counts[r][seq] for r in range(rank)), count),) if count else ()
+
+    def needed_rows(self, q_rank: int, kv_rank: int, span: Span) -> tuple[int, int]:
+        """[first, last + 1) of kv_rank's message rows that q_rank's queries need under `span`
+        ((0, 0): none)."""
+        tasks = self.block_tasks(q_rank, kv_rank, span)
+        if not tasks:
+            return 0, 0
+        return min(t.k_start for t in tasks), max(t.k_end for t in tasks)
 
     def _compute_tasks(self, q_rank: int, kv_rank: int) -> tuple[BlockTask, ...]:
         tasks: list[BlockTask] = []
@@ -330,8 +407,15 @@ class ShardLayout:
     def fingerprint(self) -> str:
         """A hash of the whole layout, compared across ranks before communicating."""
         text = f"{self.world_size}|{self.new_lens}|{self.cached_counts}"
+        if self.cached_runs is not None:
+            text += f"|{hashlib.sha256(repr(self.cached_runs).encode()).hexdigest()}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return (f"ShardLayout(world_size={self.world_size}, new_lens={list(self.new_lens)}, "
                 f"cached_lens={list(self.cached_lens)})")
+
+
+def _runs(positions) -> list[Run]:
+    """Runs of consecutive positions of a LongTensor or a list of ints."""
+    return runs_of(torch.as_tensor(positions, dtype=torch.long).view(-1))

@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ..attention import PartialAccumulator, attention_block, reads_kv_in_place
+from ..attention.spans import FULL, LayerSoftmax
 from ..telemetry import span
-from .comm import CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, rank_and_world, wait_all
+from .comm import (CommStats, Ring, agree_across_ranks, all_to_all_equal, nbytes, rank_and_world, start_exchange,
+                   wait_all)
 from .layout import ShardLayout
 
 PASS_KV = "pass-kv"
@@ -51,6 +53,7 @@ def ring_attention(
     backend: str = "auto",
     stats: CommStats | None = None,
     check_across_ranks: bool = True,
+    softmax: LayerSoftmax | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of the layout's new tokens, computed cooperatively by all ranks.
 
@@ -71,9 +74,16 @@ def ring_attention(
             all-gather). Each rank's own inputs are always checked. Pass False only when the caller
             has already agreed on everything these derive from (the prefill engine does, once per
             prefill, instead of once per layer).
+        softmax: the layer's scale, soft-cap and span (None: plain causal attention at
+            softmax_scale). A layer with a span (sliding window, chunks) needs the positions of
+            every rank's cached rows in the layout (`ShardLayout.balanced(cached_positions=)`) and
+            takes neither ring: each rank sends the rows of its KV that another rank's queries see,
+            straight to it, and nothing else (a window W needs about W rows from the neighbour
+            piece), whichever `strategy` is named. Sinks are not applied (`LayerSoftmax.finish`).
 
     Returns:
-        out [T_r, Hq, D] in q's dtype and lse [Hq, T_r] float32 for this rank's rows.
+        out [T_r, Hq, D] in q's dtype and lse [Hq, T_r] float32 for this rank's rows (a complete
+        attention before sinks).
 
     Raises:
         ValueError on every rank, before any ring communication, when any rank's inputs disagree
@@ -89,26 +99,31 @@ def ring_attention(
     rank, world = rank_and_world(group)
     problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group)
     if world > 1 and check_across_ranks:
-        agree_across_ranks("ring_attention", problem, _signature(q, k, layout, strategy, softmax_scale), group, stats)
+        key = "" if softmax is None else f"{softmax.scale}/{softmax.softcap}/{softmax.span}"
+        agree_across_ranks("ring_attention", problem, _signature(q, k, layout, strategy, softmax_scale, key), group,
+                           stats)
     elif problem:
         raise ValueError(f"ring_attention: {problem}")
 
     if cached_k is None:
         cached_k = cached_v = k[:0]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    run = _RingRun(q, k, v, cached_k, cached_v, layout, rank, world, group, scale, backend, stats)
+    if softmax is None:
+        softmax = LayerSoftmax(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    run = _RingRun(q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats)
     if layout.total_new == 0:
         return run.empty_result()
+    if not softmax.span.is_full:
+        return run.span_exchange()
     return run.pass_kv() if strategy == "pass-kv" else run.pass_q()
 
 
 class _RingRun:
     """One ring_attention call on one rank: the inputs, already validated, and the two loops."""
 
-    def __init__(self, q, k, v, cached_k, cached_v, layout, rank, world, group, scale, backend, stats):
+    def __init__(self, q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats):
         self.q, self.k, self.v, self.cached_k, self.cached_v = head_major(q), k, v, cached_k, cached_v
         self.layout, self.rank, self.world, self.group = layout, rank, world, group
-        self.scale, self.backend, self.stats = scale, backend, stats
+        self.softmax, self.scale, self.backend, self.stats = softmax, softmax.scale, backend, stats
         self.rows, self.heads, self.head_dim = q.shape
         self.ring = Ring(group) if world > 1 else None
 
@@ -152,13 +167,16 @@ class _RingRun:
         return self.message_kv(self.kv_message(rows))
 
     def attend(self, acc: PartialAccumulator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               q_rank: int, kv_rank: int):
-        """Accumulate q_rank's queries against kv_rank's keys/values, block by block (masked blocks skipped)."""
+               q_rank: int, kv_rank: int, first_row: int = 0):
+        """Accumulate q_rank's queries against kv_rank's keys/values, block by block (masked blocks
+        skipped); keys/values hold kv_rank's message rows from `first_row` on."""
+        softmax = self.softmax
         with span("attention", "compute", q_rank=q_rank, kv_rank=kv_rank):
-            for t in self.layout.block_tasks(q_rank, kv_rank):
-                out, lse = attention_block(queries[t.q_start:t.q_end], keys[t.k_start:t.k_end],
-                                           values[t.k_start:t.k_end], causal=t.causal, softmax_scale=self.scale,
-                                           backend=self.backend, one_sequence=True)
+            for t in self.layout.block_tasks(q_rank, kv_rank, softmax.span):
+                k0, k1 = t.k_start - first_row, t.k_end - first_row
+                out, lse = attention_block(queries[t.q_start:t.q_end], keys[k0:k1], values[k0:k1], causal=t.causal,
+                                           q_offset=t.q_offset, window=t.window, softcap=softmax.softcap,
+                                           softmax_scale=self.scale, backend=self.backend, one_sequence=True)
                 acc.add(out, lse, t.q_start, owned=True)
 
     def record(self, kind: str, step: int, n: int) -> None:
@@ -181,6 +199,37 @@ class _RingRun:
             with span("wait kv", "comm", step=step):
                 wait_all(works)
             current, incoming = incoming, current
+        return acc.result(self.q.dtype)
+
+    def span_exchange(self):
+        """A windowed or chunked layer: every rank sends each other rank the rows of its KV message
+        that rank's queries see (`ShardLayout.needed_rows`; none for most pairs, a window's worth
+        from a neighbour piece) in one batch of point-to-point transfers, computes its own blocks
+        while they travel, then the received ones. Nothing a span excludes is sent or computed."""
+        layout, rank, span_ = self.layout, self.rank, self.softmax.span
+        acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
+        sends, recvs, firsts = {}, {}, {}
+        if self.world > 1:
+            message = None
+            for peer in range(self.world):
+                if peer == rank:
+                    continue
+                lo, hi = layout.needed_rows(peer, rank, span_)  # what peer's queries see of ours
+                if hi > lo:
+                    if message is None:
+                        message = self.kv_message(layout.num_new(rank) + layout.num_cached(rank))
+                    sends[peer] = message[:, :, lo:hi].contiguous()
+                lo, hi = layout.needed_rows(rank, peer, span_)  # what our queries see of peer's
+                if hi > lo:
+                    recvs[peer] = self.k.new_empty((2, self.k.shape[1], hi - lo, self.k.shape[2]))
+                    firsts[peer] = lo
+        works = start_exchange(sends, recvs, self.group)
+        self.record("span-kv", 0, sum(nbytes(t) for t in sends.values()))
+        self.attend(acc, self.q, *self.local_kv(), rank, rank)
+        with span("wait kv", "comm", step=0):
+            wait_all(works)
+        for peer in sorted(recvs):
+            self.attend(acc, self.q, *self.message_kv(recvs[peer]), rank, peer, firsts[peer])
         return acc.result(self.q.dtype)
 
     def pass_q(self):
@@ -308,10 +357,10 @@ def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, g
     return None
 
 
-def _signature(q, k, layout, strategy, scale) -> str:
+def _signature(q, k, layout, strategy, scale, softmax_key="") -> str:
     """What every rank must agree on; compared as text so a mismatch can be shown."""
     try:
         return (f"layout={layout.fingerprint()} {layout!r} heads={q.shape[1]}/{k.shape[1]} "
-                f"head_dim={q.shape[2]} dtype={q.dtype} strategy={strategy} scale={scale}")
+                f"head_dim={q.shape[2]} dtype={q.dtype} strategy={strategy} scale={scale} softmax={softmax_key}")
     except Exception as exc:  # malformed inputs: _local_problem reports them
         return f"unavailable ({type(exc).__name__})"

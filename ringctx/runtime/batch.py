@@ -201,16 +201,19 @@ class BatchDecoder:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             B, H, D = q.shape
+            softmax = model.layer_softmax(layer)  # windowed layers see rows by position
             if len(by_document) == 1 and len(members_of_one) == B and one_document.rows:
                 # every sequence asks the one document (ask_many): its result is the partial as is
-                o, l = one_document.cache.attend_rows(layer, q, one_document.rows)
+                o, l = one_document.cache.attend_rows(layer, q, one_document.rows, softmax=softmax,
+                                                      q_positions=positions)
                 out, lse = o.float(), l
             else:
                 out = torch.zeros(B, H, D, dtype=torch.float32, device=q.device)
                 lse = torch.full((H, B), float("-inf"), dtype=torch.float32, device=q.device)
                 for document, members in by_document.values():  # the document's rows once for its queries
                     if document.rows:
-                        o, l = document.cache.attend_rows(layer, q[members], document.rows)
+                        o, l = document.cache.attend_rows(layer, q[members], document.rows, softmax=softmax,
+                                                          q_positions=[positions[i] for i in members])
                         out[members], lse[:, members] = o.float(), l
             own_out = torch.zeros_like(out)  # then each sequence's own rows, merged in once for all
             own_lse = torch.full_like(lse, float("-inf"))
@@ -219,12 +222,16 @@ class BatchDecoder:
                     s.own.update(layer, row, k[i:i + 1], v[i:i + 1])
                 keys = s.own.length + int(row is not None)
                 if keys:
-                    o, l = s.own.attend_rows(layer, q[i:i + 1], keys)
+                    o, l = s.own.attend_rows(layer, q[i:i + 1], keys, softmax=softmax, q_positions=positions[i:i + 1])
                     own_out[i], own_lse[:, i] = o[0].float(), l[:, 0]
             PartialAccumulator.over(out, lse).add(own_out, own_lse)
-            return self._merge(out, lse).to(q.dtype)
+            merged = merge_across_ranks(out, lse, self.world, self.group, self._shm, with_lse=True)
+            return softmax.finish(*merged).to(q.dtype)
 
         positions = [s.length for s in seqs]
+        for s, row in zip(seqs, writes):
+            if row is not None and s.own.positions is not None:  # first: windowed layers read rows by position
+                s.own.positions[row] = s.length
         with torch.inference_mode():
             fused = self._fused_sources(seqs, writes, by_document)
             if fused is not None:  # every layer and its attention in one C call

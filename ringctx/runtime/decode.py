@@ -169,6 +169,8 @@ class ShardedDecoder:
         if mine and cache.length >= cache.max_tokens:
             self.cache = cache = cache.grown(cache.max_tokens + max(64, cache.max_tokens // 8))
         row = cache.length
+        if mine and cache.positions is not None:  # set first: windowed layers read rows by position
+            cache.positions[row] = self.length
         with torch.inference_mode():
             fused = self._fused_step()
             if fused is not None:  # every layer in one C call; it calls back for each merge
@@ -192,8 +194,10 @@ class ShardedDecoder:
         def attend(layer: int, q, k, v):
             if mine:
                 cache.update(layer, row, k, v)
-            out, lse = cache.attend_rows(layer, q, row + int(mine))
-            return self._merge(out, lse).to(q.dtype)
+            softmax = model.layer_softmax(layer)
+            out, lse = cache.attend_rows(layer, q, row + int(mine), softmax=softmax, q_positions=[self.length])
+            return softmax.finish(*merge_across_ranks(out, lse, self.world, self.group, self._shm, with_lse=True)
+                                  ).to(q.dtype)
 
         x = model.embed(torch.tensor([token], device=model.device))
         rope = model.rope(torch.tensor([self.length], device=model.device))
@@ -220,13 +224,15 @@ def step_owner(rows: list[int], steps: int) -> int:
     return min(range(world), key=lambda r: (rows[r], (r - steps) % world))
 
 
-def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, world: int, group, shm: ShmExchange | None) -> torch.Tensor:
+def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, world: int, group, shm: ShmExchange | None,
+                       *, with_lse: bool = False):
     """Every decode rank's partial (out [T, Hq, D], lse [Hq, T]) merged exactly, in float32 [T, Hq, D]:
     one exchange (shared memory, or the group's all-gather), then the LSE merge in rank order (the
-    same bits on every rank). T: the step's tokens (1 for one sequence, B for a batch)."""
+    same bits on every rank). T: the step's tokens (1 for one sequence, B for a batch).
+    with_lse: return (out, lse [Hq, T]) (a layer with sinks needs the merged lse)."""
     T, H, D = out.shape
     if world == 1:  # the whole cache is here: the partial is the answer
-        return out.float()
+        return (out.float(), lse) if with_lse else out.float()
     packed = torch.cat([out.float().reshape(-1), lse.reshape(-1)])
     if shm is not None:
         everyone = shm.exchange(packed)
@@ -236,4 +242,4 @@ def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, world: int, group, 
     acc = PartialAccumulator(T, H, D, device=out.device)
     for part in everyone:
         acc.add(part[:T * H * D].view(T, H, D), part[T * H * D:].view(H, T))
-    return acc.out
+    return (acc.out, acc.lse) if with_lse else acc.out

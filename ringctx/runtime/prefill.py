@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
+from ..attention.spans import runs_of
 from ..model import KVCache
 from ..model.decode_step import FusedPrefill
 from ..model.tensor_parallel import split_range
@@ -286,10 +287,16 @@ class PrefillRun:
         # --- the sharding plan: every rank computes every chunk's layout (they are tiny) ----------
         self.first_new_row = held[rank]
         self.layouts = []
+        # Windowed and chunked layers see cached rows by position: every rank's runs of positions,
+        # extended chunk by chunk (None: every layer sees all cached rows, positions not needed).
+        runs = self._cached_runs(shard, held, cached_len, group) if model.has_spans else None
         for s, e in self.chunks:
-            layout = ShardLayout.balanced([e - s], world, cached_counts=[[h] for h in held])
+            layout = ShardLayout.balanced([e - s], world, cached_counts=[[h] for h in held],
+                                          cached_runs=None if runs is None else [[r] for r in runs])
             self.layouts.append(layout)
             held = [h + layout.num_new(r) for r, h in enumerate(held)]
+            if runs is not None:
+                runs = [r + layout.new_runs(i) for i, r in enumerate(runs)]
         decoders = decode_rank_list(config)
         spread = config.decode_ranks > 1 and shard is None and world > config.decode_ranks
         self.plan = spread_plan(held, decoders) if spread else []
@@ -323,6 +330,22 @@ class PrefillRun:
         self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=device)
         self.next_chunk = 0
         self._slice: _ChunkInProgress | None = None  # a chunk that step(layers=...) has begun
+
+    def _cached_runs(self, shard, held, cached_len, group) -> list[list[tuple[int, int]]]:
+        """Every rank's (position, rows) runs of its cached rows before the first chunk: a split
+        cache's own positions (one small all-gather of runs), else the contiguous split of the
+        decode rank's whole cache (`_scatter_cache`)."""
+        if shard is None:
+            bounds = [split_range(cached_len, self.world, r) for r in range(self.world)]
+            return [[(a, b - a)] if b > a else [] for a, b in bounds]
+        mine = runs_of(shard.row_positions()[:held[self.rank]])
+        flat = torch.tensor([x for r in mine for x in (r.position, r.length)], dtype=torch.long)
+        everyone = all_gather_bytes(flat.numpy().tobytes(), group, self.world)
+        out = []
+        for data in everyone:
+            values = torch.frombuffer(bytearray(data), dtype=torch.long).tolist() if data else []
+            out.append([(values[i], values[i + 1]) for i in range(0, len(values), 2)])
+        return out
 
     @property
     def done(self) -> bool:
@@ -386,10 +409,12 @@ class PrefillRun:
                 cached_k, cached_v = shard.read_rows(layer, 0, rows_before)
                 cached = dict(cached_k=cached_k, cached_v=cached_v)
             # Inputs were agreed across ranks once for the whole prefill (above): no per-layer check.
-            out, _ = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=self.comm,
-                                    check_across_ranks=False, backend=config.attn_backend, **cached)
+            softmax = model.layer_softmax(layer)
+            out, lse = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=self.comm,
+                                      check_across_ranks=False, backend=config.attn_backend, softmax=softmax,
+                                      **cached)
             shard.update(layer, rows_before, k, v)
-            return out
+            return softmax.finish(out, lse)
 
         x = model.embed(layout.shard(self.token_ids[s:e].to(model.device), rank))
         positions = layout.positions(rank).to(model.device)

@@ -90,3 +90,41 @@ def shm_exchange_case(rank: int, world: int, steps: int):
             import time
             time.sleep(0.002)
     return same
+
+
+def span_layout(spec: dict, world: int):
+    """The case's layout with each sequence's cached tokens dealt to the ranks in a seeded random
+    order (as a chunked prefill leaves them: rows out of position order), and each rank's
+    cached-row positions per sequence."""
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    counts = [[0] * len(spec["new_lens"]) for _ in range(world)]
+    positions = [[None] * len(spec["new_lens"]) for _ in range(world)]
+    for s, p in enumerate(spec["cached_lens"]):
+        order = torch.randperm(p, generator=g)
+        cuts = sorted(torch.randint(0, p + 1, (world - 1,), generator=g).tolist())
+        bounds = [0, *cuts, p]
+        for r in range(world):
+            positions[r][s] = order[bounds[r]:bounds[r + 1]]
+            counts[r][s] = bounds[r + 1] - bounds[r]
+    layout = ShardLayout.balanced(spec["new_lens"], world, cached_counts=counts, cached_positions=positions)
+    return layout, positions
+
+
+def span_ring_case(rank: int, world: int, spec: dict):
+    """ring_attention of a windowed / chunked / soft-capped layer: (out, lse, comm events)."""
+    from ringctx.attention.spans import LayerSoftmax, Span
+
+    dtype = DTYPES[spec["dtype"]]
+    q, k, v, ck, cv = (x.to(dtype) for x in make_inputs(spec))
+    layout, positions = span_layout(spec, world)
+    starts = [sum(spec["cached_lens"][:s]) for s in range(len(spec["new_lens"]))]
+    rows = torch.cat([positions[rank][s] + starts[s] for s in range(len(starts))]) if starts else None
+    cached = {}
+    if layout.num_cached(rank):
+        cached = dict(cached_k=ck[rows], cached_v=cv[rows])
+    softmax = LayerSoftmax(scale=spec.get("scale", spec["d"] ** -0.5), softcap=spec.get("softcap", 0.0),
+                           span=Span(window=spec.get("window", 0), chunk=spec.get("chunk", 0)))
+    stats = CommStats()
+    out, lse = ring_attention(layout.shard(q, rank), layout.shard(k, rank), layout.shard(v, rank), layout,
+                              strategy=spec["strategy"], stats=stats, softmax=softmax, **cached)
+    return out, lse, [(e.kind, e.step, e.bytes_sent) for e in stats.events]
