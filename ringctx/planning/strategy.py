@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringctx.attention.spans import Span
 from ringctx.model.config import ModelConfig
 from ringctx.model.presets import get_preset
 from ringctx.parallel.ring import PASS_KV, PASS_Q, STRATEGIES
@@ -415,6 +416,50 @@ def attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int) -> int:
     return 2 * new_tokens * attn_dim * (2 * cached_tokens + new_tokens)
 
 
+def visible_keys(first: int, stop: int, span: Span) -> int:
+    """Keys that the tokens at positions first..stop-1 see in all, under `span`: sum of p + 1 (full),
+    min(p + 1, W) (a window), (p mod C) + 1 (chunks), the smaller of the two with both."""
+    def capped_run(lo: int, hi: int, offset: int) -> int:
+        """sum over p in [lo, hi) of min(p - offset + 1, W or no cap)."""
+        if hi <= lo:
+            return 0
+        a, b = lo - offset + 1, hi - offset  # the uncapped values run a..b
+        if span.window and b > span.window:
+            capped = max(0, b - max(a, span.window + 1) + 1)  # values above W count W each
+            b2 = min(b, span.window)
+            below = (a + b2) * (b2 - a + 1) // 2 if b2 >= a else 0
+            return below + capped * span.window
+        return (a + b) * (b - a + 1) // 2
+
+    if not span.chunk:
+        return capped_run(first, stop, 0)
+    total, p = 0, first
+    while p < stop:
+        start = p - p % span.chunk
+        end = min(stop, start + span.chunk)
+        total += capped_run(p, end, start)
+        p = end
+    return total
+
+
+def span_attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int, span: Span) -> int:
+    """Attention FLOPs of T new tokens after P cached ones in a layer with `span`: 4*D per key
+    seen (attention_flops for a full span, up to its halved diagonal's rounding)."""
+    if span.is_full:
+        return attention_flops(new_tokens, cached_tokens, attn_dim)
+    return 4 * attn_dim * visible_keys(cached_tokens, cached_tokens + new_tokens, span)
+
+
+def span_counts(model: ModelConfig) -> dict[Span, int]:
+    """How many layers have each span (full attention is Span())."""
+    counts: dict[Span, int] = {}
+    for i in range(model.n_layers):
+        kind = model.attention(i)
+        span = Span(window=kind.window, chunk=kind.chunk)
+        counts[span] = counts.get(span, 0) + 1
+    return counts
+
+
 def linear_params_per_layer(model: ModelConfig) -> int:
     """Weights of one block's matmuls: Q,K,V,O projections and the SwiGLU MLP (gate, up, down)."""
     qkv = model.dim * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim
@@ -551,16 +596,22 @@ class StrategyCost:
     layer_overhead_s: float = 0.0
     """Fixed cost of one layer beyond FLOPs and transfers (the profile's layer_overhead_s: kernel
     launches on GPUs); what a few new tokens on a long cache pay even when their FLOPs are few."""
+    span_layers_s: float = 0.0
+    """All layers with a sliding window or chunks together (`span_layer_seconds` each: the keys
+    their span lets the tokens see, their span exchange, linear layers and fixed costs); they take
+    no ring, so the strategy does not change them. n_layers counts the other, full layers."""
+    span_layers: int = 0
+    """How many layers span_layers_s covers."""
 
     @property
     def layer_s(self) -> float:
-        """One decoder layer: attention + linear layers + TP all-reduces + the fixed layer overhead."""
+        """One full-attention layer: attention + linear layers + TP all-reduces + the fixed layer overhead."""
         return self.attention_s + self.linear_s + self.tp_allreduce_s + self.layer_overhead_s
 
     @property
     def total_s(self) -> float:
-        """The whole prefill (chunk) over all layers: n_layers * layer_s."""
-        return self.n_layers * self.layer_s
+        """The whole prefill (chunk) over all layers: n_layers * layer_s + span_layers_s."""
+        return self.n_layers * self.layer_s + self.span_layers_s
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "layer_s": self.layer_s, "total_s": self.total_s}
@@ -614,10 +665,17 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
         a2a_bytes = all2all_bytes_per_rank(new_tokens, N, heads, DH, e)
     fixed = dict(tp_allreduce_s=TP_ALLREDUCES_PER_LAYER * tp_allreduce_seconds(n, model, tp_size, hw, e),
                  layer_overhead_s=hw.layer_overhead_s)
+    spans = span_counts(model)
+    full_layers = spans.pop(Span(), 0)
+    per_layer_rest = linear + fixed["tp_allreduce_s"] + fixed["layer_overhead_s"]
+    fixed.update(span_layers=sum(spans.values()),
+                 span_layers_s=sum(count * (span_layer_seconds(new_tokens, cached_tokens, N, heads * DH, kv_heads * DH,
+                                                               span, hw, dtype, ring) + per_layer_rest)
+                                   for span, count in spans.items()))
     if N == 1:  # no ring: nothing is sent
         return StrategyCost(strategy=strategy, sendrecv_bytes=0, sendrecv_s=0.0, compute_s=compute, all2all_bytes=0,
                             all2all_s=0.0, attention_s=compute, exposed_comm_s=0.0, linear_s=linear,
-                            n_layers=model.n_layers, **fixed)
+                            n_layers=full_layers, **fixed)
     sendrecv = transfer_seconds(message, ring.bandwidth_bytes_per_s, ring.latency_s)
     a2a = 0.0
     if strategy == PASS_Q:
@@ -632,8 +690,27 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
         all2all_bytes=a2a_bytes, all2all_s=a2a,
         attention_s=overhead + ring_seconds(compute, sendrecv, N, ring.comm_overlap) + a2a,
         exposed_comm_s=(N - 1) * (step - compute) + a2a,
-        linear_s=linear, n_layers=model.n_layers, overhead_s=overhead, **fixed,
+        linear_s=linear, n_layers=full_layers, overhead_s=overhead, **fixed,
     )
+
+
+def span_layer_seconds(new_tokens: int, cached_tokens: int, cp_size: int, attn_dim: int, kv_dim: int, span: Span,
+                       hw: HardwareProfile, dtype: str, ring) -> float:
+    """Attention of one layer with a window or chunks, on one rank: the FLOPs of the keys its
+    tokens see (`span_attention_flops` / N, at the profile's full-block rate for rows of the
+    window's size), overlapped with its span exchange: each rank sends each of its two pieces'
+    neighbours at most the W (or C) rows before it, K and V (ring_attention's span exchange)."""
+    N = cp_size
+    flops = span_attention_flops(new_tokens, cached_tokens, attn_dim, span) / N
+    reach = min(x for x in (span.window, span.chunk) if x)
+    rows = max(1, min(reach, -(-new_tokens // (2 * N))))
+    compute = flops / (hw.attention_flops_per_s(dtype, rows) * ring.compute_scale / ring.attention_factor)
+    compute += 3 * hw.attention_call_overhead_s
+    if N == 1:
+        return compute
+    message = 2 * min(reach, new_tokens + cached_tokens) * 2 * kv_dim * element_bytes(dtype)
+    comm = transfer_seconds(message, ring.bandwidth_bytes_per_s, ring.latency_s, messages=2)
+    return overlapped_seconds(compute, comm, ring.comm_overlap)
 
 
 def predict_costs(new_tokens: int, cached_tokens: int, model: ModelConfig, cp_size: int,
