@@ -17,6 +17,9 @@ from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
 from ..kernels.report import cpu_kernels_report, phase_dtypes
 from ..kernels.selection import amx_available
 from ..host_memory import huge_pages_report
+from ..model.config import ATTENTION_KINDS
+from ..model.config_gguf import GGUF_ARCHITECTURES
+from ..model.config_hf import HF_MODEL_TYPES
 from ..planning.machine_speed import auto_dtype
 
 
@@ -53,6 +56,9 @@ def environment_report() -> dict:
                + ("native (bf16 units)" if cpu_has_fast_bf16() else "in float32 (no bf16 units PyTorch may use)"),
         "gpus": gpus,
         "attention_backends": attention,
+        "model_families": {"hugging_face_model_types": list(HF_MODEL_TYPES),
+                           "gguf_architectures": list(GGUF_ARCHITECTURES)},
+        "attention_kinds": list(ATTENTION_KINDS),
         "distributed_backends": distributed,
         "cpu_kernels": cpu_kernels_report(),
         "huge_pages": huge_pages_report(),

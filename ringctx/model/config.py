@@ -246,6 +246,11 @@ class LayerAttention:
 
 PLAIN_LAYER = LayerAttention()
 
+ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
+                   "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
+                   "per-layer softmax scale")
+"""What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -87,6 +87,9 @@ def test_info_json():
     assert all(state == "in use" or state.startswith("not in use: ") for state in kernels["kernels"].values())
     assert report["dtype_auto"]["dtype"] in ("bfloat16", "float32") and report["dtype_auto"]["why"]
     assert set(report["compute_dtypes"]) == {"prefill", "decode"} and all(report["compute_dtypes"].values())
+    # the families and attention kinds this build runs
+    assert {"llama", "mistral", "ministral", "qwen2"} <= set(report["model_families"]["hugging_face_model_types"])
+    assert {"sliding window", "aligned chunks", "sink logits"} <= set(report["attention_kinds"])
 
 
 def _lines_at_80_columns(monkeypatch, args):
