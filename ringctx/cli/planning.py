@@ -301,6 +301,8 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     cal = "calibrated" if hw.calibrated else "UNCALIBRATED (run `ringctx calibrate`)"
     head.add_row("model", f"{result.model.name}: {result.model.n_layers} layers, {result.model.n_heads} q / "
                           f"{result.model.n_kv_heads} kv heads x {result.model.head_dim}")
+    if not result.model.has_plain_attention:
+        head.add_row("attention", result.model.attention_summary())
     head.add_row("hardware", f"{hw.name} ({cal}): {(as_run or {}).get('hardware') or shown_source(hw)}")
     for what, note in (as_run or {}).items():
         if what != "hardware" and not note.endswith("as given"):

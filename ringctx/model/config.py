@@ -323,6 +323,14 @@ class ModelConfig:
         """How layer `layer`'s attention sees and rotates."""
         return self.layer_attention[layer] if self.layer_attention else PLAIN_LAYER
 
+    def attention_summary(self) -> str:
+        """The layers' attention kinds in a few words: "30 full", or "25 window 1024 + 5 full"."""
+        counts: dict[str, int] = {}
+        for i in range(self.n_layers):
+            text = self.attention(i).describe()
+            counts[text] = counts.get(text, 0) + 1
+        return " + ".join(f"{n} {text}" for text, n in counts.items())
+
     @property
     def has_plain_attention(self) -> bool:
         """True when every layer is plain causal attention with the model's RoPE."""

@@ -8,7 +8,7 @@ planning without any download.
 
 from __future__ import annotations
 
-from .config import ModelConfig, RopeScaling
+from .config import LayerAttention, ModelConfig, RopeScaling
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -20,6 +20,26 @@ PRESETS: dict[str, ModelConfig] = {
         name="smollm2-135m", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
         rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=8192,
         bos_token_id=1, eos_token_ids=(2,),
+    ),
+    # SmolLM2-135M's shapes with Gemma 3's attention pattern (5 sliding layers of 1,024 to 1
+    # global, random weights): the windowed-layer benchmark's model (scripts/bench_windows.py),
+    # beside smollm2-135m with every layer global.
+    "smollm2-135m-sliding": ModelConfig(
+        name="smollm2-135m-sliding", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+        rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, max_seq_len=131072,
+        bos_token_id=1, eos_token_ids=(2,),
+        layer_attention=tuple(LayerAttention() if (i + 1) % 6 == 0 else LayerAttention(window=1024)
+                              for i in range(30)),
+    ),
+    # Llama 4's attention pattern at a small width (random weights, a dense FFN): 3 layers in
+    # aligned chunks of 8,192 with RoPE, then 1 global NoPE layer; 10M positions. Sized so that a
+    # 1M-token prefill runs the whole path on a 2-core CPU in about an hour (its global layer's
+    # causal attention: 4 * 128 * 10^12 / 2 = 2.6e14 FLOPs).
+    "tiny-llama4": ModelConfig(
+        name="tiny-llama4", vocab_size=1024, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=256,
+        head_dim=64, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=10485760, bos_token_id=1, eos_token_ids=(2,),
+        layer_attention=tuple(LayerAttention(rope=False) if (i + 1) % 4 == 0 else LayerAttention(chunk=8192)
+                              for i in range(4)),
     ),
     "qwen2.5-0.5b": ModelConfig(
         name="qwen2.5-0.5b", vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
