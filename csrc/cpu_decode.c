@@ -681,7 +681,7 @@ static const ringctx_abi_field abi_fields[] = {
 
 static const ringctx_abi_limit abi_limits[] = {
     {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"INT8_MAX_ROWS", INT8_MAX_ROWS},
-    {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8},
+    {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8}, {"FLASH_ARGS", FLASH_ARGS},
 };
 
 /* The struct and field table above; *count receives its length. Plain data: safe to call before

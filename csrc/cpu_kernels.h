@@ -17,6 +17,10 @@
 
 #define MAX_D 256 /* widest head the attention kernels take */
 #define MAX_R 64  /* most query rows per KV head the attention kernels take */
+/* The arguments of ringctx_flash_attention(_bf16) and ringctx_amx_attention, reported to the loader
+ * (kernels/abi.py) beside the limits: ctypes cannot see a C signature, so a library built from
+ * sources of another signature (21 before q_offset, window and softcap) is refused, not called. */
+#define FLASH_ARGS 24
 
 /* 8-bit KV data (ringctx/attention/quant.py): int8, or float8 e4m3 ("fn"). A kernel takes the
  * kind as a compile-time constant (always_inline callers pass a literal), so the branch in

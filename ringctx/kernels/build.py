@@ -224,6 +224,7 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     # out (pointer, strides), lse, threads
     flash = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, i64, i64, f32, f32, ptr, i64,
              i64, ptr, i32]
+    assert len(flash) == abi.FLASH_ARGS  # the count the library reports (checked by abi.check_layout)
     for name in ("ringctx_flash_attention", "ringctx_flash_attention_bf16"):
         getattr(lib, name).argtypes = flash
     if variant.amx:

@@ -44,6 +44,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            0.77-0.91x), AVX2 and AVX-512.
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
+                           Both take a ring block's mask (causal at a q_offset, a sliding window:
+                           a band whose outside key tiles are skipped) and logit soft-capping,
+                           which PyTorch's fused CPU op has no argument for.
     amx_linear             x [9 <= T <= 48, in] @ W^T in bf16 on AMX (a question's prefill): the
                            weights read in place, once for all rows; 0.73-0.85x the time of
                            PyTorch's bf16 matmul at 9-16 rows.
