@@ -8,7 +8,12 @@
  *
  * q [T, Hq, D], k and v [S, Hkv, D], out [T, Hq, D]: bf16 with any row and head strides (D
  * contiguous); D a multiple of 32 up to 256. causal = 0: every query sees every key. causal = 1:
- * a square block (T == S), query i sees keys 0..i.
+ * query i sees key j iff j <= i + q_offset and (window == 0 or j > i + q_offset - window), any T
+ * and S (q_offset 0, window 0, T == S: the square diagonal block). softcap > 0: every score
+ * s = scale q.k becomes softcap tanh(s / softcap) before the softmax. The mask and the cap follow
+ * cpu_flash.c's rules line for line (key_lo, key_hi, vtanh): a unit's work starts at the key block
+ * of its first query's band and ends at its last query's, each step going to the tiles that see
+ * its key block, so a window W costs about T (W + Q_BLOCK + K_BLOCK), not T S.
  *
  * Why not PyTorch's fused CPU op: with AMX doing the products, the time goes to the softmax.
  * Done row by row (a vector holds 16 keys of one query, as in that op), every row needs
@@ -270,29 +275,64 @@ typedef struct {
     float *st;
 } next_scores;
 
+/* Which keys a query sees, and how its scores are made (cpu_flash.c's flash_problem fields). */
+typedef struct {
+    int64_t S, q_offset, window; /* causal: query i sees keys (i + q_offset - window, i + q_offset] */
+    int causal;
+    float s2;      /* the exponent's factor: scale log2 e, or log2 e for capped scores (they carry the scale) */
+    float softcap; /* 0: none; else s -> softcap tanh(pre_cap s) */
+    float pre_cap; /* scale / softcap */
+} score_rule;
+
+/* The first and last key query i sees, before clipping to [0, S) (cpu_flash.c's key_lo, key_hi):
+ * both grow with i, so queries [a, b] see keys key_lo(a)..key_hi(b) together and the queries (and
+ * tiles) that see a key block are a contiguous run. */
+static inline int64_t key_lo(const score_rule *rule, int64_t i) {
+    return !rule->causal ? 0 : rule->window ? i + rule->q_offset - rule->window + 1 : INT32_MIN;
+}
+static inline int64_t key_hi(const score_rule *rule, int64_t i) { return rule->causal ? i + rule->q_offset : rule->S - 1; }
+
+static inline int64_t clip(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
+
 /* The online-softmax step of query tile t against keys k0 .. k0 + 63, whose S^T is in st: updates
  * t's running max and sum (and rescales its O^T where the max moved) and writes P^T for pv_step,
  * issuing `next`'s S^T product piece by piece on the way. */
-AMX_TARGET static void softmax_step(query_tile *t, const float *st, uint16_t *pt, int64_t k0, int64_t S, int64_t D,
-                                    int causal, float s2, const next_scores *next) {
+AMX_TARGET static void softmax_step(query_tile *t, float *st, uint16_t *pt, int64_t k0, int64_t D,
+                                    const score_rule *rule, const next_scores *next) {
     /* Which (key, query) pairs are visible: all of them, unless the block reaches past the last
-     * key or (causal) past the tile's first query. The max is taken over raw scores (scale > 0). */
-    const int full = k0 + K_BLOCK <= S && (!causal || k0 + K_BLOCK - 1 <= t->r0);
-    const __m512i query = _mm512_add_epi32(_mm512_set1_epi32((int)t->r0),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+     * key or (causal) past the band of the tile's first query or before that of its last (the
+     * tile's columns past its rows see every key, as cpu_flash.c's padding rows do). With softcap
+     * the scores are capped in place first; the max is taken over those scores (raw ones: scale > 0). */
+    const int64_t S = rule->S, last = t->r0 + t->rows - 1;
+    const int full = k0 + K_BLOCK <= S &&
+                     (!rule->causal || (k0 + K_BLOCK - 1 <= key_hi(rule, t->r0) && k0 >= key_lo(rule, last)));
     __mmask16 visible[K_BLOCK];
     __m512 raw_top = _mm512_set1_ps(-INFINITY);
+    const vfloat cap = vset1(rule->softcap), pre_cap = vset1(rule->pre_cap);
     if (full) {
-        for (int j = 0; j < K_BLOCK; ++j) raw_top = _mm512_max_ps(raw_top, _mm512_load_ps(st + j * Q_TILE));
+        for (int j = 0; j < K_BLOCK; ++j) {
+            __m512 s = _mm512_load_ps(st + j * Q_TILE);
+            if (rule->softcap > 0.0f) _mm512_store_ps(st + j * Q_TILE, s = (__m512)(cap * vtanh((vfloat)s * pre_cap)));
+            raw_top = _mm512_max_ps(raw_top, s);
+        }
     } else {
+        int32_t lo_lanes[Q_TILE], hi_lanes[Q_TILE]; /* each query's band, clipped (int32) */
+        for (int64_t n = 0; n < Q_TILE; ++n) {
+            lo_lanes[n] = n < t->rows ? (int32_t)clip(key_lo(rule, t->r0 + n), 0, S) : INT32_MIN;
+            hi_lanes[n] = n < t->rows ? (int32_t)clip(key_hi(rule, t->r0 + n), -1, S) : INT32_MAX;
+        }
+        const __m512i lo = _mm512_loadu_si512(lo_lanes), hi = _mm512_loadu_si512(hi_lanes);
         for (int j = 0; j < K_BLOCK; ++j) {
             const int64_t key = k0 + j;
+            const __m512i kv = _mm512_set1_epi32((int)key);
             visible[j] = key >= S ? 0
-                         : causal ? _mm512_cmp_epi32_mask(_mm512_set1_epi32((int)key), query, _MM_CMPINT_LE)
-                                  : 0xffff;
-            raw_top = _mm512_mask_max_ps(raw_top, visible[j], raw_top, _mm512_load_ps(st + j * Q_TILE));
+                                  : _mm512_cmp_epi32_mask(kv, hi, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(kv, lo, _MM_CMPINT_NLT);
+            __m512 s = _mm512_load_ps(st + j * Q_TILE);
+            if (rule->softcap > 0.0f) _mm512_store_ps(st + j * Q_TILE, s = (__m512)(cap * vtanh((vfloat)s * pre_cap)));
+            raw_top = _mm512_mask_max_ps(raw_top, visible[j], raw_top, s);
         }
     }
+    const float s2 = rule->s2;
     /* In base 2: y = s * scale * log2 e. The running max m moves only where a block's max exceeds
      * it, which soon becomes rare: most blocks leave O^T alone and their P V adds straight onto it
      * in the tiles. (Letting m lag a little behind the max would skip more rescales, but the
@@ -383,11 +423,17 @@ static inline float row_lse(float m, float l) {
     return l > 0.0f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
 }
 
-/* The first tile of a unit that sees key block k0 (causal: later queries see more keys, so the
- * tiles that see it are a suffix), or n_tiles when none does. */
-static int64_t first_seeing(const query_tile *tiles, int64_t n_tiles, int64_t k0, int causal) {
-    int64_t i = 0;
-    while (causal && i < n_tiles && k0 >= tiles[i].r0 + tiles[i].rows) ++i;
+/* Whether query tile t sees any key of block k0 (some query's band meets [k0, k0 + 63] below S):
+ * its queries together see key_lo(first)..key_hi(last). */
+static int tile_sees(const query_tile *t, int64_t k0, const score_rule *rule) {
+    const int64_t lo = clip(key_lo(rule, t->r0), k0, rule->S), hi = clip(key_hi(rule, t->r0 + t->rows - 1), -1, rule->S - 1);
+    return lo <= hi && lo <= k0 + K_BLOCK - 1;
+}
+
+/* The first tile of a unit from tile i on that sees key block k0, or n_tiles when none does (the
+ * tiles that see a block are a contiguous run: both ends of the band grow with the query). */
+static int64_t first_seeing(const query_tile *tiles, int64_t i, int64_t n_tiles, int64_t k0, const score_rule *rule) {
+    while (i < n_tiles && !tile_sees(tiles + i, k0, rule)) ++i;
     return i;
 }
 
@@ -412,7 +458,7 @@ typedef struct {
 } span_rows;
 
 AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs, const key_rows *keys,
-                                   const uint16_t *v_head, int64_t T, int64_t S, int64_t D, int causal, float scale,
+                                   const uint16_t *v_head, int64_t T, int64_t D, const score_rule *rule,
                                    uint16_t *out, int64_t o_rs, int64_t o_hs, float *lse, int64_t h, int64_t kv,
                                    int64_t group, int64_t r0, int64_t k_begin, int64_t k_end, const span_rows *span,
                                    query_tile *tiles, step_scratch *scratch) {
@@ -438,26 +484,33 @@ AMX_TARGET static void attend_unit(const uint16_t *q, int64_t q_rs, int64_t q_hs
         t->m = _mm512_set1_ps(-INFINITY);
         t->l = _mm512_setzero_ps();
     }
-    const float s2 = scale * 1.44269504088896341f; /* softmax in base 2: exp(x) = 2^(x log2 e) */
     const query_tile *last = tiles + n_tiles - 1;
-    const int64_t key_end = causal ? last->r0 + last->rows : k_end; /* causal: a query sees up to itself */
+    const int64_t S = rule->S;
+    /* causal: the keys the unit's queries see together, its first query's band to its last's (a
+     * span of whole blocks otherwise); the steps go block by block from the block of the first,
+     * each to the run of tiles that see it (at least one: every key of the range is seen) */
+    const int64_t key_first = rule->causal ? clip(key_lo(rule, tiles->r0), 0, S) : k_begin;
+    const int64_t key_end = rule->causal ? clip(key_hi(rule, last->r0 + last->rows - 1) + 1, 0, S) : k_end;
 
-    int64_t k0 = k_begin, i = 0, current = 0, stride; /* every tile sees the first key block */
-    const uint16_t *k_rows = block_keys(keys, k0, D, &stride);
-    for (int64_t piece = 0; piece <= D / 32; ++piece) scores_piece(tiles + i, k_rows, stride, D, piece, scratch->st[0]);
-    for (;;) {
+    int64_t k0 = key_first / K_BLOCK * K_BLOCK, current = 0, stride;
+    int64_t i = first_seeing(tiles, 0, n_tiles, k0, rule);
+    if (key_first < key_end) { /* else no query sees a key: m -inf, l 0, out 0 below */
+        const uint16_t *k_rows = block_keys(keys, k0, D, &stride);
+        for (int64_t piece = 0; piece <= D / 32; ++piece) scores_piece(tiles + i, k_rows, stride, D, piece, scratch->st[0]);
+    }
+    for (; key_first < key_end;) {
         int64_t next_k0 = k0, next_i = i + 1;
-        if (next_i == n_tiles) {
+        if (next_i == n_tiles || !tile_sees(tiles + next_i, k0, rule)) {
             next_k0 = k0 + K_BLOCK;
-            next_i = first_seeing(tiles, n_tiles, next_k0, causal);
+            next_i = first_seeing(tiles, 0, n_tiles, next_k0, rule);
         }
-        const int more = next_k0 < key_end;
+        const int more = next_k0 < key_end && next_i < n_tiles; /* (a block in the range: a tile sees it) */
         next_scores next = {NULL, NULL, 0, NULL};
         if (more) {
             next.tile = tiles + next_i, next.st = scratch->st[current ^ 1];
             next.k_rows = block_keys(keys, next_k0, D, &next.stride);
         }
-        softmax_step(tiles + i, scratch->st[current], scratch->pt, k0, S, D, causal, s2, more ? &next : NULL);
+        softmax_step(tiles + i, scratch->st[current], scratch->pt, k0, D, rule, more ? &next : NULL);
         pv_step(tiles + i, scratch->pt, v_head, k0, D);
         if (!more) break;
         k0 = next_k0, i = next_i, current ^= 1;
@@ -518,10 +571,18 @@ static void merge_spans(const span_rows *span, int64_t spans, int64_t T, int64_t
 
 int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
                           int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
-                          int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, uint16_t *out, int64_t o_rs,
-                          int64_t o_hs, float *lse, int threads) {
+                          int64_t Hq, int64_t Hkv, int64_t D, int causal, int64_t q_offset, int64_t window,
+                          float scale, float softcap, uint16_t *out, int64_t o_rs, int64_t o_hs, float *lse,
+                          int threads) {
     if (!amx_usable()) return -1;
-    if (D % 32 || D > MAX_D || Hkv < 1 || Hq % Hkv || T < 1 || S < 1 || (causal && T != S)) return -2;
+    /* the limits of cpu_flash.c's flash_attention */
+    if (D % 32 || D > MAX_D || Hkv < 1 || Hq % Hkv || T < 1 || S < 1 || T > INT32_MAX || S > INT32_MAX ||
+        !(scale > 0.0f) || !(softcap >= 0.0f) || softcap == INFINITY || window < 0 || window > INT32_MAX ||
+        q_offset > INT32_MAX || q_offset < -(int64_t)INT32_MAX || (!causal && (q_offset || window)))
+        return -2;
+    const float log2e = 1.44269504088896341f; /* softmax in base 2: exp(x) = 2^(x log2 e) */
+    const score_rule rule = {S, causal ? q_offset : 0, causal ? window : 0, causal, softcap > 0.0f ? log2e : scale * log2e,
+                             softcap, softcap > 0.0f ? scale / softcap : 0.0f};
     const int64_t padded = (S + K_BLOCK - 1) / K_BLOCK * K_BLOCK, group = Hq / Hkv;
     /* Without a mask every query row of a KV head's group sees the same keys: its group's rows share
      * tiles (a question of T tokens fills group x T columns, not group tiles of T), where that
@@ -600,7 +661,7 @@ int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const u
                 else set_key_rows(keys, k + kv * k_hs, k_rs, S, D, 0);
                 keys_of = kv;
             }
-            attend_unit(q, q_rs, q_hs, keys, vt + kv * padded * D, T, S, D, causal, scale, out, o_rs, o_hs, lse, h,
+            attend_unit(q, q_rs, q_hs, keys, vt + kv * padded * D, T, D, &rule, out, o_rs, o_hs, lse, h,
                         kv, by_group ? group : 0, qb * Q_BLOCK, k_begin, k_end, spans > 1 ? &mine : NULL, tiles,
                         &scratch);
         }
@@ -711,8 +772,9 @@ int ringctx_amx_available(void) { return amx_usable(); }
 
 int ringctx_amx_attention(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
                           int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
-                          int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, uint16_t *out, int64_t o_rs,
-                          int64_t o_hs, float *lse, int threads) {
+                          int64_t Hq, int64_t Hkv, int64_t D, int causal, int64_t q_offset, int64_t window,
+                          float scale, float softcap, uint16_t *out, int64_t o_rs, int64_t o_hs, float *lse,
+                          int threads) {
     return -1;
 }
 

@@ -552,11 +552,11 @@ static int attend_block(const ringctx_decoder_shape *s, const void *q, const voi
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
     const int status = s->bf16
         ? ringctx_flash_attention_bf16((const uint16_t *)q, hq * d, d, (const uint16_t *)k, hkv * d, d,
-                                       (const uint16_t *)v, hkv * d, d, t, keys, hq, hkv, d, causal, s->softmax_scale,
-                                       out, hq * d, d, lse, threads)
+                                       (const uint16_t *)v, hkv * d, d, t, keys, hq, hkv, d, causal, 0, 0,
+                                       s->softmax_scale, 0.0f, out, hq * d, d, lse, threads)
         : ringctx_flash_attention((const float *)q, hq * d, d, (const float *)k, hkv * d, d, (const float *)v,
-                                  hkv * d, d, t, keys, hq, hkv, d, causal, s->softmax_scale, out, hq * d, d, lse,
-                                  threads);
+                                  hkv * d, d, t, keys, hq, hkv, d, causal, 0, 0, s->softmax_scale, 0.0f, out, hq * d,
+                                  d, lse, threads);
     if (status != 0) return status;
     for (int64_t i = 0; i < t * hq * d; ++i) out[i] = round_to(out[i], s->bf16);
     return ringctx_merge_rows(acc, hq * d, acc_lse, t, out, 0, hq * d, d, lse, t, t, hq, d);
@@ -681,7 +681,7 @@ static const ringctx_abi_field abi_fields[] = {
 
 static const ringctx_abi_limit abi_limits[] = {
     {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"INT8_MAX_ROWS", INT8_MAX_ROWS},
-    {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8},
+    {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8}, {"FLASH_ARGS", FLASH_ARGS},
 };
 
 /* The struct and field table above; *count receives its length. Plain data: safe to call before

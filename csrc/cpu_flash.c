@@ -4,11 +4,18 @@
  * (ringctx_flash_attention_bf16: widened as they are read, the same float32 math and bits as on
  * their float32 copies).
  *
- *   out[t, h] = sum_j softmax_j(scale q[t, h] . k[j, h / group]) v[j, h / group]   (j <= t if causal)
- *   lse[h, t] = log sum_j exp(scale q[t, h] . k[j, h / group])
+ *   s[t, h, j] = scale q[t, h] . k[j, h / group], or softcap tanh(s / softcap) when softcap > 0
+ *   out[t, h]  = sum_j softmax_j(s[t, h, j]) v[j, h / group]      over the keys j that t sees
+ *   lse[h, t]  = log sum_j exp(s[t, h, j])                          (-inf, out 0: t sees no key)
  *
  * q [T, Hq, D], k and v [S, Hkv, D], out [T, Hq, D] (any row and head strides, D contiguous);
- * lse [Hq, T]. Causal blocks are square (T == S), query t sees keys 0..t.
+ * lse [Hq, T]. Not causal: every query sees every key. Causal: query t sees key j iff
+ * j <= t + q_offset and (window == 0 or j > t + q_offset - window): the ring's block of queries
+ * against a contiguous range of keys, a band for a sliding-window layer (T and S any, q_offset any
+ * integer; q_offset 0, window 0, T == S is the square diagonal block). The keys a unit of queries
+ * sees are a contiguous range (the band of its first token to that of its last): its work starts at
+ * the block of the first and, inside a block, at the key tile of it, and ends at the last, so a
+ * window W costs about T (W + UNIT_ROWS / group + BLOCK_KEYS) scores, not T S.
  *
  * Work comes in units: one KV head and up to UNIT_ROWS query rows, the rows of a run of tokens times
  * the GQA group that reads that head (row = token * group + g), so that each K and V row read
@@ -65,7 +72,8 @@ typedef struct {
     int64_t q_rs, q_hs, k_rs, k_hs, v_rs, v_hs; /* in elements */
     int64_t T, S, Hq, Hkv, D, group;
     int causal;
-    float scale;
+    int64_t q_offset, window; /* causal: token t sees keys (t + q_offset - window, t + q_offset] */
+    float scale, softcap;     /* softcap 0: none */
     float *out;
     int64_t o_rs, o_hs;
     float *lse;
@@ -107,7 +115,7 @@ typedef struct {
 /* A unit on its way over the keys: its rows, queries and where its partial goes. */
 typedef struct {
     int64_t rows, rows_pad, t0; /* rows_pad: a multiple of VW; tokens from t0 */
-    int64_t j_end;              /* the keys it attends end here (attend_keys' j_begin to this) */
+    int64_t j_first, j_end;     /* the keys it attends: [j_first, j_end), j_first >= attend_keys' j_begin */
     float *qt;                  /* [D, rows_pad]: its queries, transposed, zero beyond its rows */
     flash_partial out;
 } flash_unit;
@@ -117,6 +125,18 @@ typedef struct {
  * group of 3: 42 rows, 48 on AVX2 and AVX-512 alike); P V takes the last rows in a smaller tile
  * where OUT_ROWS does not divide it. */
 static int64_t pad_rows(int64_t rows) { return (rows + VW - 1) / VW * VW; }
+
+/* The first and last key token t sees, before clipping to [0, S): a causal block's band (no window:
+ * from key 0; far below 0 so that adding to it cannot wrap), every key otherwise. Both grow with t,
+ * so tokens [t0, t1) see keys key_lo(t0)..key_hi(t1 - 1) together, and the tokens that see a key
+ * are a contiguous run. */
+static inline int64_t key_lo(const flash_problem *p, int64_t t) {
+    return !p->causal ? 0 : p->window ? t + p->q_offset - p->window + 1 : INT32_MIN;
+}
+static inline int64_t key_hi(const flash_problem *p, int64_t t) { return p->causal ? t + p->q_offset : p->S - 1; }
+
+/* v clipped to [lo, hi] */
+static inline int64_t clip(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : v > hi ? hi : v; }
 
 /* S^T [KEY_TILE keys, rows r0..r0 + NV VW): sum over d of k[i, d] qt[d, r], key i's row at
  * k + i k_rs (NV: ROW_VECS, or 1 for a unit's last rows); top [NV VW] (the rows' max score in the
@@ -193,38 +213,62 @@ SIMD_INLINE void pv_rows(const float *pt, int64_t rows_pad, const float *v, int6
         pv_tile(pt, rows_pad, v + c0, v_rs, n, alpha, acc + c0, D, RT, 1);
 }
 
-/* The online softmax over one block's scores st [n, rows_pad] (keys j0.., rows of tokens t0..):
- * masked scores (causal: key > the row's token) become -inf, every score its probability
- * 2^(scale log2(e) s - m_new) = e^(scale s - m_new ln 2), and m, l, alpha are updated lane-wise. */
+/* The online softmax over keys [j0 + ja, j0 + n) of a block, whose scores are st [ja..n, rows_pad]
+ * (rows of tokens t0..; ja a multiple of KEY_TILE, the keys before it hidden from all of them and
+ * not computed): with softcap, every score s becomes softcap tanh(scale s / softcap); scores a row
+ * does not see (masked: some of the block's keys are hidden from some rows) become -inf; every
+ * score its probability 2^(scale log2(e) s - m_new) (capped: 2^(log2(e) c - m_new)), exactly 0
+ * where hidden; m, l, alpha are updated lane-wise. A row that has seen no key yet keeps m = -inf,
+ * l = 0 and its acc 0 (alpha 0). */
 static void block_softmax(const flash_problem *p, const flash_buffers *b, const flash_partial *part,
-                          int64_t rows_pad, int64_t rows, int64_t t0, int64_t j0, int64_t n) {
-    const vfloat scale = vset1(p->scale * 1.44269504088896341f), neg_inf = vset1(-INFINITY);
-    /* causal: the block reaches past the unit's first token, so some rows see only part of it */
-    const int masked = p->causal && j0 + n - 1 > t0;
+                          int64_t rows_pad, int64_t rows, int64_t t0, int64_t j0, int64_t ja, int64_t n) {
+    const float log2e = 1.44269504088896341f;
+    /* capped scores carry the scale already */
+    const vfloat scale = vset1(p->softcap > 0.0f ? log2e : p->scale * log2e), neg_inf = vset1(-INFINITY);
+    const vfloat cap = vset1(p->softcap), pre_cap = vset1(p->softcap > 0.0f ? p->scale / p->softcap : 0.0f);
+    /* causal: some key of [j0 + ja, j0 + n) lies past the band of the unit's first token or before
+     * that of its last (both ends grow with the token), so some rows see only part of the block */
+    const int64_t t_last = t0 + (rows - 1) / p->group;
+    const int masked = p->causal && (j0 + n - 1 > key_hi(p, t0) || j0 + ja < key_lo(p, t_last));
     for (int64_t r0 = 0; r0 < rows_pad; r0 += VW) {
-        vint token; /* each lane's token (rows past the unit's: no mask) */
-        for (int i = 0; i < VW; ++i) token[i] = r0 + i < rows ? (int32_t)(t0 + (r0 + i) / p->group) : INT32_MAX;
+        vint lo, hi; /* each lane's band, clipped to int32 (rows past the unit's: every key) */
+        for (int i = 0; i < VW; ++i) {
+            const int64_t t = t0 + (r0 + i) / p->group;
+            lo[i] = r0 + i < rows ? (int32_t)clip(key_lo(p, t), 0, p->S) : INT32_MIN;
+            hi[i] = r0 + i < rows ? (int32_t)clip(key_hi(p, t), -1, p->S) : INT32_MAX;
+        }
         vfloat top = vload(b->top + r0);
-        if (masked) { /* the max over the keys each row sees, those it does not see made -inf */
+        if (masked || p->softcap > 0.0f) { /* the max over the (capped) scores each row sees */
             top = neg_inf;
-            for (int64_t j = 0; j < n; ++j) {
+            for (int64_t j = ja; j < n; ++j) {
                 vfloat s = vload(b->st + j * rows_pad + r0);
-                const vint hidden = token < (int32_t)(j0 + j);
-                s = (vfloat)(((vint)s & ~hidden) | ((vint)neg_inf & hidden));
+                if (p->softcap > 0.0f) s = cap * vtanh(s * pre_cap);
+                if (masked) {
+                    const vint key = (vint){0} + (int32_t)(j0 + j), hidden = (key > hi) | (key < lo);
+                    s = (vfloat)(((vint)s & ~hidden) | ((vint)neg_inf & hidden));
+                }
                 vstore(b->st + j * rows_pad + r0, s);
                 top = vmax(top, s);
             }
         }
         const vfloat m_old = vload(part->m + r0), m_new = vmax(m_old, top * scale);
-        /* every real row sees a key in its span's first block (a causal block's span starts at key
-         * 0), so m_new is finite from there on: no -inf - -inf */
-        const vfloat alpha = vexp2_nonpositive(m_old - m_new);
+        /* a row that has seen no key (m_new -inf): alpha 0, not 2^(-inf - -inf) */
+        const vint live = m_new > neg_inf;
+        const vfloat alpha = (vfloat)((vint)vexp2_nonpositive(m_old - m_new) & live);
         vfloat sum = vzero();
-        for (int64_t j = 0; j < n; ++j) {
-            const vfloat e = vexp2_nonpositive(vfma(vload(b->st + j * rows_pad + r0), scale, -m_new));
-            vstore(b->st + j * rows_pad + r0, e);
-            sum += e;
-        }
+        if (masked) /* hidden keys (-inf: no real score is) weigh exactly 0 */
+            for (int64_t j = ja; j < n; ++j) {
+                const vfloat s = vload(b->st + j * rows_pad + r0);
+                const vfloat e = (vfloat)((vint)vexp2_nonpositive(vfma(s, scale, -m_new)) & (s > neg_inf));
+                vstore(b->st + j * rows_pad + r0, e);
+                sum += e;
+            }
+        else
+            for (int64_t j = ja; j < n; ++j) {
+                const vfloat e = vexp2_nonpositive(vfma(vload(b->st + j * rows_pad + r0), scale, -m_new));
+                vstore(b->st + j * rows_pad + r0, e);
+                sum += e;
+            }
         vstore(part->l + r0, vfma(vload(part->l + r0), alpha, sum));
         vstore(part->m + r0, m_new);
         vstore(b->alpha + r0, alpha);
@@ -283,11 +327,14 @@ static int64_t pack_queries(const flash_problem *p, float *qt, int64_t h, int64_
     return rows_pad;
 }
 
-/* Units of head h (n of them) over keys [j_begin, unit j_end) each, from nothing: the online softmax
- * block by block into each unit's `out` (unnormalised acc, its m and l). A block's K and V are
- * read (and bf16 widened) once for every unit that reaches it, then each unit does what it would do
- * alone: a unit's bits do not depend on the others. j_begin is a multiple of BLOCK_KEYS, so a key's
- * block is the same whatever the span. */
+/* Units of head h (n of them) over keys [unit j_first, unit j_end) each, from nothing: the online
+ * softmax block by block into each unit's `out` (unnormalised acc, its m and l). A block's K and V
+ * are read (and bf16 widened) once for every unit that reaches it, then each unit does what it
+ * would do alone: a unit's bits do not depend on the others. j_begin (<= every unit's j_first) is
+ * a multiple of BLOCK_KEYS, so a key's block is the same whatever the span or the band. A unit
+ * starts at the key tile of its j_first inside its first block: the tiles before it are hidden
+ * from all its rows, so their probabilities would be exactly 0, adding nothing to any sum (the
+ * same bits as computing them). A unit with j_first >= j_end sees nothing (m -inf, l 0, acc 0). */
 static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t h, const flash_unit *units, int n_units,
                         int64_t j_begin) {
     const int64_t D = p->D;
@@ -296,8 +343,12 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
         const flash_unit *unit = &units[u];
         for (int64_t r = 0; r < unit->rows_pad; ++r) unit->out.m[r] = -INFINITY, unit->out.l[r] = 0.0f;
         memset(unit->out.acc, 0, (size_t)(unit->rows_pad * D) * sizeof(float));
-        if (unit->j_end > j_last) j_last = unit->j_end;
+        if (unit->j_end > j_last && unit->j_first < unit->j_end) j_last = unit->j_end;
     }
+    int64_t j_start = j_last; /* the first block any unit reaches */
+    for (int u = 0; u < n_units; ++u)
+        if (units[u].j_first < units[u].j_end && units[u].j_first < j_start) j_start = units[u].j_first;
+    j_begin += (j_start - j_begin) / BLOCK_KEYS * BLOCK_KEYS;
     for (int64_t j0 = j_begin; j0 < j_last; j0 += BLOCK_KEYS) {
         const int64_t block = j_last - j0 < BLOCK_KEYS ? j_last - j0 : BLOCK_KEYS;
         /* the block's K and V rows of head h: in place (float32) or widened (bf16) */
@@ -314,14 +365,16 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
         int asked = 0; /* the next block's rows: asked for over the first unit's tiles */
         for (int u = 0; u < n_units; ++u) {
             const flash_unit *unit = &units[u];
-            if (unit->j_end <= j0) continue;
+            if (unit->j_end <= j0 || unit->j_first >= j0 + BLOCK_KEYS || unit->j_first >= unit->j_end) continue;
             const int64_t n = unit->j_end - j0 < BLOCK_KEYS ? unit->j_end - j0 : BLOCK_KEYS, rows_pad = unit->rows_pad;
+            /* the unit's first key tile in this block (0 but in the block of its j_first) */
+            const int64_t ja = unit->j_first > j0 ? (unit->j_first - j0) / KEY_TILE * KEY_TILE : 0;
             for (int64_t r = 0; r < rows_pad; ++r) b->top[r] = -INFINITY;
             /* the next block's rows of a key tile asked for a part before each of the tile's
              * scores tiles: a tile's 6-12 rows of K and V at once (24-48 lines) waited for line
              * fill buffers, ~12% of a question's block */
             const int64_t parts = (rows_pad + ROW_TILE - 1) / ROW_TILE;
-            for (int64_t j = 0; j < n; j += KEY_TILE) {
+            for (int64_t j = ja; j < n; j += KEY_TILE) {
                 const int64_t ahead = j0 + BLOCK_KEYS + j;
                 const float *kt = kb + j * k_rs;
                 int64_t tile_rs = k_rs;
@@ -346,18 +399,20 @@ static void attend_keys(const flash_problem *p, const flash_buffers *b, int64_t 
                 }
             }
             asked = 1;
-            block_softmax(p, b, &unit->out, rows_pad, unit->rows, unit->t0, j0, n);
+            block_softmax(p, b, &unit->out, rows_pad, unit->rows, unit->t0, j0, ja, n);
             float *acc = unit->out.acc;
+            const float *pt = b->st + ja * rows_pad, *vj = vb + ja * v_rs; /* keys ja..n of the block */
+            const int64_t nj = n - ja;
             int64_t r0 = 0;
             for (; r0 + OUT_ROWS <= rows_pad; r0 += OUT_ROWS)
-                pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, OUT_ROWS);
+                pv_rows(pt + r0, rows_pad, vj, v_rs, nj, b->alpha + r0, acc + r0 * D, D, OUT_ROWS);
             /* rows_pad is whole vectors, so what is left is 2 or 4 rows (OUT_ROWS 6 over multiples of
              * 4 or 8 rows) or 4 or 8 (12 over multiples of 16) */
             const int64_t left = rows_pad - r0;
-            if (left == 2) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 2);
-            else if (left == 4) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 4);
+            if (left == 2) pv_rows(pt + r0, rows_pad, vj, v_rs, nj, b->alpha + r0, acc + r0 * D, D, 2);
+            else if (left == 4) pv_rows(pt + r0, rows_pad, vj, v_rs, nj, b->alpha + r0, acc + r0 * D, D, 4);
 #if OUT_ROWS > 8
-            else if (left == 8) pv_rows(b->st + r0, rows_pad, vb, v_rs, n, b->alpha + r0, acc + r0 * D, D, 8);
+            else if (left == 8) pv_rows(pt + r0, rows_pad, vj, v_rs, nj, b->alpha + r0, acc + r0 * D, D, 8);
 #endif
         }
     }
@@ -391,14 +446,17 @@ static void write_unit(const flash_problem *p, const flash_partial *part, int64_
 
 static int flash_attention(const void *q, int64_t q_rs, int64_t q_hs, const void *k, int64_t k_rs, int64_t k_hs,
                            const void *v, int64_t v_rs, int64_t v_hs, int bf16, int64_t T, int64_t S, int64_t Hq,
-                           int64_t Hkv, int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs,
-                           float *lse, int threads) {
+                           int64_t Hkv, int64_t D, int causal, int64_t q_offset, int64_t window, float scale,
+                           float softcap, float *out, int64_t o_rs, int64_t o_hs, float *lse, int threads) {
+    /* |q_offset| bounded so that a band's ends (t + q_offset - window) stay far inside int64 */
     if (!ringctx_cpu_kernels_supported() || T < 1 || S < 1 || Hkv < 1 || Hq % Hkv || D % VW || D > MAX_D ||
-        !(scale > 0.0f) || (causal && T != S) || T > INT32_MAX)
+        !(scale > 0.0f) || !(softcap >= 0.0f) || softcap == INFINITY || T > INT32_MAX || S > INT32_MAX ||
+        window < 0 || window > INT32_MAX || q_offset > INT32_MAX || q_offset < -(int64_t)INT32_MAX ||
+        (!causal && (q_offset || window)))
         return -1;
     const int64_t group = Hq / Hkv;
-    const flash_problem p = {q, k, v, bf16, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, T, S, Hq, Hkv, D, group, causal, scale,
-                             out, o_rs, o_hs, lse};
+    const flash_problem p = {q, k, v, bf16, q_rs, q_hs, k_rs, k_hs, v_rs, v_hs, T, S, Hq, Hkv, D, group, causal,
+                             q_offset, window, scale, softcap, out, o_rs, o_hs, lse};
     const int64_t unit_tokens = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
     const int64_t tiles = (T + unit_tokens - 1) / unit_tokens, units = tiles * Hkv;
     const int64_t rows_pad = pad_rows(unit_tokens * group), partial = rows_pad * (D + 2);
@@ -443,16 +501,19 @@ static int flash_attention(const void *q, int64_t q_rs, int64_t q_hs, const void
                     const int64_t t0 = (tile0 + u) * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
                     float *mine = slots + u * unit_floats, *unit_part = mine + D * rows_pad, *span_part = unit_part + partial;
                     const int64_t pad = pack_queries(&p, mine, h, t0, t1);
-                    /* causal: one span, the unit's last row seeing keys < t1 (a later span could hide
-                     * every key from a row, and its max would be -inf) */
-                    group_units[u] = (flash_unit){(t1 - t0) * group, pad, t0, causal ? t1 : (S < SPAN_KEYS ? S : SPAN_KEYS),
+                    /* causal: one span, the keys the unit's tokens see together (its first token's
+                     * band to its last's); not causal, the first span */
+                    const int64_t j_first = causal ? clip(key_lo(&p, t0), 0, S) : 0;
+                    const int64_t j_end = causal ? clip(key_hi(&p, t1 - 1) + 1, 0, S) : (S < SPAN_KEYS ? S : SPAN_KEYS);
+                    group_units[u] = (flash_unit){(t1 - t0) * group, pad, t0, j_first, j_end,
                                                   mine, {unit_part, unit_part + pad, unit_part + 2 * pad}};
                     span_units[u] = group_units[u];
                     span_units[u].out = (flash_partial){span_part, span_part + pad, span_part + 2 * pad};
                 }
                 attend_keys(&p, &b, h, group_units, n, 0);
                 for (int64_t j = SPAN_KEYS; !causal && j < S; j += SPAN_KEYS) {
-                    for (int u = 0; u < n; ++u) span_units[u].j_end = S - j < SPAN_KEYS ? S : j + SPAN_KEYS;
+                    for (int u = 0; u < n; ++u)
+                        span_units[u].j_first = j, span_units[u].j_end = S - j < SPAN_KEYS ? S : j + SPAN_KEYS;
                     attend_keys(&p, &b, h, span_units, n, j);
                     for (int u = 0; u < n; ++u) merge_into(&group_units[u].out, &span_units[u].out, group_units[u].rows_pad, D);
                 }
@@ -468,7 +529,7 @@ static int flash_attention(const void *q, int64_t q_rs, int64_t q_hs, const void
                 const int64_t t0 = tile * unit_tokens, t1 = t0 + unit_tokens < T ? t0 + unit_tokens : T;
                 const int64_t pad = pack_queries(&p, slots, h, t0, t1), j = s * SPAN_KEYS;
                 float *part = shared + i * partial;
-                const flash_unit one = {(t1 - t0) * group, pad, t0, S - j < SPAN_KEYS ? S : j + SPAN_KEYS, slots,
+                const flash_unit one = {(t1 - t0) * group, pad, t0, j, S - j < SPAN_KEYS ? S : j + SPAN_KEYS, slots,
                                         {part, part + rows_pad, part + 2 * rows_pad}};
                 attend_keys(&p, &b, h, &one, 1, j);
             }
@@ -494,16 +555,17 @@ static int flash_attention(const void *q, int64_t q_rs, int64_t q_hs, const void
 
 int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const float *k, int64_t k_rs, int64_t k_hs,
                             const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
-                            int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
-                            int threads) {
-    return flash_attention(q, q_rs, q_hs, k, k_rs, k_hs, v, v_rs, v_hs, 0, T, S, Hq, Hkv, D, causal, scale, out, o_rs,
-                           o_hs, lse, threads);
+                            int64_t D, int causal, int64_t q_offset, int64_t window, float scale, float softcap,
+                            float *out, int64_t o_rs, int64_t o_hs, float *lse, int threads) {
+    return flash_attention(q, q_rs, q_hs, k, k_rs, k_hs, v, v_rs, v_hs, 0, T, S, Hq, Hkv, D, causal, q_offset, window,
+                           scale, softcap, out, o_rs, o_hs, lse, threads);
 }
 
 int ringctx_flash_attention_bf16(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
                                  int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
-                                 int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, float *out, int64_t o_rs,
-                                 int64_t o_hs, float *lse, int threads) {
-    return flash_attention(q, q_rs, q_hs, k, k_rs, k_hs, v, v_rs, v_hs, 1, T, S, Hq, Hkv, D, causal, scale, out, o_rs,
-                           o_hs, lse, threads);
+                                 int64_t Hq, int64_t Hkv, int64_t D, int causal, int64_t q_offset, int64_t window,
+                                 float scale, float softcap, float *out, int64_t o_rs, int64_t o_hs, float *lse,
+                                 int threads) {
+    return flash_attention(q, q_rs, q_hs, k, k_rs, k_hs, v, v_rs, v_hs, 1, T, S, Hq, Hkv, D, causal, q_offset, window,
+                           scale, softcap, out, o_rs, o_hs, lse, threads);
 }

@@ -17,6 +17,10 @@
 
 #define MAX_D 256 /* widest head the attention kernels take */
 #define MAX_R 64  /* most query rows per KV head the attention kernels take */
+/* The arguments of ringctx_flash_attention(_bf16) and ringctx_amx_attention, reported to the loader
+ * (kernels/abi.py) beside the limits: ctypes cannot see a C signature, so a library built from
+ * sources of another signature (21 before q_offset, window and softcap) is refused, not called. */
+#define FLASH_ARGS 24
 
 /* 8-bit KV data (ringctx/attention/quant.py): int8, or float8 e4m3 ("fn"). A kernel takes the
  * kind as a compile-time constant (always_inline callers pass a literal), so the branch in
@@ -223,19 +227,23 @@ int ringctx_decode_pv_q8(const float *p, int64_t Hkv, int64_t R, int64_t S, cons
                          int kind, int64_t D, float *out, int threads);
 
 /* Flash attention in float32 (cpu_flash.c): q [T, Hq, D], k and v [S, Hkv, D], out [T, Hq, D] with
- * the given row and head strides (in floats; D contiguous), lse [Hq, T] natural log; causal: T == S,
- * query t sees keys 0..t. Return 0, or -1 (this CPU lacks the variant's ISA; D not a multiple of
- * the variant's vector or over MAX_D; T or S < 1; causal with T != S; scale <= 0), -2 (out of
- * memory). */
+ * the given row and head strides (in floats; D contiguous), lse [Hq, T] natural log. Not causal:
+ * every query sees every key (q_offset and window 0). Causal: query t sees key j iff
+ * j <= t + q_offset and (window == 0 or j > t + q_offset - window); a row that sees no key gets
+ * out 0, lse -inf. softcap > 0: each score s = scale q.k becomes softcap tanh(s / softcap) first.
+ * Return 0, or -1 (this CPU lacks the variant's ISA; D not a multiple of the variant's vector or
+ * over MAX_D; T or S < 1 or over INT32_MAX; scale <= 0; softcap < 0; window < 0; |q_offset| or
+ * window over INT32_MAX; q_offset or window without causal), -2 (out of memory). */
 int ringctx_flash_attention(const float *q, int64_t q_rs, int64_t q_hs, const float *k, int64_t k_rs, int64_t k_hs,
                             const float *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S, int64_t Hq, int64_t Hkv,
-                            int64_t D, int causal, float scale, float *out, int64_t o_rs, int64_t o_hs, float *lse,
-                            int threads);
+                            int64_t D, int causal, int64_t q_offset, int64_t window, float scale, float softcap,
+                            float *out, int64_t o_rs, int64_t o_hs, float *lse, int threads);
 /* The same from bf16 q, k, v (bit patterns; strides in elements), widened as they are read: the
  * bits of ringctx_flash_attention on their float32 values. */
 int ringctx_flash_attention_bf16(const uint16_t *q, int64_t q_rs, int64_t q_hs, const uint16_t *k, int64_t k_rs,
                                  int64_t k_hs, const uint16_t *v, int64_t v_rs, int64_t v_hs, int64_t T, int64_t S,
-                                 int64_t Hq, int64_t Hkv, int64_t D, int causal, float scale, float *out, int64_t o_rs,
-                                 int64_t o_hs, float *lse, int threads);
+                                 int64_t Hq, int64_t Hkv, int64_t D, int causal, int64_t q_offset, int64_t window,
+                                 float scale, float softcap, float *out, int64_t o_rs, int64_t o_hs, float *lse,
+                                 int threads);
 
 #endif

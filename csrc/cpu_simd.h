@@ -318,6 +318,24 @@ SIMD_INLINE vfloat vexp(vfloat x) {
     return p * f1 * f2;
 }
 
+/* tanh(x) in each lane, within a few ulp of tanhf (logit soft-capping: cpu_flash.c and the AMX
+ * kernel call it alike): |x| < 0.625, Cephes' tanhf polynomial x + x^3 P(x^2) (no cancellation
+ * near 0, where 1 - 2 / (e^2x + 1) would lose the low bits); else 1 - 2 / (e^2|x| + 1) with vexp
+ * (e^2|x| saturates at ~FLT_MAX for |x| >= 44: 1), the sign of x put back. */
+SIMD_INLINE vfloat vtanh(vfloat x) {
+    const vint sign = (vint)x & (vint)vset1(-0.0f);
+    const vfloat a = (vfloat)((vint)x ^ sign), z = a * a;
+    vfloat p = vset1(-5.70498872745e-3f);
+    p = vfma(p, z, vset1(2.06390887954e-2f));
+    p = vfma(p, z, vset1(-5.37397155531e-2f));
+    p = vfma(p, z, vset1(1.33314422036e-1f));
+    p = vfma(p, z, vset1(-3.33332819422e-1f));
+    const vfloat small = vfma(p * z, a, a);
+    const vfloat large = vset1(1.0f) - vset1(2.0f) / (vexp(a + a) + vset1(1.0f));
+    const vint near = a < vset1(0.625f);
+    return (vfloat)((((vint)small & near) | ((vint)large & ~near)) | sign);
+}
+
 /* Ask for the cache lines of [p, p + bytes) ahead of use: streaming weights or K/V with the
  * hardware prefetchers alone ran at about half the memory's speed on AVX-512 machines. */
 static inline void prefetch_span(const char *p, int64_t bytes) {

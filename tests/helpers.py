@@ -16,3 +16,34 @@ def one_thread_for_module():
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|, in float64."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def band_mask(T: int, S: int, causal: bool = True, q_offset: int = 0, window: int = 0) -> torch.Tensor:
+    """[T, S] bool: query row i sees key row j iff j <= i + q_offset and (window == 0 or
+    j > i + q_offset - window) when causal, every key otherwise (the CPU flash kernels' mask)."""
+    if not causal:
+        return torch.ones(T, S, dtype=torch.bool)
+    i, j = torch.arange(T)[:, None], torch.arange(S)[None, :]
+    visible = j <= i + q_offset
+    return visible & (j > i + q_offset - window) if window else visible
+
+
+def capped_attention(q, k, v, visible, scale: float, softcap: float = 0.0, dtype=torch.float64):
+    """reference_attention's math in `dtype` with logit soft-capping (softcap > 0: each score
+    s = scale q.k becomes softcap tanh(s / softcap) before the mask and the softmax, as transformers'
+    Gemma 2 computes it): (out [T, Hq, D], lse [Hq, T]), zeros and -inf for rows that see no key.
+    In float64 it is the reference; in float32 (on the same inputs) PyTorch's own float32 computation,
+    the yardstick of the float32 rule."""
+    group = q.shape[1] // k.shape[1]
+    qh = q.to(dtype).transpose(0, 1)
+    kh = k.to(dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+    vh = v.to(dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.einsum("htd,hsd->hts", qh, kh) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    probs = torch.where(finite.unsqueeze(-1), probs, torch.zeros_like(probs))
+    return torch.einsum("hts,hsd->htd", probs, vh).transpose(0, 1), lse

@@ -34,6 +34,13 @@ csrc/cpu_decode.c) read int8 codes for: each row widens the codes again, dearer 
 bf16, so that a batch step at 8K tokens took 0.94x the time of the values' with one row and
 1.00-1.20x with 2-8; more rows read the bf16 values (the same sums). kernels/selection.py reads it."""
 
+FLASH_ARGS = 24
+"""Arguments of the flash kernels' C entry points (ringctx_flash_attention, its _bf16 twin and
+ringctx_amx_attention; FLASH_ARGS of csrc/cpu_kernels.h): q, k, v by pointer and row and head
+strides, T, S, Hq, Hkv, D, causal, q_offset, window, scale, softcap, out by pointer and strides,
+lse, threads. build.py declares that many argtypes; the library reports its count, so a library of
+another signature (21 arguments before the mask's q_offset, window and softcap) is not used."""
+
 Q8_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 """The 8-bit cache formats the q8 decode kernels read (ringctx/attention/quant.py), and their `kind`
 code in csrc/cpu_kernels.h (Q8_INT8, Q8_FP8)."""
@@ -84,6 +91,7 @@ LIMITS: dict[str, int] = {
     "INT8_MAX_ROWS": INT8_MAX_ROWS,
     "Q8_INT8": Q8_KINDS[torch.int8],
     "Q8_FP8": Q8_KINDS[torch.float8_e4m3fn],
+    "FLASH_ARGS": FLASH_ARGS,
 }
 """Each C macro Python copies, by its C name, and the copy."""
 

@@ -220,12 +220,15 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
     lib.ringctx_merge_rows.argtypes = [ptr, i64, ptr, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, i64]
+    # q, k, v (pointer, row and head strides), T, S, Hq, Hkv, D, causal, q_offset, window, scale, softcap,
+    # out (pointer, strides), lse, threads
+    flash = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, i64, i64, f32, f32, ptr, i64,
+             i64, ptr, i32]
+    assert len(flash) == abi.FLASH_ARGS  # the count the library reports (checked by abi.check_layout)
     for name in ("ringctx_flash_attention", "ringctx_flash_attention_bf16"):
-        getattr(lib, name).argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i32, f32,
-                                       ptr, i64, i64, ptr, i32]
+        getattr(lib, name).argtypes = flash
     if variant.amx:
-        lib.ringctx_amx_attention.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, i64,
-                                              i32, f32, ptr, i64, i64, ptr, i32]
+        lib.ringctx_amx_attention.argtypes = flash
         lib.ringctx_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]
     # ringctx_gemv, ringctx_decode_*, the *_rows kernels, ringctx_amx_*: int (ctypes' default)
 

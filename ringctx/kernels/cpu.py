@@ -44,6 +44,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            0.77-0.91x), AVX2 and AVX-512.
     amx_attention          flash attention in bf16 on CPUs with AMX (csrc/cpu_attention_amx.c):
                            the "amx" attention backend, 1.2-1.9x PyTorch's fused CPU op there.
+                           Both take a ring block's mask (causal at a q_offset, a sliding window:
+                           a band whose outside key tiles are skipped) and logit soft-capping,
+                           which PyTorch's fused CPU op has no argument for.
     amx_linear             x [9 <= T <= 48, in] @ W^T in bf16 on AMX (a question's prefill): the
                            weights read in place, once for all rows; 0.73-0.85x the time of
                            PyTorch's bf16 matmul at 9-16 rows.
@@ -291,17 +294,32 @@ def swiglu_(gate_up: torch.Tensor, ffn: int) -> bool:
                                    int(gate_up.dtype == torch.bfloat16), torch.get_num_threads()) == 0
 
 
-def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash attention with AMX (see selection.amx_attention_applies for what it takes; causal needs T == S).
+def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                  q_offset: int = 0, window: int = 0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention with AMX (see selection.amx_attention_applies for what it takes), over the
+    mask of `flash_attention` (causal, q_offset, window, softcap: the same rules, checked alike).
 
     Returns out [T, Hq, D] bf16 (contiguous) and lse [Hq, T] float32, natural log, -inf and zeros
     for rows that see no key.
     """
-    return _flash_call(build.library().ringctx_amx_attention, q, k, v, causal, scale, torch.bfloat16)
+    check_mask(causal, q_offset, window, softcap)  # before the library: a caller's error whatever runs
+    return _flash_call(build.library().ringctx_amx_attention, q, k, v, causal, q_offset, window, scale, softcap,
+                       torch.bfloat16)
 
 
-def _flash_call(kernel, q, k, v, causal: bool, scale: float, out_dtype: torch.dtype):
+def check_mask(causal: bool, q_offset: int, window: int, softcap: float) -> None:
+    """Raise ValueError where the flash kernels' mask arguments make no sense: q_offset or window
+    without causal (a full block has no band), a negative window or softcap, or a non-finite softcap."""
+    if not causal and (q_offset or window):
+        raise ValueError(f"q_offset={q_offset} and window={window} need causal=True (a full block sees every key)")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), got {window}")
+    if not (0.0 <= softcap < float("inf")):
+        raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
+
+
+def _flash_call(kernel, q, k, v, causal: bool, q_offset: int, window: int, scale: float, softcap: float,
+                out_dtype: torch.dtype):
     """Call a flash kernel of the C signature ringctx_amx_attention and ringctx_flash_attention share
     (q, k, v and out by row and head strides; lse [Hq, T]) on all of torch's threads."""
     T, Hq, D = q.shape
@@ -309,26 +327,37 @@ def _flash_call(kernel, q, k, v, causal: bool, scale: float, out_dtype: torch.dt
     out = torch.empty(T, Hq, D, dtype=out_dtype)
     lse = torch.empty(Hq, T, dtype=torch.float32)
     status = kernel(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
-                    v.stride(0), v.stride(1), T, S, Hq, Hkv, D, int(causal), scale, out.data_ptr(), out.stride(0),
-                    out.stride(1), lse.data_ptr(), torch.get_num_threads())
+                    v.stride(0), v.stride(1), T, S, Hq, Hkv, D, int(causal), int(q_offset), int(window), scale,
+                    float(softcap), out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr(),
+                    torch.get_num_threads())
     if status != 0:
-        raise RuntimeError(f"{kernel.__name__} failed with status {status} "
-                           f"(q {tuple(q.shape)}, k {tuple(k.shape)}, causal={causal})")
+        raise RuntimeError(f"{kernel.__name__} failed with status {status} (q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                           f"causal={causal}, q_offset={q_offset}, window={window}, softcap={softcap})")
     return out, lse
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                    q_offset: int = 0, window: int = 0, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash attention in float32 on the vector units (csrc/cpu_flash.c; see flash_attention_applies
-    for what it takes; causal needs T == S, query t then sees keys 0..t). bf16 inputs are widened
-    as the kernel reads them: the same bits as on their float32 copies, without making them.
+    for what it takes). bf16 inputs are widened as the kernel reads them: the same bits as on their
+    float32 copies, without making them.
 
-    Returns out [T, Hq, D] float32 (contiguous) and lse [Hq, T] float32, natural log. A row's
-    result depends on its own query and the keys alone, not on the threads or the other rows.
+    q [T, Hq, D], k and v [S, Hkv, D] (query head h reads KV head h // (Hq // Hkv)). The mask:
+    causal=False, every query sees every key (q_offset and window must be 0: ValueError otherwise);
+    causal=True, query row i sees key row j iff j <= i + q_offset and (window == 0 or
+    j > i + q_offset - window), for any T and S and any integer q_offset (q_offset 0, window 0 and
+    T == S: the square diagonal block). Key tiles no row of a query tile sees are skipped, so a
+    window W costs about T W, not T S. softcap > 0: each score s = scale q.k becomes
+    softcap tanh(s / softcap) before the softmax (Gemma 2), and the LSE is over the capped scores.
+
+    Returns out [T, Hq, D] float32 (contiguous) and lse [Hq, T] float32, natural log; a row that
+    sees no key gets out 0 and lse -inf. A row's result depends on its own query and the keys it
+    sees alone, not on the threads or the other rows.
     """
+    check_mask(causal, q_offset, window, softcap)  # before the library: a caller's error whatever runs
     lib = build.library()
     kernel = lib.ringctx_flash_attention_bf16 if q.dtype == torch.bfloat16 else lib.ringctx_flash_attention
-    return _flash_call(kernel, q, k, v, causal, scale, torch.float32)
+    return _flash_call(kernel, q, k, v, causal, q_offset, window, scale, softcap, torch.float32)
 
 
 def amx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -190,3 +190,124 @@ def test_a_question_over_a_long_document_splits_the_keys(t, s, hq, hkv, d):
             assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
     finally:
         torch.set_num_threads(before)
+
+
+# -- banded (sliding-window) causal blocks, offsets and logit soft-capping --------------------------
+#
+# The mask and the cap of the float32 flash kernel (tests/attention/test_flash_attention.py: query
+# row i sees key row j iff j <= i + q_offset and (window == 0 or j > i + q_offset - window)),
+# through cpu.amx_attention (attention_block's own arguments are another change's). Against the
+# float64 reference with that explicit mask, by the bf16 rule: at most twice the error of PyTorch
+# doing the same in bf16 (scores in float32 from bf16 inputs, unnormalised probabilities rounded to
+# bf16 for P V, as a bf16 flash kernel does: `bf16_yardstick`); the LSE within 1e-5.
+
+from tests.helpers import band_mask, capped_attention  # noqa: E402
+
+
+def bf16_yardstick(q, k, v, visible, scale, softcap):
+    """PyTorch's computation of the same block in bf16: float32 scores of the bf16 inputs (capped),
+    masked, probabilities 2^(s - max) rounded to bf16 and multiplied by V in float32, divided by
+    their float32 sum, the output rounded to bf16; rows that see no key 0."""
+    group = q.shape[1] // k.shape[1]
+    qh, kh = q.float().transpose(0, 1), k.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    vh = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+    s = torch.einsum("htd,hsd->hts", qh, kh) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    top = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    l = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("hts,hsd->htd", p.bfloat16().float(), vh) / torch.where(l > 0, l, torch.ones_like(l))
+    return out.transpose(0, 1).bfloat16()
+
+
+def check_band(q, k, v, q_offset, window, softcap, scale=None):
+    T, S, D = q.shape[0], k.shape[0], q.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    visible = band_mask(T, S, True, q_offset, window)
+    out, lse = cpu.amx_attention(q, k, v, causal=True, q_offset=q_offset, window=window, scale=scale, softcap=softcap)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16 and lse.shape == (q.shape[1], T)
+    ref_out, ref_lse = capped_attention(q.double(), k.double(), v.double(), visible, scale, softcap)
+    if not softcap:  # the reference itself where it applies
+        ref_out, ref_lse = reference_attention(q.double(), k.double(), v.double(), visible, scale)
+    empty = ~visible.any(dim=1)
+    assert (out[empty] == 0).all() and (lse[:, empty] == -torch.inf).all()
+    assert torch.isfinite(lse[:, ~empty]).all()
+    err = (out.double() - ref_out).abs().max()
+    torch_err = (bf16_yardstick(q, k, v, visible, scale, softcap).double() - ref_out).abs().max()
+    assert err <= 2 * torch_err + 1e-6, (err, torch_err)
+    torch.testing.assert_close(lse[:, ~empty].double(), ref_lse[:, ~empty], atol=1e-5, rtol=1e-5)
+    return out, lse
+
+
+AMX_BANDS = [  # (T, S, q_offset, window): windows about a 16-query tile and a 64-key block, and past S
+    (37, 37, 0, 1), (37, 37, 0, 3), (61, 61, 0, 16), (97, 97, 0, 63), (153, 153, 0, 65), (250, 250, 0, 130),
+    (61, 61, 0, 500), (50, 80, -10, 0), (120, 200, -30, 16), (300, 77, -100, 25), (40, 40, -60, 0),
+    (100, 300, 200, 0), (100, 300, 200, 50), (97, 250, 153, 130), (5, 131, 126, 3), (33, 100, 150, 0),
+    (33, 100, 150, 60), (1, 1, 0, 1), (7, 3, 0, 2),
+]
+
+
+@needs_amx
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 32), (8, 2, 128)])  # GQA groups 1 and 4
+@pytest.mark.parametrize("t,s,q_offset,window", AMX_BANDS)
+def test_banded_blocks(t, s, q_offset, window, hq, hkv, d, softcap):
+    seed = t * 1000 + s + q_offset
+    q, k, v = rand(t, hq, d, seed=seed), rand(s, hkv, d, seed=seed + 1), rand(s, hkv, d, seed=seed + 2)
+    check_band(q, k, v, q_offset, window, softcap)
+
+
+@needs_amx
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_a_long_band_with_peaked_scores(softcap):
+    """1,000 queries (K packed: many rows), a window across many key blocks, scores spread over
+    hundreds (the rescale path; capped near the cap)."""
+    q, k, v = rand(1000, 9, 64, seed=1, scale=6.0), rand(1100, 3, 64, seed=2, scale=6.0), rand(1100, 3, 64, seed=3)
+    check_band(q, k, v, 100, 257, softcap)
+    check_band(q, k, v, -5, 0, softcap, scale=0.05)
+
+
+@needs_amx
+@pytest.mark.parametrize("t,s", [(9, 100), (100, 1031), (16, 4100)])  # 4100 keys: spans split and merged
+def test_softcap_on_full_blocks(t, s):
+    q, k, v = rand(t, 6, 64, seed=s, scale=3.0), rand(s, 2, 64, seed=s + 1, scale=3.0), rand(s, 2, 64, seed=s + 2)
+    visible = band_mask(t, s, False)
+    for softcap in (2.0, 50.0):
+        out, lse = cpu.amx_attention(q, k, v, causal=False, scale=0.125, softcap=softcap)
+        ref_out, ref_lse = capped_attention(q.double(), k.double(), v.double(), visible, 0.125, softcap)
+        err = (out.double() - ref_out).abs().max()
+        torch_err = (bf16_yardstick(q, k, v, visible, 0.125, softcap).double() - ref_out).abs().max()
+        assert err <= 2 * torch_err + 1e-6, (softcap, err, torch_err)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_banded_rows_bits_depend_on_its_query_and_keys_alone(threads):
+    """Key blocks no query of a tile sees are skipped (their probabilities would be exactly 0), so a
+    query's bits are those it has in a block of its own tile's rows at their q_offset, with any
+    number of threads; a window that cuts nothing gives the bits of no window; q_offset 0, window 0,
+    T == S is the square diagonal block."""
+    q, k, v = rand(400, 6, 64, seed=1), rand(450, 2, 64, seed=2), rand(450, 2, 64, seed=3)
+    before = torch.get_num_threads()
+    try:
+        for softcap in (0.0, 10.0):
+            torch.set_num_threads(threads)
+            out, lse = cpu.amx_attention(q, k, v, causal=True, q_offset=40, window=150, scale=0.125, softcap=softcap)
+            torch.set_num_threads(1)
+            one = cpu.amx_attention(q, k, v, causal=True, q_offset=40, window=150, scale=0.125, softcap=softcap)
+            assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
+            for a, b in ((0, 16), (32, 48), (256, 320)):  # whole query tiles (a tile's rows share its steps)
+                part = cpu.amx_attention(q[a:b], k, v, causal=True, q_offset=40 + a, window=150, scale=0.125,
+                                         softcap=softcap)
+                assert torch.equal(part[0], out[a:b]) and torch.equal(part[1], lse[:, a:b]), (a, b)
+            uncut = cpu.amx_attention(q, k, v, causal=True, q_offset=40, window=441, scale=0.125, softcap=softcap)
+            whole = cpu.amx_attention(q, k, v, causal=True, q_offset=40, scale=0.125, softcap=softcap)
+            assert torch.equal(uncut[0], whole[0]) and torch.equal(uncut[1], whole[1])
+    finally:
+        torch.set_num_threads(before)
+    square = cpu.amx_attention(q, k[:400], v[:400], causal=True, scale=0.125)
+    assert torch.equal(square[0], attention_block(q, k[:400], v[:400], causal=True, softmax_scale=0.125,
+                                                  backend="amx")[0])

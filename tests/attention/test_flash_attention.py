@@ -220,4 +220,144 @@ def test_what_it_does_not_take_is_refused(kernel_variant):
     assert not selection.flash_attention_applies(q, q[:, :3], q[:, :3])  # 4 query heads over 3 KV heads
     needs_kernel(q, q[:, :2], q[:, :2])
     with pytest.raises(RuntimeError, match="status -1"):
-        cpu.flash_attention(q, q[:10, :2], q[:10, :2], causal=True, scale=0.125)  # causal needs T == S
+        cpu.flash_attention(q, q[:, :2], q[:, :2], causal=True, scale=0.0)  # scale must be > 0
+    # causal blocks of T != S are taken (a ring block at an offset: test_banded_blocks)
+    out, lse = cpu.flash_attention(q, q[:10, :2], q[:10, :2], causal=True, scale=0.125)
+    assert out.shape == q.shape and torch.isinf(lse[:, 10:]).sum() == 0
+
+
+# -- banded (sliding-window) causal blocks, offsets and logit soft-capping --------------------------
+#
+# A ring block of queries against a contiguous range of keys: query row i sees key row j iff
+# j <= i + q_offset and (window == 0 or j > i + q_offset - window), T and S any (tests/helpers.py's
+# band_mask). Checked against reference_attention with that explicit mask (capped_attention in
+# float64 where softcap > 0: the same math with the cap), by the float32 rule above (PyTorch's
+# yardstick: the same computation in float32); bf16 inputs give the bits of their float32 copies.
+
+from tests.helpers import band_mask, capped_attention  # noqa: E402
+
+BANDS = [  # (T, S, q_offset, window)
+    (37, 37, 0, 1), (37, 37, 0, 3), (61, 61, 0, 11), (97, 97, 0, 12), (153, 153, 0, 130),  # windows about a tile
+    (250, 250, 0, 121), (61, 61, 0, 500),  # a block's worth (120 keys) and more than S
+    (50, 80, -10, 0), (120, 200, -30, 16), (300, 77, -100, 25), (40, 40, -60, 0),  # negative: some or all rows see nothing
+    (100, 300, 200, 0), (100, 300, 200, 50), (97, 250, 153, 130), (5, 131, 126, 3),  # positive: a later block of queries
+    (33, 100, 150, 0), (33, 100, 150, 60), (1, 1, 0, 1), (7, 3, 0, 2),  # q_offset past S; tiny blocks
+]
+
+
+def check_band(q, k, v, q_offset, window, softcap, scale=None):
+    """The kernel on q, k, v (float32, or bf16 then also against their float32 copies) against the
+    float64 reference with the band's mask; returns (out, lse)."""
+    needs_kernel(q, k, v)
+    T, S, D = q.shape[0], k.shape[0], q.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    visible = band_mask(T, S, True, q_offset, window)
+    out, lse = cpu.flash_attention(q, k, v, causal=True, q_offset=q_offset, window=window, scale=scale, softcap=softcap)
+    assert out.shape == q.shape and out.dtype == torch.float32 and lse.shape == (q.shape[1], T)
+    if q.dtype == torch.bfloat16:
+        out32, lse32 = cpu.flash_attention(q.float(), k.float(), v.float(), causal=True, q_offset=q_offset,
+                                           window=window, scale=scale, softcap=softcap)
+        assert torch.equal(out, out32) and torch.equal(lse, lse32)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    if softcap:
+        ref_out, ref_lse = capped_attention(q64, k64, v64, visible, scale, softcap)
+    else:
+        ref_out, ref_lse = reference_attention(q64, k64, v64, visible, scale)
+    torch_out, torch_lse = capped_attention(q.float(), k.float(), v.float(), visible, scale, softcap, torch.float32)
+    empty = ~visible.any(dim=1)  # rows that see no key: exactly 0 and -inf
+    assert torch.equal(ref_lse.isinf(), empty.expand_as(ref_lse))
+    assert torch.equal(lse.isinf(), ref_lse.isinf()) and (lse[:, empty] == -torch.inf).all()
+    assert (out[empty] == 0).all()
+    err, torch_err = (out.double() - ref_out).abs().max().item(), (torch_out.double() - ref_out).abs().max().item()
+    assert err <= max(2e-6, 2 * torch_err), (err, torch_err)
+    seen = ~empty
+    if seen.any():
+        lse_err = (lse[:, seen].double() - ref_lse[:, seen]).abs().max().item()
+        torch_lse_err = (torch_lse[:, seen].double() - ref_lse[:, seen]).abs().max().item()
+        assert lse_err <= max(2e-6, 2 * torch_lse_err), (lse_err, torch_lse_err)
+    return out, lse
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (8, 2, 32)])  # GQA groups 1 and 4
+@pytest.mark.parametrize("t,s,q_offset,window", BANDS)
+def test_banded_blocks(kernel_variant, t, s, q_offset, window, hq, hkv, d, softcap):
+    seed = t * 1000 + s + q_offset
+    q, k, v = rand(t, hq, d, seed=seed), rand(s, hkv, d, seed=seed + 1), rand(s, hkv, d, seed=seed + 2)
+    check_band(q, k, v, q_offset, window, softcap)
+    check_band(q.bfloat16(), k.bfloat16(), v.bfloat16(), q_offset, window, softcap)
+
+
+@pytest.mark.parametrize("d", [16, 128, 256])
+@pytest.mark.parametrize("t,s,q_offset,window", [(61, 61, 0, 11), (100, 300, 200, 50), (120, 200, -30, 16)])
+def test_banded_blocks_other_head_dims(kernel_variant, t, s, q_offset, window, d):
+    q, k, v = rand(t, 6, d, seed=t + d), rand(s, 3, d, seed=s + d + 1), rand(s, 3, d, seed=s + d + 2)
+    check_band(q, k, v, q_offset, window, 0.0)
+    check_band(q, k, v, q_offset, window, 5.0)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_a_long_band_over_many_blocks_with_peaked_scores(kernel_variant, softcap):
+    """1,000 tokens, a window across many key blocks (not a multiple of a tile), GQA 3 (units of 32
+    tokens), scores spread over hundreds (the running max moves; capped near the cap)."""
+    q, k, v = rand(1000, 9, 64, seed=1, scale=6.0), rand(1100, 3, 64, seed=2, scale=6.0), rand(1100, 3, 64, seed=3)
+    check_band(q, k, v, 100, 257, softcap)
+    check_band(q, k, v, -5, 0, softcap, scale=0.05)
+
+
+@pytest.mark.parametrize("t,s", [(1, 50), (300, 77), (30, 4100)])  # 4100 keys: three spans, shared out
+def test_softcap_on_full_blocks(kernel_variant, t, s):
+    q, k, v = rand(t, 6, 64, seed=s, scale=3.0), rand(s, 2, 64, seed=s + 1, scale=3.0), rand(s, 2, 64, seed=s + 2)
+    needs_kernel(q, k, v)
+    for softcap in (2.0, 50.0):
+        out, lse = cpu.flash_attention(q, k, v, causal=False, scale=0.125, softcap=softcap)
+        ref_out, ref_lse = capped_attention(q.double(), k.double(), v.double(), band_mask(t, s, False), 0.125, softcap)
+        torch_out, torch_lse = capped_attention(q, k, v, band_mask(t, s, False), 0.125, softcap, torch.float32)
+        err, torch_err = (out.double() - ref_out).abs().max().item(), (torch_out.double() - ref_out).abs().max().item()
+        assert err <= max(2e-6, 2 * torch_err), (softcap, err, torch_err)
+        lse_err, torch_lse_err = (lse.double() - ref_lse).abs().max(), (torch_lse.double() - ref_lse).abs().max()
+        assert lse_err <= max(2e-6, 2 * torch_lse_err), (softcap, lse_err, torch_lse_err)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_banded_rows_bits_depend_on_its_query_and_keys_alone(kernel_variant, threads):
+    """The key tiles skipped at either end of the band are those whose probabilities would be exactly
+    0 for every row of a unit, so a row's bits are those it has alone (as a one-row block at its own
+    q_offset), among other rows, with any number of threads, and a window that cuts nothing gives
+    the bits of no window; q_offset 0, window 0, T == S is the square diagonal block."""
+    q, k, v = rand(400, 6, 64, seed=1), rand(450, 2, 64, seed=2), rand(450, 2, 64, seed=3)
+    needs_kernel(q, k, v)
+    for softcap in (0.0, 10.0):
+        with torch_threads(threads):
+            out, lse = cpu.flash_attention(q, k, v, causal=True, q_offset=40, window=150, scale=0.125, softcap=softcap)
+        with torch_threads(1):
+            one = cpu.flash_attention(q, k, v, causal=True, q_offset=40, window=150, scale=0.125, softcap=softcap)
+        assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
+        for a, b in ((0, 1), (37, 133), (250, 251), (300, 400)):
+            part = cpu.flash_attention(q[a:b], k, v, causal=True, q_offset=40 + a, window=150, scale=0.125,
+                                       softcap=softcap)
+            assert torch.equal(part[0], out[a:b]) and torch.equal(part[1], lse[:, a:b]), (a, b)
+        uncut = cpu.flash_attention(q, k, v, causal=True, q_offset=40, window=441, scale=0.125, softcap=softcap)
+        whole = cpu.flash_attention(q, k, v, causal=True, q_offset=40, scale=0.125, softcap=softcap)
+        assert torch.equal(uncut[0], whole[0]) and torch.equal(uncut[1], whole[1])
+    square = cpu.flash_attention(q, k[:400], v[:400], causal=True, scale=0.125)
+    explicit = cpu.flash_attention(q, k[:400], v[:400], causal=True, q_offset=0, window=0, scale=0.125, softcap=0.0)
+    assert torch.equal(square[0], explicit[0]) and torch.equal(square[1], explicit[1])
+
+
+def test_a_band_or_an_offset_without_causal_is_refused():
+    """Raised by the wrapper before any kernel runs (so also where there are no kernels)."""
+    q = rand(20, 4, 64, seed=1)
+    k = q[:, :2]
+    with pytest.raises(ValueError, match="causal"):
+        cpu.flash_attention(q, k, k, causal=False, window=8, scale=0.125)
+    with pytest.raises(ValueError, match="causal"):
+        cpu.flash_attention(q, k, k, causal=False, q_offset=-3, scale=0.125)
+    with pytest.raises(ValueError, match="window"):
+        cpu.flash_attention(q, k, k, causal=True, window=-1, scale=0.125)
+    with pytest.raises(ValueError, match="softcap"):
+        cpu.flash_attention(q, k, k, causal=True, softcap=-1.0, scale=0.125)
+    with pytest.raises(ValueError, match="causal"):
+        cpu.amx_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), causal=False, window=8, scale=0.125)
+    with pytest.raises(ValueError, match="causal"):
+        cpu.amx_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), causal=False, q_offset=2, scale=0.125)
