@@ -21,11 +21,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def band_mask(T: int, S: int, causal: bool = True, q_offset: int = 0, window: int = 0) -> torch.Tensor:
     """[T, S] bool: query row i sees key row j iff j <= i + q_offset and (window == 0 or
     j > i + q_offset - window) when causal, every key otherwise (the CPU flash kernels' mask)."""
-    if not causal:
-        return torch.ones(T, S, dtype=torch.bool)
-    i, j = torch.arange(T)[:, None], torch.arange(S)[None, :]
-    visible = j <= i + q_offset
-    return visible & (j > i + q_offset - window) if window else visible
+    from ringctx.attention.kernels import band_mask as causal_band
+
+    return causal_band(T, S, q_offset, window) if causal else torch.ones(T, S, dtype=torch.bool)
 
 
 def capped_attention(q, k, v, visible, scale: float, softcap: float = 0.0, dtype=torch.float64):

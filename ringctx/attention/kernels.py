@@ -128,7 +128,7 @@ def attention_block(
         out, lse = reference_attention(q, k, v, visible, scale, softcap=softcap)
         return out.to(q.dtype), lse.float()
     if band or softcap:
-        return _band_block(q, k, v, causal, q_offset, window, softcap, scale)
+        return _band_or_capped_block(q, k, v, causal, q_offset, window, softcap, scale, backend, requested)
     if backend == "flash-attn":
         return _flash_attn_block(q, k, v, causal, scale)
     if backend == "triton":
@@ -175,6 +175,23 @@ def band_mask(T: int, S: int, q_offset: int, window: int, device=None) -> torch.
     if window:
         seen &= j > i + q_offset - window
     return seen
+
+
+def _band_or_capped_block(q, k, v, causal, q_offset, window, softcap, scale, backend, requested):
+    """A block with a band (sliding window, an offset diagonal) or soft-capped scores: ringctx's CPU
+    kernels take both (AMX for bf16 where it runs, else the float32 flash kernel, which widens
+    bf16 as it reads); elsewhere `_band_block`'s PyTorch ops."""
+    if q.device.type == "cpu" and backend in ("torch", "amx"):
+        band = dict(causal=causal, scale=scale, q_offset=q_offset, window=window, softcap=softcap)
+        if (backend == "amx" or requested == "auto") and selection.amx_attention_applies(q, k, v):
+            return cpu.amx_attention(q, k, v, **band)
+        if backend == "amx":
+            raise ValueError(f"attention backend 'amx' takes bf16 CPU tensors with head_dim {selection.AMX_HEAD_DIMS}; "
+                             f"got {q.dtype} q {tuple(q.shape)}; use backend 'torch'")
+        if selection.flash_attention_applies(q, k, v):
+            out, lse = cpu.flash_attention(q, k, v, **band)
+            return out.to(q.dtype), lse
+    return _band_block(q, k, v, causal, q_offset, window, softcap, scale)
 
 
 BAND_ROWS = 256
