@@ -1,0 +1,137 @@
+"""The dense long-context families against transformers 5.25: Seed-OSS, Mistral-Small 3.x /
+Magistral (mistral3's text model), Phi-3 / Phi-4-mini (fused tensors, LongRoPE, partial rotary),
+Gemma 3 (gemma3_text and gemma3's text model).
+
+As in test_model_families.py, every reference is built with transformers' own config class, given
+random weights (norms and biases too), saved with `save_pretrained` and loaded by ringctx from that
+directory; float32 on the CPU. Sliding windows and LongRoPE's original length are small (8 to 32
+positions) so that the prompts run past them cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ringctx.model import load_model
+from ringctx.model.config_hf import read_hf_config
+from tests.helpers import one_thread_for_module, rel_err
+
+one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
+
+TRANSFORMERS_VERSION = "5.25.0"
+"""The oracle these tests were written against (5.x saves image-text models under model.language_model.)."""
+
+WINDOW = 8
+"""Sliding window of the windowed cases."""
+ORIGINAL = 32
+"""LongRoPE's original context: SHORT prompts stay within it, LONG ones go past it."""
+SHORT, LONG = 20, 70
+
+SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _phi3_rope(head_dim: int, partial: float = 1.0) -> dict:
+    half = int(head_dim * partial) // 2
+    gen = torch.Generator().manual_seed(3)
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+            "short_factor": (1.0 + torch.rand(half, generator=gen)).tolist(),
+            "long_factor": (1.0 + 8 * torch.rand(half, generator=gen)).tolist()}
+
+
+def hf_config(name: str):
+    """The transformers config of case `name`."""
+    import transformers
+
+    cases = {
+        # Seed-OSS: q/k/v biases, o bias off (its default) and on, head_dim != hidden / heads.
+        "seed-oss": lambda: transformers.SeedOssConfig(**SHAPE, head_dim=32, max_position_embeddings=512),
+        "seed-oss-out-bias": lambda: transformers.SeedOssConfig(
+            **SHAPE, head_dim=16, attention_out_bias=True, max_position_embeddings=512, tie_word_embeddings=True),
+    }
+    return cases[name]()
+
+
+def random_hf_model(name: str, seed: int = 0):
+    """transformers' model of case `name`, every parameter random (biases and norms too)."""
+    import transformers
+
+    assert transformers.__version__ == TRANSFORMERS_VERSION
+    torch.manual_seed(seed)
+    config = hf_config(name)
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "text_config") else \
+        transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:  # Gemma's (1 + w) norms get w around 0 the same way: (1 + w) in 0.5..1.5
+                p.copy_(torch.rand_like(p) - 0.5 if "gemma" in name else torch.rand_like(p) + 0.5)
+            else:
+                p.copy_(torch.randn_like(p) * 0.05)
+    return model
+
+
+CASES = ["seed-oss", "seed-oss-out-bias"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def pair(request, tmp_path_factory):
+    """(case name, ringctx model, transformers model, directory) with the same weights."""
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = random_hf_model(request.param)
+    hf.save_pretrained(directory)
+    return request.param, load_model(str(directory), dtype=torch.float32, device="cpu"), hf, directory
+
+
+def prompt(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(input_ids=ids[None]).logits[0].float()
+
+
+MEASURED: dict[str, float] = {}
+"""The largest logits rel err per case (printed at the end with -s: the report's numbers)."""
+
+
+def test_logits_match_transformers(pair):
+    name, ours, hf, _ = pair
+    for n in (SHORT, LONG):
+        ids = prompt(n)
+        err = rel_err(ours.logits(ids), hf_logits(hf, ids))
+        MEASURED[name] = max(MEASURED.get(name, 0.0), err)
+        assert err < 1e-4, (name, n, err)
+
+
+def test_greedy_tokens_equal_transformers(pair):
+    """ringctx's decode loop picks the same tokens as transformers' generate."""
+    name, ours, hf, _ = pair
+    ids = prompt(LONG - 8, seed=2)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, ids.numel():].tolist()
+    assert ours.generate(ids, max_new_tokens=6, stop_token_ids=[]).token_ids == ref, name
+
+
+def test_config_is_read_as_written(pair):
+    name, ours, hf, directory = pair
+    c = ours.config
+    text = hf.config.get_text_config()
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (
+        text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads,
+        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads, text.vocab_size)
+    n_hf = sum(p.numel() for n, p in hf.named_parameters() if "vision" not in n and "multi_modal" not in n)
+    assert c.n_params == n_hf, (name, c.n_params, n_hf)
+    if name.startswith("seed-oss"):
+        assert c.qkv_bias and c.attn_out_bias == text.attention_out_bias and c.is_llama_block
+
+
+def test_report_measured_errors():
+    """Prints the largest logits error of each case (run with -s)."""
+    for name, err in MEASURED.items():
+        print(f"{name}: logits rel err {err:.2e}")
