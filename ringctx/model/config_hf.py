@@ -174,10 +174,15 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         if text_type not in WRAPPERS[model_type]:
             raise ValueError(f"{source}: model_type {model_type!r} with text_config.model_type={text_type!r} is not "
                              f"supported (ringctx runs its text model when that is {', '.join(WRAPPERS[model_type])})")
-        # The text model's keys; the wrapper's own ids and tying where the text config lacks them.
-        outer = {k: d[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "torch_dtype", "dtype")
-                 if k in d}
+        # The text model's keys, with the wrapper's ids where the text config lacks them. Tying: the
+        # wrapper's tie_word_embeddings when it has one (transformers 5 ties by the top-level
+        # config's), else the text config's, else the text model's default (Mistral: untied, as the
+        # Mistral-Small 3.x checkpoints, which carry their lm_head, were saved).
+        outer = {k: d[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype") if k in d}
+        tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings"))
         d = {**outer, **text}
+        if tie is not None:
+            d["tie_word_embeddings"] = tie
         model_type = text_type
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(

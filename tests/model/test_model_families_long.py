@@ -34,6 +34,11 @@ SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_
              intermediate_size=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+PIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+               image_size=32, patch_size=8)
+"""A tiny vision tower: ringctx ignores it, transformers needs one to build the model."""
+
+
 def _phi3_rope(head_dim: int, partial: float = 1.0) -> dict:
     half = int(head_dim * partial) // 2
     gen = torch.Generator().manual_seed(3)
@@ -51,6 +56,17 @@ def hf_config(name: str):
         "seed-oss": lambda: transformers.SeedOssConfig(**SHAPE, head_dim=32, max_position_embeddings=512),
         "seed-oss-out-bias": lambda: transformers.SeedOssConfig(
             **SHAPE, head_dim=16, attention_out_bias=True, max_position_embeddings=512, tie_word_embeddings=True),
+        # Mistral-Small 3.x / Magistral: Mistral3ForConditionalGeneration around a Mistral text model
+        # (head_dim 128 of hidden 5120 / 32 heads there; here 32 of 64 / 4), its lm_head untied...
+        "mistral3": lambda: transformers.Mistral3Config(
+            text_config=transformers.MistralConfig(**SHAPE, head_dim=32, sliding_window=None,
+                                                   max_position_embeddings=512, tie_word_embeddings=False),
+            vision_config=transformers.PixtralVisionConfig(**PIXTRAL), image_token_index=255,
+            tie_word_embeddings=False),
+        # ... or tied by the wrapper's tie_word_embeddings (Mistral3Config's default), with a window.
+        "mistral3-tied-window": lambda: transformers.Mistral3Config(
+            text_config=transformers.MistralConfig(**SHAPE, sliding_window=WINDOW, max_position_embeddings=512),
+            vision_config=transformers.PixtralVisionConfig(**PIXTRAL), image_token_index=255),
     }
     return cases[name]()
 
@@ -74,7 +90,7 @@ def random_hf_model(name: str, seed: int = 0):
     return model
 
 
-CASES = ["seed-oss", "seed-oss-out-bias"]
+CASES = ["seed-oss", "seed-oss-out-bias", "mistral3", "mistral3-tied-window"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -129,6 +145,9 @@ def test_config_is_read_as_written(pair):
     assert c.n_params == n_hf, (name, c.n_params, n_hf)
     if name.startswith("seed-oss"):
         assert c.qkv_bias and c.attn_out_bias == text.attention_out_bias and c.is_llama_block
+    if name.startswith("mistral3"):
+        assert c.tie_embeddings == hf.config.tie_word_embeddings and c.is_llama_block
+        assert [layer.window for layer in c.layer_attention] == ([WINDOW] * 2 if "window" in name else [])
 
 
 def test_report_measured_errors():
