@@ -11,6 +11,7 @@ positions) so that the prompts run past them cheaply.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -67,6 +68,15 @@ def hf_config(name: str):
         "mistral3-tied-window": lambda: transformers.Mistral3Config(
             text_config=transformers.MistralConfig(**SHAPE, sliding_window=WINDOW, max_position_embeddings=512),
             vision_config=transformers.PixtralVisionConfig(**PIXTRAL), image_token_index=255),
+        # Phi-3/3.5-mini-128k: fused qkv_proj and gate_up_proj, LongRoPE over a short original context
+        # (factor and attention_factor from max_position_embeddings / original_max_position_embeddings).
+        "phi3-longrope": lambda: transformers.Phi3Config(
+            **SHAPE, max_position_embeddings=4 * ORIGINAL, original_max_position_embeddings=ORIGINAL,
+            rope_parameters=_phi3_rope(16)),
+        # Phi-4-mini: partial rotary (0.75 of each head rotates), LongRoPE; plus Phi-3-mini-4k's window.
+        "phi4-partial-window": lambda: transformers.Phi3Config(
+            **SHAPE, max_position_embeddings=4 * ORIGINAL, original_max_position_embeddings=ORIGINAL,
+            rope_parameters=_phi3_rope(16, 0.75), sliding_window=WINDOW, tie_word_embeddings=True),
     }
     return cases[name]()
 
@@ -90,7 +100,7 @@ def random_hf_model(name: str, seed: int = 0):
     return model
 
 
-CASES = ["seed-oss", "seed-oss-out-bias", "mistral3", "mistral3-tied-window"]
+CASES = ["seed-oss", "seed-oss-out-bias", "mistral3", "mistral3-tied-window", "phi3-longrope", "phi4-partial-window"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -145,6 +155,14 @@ def test_config_is_read_as_written(pair):
     assert c.n_params == n_hf, (name, c.n_params, n_hf)
     if name.startswith("seed-oss"):
         assert c.qkv_bias and c.attn_out_bias == text.attention_out_bias and c.is_llama_block
+    if name.startswith("phi"):
+        scaling = c.rope_scaling
+        assert scaling.rope_type == "longrope" and scaling.original_max_position == ORIGINAL
+        rope = text.rope_parameters
+        assert scaling.short_factor == tuple(rope["short_factor"]) and scaling.long_factor == tuple(rope["long_factor"])
+        assert scaling.factor == 4.0 and abs(scaling.attention_factor - (1 + math.log(4) / math.log(ORIGINAL)) ** 0.5) < 1e-12
+        rotary = [layer.rotary_dim for layer in c.layer_attention]
+        assert rotary == ([12, 12] if "partial" in name else [])
     if name.startswith("mistral3"):
         assert c.tie_embeddings == hf.config.tie_word_embeddings and c.is_llama_block
         assert [layer.window for layer in c.layer_attention] == ([WINDOW] * 2 if "window" in name else [])
@@ -154,3 +172,44 @@ def test_report_measured_errors():
     """Prints the largest logits error of each case (run with -s)."""
     for name, err in MEASURED.items():
         print(f"{name}: logits rel err {err:.2e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# LongRoPE's choice of factors
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "phi4-partial-window"])
+def test_longrope_switches_at_the_original_length_like_transformers(name, tmp_path):
+    """The short factors up to ORIGINAL tokens, the long ones past it (for every position of the
+    call); angles equal transformers' rotary embedding either way. With sequence_end, the first
+    chunk of a long prompt rotates as the whole prompt does (what the prefill engine passes)."""
+    hf = random_hf_model(name)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    rotary = ours.config.attention(0).rotary_dim or ours.config.head_dim
+    for n in (ORIGINAL, ORIGINAL + 1, LONG):
+        positions = torch.arange(n)
+        with torch.no_grad():
+            ref_cos, ref_sin = (t[0] for t in hf.model.rotary_emb(torch.zeros(1, n, 16), positions[None]))
+        got = ours.rope(positions).for_layer(0)
+        assert got.cos.shape[-1] == rotary
+        assert rel_err(got.cos[:, 0], ref_cos) < 1e-5 and rel_err(got.sin[:, 0, rotary // 2:], ref_sin[:, rotary // 2:]) < 1e-5
+    whole = ours.rope(torch.arange(LONG)).for_layer(0)
+    first = ours.rope(torch.arange(10), sequence_end=LONG).for_layer(0)
+    alone = ours.rope(torch.arange(10)).for_layer(0)
+    assert torch.equal(first.cos, whole.cos[:10]) and torch.equal(first.sin, whole.sin[:10])
+    assert not torch.allclose(alone.cos, whole.cos[:10])
+
+
+def test_longrope_generation_across_the_original_length(tmp_path):
+    """A prompt inside the original context whose answer runs past it: transformers keeps the
+    prompt's short-factor keys and rotates the new tokens past ORIGINAL with the long factors;
+    ringctx's decode does the same, so the tokens are equal."""
+    hf = random_hf_model("phi3-longrope")
+    hf.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
+    ids = prompt(ORIGINAL - 3, seed=4)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids[None], max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, ids.numel():].tolist()
+    assert ours.generate(ids, max_new_tokens=8, stop_token_ids=[]).token_ids == ref
