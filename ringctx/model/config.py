@@ -46,7 +46,10 @@ class RopeScaling:
       transformers; a prefill in chunks passes the prompt's end so that its first chunks rotate
       as its last one does (transformers, prefilling in one call, does the same). A prompt
       shorter than original_max_position whose decode runs past it keeps its short-factor keys
-      while new tokens rotate with the long factors, as transformers' generate does.
+      while new tokens rotate with the long factors, as transformers' forward calls over a cache
+      do; transformers' Phi3ForCausalLM.generate instead drops its cache once, at the first step
+      past original_max_position, and prefills the whole sequence again with the long factors
+      (ringctx's decode does not yet: its tokens from there on may differ from generate's).
 
     The field order and the llama3 default keep configs saved before other types existed loadable.
     """

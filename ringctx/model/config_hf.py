@@ -62,7 +62,7 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
                 "num_experts_per_tok"):
         if d.get(key):
             raise unsupported(f"mixture-of-experts layers ({key}={d[key]})")
-    capped = ("final_logit_softcapping",) if gemma else ("attn_logit_softcapping", "final_logit_softcapping")
+    capped = () if gemma else ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma's final cap: read
     for key in capped:
         if d.get(key) is not None:
             raise unsupported(f"soft-capping ({key}={d[key]})")

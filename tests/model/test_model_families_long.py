@@ -40,6 +40,15 @@ PIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_at
 """A tiny vision tower: ringctx ignores it, transformers needs one to build the model."""
 
 
+GEMMA = dict(**{**SHAPE, "num_hidden_layers": 4}, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+             final_logit_softcapping=1.0, max_position_embeddings=512)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+              patch_size=8)
+
+
 def _phi3_rope(head_dim: int, partial: float = 1.0) -> dict:
     half = int(head_dim * partial) // 2
     gen = torch.Generator().manual_seed(3)
@@ -77,6 +86,15 @@ def hf_config(name: str):
         "phi4-partial-window": lambda: transformers.Phi3Config(
             **SHAPE, max_position_embeddings=4 * ORIGINAL, original_max_position_embeddings=ORIGINAL,
             rope_parameters=_phi3_rope(16, 0.75), sliding_window=WINDOW, tie_word_embeddings=True),
+        # Gemma 3 1B (gemma3_text): sliding layers with their own RoPE base, full ones with linear x8
+        # over 1e6, query_pre_attn_scalar != head_dim, a final logit soft-cap (the released configs
+        # have none; a small one here so that tanh bends).
+        "gemma3-text": lambda: transformers.Gemma3TextConfig(**GEMMA),
+        # Gemma 3 4B-27B (gemma3): the same text model inside Gemma3ForConditionalGeneration.
+        "gemma3-vlm": lambda: transformers.Gemma3Config(
+            text_config=transformers.Gemma3TextConfig(**{**GEMMA, "final_logit_softcapping": None}),
+            vision_config=transformers.SiglipVisionConfig(**SIGLIP), mm_tokens_per_image=4, image_token_index=255,
+            boi_token_index=253, eoi_token_index=254),
     }
     return cases[name]()
 
@@ -100,7 +118,8 @@ def random_hf_model(name: str, seed: int = 0):
     return model
 
 
-CASES = ["seed-oss", "seed-oss-out-bias", "mistral3", "mistral3-tied-window", "phi3-longrope", "phi4-partial-window"]
+CASES = ["seed-oss", "seed-oss-out-bias", "mistral3", "mistral3-tied-window", "phi3-longrope", "phi4-partial-window",
+         "gemma3-text", "gemma3-vlm"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -163,6 +182,14 @@ def test_config_is_read_as_written(pair):
         assert scaling.factor == 4.0 and abs(scaling.attention_factor - (1 + math.log(4) / math.log(ORIGINAL)) ** 0.5) < 1e-12
         rotary = [layer.rotary_dim for layer in c.layer_attention]
         assert rotary == ([12, 12] if "partial" in name else [])
+    if name.startswith("gemma3"):
+        assert (c.norm_plus_one, c.post_norms, c.mlp_activation, c.qk_norm) == (True, True, "gelu_tanh", True)
+        assert c.embed_scale == 64 ** 0.5 and c.final_softcap == (1.0 if name == "gemma3-text" else 0.0)
+        assert c.tie_embeddings and not c.is_llama_block
+        assert c.rope_theta == 1e6 and c.rope_scaling.rope_type == "linear" and c.rope_scaling.factor == 8.0
+        sliding = c.attention(0)
+        assert (sliding.window, sliding.rope_theta, sliding.rope_scaling, sliding.scale) == (WINDOW, 1e4, None, 24 ** -0.5)
+        assert (c.attention(2).window, c.attention(2).rope_theta, c.attention(2).scale) == (0, 0.0, 24 ** -0.5)
     if name.startswith("mistral3"):
         assert c.tie_embeddings == hf.config.tie_word_embeddings and c.is_llama_block
         assert [layer.window for layer in c.layer_attention] == ([WINDOW] * 2 if "window" in name else [])
@@ -201,15 +228,83 @@ def test_longrope_switches_at_the_original_length_like_transformers(name, tmp_pa
     assert not torch.allclose(alone.cos, whole.cos[:10])
 
 
-def test_longrope_generation_across_the_original_length(tmp_path):
-    """A prompt inside the original context whose answer runs past it: transformers keeps the
-    prompt's short-factor keys and rotates the new tokens past ORIGINAL with the long factors;
-    ringctx's decode does the same, so the tokens are equal."""
+def test_longrope_decode_across_the_original_length_keeps_the_short_keys(tmp_path):
+    """A prompt inside the original context whose answer runs past it: each decode step rotates its
+    token with the factors of its own end, over the keys already cached, as transformers' forward
+    calls over a cache do (logits of every step within 1e-4). transformers' generate differs from
+    both at the crossing: Phi3ForCausalLM.prepare_inputs_for_generation drops the cache there and
+    prefills again with the long factors (ringctx's decode does not: see RopeScaling)."""
     hf = random_hf_model("phi3-longrope")
     hf.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), dtype=torch.float32, device="cpu")
     ids = prompt(ORIGINAL - 3, seed=4)
+    steps = []
+    head = ours.head
+    ours.head = lambda x: steps.append(head(x)[-1]) or steps[-1][None]
+    tokens = ours.generate(ids, max_new_tokens=8, stop_token_ids=[]).token_ids
+    assert len(steps) >= 8
     with torch.no_grad():
-        ref = hf.generate(input_ids=ids[None], max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, ids.numel():].tolist()
-    assert ours.generate(ids, max_new_tokens=8, stop_token_ids=[]).token_ids == ref
+        out = hf(input_ids=ids[None], use_cache=True)
+        cache = out.past_key_values
+        for i, token in enumerate(tokens):
+            assert rel_err(steps[i], out.logits[0, -1]) < 1e-4, i
+            assert int(out.logits[0, -1].argmax()) == token
+            out = hf(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config spellings and refusals
+
+
+def test_gemma3_older_config_spelling_reads_as_the_newer():
+    """Configs saved before transformers 5 (the released Gemma 3 ones) spell the two RoPEs as
+    rope_theta + rope_scaling (full layers) and rope_local_base_freq (sliding layers, unscaled),
+    and the layer kinds as sliding_window_pattern: the same ModelConfig as the nested spelling."""
+    common = {**SHAPE, "model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 32, "sliding_window": 512,
+              "query_pre_attn_scalar": 32, "max_position_embeddings": 131072}
+    old = read_hf_config({**common, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 6})
+    new = read_hf_config({**common, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1_000_000.0},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}})
+    assert old == new
+    assert [layer.window for layer in new.layer_attention] == [512] * 5 + [0]
+    assert new.attention(0).scale == 0.0  # query_pre_attn_scalar == head_dim: the default scale
+
+
+def test_mistral3_as_published_keeps_its_lm_head():
+    """Mistral-Small 3.1's config.json has tie_word_embeddings neither at the top nor in text_config
+    (and its checkpoint carries language_model.lm_head.weight): untied, Mistral's default."""
+    config = read_hf_config({"model_type": "mistral3", "text_config": {**SHAPE, "model_type": "mistral",
+                                                                         "head_dim": 32, "sliding_window": None}})
+    assert not config.tie_embeddings and config.has_plain_attention
+
+
+GEMMA_BASE = {**SHAPE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8}
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"model_type": "gemma4_text"}, r"Gemma 4 is not supported yet"),
+    ({"model_type": "gemma4", "text_config": {"model_type": "gemma4_text"}}, r"Gemma 4 is not supported yet"),
+    ({"model_type": "gemma3n", "text_config": {"model_type": "gemma3n_text"}}, r"Gemma 3n"),
+    ({"model_type": "gemma3", "text_config": {"model_type": "gemma3n_text"}}, r"Gemma 3n"),
+    ({"model_type": "mistral3", "text_config": {**SHAPE, "model_type": "ministral3"}},
+     r"llama_4_scaling_beta scales each query"),
+    ({"model_type": "mistral3", "text_config": {**SHAPE, "model_type": "mistral",
+                                                "rope_parameters": {"llama_4_scaling_beta": 0.1}}},
+     r"llama_4_scaling_beta=0.1"),
+    ({"model_type": "mistral3", "vision_config": {}}, r"text_config.model_type=None"),
+    ({**GEMMA_BASE, "attn_logit_softcapping": 50.0}, r"attn_logit_softcapping=50.0"),
+    ({**GEMMA_BASE, "use_bidirectional_attention": True}, r"use_bidirectional_attention=true"),
+    ({**GEMMA_BASE, "hidden_activation": "gelu"}, r"hidden_activation='gelu'"),
+    ({**SHAPE, "model_type": "phi3", "partial_rotary_factor": 0.1}, r"partial_rotary_factor=0.1 \(rotates 1 of 16"),
+    ({**SHAPE, "model_type": "seed_oss", "mlp_bias": True}, r"mlp_bias=true"),
+    ({**SHAPE, "model_type": "llama", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                          "long_factor": [2.0] * 8}}, r"rope_type='longrope' on"),
+])
+def test_unsupported_variants_are_refused_in_one_line(config, message, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message) as info:
+        read_hf_config(tmp_path)
+    assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
