@@ -308,3 +308,21 @@ def test_unsupported_variants_are_refused_in_one_line(config, message, tmp_path)
     with pytest.raises(ValueError, match=message) as info:
         read_hf_config(tmp_path)
     assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets
+
+
+@pytest.mark.parametrize("name,billions", [("gemma3-27b", 27.0), ("mistral-small-24b", 23.6), ("phi3-mini-128k", 3.82),
+                                           ("seed-oss-36b", 36.2), ("qwen2.5-14b-instruct-1m", 14.8)])
+def test_long_context_presets_have_the_published_sizes_and_plan(name, billions):
+    """Parameter counts as published (text models of the image-text ones), within rounding; `plan` takes them."""
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.prefill_plan import plan_prefill
+
+    config = get_preset(name)
+    assert abs(config.n_params / 1e9 - billions) < 0.05, config.n_params
+    assert plan_prefill(config, 4, "h100-rdma", tokens=131072, chunk_tokens=32768) is not None
+    on_meta = load_model(name, device="meta")
+    assert sum(p.numel() for p in on_meta.parameters()) == config.n_params
