@@ -132,10 +132,11 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
 def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str | None = None) -> ModelConfig:
     """The config of a Hugging Face checkpoint: a `config.json` dict, file or directory.
 
-    Accepts model_type llama, mistral, ministral, qwen2 and qwen3 (sliding windows and
-    `layer_types` included: `read_layer_attention`), with plain,
-    llama3, linear, dynamic or yarn RoPE, in both the transformers 4 (`rope_scaling`,
-    `rope_theta`) and 5 (`rope_parameters`) spellings. From a directory, the EOS ids of
+    Accepts model_type llama, mistral, ministral, qwen2, qwen3, seed_oss, phi3 (fused tensors,
+    longrope, partial rotary) and gemma3_text, and the text model of mistral3 and gemma3
+    (`WRAPPERS`), sliding windows and `layer_types` included (`read_layer_attention`), with plain,
+    llama3, linear, dynamic, yarn or (phi3) longrope RoPE, in both the transformers 4
+    (`rope_scaling`, `rope_theta`) and 5 (`rope_parameters`) spellings. From a directory, the EOS ids of
     `generation_config.json` are added too (Llama-3 instruct models end turns with <|eot_id|>,
     listed only there). Anything ringctx would compute differently from transformers (mixtures
     of experts, partial rotary, soft-capping...) is rejected with a one-line
@@ -303,6 +304,9 @@ def hf_config_dict(self: ModelConfig) -> dict:
     if not self.has_plain_attention:
         raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one's "
                          "layers have windows, chunks or their own RoPE")
+    if not self.is_llama_block or (self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope"):
+        raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one "
+                         "has Gemma's block or LongRoPE")
     qwen3 = self.qk_norm
     qwen2 = not qwen3 and self.qkv_bias and not self.attn_out_bias
     if qwen3 and self.qkv_bias != self.attn_out_bias:

@@ -15,7 +15,9 @@ The prefill engine can drive these pieces layer by layer; `Transformer.forward` 
 
 Numerics follow Hugging Face transformers' Llama / Mistral / Qwen2 / Qwen3 ForCausalLM (RMSNorm accumulated
 in float32, rotate-half RoPE with cos/sin cast to the activation dtype, SwiGLU and residual adds in
-the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The rotary
+the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The same
+holds for the blocks ModelConfig describes beyond Llama's (Seed-OSS, Phi-3, Gemma 3: GeGLU, (1 + w)
+norms, post-norms, scaled embeddings, a soft-capped head). The rotary
 angles are computed in float64, more accurate than transformers' float32 at long positions.
 """
 

@@ -228,6 +228,23 @@ def test_longrope_switches_at_the_original_length_like_transformers(name, tmp_pa
     assert not torch.allclose(alone.cos, whole.cos[:10])
 
 
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_phi3_fused_tensors_split_for_tensor_parallel_ranks(tp_size, tmp_path):
+    """Each TP rank reads its heads' rows of qkv_proj and its hidden units' rows of gate_up_proj:
+    every parameter of its shard equals the same slice of the whole model's."""
+    from ringctx.model.tensor_parallel import TensorParallel
+    from ringctx.model.weights import _full_rows
+
+    random_hf_model("phi3-longrope").save_pretrained(tmp_path)
+    whole = dict(load_model(str(tmp_path), dtype=torch.float32, device="cpu").named_parameters())
+    for rank in range(tp_size):
+        shard = load_model(str(tmp_path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
+        for name, param in shard.named_parameters():
+            _, rows, cols = _full_rows(shard, name, param)
+            expected = whole[name][rows] if cols is None else whole[name][rows][:, cols]
+            assert torch.equal(param, expected), (rank, name)
+
+
 def test_longrope_decode_across_the_original_length_keeps_the_short_keys(tmp_path):
     """A prompt inside the original context whose answer runs past it: each decode step rotates its
     token with the factors of its own end, over the keys already cached, as transformers' forward
