@@ -343,3 +343,21 @@ def test_long_context_presets_have_the_published_sizes_and_plan(name, billions):
     assert plan_prefill(config, 4, "h100-rdma", tokens=131072, chunk_tokens=32768) is not None
     on_meta = load_model(name, device="meta")
     assert sum(p.numel() for p in on_meta.parameters()) == config.n_params
+
+
+def test_new_config_fields_round_trip_and_enter_the_fingerprint_only_when_set():
+    """KV files store ModelConfig.to_dict() as JSON: the Gemma block fields and LongRoPE's factor
+    lists come back equal (lists as tuples), and a Llama config's fingerprint is what it was."""
+    from ringctx.model.presets import get_preset
+
+    for name in ("gemma3-27b", "phi3-mini-128k"):
+        config = get_preset(name)
+        again = type(config).from_dict(json.loads(json.dumps(config.to_dict())))
+        assert again == config and again.fingerprint() == config.fingerprint()
+    llama = get_preset("llama3.1-8b")
+    # (test_model_families.py's test_old_configs_keep_their_fingerprint pins a stored hash)
+    import dataclasses
+
+    for change in (dict(norm_plus_one=True), dict(post_norms=True), dict(mlp_activation="gelu_tanh"),
+                   dict(embed_scale=2.0), dict(final_softcap=30.0)):
+        assert dataclasses.replace(llama, **change).fingerprint() != llama.fingerprint(), change
