@@ -199,6 +199,10 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     absent = [key for key in required if d.get(key) is None]
     if absent:
         raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
+    if model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
+        d = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+             "max_position_embeddings": 131072, **{k: v for k, v in d.items() if v is not None or k not in (
+                 "head_dim", "query_pre_attn_scalar")}}
     max_position = int(d.get("max_position_embeddings") or 8192)
     n_heads = int(d["num_attention_heads"])
     head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // n_heads
