@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 
-ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
 """Rotary scaling types ringctx computes as transformers does (`rope_type` in Hugging Face configs)."""
 
 
@@ -36,6 +36,20 @@ class RopeScaling:
       (`Transformer.rope`) rather than compute something else.
     - "yarn" (YaRN, e.g. Qwen3 at 128K): factor, original_max_position, beta_fast, beta_slow,
       truncate; cos and sin are multiplied by `attention_factor`.
+    - "longrope" (Phi-3/3.5/4-mini): each frequency divided by its entry of `short_factor` or of
+      `long_factor`; cos and sin multiplied by `attention_factor`. Which set: transformers takes the
+      long factors for every position of a forward call whose largest position + 1 exceeds
+      `original_max_position`, else the short ones. ringctx decides per prompt, not per call:
+      `Transformer.rope(positions, sequence_end)` uses the long factors iff sequence_end (one past
+      the last position of the whole prompt being prefilled; default the largest position + 1)
+      exceeds original_max_position. A one-call prefill and every decode step then equal
+      transformers; a prefill in chunks passes the prompt's end so that its first chunks rotate
+      as its last one does (transformers, prefilling in one call, does the same). A prompt
+      shorter than original_max_position whose decode runs past it keeps its short-factor keys
+      while new tokens rotate with the long factors, as transformers' forward calls over a cache
+      do; transformers' Phi3ForCausalLM.generate instead drops its cache once, at the first step
+      past original_max_position, and prefills the whole sequence again with the long factors
+      (ringctx's decode does not yet: its tokens from there on may differ from generate's).
 
     The field order and the llama3 default keep configs saved before other types existed loadable.
     """
@@ -57,15 +71,37 @@ class RopeScaling:
     truncate: bool = True
     """yarn: round the ramp's ends to whole dimensions (transformers' default)."""
     attention_factor: float = 1.0
-    """yarn: the factor cos and sin are multiplied by (transformers' attention_scaling; 1.0 for the others)."""
+    """yarn, longrope: the factor cos and sin are multiplied by (transformers' attention_scaling; 1.0
+    for the others)."""
+    long_factor: tuple[float, ...] = ()
+    """longrope: per rotary frequency [rotary_dim // 2], its divisor past original_max_position."""
+    short_factor: tuple[float, ...] = ()
+    """longrope: per rotary frequency [rotary_dim // 2], its divisor within original_max_position."""
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type={self.rope_type!r} is not supported; ringctx computes "
                              f"{', '.join(ROPE_TYPES)} and plain RoPE")
+        # tuples (saved configs hold lists): the scaling is hashed as a RoPE table's key
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        if self.rope_type == "longrope" and not (len(self.long_factor) == len(self.short_factor) > 0):
+            raise ValueError(f"longrope needs long_factor and short_factor of one length (one per rotary "
+                             f"frequency), got {len(self.long_factor)} and {len(self.short_factor)}")
 
-    def scaled_inv_freq(self, inv_freq: "list[float]", rope_theta: float) -> list[float]:
-        """The plain rotary frequencies [head_dim // 2] (rope_theta^(-2i/head_dim)) with this scaling applied."""
+    @property
+    def switches_factors(self) -> bool:
+        """True for longrope: the frequencies depend on the prompt's end (see the class docstring)."""
+        return self.rope_type == "longrope"
+
+    def scaled_inv_freq(self, inv_freq: "list[float]", rope_theta: float, long: bool = False) -> list[float]:
+        """The plain rotary frequencies [rotary_dim // 2] (rope_theta^(-2i/rotary_dim)) with this scaling
+        applied; long: longrope's long factors (else its short ones; ignored by the other types)."""
+        if self.rope_type == "longrope":
+            factors = self.long_factor if long else self.short_factor
+            if len(factors) != len(inv_freq):
+                raise ValueError(f"longrope has {len(factors)} factors for {len(inv_freq)} rotary frequencies")
+            return [f / e for f, e in zip(inv_freq, factors)]
         if self.rope_type == "llama3":
             return [f / d for f, d in zip(inv_freq, self.frequency_divisors(inv_freq))]
         if self.rope_type == "linear":
@@ -132,14 +168,20 @@ class RopeScaling:
         elif self.rope_type == "yarn":
             d.update(original_max_position_embeddings=self.original_max_position, beta_fast=self.beta_fast,
                      beta_slow=self.beta_slow, truncate=self.truncate, attention_factor=self.attention_factor)
+        elif self.rope_type == "longrope":
+            d.update(original_max_position_embeddings=self.original_max_position, attention_factor=self.attention_factor,
+                     long_factor=list(self.long_factor), short_factor=list(self.short_factor))
         return d
 
     @classmethod
-    def from_hf(cls, rope: Mapping[str, Any], max_position: int, problem) -> "RopeScaling | None":
+    def from_hf(cls, rope: Mapping[str, Any], max_position: int, problem,
+                original_max_position: int | None = None) -> "RopeScaling | None":
         """The scaling of a config's `rope_parameters` / `rope_scaling` dict (None for plain RoPE).
 
-        max_position: the config's max_position_embeddings (dynamic's limit, and yarn's factor
-        when the dict has none). problem(text) -> the ValueError to raise for an unsupported entry.
+        max_position: the config's max_position_embeddings (dynamic's limit, and yarn's and
+        longrope's factor when the dict has none). original_max_position: a top-level
+        original_max_position_embeddings (Phi-3's), which transformers prefers to the dict's.
+        problem(text) -> the ValueError to raise for an unsupported entry.
         """
         rope_type = rope.get("rope_type", rope.get("type")) or "default"
         if rope_type == "default":
@@ -149,6 +191,9 @@ class RopeScaling:
         if rope_type not in ROPE_TYPES:
             raise problem(f"rope_type={rope_type!r} (ringctx computes default, {', '.join(ROPE_TYPES)})")
         original = rope.get("original_max_position_embeddings")
+        if rope_type == "longrope":
+            return cls._longrope_from_hf(rope, max_position, original_max_position or original or max_position,
+                                         problem)
         if rope_type == "llama3":
             return cls(factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
                        high_freq_factor=float(rope["high_freq_factor"]), original_max_position=int(original))
@@ -166,6 +211,24 @@ class RopeScaling:
                    truncate=bool(rope.get("truncate", True)),
                    attention_factor=yarn_attention_factor(factor, rope.get("attention_factor"), rope.get("mscale"),
                                                           rope.get("mscale_all_dim")))
+
+
+    @classmethod
+    def _longrope_from_hf(cls, rope: Mapping[str, Any], max_position: int, original: int, problem) -> "RopeScaling":
+        """transformers' _compute_longrope_parameters: factor defaults to max_position / original;
+        attention_factor to sqrt(1 + ln(factor) / ln(original)) (1.0 for factor <= 1)."""
+        long, short = rope.get("long_factor"), rope.get("short_factor")
+        if not long or not short or len(long) != len(short):
+            raise problem(f"rope_type='longrope' with long_factor={long!r} and short_factor={short!r} "
+                          "(two lists of one length)")
+        original = int(original)
+        factor = rope.get("factor")
+        factor = float(factor) if factor is not None else max_position / original
+        attention_factor = rope.get("attention_factor")
+        if attention_factor is None:
+            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return cls(factor=factor, original_max_position=original, rope_type="longrope",
+                   attention_factor=float(attention_factor), long_factor=tuple(long), short_factor=tuple(short))
 
 
 def yarn_attention_factor(factor: float, attention_factor: float | None = None, mscale: float | None = None,
@@ -251,11 +314,16 @@ ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE laye
                    "per-layer softmax scale")
 """What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
 
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+"""Gate activations of the gated MLP (`ModelConfig.mlp_activation`)."""
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2-style bias,
-    Qwen3-style q/k norms)."""
+    Qwen3-style q/k norms, Seed-OSS, Phi-3) and of the blocks that differ from Llama's in a few
+    constants (Gemma 3: (1 + w) norms, four norms a block, GeGLU, scaled embeddings, a soft-capped
+    head: `is_llama_block` says whether a config uses any of them)."""
 
     name: str
     """Human-readable name: a preset name or the file the config was read from."""
@@ -296,6 +364,19 @@ class ModelConfig:
     layer_attention: tuple[LayerAttention, ...] = ()
     """Per layer, how its attention sees and rotates (sliding windows, chunks, NoPE, its own RoPE,
     sinks, soft-cap, scale); empty: every layer plain (see `attention`)."""
+    mlp_activation: str = "silu"
+    """The gate's activation in the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh
+    approximation of GELU: Gemma's gelu_pytorch_tanh)."""
+    norm_plus_one: bool = False
+    """Every RMSNorm (q/k norms too) multiplies by (1 + weight) rather than weight (Gemma); the
+    weights stay as stored, the 1 is added in float32 at each use (see transformer.RMSNorm)."""
+    post_norms: bool = False
+    """Each block also RMS-normalises its attention output and its MLP output before adding them to
+    the residual (Gemma 2/3: four norms a block)."""
+    embed_scale: float = 1.0
+    """Token embeddings are multiplied by this, rounded to the weights' dtype (Gemma: sqrt(dim))."""
+    final_softcap: float = 0.0
+    """> 0: logits become final_softcap * tanh(logits / final_softcap) (Gemma 2/3's final_logit_softcapping)."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -314,6 +395,9 @@ class ModelConfig:
         if layers and len(layers) != self.n_layers:
             raise ValueError(f"ModelConfig {self.name!r}: layer_attention describes {len(layers)} layers "
                              f"but the model has n_layers={self.n_layers}")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
+                             f"(one of {', '.join(MLP_ACTIVATIONS)})")
         for i, layer in enumerate(layers):
             if layer.rotary_dim > self.head_dim:
                 raise ValueError(f"ModelConfig {self.name!r}: layer {i} rotates {layer.rotary_dim} dims "
@@ -337,6 +421,13 @@ class ModelConfig:
         return not self.layer_attention
 
     @property
+    def is_llama_block(self) -> bool:
+        """True when the blocks, embedding and head are Llama's (SwiGLU, weight-multiplied norms, two
+        norms a block, unscaled embeddings, no logit soft-cap): what the fused CPU kernels compute."""
+        return (self.mlp_activation == "silu" and not self.norm_plus_one and not self.post_norms
+                and self.embed_scale == 1.0 and not self.final_softcap)
+
+    @property
     def gqa_group(self) -> int:
         """Query heads per KV head."""
         return self.n_heads // self.n_kv_heads
@@ -352,7 +443,7 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + 2 * self.dim
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
 
@@ -391,12 +482,13 @@ class ModelConfig:
                                  if _LATER_ROPE_FIELDS.get(k, _MISSING) != v}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
-    def rope_inv_freq(self, layer: int | None = None) -> list[float]:
+    def rope_inv_freq(self, layer: int | None = None, long: bool = False) -> list[float]:
         """Rotary angular frequencies per rotating pair of head dims [rotary_dim // 2], scaling
-        applied (float64): the model's, or layer `layer`'s own (its base, scaling, rotary dims)."""
+        applied (float64): the model's, or layer `layer`'s own (its base, scaling, rotary dims);
+        long: longrope's long factors (see RopeScaling)."""
         theta, scaling, dims = self.rope_of(layer)
         plain = [theta ** (-(2 * i) / dims) for i in range(dims // 2)]
-        return plain if scaling is None else scaling.scaled_inv_freq(plain, theta)
+        return plain if scaling is None else scaling.scaled_inv_freq(plain, theta, long)
 
     def rope_of(self, layer: int | None = None) -> tuple[float, RopeScaling | None, int]:
         """(base, scaling, rotating dims) of layer `layer`'s RoPE (None: the model's)."""
@@ -431,8 +523,9 @@ def resolve_dtype(dtype: "torch.dtype | str | None") -> "torch.dtype | None":
 
 _MISSING = object()
 
-_LATER_FIELDS = {"qk_norm": False, "layer_attention": ()}
+_LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "silu", "norm_plus_one": False,
+                 "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
-                      "attention_factor": 1.0}
+                      "attention_factor": 1.0, "long_factor": (), "short_factor": ()}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""

@@ -3,6 +3,7 @@ safetensors weight loader (weights_hf.py) and the planner call these."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -17,26 +18,62 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
-HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
-"""Hugging Face `model_type`s ringctx's decoder runs."""
+HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
+                  "mistral3", "gemma3")
+"""Hugging Face `model_type`s ringctx's decoder runs (mistral3 and gemma3: their text model only,
+see WRAPPERS)."""
+
+WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",)}
+"""Image-text models whose `text_config` ringctx runs, with the text model_types it accepts there:
+Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration) and Gemma 3 4B-27B
+(Gemma3ForConditionalGeneration). Their vision tower and projector are ignored (weights_hf.py
+skips those tensors): ringctx reads text prompts only."""
+
+GEMMA_TYPES = ("gemma3_text",)
+"""model_types with Gemma's block: (1 + w) norms, four norms a block, GeGLU, scaled embeddings."""
+
+PARTIAL_ROTARY_TYPES = ("phi3",)
+"""model_types whose partial_rotary_factor ringctx reads (transformers rotates the first dims only)."""
+
+REFUSED_TYPES = {
+    "gemma4": "Gemma 4 is not supported yet", "gemma4_text": "Gemma 4 is not supported yet",
+    "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not supported",
+    "gemma3n_text": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not supported",
+    "gemma2": "Gemma 2 is not supported (ringctx runs Gemma 3)",
+    "ministral3": "model_type 'ministral3' (Ministral 3: rope_parameters.llama_4_scaling_beta scales each query "
+                  "by its position) is not supported",
+}
+"""model_types refused with their own one-line reason (the decoder would compute them wrongly)."""
 
 
 def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsupported) -> None:
     """Raise unsupported("key=value ...") for the first config entry ringctx would compute differently
-    from transformers: sliding windows, experts, partial rotary, soft-capping, other activations."""
-    if d.get("hidden_act", "silu") != "silu":
-        raise unsupported(f"hidden_act={d.get('hidden_act')!r} (only silu)")
+    from transformers: experts, partial rotary, soft-capping, other activations, MLP biases."""
+    gemma = model_type in GEMMA_TYPES
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = d.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise unsupported(f"{act_key}={act!r} (only {'gelu_pytorch_tanh' if gemma else 'silu'})")
     if d.get("mlp_bias"):
         raise unsupported("mlp_bias=true")
-    if d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+    if model_type not in PARTIAL_ROTARY_TYPES and d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
     for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
                 "num_experts_per_tok"):
         if d.get(key):
             raise unsupported(f"mixture-of-experts layers ({key}={d[key]})")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+    capped = () if gemma else ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma's final cap: read
+    for key in capped:
         if d.get(key) is not None:
             raise unsupported(f"soft-capping ({key}={d[key]})")
+    if gemma and d.get("attn_logit_softcapping") is not None:
+        # transformers 5.25's Gemma3Attention never passes it to the attention: refuse, not guess
+        raise unsupported(f"attn_logit_softcapping={d['attn_logit_softcapping']} (transformers' Gemma 3 ignores it)")
+    if gemma and d.get("use_bidirectional_attention"):
+        raise unsupported("use_bidirectional_attention=true (EmbeddingGemma: not a causal decoder)")
+    beta = (d.get("rope_parameters") or {}).get("llama_4_scaling_beta", d.get("llama_4_scaling_beta"))
+    if beta:
+        raise unsupported(f"llama_4_scaling_beta={beta} (position-dependent query scaling)")
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -46,15 +83,21 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> tuple[LayerAttention, ...]:
     """Each layer's attention kind from a config dict, as transformers decides it per model type:
 
-    - mistral: one sliding window on every layer whenever `sliding_window` is set (MistralModel
-      ignores layer_types);
+    - mistral, phi3: one sliding window on every layer whenever `sliding_window` is set (their
+      models ignore layer_types);
+    - gemma3_text: `layer_types`, else every `sliding_window_pattern`-th layer (default 6) full;
     - ministral and others: `layer_types`, else derived as transformers' config classes do:
       qwen2/qwen3 slide from layer `max_window_layers` on when `use_sliding_window`; ministral
       slides everywhere when `sliding_window` is set.
     An empty tuple when every layer is plain causal attention."""
     n_layers = int(d["num_hidden_layers"])
     window = d.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in GEMMA_TYPES and not d.get("layer_types"):
+        # transformers' Gemma3TextConfig: every `sliding_window_pattern`-th layer (default 6) is full
+        pattern = int(d.get("sliding_window_pattern") or 6)
+        d = {**d, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                  for i in range(n_layers)]}
+    if model_type in ("mistral", "phi3"):  # MistralModel / Phi3Model: one window on every layer when set
         kinds = ["sliding_attention" if window is not None else "full_attention"] * n_layers
     elif d.get("layer_types"):
         kinds = list(d["layer_types"])
@@ -89,10 +132,11 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
 def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str | None = None) -> ModelConfig:
     """The config of a Hugging Face checkpoint: a `config.json` dict, file or directory.
 
-    Accepts model_type llama, mistral, ministral, qwen2 and qwen3 (sliding windows and
-    `layer_types` included: `read_layer_attention`), with plain,
-    llama3, linear, dynamic or yarn RoPE, in both the transformers 4 (`rope_scaling`,
-    `rope_theta`) and 5 (`rope_parameters`) spellings. From a directory, the EOS ids of
+    Accepts model_type llama, mistral, ministral, qwen2, qwen3, seed_oss, phi3 (fused tensors,
+    longrope, partial rotary) and gemma3_text, and the text model of mistral3 and gemma3
+    (`WRAPPERS`), sliding windows and `layer_types` included (`read_layer_attention`), with plain,
+    llama3, linear, dynamic, yarn or (phi3) longrope RoPE, in both the transformers 4
+    (`rope_scaling`, `rope_theta`) and 5 (`rope_parameters`) spellings. From a directory, the EOS ids of
     `generation_config.json` are added too (Llama-3 instruct models end turns with <|eot_id|>,
     listed only there). Anything ringctx would compute differently from transformers (mixtures
     of experts, partial rotary, soft-capping...) is rejected with a one-line
@@ -121,6 +165,26 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         name = name or os.path.basename(os.path.normpath(directory)) or "hf-model"
     d = dict(config)
     model_type = d.get("model_type")
+    if model_type in REFUSED_TYPES:
+        raise ValueError(f"{source}: {REFUSED_TYPES[model_type]}")
+    if model_type in WRAPPERS:
+        text = d.get("text_config")
+        text_type = (text or {}).get("model_type") if isinstance(text, Mapping) else None
+        if text_type in REFUSED_TYPES:
+            raise ValueError(f"{source}: text_config: {REFUSED_TYPES[text_type]}")
+        if text_type not in WRAPPERS[model_type]:
+            raise ValueError(f"{source}: model_type {model_type!r} with text_config.model_type={text_type!r} is not "
+                             f"supported (ringctx runs its text model when that is {', '.join(WRAPPERS[model_type])})")
+        # The text model's keys, with the wrapper's ids where the text config lacks them. Tying: the
+        # wrapper's tie_word_embeddings when it has one (transformers 5 ties by the top-level
+        # config's), else the text config's, else the text model's default (Mistral: untied, as the
+        # Mistral-Small 3.x checkpoints, which carry their lm_head, were saved).
+        outer = {k: d[k] for k in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype") if k in d}
+        tie = d.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        d = {**outer, **text}
+        if tie is not None:
+            d["tie_word_embeddings"] = tie
+        model_type = text_type
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(
             f"{source}: unsupported architecture model_type={model_type!r} "
@@ -135,12 +199,46 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     absent = [key for key in required if d.get(key) is None]
     if absent:
         raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    if model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
+        d = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+             "max_position_embeddings": 131072, **{k: v for k, v in d.items() if v is not None or k not in (
+                 "head_dim", "query_pre_attn_scalar")}}
     max_position = int(d.get("max_position_embeddings") or 8192)
-    rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported)
-    attention_bias = bool(d.get("attention_bias", False))
     n_heads = int(d["num_attention_heads"])
+    head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // n_heads
+    gemma = model_type in GEMMA_TYPES
+    if gemma:
+        rope_theta, rope_scaling, local = _gemma_ropes(d, max_position, unsupported)
+    else:
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        partial = float(rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:
+            raise unsupported(f"rope_parameters.partial_rotary_factor={partial}")
+        if rope.get("rope_type", rope.get("type")) in ("longrope", "su") and model_type != "phi3":
+            raise unsupported(f"rope_type={rope.get('rope_type', rope.get('type'))!r} on model_type {model_type} "
+                              "(ringctx reads LongRoPE from phi3 configs)")
+        if model_type == "phi3" and rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
+            rope["rope_type"] = "longrope"  # Phi3Config's renaming of its older spellings
+        original = d.get("original_max_position_embeddings") if model_type == "phi3" else None
+        rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported, original)
+    layers = read_layer_attention(d, model_type, unsupported)
+    if gemma:
+        layers = _gemma_layers(d, layers, head_dim, local)
+    elif model_type == "phi3" and partial != 1.0:
+        rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * partial_rotary_factor)
+        if rotary_dim % 2 or rotary_dim <= 0:
+            raise unsupported(f"partial_rotary_factor={partial} (rotates {rotary_dim} of {head_dim} dims: not a "
+                              "positive even count)")
+        layers = tuple(dataclasses.replace(layer, rotary_dim=rotary_dim)
+                       for layer in (layers or (LayerAttention(),) * int(d["num_hidden_layers"])))
+    attention_bias = bool(d.get("attention_bias", model_type == "seed_oss"))  # SeedOssConfig's default: True
+    if model_type == "seed_oss":
+        qkv_bias, attn_out_bias = attention_bias, bool(d.get("attention_out_bias", False))
+    else:
+        # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3's attention_bias puts one on o_proj too.
+        qkv_bias = model_type == "qwen2" or attention_bias
+        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text") and attention_bias
     eos = _as_id_list(d.get("eos_token_id"))
     eos += [i for i in extra_eos if i not in eos]
     return ModelConfig(
@@ -151,20 +249,58 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         n_heads=n_heads,
         n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
         ffn_dim=int(d["intermediate_size"]),
-        head_dim=int(d.get("head_dim") or 0),
+        head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        # Qwen2 always has q/k/v biases; Llama and Qwen3's attention_bias puts one on o_proj too.
-        qkv_bias=model_type == "qwen2" or attention_bias,
-        attn_out_bias=model_type in ("llama", "qwen3") and attention_bias,
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
+        norm_eps=float(d.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6)),
+        qkv_bias=qkv_bias,
+        attn_out_bias=attn_out_bias,
+        tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # Gemma 3's configs tie by default
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         max_seq_len=max_position,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos),
-        layer_attention=read_layer_attention(d, model_type, unsupported),
+        layer_attention=layers,
+        mlp_activation="gelu_tanh" if gemma else "silu",
+        norm_plus_one=gemma,
+        post_norms=gemma,
+        embed_scale=float(int(d["hidden_size"]) ** 0.5) if gemma else 1.0,
+        final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
     )
+
+
+def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported) -> tuple[float, RopeScaling | None,
+                                                                                 tuple[float, RopeScaling | None]]:
+    """Gemma 3's two RoPEs: (global base, global scaling, (local base, local scaling)).
+
+    transformers 5 keys `rope_parameters` by layer type ({"full_attention": ..., "sliding_attention":
+    ...}); older configs have rope_theta (+ rope_scaling) for the full layers and
+    rope_local_base_freq, unscaled, for the sliding ones. Defaults as Gemma3TextConfig: 1e6 and 1e4."""
+    params = d.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(d.get("rope_scaling") or params or {})
+        full.setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        local = {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq", 10_000.0)}
+    full_theta = float(full.get("rope_theta", d.get("rope_theta", 1_000_000.0)))
+    local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0)))
+    return (full_theta, RopeScaling.from_hf(full, max_position, unsupported),
+            (local_theta, RopeScaling.from_hf(local, max_position, unsupported)))
+
+
+def _gemma_layers(d: Mapping[str, Any], layers: tuple[LayerAttention, ...], head_dim: int,
+                  local: tuple[float, RopeScaling | None]) -> tuple[LayerAttention, ...]:
+    """Gemma 3's layers: the sliding ones rotate with the local RoPE; every one scales its queries by
+    query_pre_attn_scalar^-0.5 (Gemma3Attention.scaling) where that differs from head_dim^-0.5."""
+    scalar = d.get("query_pre_attn_scalar")
+    scale = float(scalar) ** -0.5 if scalar is not None else 0.0
+    if scale == head_dim ** -0.5:
+        scale = 0.0  # the default: keeps plain layers plain
+    layers = layers or (LayerAttention(),) * int(d["num_hidden_layers"])
+    return tuple(dataclasses.replace(layer, scale=scale, **(
+        {"rope_theta": local[0], "rope_scaling": local[1]} if layer.window else {})) for layer in layers)
 
 
 def hf_config_dict(self: ModelConfig) -> dict:
@@ -172,6 +308,9 @@ def hf_config_dict(self: ModelConfig) -> dict:
     if not self.has_plain_attention:
         raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one's "
                          "layers have windows, chunks or their own RoPE")
+    if not self.is_llama_block or (self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope"):
+        raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one "
+                         "has Gemma's block or LongRoPE")
     qwen3 = self.qk_norm
     qwen2 = not qwen3 and self.qkv_bias and not self.attn_out_bias
     if qwen3 and self.qkv_bias != self.attn_out_bias:

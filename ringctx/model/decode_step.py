@@ -397,12 +397,14 @@ def step_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
-    bf16, heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
+    bf16, Llama's block (`ModelConfig.is_llama_block`), heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
     most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not config.has_plain_attention:  # its layer code computes plain causal attention only
+        return False
+    if not config.is_llama_block:  # nor other norms, activations, embedding scales or logit caps
         return False
     if not selection.fused_step_shape_fits(config.head_dim, config.n_heads, config.n_kv_heads):
         return False

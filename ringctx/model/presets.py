@@ -9,6 +9,7 @@ planning without any download.
 from __future__ import annotations
 
 from .config import LayerAttention, ModelConfig, RopeScaling
+from .config_hf import read_hf_config
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -88,6 +89,50 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009),
     ),
 }
+
+# The dense long-context families, read by read_hf_config from their published config.json values
+# (google/gemma-3-27b-it's text_config, mistralai/Mistral-Small-3.1-24B-Instruct-2503's text_config,
+# microsoft/Phi-3-mini-128k-instruct, ByteDance-Seed/Seed-OSS-36B-Instruct,
+# Qwen/Qwen2.5-14B-Instruct-1M), so that a preset is what loading the checkpoint gives; parameter
+# counts 27.0B (text model), 23.6B (text model), 3.82B, 36.2B, 14.8B. Phi-3's 48 short and 48 long
+# LongRoPE factors are NOT the published ones (placeholders: 1.0 short, 1 to 48 long): they do
+# not change a plan's costs; load the checkpoint for its real values.
+_PUBLISHED = {
+    "gemma3-27b": {
+        "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376, "intermediate_size": 21504,
+        "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+        "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear",
+                                                                                      "factor": 8.0},
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "final_logit_softcapping": None,
+        "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "bos_token_id": 2, "eos_token_id": [1, 106]},
+    "mistral-small-24b": {
+        "model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 1_000_000_000.0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2},
+    "phi3-mini-128k": {
+        "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
+                         "long_factor": [float(1 + i) for i in range(48)]},
+        "rms_norm_eps": 1e-5, "sliding_window": 262144, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": [32000, 32001, 32007]},
+    "seed-oss-36b": {
+        "model_type": "seed_oss", "vocab_size": 155136, "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 80, "num_key_value_heads": 8, "head_dim": 128,
+        "rope_theta": 10_000_000.0, "max_position_embeddings": 524288, "rms_norm_eps": 1e-6,
+        "attention_bias": True, "attention_out_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 2},
+    "qwen2.5-14b-instruct-1m": {
+        "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
+        "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "rope_theta": 10_000_000.0,
+        "max_position_embeddings": 1010000, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645},
+}
+PRESETS.update({name: read_hf_config(d, name=name) for name, d in _PUBLISHED.items()})
 """Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""
 
 

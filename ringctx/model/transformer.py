@@ -15,7 +15,9 @@ The prefill engine can drive these pieces layer by layer; `Transformer.forward` 
 
 Numerics follow Hugging Face transformers' Llama / Mistral / Qwen2 / Qwen3 ForCausalLM (RMSNorm accumulated
 in float32, rotate-half RoPE with cos/sin cast to the activation dtype, SwiGLU and residual adds in
-the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The rotary
+the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The same
+holds for the blocks ModelConfig describes beyond Llama's (Seed-OSS, Phi-3, Gemma 3: GeGLU, (1 + w)
+norms, post-norms, scaled embeddings, a soft-capped head). The rotary
 angles are computed in float64, more accurate than transformers' float32 at long positions.
 """
 
@@ -138,20 +140,30 @@ def apply_rotary_(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, as one fused op that accumulates in float32.
+    """x / sqrt(mean(x^2) + eps) * weight, as one fused op that accumulates in float32; with
+    plus_one (Gemma), x / sqrt(mean(x^2) + eps) * (1 + weight).
 
     transformers normalises in float32, rounds to the activation dtype, then multiplies by the
     weight; the fused op rounds once at the end instead. In float32 the two agree to the last
     bits; in bf16 the fused op is, if anything, closer to the exact value.
+
+    plus_one keeps the stored weight w and adds the 1 in float32 at each use, as transformers'
+    Gemma3RMSNorm does ((x * (1 + w.float())).to(dtype), the whole norm in float32). Converting w
+    to 1 + w at load would be exact in float32 but not in bf16: 1 + w rounded to bf16 keeps only
+    ~2^-8 of w's absolute precision (w is small), a 0.4% error in every norm.
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim] in x's dtype (on the CPU in one pass of ringctx's kernel)."""
+        if self.plus_one:
+            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+            return normed.mul_(self.weight.float() + 1.0).to(x.dtype)
         out = cpu.rms_norm(x, self.weight, self.eps) if x.device.type == "cpu" else None
         return out if out is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
@@ -224,7 +236,8 @@ def head_major_rows(rows: int, heads: int, head_dim: int, like: torch.Tensor) ->
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(x W_gate^T) * (x W_up^T)); w13.weight = cat(W_gate, W_up) [2*ffn, dim].
+    """Gated MLP: w2(act(x W_gate^T) * (x W_up^T)); w13.weight = cat(W_gate, W_up) [2*ffn, dim];
+    act is silu (SwiGLU) or, with config.mlp_activation "gelu_tanh", GELU's tanh form (GeGLU, Gemma).
     Under tensor parallelism `config.ffn_dim` is this rank's hidden units and w2's partial outputs
     are summed over `tp`."""
 
@@ -232,6 +245,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.tp = tp
         self.ffn_dim = config.ffn_dim
+        self.gelu = config.mlp_activation == "gelu_tanh"
         self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
@@ -239,6 +253,9 @@ class FeedForward(nn.Module):
         """x [T, dim] -> [T, dim]."""
         gate_up = linear(x, self.w13.weight)
         gate, up = gate_up[:, : self.ffn_dim], gate_up[:, self.ffn_dim :]
+        if self.gelu:  # GeGLU: transformers' act_fn(gate) * up in the activation dtype
+            gate.copy_(F.gelu(gate, approximate="tanh")).mul_(up)
+            return self.tp.all_reduce(linear(gate, self.w2.weight))
         # In place over the gate half: no [T, ffn] temporaries (w2 reads the strided view as is);
         # on the CPU one pass of ringctx's kernel instead of two PyTorch ops.
         if not (gate_up.device.type == "cpu" and cpu.swiglu_(gate_up, self.ffn_dim)):
@@ -247,18 +264,26 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h)); with config.post_norms
+    (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h)))."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
         super().__init__()
         self.layer = layer
         self.kind = kind = config.attention(layer)
-        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        plus_one = config.norm_plus_one
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         self.attention = Attention(config, tp)
+        if plus_one and config.qk_norm:  # Gemma 3's per-head q/k norms multiply by (1 + w) too
+            self.attention.q_norm = RMSNorm(config.head_dim, config.norm_eps, plus_one)
+            self.attention.k_norm = RMSNorm(config.head_dim, config.norm_eps, plus_one)
         if kind.sinks:
             self.attention.sinks = nn.Parameter(torch.zeros(config.n_heads, dtype=torch.float32))
-        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         self.feed_forward = FeedForward(config, tp)
+        # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
+        self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
+        self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.span = Span(window=kind.window, chunk=kind.chunk)
         self.scale = kind.scale or config.head_dim ** -0.5
 
@@ -307,8 +332,11 @@ class Block(nn.Module):
 
     def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows x [n, dim] and their attention output [n, Hq * D] -> the block's output rows."""
-        h = x + self.attention.output(out)
-        return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        if self.post_attention_norm is None:
+            h = x + self.attention.output(out)
+            return h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        h = x + self.post_attention_norm.forward(self.attention.output(out))
+        return h + self.post_ffn_norm.forward(self.feed_forward.forward(self.ffn_norm.forward(h)))
 
 
 class Transformer(nn.Module):
@@ -339,7 +367,7 @@ class Transformer(nn.Module):
         vocab = tp.vocab(config)
         self.tok_embeddings = nn.Embedding(vocab[1] - vocab[0], config.dim)
         self.layers = nn.ModuleList(Block(config, tp, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_plus_one)
         self.output = nn.Linear(config.dim, vocab[1] - vocab[0], bias=False)
         self.tie_weights()
         self.source: str = config.name
@@ -348,9 +376,11 @@ class Transformer(nn.Module):
         self._tokenizer_loader: Callable[[], object] | None = None
         # float64 so that angles stay exact at million-token positions; not a registered buffer,
         # so dtype casts of the module leave it alone and meta-device construction costs nothing.
-        # One table per distinct RoPE among the layers ((inv_freq, YaRN's cos/sin factor));
-        # _rope_of_layer[i] indexes it, -1 for a NoPE layer.
+        # One table per distinct RoPE among the layers ((inv_freq, YaRN's or LongRoPE's cos/sin
+        # factor)); _rope_of_layer[i] indexes it, -1 for a NoPE layer. A LongRoPE table has a twin
+        # with the long factors: _long_tables[table] = (its index in _rope_tables, original length).
         self._rope_tables: list[tuple[torch.Tensor, float]] = []
+        self._long_tables: dict[int, tuple[int, int]] = {}
         self._rope_of_layer: list[int] = []
         keys: dict = {}
         for i in range(config.n_layers):
@@ -363,6 +393,13 @@ class Transformer(nn.Module):
                 self._rope_tables.append((torch.tensor(config.rope_inv_freq(i), dtype=torch.float64, device="cpu"),
                                           config.rope_attention_factor(i)))
             self._rope_of_layer.append(keys[key])
+        for key, table in keys.items():
+            scaling = key[1]
+            if scaling is not None and scaling.switches_factors:
+                layer = self._rope_of_layer.index(table)
+                self._long_tables[table] = (len(self._rope_tables), scaling.original_max_position)
+                self._rope_tables.append((torch.tensor(config.rope_inv_freq(layer, long=True), dtype=torch.float64,
+                                                       device="cpu"), config.rope_attention_factor(layer)))
         self._one_rope = self._rope_of_layer == [0] * config.n_layers
 
     # -- pieces ------------------------------------------------------------------------------
@@ -385,25 +422,43 @@ class Transformer(nn.Module):
         """token_ids [T] long -> x [T, dim]; a clear error for ids outside the vocabulary.
 
         Under TP each rank looks up the ids of its vocabulary slice (zero rows for the others) and
-        an all-reduce sums the T ranks' rows: exact, as every row has one non-zero term."""
+        an all-reduce sums the T ranks' rows: exact, as every row has one non-zero term.
+        config.embed_scale (Gemma's sqrt(dim)) multiplies the rows, rounded to the weights' dtype
+        first as transformers' Gemma3TextScaledWordEmbedding does."""
         check_token_ids(token_ids, self.config.vocab_size)
         if self.tp.size == 1:
-            return F.embedding(token_ids, self.tok_embeddings.weight)
+            return self._scale_embedding(F.embedding(token_ids, self.tok_embeddings.weight))
         lo, hi = self.tp.vocab(self.config)
         elsewhere = (token_ids < lo) | (token_ids >= hi)
         x = F.embedding((token_ids - lo).masked_fill_(elsewhere, 0), self.tok_embeddings.weight)
-        return self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0), "tp-embed")
+        return self._scale_embedding(self.tp.all_reduce(x.masked_fill_(elsewhere[:, None], 0), "tp-embed"))
 
-    def rope(self, positions: torch.Tensor) -> "RopeAngles | LayerRopes":
+    def _scale_embedding(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] (a tensor of ours) times config.embed_scale in x's dtype, in place."""
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x.mul_(torch.tensor(scale, dtype=x.dtype, device=x.device))
+
+    def rope(self, positions: torch.Tensor, sequence_end: int | None = None) -> "RopeAngles | LayerRopes":
         """Rotary cos/sin for positions [T] long (global positions), in the activation dtype: one
         RopeAngles when every layer rotates alike, else LayerRopes (a RopeAngles per layer).
 
         Global positions make ring attention exact with any scaling: a rank holding tokens past
         the original context gets the angles one device would. A ValueError for positions the
         scaling cannot compute exactly (dynamic RoPE past its original context, see RopeScaling).
+
+        sequence_end: one past the last position of the whole prompt these positions belong to
+        (default: the largest position + 1). LongRoPE layers rotate with their long factors iff
+        sequence_end > their original_max_position (see RopeScaling), so every chunk of a prompt
+        prefilled in pieces, and every ring rank's share, rotates as one call over it would.
         """
         check_rope_positions(self.config, positions)
-        angles = [self._angles(positions, i) for i in range(len(self._rope_tables))]
+        angles = []
+        if self._long_tables:
+            end = sequence_end if sequence_end is not None else (
+                int(positions.max()) + 1 if positions.numel() else 0)
+        for i in range(len(self._rope_tables) - len(self._long_tables)):
+            long, original = self._long_tables.get(i, (i, 0))
+            angles.append(self._angles(positions, long if original and end > original else i))
         return angles[0] if self._one_rope else LayerRopes(angles, self._rope_of_layer)
 
     def _angles(self, positions: torch.Tensor, table: int) -> RopeAngles:
@@ -433,7 +488,11 @@ class Transformer(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [N, dim] -> float32 logits [N, vocab] (under TP: on every TP rank,
         each computing its vocabulary slice, then one all-gather)."""
-        return self.tp.gather_vocab(linear(x, self.output.weight).float(), self.config.vocab_size)
+        logits = self.tp.gather_vocab(linear(x, self.output.weight).float(), self.config.vocab_size)
+        cap = self.config.final_softcap
+        if cap:  # Gemma's final_logit_softcapping (transformers: in the logits' dtype; here float32)
+            logits = logits.div_(cap).tanh_().mul_(cap)
+        return logits
 
     # -- forward -----------------------------------------------------------------------------
 

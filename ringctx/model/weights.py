@@ -183,7 +183,7 @@ class WeightFiller:
 
 
 def init_random(model: Transformer, seed: int = 0) -> None:
-    """Deterministic random weights: N(0, 0.02) matrices and biases, unit norm weights.
+    """Deterministic random weights: N(0, 0.02) matrices and biases, unit norm gains.
 
     Every parameter of the whole model is drawn in blocks of rows, each block from a CPU generator
     seeded by (seed, parameter name, block), in float32, then copied into place. So the values do
@@ -192,8 +192,8 @@ def init_random(model: Transformer, seed: int = 0) -> None:
     """
     with torch.no_grad():
         for name, param in model.named_parameters(remove_duplicate=True):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if name.endswith("norm.weight"):  # a unit gain: 0 where norms multiply by (1 + w) (Gemma)
+                param.fill_(0.0 if model.config.norm_plus_one else 1.0)
                 continue
             full_shape, rows, cols = _full_rows(model, name, param)
             row_numel = math.prod(full_shape[1:])

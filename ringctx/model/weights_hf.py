@@ -25,8 +25,11 @@ _NOT_PARAMETERS_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict[str, WeightPiece]:
-    """Hugging Face tensor name -> where it goes (Llama / Mistral / Qwen2 / Qwen3 naming), and
-    which slice of it TP rank `tp.rank` holds. `config` is the whole model's."""
+    """Hugging Face tensor name -> where it goes (Llama / Mistral / Qwen2 / Qwen3 / Seed-OSS /
+    Gemma 3 naming, text models of image-text checkpoints renamed by `text_tensor_name`), and which
+    slice of it TP rank `tp.rank` holds. `config` is the whole model's. Phi-3's fused qkv_proj and
+    gate_up_proj appear here as their parts (`FUSED_PARTS`), each read from its rows of the file's
+    tensor by `load_hf_weights`."""
     pieces: dict[str, WeightPiece] = {}
     local = tp.shard_config(config)
 
@@ -40,7 +43,12 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         add(f"{hf}.input_layernorm.weight", f"{ours}.attention_norm.weight")
-        add(f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
+        if config.post_norms:  # Gemma: post_attention_layernorm norms the attention output
+            add(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_attention_norm.weight")
+            add(f"{hf}.pre_feedforward_layernorm.weight", f"{ours}.ffn_norm.weight")
+            add(f"{hf}.post_feedforward_layernorm.weight", f"{ours}.post_ffn_norm.weight")
+        else:
+            add(f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
             for which in "qkv":
                 add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
@@ -55,6 +63,50 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict
         add(f"{hf}.mlp.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
         add(f"{hf}.mlp.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
+
+
+FUSED_PARTS = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                             "self_attn.v_proj.weight"),
+               "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+"""Phi-3's fused tensors (name suffix) -> the tensors they stack by rows, in order: q, k, v heads;
+gate then up (transformers' Phi3MLP chunks gate_up in two, gate first)."""
+
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+"""Image-text checkpoints' text-model prefixes -> the causal LM's: transformers 5 saves
+Mistral3/Gemma3ForConditionalGeneration as model.language_model.* (+ lm_head.*), the checkpoints
+published before it as language_model.model.* (+ language_model.lm_head.*)."""
+
+_NOT_TEXT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+"""Tensors of an image-text checkpoint's vision side: ringctx runs the text model only, these are skipped."""
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name as the causal LM's (image-text checkpoints' text model renamed),
+    or None for a vision tensor ringctx skips."""
+    if name.startswith(_NOT_TEXT_PREFIXES):
+        return None
+    for prefix, causal in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return causal + name[len(prefix):]
+    return name
+
+
+def fused_parts(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """For a fused tensor (Phi-3's qkv_proj / gate_up_proj), its parts: [(part's name, first row,
+    row after the last)] in the file's tensor; None for any other tensor."""
+    for suffix, parts in FUSED_PARTS.items():
+        if name.endswith("." + suffix):
+            stem = name[: -len(suffix)]
+            D = config.head_dim
+            sizes = ([config.n_heads * D, config.n_kv_heads * D, config.n_kv_heads * D]
+                     if suffix.startswith("self_attn") else [config.ffn_dim, config.ffn_dim])
+            out, start = [], 0
+            for part, size in zip(parts, sizes):
+                out.append((stem + part, start, start + size))
+                start += size
+            return out
+    return None
 
 
 def safetensors_files(directory: str) -> list[str]:
@@ -94,22 +146,41 @@ def load_hf_weights(model, directory: str) -> None:
             raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); it is "
                              "truncated or corrupt, re-download it") from None
         with handle:
-            for name in handle.keys():
-                if name.endswith(_NOT_PARAMETERS_SUFFIXES):
+            for file_name in handle.keys():
+                name = text_tensor_name(file_name)
+                if name is None or name.endswith(_NOT_PARAMETERS_SUFFIXES):
                     continue
                 if name == "lm_head.weight" and config.tie_embeddings:
                     continue  # some saves write the tied head too; it equals the embedding
-                piece = filler.piece(name)
-                filler.check_shape(piece, tuple(handle.get_slice(name).get_shape()))
-                try:  # a TP rank reads only its slice of the memory-mapped file
-                    value = handle.get_tensor(name) if piece.take is None else \
-                        handle.get_slice(name)[piece.take.index()]
-                except Exception as e:
-                    raise ValueError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e}); the file "
-                                     "is truncated or corrupt, re-download it") from None
-                filler.put(piece, value)
-                del value
+                shape = tuple(handle.get_slice(file_name).get_shape())
+                parts = fused_parts(name, config)
+                if parts is not None and shape and shape[0] != parts[-1][2]:
+                    raise ValueError(f"{directory}: tensor {file_name!r} has shape {shape}, but the model config "
+                                     f"needs {parts[-1][2]} rows; the weights do not match the config")
+                for part, start, stop in parts or [(name, 0, None)]:
+                    piece = filler.piece(part)
+                    filler.check_shape(piece, shape if stop is None else (stop - start, *shape[1:]))
+                    try:  # a TP rank reads only its slice of the memory-mapped file
+                        value = _read(handle, file_name, piece, start, stop)
+                    except Exception as e:
+                        raise ValueError(f"{path}: cannot read tensor {file_name!r} ({type(e).__name__}: {e}); the "
+                                         "file is truncated or corrupt, re-download it") from None
+                    filler.put(piece, value)
+                    del value
     filler.finish()
+
+
+def _read(handle, name: str, piece: WeightPiece, start: int, stop: int | None) -> torch.Tensor:
+    """The values of `piece` from tensor `name` of an open safetensors file: all of it (stop None)
+    or its rows start..stop-1 (a fused tensor's part), cut to the piece's TP slice (rows or columns)."""
+    if stop is None:
+        return handle.get_tensor(name) if piece.take is None else handle.get_slice(name)[piece.take.index()]
+    take = piece.take
+    if take is None:
+        return handle.get_slice(name)[start:stop]
+    if take.dim == 0:
+        return handle.get_slice(name)[start + take.start:start + take.stop]
+    return handle.get_slice(name)[start:stop][take.index()]
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, name: str | None = None,
