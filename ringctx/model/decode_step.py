@@ -208,7 +208,8 @@ class FusedBatchStep:
         self._prepare(B)
         sources, keep = self._sources(documents, own, B)
         x = model.embed(torch.tensor(tokens, dtype=torch.long)).contiguous()  # a new tensor: the kernel writes it
-        rope = model.rope(torch.tensor(positions, dtype=torch.long))
+        at = torch.tensor(positions, dtype=torch.long)
+        rope = model.rope(at, sequence_end=at + 1)  # each row is its own sequence's step (LongRoPE)
         cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
         self._merge, self._merge_error = merge, None
         try:

@@ -438,7 +438,7 @@ class Transformer(nn.Module):
         scale = self.config.embed_scale
         return x if scale == 1.0 else x.mul_(torch.tensor(scale, dtype=x.dtype, device=x.device))
 
-    def rope(self, positions: torch.Tensor, sequence_end: int | None = None) -> "RopeAngles | LayerRopes":
+    def rope(self, positions: torch.Tensor, sequence_end: "int | torch.Tensor | None" = None) -> "RopeAngles | LayerRopes":
         """Rotary cos/sin for positions [T] long (global positions), in the activation dtype: one
         RopeAngles when every layer rotates alike, else LayerRopes (a RopeAngles per layer).
 
@@ -449,7 +449,9 @@ class Transformer(nn.Module):
         sequence_end: one past the last position of the whole prompt these positions belong to
         (default: the largest position + 1). LongRoPE layers rotate with their long factors iff
         sequence_end > their original_max_position (see RopeScaling), so every chunk of a prompt
-        prefilled in pieces, and every ring rank's share, rotates as one call over it would.
+        prefilled in pieces, and every ring rank's share, rotates as one call over it would. A
+        LongTensor [T]: each row's own end (a batched decode step, whose rows are different
+        sequences: positions + 1, each as its sequence's step alone would choose).
         """
         check_rope_positions(self.config, positions)
         angles = []
@@ -458,7 +460,15 @@ class Transformer(nn.Module):
                 int(positions.max()) + 1 if positions.numel() else 0)
         for i in range(len(self._rope_tables) - len(self._long_tables)):
             long, original = self._long_tables.get(i, (i, 0))
-            angles.append(self._angles(positions, long if original and end > original else i))
+            if not original:
+                angles.append(self._angles(positions, i))
+            elif isinstance(end, torch.Tensor):  # per row: a batch step's sequences each decide
+                short_angles, long_angles = self._angles(positions, i), self._angles(positions, long)
+                pick = (end > original).to(positions.device).view(-1, 1, 1)
+                angles.append(RopeAngles(torch.where(pick, long_angles.cos, short_angles.cos),
+                                         torch.where(pick, long_angles.sin, short_angles.sin)))
+            else:
+                angles.append(self._angles(positions, long if end > original else i))
         return angles[0] if self._one_rope else LayerRopes(angles, self._rope_of_layer)
 
     def _angles(self, positions: torch.Tensor, table: int) -> RopeAngles:

@@ -240,7 +240,8 @@ class BatchDecoder:
                 x = self._fused(tokens, positions, documents, own, merge)
             else:
                 x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
-                rope = model.rope(torch.tensor(positions, dtype=torch.long, device=model.device))
+                at = torch.tensor(positions, dtype=torch.long, device=model.device)
+                rope = model.rope(at, sequence_end=at + 1)  # each sequence's own step (LongRoPE)
                 for index, block in enumerate(model.layers):
                     x = block.forward(x, rope, attend, index)
             logits = step_logits(model, x) if self.rank == 0 else None

@@ -418,7 +418,7 @@ class PrefillRun:
 
         x = model.embed(layout.shard(self.token_ids[s:e].to(model.device), rank))
         positions = layout.positions(rank).to(model.device)
-        rope = model.rope(positions)
+        rope = model.rope(positions, sequence_end=self.cached_len + self.T)  # the whole prompt's (LongRoPE)
         record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, 0.0, short_reason, formula)
         return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before,
                                 self._fused_prefill(e - s, rows_before))

@@ -1,5 +1,5 @@
 """The engine on models whose layers slide (Ministral: sliding and full layers; Qwen2 with
-use_sliding_window), against transformers: prefills at W = 1-3 with pass-KV and pass-Q forced and
+use_sliding_window; Gemma 3 with two RoPEs), or rotate by LongRoPE (Phi-3), against transformers: prefills at W = 1-3 with pass-KV and pass-Q forced and
 chunks that put window edges inside pieces and across chunks; a document split over two decode
 ranks answering greedily as transformers does, alone and batched (ask_many) with a question
 asked on a second document; every answer the same across world sizes and decode ranks."""
@@ -90,3 +90,22 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
         other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
         "".join(other)
         assert other.result.token_ids == reference_answer(hf, doc_b + questions[1])
+
+
+@pytest.mark.parametrize("case", ["phi3-longrope", "gemma3-text"])
+def test_long_context_families_through_the_engine(case, tmp_path):
+    """Phi-3's LongRoPE: a 70-token prompt in chunks of 16 on 2 ranks rotates every chunk with the
+    long factors (the whole prompt is past the original 32), as transformers' one call does; a
+    20-token prompt keeps the short ones. Gemma 3: windows of 8 over 2 ranks, both RoPEs."""
+    from tests.model.test_model_families_long import LONG, SHORT, random_hf_model
+
+    hf = random_hf_model(case)
+    hf.save_pretrained(tmp_path)
+    with Engine(str(tmp_path), nproc=2, dtype="float32", decode_ranks=1) as engine:
+        for n in (SHORT, LONG):
+            ids = prompt(n, seed=5)
+            with torch.no_grad():
+                ref = hf(ids[None]).logits[0, -1:]
+            for strategy in ("pass-kv", "pass-q"):
+                assert rel_err(engine.prefill(ids, chunk_tokens=16, strategy=strategy).logits, ref) < 1e-4, \
+                    (case, n, strategy)
