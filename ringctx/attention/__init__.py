@@ -5,13 +5,14 @@ Nothing here talks between ranks (no torch.distributed); ringctx.parallel builds
 
 from .kernels import BACKENDS, attention_block, attention_with_cache, reads_kv_in_place, resolve_backend
 from .merge import PartialAccumulator, merge_partials, sanitize_lse
-from .reference import causal_mask, reference_attention
+from .reference import band_mask, causal_mask, reference_attention
 
 __all__ = [
     "BACKENDS",
     "PartialAccumulator",
     "attention_block",
     "attention_with_cache",
+    "band_mask",
     "causal_mask",
     "merge_partials",
     "reads_kv_in_place",

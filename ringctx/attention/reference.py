@@ -6,7 +6,8 @@ small. It follows the same conventions as every other attention call in ringctx:
     q [T, Hq, D], k and v [S, Hkv, D]  ->  out [T, Hq, D] float64, lse [Hq, T] float64
 
 `visible[t, s]` says whether query t may see key s; a query that sees no key gets out = 0 and
-lse = -inf.
+lse = -inf. `softcap` > 0 caps every scaled score s to softcap * tanh(s / softcap) before the
+softmax (Gemma 2, gpt-oss style logit soft-capping); lse is over the capped scores.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def reference_attention(
     v: torch.Tensor,
     visible: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention in float64 with an explicit boolean visibility mask.
 
@@ -30,6 +32,7 @@ def reference_attention(
         k, v: [S, Hkv, D] keys and values; query head h reads KV head h // (Hq // Hkv).
         visible: [T, S] bool, True where query t may attend to key s; None means all visible.
         softmax_scale: defaults to 1/sqrt(D).
+        softcap: > 0: scores s = scale * q.k become softcap * tanh(s / softcap); 0: no cap.
 
     Returns:
         (out [T, Hq, D] float64, lse [Hq, T] float64, natural log).
@@ -49,6 +52,8 @@ def reference_attention(
     k64 = k.double().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
     v64 = v.double().transpose(0, 1).repeat_interleave(group, dim=0)
     scores = torch.einsum("htd,hsd->hts", q64, k64) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     if visible is not None:
         scores = scores.masked_fill(~visible.to(scores.device).unsqueeze(0), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, T]; -inf for rows with no visible key
@@ -69,4 +74,23 @@ def causal_mask(
     visible = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
     if q_seq_ids is not None and k_seq_ids is not None:
         visible &= q_seq_ids.unsqueeze(1) == k_seq_ids.unsqueeze(0)
+    return visible
+
+
+def band_mask(T: int, S: int, q_offset: int = 0, window: int = 0, device=None) -> torch.Tensor:
+    """[T, S] bool mask of a causal (optionally sliding-window) block of T queries against S keys.
+
+    Query row i sees key row j iff j <= i + q_offset and (window == 0 or j > i + q_offset - window):
+    the block's queries sit q_offset positions after its first key, and a window W keeps the last
+    W keys up to and including the query's own position. q_offset = 0, window = 0, T == S is the
+    square causal block; rows may see no key (q_offset < 0, or a window past the keys).
+
+    Example:
+        >>> band_mask(3, 4, q_offset=1, window=2).int().tolist()
+        [[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+    rel = torch.arange(T, device=device).unsqueeze(1) + q_offset - torch.arange(S, device=device).unsqueeze(0)
+    visible = rel >= 0  # rel = (i + q_offset) - j: how far key j is behind query i
+    if window > 0:
+        visible &= rel < window
     return visible
