@@ -286,9 +286,11 @@ def _band(causal, q_offset, window, softcap) -> tuple[int, int, float]:
         raise ValueError(f"triton_attention_block: window={window} must be >= 0 (0: no window)")
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"triton_attention_block: softcap={softcap} must be a finite number >= 0 (0: no cap)")
-    # The kernel forms i + q_offset - window + 1 in 64 bits, but a launch argument must fit 32.
-    if not (-2**31 < q_offset < 2**31 and window < 2**31):
-        raise ValueError(f"triton_attention_block: q_offset={q_offset} / window={window} beyond 32 bits")
+    # The kernel forms the band's ends in 64 bits, but a launch argument must fit 32, and its masks
+    # use window + BLOCK_N in 32 bits: windows below 2^30 (a billion tokens) are plenty.
+    if not (-2**31 < q_offset < 2**31 and window < 2**30):
+        raise ValueError(f"triton_attention_block: q_offset={q_offset} beyond 32 bits or window={window} "
+                         "beyond 2^30")
     return q_offset, window, softcap
 
 
@@ -590,46 +592,55 @@ def _attn_fwd_kernel(
         else:
             start = full_hi
             end = band_hi
-        for start_n in range(start, end, BLOCK_N):
-            cols = start_n + offs_n
-            kv_off = cols.to(tl.int64)[:, None]
-            k_ptrs = k_base + kv_off * stride_kt + offs_d[None, :]
-            v_ptrs = v_base + kv_off * stride_vt + offs_d[None, :]
-            if stage == 1:
-                if BLOCK_D == HEAD_DIM:  # whole tiles in bounds: plain (vectorized, async) loads
-                    kt = tl.load(k_ptrs)
-                    vt = tl.load(v_ptrs)
+        if stage != 0 or WINDOW:  # without a window stage 0 is always empty: not even emitted
+            for start_n in range(start, end, BLOCK_N):
+                cols = start_n + offs_n
+                kv_off = cols.to(tl.int64)[:, None]
+                k_ptrs = k_base + kv_off * stride_kt + offs_d[None, :]
+                v_ptrs = v_base + kv_off * stride_vt + offs_d[None, :]
+                if stage == 1:
+                    if BLOCK_D == HEAD_DIM:  # whole tiles in bounds: plain (vectorized, async) loads
+                        kt = tl.load(k_ptrs)
+                        vt = tl.load(v_ptrs)
+                    else:
+                        kt = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                        vt = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
                 else:
-                    kt = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                    vt = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
-                kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                vt = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * score_mul
-            if SOFTCAP:
-                s = _tanh(s) * score_cap
-            if stage != 1:
-                visible = (cols < k_len)[None, :]
-                if CAUSAL:
-                    # rel = (i + q_offset) - j: how far key j is behind row i (64-bit: see above)
-                    rel = (offs_m.to(tl.int64) + q_offset)[:, None] - cols[None, :]
-                    visible = visible & (rel >= 0)
-                    if WINDOW:
-                        visible = visible & (rel < window)
-                s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if stage != 1:
-                # A row with no visible key so far has m_new = -inf; shift by 0 instead so that
-                # exp2(-inf - -inf) = NaN never happens (p and alpha come out as exact zeros).
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_use = m_new
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
-            m_i = m_new
+                    kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+                    kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                    vt = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * score_mul
+                if SOFTCAP:
+                    s = _tanh(s) * score_cap
+                if stage != 1:
+                    visible = (cols < k_len)[None, :]
+                    if CAUSAL:
+                        # rel = (i + q_offset) - j, how far key j is behind row i, in 32 bits: the
+                        # tile's lag (first row's diagonal - first key) plus the in-tile offsets.
+                        # Clamping the lag to [-BLOCK_M, window + BLOCK_N] changes no comparison
+                        # (beyond it every rel of the tile is < 0, or >= window / > 0 alike).
+                        if WINDOW:
+                            top = window + BLOCK_N
+                        else:
+                            top = BLOCK_N
+                        lag = tl.minimum(tl.maximum(diag_first - start_n, -BLOCK_M), top).to(tl.int32)
+                        rel = (tl.arange(0, BLOCK_M) + lag)[:, None] - offs_n[None, :]
+                        visible = visible & (rel >= 0)
+                        if WINDOW:
+                            visible = visible & (rel < window)
+                    s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                if stage != 1:
+                    # A row with no visible key so far has m_new = -inf; shift by 0 instead so that
+                    # exp2(-inf - -inf) = NaN never happens (p and alpha come out as exact zeros).
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                p = tl.math.exp2(s - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+                m_i = m_new
 
     empty = l_i == 0.0  # the row saw no key: out = 0, lse = -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -166,6 +166,7 @@ def test_public_dispatch_reaches_the_kernel():
     dict(causal=True, softcap=-1.0),            # negative cap
     dict(causal=True, softcap=float("nan")),    # NaN cap
     dict(causal=True, q_offset=2**31),          # beyond a launch argument's 32 bits
+    dict(causal=True, window=2**30),            # beyond the masks' 32-bit arithmetic
     dict(hq=3, hkv=2),                          # Hq not a multiple of Hkv
     dict(kv_dtype=torch.float16),               # dtype mismatch
     dict(cu_q=[0, 3, 8], cu_k=[0, 4, 8], causal=True),  # causal packed not square per sequence
@@ -412,6 +413,9 @@ BAND_CASES = [  # T, S, q_offset, window, softcap, hq, hkv, d
     (10, 30, 35, 0, 0.0, 4, 1, 32),     # q_offset beyond S: every row sees every key
     (10, 30, 35, 8, 0.0, 4, 1, 32),     # ... with a window that leaves the first rows nothing
     (12, 20, -30, 4, 2.0, 4, 1, 32),    # no row sees any key
+    (8, 20, 2**31 - 100, 0, 0.0, 2, 1, 32),   # offsets near int32's limits: every key ...
+    (8, 20, 2**31 - 100, 5, 0.0, 2, 1, 32),   # ... no key (the window is far past the keys)
+    (8, 20, -(2**31 - 100), 7, 0.0, 2, 1, 32),  # ... no key (before them)
 ]
 
 
