@@ -10,8 +10,15 @@ leaves what it measured; a section that fails is recorded and the next one runs)
               float64 reference: bf16/fp16 by the 2x rule (error at most 2x that of PyTorch's own
               unsharded computation in that dtype), fp32 (Triton) within 1e-5; full and diagonal
               blocks, GQA, head dims 64/80/128, packed sequences
+  band        sliding-window (banded) and soft-capped blocks against the float64 reference: the
+              Triton kernel (q_offset, window, softcap), flash-attn's band path where its
+              bottom-right alignment applies (and that it declines the other blocks), and the
+              PyTorch band fallback; bf16 by the 2x rule, fp32 within 1e-5; the decode kernel's cap
   attention   TFLOP/s of the Triton kernel, PyTorch's flash SDPA op and flash-attn (if installed),
               causal bf16, S = 16K and 64K, head dims 64 and 128
+  window      a windowed block (T = S = 32K, W = 1024 and 4096, d 128, bf16) against the full
+              causal block: Triton (and flash-attn when installed), TFLOP/s on the FLOPs actually
+              in the band, and the time ratio full / windowed
   decode      decode attention of B = 1..16 query tokens (one per question about one document)
               against a long K/V: the split-K Triton decode kernel against float64 (bf16 within
               2x PyTorch's own bf16 error), and its K/V read bandwidth against the Triton block
@@ -267,6 +274,117 @@ def correctness_section(ck: Check) -> dict:
     return {"attention": rows}
 
 
+def _torch_unsharded_capped(q, k, v, visible, scale, softcap):
+    """The 2x-rule baseline for soft-capped blocks (SDPA cannot cap): PyTorch in the input dtype,
+    explicit scores (expanded KV heads), capped, masked softmax, all in q's dtype. Returns
+    (out [T, Hq, D], lse [Hq, T] float32 of those 16-bit scores: the lse baseline)."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.repeat_interleave(g, dim=1).transpose(0, 1), v.repeat_interleave(g, dim=1).transpose(0, 1)
+    s = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.matmul(p, vh).transpose(0, 1), torch.logsumexp(s.float(), dim=-1)
+
+
+def band_section(ck: Check) -> dict:
+    """Windowed and soft-capped blocks (q_offset, window, softcap) against float64."""
+    import math
+
+    import torch
+
+    from ringctx.attention.gpu_blocks import flash_attn_band_block, torch_band_block
+    from ringctx.attention.kernels import flash_attn_available
+    from ringctx.attention.reference import band_mask, reference_attention
+    from ringctx.attention.triton_attn import triton_attention_block, triton_decode_attention
+
+    dev = ck.device
+    lowp = torch.float32 if ck.dry else torch.bfloat16
+    small = 0.125 if ck.dry else 1.0
+    n = lambda x: max(4, int(x * small))  # noqa: E731
+    cases = [  # name, T, S, q_offset, window, softcap, hq, hkv, d, dtype
+        ("square-w256-d128-gqa4", n(1024), n(1024), 0, n(256), 0.0, 16, 4, 128, lowp),
+        ("aligned-w300-cap30-d64", n(512), n(1536), n(1536) - n(512), n(300), 30.0, 9, 3, 64, lowp),
+        ("ring-w384-cap50-d128", n(512), n(1024), n(256), n(384), 50.0, 8, 2, 128, lowp),
+        ("empty-rows-w64-d80", n(300), n(200), -n(50), n(64), 0.0, 8, 2, 80, lowp),
+        ("w1-d64", n(256), n(256), 0, 1, 0.0, 4, 4, 64, lowp),
+        ("fp32-w100-cap20-d64", n(600), n(600), 0, n(100), 20.0, 8, 2, 64, torch.float32),
+    ]
+    flash = not ck.dry and flash_attn_available()
+    rows = []
+    for i, (name, T, S, off, w, cap, hq, hkv, d, dtype) in enumerate(cases):
+        q, k, v = _inputs(T, S, hq, hkv, d, dtype, dev, seed=100 + i)
+        q = q * 2  # scores large enough for the cap to bend them
+        scale = 1.0 / math.sqrt(d)
+        vis = band_mask(T, S, off, w, device=dev)
+        ref_out, ref_lse = reference_attention(q, k, v, vis, scale, softcap=cap)
+        # 2x rule: out against PyTorch's own 16-bit computation (SDPA, or explicit scores when
+        # capped); lse within 1e-4 (float32 from exact 16-bit products) or, capped, twice the
+        # 16-bit baseline's (flash-attn caps with an approximate tanh).
+        fin = torch.isfinite(ref_lse)
+        base_lse_err = 0.0
+        if cap > 0:
+            base, base_lse = _torch_unsharded_capped(q, k, v, vis, scale, cap)
+            base_lse_err = (base_lse.double()[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+        else:
+            base = _torch_unsharded(q, k, v, vis)
+        base_err = (base.double() - ref_out).abs().max().item()
+        runs = {"triton": lambda: triton_attention_block(q, k, v, causal=True, softmax_scale=scale, q_offset=off,
+                                                         window=w, softcap=cap),
+                "torch-band": lambda: torch_band_block(q, k, v, scale=scale, q_offset=off, window=w, softcap=cap)}
+        if flash:
+            runs["flash-attn"] = lambda: flash_attn_band_block(q, k, v, scale=scale, q_offset=off, window=w, softcap=cap)
+        for b, fn in runs.items():
+            row = {"case": name, "backend": b, "dtype": str(dtype).replace("torch.", ""), "T": T, "S": S,
+                   "q_offset": off, "window": w, "softcap": cap}
+            try:
+                res = fn()
+                if res is None:  # flash-attn declines: it must be exactly the blocks it cannot express
+                    expected = off != S - T or dtype == torch.float32
+                    row.update(declined=True, ok=bool(expected))
+                else:
+                    out, lse = res
+                    err = (out.double() - ref_out).abs().max().item()
+                    lse_err = (lse.double()[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+                    tol = 1e-5 if dtype == torch.float32 else 2 * base_err
+                    lse_tol = 2e-5 if dtype == torch.float32 else max(1e-4, 2 * base_lse_err)
+                    ok = (err <= tol and lse_err <= lse_tol and not torch.isnan(out).any().item()
+                          and torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and out.dtype == dtype)
+                    row.update(err=err, torch_err=base_err, tol=tol, lse_err=lse_err, ok=bool(ok))
+            except Exception as e:  # noqa: BLE001
+                row.update(ok=False, error=f"{type(e).__name__}: {e}")
+            rows.append(row)
+            what = ("declined (not its alignment / dtype)" if row.get("declined") else
+                    f"err {row['err']:.2e} (torch {base_err:.2e}) lse {row['lse_err']:.1e}" if "err" in row
+                    else row.get("error", ""))
+            print(f"  {name:24s} {b:10s} {what} " + ("ok" if row["ok"] else "FAIL"), flush=True)
+            if not row["ok"]:
+                ck.fail(f"band {name} {b}")
+    # The decode kernel's cap (a decode block is full: no band).
+    q, k, v = _inputs(8, n(4096), 32, 8, 128, lowp, dev, seed=199)
+    q = q * 2
+    ref_out, ref_lse = reference_attention(q, k, v, None, 1 / math.sqrt(128), softcap=30.0)
+    base, base_lse = _torch_unsharded_capped(q, k, v, torch.ones(8, k.shape[0], dtype=torch.bool, device=dev),
+                                             1 / math.sqrt(128), 30.0)
+    base_err = (base.double() - ref_out).abs().max().item()
+    out, lse = triton_decode_attention(q, k, v, softcap=30.0)
+    err = (out.double() - ref_out).abs().max().item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    tol = 1e-5 if lowp == torch.float32 else 2 * base_err
+    lse_tol = 2e-5 if lowp == torch.float32 else max(1e-4, 2 * (base_lse.double() - ref_lse).abs().max().item())
+    ok = err <= tol and lse_err <= lse_tol
+    rows.append({"case": "decode-cap30-d128", "backend": "triton-decode", "err": err, "torch_err": base_err,
+                 "tol": tol, "lse_err": lse_err, "ok": bool(ok)})
+    print(f"  {'decode-cap30-d128':24s} {'triton-dec':10s} err {err:.2e} (torch {base_err:.2e}) lse {lse_err:.1e} "
+          + ("ok" if ok else "FAIL"), flush=True)
+    if not ok:
+        ck.fail("band decode-cap30-d128 triton-decode")
+    return {"rows": rows}
+
+
 def kv8_section(ck: Check) -> dict:
     """8-bit KV caches on the device: attention_block_quantized (its blocked path there) against
     float64 on the dequantized rows, then one decode step's attention over a long cache, bf16
@@ -404,6 +522,70 @@ def attention_section(ck: Check) -> dict:
     if target:
         ck.results["targets"]["triton >= 0.7 x sdpa flash (S=16K, d=128, causal bf16)"] = {
             "ratio": target["triton_vs_sdpa"], "met": target["triton_vs_sdpa"] >= 0.7}
+    return {"rows": rows}
+
+
+def _band_pairs(T: int, S: int, q_offset: int, window: int) -> int:
+    """Visible (query, key) pairs of a band block, counted in closed form per row:
+    row i sees min(i + q_offset, S - 1) - max(i + q_offset - window + 1, 0) + 1 keys (if > 0)."""
+    total = 0
+    for i in range(T):  # T <= 64K here: a Python loop is fast enough
+        hi = min(i + q_offset, S - 1)
+        lo = max(i + q_offset - window + 1, 0) if window else 0
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def window_section(ck: Check) -> dict:
+    """A windowed block against the full causal block: TFLOP/s on the band's own FLOPs."""
+    import torch
+
+    from ringctx.attention.gpu_blocks import flash_attn_band_block
+    from ringctx.attention.kernels import flash_attn_available
+    from ringctx.attention.triton_attn import triton_attention_block
+
+    S, d, hq, hkv = (256, 64, 4, 2) if ck.dry else (32768, 128, 32, 8)
+    windows = (32, 64) if ck.dry else (1024, 4096)
+    dtype = torch.float32 if ck.dry else torch.bfloat16
+    q, k, v = _inputs(S, S, hq, hkv, d, dtype, ck.device, seed=77)
+    scale = d ** -0.5
+    flash = not ck.dry and flash_attn_available()
+    rows = []
+    full_flops = 4 * hq * d * _band_pairs(S, S, 0, 0)
+    full = {}
+    for name, fn in [("triton", lambda: triton_attention_block(q, k, v, causal=True)),
+                     ("flash-attn", lambda: flash_attn_band_block(q, k, v, scale=scale, q_offset=0, window=0))]:
+        if name == "flash-attn" and not flash:
+            continue
+        try:
+            sec = timed(ck, fn)
+            full[name] = {"ms": round(sec * 1e3, 3), "tflops": round(full_flops / sec / 1e12, 1), "s": sec}
+        except Exception as e:  # noqa: BLE001
+            full[name] = {"error": f"{type(e).__name__}: {e}"}
+    rows.append({"T": S, "S": S, "window": 0, "d": d, "hq": hq, "hkv": hkv, "band_flops": full_flops,
+                 **{name: {x: y for x, y in r.items() if x != "s"} for name, r in full.items()}})
+    print("  " + json.dumps(rows[-1]), flush=True)
+    for w in windows:
+        if ck.left() < 30:
+            rows.append({"window": w, "skipped": "time budget"})
+            continue
+        flops = 4 * hq * d * _band_pairs(S, S, 0, w)  # two matmuls over the pairs in the band
+        row = {"T": S, "S": S, "window": w, "d": d, "hq": hq, "hkv": hkv, "band_flops": flops}
+        runs = {"triton": lambda: triton_attention_block(q, k, v, causal=True, window=w)}
+        if flash:
+            runs["flash-attn"] = lambda: flash_attn_band_block(q, k, v, scale=scale, q_offset=0, window=w)
+        for name, fn in runs.items():
+            try:
+                sec = timed(ck, fn)
+                row[name] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1)}
+                if "s" in full.get(name, {}):  # unrounded: a dry run's TFLOP/s round to 0
+                    row[name]["full_over_window_time"] = round(full[name]["s"] / sec, 2)
+                    row[name]["window_over_full_tflops"] = round(flops / sec / (full_flops / full[name]["s"]), 3)
+            except Exception as e:  # noqa: BLE001
+                row[name] = {"error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
+    del q, k, v
     return {"rows": rows}
 
 
@@ -716,8 +898,8 @@ def main() -> int:
         print("no CUDA device: run with --dry-run on a CPU machine", file=sys.stderr)
         return 2
     ck = Check(args.out, args.budget_s, args.dry_run)
-    sections = [("env", env_section), ("correctness", correctness_section), ("attention", attention_section),
-                ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+    sections = [("env", env_section), ("correctness", correctness_section), ("band", band_section),
+                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
     if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
         start_build(ck)
     for name, fn in sections:

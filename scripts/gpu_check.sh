@@ -10,8 +10,10 @@
 #    same length twice (a miss, then a prefix-cache hit: cached tokens and time to first token);
 #    capped at 90 s. Writes OUT_DIR/serve_check.json.
 # 3. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
-#    attention backend and both CUDA kernels against the float64 reference, kernel timings
-#    (TFLOP/s, GB/s; the split-K decode kernel's K/V read bandwidth at B = 1..16 query tokens
+#    attention backend and both CUDA kernels against the float64 reference (sliding-window and
+#    soft-capped blocks too: Triton, flash-attn's band path, the PyTorch band fallback), kernel
+#    timings (TFLOP/s, GB/s; a 32K windowed block, W = 1024 and 4096, against the full causal
+#    block; the split-K decode kernel's K/V read bandwidth at B = 1..16 query tokens
 #    against a 32K and a 256K-key cache), continuous batching (8 questions on one 8K-token document
 #    together against each alone: answers and tokens/s), the csrc build (in the background), and a
 #    single-GPU chunked prefill of

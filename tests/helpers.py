@@ -21,7 +21,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def band_mask(T: int, S: int, causal: bool = True, q_offset: int = 0, window: int = 0) -> torch.Tensor:
     """[T, S] bool: query row i sees key row j iff j <= i + q_offset and (window == 0 or
     j > i + q_offset - window) when causal, every key otherwise (the CPU flash kernels' mask)."""
-    from ringctx.attention.kernels import band_mask as causal_band
+    from ringctx.attention.reference import band_mask as causal_band
 
     return causal_band(T, S, q_offset, window) if causal else torch.ones(T, S, dtype=torch.bool)
 

@@ -5,7 +5,7 @@ Nothing here talks between ranks (no torch.distributed); ringctx.parallel builds
 
 from .kernels import BACKENDS, attention_block, attention_with_cache, reads_kv_in_place, resolve_backend
 from .merge import PartialAccumulator, merge_partials, sanitize_lse
-from .reference import causal_mask, reference_attention
+from .reference import band_mask, causal_mask, reference_attention
 from .spans import FULL, Band, LayerSoftmax, Run, Span, band_blocks, runs_of
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "PartialAccumulator",
     "attention_block",
     "attention_with_cache",
+    "band_mask",
     "causal_mask",
     "merge_partials",
     "reads_kv_in_place",

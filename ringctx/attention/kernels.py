@@ -36,7 +36,8 @@ import torch
 from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
 from .merge import PartialAccumulator, sanitize_lse
-from .reference import reference_attention
+from .gpu_blocks import flash_attn_band_block, torch_band_block
+from .reference import band_mask, reference_attention
 
 BACKENDS = ("auto", "torch", "amx", "flash-attn", "triton", "reference")
 
@@ -167,20 +168,11 @@ def attention_block(
     return _torch_cpu_block(q, k, v, causal, scale, own_kernel=requested == "auto")
 
 
-def band_mask(T: int, S: int, q_offset: int, window: int, device=None) -> torch.Tensor:
-    """[T, S] bool: query i sees key j in a causal band (see attention_block)."""
-    i = torch.arange(T, device=device).view(-1, 1)
-    j = torch.arange(S, device=device).view(1, -1)
-    seen = j <= i + q_offset
-    if window:
-        seen &= j > i + q_offset - window
-    return seen
-
-
 def _band_or_capped_block(q, k, v, causal, q_offset, window, softcap, scale, backend, requested):
     """A block with a band (sliding window, an offset diagonal) or soft-capped scores: ringctx's CPU
     kernels take both (AMX for bf16 where it runs, else the float32 flash kernel, which widens
-    bf16 as it reads); elsewhere `_band_block`'s PyTorch ops."""
+    bf16 as it reads); on CUDA the Triton kernel when asked for, flash-attn where its alignment
+    fits; else PyTorch ops (gpu_blocks.torch_band_block, any device)."""
     if q.device.type == "cpu" and backend in ("torch", "amx"):
         band = dict(causal=causal, scale=scale, q_offset=q_offset, window=window, softcap=softcap)
         if (backend == "amx" or requested == "auto") and selection.amx_attention_applies(q, k, v):
@@ -191,47 +183,24 @@ def _band_or_capped_block(q, k, v, causal, q_offset, window, softcap, scale, bac
         if selection.flash_attention_applies(q, k, v):
             out, lse = cpu.flash_attention(q, k, v, **band)
             return out.to(q.dtype), lse
-    return _band_block(q, k, v, causal, q_offset, window, softcap, scale)
+    if not causal:  # a full block with a soft-cap: the band that reaches every key
+        q_offset, window = k.shape[0] - 1, 0
+    if backend == "triton" or (q.device.type == "cuda" and requested == "auto" and _triton_runs(q.device)):
+        from .triton_attn import triton_attention_block
+
+        return triton_attention_block(q, k, v, causal=True, softmax_scale=scale, q_offset=q_offset, window=window,
+                                      softcap=softcap)
+    if backend == "flash-attn":
+        done = flash_attn_band_block(q, k, v, scale=scale, q_offset=q_offset, window=window, softcap=softcap)
+        if done is not None:
+            return done
+    return torch_band_block(q, k, v, scale=scale, q_offset=q_offset, window=window, softcap=softcap)
 
 
-BAND_ROWS = 256
-"""Query rows per step of `_band_block`: its float32 scores are [Hq, rows, keys the rows see]."""
+def _triton_runs(device: torch.device) -> bool:
+    from .triton_attn import triton_available
 
-
-def _band_block(q, k, v, causal, q_offset, window, softcap, scale):
-    """A banded or soft-capped block in float32 PyTorch ops, any device: query rows a slice at a
-    time against only the keys that slice sees (a window W costs T*W, not T*S), GQA without
-    expanding K/V. The exact fallback of every kernel that lacks the band or the soft-cap."""
-    T, Hq, D = q.shape
-    S, Hkv, _ = k.shape
-    group = Hq // Hkv
-    out = torch.zeros(T, Hq, D, dtype=torch.float32, device=q.device)
-    lse = torch.full((Hq, T), float("-inf"), dtype=torch.float32, device=q.device)
-    for r0 in range(0, T, BAND_ROWS):
-        r1 = min(r0 + BAND_ROWS, T)
-        lo, hi = 0, S
-        if causal:  # keys the rows r0..r1-1 can see
-            hi = min(S, r1 - 1 + q_offset + 1)
-            lo = max(0, r0 + q_offset - window + 1) if window else 0
-        if lo >= hi:
-            continue
-        qg = group_queries(q[r0:r1], Hkv)  # [Hkv, group * rows, D]
-        scores = torch.bmm(qg, k[lo:hi].float().permute(1, 2, 0)).mul_(scale)  # [Hkv, group*rows, keys]
-        if softcap:
-            scores = scores.div_(softcap).tanh_().mul_(softcap)
-        if causal:
-            seen = band_mask(r1 - r0, hi - lo, q_offset + r0 - lo, window, q.device)  # [rows, keys]
-            scores.view(Hkv, group, r1 - r0, hi - lo).masked_fill_(~seen, float("-inf"))
-        row_max = scores.amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(row_max)
-        probs = scores.sub_(torch.where(finite, row_max, torch.zeros_like(row_max))).exp_()
-        row_sum = probs.sum(dim=-1, keepdim=True)
-        part = torch.bmm(probs, v[lo:hi].float().transpose(0, 1))
-        part = torch.where(row_sum > 0, part / row_sum.clamp_min(1e-38), torch.zeros_like(part))
-        part_lse = torch.where(finite, row_max + row_sum.log(), row_max).squeeze(-1)
-        o, l = ungroup_rows(part, part_lse, r1 - r0, torch.float32)
-        out[r0:r1], lse[:, r0:r1] = o, l
-    return out.to(q.dtype), lse
+    return triton_available(device)
 
 
 def group_queries(q: torch.Tensor, Hkv: int) -> torch.Tensor:

@@ -6,7 +6,8 @@ small. It follows the same conventions as every other attention call in ringctx:
     q [T, Hq, D], k and v [S, Hkv, D]  ->  out [T, Hq, D] float64, lse [Hq, T] float64
 
 `visible[t, s]` says whether query t may see key s; a query that sees no key gets out = 0 and
-lse = -inf.
+lse = -inf. `softcap` > 0 caps every scaled score s to softcap * tanh(s / softcap) before the
+softmax (Gemma 2, gpt-oss style logit soft-capping); lse is over the capped scores.
 """
 
 from __future__ import annotations
@@ -81,4 +82,23 @@ def causal_mask(
     visible = k_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
     if q_seq_ids is not None and k_seq_ids is not None:
         visible &= q_seq_ids.unsqueeze(1) == k_seq_ids.unsqueeze(0)
+    return visible
+
+
+def band_mask(T: int, S: int, q_offset: int = 0, window: int = 0, device=None) -> torch.Tensor:
+    """[T, S] bool mask of a causal (optionally sliding-window) block of T queries against S keys.
+
+    Query row i sees key row j iff j <= i + q_offset and (window == 0 or j > i + q_offset - window):
+    the block's queries sit q_offset positions after its first key, and a window W keeps the last
+    W keys up to and including the query's own position. q_offset = 0, window = 0, T == S is the
+    square causal block; rows may see no key (q_offset < 0, or a window past the keys).
+
+    Example:
+        >>> band_mask(3, 4, q_offset=1, window=2).int().tolist()
+        [[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    """
+    rel = torch.arange(T, device=device).unsqueeze(1) + q_offset - torch.arange(S, device=device).unsqueeze(0)
+    visible = rel >= 0  # rel = (i + q_offset) - j: how far key j is behind query i
+    if window > 0:
+        visible &= rel < window
     return visible

@@ -6,9 +6,15 @@ It computes exactly the block kinds ring attention needs (docs/ARCHITECTURE.md),
     out [T, Hq, D] in q's dtype, lse [Hq, T] float32 natural log
     GQA: query head h reads KV head h // (Hq // Hkv); KV is never expanded (pointer math only)
     causal=False  a full block: every query sees every key (T != S allowed)
-    causal=True   a square diagonal block: T == S, query i sees keys 0..i
-    a row that sees no key (only possible with S == 0 or a zero-length key sequence): out = 0,
-    lse = -inf, never NaN
+    causal=True   a band: query i sees key j iff j <= i + q_offset and (window == 0 or
+                  j > i + q_offset - window); q_offset = 0, window = 0, T == S is the square
+                  diagonal block; T != S and any q_offset are allowed (sliding-window layers)
+    softcap > 0   every scaled score s becomes softcap * tanh(s / softcap) before the softmax
+    a row that sees no key (S == 0, a zero-length key sequence, or a band that misses every key):
+    out = 0, lse = -inf, never NaN
+
+Only the key tiles some row of a query tile sees are visited (both ends of a band), so a window W
+costs about T * W, not T * S.
 
 Packed variable-length sequences (`cu_seqlens_q`, `cu_seqlens_k`, cumulative lengths starting
 at 0, like flash-attn's varlen API) make one launch compute several independent blocks: queries of
@@ -48,15 +54,26 @@ def triton_attention_block(
     softmax_scale: float | None = None,
     cu_seqlens_q: torch.Tensor | Sequence[int] | None = None,
     cu_seqlens_k: torch.Tensor | Sequence[int] | None = None,
+    q_offset: int = 0,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a query block against a key block with the Triton kernel.
 
     Args:
         q: [T, Hq, D] float16/bfloat16/float32 on CUDA (or CPU under TRITON_INTERPRET=1).
         k, v: [S, Hkv, D], same dtype and device as q; Hq must be a multiple of Hkv.
-        causal: False: full block, every query sees every key. True: square diagonal block,
-            T == S (per sequence when packed) and query i sees keys 0..i of its sequence.
+        causal: False: full block, every query sees every key (q_offset and window must be 0).
+            True: a band, query row i sees key row j iff j <= i + q_offset and (window == 0 or
+            j > i + q_offset - window); T != S allowed (packed: per sequence, local rows, and the
+            sequences square as below). q_offset = window = 0 with T == S: the diagonal block.
         softmax_scale: multiplies q.k; defaults to 1/sqrt(D).
+        q_offset: (causal) how many key rows the first query row sits after the first key row;
+            any integer (rows with i + q_offset < 0 see no key).
+        window: (causal) 0: no lower bound; W > 0: a row sees its last W key positions, its own
+            included (Mistral's / Gemma's sliding window W; flash-attn's window_size=(W - 1, 0)).
+        softcap: > 0: scores s = softmax_scale * q.k become softcap * tanh(s / softcap) before
+            the softmax (lse over the capped scores); 0: no cap.
         cu_seqlens_q, cu_seqlens_k: optional packed sequences, int [B + 1] cumulative lengths
             (0, l_1, l_1 + l_2, ..., T) and (..., S). Query rows of sequence b see only key rows
             of sequence b. Give both or neither; with causal=True they must be equal (each
@@ -72,7 +89,7 @@ def triton_attention_block(
         k = v = torch.randn(1024, 2, 128, device="cuda", dtype=torch.bfloat16)
         out, lse = triton_attention_block(q, k, v, causal=True)   # [1024, 8, 128], [8, 1024]
     """
-    plan = _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k)
+    plan = _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, q_offset, window, softcap)
     return _forward(q, k, v, plan)
 
 
@@ -95,6 +112,7 @@ def triton_decode_attention(
     *,
     softmax_scale: float | None = None,
     splits: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A full block of a few query rows per KV head against a long K/V (decode: one token of each of
     B questions about one document), split over the keys (flash-decoding).
@@ -111,17 +129,18 @@ def triton_decode_attention(
             Hq // Hkv * T <= MAX_QUERY_ROWS_PER_KV_HEAD; unit stride along D (others any).
         softmax_scale: defaults to 1/sqrt(D).
         splits: key slices (default: enough programs for the GPU's SMs, a few in the interpreter).
+        softcap: > 0: scores s become softcap * tanh(s / softcap) before the softmax; 0: none.
+            (A decode block is always full: no band here; the caller slices a window's keys.)
 
     Returns:
         out [T, Hq, D] in q's dtype and lse [Hq, T] float32 (natural log); S == 0: zeros and -inf.
     """
-    _plan(q, k, v, False, softmax_scale, None, None)  # validation, as the block kernel's
+    plan = _plan(q, k, v, False, softmax_scale, None, None, 0, 0, softcap)  # validation, as the block kernel's
     T, Hq, D = q.shape
     S, Hkv, _ = k.shape
     if T and not decode_applies(q, k) and S:
         raise ValueError(f"triton_decode_attention: {Hq // Hkv * T} query rows per KV head (at most "
                          f"{MAX_QUERY_ROWS_PER_KV_HEAD}) or head dim {D} (at most {_MAX_HEAD_DIM}); use triton_attention_block")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
     if T == 0:
@@ -152,8 +171,8 @@ def triton_decode_attention(
     kernels[0][(splits, Hkv)](
         q, k, v, part_out, part_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        T, S, slice_keys, scale * _LOG2E,
-        GROUP=group, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_R=block_r, BLOCK_N=block_n,
+        T, S, slice_keys, plan.score_mul, plan.score_cap,
+        GROUP=group, SOFTCAP=plan.softcap > 0, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_R=block_r, BLOCK_N=block_n,
         F32_MATH=f32, num_warps=4, num_stages=1 if interp else 3)
     # The interpreter truncates float32 -> bf16 stores (a GPU rounds to nearest): there the merge
     # writes float32 and PyTorch rounds.
@@ -191,10 +210,11 @@ def triton_available(device: torch.device | str | None = None) -> bool:
 class _Plan:
     """Everything the launch needs, validated. Plain attributes; built only by `_plan`."""
 
-    __slots__ = ("causal", "scale", "cu_q", "cu_k", "n_seqs", "max_seqlen_q", "seqlen_q", "seqlen_k")
+    __slots__ = ("causal", "scale", "cu_q", "cu_k", "n_seqs", "max_seqlen_q", "seqlen_q", "seqlen_k",
+                 "q_offset", "window", "softcap", "score_mul", "score_cap")
 
 
-def _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k) -> _Plan:
+def _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k, q_offset=0, window=0, softcap=0.0) -> _Plan:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"triton_attention_block: q, k, v must be [tokens, heads, head_dim], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -220,12 +240,20 @@ def _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k) -> _Plan:
     p = _Plan()
     p.causal = bool(causal)
     p.scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    p.q_offset, p.window, p.softcap = _band(causal, q_offset, window, softcap)
+    # Scores in base 2: s * log2(e), or with the cap softcap * tanh(s / softcap) * log2(e), the
+    # kernel's tanh argument being q.k * score_mul and its result scaled by score_cap.
+    if p.softcap > 0:
+        p.score_mul, p.score_cap = p.scale / p.softcap, p.softcap * _LOG2E
+    else:
+        p.score_mul, p.score_cap = p.scale * _LOG2E, 1.0
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("triton_attention_block: give both cu_seqlens_q and cu_seqlens_k, or neither")
     if cu_seqlens_q is None:
-        if causal and T != S:
-            raise ValueError(f"triton_attention_block: a causal (diagonal) block must be square, got "
-                             f"{T} queries and {S} keys")
+        # A window that excludes no key of any row (W > T - 1 + q_offset) is no window: one
+        # kernel variant fewer, and no lower-edge mask work in the kernel.
+        if p.window and p.window > T - 1 + p.q_offset:
+            p.window = 0
         p.cu_q = p.cu_k = None
         p.n_seqs, p.max_seqlen_q, p.seqlen_q, p.seqlen_k = 1, T, T, S
         return p
@@ -246,6 +274,24 @@ def _plan(q, k, v, causal, softmax_scale, cu_seqlens_q, cu_seqlens_k) -> _Plan:
     p.max_seqlen_q = max((b - a for a, b in zip(cq, cq[1:])), default=0)
     p.seqlen_q, p.seqlen_k = T, S  # unused by the kernel in varlen mode
     return p
+
+
+def _band(causal, q_offset, window, softcap) -> tuple[int, int, float]:
+    """Validated (q_offset, window, softcap) of a block (see `triton_attention_block`)."""
+    q_offset, window, softcap = int(q_offset), int(window), float(softcap)
+    if not causal and (q_offset or window):
+        raise ValueError(f"triton_attention_block: q_offset={q_offset} and window={window} need causal=True "
+                         "(a full block sees every key)")
+    if window < 0:
+        raise ValueError(f"triton_attention_block: window={window} must be >= 0 (0: no window)")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"triton_attention_block: softcap={softcap} must be a finite number >= 0 (0: no cap)")
+    # The kernel forms the band's ends in 64 bits, but a launch argument must fit 32, and its masks
+    # use window + BLOCK_N in 32 bits: windows below 2^30 (a billion tokens) are plenty.
+    if not (-2**31 < q_offset < 2**31 and window < 2**30):
+        raise ValueError(f"triton_attention_block: q_offset={q_offset} beyond 32 bits or window={window} "
+                         "beyond 2^30")
+    return q_offset, window, softcap
 
 
 def _cumulative_lengths(cu, total: int, name: str) -> list[int]:
@@ -285,14 +331,15 @@ def _forward(q, k, v, plan: _Plan, *, config: tuple[int, int] | None = None):
         plan.cu_k if plan.cu_k is not None else lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
-        T, plan.seqlen_q, plan.seqlen_k,
-        plan.scale * _LOG2E,
+        T, plan.seqlen_q, plan.seqlen_k, plan.q_offset, plan.window,
+        plan.score_mul, plan.score_cap,
         # Autotuning key only: the best tiles differ between a 512-token ring block and a
         # 16K one, so tune per power-of-two length bucket (256 .. 16384).
         min(max(triton.next_power_of_2(plan.max_seqlen_q), 256), 16384),
     )
     meta = dict(
         GROUP=Hq // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=plan.causal, VARLEN=plan.cu_q is not None,
+        WINDOW=plan.window > 0, SOFTCAP=plan.softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit
     )
     grid = lambda m: (triton.cdiv(plan.max_seqlen_q, m["BLOCK_M"]), Hq, plan.n_seqs)  # noqa: E731
@@ -357,6 +404,7 @@ _DECODE_KERNELS: dict[bool, tuple] = {}
 def _decode_kernels() -> tuple:
     """(split kernel, merge kernel) of `triton_decode_attention`, jitted on first use (see `_kernels`)."""
     interp = _interpret_mode()
+    _bind_device_functions(interp)
     if interp not in _DECODE_KERNELS:
         import triton
 
@@ -364,6 +412,23 @@ def _decode_kernels() -> tuple:
             triton.jit(_decode_split_kernel, do_not_specialize=["T", "seqlen_k", "slice_keys"]),
             triton.jit(_decode_merge_kernel, do_not_specialize=["T", "splits"]))
     return _DECODE_KERNELS[interp]
+
+
+_DEVICE_FUNCTIONS: dict[bool, dict] = {}
+
+
+def _bind_device_functions(interp: bool) -> None:
+    """Bind the kernels' helper functions (`_tanh`) as globals, jitted for this mode.
+
+    The compiler accepts only jitted callees, and a function jitted for the GPU cannot be called
+    inside the interpreter (nor the reverse): like the kernels, they are jitted on first use, per
+    mode; compile-only tests call this with interp=False before building a kernel.
+    """
+    if interp not in _DEVICE_FUNCTIONS:
+        import triton
+
+        _DEVICE_FUNCTIONS[interp] = {"_tanh": triton.jit(_tanh_f32)}
+    globals().update(_DEVICE_FUNCTIONS[interp])
 
 
 def _kernels() -> _Kernels:
@@ -374,13 +439,15 @@ def _kernels() -> _Kernels:
     which module imported this one first, e.g. a test that sets TRITON_INTERPRET=1 at collection.
     """
     interp = _interpret_mode()
+    _bind_device_functions(interp)
     if interp not in _KERNELS:
         import triton
 
         # Lengths and the lse row stride change with every chunk: don't specialize on them
         # (that would recompile whenever a length crosses a multiple of 16).
         plain = triton.jit(_attn_fwd_kernel,
-                           do_not_specialize=["lse_stride_h", "seqlen_q", "seqlen_k", "seq_bucket"])
+                           do_not_specialize=["lse_stride_h", "seqlen_q", "seqlen_k", "q_offset", "window",
+                                              "seq_bucket"])
         ks = _Kernels()
         ks.plain = plain
         ks.tuned = None
@@ -393,7 +460,7 @@ def _kernels() -> _Kernels:
                            for c in _gpu_configs(d, dt)}
             ks.tuned = triton.autotune(
                 configs=list(all_configs.values()),
-                key=["HEAD_DIM", "CAUSAL", "VARLEN", "GROUP", "seq_bucket"],  # triton adds the dtypes
+                key=["HEAD_DIM", "CAUSAL", "VARLEN", "WINDOW", "SOFTCAP", "GROUP", "seq_bucket"],  # + dtypes
                 prune_configs_by={"early_config_prune": prune},
             )(plain)
         _KERNELS[interp] = ks
@@ -412,17 +479,39 @@ except Exception:  # noqa: BLE001 - ImportError or a broken install; reported by
     tl = None
 
 
+def _tanh_f32(x):
+    """tanh in float32 from exp2 alone (the interpreter has no libdevice): the odd Taylor series
+    to x^11 below |x| = 0.3 (error < 1e-9 there, where 1 - e^-2|x| would cancel), and
+    (1 - e^-2|x|) / (1 + e^-2|x|) above (relative error a few ulp)."""
+    ax = tl.abs(x)
+    t = tl.math.exp2(ax * -2.8853900817779268)  # e^(-2|x|), in (0, 1]: never overflows
+    big = (1.0 - t) / (1.0 + t)
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (
+        -0.05396825396825397 + x2 * (0.021869488536155203 + x2 * -0.008863235529902197)))))
+    y = tl.where(ax < 0.3, small, big)
+    return tl.where(x < 0, -y, y)
+
+
+# The name the kernels call; `_bind_device_functions` rebinds it to the jitted helper of the mode
+# in use before any kernel is built (the plain function would do only in the interpreter).
+_tanh = _tanh_f32
+
+
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse, CuQ, CuK,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    lse_stride_h, seqlen_q, seqlen_k,
-    qk_scale,  # softmax_scale * log2(e)
+    lse_stride_h, seqlen_q, seqlen_k, q_offset, window,
+    score_mul,  # softmax_scale * log2(e); with SOFTCAP softmax_scale / softcap (the tanh's argument)
+    score_cap,  # with SOFTCAP softcap * log2(e), else unused
     seq_bucket,  # unused by the code: only part of the autotuning key
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # One program = BLOCK_M query rows of one head of one sequence. Grid (m blocks, Hq, seqs).
+    # CAUSAL: row i sees key j iff j <= i + q_offset and (not WINDOW or j > i + q_offset - window),
+    # rows and keys counted from their sequence's start.
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -437,9 +526,9 @@ def _attn_fwd_kernel(
         q_len = seqlen_q
         k_start = 0
         k_len = seqlen_k
-    if CAUSAL:
+    if CAUSAL and not WINDOW:
         # Causal work grows with the row block; launch the heaviest blocks first so the
-        # short ones fill the tail of the grid.
+        # short ones fill the tail of the grid. (A window's blocks cost about the same.)
         m_block = tl.num_programs(0) - 1 - pid_m
     else:
         m_block = pid_m
@@ -464,56 +553,94 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Key range in two stages. Stage 0: key tiles every row of this block sees entirely (no
-    # mask work at all). Stage 1: the tiles that need a mask, i.e. the diagonal tiles of a causal
-    # block (BLOCK_M / BLOCK_N of them) or the ragged last tile of a full block.
+    # The keys this row block visits, in three stages over tiles of the BLOCK_N grid:
+    #   stage 0 [tile_lo, full_lo)  masked: the band's lower edge (a window), seen by some rows
+    #   stage 1 [full_lo, full_hi)  whole tiles every real row of the block sees: no mask work
+    #   stage 2 [full_hi, band_hi)  masked: the diagonal edge, or a full block's ragged last tile
+    # Tiles no row sees are never visited: a window W costs about T * W, not T * S. The band's
+    # ends are formed in 64 bits (q_offset and window may each be near 2^31) and clamped to
+    # [0, k_len] before they become loop bounds.
     if CAUSAL:
-        lo = m_block * BLOCK_M  # a multiple of BLOCK_N since BLOCK_M % BLOCK_N == 0
-        hi = tl.minimum((m_block + 1) * BLOCK_M, k_len)
-    else:
-        lo = (k_len // BLOCK_N) * BLOCK_N
-        hi = k_len
-    for stage in tl.static_range(2):
-        if stage == 0:
-            start = 0
-            end = lo
+        diag_first = (m_block * BLOCK_M).to(tl.int64) + q_offset  # the first row's last key
+        diag_last = (tl.minimum((m_block + 1) * BLOCK_M, q_len) - 1).to(tl.int64) + q_offset  # the last real row's
+        band_hi = tl.minimum(tl.maximum(diag_last + 1, 0), k_len).to(tl.int32)
+        full_hi = tl.minimum(tl.maximum(diag_first + 1, 0), k_len).to(tl.int32)
+        if WINDOW:
+            band_lo = tl.minimum(tl.maximum(diag_first - window + 1, 0), k_len).to(tl.int32)
+            full_lo = tl.minimum(tl.maximum(diag_last - window + 1, 0), k_len).to(tl.int32)
         else:
-            start = lo
-            end = hi
-        for start_n in range(start, end, BLOCK_N):
-            cols = start_n + offs_n
-            kv_off = cols.to(tl.int64)[:, None]
-            k_ptrs = k_base + kv_off * stride_kt + offs_d[None, :]
-            v_ptrs = v_base + kv_off * stride_vt + offs_d[None, :]
-            if stage == 0:
-                if BLOCK_D == HEAD_DIM:  # whole tiles in bounds: plain (vectorized, async) loads
-                    kt = tl.load(k_ptrs)
-                    vt = tl.load(v_ptrs)
+            band_lo = 0
+            full_lo = 0
+    else:
+        band_lo = 0
+        full_lo = 0
+        band_hi = k_len
+        full_hi = k_len
+    tile_lo = (band_lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.maximum(((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, tile_lo)
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    if full_hi <= full_lo:  # no whole tile seen by every row: all of [tile_lo, band_hi) is masked
+        full_lo = tile_lo
+        full_hi = tile_lo
+    for stage in tl.static_range(3):
+        if stage == 0:
+            start = tile_lo
+            end = full_lo
+        elif stage == 1:
+            start = full_lo
+            end = full_hi
+        else:
+            start = full_hi
+            end = band_hi
+        if stage != 0 or WINDOW:  # without a window stage 0 is always empty: not even emitted
+            for start_n in range(start, end, BLOCK_N):
+                cols = start_n + offs_n
+                kv_off = cols.to(tl.int64)[:, None]
+                k_ptrs = k_base + kv_off * stride_kt + offs_d[None, :]
+                v_ptrs = v_base + kv_off * stride_vt + offs_d[None, :]
+                if stage == 1:
+                    if BLOCK_D == HEAD_DIM:  # whole tiles in bounds: plain (vectorized, async) loads
+                        kt = tl.load(k_ptrs)
+                        vt = tl.load(v_ptrs)
+                    else:
+                        kt = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                        vt = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
                 else:
-                    kt = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                    vt = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            else:
-                kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
-                kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                vt = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * qk_scale
-            if stage == 1:
-                visible = (cols < k_len)[None, :]
-                if CAUSAL:
-                    visible = visible & (offs_m[:, None] >= cols[None, :])
-                s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            if stage == 1:
-                # A row with no visible key so far has m_new = -inf; shift by 0 instead so that
-                # exp2(-inf - -inf) = NaN never happens (p and alpha come out as exact zeros).
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            else:
-                m_use = m_new
-            p = tl.math.exp2(s - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
-            m_i = m_new
+                    kv_mask = (cols < k_len)[:, None] & d_ok[None, :]
+                    kt = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                    vt = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * score_mul
+                if SOFTCAP:
+                    s = _tanh(s) * score_cap
+                if stage != 1:
+                    visible = (cols < k_len)[None, :]
+                    if CAUSAL:
+                        # rel = (i + q_offset) - j, how far key j is behind row i, in 32 bits: the
+                        # tile's lag (first row's diagonal - first key) plus the in-tile offsets.
+                        # Clamping the lag to [-BLOCK_M, window + BLOCK_N] changes no comparison
+                        # (beyond it every rel of the tile is < 0, or >= window / > 0 alike).
+                        if WINDOW:
+                            top = window + BLOCK_N
+                        else:
+                            top = BLOCK_N
+                        lag = tl.minimum(tl.maximum(diag_first - start_n, -BLOCK_M), top).to(tl.int32)
+                        rel = (tl.arange(0, BLOCK_M) + lag)[:, None] - offs_n[None, :]
+                        visible = visible & (rel >= 0)
+                        if WINDOW:
+                            visible = visible & (rel < window)
+                    s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                if stage != 1:
+                    # A row with no visible key so far has m_new = -inf; shift by 0 instead so that
+                    # exp2(-inf - -inf) = NaN never happens (p and alpha come out as exact zeros).
+                    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_use = m_new
+                p = tl.math.exp2(s - m_use[:, None])
+                alpha = tl.math.exp2(m_i - m_use)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+                m_i = m_new
 
     empty = l_i == 0.0  # the row saw no key: out = 0, lse = -inf
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -527,9 +654,10 @@ def _decode_split_kernel(
     Q, K, V, PartOut, PartLse,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     T, seqlen_k, slice_keys,
-    qk_scale,  # softmax_scale * log2(e)
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr, F32_MATH: tl.constexpr,
+    score_mul,  # softmax_scale * log2(e); with SOFTCAP softmax_scale / softcap
+    score_cap,  # with SOFTCAP softcap * log2(e), else unused
+    GROUP: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, F32_MATH: tl.constexpr,
 ):
     # One program = every query row of one KV head (row i: head kv * GROUP + i // T, token i % T)
     # over keys [split * slice_keys, (split + 1) * slice_keys). Grid (splits, Hkv). Partials are
@@ -564,9 +692,11 @@ def _decode_split_kernel(
         if F32_MATH:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(kt), input_precision="ieee") * score_mul
         else:
-            s = tl.dot(q, tl.trans(kt)) * qk_scale
+            s = tl.dot(q, tl.trans(kt)) * score_mul
+        if SOFTCAP:
+            s = _tanh(s) * score_cap
         s = tl.where((cols < end)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile of a slice holds a key
         p = tl.math.exp2(s - m_new[:, None])

@@ -10,7 +10,7 @@ import torch
 
 from ringctx.attention import (Band, LayerSoftmax, PartialAccumulator, Run, Span, attention_block, band_blocks,
                                reference_attention, runs_of)
-from ringctx.attention.kernels import band_mask
+from ringctx.attention.reference import band_mask
 from ringctx.attention.spans import KeyRows, span_attention
 
 

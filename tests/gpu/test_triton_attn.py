@@ -30,7 +30,7 @@ try:
 except Exception as e:  # noqa: BLE001
     _TRITON_ERROR = e
 
-from ringctx.attention.reference import reference_attention
+from ringctx.attention.reference import band_mask, reference_attention
 from ringctx.attention.triton_attn import _forward, _plan, triton_attention_block, triton_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,8 +65,8 @@ def _visible(cu_q, cu_k, causal):
     return vis
 
 
-def _check(out, lse, q, k, v, visible, scale=None, tol=TOL):
-    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), visible, scale)
+def _check(out, lse, q, k, v, visible, scale=None, tol=TOL, softcap=0.0):
+    ref_out, ref_lse = reference_attention(q.cpu(), k.cpu(), v.cpu(), visible, scale, softcap=softcap)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -160,7 +160,13 @@ def test_public_dispatch_reaches_the_kernel():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(causal=True, shape=(5, 6)),            # causal block not square
+    dict(window=3),                             # a window on a full block
+    dict(q_offset=2),                           # an offset on a full block
+    dict(causal=True, window=-1),               # negative window
+    dict(causal=True, softcap=-1.0),            # negative cap
+    dict(causal=True, softcap=float("nan")),    # NaN cap
+    dict(causal=True, q_offset=2**31),          # beyond a launch argument's 32 bits
+    dict(causal=True, window=2**30),            # beyond the masks' 32-bit arithmetic
     dict(hq=3, hkv=2),                          # Hq not a multiple of Hkv
     dict(kv_dtype=torch.float16),               # dtype mismatch
     dict(cu_q=[0, 3, 8], cu_k=[0, 4, 8], causal=True),  # causal packed not square per sequence
@@ -176,7 +182,9 @@ def test_validation(bad):
         k = k.to(bad["kv_dtype"])
     with pytest.raises((ValueError, TypeError)):
         triton_attention_block(q, k, v, causal=bad.get("causal", False),
-                               cu_seqlens_q=bad.get("cu_q"), cu_seqlens_k=bad.get("cu_k"))
+                               cu_seqlens_q=bad.get("cu_q"), cu_seqlens_k=bad.get("cu_k"),
+                               q_offset=bad.get("q_offset", 0), window=bad.get("window", 0),
+                               softcap=bad.get("softcap", 0.0))
 
 
 def test_available_on_this_machine():
@@ -192,10 +200,13 @@ AOT_CASES = [
     ("bf16", 64, False, True, 128, 64, 4, 3),    # SmolLM2 head dim, packed full blocks
     ("fp16", 80, True, False, 128, 128, 8, 3),   # padded head dim
     ("fp32", 64, True, True, 64, 32, 8, 2),      # IEEE fp32 dots, no tensor cores
+    ("bf16", 128, True, False, 128, 64, 8, 3, True, True),  # sliding window and soft-cap (Gemma-like)
+    ("bf16", 64, True, True, 128, 64, 4, 3, True, False),   # packed windowed blocks
 ]
 
 
-def _compile_sm90(dtype: str, d: int, causal: bool, varlen: bool, bm: int, bn: int, warps: int, stages: int):
+def _compile_sm90(dtype: str, d: int, causal: bool, varlen: bool, bm: int, bn: int, warps: int, stages: int,
+                  window: bool = False, softcap: bool = False):
     """Compile the kernel for sm_90 with Triton's real pipeline (TTIR -> PTX -> cubin)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -204,13 +215,15 @@ def _compile_sm90(dtype: str, d: int, causal: bool, varlen: bool, bm: int, bn: i
 
     from ringctx.attention import triton_attn as ta
 
+    ta._bind_device_functions(False)  # the kernels' jitted helpers (_tanh), as a GPU launch binds them
     fn = JITFunction(ta._attn_fwd_kernel)
     ints = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot",
-            "stride_oh", "lse_stride_h", "seqlen_q", "seqlen_k", "seq_bucket"]
+            "stride_oh", "lse_stride_h", "seqlen_q", "seqlen_k", "q_offset", "window", "seq_bucket"]
     consts = dict(GROUP=4, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), CAUSAL=causal, VARLEN=varlen,
-                  DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=bm, BLOCK_N=bn)
+                  WINDOW=window, SOFTCAP=softcap, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                  BLOCK_M=bm, BLOCK_N=bn)
     sig = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out")}
-    sig.update(Lse="*fp32", CuQ="*i32", CuK="*i32", qk_scale="fp32", **{n: "i32" for n in ints})
+    sig.update(Lse="*fp32", CuQ="*i32", CuK="*i32", score_mul="fp32", score_cap="fp32", **{n: "i32" for n in ints})
     sig.update({n: "constexpr" for n in consts})
     assert set(sig) == set(fn.arg_names), "kernel signature changed: update this test"
     aligned = ["Q", "K", "V", "Out", "Lse", "CuQ", "CuK"] + ints[:8]  # what launches specialize on
@@ -223,10 +236,11 @@ DECODE_AOT_CASES = [
     ("decode", "bf16", 64, 32, False),   # SmolLM2: 8 tokens x a group of 3 -> 32-row tile
     ("decode", "bf16", 128, 64, False),  # Llama-3.1-8B: 16 tokens x a group of 4
     ("decode", "fp32", 128, 16, True),   # float32: IEEE dots
+    ("decode", "bf16", 128, 32, False, True),  # soft-capped scores
 ]
 
 
-def _compile_decode_sm90(_kind: str, dtype: str, d: int, block_r: int, f32: bool):
+def _compile_decode_sm90(_kind: str, dtype: str, d: int, block_r: int, f32: bool, softcap: bool = False):
     """The decode split and merge kernels for sm_90 (as _compile_sm90)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -235,11 +249,12 @@ def _compile_decode_sm90(_kind: str, dtype: str, d: int, block_r: int, f32: bool
 
     from ringctx.attention import triton_attn as ta
 
+    ta._bind_device_functions(False)
     fn = JITFunction(ta._decode_split_kernel)
     ints = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "T", "seqlen_k", "slice_keys"]
-    consts = dict(GROUP=4, HEAD_DIM=d, BLOCK_D=d, BLOCK_R=block_r, BLOCK_N=64, F32_MATH=f32)
+    consts = dict(GROUP=4, SOFTCAP=softcap, HEAD_DIM=d, BLOCK_D=d, BLOCK_R=block_r, BLOCK_N=64, F32_MATH=f32)
     sig = {n: f"*{dtype}" for n in ("Q", "K", "V")}
-    sig.update(PartOut="*fp32", PartLse="*fp32", qk_scale="fp32", **{n: "i32" for n in ints})
+    sig.update(PartOut="*fp32", PartLse="*fp32", score_mul="fp32", score_cap="fp32", **{n: "i32" for n in ints})
     sig.update({n: "constexpr" for n in consts})
     assert set(sig) == set(fn.arg_names), "decode kernel signature changed: update this test"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ["Q", "K", "V", "PartOut", "PartLse"]}
@@ -289,7 +304,8 @@ def aot_results():
 
 
 @pytest.mark.parametrize("case", AOT_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-{'causal' if c[2] else 'full'}"
-                         f"{'-varlen' if c[3] else ''}-{c[4]}x{c[5]}w{c[6]}s{c[7]}")
+                         f"{'-varlen' if c[3] else ''}-{c[4]}x{c[5]}w{c[6]}s{c[7]}"
+                         f"{'-window' if c[8:9] == (True,) else ''}{'-softcap' if c[9:10] == (True,) else ''}")
 def test_compiles_for_sm90(case, aot_results):
     facts = aot_results[case]
     if facts["ok"] is None:  # the test extra pins a Triton with this API: its absence is a failure
@@ -368,7 +384,8 @@ def test_decode_blocks_dispatch_to_the_decode_kernel(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("case", DECODE_AOT_CASES, ids=lambda c: f"{c[1]}-d{c[2]}-rows{c[3]}")
+@pytest.mark.parametrize("case", DECODE_AOT_CASES, ids=lambda c: f"{c[1]}-d{c[2]}-rows{c[3]}"
+                         f"{'-softcap' if c[5:6] == (True,) else ''}")
 def test_decode_kernels_compile_for_sm90(case, aot_results):
     facts = aot_results[case]
     if facts["ok"] is None:
@@ -377,3 +394,83 @@ def test_decode_kernels_compile_for_sm90(case, aot_results):
     if case[1] != "fp32":  # a tile of 16-32 rows is below wgmma's 64: mma.sync is the tensor-core path there
         assert facts["mma"], "16-bit dots should use the tensor cores (mma.sync or wgmma)"
     assert facts["shared"] <= 227 * 1024
+
+
+# --- banded blocks (sliding windows) and soft-capped scores ---------------------------------------
+# Query row i sees key row j iff j <= i + q_offset and (window == 0 or j > i + q_offset - window);
+# the interpreter's tiles are 32 x 16 unless pinned, so windows of 1 and 3 sit inside one key tile,
+# 20 spans two, 40 spans three, and 100 exceeds every block here.
+
+BAND_CASES = [  # T, S, q_offset, window, softcap, hq, hkv, d
+    (37, 37, 0, 1, 0.0, 4, 1, 32),      # window 1: each row sees its own key only; GQA 4
+    (45, 45, 0, 3, 0.0, 2, 2, 32),      # below a tile; odd length; GQA 1
+    (70, 70, 0, 20, 0.0, 4, 1, 32),     # above BLOCK_N, below BLOCK_M
+    (70, 70, 0, 40, 30.0, 4, 1, 64),    # above a tile, soft-capped (cap well above the scores)
+    (30, 25, 0, 100, 0.0, 2, 1, 32),    # window larger than S (no window); T > S, q_offset 0
+    (21, 53, 32, 0, 0.0, 4, 1, 32),     # bottom-right aligned (q_offset = S - T), no window
+    (21, 53, 32, 9, 1.0, 4, 1, 80),     # the same with a window, a tight cap and a padded head dim
+    (33, 40, -7, 10, 5.0, 2, 2, 32),    # negative offset: the first 7 rows see nothing
+    (10, 30, 35, 0, 0.0, 4, 1, 32),     # q_offset beyond S: every row sees every key
+    (10, 30, 35, 8, 0.0, 4, 1, 32),     # ... with a window that leaves the first rows nothing
+    (12, 20, -30, 4, 2.0, 4, 1, 32),    # no row sees any key
+    (8, 20, 2**31 - 100, 0, 0.0, 2, 1, 32),   # offsets near int32's limits: every key ...
+    (8, 20, 2**31 - 100, 5, 0.0, 2, 1, 32),   # ... no key (the window is far past the keys)
+    (8, 20, -(2**31 - 100), 7, 0.0, 2, 1, 32),  # ... no key (before them)
+]
+
+
+@pytest.mark.parametrize("case", BAND_CASES, ids=lambda c: f"T{c[0]}-S{c[1]}-off{c[2]}-w{c[3]}-cap{c[4]:g}-g{c[5] // c[6]}")
+def test_band_against_reference(case):
+    T, S, off, w, cap, hq, hkv, d = case
+    q, k, v = _qkv(T, S, hq, hkv, d, seed=T * 7 + S + off + w)
+    q = q * 2  # larger scores, so that a cap of 1..5 bends them well into tanh's curve
+    out, lse = triton_attention_block(q, k, v, causal=True, q_offset=off, window=w, softcap=cap)
+    _check(out, lse, q, k, v, band_mask(T, S, off, w), softcap=cap)
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (64, 32)])
+def test_band_tilings(tiles):
+    # Band edges against several tilings: a 64-row block spans the window's lower edge (stage 0),
+    # whole tiles every row sees (stage 1) and the diagonal (stage 2) at once.
+    T, S, off, w = 90, 100, 10, 37
+    q, k, v = _qkv(T, S, 4, 2, 32, seed=13)
+    plan = _plan(q, k, v, True, None, None, None, off, w, 0.0)
+    out, lse = _forward(q, k, v, plan, config=tiles)
+    _check(out, lse, q, k, v, band_mask(T, S, off, w))
+
+
+def test_band_skips_the_key_tiles_no_row_sees():
+    # V is NaN outside the band's key tiles: a visited tile would turn a row's output into NaN
+    # (0 * NaN), so the kernel must visit only [tile of the first key seen, last key seen].
+    T, S, off, w = 16, 200, 150, 10  # rows see keys 141 .. 165: tiles 128 .. 175 of 16
+    q, k, v = _qkv(T, S, 2, 1, 32, seed=14)
+    v_nan = v.clone()
+    v_nan[:128] = float("nan")
+    v_nan[176:] = float("nan")
+    out, lse = _forward(q, k, v_nan, _plan(q, k, v_nan, True, None, None, None, off, w, 0.0), config=(16, 16))
+    _check(out, lse, q, k, v, band_mask(T, S, off, w))  # the reference on finite V (it reads every row)
+
+
+@pytest.mark.parametrize("off", [0, -4])
+def test_band_packed_sequences_with_window_and_cap(off):
+    # Each packed sequence is its own square band (rows and keys counted from its start).
+    cu = [0, 19, 19, 50]
+    q, k, v = _qkv(50, 50, 4, 2, 32, seed=15)
+    out, lse = triton_attention_block(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, q_offset=off,
+                                      window=6, softcap=2.0)
+    vis = torch.zeros(50, 50, dtype=torch.bool)
+    for a, b in zip(cu, cu[1:]):
+        vis[a:b, a:b] = band_mask(b - a, b - a, off, 6)
+    _check(out, lse, q, k, v, vis, softcap=2.0)
+
+
+def test_softcap_full_block():
+    q, k, v = _qkv(19, 45, 4, 1, 32, seed=16)
+    out, lse = triton_attention_block(q * 3, k, v, causal=False, softcap=4.0, softmax_scale=0.5)
+    _check(out, lse, q * 3, k, v, None, scale=0.5, softcap=4.0)
+
+
+def test_decode_kernel_softcap():
+    q, k, v = _qkv(3, 77, 8, 2, 64, seed=17)
+    out, lse = triton_decode_attention(q * 3, k, v, splits=3, softcap=3.0)
+    _check(out, lse, q * 3, k, v, None, softcap=3.0)
