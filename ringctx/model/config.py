@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ..attention.spans import Span
+
 
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
 """Rotary scaling types ringctx computes as transformers does (`rope_type` in Hugging Face configs)."""
@@ -285,6 +287,11 @@ class LayerAttention:
             raise ValueError(f"LayerAttention: rotary_dim must be even (dims rotate in pairs), got {self.rotary_dim}")
 
     @property
+    def span(self) -> Span:
+        """Which earlier keys this layer's queries see."""
+        return Span(window=self.window, chunk=self.chunk)
+
+    @property
     def is_plain(self) -> bool:
         """True for plain causal attention with the model's RoPE (the default)."""
         return self == LayerAttention()
@@ -406,6 +413,11 @@ class ModelConfig:
     def attention(self, layer: int) -> LayerAttention:
         """How layer `layer`'s attention sees and rotates."""
         return self.layer_attention[layer] if self.layer_attention else PLAIN_LAYER
+
+    def decode_kv_rows(self, context: int) -> int:
+        """K/V rows a decode step at position `context` reads over all layers: every earlier row in
+        a full layer, the window's or the current chunk's in the others (and its own)."""
+        return sum(self.attention(i).span.kept_tokens(context) + 1 for i in range(self.n_layers))
 
     def attention_summary(self) -> str:
         """The layers' attention kinds in a few words: "30 full", or "25 window 1024 + 5 full"."""

@@ -109,7 +109,9 @@ def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | No
     if kv_bytes_per_token is None:
         kv_bytes_per_token = (2 * config.n_layers * config.n_kv_heads * config.head_dim
                               * model.tok_embeddings.weight.element_size())
-    return weights + context * kv_bytes_per_token
+    # windowed and chunked layers read only the rows they see: a share of the full layers' rows
+    seen = config.decode_kv_rows(int(context)) / config.n_layers if context else 0.0
+    return weights + seen * kv_bytes_per_token
 
 
 def _seconds(fn) -> float:

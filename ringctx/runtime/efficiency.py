@@ -115,7 +115,8 @@ def measure_efficiency(engine, stats, decode=None, before: dict | None = None) -
     if decode is not None and decode.token_times_s:
         context = stats.cached + stats.tokens + decode.prompt_tokens + len(decode.token_times_s) / 2
         weights = decode_bytes_per_token(model, 0) * engine.decode_ranks * engine.tp_size
-        floor_ms = 1e3 * (weights + context * kv_bytes_per_token(engine)) / bandwidth
+        rows = config.decode_kv_rows(int(context)) / config.n_layers  # windowed layers: W rows each
+        floor_ms = 1e3 * (weights + rows * kv_bytes_per_token(engine)) / bandwidth
         result.decode_ms_per_token = decode.decode_ms_per_token
         result.decode_floor_ms = floor_ms
         result.decode_share_of_floor = floor_ms / decode.decode_ms_per_token
