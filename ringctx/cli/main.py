@@ -231,7 +231,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
                                  param_hint="--nproc")
     # A timing run on synthetic tokens runs past the trained context too; its header says so instead.
     engine = build_engine(config.replace(allow_long_context=True))
-    engine.context.warned = True
+    engine.context.warned = True  # as if said: the header says it
     printing = _is_printing_rank()
     follow_stats = answer = None
     dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))

@@ -68,15 +68,17 @@ class Engine:
             it means); None: the defaults.
         **settings: any EngineConfig field by name (nproc, tp, dtype, device, chunk_tokens, strategy,
             hardware, rule, decode_rank, decode_ranks, kv_dtype, weights, timeout_s,
-            startup_timeout_s, attn_backend), replacing the config's. `Engine(model, nproc=2)` and
-            `Engine(config=EngineConfig(model=model, nproc=2))` build the same engine. Under tp > 1,
+            startup_timeout_s, attn_backend, rope_scaling, allow_long_context, ...), replacing the
+            config's. `Engine(model, nproc=2)` and `Engine(config=EngineConfig(model=model,
+            nproc=2))` build the same engine. Under tp > 1,
             `decode_rank` and `decode_ranks` count CP ranks (each a group of tp ranks).
 
     Failures (see ringctx.runtime.failures and docs/MULTIHOST.md): ranks that loaded a different
     model, dtype or ringctx version are refused at start-up (ValueError naming both sides); a
     prefill that would not fit the available memory is refused before it starts (ValueError with
-    the numbers and a fix); a rank that dies, hangs past `timeout_s` or never joins raises
-    `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
+    the numbers and a fix); a sequence past the model's trained context is refused before any rank
+    runs it (ContextTooLong, a ValueError: see `check_context`); a rank that dies, hangs past
+    `timeout_s` or never joins raises `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
     the engine stays usable.
 
     Every public method below is one or more of the commands in ringctx/runtime/commands.py, which

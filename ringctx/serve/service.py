@@ -122,9 +122,10 @@ class EngineBackend:
         self.chunk_tokens = chunk_tokens or serving_chunk_tokens(engine.model, engine.world_size)
         self.model_id = os.path.basename(str(model).rstrip("/")).removesuffix(".gguf")
         limit = engine.model.config.rope_scaling.position_limit if engine.model.config.rope_scaling else None
-        if not config.allow_long_context:  # the engine's guard refuses past it (ringctx.model.context)
-            limit = min(limit or engine.context.limit, engine.context.limit)
-        self.max_context_tokens = int(limit or 2**31 - 1)
+        self.position_limit = int(limit or 2**31 - 1)  # the first position the model's RoPE cannot compute
+        # the engine's guard refuses past the trained context (ringctx.model.context) unless allowed
+        self.max_context_tokens = (self.position_limit if config.allow_long_context
+                                   else min(self.position_limit, engine.context.limit))
         self.max_queue = max_queue
         self.tokenizer = engine.model.tokenizer
         if self.tokenizer is None:
@@ -175,8 +176,8 @@ class EngineBackend:
                 f"{self.max_document_tokens:,} tokens ({fmt_bytes(self.kv_budget_bytes)} of KV over "
                 f"{self.engine.decode_ranks} decode rank(s), --kv-budget); split it, or start the server with "
                 f"more decode ranks, an 8-bit KV cache (--kv-dtype fp8) or a larger --kv-budget", param="text")
-        if n + QUESTION_ROOM_TOKENS > self.max_context_tokens:
-            raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.max_context_tokens:,}",
+        if n + QUESTION_ROOM_TOKENS > self.position_limit:
+            raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.position_limit:,}",
                                param="text")
         record = api.DocumentInfo(id=new_document_id(), name=name or "untitled", status="ingesting", created=now(),
                                   tokens=n, chunks_total=-(-n // self.chunk_tokens), kv_dtype=self.engine.kv_dtype,

@@ -289,3 +289,22 @@ def test_ingest_past_the_trained_context_is_one_line_naming_the_ways_out(tmp_pat
                   "--allow-long-context"):
         assert words in message, message
     assert not (tmp_path / "kv").exists()
+
+
+def test_the_long_context_warning_is_one_line(capsys):
+    import warnings
+
+    from rich.console import Console
+
+    from ringctx.cli.options import warnings_as_lines
+    from ringctx.model.context import ContextGuard
+    from ringctx.model.presets import get_preset
+
+    with warnings_as_lines(Console(stderr=True)):
+        guard = ContextGuard(get_preset("tiny"), allow=True)
+        guard.check(5000, max_new_tokens=10)
+        guard.check(6000)
+    err = capsys.readouterr().err
+    assert err.count("ringctx: warning: 5,010 tokens (5,000 new + 10 to generate) pass the trained context of "
+                     "tiny, 4,096 tokens") == 1 and len(err.strip().splitlines()) == 1
+    assert warnings.showwarning.__name__ != "show"  # put back on leaving

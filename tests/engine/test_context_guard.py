@@ -113,3 +113,14 @@ def test_bad_rope_scaling_is_refused_before_start():
             Engine("tiny", rope_scaling=spec)
     with pytest.raises(ValueError, match="already scales its RoPE"):
         Engine("llama3.2-1b", rope_scaling="yarn:2")  # refused before its weights are made
+
+
+def test_every_rank_loads_the_stretch():
+    """Spawned ranks load the same stretched model (their start-up agreement compares fingerprints)
+    and a prefill past the plain limit runs over both without a warning."""
+    with Engine("tiny", nproc=2, dtype="float32", rope_scaling="linear:2", chunk_tokens=1024) as engine:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            document = engine.ingest(ids(5000))
+        assert document.length == 5000 and engine.context.limit == 2 * LIMIT
+        assert engine.state.model.config.rope_scaling.rope_type == "linear"
