@@ -78,8 +78,8 @@ class Engine:
     prefill that would not fit the available memory is refused before it starts (ValueError with
     the numbers and a fix); a sequence past the model's trained context is refused before any rank
     runs it (ContextTooLong, a ValueError: see `check_context`); a rank that dies, hangs past
-    `timeout_s` or never joins raises `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
-    the engine stays usable.
+    `timeout_s` or never joins raises `RankFailure` naming it, and closes the engine. Bad input
+    raises ValueError on every rank and the engine stays usable.
 
     Every public method below is one or more of the commands in ringctx/runtime/commands.py, which
     every rank concerned runs; the engine only validates, sends and collects.
@@ -521,11 +521,11 @@ class Engine:
                               dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("nothing to extend the document with: give at least one token id")
-        self.check_context(ids.numel(), cached_tokens=document.length)
         if not self.state.is_decode_rank:
             if self.mode == "spawn":
                 raise RuntimeError("extend runs on the decode ranks only")
             return None
+        self.check_context(ids.numel(), cached_tokens=document.length)  # every decode rank holds the document
         self.end_open_answer(document)  # it would write into the rows the extension takes
         if self._batch is not None and any(m.document is document for m in self._batch.members):
             raise ValueError("the document has questions decoding in the batch: extend it once they are answered")
