@@ -312,11 +312,11 @@ class ModelConfig:
           ringctx computes no position past it (RopeScaling.position_limit).
         - yarn, linear: the longer of max_seq_len and original_max_position x factor. transformers'
           convention is max_position_embeddings = the post-YaRN length (it warns when that ratio
-          differs from factor), but model cards (Qwen2.5, Qwen3) tell users to add a rope_scaling
-          block and leave max_position_embeddings at the original, where transformers fills
-          original_max_position_embeddings from it; vLLM then takes original x factor, and so
-          does this rule. A linear config without original_max_position_embeddings reads
-          max_position_embeddings as the original (vLLM's max_position_embeddings x factor).
+          differs from factor), but model cards tell users to add a yarn block (factor 4 over
+          32,768) and leave max_position_embeddings as it was (Qwen2.5: 32,768, Qwen3: 40,960);
+          vLLM then takes original x factor, and so does this rule. A linear config without
+          original_max_position_embeddings reads max_position_embeddings as the original (vLLM's
+          max_position_embeddings x factor).
         """
         scaling = self.rope_scaling
         if scaling is None or scaling.rope_type in ("llama3", "dynamic"):
