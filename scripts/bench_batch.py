@@ -87,7 +87,7 @@ def run_kv_dtype(args, kv_dtype: str, weights: str, bandwidth: float) -> list[di
     from ringctx.planning.machine_speed import decode_bytes_per_token
 
     rows = []
-    with Engine(MODEL, nproc=args.decode_ranks, dtype="bfloat16", kv_dtype=kv_dtype,
+    with Engine(MODEL, nproc=args.decode_ranks, dtype="bfloat16", kv_dtype=kv_dtype, allow_long_context=True,
                 decode_ranks=args.decode_ranks, weights=weights) as engine:
         vocab = engine.model.config.vocab_size
         ids = torch.randint(0, vocab, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()

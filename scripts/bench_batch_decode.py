@@ -34,7 +34,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}", flush=True)
     kw = {"max_new_tokens": 24, "temperature": 0, "stop_token_ids": []}
-    with ringctx.Engine(args.model, nproc=1) as engine:
+    with ringctx.Engine(args.model, nproc=1, allow_long_context=True) as engine:
         doc = engine.ingest(torch.randint(100, 20000, (2048,)))
         for _ in engine.ask_many(doc, QUESTIONS[:1], **kw):  # creates the batch decoder (and warms up)
             pass

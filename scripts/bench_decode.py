@@ -75,7 +75,7 @@ def prefill_document(docs: str, context: int) -> float:
 
     os.makedirs(docs, exist_ok=True)
     start = time.perf_counter()
-    with Engine(MODEL, nproc=2, dtype="bfloat16") as engine:
+    with Engine(MODEL, nproc=2, dtype="bfloat16", allow_long_context=True) as engine:
         ids = torch.randint(0, engine.model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
         document = engine.ingest(ids.tolist(), chunk_tokens=min(context, 8192))
         engine.save_document(document, document_path(docs, context))
@@ -122,7 +122,8 @@ def run_one(spec: dict) -> dict:
     from ringctx.engine import Engine
 
     n, kv_dtype = spec["decode_ranks"], spec["kv_dtype"]
-    with Engine(MODEL, nproc=n, dtype="bfloat16", decode_ranks=n, kv_dtype=kv_dtype) as engine:
+    with Engine(MODEL, nproc=n, dtype="bfloat16", decode_ranks=n, kv_dtype=kv_dtype,
+                allow_long_context=True) as engine:
         pids = [os.getpid()] + [w.pid for w in engine.worker_processes]
         for pid in pids:
             reset_hwm(pid)

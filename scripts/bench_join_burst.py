@@ -45,7 +45,7 @@ def main() -> int:
 
     tokenizer = load_tokenizer(embedded_gguf_path())
     text, _ = bench_serve.make_document(args.tokens, 1, tokenizer)
-    scheduler = Scheduler(lambda: Engine(nproc=1, dtype="auto"))
+    scheduler = Scheduler(lambda: Engine(nproc=1, dtype="auto", allow_long_context=True))
     engine = scheduler.engine
     rendered, suffix = engine.document_text(text)
     ids = torch.tensor(tokenizer(rendered, add_special_tokens=False)["input_ids"])

@@ -46,7 +46,8 @@ def weight_bytes(model) -> int:
 
 def run_one(tokens: int, chunk: int, world: int, dtype: str, repeats: int) -> dict:
     ids = torch.randint(0, 49152, (tokens,), generator=torch.Generator().manual_seed(0))
-    with ringctx.Engine("smollm2-135m", nproc=world, dtype=dtype, chunk_tokens=chunk) as engine:
+    with ringctx.Engine("smollm2-135m", nproc=world, dtype=dtype, chunk_tokens=chunk,
+                        allow_long_context=True) as engine:
         engine.prefill(ids[: min(tokens, 2 * world * 64)], decode_room=0)  # warm-up (kernels, allocator)
         runs = [engine.prefill(ids, decode_room=0) for _ in range(repeats)]
         weights = weight_bytes(engine.model)

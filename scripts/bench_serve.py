@@ -261,7 +261,8 @@ class Server:
 def start_ringctx(store: str, log_path: str, nproc, dtype: str, timeout: float,
                   extra: tuple[str, ...] = ()) -> Server:
     """`ringctx serve --port 0` (extra: more of its options), once it says where it listens."""
-    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store, "--dtype", dtype, *extra]
+    argv = [sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store, "--dtype", dtype,
+            "--allow-long-context", *extra]
     if nproc is not None:
         argv += ["--nproc", str(nproc)]
     server = Server("ringctx serve", argv, log_path)
@@ -425,7 +426,8 @@ def engine_child(spec_path: str) -> None:
 
     spec = json.load(open(spec_path))
     out = {"docs": []}
-    with ringctx.Engine(MODEL_ID, nproc=1, dtype=spec["dtype"], weights=spec["weights"]) as engine:
+    with ringctx.Engine(MODEL_ID, nproc=1, dtype=spec["dtype"], weights=spec["weights"],
+                        allow_long_context=True) as engine:
         tok = engine.model.tokenizer
         out["dtype"] = str(engine.model.dtype).replace("torch.", "")
         for doc in spec["docs"]:

@@ -851,7 +851,7 @@ def batch_section(ck: Check) -> dict:
     g = torch.Generator().manual_seed(0)
     document_ids = torch.randint(100, 20000, (doc_tokens,), generator=g).tolist()
     questions = [f"Question {i}: what does part {i} of the document say about the weather?" for i in range(n_questions)]
-    with Engine(nproc=1, device=ck.device, dtype=dtype) as engine:
+    with Engine(nproc=1, device=ck.device, dtype=dtype, allow_long_context=True) as engine:
         document = engine.ingest(document_ids)
         engine.ask(document, questions[0], max_new_tokens=2)  # warm-up (kernels built, caches touched)
         t0 = time.perf_counter()

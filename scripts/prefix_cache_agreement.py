@@ -49,7 +49,7 @@ def measure(dtype: str, kv_dtype: str, turns: int, questions: int, max_new_token
 
     row = {"dtype": dtype, "kv_dtype": kv_dtype, "max_logit_diff": 0.0, "argmax_agree": 0, "steps": 0,
            "cached_tokens": []}
-    with Engine(dtype=dtype, kv_dtype=kv_dtype, prefix_cache_min_tokens=128) as engine:
+    with Engine(dtype=dtype, kv_dtype=kv_dtype, prefix_cache_min_tokens=128, allow_long_context=True) as engine:
         text = document_text(60)
 
         def compare(messages):

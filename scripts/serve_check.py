@@ -67,7 +67,8 @@ def main() -> int:
     deadline = time.monotonic() + args.budget_s
     result: dict = {"tokens_asked": tokens, "ok": False}
     store = tempfile.mkdtemp(prefix="ringctx-serve-check-")
-    server = subprocess.Popen([sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store],
+    server = subprocess.Popen([sys.executable, "-m", "ringctx", "serve", "--port", "0", "--store", store,
+                               "--allow-long-context"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True).start()

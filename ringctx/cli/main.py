@@ -20,7 +20,8 @@ from rich.table import Table
 
 from ..planning.hardware import MEASURED, shown_source
 from .options import (COMMAND_LINE, DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, _AgreedBadParameter,
-                      _AgreedError, _rank_error, build_engine, engine_options, nproc_option)
+                      ALLOW_LONG_CONTEXT_OPTION, _AgreedError, _rank_error, build_engine,
+                      engine_options, nproc_option, rope_scaling_option, warnings_as_lines)
 from .progress import prefill_progress, work_bar
 
 console = Console()
@@ -33,11 +34,12 @@ DEFAULT_DECODE_TOKENS = 16      # decode steps timed against the memory floor: a
 
 class _Group(click.Group):
     """Ctrl-C ends every command with one line and exit status 130 (the engine has already stopped
-    its local ranks by then: see Engine.prefill)."""
+    its local ranks by then: see Engine.prefill); the long-context warning is one line."""
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with warnings_as_lines(err_console):
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 err_console.print("ringctx: interrupted; all local ranks stopped")
@@ -227,7 +229,9 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     if world > tokens:
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
                                  param_hint="--nproc")
-    engine = build_engine(config)
+    # A timing run on synthetic tokens runs past the trained context too; its header says so instead.
+    engine = build_engine(config.replace(allow_long_context=True))
+    engine.context.warned = True  # as if said: the header says it
     printing = _is_printing_rank()
     follow_stats = answer = None
     dtypes = phase_dtypes(engine.model.dtype, str(engine.model.device))
@@ -241,7 +245,9 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
             err_console.print(f"[dim]prefill of {tokens:,} synthetic tokens with {config.model} ({engine.model.dtype}) "
                               f"on {_mesh_words(engine)}, chunks of {engine.chunk_tokens:,} tokens, KV cache "
                               f"left on {engine.decode_ranks} decode rank(s)"
-                              + (f", then {follow_up:,} more on top of it" if follow_up else "") + "[/dim]")
+                              + (f", then {follow_up:,} more on top of it" if follow_up else "")
+                              + _past_context(engine, tokens + follow_up + (decode_tokens + 2 if decode_tokens else 0))
+                              + "[/dim]")
             for phase in ("prefill", "decode"):
                 err_console.print(f"[dim]{phase} computes in {dtypes[phase]}[/dim]")
             if predicted_s is not None and predicted_s > PREDICTION_NOTICE_S:
@@ -290,6 +296,15 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     if tokens == DEFAULT_PREFILL_TOKENS:
         err_console.print("[dim]Go bigger: `ringctx prefill --tokens 1000000 --nproc N` on a machine with N GPUs or "
                           "cores, torchrun across hosts (see README), and `ringctx plan` to size it first.[/dim]")
+
+
+def _past_context(engine, total: int) -> str:
+    """The header's words for a run past the model's trained context ("" within it)."""
+    limit = engine.context.limit
+    if total <= limit:
+        return ""
+    return (f"; {total:,} tokens pass the trained context of {engine.model.full_config.name}, {limit:,} tokens "
+            "(run anyway: a timing run, what the model computes past it is noise)")
 
 
 def _decode_steps(engine, document, prompt_ids, steps: int):
@@ -382,8 +397,10 @@ def _ingest_with_progress(engine, text, chat):
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--seed", default=None, type=int)
 @TIMEOUT_OPTION
+@rope_scaling_option(" [default: what the document was made with]")
+@ALLOW_LONG_CONTEXT_OPTION
 def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
-        timeout_s):
+        timeout_s, rope_scaling, allow_long_context):
     """Answer questions about a document saved by `ringctx ingest`: one question streams its answer;
     several are answered together (one decode step for all, the document read once per step for
     every question) and the answers are printed labelled, in the order asked, once all are complete."""
@@ -392,14 +409,15 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
             which = "the question" if len(questions) == 1 else f"the question {i + 1}"
             raise _AgreedBadParameter(f"{which} is empty: ask something about the document",
                                       param_hint="QUESTIONS")
+    context = dict(rope_scaling=rope_scaling, allow_long_context=allow_long_context)
     if len(questions) > 1:
-        return _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s,
+        return _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, context,
                          dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                               seed=seed))
     question = questions[0]
     printing = _is_printing_rank()
-    with _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s) as (engine, document,
-                                                                                       layout_note):
+    with _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s, context) as (
+            engine, document, layout_note):
         generation = engine.generate(document, question, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p, top_k=top_k, seed=seed) if document is not None else iter(())
         for piece in generation:
@@ -416,9 +434,10 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
 
 
 @contextlib.contextmanager
-def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
+def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s, context):
     """`ringctx ask`'s engine: yields (engine, document, layout note), an Engine in the saved
-    document's dtype and KV dtype (nproc auto: the serving layout) with the document loaded on it.
+    document's dtype, KV dtype and RoPE stretch (unless `context`'s rope_scaling is given; nproc auto:
+    the serving layout) with the document loaded on it.
     The engine is closed on leaving; bad input and a lost rank become the command's error."""
     from ..engine import Engine, serving_layout
     from ..runtime.documents import describe_document
@@ -428,8 +447,12 @@ def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
     try:
         meta = describe_document(kv_file)
         nproc, layout_note = serving_layout(nproc, None, tp)
+        rope_scaling = context["rope_scaling"]
+        if rope_scaling is None:
+            rope_scaling = (meta["engine_config"] or {}).get("rope_scaling")
         engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
-                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp, weights=meta["weights"])
+                        kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp, weights=meta["weights"],
+                        rope_scaling=rope_scaling, allow_long_context=context["allow_long_context"])
         yield engine, engine.load_document(kv_file), layout_note
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None
@@ -438,13 +461,13 @@ def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s):
             engine.close()
 
 
-def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, sampling):
+def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, context, sampling):
     """`ringctx ask` with several questions: Engine.ask_many (under torchrun rank 0 leads, the others follow)."""
     import time
 
     printing = _is_printing_rank()
-    with _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s) as (engine, document,
-                                                                                       layout_note):
+    with _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s, context) as (
+            engine, document, layout_note):
         if engine.mode == "torchrun" and engine.rank != 0:
             engine.follow()  # rank 0 drives the batch; this rank runs its commands until it closes
             return

@@ -7,6 +7,7 @@ the same options one by one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -68,6 +69,28 @@ class _RankCount(click.ParamType):
         return n
 
 
+class _RopeScalingSpec(click.ParamType):
+    """--rope-scaling: yarn:FACTOR, linear:FACTOR or none, checked here (one line for a bad value)."""
+
+    name = "yarn:F|linear:F|none"
+
+    def convert(self, value, param, ctx):
+        from ..model.context import parse_rope_scaling
+
+        if value is None:
+            return None
+        try:
+            parse_rope_scaling(value)
+            return str(value).strip().lower()  # "none" kept: `ask` tells it from unset (the document's own)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def rope_scaling_option(help_extra: str = ""):
+    return click.option("--rope-scaling", "rope_scaling", type=_RopeScalingSpec(), default=COMMAND_LINE.rope_scaling,
+                        help=_help("rope_scaling") + help_extra)
+
+
 # Options that `ask` shares with the commands of engine_options.
 def nproc_option(default, serving: bool = False):
     auto = ("auto (the layout that serves fastest: one rank per GPU, one rank with every core on a CPU)" if serving
@@ -92,10 +115,14 @@ WEIGHTS_OPTION = click.option(
 DECODE_RANKS_OPTION = click.option(
     "--decode-ranks", type=int, default=COMMAND_LINE.decode_ranks,
     help=_help("decode_ranks") + " A document saved by any number loads on any other.")
+ALLOW_LONG_CONTEXT_OPTION = click.option("--allow-long-context", "allow_long_context", is_flag=True,
+                                         default=COMMAND_LINE.allow_long_context, help=_help("allow_long_context"))
+ROPE_SCALING_OPTION = rope_scaling_option()
 MODEL_OPTION = click.option("--model", default=COMMAND_LINE.model, show_default=True, help=_help("model"))
 
 ENGINE_OPTIONS = ("model", "nproc", "tp", "chunk_tokens", "strategy", "hardware", "rule", "dtype", "device",
-                  "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights")
+                  "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights", "rope_scaling",
+                  "allow_long_context")
 """The EngineConfig fields a command of `engine_options` takes from its command line."""
 
 
@@ -123,6 +150,8 @@ def engine_options(f=None, *, serving: bool = False):
         click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=COMMAND_LINE.kv_dtype, show_default=True,
                      help=_help("kv_dtype")),
         WEIGHTS_OPTION,
+        ROPE_SCALING_OPTION,
+        ALLOW_LONG_CONTEXT_OPTION,
     ]
 
     @functools.wraps(f)
@@ -133,6 +162,27 @@ def engine_options(f=None, *, serving: bool = False):
     for option in reversed(options):
         with_config = option(with_config)
     return with_config
+
+
+@contextlib.contextmanager
+def warnings_as_lines(console):
+    """The engine's LongContextWarning (allow_long_context) as one line on `console`, other warnings as usual."""
+    import warnings
+
+    from ..model.context import LongContextWarning
+
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, LongContextWarning):
+                if os.environ.get("LOCAL_RANK", "0") == "0":
+                    console.print(f"ringctx: warning: {message}", markup=False, highlight=False, soft_wrap=True)
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 def build_engine(config):

@@ -24,6 +24,7 @@ from ..planning.engine_config import COMMAND_LINE
 from ..planning.hardware import AUTO, MEASURED, calibrated_profile_path, measured_profile_path, resolve_hardware, shown_source
 from ..planning.strategy import RULES
 from ..units import fmt_duration, fmt_gb
+from .options import rope_scaling_option
 
 console = Console()
 err_console = Console(stderr=True)
@@ -99,9 +100,10 @@ def _ms(x: float) -> str:
               help="KV-cache storage on the prefill ranks and the decode devices: model (= --dtype), bfloat16, "
                    "float16, float32, fp8 or int8 (1 byte per element + a float32 scale per token and KV head). "
                    "Ring messages stay in --dtype.")
+@rope_scaling_option()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached, chunk_tokens, rule, dtype,
-         weight_dtype, weights, no_handoff, decode_ranks, kv_dtype, as_json):
+         weight_dtype, weights, no_handoff, decode_ranks, kv_dtype, rope_scaling, as_json):
     """Plan a prefill and the decode after it: strategy per chunk and why, predicted times, TTFT,
     memory per prefill rank and per decode device. With --hosts, first propose the mesh (cp, tp).
     Options left out take what `ringctx prefill` would run with (ranks, chunks, dtype, this
@@ -121,16 +123,22 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
     """
     from ..planning.hardware import load_profile
     from ..planning.mesh_proposal import propose_mesh
+    from ..model.context import context_problem, stretch_config
     from ..planning.prefill_plan import decode_problem, plan_prefill, resolve_model_config
 
     try:
-        config = resolve_model_config(model)
+        config = stretch_config(resolve_model_config(model), rope_scaling)
         hw_note = None
         if hardware is None:  # this machine, as prefill and ingest see it (hardware "auto")
             hardware, hw_note = _this_machine_profile(cp_size, tp_size or 1)
         hw = load_profile(hardware)
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
+    context_warning = None
+    if context_problem(config, tokens, cached_tokens=cached) is not None:  # planned all the same, and said
+        context_warning = (f"{cached + tokens:,} tokens pass the trained context of {config.name}, "
+                           f"{config.trained_context:,} tokens: ingest, ask and serve refuse them without "
+                           "--rope-scaling or --allow-long-context")
     gpus = _check_mesh_options(hosts, gpus_per_host, cp_size, tp_size, hw)
     if gpus_per_host is not None:  # the job's hosts, whatever the profile says
         hw = dataclasses.replace(hw, devices_per_host=gpus)
@@ -158,6 +166,8 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
     if as_json:
         data = {} if result is None else result.to_dict()
         data["as_run"] = as_run.notes
+        if context_warning:
+            data["context_warning"] = context_warning
         if proposal is not None:
             data = {**data, "mesh": proposal.to_dict()}
         if result is None:
@@ -168,6 +178,9 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
             render_mesh(proposal)
         if not problem:
             render_plan(result, as_run.notes)
+            if context_warning:  # after the tables (a plan that does not fit ends with its own one line)
+                err_console.print(f"ringctx plan: warning: {context_warning}", markup=False, highlight=False,
+                                  soft_wrap=True)
     if problem:
         raise DoesNotFit(problem)
 

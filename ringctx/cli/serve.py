@@ -8,7 +8,8 @@ import click
 
 from ..attention.quant import KV_DTYPES
 from ..planning.engine_config import SERVING, field_help
-from .options import DECODE_RANKS_OPTION, MODEL_OPTION, TIMEOUT_OPTION, TP_OPTION, WEIGHTS_OPTION, _rank_error, nproc_option
+from .options import (DECODE_RANKS_OPTION, MODEL_OPTION, ROPE_SCALING_OPTION, TIMEOUT_OPTION,
+                      TP_OPTION, WEIGHTS_OPTION, _rank_error, nproc_option)
 
 
 class _Bytes(click.ParamType):
@@ -89,9 +90,14 @@ def _log(line: str) -> None:
 @click.option("--drain", "drain_s", default=30.0, show_default=True,
               help="Seconds answers in flight may take to finish on Ctrl-C or SIGTERM.")
 @TIMEOUT_OPTION
+@ROPE_SCALING_OPTION
+@click.option("--allow-long-context", "allow_long_context", is_flag=True, default=SERVING.allow_long_context,
+              help=field_help()["allow_long_context"] + " Without it a request past the trained context (its prompt "
+                   "and max_tokens, as vLLM counts them) gets 400 with code context_length_exceeded.")
 def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, api_key, store_dir, kv_budget, max_queue,
           max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
-          join_share, prefix_cache, prefix_cache_min_tokens, prefix_cache_share, prefix_cache_disk, drain_s, timeout_s):
+          join_share, prefix_cache, prefix_cache_min_tokens, prefix_cache_share, prefix_cache_disk, drain_s, timeout_s,
+          rope_scaling, allow_long_context):
     """Serve the OpenAI API over documents kept prefilled across the ranks (see the README)."""
     from ..runtime.failures import RankFailure
     from ..serve.protocol import Limits
@@ -107,7 +113,9 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, 
                                                       timeout_s=timeout_s, chunk_tokens=chunk_tokens,
                                                       prefix_cache=prefix_cache,
                                                       prefix_cache_min_tokens=prefix_cache_min_tokens,
-                                                      prefix_cache_share=prefix_cache_share),
+                                                      prefix_cache_share=prefix_cache_share,
+                                                      rope_scaling=rope_scaling,
+                                                      allow_long_context=allow_long_context),
                                store_dir=store_dir, kv_budget_bytes=kv_budget, max_queue=max_queue,
                                max_document_tokens=max_document_tokens, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                ingest_share=ingest_share, join_share=join_share,

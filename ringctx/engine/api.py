@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..attention.quant import check_kv_dtype
 from ..model import KVCache, Sampler, check_token_ids
+from ..model.context import ContextGuard
 from ..model.generate import Generation, GenerationResult
 from ..model.int8_weights import check_int8_model
 from ..model.tensor_parallel import tp_problem
@@ -67,16 +68,18 @@ class Engine:
             it means); None: the defaults.
         **settings: any EngineConfig field by name (nproc, tp, dtype, device, chunk_tokens, strategy,
             hardware, rule, decode_rank, decode_ranks, kv_dtype, weights, timeout_s,
-            startup_timeout_s, attn_backend), replacing the config's. `Engine(model, nproc=2)` and
-            `Engine(config=EngineConfig(model=model, nproc=2))` build the same engine. Under tp > 1,
+            startup_timeout_s, attn_backend, rope_scaling, allow_long_context, ...), replacing the
+            config's. `Engine(model, nproc=2)` and `Engine(config=EngineConfig(model=model,
+            nproc=2))` build the same engine. Under tp > 1,
             `decode_rank` and `decode_ranks` count CP ranks (each a group of tp ranks).
 
     Failures (see ringctx.runtime.failures and docs/MULTIHOST.md): ranks that loaded a different
     model, dtype or ringctx version are refused at start-up (ValueError naming both sides); a
     prefill that would not fit the available memory is refused before it starts (ValueError with
-    the numbers and a fix); a rank that dies, hangs past `timeout_s` or never joins raises
-    `RankFailure` naming it, and closes the engine. Bad input raises ValueError on every rank and
-    the engine stays usable.
+    the numbers and a fix); a sequence past the model's trained context is refused before any rank
+    runs it (ContextTooLong, a ValueError: see `check_context`); a rank that dies, hangs past
+    `timeout_s` or never joins raises `RankFailure` naming it, and closes the engine. Bad input
+    raises ValueError on every rank and the engine stays usable.
 
     Every public method below is one or more of the commands in ringctx/runtime/commands.py, which
     every rank concerned runs; the engine only validates, sends and collects.
@@ -116,10 +119,12 @@ class Engine:
                 raise ValueError(f"with nproc={nproc} this process is rank 0 and the decode rank, so decode_rank "
                                  f"must be 0, got {decode_rank}; choose another decode rank under torchrun")
             check_loadable(self.model_name, dtype)  # fail here, before any process starts
+            if config.rope_scaling:  # a stretch the model refuses, too
+                peek_config(self.model_name, dtype, config.rope_scaling)
         world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else nproc
         per_host = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         if tp != 1:  # every rank refuses a mesh that cannot work before it joins or loads anything
-            model_config = peek_config(self.model_name, dtype)
+            model_config = peek_config(self.model_name, dtype, config.rope_scaling)
             problem = (mesh_problem(world, tp, per_host) or tp_problem(model_config, tp)
                        or (check_int8_model(model_config, tp) if config.weights == "int8" else None))
             if problem:
@@ -132,7 +137,7 @@ class Engine:
             kv_dtype=config.kv_dtype, weights=config.weights, timeout_s=float(timeout_s),
             startup_timeout_s=float(config.startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
             attn_backend=config.attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp,
-            config=config.to_dict())
+            config=config.to_dict(), rope_scaling=config.rope_scaling)
         try:
             if torchrun:
                 self.mode = "torchrun"
@@ -148,6 +153,8 @@ class Engine:
                 raise ValueError(f"decode_rank {decode_rank} is not a CP rank of this {settings.cp_size}-CP-rank job")
             self.device = rank_device(device, self._local_rank())
             self.state = build_rank_state(self.rank, self.world_size, settings, self.device, self.mode)
+            # the trained context every sequence is held to (model/context.py), checked before any command
+            self.context = ContextGuard(self.state.model.full_config, config.allow_long_context)
             # This rank's part of every live document, by id, held by the caller (weakly here) and
             # dropped on the spawned workers once the caller lets go of it (see keep_document).
             self.state.documents = weakref.WeakValueDictionary()
@@ -378,6 +385,13 @@ class Engine:
         self._next_id += 1
         return self._next_id
 
+    def check_context(self, new_tokens: int, *, cached_tokens: int = 0, max_new_tokens: int = 0) -> None:
+        """Refuse (ContextTooLong, a ValueError) a sequence of cached_tokens + new_tokens +
+        max_new_tokens past the model's trained context, before any rank runs it; with
+        allow_long_context warn once instead (ringctx.model.context: the one rule). Every entry
+        point below calls it; `ringctx serve` too, before it queues a request."""
+        self.context.check(int(new_tokens), cached_tokens=int(cached_tokens), max_new_tokens=int(max_new_tokens))
+
     def keep_document(self, document: Document) -> Document:
         """A new document on this rank (held weakly in state.documents; the caller holds it): rank 0
         of a spawned job has the workers drop theirs once the caller lets go of it (at the next command)."""
@@ -437,6 +451,10 @@ class Engine:
         if cache is not None and (self.decode_ranks > 1 or self.tp_size > 1):
             raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 and tp=1 (this engine has "
                              f"{self.decode_ranks} and {self.tp_size}); ask about a Document instead, which stays split")
+        # Every rank must decide alike: under torchrun only the decode rank holds `cache`, so there its
+        # rows are left out (the agreement in PREFILL_START would otherwise wait for a rank that refused).
+        self.check_context(token_ids.numel(),
+                           cached_tokens=cache.length if cache is not None and self.mode != "torchrun" else 0)
         cached = cache.length if cache is not None and self.rank == state.leader else 0
         prefill_id, keep = self.new_id(), (self.new_id() if as_document else None)
         fields = (prefill_id, ids_to_bytes(token_ids), config.chunk_tokens, config.strategy, decode_room, bool(trace),
@@ -507,6 +525,7 @@ class Engine:
             if self.mode == "spawn":
                 raise RuntimeError("extend runs on the decode ranks only")
             return None
+        self.check_context(ids.numel(), cached_tokens=document.length)  # every decode rank holds the document
         self.end_open_answer(document)  # it would write into the rows the extension takes
         if self._batch is not None and any(m.document is document for m in self._batch.members):
             raise ValueError("the document has questions decoding in the batch: extend it once they are answered")
@@ -520,6 +539,7 @@ class Engine:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0 or chunk_tokens < 1:
             raise ValueError("nothing to extend the document with, or chunk_tokens < 1")
+        self.check_context(ids.numel(), cached_tokens=document.length)
         if self._batch is not None and any(m.document is document for m in self._batch.members):
             raise ValueError("the document has questions decoding in the batch: extend a copy of it")
         self.end_open_answer(document)
@@ -546,8 +566,9 @@ class Engine:
             if self.mode == "spawn" or self.decode_ranks == 1:
                 raise RuntimeError("generate runs on the decode ranks only")
             return iter(())
-        self.end_open_answer()
         ids = self.question_ids(document, prompt)
+        self.check_context(ids.numel(), cached_tokens=document.length, max_new_tokens=max_new_tokens)
+        self.end_open_answer()
         if self.rank != state.leader:  # a follower (torchrun): every step, then nothing to show
             self.run_command("decode", commands.ANSWER_FOLLOW, document.id, ids,
                       commands.answer_room(max_new_tokens, self.decode_ranks), document=document)
@@ -661,6 +682,7 @@ class Engine:
         ids = self._prompt_ids(messages)
         if ids.numel() < 2:
             raise ValueError("the prompt has fewer than 2 tokens: give a longer prompt")
+        self.check_context(ids.numel(), max_new_tokens=max_new_tokens)  # before any of it is prefilled
         cache = self.prefix_cache
         seed = engine_seed(self, cache_salt) if cache is not None else ""
         match = cache.lookup(ids, seed) if cache is not None and ids.numel() > cache.min_tokens else None

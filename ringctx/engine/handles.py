@@ -68,6 +68,9 @@ class EnginePort(Protocol):
     def question_ids(self, document: Document | None, prompt) -> torch.Tensor:
         """A question's token ids as they follow `document`."""
 
+    def check_context(self, new_tokens: int, *, cached_tokens: int = 0, max_new_tokens: int = 0) -> None:
+        """Refuse (ContextTooLong) a sequence past the model's trained context, or warn once (allow_long_context)."""
+
     def batch(self) -> Batch:
         """The engine's one Batch."""
 
@@ -373,6 +376,7 @@ class Batch:
         ids = engine.question_ids(document, prompt)
         if ids.numel() == 0:
             raise ValueError("the question is empty: ask something")
+        engine.check_context(ids.numel(), cached_tokens=document.length if document else 0, max_new_tokens=max_new_tokens)
         sequence_id = engine.new_id()
         generation = Generation(engine.model, ids, max_new_tokens=max_new_tokens, decoder=_MemberDecoder(),
                                 **sampling)

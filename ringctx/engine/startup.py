@@ -29,7 +29,7 @@ def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mo
     """Load this rank's model, check it against every other rank's and make the decode groups."""
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
     model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh),
-                       weights=settings.weights)
+                       weights=settings.weights, rope_scaling=settings.rope_scaling)
     state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
                       chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
     if world > 1:
@@ -102,9 +102,9 @@ def resolve_decode_ranks(decode_ranks: int | None, decode_rank: int, world: int,
     return decode_ranks
 
 
-def peek_config(model_name: str, dtype):
-    """The whole model's config, read from the file's header (no weights loaded)."""
-    return load_model(model_name, dtype=dtype, device="meta").full_config
+def peek_config(model_name: str, dtype, rope_scaling: str | None = None):
+    """The whole model's config, read from the file's header (no weights loaded), stretched by rope_scaling."""
+    return load_model(model_name, dtype=dtype, device="meta", rope_scaling=rope_scaling).full_config
 
 
 def load_hardware(hardware, device=None):

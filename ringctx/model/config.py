@@ -363,7 +363,8 @@ class ModelConfig:
     qk_norm: bool = False
     """Whether each head's q and k are RMS-normalised before RoPE (Qwen3): weights [head_dim], eps norm_eps."""
     max_seq_len: int = 8192
-    """Context length the model was trained for (informational; ringctx does not cap prompts)."""
+    """The checkpoint's max_position_embeddings (GGUF: context_length); the context prompts are held to
+    is `trained_context`, which reads it (model/context.py holds the guard)."""
     bos_token_id: int | None = None
     """Beginning-of-sequence token id, if the tokenizer has one."""
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -514,6 +515,30 @@ class ModelConfig:
         """The factor RoPE's cos and sin are multiplied by (YaRN's; 1.0 otherwise)."""
         scaling = self.rope_of(layer)[1]
         return 1.0 if scaling is None else scaling.attention_factor
+
+    @property
+    def trained_context(self) -> int:
+        """The longest sequence (prompt and answer) the model was trained for, as extended by the
+        checkpoint's own RoPE scaling: the one rule, per rope type (a new type adds its line here).
+
+        - plain RoPE, llama3, dynamic: max_seq_len (max_position_embeddings) as the checkpoint
+          states it. Llama-3.1 states the extended length there (131,072 over an original 8,192
+          with factor 8: llama3's factor is not the ratio); dynamic NTK states the original, and
+          ringctx computes no position past it (RopeScaling.position_limit).
+        - yarn, linear: the longer of max_seq_len and original_max_position x factor. transformers'
+          convention is max_position_embeddings = the post-YaRN length (it warns when that ratio
+          differs from factor), but model cards tell users to add a yarn block (factor 4 over
+          32,768) and leave max_position_embeddings as it was (Qwen2.5: 32,768, Qwen3: 40,960);
+          vLLM then takes original x factor, and so does this rule. A linear config without
+          original_max_position_embeddings reads max_position_embeddings as the original (vLLM's
+          max_position_embeddings x factor).
+        """
+        scaling = self.rope_scaling
+        if scaling is None or scaling.rope_type in ("llama3", "dynamic"):
+            return self.max_seq_len
+        if scaling.rope_type in ("yarn", "linear"):
+            return max(self.max_seq_len, int(round(scaling.original_max_position * scaling.factor)))
+        raise ValueError(f"ModelConfig.trained_context has no rule for rope_type {scaling.rope_type!r}")
 
 
 _DTYPE_NAMES = {

@@ -9,6 +9,7 @@ import os
 import torch
 
 from .config import resolve_dtype
+from .context import parse_rope_scaling, stretch_config
 from .int8_weights import check_weights, quantize_model
 from .presets import PRESETS, get_preset
 from ..hub import local_model_path
@@ -48,6 +49,7 @@ def load_model(
     seed: int = 0,
     tp: TensorParallel = NO_TP,
     weights: str = "model",
+    rope_scaling: str | None = None,
 ) -> Transformer:
     """Load a Llama-family model ready for `.logits`, `.generate` and the prefill engine.
 
@@ -67,6 +69,9 @@ def load_model(
         weights: "model" (the file's values in `dtype`) or "int8" (every matrix of the blocks, not
             the output head, rounded to int8 codes with a power-of-two scale per 64 inputs; on CPUs the decode
             reads the codes: see ringctx.model.int8_weights).
+        rope_scaling: "yarn:FACTOR" or "linear:FACTOR" stretches the model's RoPE as it is built
+            (ringctx.model.context.stretch_config: the trained context becomes FACTOR x the
+            checkpoint's max_position_embeddings); None or "none": the checkpoint's own.
 
     Returns:
         a `Transformer` with `.config`, `.tokenizer` (loaded lazily; None for random presets),
@@ -77,6 +82,8 @@ def load_model(
 
     dtype = resolve_dtype(dtype)
     check_weights(weights, dtype)
+    # a bad value fails here, before anything is read
+    adjust = None if parse_rope_scaling(rope_scaling) is None else (lambda c: stretch_config(c, rope_scaling))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -85,18 +92,20 @@ def load_model(
     tokenizer_path = None
     if key == DEFAULT_MODEL:
         path = embedded_gguf_path()
-        _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, name=DEFAULT_MODEL, tp=tp)
+        _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, name=DEFAULT_MODEL, tp=tp,
+                             adjust_config=adjust)
         tokenizer_path = path
     elif key in PRESETS:
-        model = empty_model(get_preset(key), dtype=dtype or torch.bfloat16, device=device, tp=tp)
+        config = get_preset(key)
+        model = empty_model(adjust(config) if adjust else config, dtype=dtype or torch.bfloat16, device=device, tp=tp)
         if device.type != "meta":
             init_random(model, seed)
     else:
         kind, path = _classify_path(key)
         if kind == "gguf":
-            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, tp=tp)
+            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, tp=tp, adjust_config=adjust)
         else:
-            _, model = load_hf(path, dtype=dtype, device=device, tp=tp)
+            _, model = load_hf(path, dtype=dtype, device=device, tp=tp, adjust_config=adjust)
         tokenizer_path = path
     model.source = tokenizer_path or key
     if weights == "int8" and device.type != "meta":

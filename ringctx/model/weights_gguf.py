@@ -213,14 +213,17 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None,
-              tp: TensorParallel = NO_TP):
+              tp: TensorParallel = NO_TP, adjust_config=None):
     """Config and model (this TP rank's shard under `tp`) from a GGUF file: (ModelConfig,
-    Transformer with the file's weights)."""
+    Transformer with the file's weights). adjust_config(config) -> the config the model is built
+    with (loader.py's --rope-scaling), or None."""
     from .weights import empty_model
 
     path = os.fspath(path)
     reader = open_gguf(path)
     config = read_gguf_config(reader, name=name or os.path.basename(path))
+    if adjust_config is not None:
+        config = adjust_config(config)
     arch = read_gguf_field(reader.fields["general.architecture"])
     meta = torch.device(device).type == "meta"
     tensors = [] if meta else [t for shard in gguf_shards(path, reader) for t in shard.tensors]

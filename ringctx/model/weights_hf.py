@@ -184,14 +184,17 @@ def _read(handle, name: str, piece: WeightPiece, start: int, stop: int | None) -
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, name: str | None = None,
-            tp: TensorParallel = NO_TP):
+            tp: TensorParallel = NO_TP, adjust_config=None):
     """Config and model (this TP rank's shard under `tp`) from a Hugging Face directory:
-    (ModelConfig, Transformer with its weights).
+    (ModelConfig, Transformer with its weights). adjust_config(config) -> the config the model is
+    built with (loader.py's --rope-scaling), or None.
 
     dtype None: the checkpoint's `torch_dtype`/`dtype` from config.json (float32 if absent).
     """
     directory = os.fspath(directory)
     config = read_hf_config(directory, name=name)
+    if adjust_config is not None:
+        config = adjust_config(config)
     if dtype is None:
         dtype = checkpoint_dtype(directory)
     model = empty_model(config, dtype=dtype, device=device, tp=tp)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..attention.kernels import BACKENDS
 from ..attention.quant import check_kv_dtype
+from ..model.context import parse_rope_scaling
 from ..model.int8_weights import check_weights
 from ..model.loader import DEFAULT_MODEL
 from ..parallel.ring import STRATEGIES
@@ -91,6 +92,13 @@ class EngineConfig:
     prefix_cache_share: float = 0.5
     """Of the KV budget (serve's --kv-budget), the share the kept prompts may take in memory; beyond it the
     least recently used move to disk (serve) or are dropped. Registered documents come first."""
+    rope_scaling: str | None = None
+    """Stretch the model's RoPE at load: "yarn:FACTOR" (YaRN, transformers' formula, over the checkpoint's
+    max_position_embeddings) or "linear:FACTOR"; the trained context becomes FACTOR times longer. Unset
+    or "none": the checkpoint's own; refused for a model that scales RoPE already."""
+    allow_long_context: bool = False
+    """Run a prompt past the model's trained context (its tokens, cached ones and max_new_tokens) with a
+    one-time warning instead of refusing it; answers past that length are unreliable."""
 
     # ------------------------------------------------------------------ building and checking
     def replace(self, **changes) -> "EngineConfig":
@@ -124,6 +132,7 @@ class EngineConfig:
                              f"{self.prefix_cache_min_tokens!r}")
         if not 0 < self.prefix_cache_share <= 1:
             raise ValueError(f"prefix_cache_share must be in (0, 1], got {self.prefix_cache_share!r}")
+        parse_rope_scaling(self.rope_scaling)
         if self.startup_timeout_s is not None and self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0 seconds, got {self.startup_timeout_s!r}")
         return self

@@ -52,6 +52,8 @@ class EngineSettings:
     """Context-parallel ranks: world / tp_size."""
     config: dict = field(default_factory=dict)
     """The EngineConfig as it runs ("auto" resolved; `EngineConfig.to_dict`), recorded in saved documents."""
+    rope_scaling: str | None = None
+    """The RoPE stretch every rank loads the model with ("yarn:4", ...; None: the checkpoint's own)."""
 
 
 @dataclass

@@ -36,6 +36,13 @@ class BadRequest(BackendError):
     """The request cannot be served as written (empty prompt, context too long, bad sampling)."""
 
 
+class ContextLengthExceeded(BackendError):
+    """The document, or its tokens with the request's and max_tokens, pass the model's trained context
+    (ringctx.model.context; vLLM answers prompt + max_tokens > max_model_len alike)."""
+
+    code = "context_length_exceeded"
+
+
 class NotFound(BackendError):
     """No such document (or model)."""
 
@@ -227,11 +234,13 @@ class Backend(Protocol):
     model_id: str
     """The name /v1/models lists and requests may name in "model"."""
     max_context_tokens: int
-    """The model's context length (prompt + answer)."""
+    """The longest prompt + answer a request may ask for: the model's trained context (any length with
+    --allow-long-context), at most what its RoPE computes."""
 
     def add_document(self, text: str, name: str = "") -> DocumentInfo:
         """Tokenize and queue an ingest; returns at once with status "ingesting". Raises TooLarge
-        before any prefill when the document could never fit, BadRequest when it is empty."""
+        before any prefill when the document could never fit, ContextLengthExceeded when it passes the
+        model's trained context, BadRequest when it is empty."""
 
     def document(self, doc_id: str) -> DocumentInfo:
         """One document (NotFound)."""
@@ -243,7 +252,7 @@ class Backend(Protocol):
         """Forget a document everywhere (memory, disk); an ingest in progress is cancelled (NotFound)."""
 
     def generate(self, request: GenerateRequest) -> Answer:
-        """Queue an answer; returns at once (BadRequest, NotFound, Overloaded, Unavailable)."""
+        """Queue an answer; returns at once (BadRequest, ContextLengthExceeded, NotFound, Overloaded, Unavailable)."""
 
     def stats(self) -> BackendStats:
         """Current numbers (never raises)."""

@@ -35,6 +35,7 @@ from ..engine import Engine, RankFailure
 from ..engine.scheduler import Done, Scheduler, SchedulerStopped, Text
 from ..engine.prefix_cache import CachedPrompt, PrefixCache, engine_seed
 from ..engine.work_items import Prefill, Question
+from ..model.context import ContextTooLong
 from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
 from . import backend as api
@@ -121,7 +122,10 @@ class EngineBackend:
         self.chunk_tokens = chunk_tokens or serving_chunk_tokens(engine.model, engine.world_size)
         self.model_id = os.path.basename(str(model).rstrip("/")).removesuffix(".gguf")
         limit = engine.model.config.rope_scaling.position_limit if engine.model.config.rope_scaling else None
-        self.max_context_tokens = int(limit or 2**31 - 1)
+        self.position_limit = int(limit or 2**31 - 1)  # the first position the model's RoPE cannot compute
+        # the engine's guard refuses past the trained context (ringctx.model.context) unless allowed
+        self.max_context_tokens = (self.position_limit if config.allow_long_context
+                                   else min(self.position_limit, engine.context.limit))
         self.max_queue = max_queue
         self.tokenizer = engine.model.tokenizer
         if self.tokenizer is None:
@@ -164,6 +168,7 @@ class EngineBackend:
         rendered, suffix = self.engine.document_text(text)
         ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         n = len(ids)
+        self._check_context(n, param="text")
         need = n * self.bytes_per_token
         if n > self.max_document_tokens or need > self.kv_budget_bytes:
             raise api.TooLarge(
@@ -171,8 +176,8 @@ class EngineBackend:
                 f"{self.max_document_tokens:,} tokens ({fmt_bytes(self.kv_budget_bytes)} of KV over "
                 f"{self.engine.decode_ranks} decode rank(s), --kv-budget); split it, or start the server with "
                 f"more decode ranks, an 8-bit KV cache (--kv-dtype fp8) or a larger --kv-budget", param="text")
-        if n + QUESTION_ROOM_TOKENS > self.max_context_tokens:
-            raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.max_context_tokens:,}",
+        if n + QUESTION_ROOM_TOKENS > self.position_limit:
+            raise api.TooLarge(f"the document has {n:,} tokens; the model runs at most {self.position_limit:,}",
                                param="text")
         record = api.DocumentInfo(id=new_document_id(), name=name or "untitled", status="ingesting", created=now(),
                                   tokens=n, chunks_total=-(-n // self.chunk_tokens), kv_dtype=self.engine.kv_dtype,
@@ -223,6 +228,7 @@ class EngineBackend:
             raise api.BadRequest("temperature must be >= 0", param="temperature")
         doc_id, question = self.prompts.prompt(request)
         doc_tokens = self.docs.get(doc_id).tokens if doc_id else 0
+        self._check_context(len(question), cached=doc_tokens, max_new_tokens=s.max_tokens, param="max_tokens")
         total = doc_tokens + len(question) + s.max_tokens
         if total > self.max_context_tokens:
             raise api.BadRequest(f"{doc_tokens + len(question):,} prompt tokens and max_tokens={s.max_tokens} go past "
@@ -257,6 +263,14 @@ class EngineBackend:
         except SchedulerStopped as exc:
             raise self._stopped_error(str(exc)) from None
         return _Answer(self, ticket, prompt_tokens=doc_tokens + len(question), cached=reuse)
+
+    def _check_context(self, new_tokens: int, *, cached: int = 0, max_new_tokens: int = 0, param: str) -> None:
+        """The engine's context guard (one rule: ringctx.model.context) before anything is queued:
+        ContextLengthExceeded (400, code context_length_exceeded), or one warning with --allow-long-context."""
+        try:
+            self.engine.check_context(new_tokens, cached_tokens=cached, max_new_tokens=max_new_tokens)
+        except ContextTooLong as exc:
+            raise api.ContextLengthExceeded(str(exc), param=param) from None
 
     def _reuse(self, doc_id: str | None, doc_tokens: int, question: torch.Tensor, salt: str | None) -> CachedPrompt:
         """What the request's prompt reuses: the longest cached prompt that begins it (when it is

@@ -248,3 +248,66 @@ def test_an_uncalibrated_profile_predicts_from_the_gemm_rate_measured_here():
     assert predicted(1e11) != cli._predicted_seconds(engine, 65536)  # the placeholder peaks differ
     calibrated = dataclasses.replace(cpu, calibrated=True)
     assert predicted(1e11, calibrated) == predicted(2e11, calibrated) == cli._predicted_seconds(engine, 65536)
+
+
+PREFILL_TINY = ["prefill", "--model", "tiny", "--chunk-tokens", "2048", "--nproc", "1", "--follow-up", "0",
+                "--decode", "0", "--dtype", "float32", "--hardware", "cpu"]
+
+
+def test_prefill_runs_past_the_trained_context_and_says_so_in_its_header():
+    past = CliRunner().invoke(main, [*PREFILL_TINY, "--tokens", "4100"])
+    assert past.exit_code == 0, past.output
+    header = next(line for line in past.stderr.splitlines() if line.startswith("prefill of"))
+    assert "4,100 tokens pass the trained context of tiny, 4,096 tokens" in " ".join(past.stderr.split())
+    assert "warning" not in past.stderr  # the header says it, once
+    within = CliRunner().invoke(main, [*PREFILL_TINY, "--tokens", "300"])
+    assert within.exit_code == 0 and "trained context" not in within.stderr and header
+
+
+def test_rope_scaling_stretches_the_prefills_model():
+    result = CliRunner().invoke(main, [*PREFILL_TINY, "--tokens", "4100", "--rope-scaling", "yarn:2"])
+    assert result.exit_code == 0, result.output
+    assert "trained context" not in result.stderr
+
+
+@pytest.mark.parametrize("value, says", [("yarn:0", "the factor must be a number above 1"),
+                                         ("foo:2", "unknown type 'foo'"), ("yarn:", "yarn needs a factor")])
+@pytest.mark.parametrize("command", ["prefill", "ingest", "serve", "plan"])
+def test_bad_rope_scaling_values_are_one_line(command, value, says, tmp_path):
+    args = {"prefill": [], "ingest": [str(tmp_path / "doc.txt"), "--save", str(tmp_path / "kv")],
+            "serve": [], "plan": ["--tokens", "10"]}[command]
+    result = CliRunner().invoke(main, [command, *args, "--rope-scaling", value])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--rope-scaling': rope scaling {value!r}: {says}" in " ".join(result.output.split())
+
+
+def test_ingest_past_the_trained_context_is_one_line_naming_the_ways_out(tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("word " * 9000)
+    result = CliRunner().invoke(main, ["ingest", str(doc), "--save", str(tmp_path / "kv"), "--nproc", "1",
+                                       "--dtype", "float32"])
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    for words in ("pass the trained context of smollm2-135m, 8,192 tokens", "--rope-scaling yarn:2",
+                  "--allow-long-context"):
+        assert words in message, message
+    assert not (tmp_path / "kv").exists()
+
+
+def test_the_long_context_warning_is_one_line(capsys):
+    import warnings
+
+    from rich.console import Console
+
+    from ringctx.cli.options import warnings_as_lines
+    from ringctx.model.context import ContextGuard
+    from ringctx.model.presets import get_preset
+
+    with warnings_as_lines(Console(stderr=True)):
+        guard = ContextGuard(get_preset("tiny"), allow=True)
+        guard.check(5000, max_new_tokens=10)
+        guard.check(6000)
+    err = capsys.readouterr().err
+    assert err.count("ringctx: warning: 5,010 tokens (5,000 new + 10 to generate) pass the trained context of "
+                     "tiny, 4,096 tokens") == 1 and len(err.strip().splitlines()) == 1
+    assert warnings.showwarning.__name__ != "show"  # put back on leaving

@@ -325,3 +325,15 @@ def test_plan_reasons_are_short_with_the_formula_once(monkeypatch):
     d = json.loads(run(plan, [*args, "--json"]).output)
     choice = d["entries"][0]["choice"]
     assert choice["short_reason"] == "Eq.2: T=2048 >= 159 -> pass-KV" and "Eq. 2, N*C*NKV*e/(2*NH*BW)" in choice["reason"]
+
+
+def test_plan_warns_past_the_trained_context_and_rope_scaling_moves_it():
+    args = ["--model", "tiny", "--cp", "1", "--hardware", "cpu", "--tokens", "5000", "--cached", "100"]
+    past = run(plan, args)
+    assert past.exit_code == 0, past.output
+    warning = [line for line in past.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "5,100 tokens pass the trained context of tiny, 4,096 tokens" in warning[0]
+    assert "warning" not in run(plan, [*args, "--rope-scaling", "yarn:2"]).stderr
+    d = json.loads(run(plan, [*args, "--json"]).stdout)  # with --json: in the JSON, stdout stays JSON
+    assert "4,096" in d["context_warning"]
+    assert "context_warning" not in json.loads(run(plan, [*args[:-4], "--tokens", "4096", "--json"]).stdout)

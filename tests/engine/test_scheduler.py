@@ -84,7 +84,7 @@ def test_a_cancelled_answer_ends_at_once_and_the_next_is_unchanged(engine, alone
     scheduler = Scheduler(engine)
     try:
         document = scheduler.call(lambda: engine.ingest(DOC))
-        first = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(max_new_tokens=5000)))
+        first = scheduler.submit_answer(LoneAnswer(document, QUESTION, dict(max_new_tokens=3000)))  # within tiny's 4,096
         while scheduler.running is not first or first.answer is None:  # wait until it decodes
             time.sleep(0.001)
         first.cancel()

@@ -301,6 +301,20 @@ def test_backend_refusals_keep_their_status(http, backend, client):
         client.chat.completions.create(**chat)
 
 
+def test_a_prompt_past_the_trained_context_is_a_400_context_length_exceeded(http, backend, client):
+    """As vLLM answers prompt + max_tokens > max_model_len (EngineBackend raises it from the engine's guard)."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
+    backend.raise_on_generate = api.ContextLengthExceeded(
+        "8,300 tokens (8,200 new + 100 to generate) pass the trained context of fake-model, 8,192 tokens: ...",
+        param="max_tokens")
+    error = assert_error(http.post("/v1/chat/completions", json=chat), 400, param="max_tokens",
+                         code="context_length_exceeded", says="8,192 tokens")
+    assert error["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100)
+    assert caught.value.code == "context_length_exceeded"
+
+
 def test_a_rank_lost_mid_answer(http, backend):
     backend.fail_after = 2
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -212,6 +212,21 @@ def test_completions_and_chat_without_a_document(server):
     assert same.choices[0].message.content == chat.choices[0].message.content  # seeded: reproducible
 
 
+def test_past_the_trained_context_is_a_400_context_length_exceeded(server):
+    """SmolLM2 was trained for 8,192 positions: a document past it, or a prompt whose tokens and
+    max_tokens pass it (vLLM's rule), is refused before anything is queued; the server goes on."""
+    r = server.http.post("/v1/documents", json={"text": "word " * 9000, "name": "too-long"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["code"], error["type"], error["param"]) == ("context_length_exceeded", "invalid_request_error", "text")
+    assert "trained context of smollm2-135m, 8,192 tokens" in error["message"] and "--rope-scaling" in error["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client.chat.completions.create(model="smollm2-135m", max_tokens=4000,
+                                              messages=[{"role": "user", "content": "word " * 4500}])
+    assert caught.value.code == "context_length_exceeded" and "4,000 to generate" in caught.value.message
+    assert not [d for d in server.http.get("/v1/documents").json()["data"] if d["name"] == "too-long"]
+
+
 def test_an_unknown_document_is_a_404_object(server):
     r = server.http.post("/v1/chat/completions", json={"model": "smollm2-135m", "document": "doc-" + "0" * 24,
                                                        "messages": [{"role": "user", "content": "hi"}]})
