@@ -530,12 +530,16 @@ class ModelConfig:
           differs from factor), but model cards tell users to add a yarn block (factor 4 over
           32,768) and leave max_position_embeddings as it was (Qwen2.5: 32,768, Qwen3: 40,960);
           vLLM then takes original x factor, and so does this rule. A linear config without
-          original_max_position_embeddings reads max_position_embeddings as the original (vLLM's
-          max_position_embeddings x factor).
+          original_max_position_embeddings states the scaled length itself (Gemma 3: linear x8,
+          max_position_embeddings 131,072, a 128K model): max_seq_len.
+        - longrope (Phi-3/3.5/4): max_seq_len, the long factors' length (131,072 over an
+          original 4,096 for the 128K models).
         """
         scaling = self.rope_scaling
-        if scaling is None or scaling.rope_type in ("llama3", "dynamic"):
+        if scaling is None or scaling.rope_type in ("llama3", "dynamic", "longrope"):
             return self.max_seq_len
+        if scaling.rope_type == "linear" and scaling.original_max_position == self.max_seq_len:
+            return self.max_seq_len  # no original length given: max_position_embeddings is the scaled one
         if scaling.rope_type in ("yarn", "linear"):
             return max(self.max_seq_len, int(round(scaling.original_max_position * scaling.factor)))
         raise ValueError(f"ModelConfig.trained_context has no rule for rope_type {scaling.rope_type!r}")

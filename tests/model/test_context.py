@@ -36,8 +36,12 @@ def test_the_trained_context_per_rope_type():
     for stated in (131072, 32768):
         cfg = read_hf_config(hf_dict(stated, rope_type="yarn", factor=4.0, original_max_position_embeddings=32768))
         assert cfg.trained_context == 131072, stated
-    # linear without an original: max_position_embeddings x factor (vLLM's reading)
-    assert read_hf_config(hf_dict(2048, rope_type="linear", factor=4.0)).trained_context == 8192
+    # linear without an original states the scaled length (Gemma 3: x8, 131,072); with one, original x factor
+    assert read_hf_config(hf_dict(2048, rope_type="linear", factor=4.0)).trained_context == 2048
+    assert read_hf_config(hf_dict(2048, rope_type="linear", factor=4.0,
+                                  original_max_position_embeddings=1024)).trained_context == 4096
+    assert get_preset("gemma3-27b").trained_context == 131072
+    assert get_preset("phi3-mini-128k").trained_context == 131072  # longrope: as stated
     # dynamic: as stated; ringctx computes no position past it
     assert read_hf_config(hf_dict(4096, rope_type="dynamic", factor=2.0)).trained_context == 4096
 
