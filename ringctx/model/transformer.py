@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.spans import LayerSoftmax, Span
+from ..attention.spans import LayerSoftmax
 from .config import ModelConfig
 from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
@@ -284,7 +284,7 @@ class Block(nn.Module):
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
-        self.span = Span(window=kind.window, chunk=kind.chunk)
+        self.span = kind.span
         self.scale = kind.scale or config.head_dim ** -0.5
 
     def softmax(self) -> LayerSoftmax:

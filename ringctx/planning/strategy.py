@@ -454,8 +454,7 @@ def span_counts(model: ModelConfig) -> dict[Span, int]:
     """How many layers have each span (full attention is Span())."""
     counts: dict[Span, int] = {}
     for i in range(model.n_layers):
-        kind = model.attention(i)
-        span = Span(window=kind.window, chunk=kind.chunk)
+        span = model.attention(i).span
         counts[span] = counts.get(span, 0) + 1
     return counts
 

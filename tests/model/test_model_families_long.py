@@ -19,6 +19,7 @@ import torch
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
 from tests.helpers import one_thread_for_module, rel_err
+from tests.model.test_model_families import prompt
 
 one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
 
@@ -129,10 +130,6 @@ def pair(request, tmp_path_factory):
     hf = random_hf_model(request.param)
     hf.save_pretrained(directory)
     return request.param, load_model(str(directory), dtype=torch.float32, device="cpu"), hf, directory
-
-
-def prompt(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
