@@ -107,13 +107,13 @@ def runs_of(positions: torch.Tensor, row: int = 0) -> list[Run]:
     n = positions.numel()
     if n == 0:
         return []
-    pos = positions.tolist()
-    runs, start = [], 0
-    for i in range(1, n + 1):
-        if i == n or pos[i] != pos[i - 1] + 1:
-            runs.append(Run(row + start, pos[start], i - start))
-            start = i
-    return runs
+    # Vectorised: a decode step asks this of a cache's rows every layer, and a long document's
+    # rows come in a few runs, so only the run starts reach Python.
+    breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).view(-1) + 1
+    starts = [0, *breaks.tolist()]
+    firsts = positions[torch.tensor(starts, device=positions.device)].tolist()
+    ends = [*starts[1:], n]
+    return [Run(row + a, p, b - a) for a, p, b in zip(starts, firsts, ends)]
 
 
 def band_blocks(span: Span, q_runs: Iterable[Run], k_runs: Iterable[Run]) -> list[Band]:
