@@ -85,6 +85,13 @@ class KVCache:
             self.k_scale, self.v_scale = buffers[2::stride], buffers[3::stride]
         self.positions = torch.empty(max_tokens, dtype=torch.long) if sliced else None
         self.length = 0
+        self.kept = [0] * n_layers
+
+    def kept_from(self, layer: int) -> int:
+        """The first row this layer still stores: rows below it were dropped (a windowed or chunked
+        layer keeps only what later tokens can see). Row i of the layer lives in slot
+        i - kept_from(layer) of its buffers."""
+        return self.kept[layer]
 
     @classmethod
     def for_model(
@@ -130,6 +137,7 @@ class KVCache:
         cache.kv_dtype, cache.compute_dtype = "model", dtype
         cache.k_scale = cache.v_scale = cache.positions = None
         cache.small_pages = False
+        cache.kept = [0] * len(k)
         if max_tokens is None:
             cache.k, cache.v = list(k), list(v)
         else:
