@@ -14,6 +14,12 @@ Two variations serve caches larger than one device:
   the global position of row i. Attention over cached tokens does not depend on their order (RoPE
   is already applied to the keys), so a slice is attended exactly like a whole cache.
 
+A windowed or chunked layer needs only the rows its later queries can see (the last W, or the
+current chunk). `drop_unseen` frees the others: layer l then stores rows kept_from(l) .. of the
+shared row numbering, row i in slot i - kept_from(l) of buffers [max_tokens - kept_from(l), Hkv, D].
+Every read and write goes through that rule; a full layer never drops a row. A 1M-token document
+of a 3:1 windowed:full model so keeps about a quarter of the rows of the same model all full.
+
     cache = KVCache.for_model(model.config, max_tokens=4096, dtype=model.dtype)
     logits = forward_with_cache(model, token_ids, cache)     # prefill: positions 0..T-1
     logits = forward_with_cache(model, next_token, cache)    # decode: position T
@@ -21,13 +27,14 @@ Two variations serve caches larger than one device:
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
 from ..attention import PartialAccumulator, attention_block, attention_with_cache
 from ..attention import quant
-from ..attention.spans import KeyRows, LayerSoftmax, Run, is_plain, runs_of, span_attention
+from ..attention.spans import KeyRows, LayerSoftmax, Run, Span, is_plain, runs_of, span_attention
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from .config import ModelConfig
 from ..host_memory import collapse_steps, host_tensors
@@ -59,14 +66,18 @@ class KVCache:
         kv_dtype: str = "model",
         sliced: bool = False,
         small_pages: bool = False,
+        kept: Sequence[int] | None = None,
     ):
         """dtype: what reads return and writes take (the model's dtype); kv_dtype: how rows are
         stored (see the class docstring); sliced: keep a `positions` index (rows in any order);
         small_pages: on a CPU, in ordinary pages, not 2 MiB ones (a prefill's cache, written chunk by
-        chunk: see ringctx.host_memory)."""
+        chunk: see ringctx.host_memory); kept: per layer, the first row it stores (default 0: all)."""
         if max_tokens <= 0:
             raise ValueError(f"KVCache: max_tokens must be positive, got {max_tokens}")
-        shape = (max_tokens, n_kv_heads, head_dim)
+        kept = [0] * n_layers if kept is None else [int(r) for r in kept]
+        if len(kept) != n_layers or any(not 0 <= r <= max_tokens for r in kept):
+            raise ValueError(f"KVCache: kept must give each of the {n_layers} layers a first row in "
+                             f"[0, {max_tokens}], got {kept}")
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.compute_dtype = dtype
         stored = storage_dtype(kv_dtype, dtype)
@@ -75,17 +86,23 @@ class KVCache:
         # On a CPU they share one mapping in 2 MiB pages (ringctx.host_memory), layer by layer, K
         # then V (then their scales): a decode step reads the whole cache, and faster from there
         # (small_pages: the same mapping in ordinary pages).
-        per_layer = [(shape, stored)] * 2 + ([(shape[:2], torch.float32)] * 2 if is_quantized(kv_dtype) else [])
-        buffers = _empty_buffers(per_layer * n_layers, device, small_pages=small_pages)
+        quantized = is_quantized(kv_dtype)
+        specs = []
+        for first in kept:
+            shape = (max_tokens - first, n_kv_heads, head_dim)
+            specs += [(shape, stored)] * 2 + ([(shape[:2], torch.float32)] * 2 if quantized else [])
+        buffers = _empty_buffers(specs, device, small_pages=small_pages)
         self.small_pages = small_pages
-        stride = len(per_layer)
+        stride = 4 if quantized else 2
         self.k, self.v = buffers[0::stride], buffers[1::stride]
         self.k_scale = self.v_scale = None
-        if is_quantized(kv_dtype):
+        if quantized:
             self.k_scale, self.v_scale = buffers[2::stride], buffers[3::stride]
         self.positions = torch.empty(max_tokens, dtype=torch.long) if sliced else None
         self.length = 0
-        self.kept = [0] * n_layers
+        self.max_tokens = max_tokens
+        self.kept = kept
+        self.spans: list[Span] | None = None  # set by drop_unseen: what each layer's rows are kept for
 
     def kept_from(self, layer: int) -> int:
         """The first row this layer still stores: rows below it were dropped (a windowed or chunked
@@ -137,7 +154,8 @@ class KVCache:
         cache.kv_dtype, cache.compute_dtype = "model", dtype
         cache.k_scale = cache.v_scale = cache.positions = None
         cache.small_pages = False
-        cache.kept = [0] * len(k)
+        cache.kept, cache.spans = [0] * len(k), None
+        cache.max_tokens = shape[0] if max_tokens is None else max_tokens
         if max_tokens is None:
             cache.k, cache.v = list(k), list(v)
         else:
@@ -155,10 +173,6 @@ class KVCache:
     @property
     def n_layers(self) -> int:
         return len(self.k)
-
-    @property
-    def max_tokens(self) -> int:
-        return self.k[0].shape[0]
 
     @property
     def n_kv_heads(self) -> int:
@@ -206,7 +220,25 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Stored bytes of one token over all layers (K, V and their scales)."""
-        return sum(t[0].numel() * t.element_size() for t in self.storage_tensors())
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.storage_tensors())
+
+    @property
+    def trimmed(self) -> bool:
+        """Whether some layer dropped rows (`drop_unseen`)."""
+        return any(self.kept)
+
+    def stored_rows(self, layer: int, start: int, stop: int) -> list[torch.Tensor]:
+        """Views of rows start..stop-1 of one layer as stored, [k, v] or [k, v, k_scale, v_scale]
+        (a ValueError when the layer dropped some of them)."""
+        a, b = self._slots(layer, start, stop)
+        return [t[a:b] for t in self.storage_tensors(layer)]
+
+    def _slots(self, layer: int, start: int, stop: int) -> tuple[int, int]:
+        first = self.kept[layer]
+        if start < first and stop > start:
+            raise ValueError(f"KV cache layer {layer} dropped its rows below {first} (a windowed or chunked "
+                             f"layer keeps what later tokens see); rows {start}..{stop - 1} were asked for")
+        return start - first, stop - first
 
     def check_model(self, config: ModelConfig) -> None:
         """Raise a ValueError unless this cache's shapes fit `config`."""
@@ -224,7 +256,13 @@ class KVCache:
         positions: [T] long tensor of cache rows, or an int `start` for rows start..start+T-1
         (a slice copy: the fast path for prefill and decode).
         """
-        rows = slice(positions, positions + k.shape[0]) if isinstance(positions, int) else positions
+        first = self.kept[layer]
+        if isinstance(positions, int):
+            rows = slice(*self._slots(layer, positions, positions + k.shape[0]))
+        else:
+            if first and positions.numel() and int(positions.min()) < first:
+                self._slots(layer, int(positions.min()), first)  # raises: a write below the kept rows
+            rows = positions - first if first else positions
         if self.quantized:
             for data, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
                 q, s = quantize_rows(x, self.kv_dtype)
@@ -251,6 +289,7 @@ class KVCache:
 
     def _read(self, data, scale, layer: int, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
+        start, stop = self._slots(layer, start, stop)
         if scale is not None:
             return dequantize_rows(data[layer][start:stop], scale[layer][start:stop], dtype)
         return data[layer][start:stop].to(dtype)
@@ -268,6 +307,7 @@ class KVCache:
         stop = self.length if stop is None else stop
         if not is_plain(softmax):
             return self._attend_span(layer, q, stop, softmax, q_positions, backend)
+        self._slots(layer, 0, stop)  # a full layer keeps every row
         if softmax is not None:
             softmax_scale = softmax.scale
         if self.quantized:
@@ -283,7 +323,9 @@ class KVCache:
             raise ValueError("a windowed, chunked or soft-capped layer's attention over a cache needs "
                              "each query's position (q_positions)")
         # Rows past `length` were written for this step (their positions set by the writer first).
-        k_runs = runs_of(torch.arange(stop) if self.positions is None else self.positions[:stop])
+        first_row = self.kept[layer]  # rows below it are ones no query here sees
+        k_runs = runs_of(torch.arange(first_row, stop) if self.positions is None else self.positions[first_row:stop],
+                         row=first_row)
         q_runs = [Run(t, p, 1) for t, p in enumerate(q_positions)]
         first = min(softmax.span.first_visible(p) for p in q_positions)
         wanted = [r for r in k_runs if r.position + r.length > first]  # rows any query may see
@@ -300,9 +342,9 @@ class KVCache:
             return self
         out = KVCache(self.n_layers, max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
                       device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None,
-                      small_pages=self.small_pages)
-        for dst, src in zip(out.storage_tensors(), self.storage_tensors()):
-            dst[:self.length].copy_(src[:self.length])
+                      small_pages=self.small_pages, kept=self.kept)
+        out.spans = self.spans
+        copy_rows(out, 0, self, 0, self.length)
         if self.positions is not None:
             out.positions[:self.length] = self.positions[:self.length]
         out.length = self.length
@@ -316,6 +358,9 @@ class KVCache:
         """Keep only the first `length` tokens (e.g. to reuse a shared prompt prefix)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"KVCache.truncate: length {length} outside [0, {self.length}]")
+        if length < max(self.kept):
+            raise ValueError(f"KVCache.truncate: a windowed or chunked layer dropped rows below "
+                             f"{max(self.kept)}, so the cache cannot be cut back to {length} rows")
         self.length = length
 
     def ensure_room(self, n_new: int, what: str = "input") -> None:
@@ -344,6 +389,8 @@ class KVCache:
         (the same rows and room; attention over them gives the same result up to summation order)."""
         if self.in_position_order():
             return self
+        if self.trimmed:
+            raise ValueError("a cache whose layers dropped rows keeps them in position order; this one is not")
         order = torch.argsort(self.positions[:self.length])
         out = KVCache(self.n_layers, self.max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
                       device=self.device, kv_dtype=self.kv_dtype, sliced=True, small_pages=self.small_pages)
@@ -360,10 +407,13 @@ class KVCache:
         writes must put back (runtime/batch.py: a question's join on a borrowed document)."""
         if not self.in_position_order():
             raise ValueError("a view of a cache needs its rows in position order (sorted_by_position)")
+        if not self.serves_prefix(tokens):
+            raise ValueError(f"a view below {tokens} tokens needs rows a windowed or chunked layer dropped")
         positions = self.row_positions()
         rows = int(torch.searchsorted(positions, torch.tensor(int(tokens))))
         out = KVCache.__new__(KVCache)
         out.__dict__.update(self.__dict__)
+        out.kept = list(self.kept)
         out.k, out.v = list(self.k), list(self.v)
         if self.quantized:
             out.k_scale, out.v_scale = list(self.k_scale), list(self.v_scale)
@@ -371,6 +421,62 @@ class KVCache:
         out.small_pages = False  # its storage is the other cache's: moved into huge pages with it, not alone
         out.length = rows
         return out
+
+    def serves_prefix(self, tokens: int) -> bool:
+        """Whether this cache's rows below position `tokens` are a whole cache of those tokens: a
+        layer that dropped rows must still hold every row that a token at `tokens` sees. Rows in
+        position order (`view_below`)."""
+        if not self.trimmed:
+            return True
+        positions = self.row_positions()
+        rows = int(torch.searchsorted(positions, torch.tensor(int(tokens))))
+        for first, span in zip(self.kept, self.spans):
+            # the view's rows of this layer start at `first`, and no dropped row is one it sees
+            if first and (rows < first or int(positions[first - 1]) >= span.first_visible(int(tokens))):
+                return False
+        return True
+
+    def drop_unseen(self, spans: Sequence[Span], next_position: int, *, least: int = 1) -> int:
+        """Free the rows that no token at `next_position` or later sees in a windowed or chunked
+        layer (spans[l]: layer l's; a full layer keeps everything), when a layer can drop at least
+        `least` more rows. The kept rows move into new, smaller buffers (one arena, as allocated),
+        in position order (a slice whose rows were not is sorted on the way: attention does not
+        depend on their order); returns the rows dropped over all layers (0: nothing changed).
+
+        Who owns the cache calls it: after a document's prefill (next_position = its length), and
+        every so often while decoding one sequence (a ring buffer in steps of `least` rows)."""
+        if len(spans) != self.n_layers:
+            raise ValueError(f"drop_unseen: {len(spans)} spans for a cache of {self.n_layers} layers")
+        in_order = self.in_position_order()
+        if not in_order and self.trimmed:
+            raise ValueError("a cache whose layers dropped rows keeps them in position order; this one is not")
+        positions = self.row_positions()
+        order = None if in_order else torch.argsort(positions)
+        if order is not None:
+            positions = positions[order]
+        kept = list(self.kept)
+        for layer, span in enumerate(spans):
+            if not span.is_full:
+                horizon = torch.tensor(span.first_visible(int(next_position)), device=positions.device)
+                kept[layer] = max(kept[layer], int(torch.searchsorted(positions, horizon)))
+        self.spans = list(spans)
+        if all(new - old < least for new, old in zip(kept, self.kept)):
+            return 0
+        dropped = sum(kept) - sum(self.kept)
+        out = KVCache(self.n_layers, self.max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
+                      device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None,
+                      small_pages=self.small_pages, kept=kept)
+        if order is None:
+            copy_rows(out, 0, self, 0, self.length)
+        else:
+            for layer in range(self.n_layers):
+                rows = order[kept[layer]:].to(self.device)
+                for dst, src in zip(out.storage_tensors(layer), self.storage_tensors(layer)):
+                    torch.index_select(src[:self.length], 0, rows, out=dst[:rows.numel()])
+            out.positions[:self.length] = positions
+            self.positions = out.positions
+        self.k, self.v, self.k_scale, self.v_scale, self.kept = out.k, out.v, out.k_scale, out.v_scale, out.kept
+        return dropped
 
     def attend(self, start: int, backend: str = "auto", softmax_of=None) -> "CachedAttend":
         """The default single-device `attend` for new tokens at positions start, start+1, ...
@@ -434,6 +540,19 @@ def _empty_buffers(specs, device, *, zero: bool = False, small_pages: bool = Fal
         return host_tensors(specs, zero=zero, small_pages=small_pages)
     make = torch.zeros if zero else torch.empty
     return [make(shape, dtype=dtype, device=device) for shape, dtype in specs]
+
+
+def copy_rows(dst: KVCache, dst_start: int, src: KVCache, src_start: int, n: int) -> None:
+    """Rows dst_start.. of `dst` = rows src_start.. of `src` (n rows, every layer, as stored: the
+    same kv_dtype and shapes). Rows a layer of `dst` dropped are not written; `src` must hold every
+    other one (positions are the caller's)."""
+    for layer in range(src.n_layers):
+        skip = max(0, dst.kept[layer] - dst_start)
+        if n - skip <= 0:
+            continue
+        for d, s in zip(dst.stored_rows(layer, dst_start + skip, dst_start + n),
+                        src.stored_rows(layer, src_start + skip, src_start + n)):
+            d.copy_(s)
 
 
 def write_rows(buffer: torch.Tensor, rows, values: torch.Tensor) -> None:

@@ -1,0 +1,112 @@
+"""A cache whose windowed and chunked layers keep only what later tokens see (`drop_unseen`):
+decoding over it gives what decoding over the whole cache gives, in every storage format and for
+a slice of a sequence; its bytes shrink to the kept rows; and what cannot be served from the kept
+rows (a cut below them, a view of an earlier prefix) is refused in words."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ringctx.model import KVCache
+from ringctx.model.config import LayerAttention
+from ringctx.model.kvcache import forward_with_cache
+from ringctx.model.loader import empty_model, init_random
+from ringctx.model.presets import get_preset
+from tests.helpers import rel_err
+
+KINDS = (LayerAttention(window=7), LayerAttention(), LayerAttention(chunk=16), LayerAttention(window=5, softcap=20.0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = dataclasses.replace(get_preset("tiny"), name="tiny-kinds", n_layers=4, layer_attention=KINDS)
+    m = empty_model(config, dtype=torch.float32, device="cpu")
+    init_random(m, 0)
+    return m.eval()
+
+
+def spans(model):
+    return [model.config.attention(i).span for i in range(model.config.n_layers)]
+
+
+@pytest.mark.parametrize("kv_dtype", ["model", "int8", "fp8"])
+def test_decoding_over_dropped_rows_equals_the_whole_cache(model, kv_dtype):
+    ids = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(1))
+    whole = KVCache.for_model(model.config, 80, dtype=torch.float32, kv_dtype=kv_dtype)
+    trimmed = KVCache.for_model(model.config, 80, dtype=torch.float32, kv_dtype=kv_dtype)
+    with torch.inference_mode():
+        forward_with_cache(model, ids[:50], whole)
+        forward_with_cache(model, ids[:50], trimmed)
+        assert trimmed.drop_unseen(spans(model), 50) > 0
+        # window 7 keeps 6 rows, the chunk of 16 keeps 50 - 48 = 2, window 5 keeps 4; full: 50
+        assert [trimmed.length - r for r in trimmed.kept] == [6, 50, 2, 4]
+        # each layer's buffer: its kept rows plus the cache's room (80 rows of capacity in all)
+        assert trimmed.nbytes * 4 * 80 == whole.nbytes * sum(80 - r for r in trimmed.kept)
+        for i in range(50, 70):
+            a = forward_with_cache(model, ids[i:i + 1], whole)
+            b = forward_with_cache(model, ids[i:i + 1], trimmed)
+            assert rel_err(b, a) < 1e-6, i
+            if i % 7 == 0:  # a ring buffer: drop again every few steps
+                trimmed.drop_unseen(spans(model), i + 1, least=4)
+    assert trimmed.kept[2] == 64 and trimmed.kept[1] == 0  # the chunk of 64..79 began at 64
+
+
+def test_a_slice_of_a_sequence_drops_by_position(model):
+    """Rows of a decode rank (positions not 0..n-1, in order): the kept rows are its last ones by
+    position, and a query sees the same keys as over the whole slice."""
+    torch.manual_seed(0)
+    cfg = model.config
+    positions = torch.tensor([0, 1, 2, 9, 10, 11, 12, 30, 31, 40, 41, 42, 43, 44])
+    cache = KVCache.for_model(cfg, 20, dtype=torch.float32, sliced=True)
+    for layer in range(cfg.n_layers):
+        cache.update(layer, 0, torch.randn(14, cfg.n_kv_heads, cfg.head_dim), torch.randn(14, cfg.n_kv_heads, cfg.head_dim))
+    cache.positions[:14] = positions
+    cache.length = 14
+    whole = cache.grown(21)
+    cache.drop_unseen(spans(model), 45)
+    assert cache.kept == [9, 0, 9, 10]  # window 7 from 45: positions >= 39; chunk 16: >= 32; window 5: >= 41
+    q = torch.randn(1, cfg.n_heads, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        softmax = model.layer_softmax(layer)
+        a = whole.attend_rows(layer, q, softmax=softmax, q_positions=[45])
+        b = cache.attend_rows(layer, q, softmax=softmax, q_positions=[45])
+        assert rel_err(b[0], a[0]) < 1e-6 and rel_err(b[1], a[1]) < 1e-6
+
+
+def test_what_the_kept_rows_cannot_serve_is_refused(model):
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2))
+    cache = KVCache.for_model(model.config, 48, dtype=torch.float32)
+    with torch.inference_mode():
+        forward_with_cache(model, ids, cache)
+    cache.drop_unseen(spans(model), 40)
+    assert cache.serves_prefix(40) and not cache.serves_prefix(30)
+    with pytest.raises(ValueError, match="cannot be cut back"):
+        cache.truncate(20)
+    with pytest.raises(ValueError, match="layer dropped"):
+        cache.view_below(30)
+    with pytest.raises(ValueError, match="dropped its rows below"):
+        cache.read_rows(0, 0, 40)
+    grown = cache.grown(64)  # keeps the same rows, more room
+    assert grown.kept == cache.kept and torch.equal(grown.read_rows(0, 34, 40)[0], cache.read_rows(0, 34, 40)[0])
+
+
+def test_a_slice_out_of_order_is_sorted_as_it_drops(model):
+    """A decode rank's rows as a hand-off leaves them (two pieces, the later one first)."""
+    torch.manual_seed(1)
+    cfg = model.config
+    positions = torch.tensor([20, 21, 22, 23, 24, 3, 4, 5, 6])
+    cache = KVCache.for_model(cfg, 12, dtype=torch.float32, sliced=True)
+    for layer in range(cfg.n_layers):
+        cache.update(layer, 0, torch.randn(9, cfg.n_kv_heads, cfg.head_dim), torch.randn(9, cfg.n_kv_heads, cfg.head_dim))
+    cache.positions[:9] = positions
+    cache.length = 9
+    whole = cache.grown(13)
+    cache.drop_unseen(spans(model), 25)
+    assert cache.in_position_order() and cache.kept == [4, 0, 4, 5]  # window 7: >= 19; chunk 16: >= 16; window 5: >= 21
+    q = torch.randn(1, cfg.n_heads, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        softmax = model.layer_softmax(layer)
+        a = whole.attend_rows(layer, q, softmax=softmax, q_positions=[25])
+        b = cache.attend_rows(layer, q, softmax=softmax, q_positions=[25])
+        assert rel_err(b[0], a[0]) < 1e-6, layer
