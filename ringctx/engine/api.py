@@ -403,7 +403,8 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
                 chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
-                trace: bool = False, on_chunk=None, as_document: bool = False) -> PrefillResult:
+                trace: bool = False, on_chunk=None, as_document: bool = False,
+                drop_unseen: bool = False) -> PrefillResult:
         """Prefill token ids (optionally on top of `cache`) over all ranks; leave the KV cache on the decode ranks.
 
         Args:
@@ -415,6 +416,10 @@ class Engine:
             on_chunk: progress callback on_chunk(done, total, chunk_stats).
             as_document: also keep the result as a Document (result.document on the decode ranks),
                 to save it or ask about it.
+            drop_unseen: with as_document, its windowed and chunked layers keep only the rows that
+                tokens after it see (the last W, the current chunk: KVCache.drop_unseen), so a
+                document of a 3:1 windowed:full model takes about a quarter of the memory; its
+                prefixes (document_prefix, cut_document) are then refused. `ingest` does so.
 
         Returns:
             PrefillResult with .logits (float32 [vocab], last prompt token), .cache (this decode
@@ -434,14 +439,15 @@ class Engine:
         """
         job = self.start_prefill(token_ids, cache=cache, cache_token_ids=cache_token_ids, chunk_tokens=chunk_tokens,
                                  strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk,
-                                 as_document=as_document)
+                                 as_document=as_document, drop_unseen=drop_unseen)
         while not job.done:
             job.step()
         return job.finish()
 
     def start_prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
                       chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
-                      trace: bool = False, on_chunk=None, as_document: bool = False) -> "PrefillJob":
+                      trace: bool = False, on_chunk=None, as_document: bool = False,
+                      drop_unseen: bool = False) -> "PrefillJob":
         """`prefill`, a chunk at a time: returns a PrefillJob (call `step()` until `done`, then
         `finish()`); between two steps the engine may run other commands (another prefill's
         chunk, an answer's token). Arguments as `prefill`'s; raises the same errors, at start."""
@@ -451,6 +457,9 @@ class Engine:
         if cache is not None and (self.decode_ranks > 1 or self.tp_size > 1):
             raise ValueError(f"prefill on top of a whole cache needs decode_ranks=1 and tp=1 (this engine has "
                              f"{self.decode_ranks} and {self.tp_size}); ask about a Document instead, which stays split")
+        if cache is not None and cache.trimmed and self.world_size > 1:
+            raise ValueError("prefill on top of a cache whose windowed or chunked layers dropped rows runs on one "
+                             "rank; ask about it as a Document instead")
         # Every rank must decide alike: under torchrun only the decode rank holds `cache`, so there its
         # rows are left out (the agreement in PREFILL_START would otherwise wait for a rank that refused).
         self.check_context(token_ids.numel(),
@@ -458,7 +467,7 @@ class Engine:
         cached = cache.length if cache is not None and self.rank == state.leader else 0
         prefill_id, keep = self.new_id(), (self.new_id() if as_document else None)
         fields = (prefill_id, ids_to_bytes(token_ids), config.chunk_tokens, config.strategy, decode_room, bool(trace),
-                  cached, keep)
+                  cached, keep, bool(drop_unseen and as_document and self.model.has_spans))
         run = self.run_command("prefill", commands.PREFILL_START, *fields, cache=cache, cache_token_ids=cache_token_ids,
                         on_chunk=on_chunk)
         return PrefillJob(self, prefill_id, run)
@@ -466,6 +475,9 @@ class Engine:
     # ------------------------------------------------------------------ documents and questions
     def ingest(self, text, *, chat: bool = True, **prefill_kwargs) -> Document | None:
         """Prefill a document (text, or token ids) so that questions can be asked about it.
+
+        Its windowed and chunked layers keep only the rows later tokens see (pass
+        drop_unseen=False to keep every row, for prefixes of it: see `prefill`).
 
         With `chat` (and a tokenizer with a chat template) the document opens a user turn; each
         question completes that turn and the template's assistant header follows. Returns the
@@ -479,6 +491,7 @@ class Engine:
     def start_ingest(self, text, *, chat: bool = True, **prefill_kwargs) -> "PrefillJob":
         """`ingest`, a chunk at a time (see `start_prefill`): `finish().document` is the Document."""
         ids, suffix, chat = self.document_token_ids(text, chat=chat)
+        prefill_kwargs.setdefault("drop_unseen", True)
         job = self.start_prefill(ids, as_document=True, **prefill_kwargs)
         job.frame = (suffix, {"chat": chat})
         return job
@@ -761,6 +774,7 @@ class Engine:
         if not 0 < tokens <= document.length:
             raise ValueError(f"a prefix of {tokens} tokens of a {document.length}-token document: give 1 to "
                              f"{document.length}")
+        document.check_prefix(tokens)
         self.end_open_answer(document)  # an answer's rows would be cut off the copy anyway
         prefix = self.run_command("prefix", commands.PREFIX, document.id, int(tokens), self.new_id(), decode_room,
                                   bool(view), document=document)
@@ -780,6 +794,7 @@ class Engine:
         if not 0 < first_tokens <= first.length or not first_tokens < tokens <= total:
             raise ValueError(f"{tokens} tokens of {first_tokens} of a {first.length}-token document and a "
                              f"{second.length}-token one after them: give {first_tokens + 1} to {total}")
+        first.check_prefix(first_tokens, "a join after the first")
         self.end_open_answer(first)
         joined = self.run_command("joined", commands.JOINED, first.id, second.id, first_tokens, tokens,
                                   self.new_id(), decode_room, first=first, second=second)
@@ -793,6 +808,7 @@ class Engine:
         if not 0 < tokens <= document.length:
             raise ValueError(f"a cut to {tokens} tokens of a {document.length}-token document: give 1 to "
                              f"{document.length}")
+        document.check_prefix(tokens, "a cut")
         if self._batch is not None and any(m.document is document for m in self._batch.members):
             raise ValueError("the document has questions decoding in the batch: cut it once they are answered")
         self.end_open_answer(document)

@@ -611,7 +611,8 @@ class Scheduler:
             return self.engine.start_extend(work.on_top(self.engine), work.token_ids,
                                             chunk_tokens=work.chunk_tokens or self.engine.chunk_tokens,
                                             decode_room=work.decode_room)
-        job = self.engine.start_prefill(work.token_ids, as_document=work.as_document, decode_room=work.decode_room,
+        job = self.engine.start_prefill(work.token_ids, as_document=work.as_document, drop_unseen=work.drop_unseen,
+                                        decode_room=work.decode_room,
                                         chunk_tokens=work.chunk_tokens)
         job.frame = work.frame
         return job

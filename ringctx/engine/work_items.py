@@ -73,6 +73,8 @@ class Prefill:
 
     token_ids: Any
     as_document: bool = False
+    drop_unseen: bool = False
+    """With as_document: its windowed and chunked layers keep only what later tokens see (Engine.prefill)."""
     chunk_tokens: int | None = None
     decode_room: int = 256
     frame: tuple[str, dict] | None = None

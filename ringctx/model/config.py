@@ -415,6 +415,17 @@ class ModelConfig:
         """How layer `layer`'s attention sees and rotates."""
         return self.layer_attention[layer] if self.layer_attention else PLAIN_LAYER
 
+    @property
+    def layer_spans(self) -> list[Span]:
+        """Each layer's `Span` (which earlier keys its queries see), in layer order."""
+        return [self.attention(i).span for i in range(self.n_layers)]
+
+    def kv_rows_kept(self, tokens: int) -> int:
+        """KV rows a cache of `tokens` tokens keeps over all layers once its windowed and chunked
+        layers dropped what later tokens cannot see (`KVCache.drop_unseen`): `tokens` per full
+        layer, at most W (or the current chunk) per other layer."""
+        return sum(span.kept_tokens(tokens) for span in self.layer_spans)
+
     def decode_kv_rows(self, context: int) -> int:
         """K/V rows a decode step at position `context` reads over all layers: every earlier row in
         a full layer, the window's or the current chunk's in the others (and its own)."""

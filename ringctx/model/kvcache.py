@@ -114,11 +114,11 @@ class KVCache:
     def for_model(
         cls, config: ModelConfig, max_tokens: int, *, dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", kv_dtype: str = "model", sliced: bool = False,
-        small_pages: bool = False,
+        small_pages: bool = False, kept: Sequence[int] | None = None,
     ) -> "KVCache":
         """An empty cache with this model's layer count, KV heads and head width."""
         return cls(config.n_layers, max_tokens, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
-                   kv_dtype=kv_dtype, sliced=sliced, small_pages=small_pages)
+                   kv_dtype=kv_dtype, sliced=sliced, small_pages=small_pages, kept=kept)
 
     @classmethod
     def from_tensors(

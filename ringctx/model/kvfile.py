@@ -90,6 +90,9 @@ def save_kv_cache(path: str | os.PathLike, cache: KVCache, model, token_ids: tor
     if token_ids.numel() != length:
         raise ValueError(f"save_kv_cache: the cache holds {length} tokens but {token_ids.numel()} token ids were given")
     cache.check_model(model.full_config)
+    if cache.trimmed:
+        raise ValueError("save_kv_cache: the cache's windowed or chunked layers dropped rows, which this single-file "
+                         "format cannot say; save it as a document directory (Engine.save_document)")
     tensors = {"token_ids": token_ids}
     for layer in range(cache.n_layers):
         tensors[f"k.{layer}"] = cache.k[layer][:length].cpu().contiguous()

@@ -165,15 +165,17 @@ def gather_kv_heads(cache, model):
     out = None
     if tp.rank == 0:
         out = KVCache(cache.n_layers, n, full.n_kv_heads, cache.head_dim, dtype=cache.dtype, device=cache.device,
-                      kv_dtype=cache.kv_dtype, sliced=cache.positions is not None)
+                      kv_dtype=cache.kv_dtype, sliced=cache.positions is not None, kept=cache.kept)
+        out.spans = cache.spans
         if cache.positions is not None:
             out.positions[:n] = cache.positions[:n]
     ranges = [TensorParallel(tp.size, r).kv_heads(full) for r in range(tp.size)]
     for layer in range(cache.n_layers):
+        m = n - min(cache.kept_from(layer), n)  # the layer's stored rows (a windowed layer's last ones)
         for j, mine in enumerate(cache.storage_tensors(layer)):
-            local = mine[:n].contiguous()
+            local = mine[:m].contiguous()
             per_head = math.prod(local.shape[2:])  # D values, or one scale
-            raw = local.view(n, local.shape[1], per_head).view(torch.uint8)  # [rows, heads, bytes per head]
+            raw = local.view(m, local.shape[1], per_head).view(torch.uint8)  # [rows, heads, bytes per head]
             pieces = [torch.empty_like(raw) for _ in range(tp.size)]
             dist.all_gather(pieces, raw, group=tp.group)
             if out is None:
@@ -182,7 +184,7 @@ def gather_kv_heads(cache, model):
             target_raw = target.view(target.shape[0], target.shape[1], per_head).view(torch.uint8)
             for head in range(full.n_kv_heads):
                 r = next(r for r, (a, b) in enumerate(ranges) if a <= head < b)
-                target_raw[:n, head] = pieces[r][:, head - ranges[r][0]]
+                target_raw[:m, head] = pieces[r][:, head - ranges[r][0]]
     if out is not None:
         out.length = n
     return out

@@ -54,6 +54,7 @@ def ring_attention(
     stats: CommStats | None = None,
     check_across_ranks: bool = True,
     softmax: LayerSoftmax | None = None,
+    cached_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of the layout's new tokens, computed cooperatively by all ranks.
 
@@ -80,6 +81,9 @@ def ring_attention(
             takes neither ring: each rank sends the rows of its KV that another rank's queries see,
             straight to it, and nothing else (a window W needs about W rows from the neighbour
             piece), whichever `strategy` is named. Sinks are not applied (`LayerSoftmax.finish`).
+        cached_from: with a span, cached_k/v hold this rank's cached rows from row `cached_from` on
+            (a document's windowed or chunked layer dropped the rows before it, which no query of
+            this call sees: `KVCache.drop_unseen`); 0 without a span.
 
     Returns:
         out [T_r, Hq, D] in q's dtype and lse [Hq, T_r] float32 for this rank's rows (a complete
@@ -97,7 +101,10 @@ def ring_attention(
         (torch.Size([7, 4, 16]), torch.Size([4, 7]))
     """
     rank, world = rank_and_world(group)
-    problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group)
+    problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, cached_from)
+    if problem is None and cached_from and (softmax is None or softmax.span.is_full):
+        problem = f"cached_from={cached_from} drops cached rows, which only a windowed or chunked layer may"
+
     if world > 1 and check_across_ranks:
         key = "" if softmax is None else f"{softmax.scale}/{softmax.softcap}/{softmax.span}"
         agree_across_ranks("ring_attention", problem, _signature(q, k, layout, strategy, softmax_scale, key), group,
@@ -109,7 +116,7 @@ def ring_attention(
         cached_k = cached_v = k[:0]
     if softmax is None:
         softmax = LayerSoftmax(softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    run = _RingRun(q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats)
+    run = _RingRun(q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats, cached_from)
     if layout.total_new == 0:
         return run.empty_result()
     if not softmax.span.is_full:
@@ -120,8 +127,10 @@ def ring_attention(
 class _RingRun:
     """One ring_attention call on one rank: the inputs, already validated, and the two loops."""
 
-    def __init__(self, q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats):
+    def __init__(self, q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats,
+                 cached_from=0):
         self.q, self.k, self.v, self.cached_k, self.cached_v = head_major(q), k, v, cached_k, cached_v
+        self.cached_from = cached_from  # cached_k's row 0 is cached row `cached_from` (a span layer's)
         self.layout, self.rank, self.world, self.group = layout, rank, world, group
         self.softmax, self.scale, self.backend, self.stats = softmax, softmax.scale, backend, stats
         self.rows, self.heads, self.head_dim = q.shape
@@ -130,15 +139,24 @@ class _RingRun:
     def empty_result(self):
         return self.q.new_zeros(self.q.shape), torch.full((self.heads, 0), float("-inf"), device=self.q.device)
 
-    def kv_message(self, rows: int) -> torch.Tensor:
+    def kv_message(self, rows: int, first: int = 0) -> torch.Tensor:
         """This rank's KV message: K and V of its cached + new tokens in message order, stored
-        head-major as [2, Hkv, rows, D] (contiguous: it is what travels); see `message_kv`."""
+        head-major as [2, Hkv, rows, D] (contiguous: it is what travels); see `message_kv`. With
+        `first`, only message rows first .. first+rows-1 (what a span layer's peer needs)."""
         buf = self.k.new_empty((2, self.k.shape[1], rows, self.k.shape[2]))
         rows_view = buf.transpose(1, 2)  # [2, rows, Hkv, D]
         for source, src, dst, n in self.layout.kv_message_segments(self.rank):
+            lo, hi = max(dst, first), min(dst + n, first + rows)
+            if lo >= hi:
+                continue
+            src += lo - dst
             sk, sv = (self.k, self.v) if source == "new" else (self.cached_k, self.cached_v)
-            rows_view[0, dst:dst + n] = sk[src:src + n]
-            rows_view[1, dst:dst + n] = sv[src:src + n]
+            if source == "cached":
+                src -= self.cached_from
+                if src < 0:
+                    raise RuntimeError("ring_attention: a span layer's block reached cached rows it dropped")
+            rows_view[0, lo - first:hi - first] = sk[src:src + hi - lo]
+            rows_view[1, lo - first:hi - first] = sv[src:src + hi - lo]
         return buf
 
     @staticmethod
@@ -155,6 +173,8 @@ class _RingRun:
         segments = self.layout.kv_message_segments(self.rank)
         if segments == (("new", 0, 0, rows),) and is_head_major(self.k) and is_head_major(self.v):
             return self.k, self.v
+        if self.cached_from:
+            raise RuntimeError("ring_attention: the whole local message of a layer that dropped cached rows")
         if reads_kv_in_place(self.q, self.backend):
             # A rank's own tasks each lie in one segment (its cached rows, then its new ones): the
             # blocks are views of them, and the cached rows (a long document's, in the shard's own
@@ -210,22 +230,21 @@ class _RingRun:
         acc = PartialAccumulator(self.rows, self.heads, self.head_dim, device=self.q.device)
         sends, recvs, firsts = {}, {}, {}
         if self.world > 1:
-            message = None
             for peer in range(self.world):
                 if peer == rank:
                     continue
                 lo, hi = layout.needed_rows(peer, rank, span_)  # what peer's queries see of ours
                 if hi > lo:
-                    if message is None:
-                        message = self.kv_message(layout.num_new(rank) + layout.num_cached(rank))
-                    sends[peer] = message[:, :, lo:hi].contiguous()
+                    sends[peer] = self.kv_message(hi - lo, lo)
                 lo, hi = layout.needed_rows(rank, peer, span_)  # what our queries see of peer's
                 if hi > lo:
                     recvs[peer] = self.k.new_empty((2, self.k.shape[1], hi - lo, self.k.shape[2]))
                     firsts[peer] = lo
         works = start_exchange(sends, recvs, self.group)
         self.record("span-kv", 0, sum(nbytes(t) for t in sends.values()))
-        self.attend(acc, self.q, *self.local_kv(), rank, rank)
+        lo, hi = layout.needed_rows(rank, rank, span_)  # our own rows our queries see
+        if hi > lo:
+            self.attend(acc, self.q, *self.message_kv(self.kv_message(hi - lo, lo)), rank, rank, lo)
         with span("wait kv", "comm", step=0):
             wait_all(works)
         for peer in sorted(recvs):
@@ -307,7 +326,7 @@ def head_major(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- validation
 
 
-def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group) -> str | None:
+def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, cached_from=0) -> str | None:
     """What is wrong with this rank's inputs, or None. Never raises: every rank must reach the check."""
     if strategy not in STRATEGIES:
         return f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}"
@@ -343,7 +362,7 @@ def _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, g
         return (f"rank {rank} was given {q.shape[0]} query rows and {k.shape[0]} key rows but the layout "
                 f"places {layout.num_new(rank)} new tokens on it; pass layout.shard(x, {rank})")
     cached_rows = 0 if cached_k is None else cached_k.shape[0]
-    if cached_rows != layout.num_cached(rank):
+    if cached_rows != layout.num_cached(rank) - cached_from:
         return (f"rank {rank} was given {cached_rows} cached rows but the layout places "
                 f"{layout.num_cached(rank)} cached tokens on it; pass layout.shard_cached(x, {rank})")
     if cached_k is not None and (cached_k.shape[1:] != k.shape[1:] or cached_v.shape != cached_k.shape):

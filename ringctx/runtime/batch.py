@@ -42,6 +42,7 @@ import torch
 
 from ..attention import PartialAccumulator
 from ..model import KVCache
+from ..model.kvcache import copy_rows
 from ..model.decode_step import AttentionSource, FusedBatchStep, step_logits
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
@@ -174,7 +175,8 @@ class BatchDecoder:
         if document is None:
             return Document(cache=cache, token_ids=tokens, id=new_id)
         return Document(cache=cache, token_ids=tokens, question_prefix=document.question_prefix,
-                        question_suffix=document.question_suffix, metadata=dict(document.metadata), id=new_id)
+                        question_suffix=document.question_suffix, metadata=dict(document.metadata), id=new_id,
+                        dropped_unseen=document.dropped_unseen)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self, sequence_ids: list[int], tokens: list[int]) -> torch.Tensor | None:
@@ -297,12 +299,12 @@ class LentRows:
 
     def __init__(self, cache: KVCache, start: int, n: int):
         stop = min(cache.max_tokens, start + n)
-        self.start, self.stop = start, stop
-        self.places = [(t, t[start:stop].clone()) for t in cache.storage_tensors()] if stop > start else []
+        self.places = [(rows, rows.clone()) for layer in range(cache.n_layers)
+                       for rows in cache.stored_rows(layer, start, stop)] if stop > start else []
 
     def give_back(self) -> None:
         for storage, rows in self.places:
-            storage[self.start:self.stop].copy_(rows)
+            storage.copy_(rows)
 
 
 def own_storage(document: Document, room: int) -> None:
@@ -320,8 +322,7 @@ def append_rows(cache: KVCache, rows: KVCache, room: int) -> KVCache:
     if cache.positions is None and not torch.equal(rows.row_positions(), torch.arange(start, start + n)):
         raise ValueError("rows appended to a cache in sequence order must continue it")
     cache = cache.grown(start + n + room)
-    for dst, src in zip(cache.storage_tensors(), rows.storage_tensors()):
-        dst[start:start + n].copy_(src[:n])
+    copy_rows(cache, start, rows, 0, n)
     if cache.positions is not None:
         cache.positions[start:start + n] = rows.row_positions()
     cache.length = start + n
@@ -334,10 +335,11 @@ def joined_rows(first: KVCache | None, rows: KVCache, room: int) -> KVCache:
     total = (first.length if first is not None else 0) + rows.length
     sliced = first is None or first.positions is not None
     out = KVCache(like.n_layers, total + max(room, 1), like.n_kv_heads, like.head_dim, dtype=like.dtype,
-                  device=like.device, kv_dtype=like.kv_dtype, sliced=sliced)
+                  device=like.device, kv_dtype=like.kv_dtype, sliced=sliced,
+                  kept=first.kept if first is not None else None)
     if first is not None:
-        for dst, src in zip(out.storage_tensors(), first.storage_tensors()):
-            dst[:first.length].copy_(src[:first.length])
+        out.spans = first.spans
+        copy_rows(out, 0, first, 0, first.length)
         if sliced:
             out.positions[:first.length] = first.row_positions()
         out.length = first.length
@@ -347,16 +349,21 @@ def joined_rows(first: KVCache | None, rows: KVCache, room: int) -> KVCache:
 def prefix_rows(cache: KVCache, tokens: int, room: int) -> KVCache:
     """A new cache of `cache`'s rows at positions below `tokens`, in their order, positions kept
     (`room` rows free): a document cut back to its first `tokens` tokens."""
+    if not cache.serves_prefix(tokens):
+        raise ValueError(f"the document's windowed or chunked layers keep only the rows its next tokens see, "
+                         f"not those of its first {tokens} tokens: ingest it again with drop_unseen=False "
+                         "to take prefixes of it")
     positions = cache.row_positions()
     keep = torch.nonzero(positions < tokens).flatten()
     n = int(keep.numel())
     out = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
-                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=cache.positions is not None)
-    contiguous = n == 0 or int(keep[-1]) == n - 1  # the first n rows: one copy each
-    for dst, src in zip(out.storage_tensors(), cache.storage_tensors()):
-        if contiguous:
-            dst[:n].copy_(src[:n])
-        else:
+                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=cache.positions is not None,
+                  kept=cache.kept if cache.trimmed else None)
+    out.spans = cache.spans
+    if n == 0 or int(keep[-1]) == n - 1:  # the first n rows: one copy each (always, once rows were dropped)
+        copy_rows(out, 0, cache, 0, n)
+    else:
+        for dst, src in zip(out.storage_tensors(), cache.storage_tensors()):
             torch.index_select(src, 0, keep.to(src.device), out=dst[:n])
     if out.positions is not None:
         out.positions[:n] = positions[keep]
@@ -372,8 +379,7 @@ def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
     # the whole batch's step (ringctx.host_memory)
     own = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
                   device=cache.device, kv_dtype=cache.kv_dtype, sliced=True, small_pages=True)
-    for dst, src in zip(own.storage_tensors(), cache.storage_tensors()):
-        dst[:n].copy_(src[start:start + n])
+    copy_rows(own, 0, cache, start, n)
     own.positions[:n] = cache.row_positions()[start:start + n]
     own.length = n
     cache.truncate(start)

@@ -54,7 +54,7 @@ from ..units import fmt_bytes
 from .batch import BatchDecoder, append_rows, own_storage, prefix_rows
 from .decode import ShardedDecoder
 from .document import Document
-from .documents import ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
+from .documents import DROPPED_UNSEEN_KEY, ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
 from .failures import with_test_hook
 from .handoff import gather_in_order
 from .measure import measure_hardware
@@ -86,7 +86,8 @@ def ids_to_bytes(ids: torch.Tensor) -> bytes:
 
 # ------------------------------------------------------------------------------------------ prefill
 def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: int, strategy: str, decode_room: int,
-                  trace: bool, cached: int, keep: int | None, *, cache: KVCache | None = None,
+                  trace: bool, cached: int, keep: int | None, drop_unseen: bool = False, *,
+                  cache: KVCache | None = None,
                   cache_token_ids=None, on_chunk=None) -> PrefillRun:
     """Check the memory, agree on the inputs and plan the shards of a prefill over every CP rank."""
     token_ids = ids_from_bytes(ids)
@@ -95,6 +96,7 @@ def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: i
     run = PrefillRun(state.model, token_ids, config, group=state.mesh.cp_group, cache=cache,
                      cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, state.rank))
     run.keep = keep  # the document id to register when it finishes (None: a plain prefill)
+    run.drop_unseen = drop_unseen  # the document's windowed and chunked layers keep what later tokens see
     state.prefills[prefill_id] = run
     return run
 
@@ -110,7 +112,10 @@ def prefill_finish(state: RankState, prefill_id: int):
     run = state.prefills.pop(prefill_id)
     result = run.finish()
     if run.keep is not None and result.cache is not None:
-        result.document = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats, id=run.keep)
+        if run.drop_unseen:
+            result.cache.drop_unseen(state.model.config.layer_spans, int(result.token_ids.numel()))
+        result.document = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats, id=run.keep,
+                                   dropped_unseen=run.drop_unseen)
         state.documents[run.keep] = result.document
     return result
 
@@ -260,7 +265,8 @@ def documents_joined(state: RankState, first_id: int, second_id: int, first_toke
     cache = append_rows(prefix_rows(first.rewind(), first_tokens, tail.length + room), tail, room)
     token_ids = torch.cat([first.token_ids[:first_tokens], second.token_ids[:tokens - first_tokens]])
     joined = Document(cache=cache, token_ids=token_ids, question_prefix=first.question_prefix,
-                      question_suffix=first.question_suffix, metadata=dict(first.metadata), id=new_id)
+                      question_suffix=first.question_suffix, metadata=dict(first.metadata), id=new_id,
+                      dropped_unseen=first.dropped_unseen)
     state.documents[new_id] = joined
     return joined
 
@@ -283,7 +289,8 @@ def document_prefix(state: RankState, document_id: int, tokens: int, new_id: int
     cache = base.view_below(tokens) if borrowed else prefix_rows(base, tokens, room)
     prefix = Document(cache=cache, token_ids=document.token_ids[:tokens].clone(),
                       question_prefix=document.question_prefix, question_suffix=document.question_suffix,
-                      metadata=dict(document.metadata), id=new_id, borrowed=borrowed)
+                      metadata=dict(document.metadata), id=new_id, borrowed=borrowed,
+                      dropped_unseen=document.dropped_unseen)
     state.documents[new_id] = prefix
     return prefix
 
@@ -324,6 +331,8 @@ def _start_save(state: RankState, document_id: int, path: str, document: Documen
     heads = tp.kv_heads(full)
     writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
     extra = {**document.frame, ENGINE_CONFIG_KEY: s.config}  # what made it, for whoever reads the manifest
+    if document.dropped_unseen:
+        extra[DROPPED_UNSEEN_KEY] = True
     return start_document_save(path, document.rewind(), document.token_ids, model, extra,
                                group=state.control_group, rank=state.decode_index * s.tp_size + tp.rank,
                                world=s.decode_ranks * s.tp_size, tp_size=s.tp_size, heads=heads, writes=writes)
@@ -340,7 +349,8 @@ def load(state: RankState, path: str, document_id: int, decode_room: int) -> Doc
         memory_check=lambda rows, per_row: _slice_memory_problem(state.model, rows, per_row, local))
     extra.pop(ENGINE_CONFIG_KEY, None)  # the engine that made it, not a property of the document
     document = Document(cache=cache, token_ids=token_ids, question_prefix=extra.pop("question_prefix", ""),
-                        question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=document_id)
+                        question_suffix=extra.pop("question_suffix", ""), metadata=extra, id=document_id,
+                        dropped_unseen=bool(extra.pop(DROPPED_UNSEEN_KEY, False)))
     state.documents[document_id] = document
     return document
 

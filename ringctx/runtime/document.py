@@ -32,6 +32,9 @@ class Document:
     """The engine's handle for the document on every decode rank."""
     rows: int = -1
     """Rows of `cache` that belong to the document (the rest are an answer's); -1: cache.length."""
+    dropped_unseen: bool = False
+    """Its windowed and chunked layers kept only the rows later tokens see (KVCache.drop_unseen):
+    it serves questions after it, not prefixes of it."""
     borrowed: bool = False
     """Its cache's storage past `rows` is another document's (a view of a longer document's first
     tokens, KVCache.view_below): a question's prefill that writes there puts the rows back after."""
@@ -39,6 +42,13 @@ class Document:
     def __post_init__(self):
         if self.rows < 0:
             self.rows = self.cache.length
+
+    def check_prefix(self, tokens: int, what: str = "a prefix") -> None:
+        """Raise a ValueError when the document cannot give its first `tokens` tokens (`what`)."""
+        if self.dropped_unseen and tokens < self.length:
+            raise ValueError(f"{what} of {tokens} tokens of a {self.length}-token document whose windowed and "
+                             "chunked layers keep only the rows its next tokens see: ingest it with "
+                             "drop_unseen=False to take prefixes of it")
 
     @property
     def length(self) -> int:

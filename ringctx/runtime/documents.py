@@ -10,7 +10,9 @@ A document is a directory (no pickle anywhere):
         tokens.safetensors         token_ids [length] int64
         slice-00000.safetensors    one decode rank's rows: k.{layer}, v.{layer} [rows, Hkv, D] as
         slice-00001.safetensors    stored (8-bit caches also k_scale.{layer}, v_scale.{layer}
-        ...                        [rows, Hkv]) and positions [rows] int64
+        ...                        [rows, Hkv]) and positions [rows] int64; a windowed or
+                                   chunked layer that dropped rows holds only its last
+                                   rows - kept[layer] (the manifest's slice lists `kept`)
         slice-00000-kv-002-004.safetensors   under tensor parallelism: a decode rank's rows for KV
                                    heads 2..3, written by the TP rank that holds them (the manifest
                                    lists a slice's "parts" and their heads)
@@ -53,6 +55,8 @@ MANIFEST = "manifest.json"
 ENGINE_CONFIG_KEY = "engine_config"
 """The manifest's extra entry that records the EngineConfig a document was made with (`to_dict`)."""
 TOKENS = "tokens.safetensors"
+DROPPED_UNSEEN_KEY = "dropped_unseen"
+"""The manifest's extra entry saying the document's windowed layers kept only what later tokens see."""
 
 
 def slice_name(index: int) -> str:
@@ -69,13 +73,13 @@ def file_sha256(path: str) -> str:
 
 
 def _slice_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
+    """A decode rank's rows as a slice file holds them: each layer's stored rows (from kept_from)."""
     n = cache.length
     tensors = {"positions": cache.row_positions().cpu().contiguous()}
+    names = ["k", "v"] + (["k_scale", "v_scale"] if cache.quantized else [])
     for layer in range(cache.n_layers):
-        tensors[f"k.{layer}"], tensors[f"v.{layer}"] = cache.k[layer][:n].cpu(), cache.v[layer][:n].cpu()
-        if cache.quantized:
-            tensors[f"k_scale.{layer}"] = cache.k_scale[layer][:n].cpu()
-            tensors[f"v_scale.{layer}"] = cache.v_scale[layer][:n].cpu()
+        for name, rows in zip(names, cache.stored_rows(layer, min(cache.kept_from(layer), n), n)):
+            tensors[f"{name}.{layer}"] = rows.cpu()
     return tensors
 
 
@@ -116,6 +120,7 @@ class PendingSave:
             cache.n_kv_heads
         self.group, self.rank, self.world = group, rank, world
         self.record, self.problem = "", None
+        self.kept = list(cache.kept)
         self._written = threading.Event()
         self._thread: threading.Thread | None = None
         if index is None:
@@ -141,7 +146,7 @@ class PendingSave:
             file = os.path.join(self.partial, name)
             save_file(tensors, file, metadata={"format": FORMAT, "slice": str(index)})
             self.record = json.dumps({"index": index, "file": name, "heads": list(heads or (0, self.n_kv_heads)),
-                                      "rows": rows, "sha256": file_sha256(file)})
+                                      "rows": rows, "kept": self.kept, "sha256": file_sha256(file)})
         except Exception as exc:  # disk full, permissions: every rank must hear of it
             self.problem = f"rank {self.rank} could not write its slice: {exc}"
         finally:
@@ -211,10 +216,11 @@ def _slices(records: list[dict]) -> list[dict]:
     slices = []
     for index in sorted({r["index"] for r in records}):
         parts = sorted((r for r in records if r["index"] == index), key=lambda r: r["heads"][0])
+        kept = {"kept": parts[0]["kept"]} if any(parts[0].get("kept") or ()) else {}
         if len(parts) == 1:
-            slices.append({"file": parts[0]["file"], "rows": parts[0]["rows"], "sha256": parts[0]["sha256"]})
+            slices.append({"file": parts[0]["file"], "rows": parts[0]["rows"], "sha256": parts[0]["sha256"], **kept})
         else:
-            slices.append({"rows": parts[0]["rows"],
+            slices.append({"rows": parts[0]["rows"], **kept,
                            "parts": [{"file": r["file"], "heads": r["heads"], "sha256": r["sha256"]} for r in parts]})
     return slices
 
@@ -308,13 +314,51 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     slices, length = manifest["slices"], int(manifest["length"])
     lo, hi = split_range(length, world, rank)  # loading rank `rank` takes a contiguous share
     saved_as, kv_dtype = manifest["kv_dtype"], kv_dtype or manifest["kv_dtype"]
+    n_kv_heads = model.full_config.n_kv_heads
+    n_layers = model.config.n_layers
+    # The share's rows go in position order (one decode rank: row = position), so that the rows a
+    # windowed or chunked layer kept (the file holds a slice's last rows - kept[layer] of it) are
+    # the share's last rows of that layer too.
+    pieces, start = [], 0  # (slice, first and last row of the share in it, its positions)
+    for s in slices:
+        a, b = max(lo, start), min(hi, start + s["rows"])
+        if a < b and problem is None:
+            try:
+                with HeadReader(path, slice_parts(s, n_kv_heads), (0, 1)) as f:
+                    pieces.append((s, a - start, b - start, f.rows("positions", a - start, b - start)))
+            except (OSError, ValueError, KeyError) as exc:
+                problem = f"document {path!r} is incomplete ({exc}); save it again"
+        start += s["rows"]
+    if problem is not None:
+        pieces = []
+        lo = hi = 0
+    file_positions = torch.cat([p for *_, p in pieces]) if pieces else torch.empty(0, dtype=torch.long)
+    order = torch.argsort(file_positions)
+    target = torch.empty_like(order)
+    target[order] = torch.arange(order.numel())  # share row -> cache row
+    stored = torch.ones(n_layers, hi - lo, dtype=torch.bool)  # [layer, share row]: in the file
+    at = 0
+    for s, a, b, _ in pieces:
+        for layer, first in enumerate(s.get("kept") or [0] * n_layers):
+            stored[layer, at:at + max(0, min(first, b) - a)] = False
+        at += b - a
+    kept = []
+    for layer in range(n_layers):
+        have = torch.zeros(hi - lo, dtype=torch.bool)
+        have[target] = stored[layer]
+        first = int(have.logical_not().sum())
+        if problem is None and not bool(have[first:].all()):
+            problem = (f"document {path!r}: layer {layer}'s kept rows are not its last ones; the slices disagree "
+                       "(save the document again)")
+        kept.append(first)
     # in ordinary pages, as a prefill's (their first touch is cheap; a server moves them into 2 MiB
     # pages when it has nothing else to do: Engine.move_document_pages)
-    cache = KVCache.for_model(model.config, hi - lo + room, dtype=model.dtype, device=model.device,
-                              kv_dtype=kv_dtype, sliced=world > 1, small_pages=True)
-    if memory_check is not None:
-        problem = memory_check(hi - lo + room, cache.bytes_per_token)
-    n_kv_heads = model.full_config.n_kv_heads
+    cache = KVCache.for_model(model.config, max(1, hi - lo + room), dtype=model.dtype, device=model.device,
+                              kv_dtype=kv_dtype, sliced=world > 1, small_pages=True, kept=kept)
+    if any(kept):
+        cache.spans = model.config.layer_spans
+    if memory_check is not None and problem is None:
+        problem = memory_check(-(-cache.nbytes // max(1, cache.bytes_per_token)), cache.bytes_per_token)
     files = [part for s in slices for part in slice_parts(s, n_kv_heads)]
     # Checksums: file i is verified by rank i mod world, the tokens file by rank 0.
     try:
@@ -332,32 +376,27 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
 
     names = ["k", "v"] + (["k_scale", "v_scale"] if saved_as in ("fp8", "int8") else [])
     heads = model.tp.kv_heads(model.full_config)  # every KV head without tensor parallelism
-    filled, start = 0, 0
-    for s in slices:  # copy the rows of [lo, hi) that this slice holds, a block of rows at a time
-        a, b = max(lo, start), min(hi, start + s["rows"])
-        if a < b:
-            with HeadReader(path, slice_parts(s, n_kv_heads), heads) as f:
-                positions = f.rows("positions", a - start, b - start)
-                for layer in range(cache.n_layers):
-                    for r0 in range(0, b - a, LOAD_BLOCK_ROWS):
-                        r1 = min(b - a, r0 + LOAD_BLOCK_ROWS)
-                        # one decode rank: rows at their positions (sequence order); several: in file order
-                        where = positions[r0:r1].to(model.device) if world == 1 else \
-                            slice(filled + r0, filled + r1)
-                        rows = [f.rows(f"{name}.{layer}", a - start + r0, a - start + r1).to(model.device)
-                                for name in names]
-                        if saved_as == kv_dtype:  # as stored: no conversion
-                            for target, part in zip(cache.storage_tensors(layer), rows):
-                                write_rows(target, where, part)
-                            continue
-                        if len(rows) == 4:  # another storage: through the model's dtype, quantized by update()
-                            rows = [dequantize_rows(rows[0], rows[2], model.dtype),
-                                    dequantize_rows(rows[1], rows[3], model.dtype)]
-                        cache.update(layer, where if world == 1 else filled + r0, rows[0], rows[1])
-                if world > 1:
-                    cache.positions[filled:filled + b - a] = positions
-            filled += b - a
-        start += s["rows"]
+    at = 0
+    for s, a, b, _ in pieces:  # the share's rows of each slice, a block of rows at a time
+        with HeadReader(path, slice_parts(s, n_kv_heads), heads) as f:
+            for layer in range(cache.n_layers):
+                first = (s.get("kept") or [0] * n_layers)[layer]  # the slice's rows in the file start here
+                for r0 in range(max(a, first), b, LOAD_BLOCK_ROWS):
+                    r1 = min(b, r0 + LOAD_BLOCK_ROWS)
+                    where = target[at + r0 - a:at + r1 - a].to(model.device)
+                    rows = [f.rows(f"{name}.{layer}", r0 - first, r1 - first).to(model.device) for name in names]
+                    if saved_as == kv_dtype:  # as stored: no conversion
+                        slots = where - cache.kept_from(layer)
+                        for part_target, part in zip(cache.storage_tensors(layer), rows):
+                            write_rows(part_target, slots, part)
+                        continue
+                    if len(rows) == 4:  # another storage: through the model's dtype, quantized by update()
+                        rows = [dequantize_rows(rows[0], rows[2], model.dtype),
+                                dequantize_rows(rows[1], rows[3], model.dtype)]
+                    cache.update(layer, where, rows[0], rows[1])
+        at += b - a
+    if world > 1:
+        cache.positions[:hi - lo] = file_positions[order]
     cache.length = hi - lo
     with safe_open(os.path.join(path, TOKENS), framework="pt") as f:
         token_ids = f.get_tensor("token_ids")

@@ -406,8 +406,10 @@ class PrefillRun:
         def attend(layer: int, q, k, v):
             cached = {}
             if rows_before:  # views of the shard; a dequantized copy of it for 8-bit caches
-                cached_k, cached_v = shard.read_rows(layer, 0, rows_before)
-                cached = dict(cached_k=cached_k, cached_v=cached_v)
+                # (a document's windowed or chunked layer holds its rows from kept_from on)
+                first = min(shard.kept_from(layer), rows_before)
+                cached_k, cached_v = shard.read_rows(layer, first, rows_before)
+                cached = dict(cached_k=cached_k, cached_v=cached_v, cached_from=first)
             # Inputs were agreed across ranks once for the whole prefill (above): no per-layer check.
             softmax = model.layer_softmax(layer)
             out, lse = ring_attention(q, k, v, layout, strategy=strategy, group=group, stats=self.comm,
@@ -597,6 +599,9 @@ def _last_token_logits(model, x, layout, rank, world, group, logits):
 
 def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, comm) -> None:
     """Split the decode rank's whole cache evenly (contiguous rows) over the ranks, layer by layer."""
+    if cache is not None and cache.trimmed:
+        raise ValueError("a prefill on top of a whole cache whose windowed or chunked layers dropped rows runs on "
+                         "one rank (its rows cannot be split evenly over several): ask about it as a Document")
     bounds = [split_range(cached_len, world, r) for r in range(world)]
     rows = max(b - a for a, b in bounds)
     lo, hi = bounds[rank]

@@ -184,7 +184,8 @@ class EngineBackend:
                                   text_chars=len(rendered), text_sha256=text_sha256(rendered))
         ids_tensor = torch.tensor(ids, dtype=torch.long)
         self.docs.add(record, ids_tensor, self.chunk_tokens)
-        ingest = Prefill(ids_tensor, as_document=True, decode_room=QUESTION_ROOM_TOKENS, chunk_tokens=self.chunk_tokens,
+        ingest = Prefill(ids_tensor, as_document=True, drop_unseen=True, decode_room=QUESTION_ROOM_TOKENS,
+                         chunk_tokens=self.chunk_tokens,
                          frame=(suffix, {"chat": True}))
         try:
             self.docs.ingesting(record.id, self.scheduler.submit_prefill(

@@ -71,9 +71,10 @@ def reference_answer(hf, ids, n=8):
 
 
 @pytest.mark.parametrize("world,decode_ranks", [(2, 2), (3, 2)])
-def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, world, decode_ranks):
+def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, world, decode_ranks, tmp_path):
     """A 130-token document (windows of 11 reach back into rows other decode ranks hold), greedy
-    answers alone and batched, on two documents at once."""
+    answers alone and batched, on two documents at once; its sliding layers keep only the rows
+    later tokens see, saved so and loaded on 1 and 2 decode ranks."""
     directory, hf = saved["ministral"]
     doc_a, doc_b = prompt(130, seed=3).tolist(), prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24]]
@@ -90,6 +91,24 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
         other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
         "".join(other)
         assert other.result.token_ids == reference_answer(hf, doc_b + questions[1])
+        # The documents' sliding layers kept only what later tokens see (rank 0's slice here):
+        # the window of 11 needs the last 10 rows, wherever they are; the full layer keeps all.
+        assert a.dropped_unseen and a.cache.kept[1] == 0 and all(a.cache.kept[i] > 0 for i in (0, 2, 3))
+        stored = a.cache.length - a.cache.kept[0] + sum(a.cache.length - a.cache.kept[i] for i in (1, 2, 3))
+        assert stored < 0.45 * 4 * a.cache.length
+        with pytest.raises(ValueError, match="drop_unseen=False"):
+            engine.document_prefix(a, 60)
+        keeps_all = engine.ingest(doc_a, drop_unseen=False)
+        assert not keeps_all.dropped_unseen and engine.document_prefix(keeps_all, 60).length == 60
+        engine.save_document(a, tmp_path / "a.kv")
+    # Saved by 2 decode ranks, loaded on 1 (rows by position) and on 2 others: the same answers.
+    for nproc, ranks in ((1, 1), (2, 2)):
+        with Engine(directory, nproc=nproc, dtype="float32", decode_ranks=ranks) as engine:
+            loaded = engine.load_document(tmp_path / "a.kv")
+            assert loaded.dropped_unseen and loaded.cache.kept[0] > 0
+            again = engine.generate(loaded, questions[2], max_new_tokens=8, stop_token_ids=[])
+            "".join(again)
+            assert again.result.token_ids == reference_answer(hf, doc_a + questions[2]), nproc
 
 
 @pytest.mark.parametrize("case", ["phi3-longrope", "gemma3-text"])
