@@ -405,7 +405,12 @@ def render_decode(result) -> None:
     mem.add_row("decode ranks", f"{d.decode_ranks} of {d.max_decode_ranks} on one host{tp}")
     mem.add_row("KV cache", kv)
     mem.add_row("weights", _table_gb(d.weights_bytes))
-    mem.add_row(f"KV slice ({d.slice_tokens:,} tokens)", _table_gb(d.kv_slice_bytes))
+    if d.kv_slice_all_rows_bytes != d.kv_slice_bytes:  # windowed or chunked layers keep what later tokens see
+        share = d.kv_slice_bytes / max(1, d.kv_slice_all_rows_bytes)
+        mem.add_row(f"KV slice ({d.slice_tokens:,} tokens, {share:.0%} kept)", _table_gb(d.kv_slice_bytes))
+        mem.add_row("  every row of every layer", _table_gb(d.kv_slice_all_rows_bytes))
+    else:
+        mem.add_row(f"KV slice ({d.slice_tokens:,} tokens)", _table_gb(d.kv_slice_bytes))
     mem.add_row("workspace (one decode step)", _table_gb(d.workspace_bytes))
     mem.add_row("total", _table_gb(d.total_bytes))
     mem.add_row("usable of capacity", f"{_table_gb(d.usable_bytes)} of {_table_gb(d.capacity_bytes)}")

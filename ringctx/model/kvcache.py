@@ -223,6 +223,12 @@ class KVCache:
         return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.storage_tensors())
 
     @property
+    def stored_bytes(self) -> int:
+        """Bytes of the valid rows each layer stores (K, V and scales; not the room after them)."""
+        return sum((self.length - min(self.kept[i], self.length)) * math.prod(t.shape[1:]) * t.element_size()
+                   for i in range(self.n_layers) for t in self.storage_tensors(i))
+
+    @property
     def trimmed(self) -> bool:
         """Whether some layer dropped rows (`drop_unseen`)."""
         return any(self.kept)

@@ -109,7 +109,11 @@ class DecodeMemory:
     """Model weights: n_params * e_w / TP (the full model when TP = 1), int8 codes included where kept
     (weight_bytes_per_rank)."""
     kv_slice_bytes: int
-    """The device's KV slice: slice_tokens * kv_row_bytes (all layers, kv dtype with its scales)."""
+    """The device's KV slice: slice_tokens * kv_row_bytes (all layers, kv dtype with its scales),
+    less the rows a document's windowed and chunked layers drop (they keep the last W rows, the
+    current chunk: ModelConfig.kv_rows_kept)."""
+    kv_slice_all_rows_bytes: int
+    """The same slice if every layer kept every row (= kv_slice_bytes for a model of full layers)."""
     token_activation_bytes: int
     """One token's activations of one layer (see decode_workspace_bytes)."""
     scores_bytes: int
@@ -163,11 +167,14 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
     """DecodeMemory of already validated inputs."""
     slice_tokens = decode_slice_tokens(context_tokens, setting.decode_ranks)
     capacity = rank_memory_bytes(hw, setting.decode_ranks)  # host RAM profiles share it among the ranks
+    all_rows = kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype)
+    tokens = context_tokens + DECODE_ROOM_TOKENS
+    kept = all_rows * model.kv_rows_kept(tokens) // (model.n_layers * tokens)
     return DecodeMemory(
         decode_ranks=setting.decode_ranks, max_decode_ranks=max_decode_ranks(hw, tp_size),
         kv_dtype=setting.kv_dtype, context_tokens=context_tokens, slice_tokens=slice_tokens,
         weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw),
-        kv_slice_bytes=kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype),
+        kv_slice_bytes=kept, kv_slice_all_rows_bytes=all_rows,
         **decode_workspace_bytes(model, tp_size, slice_tokens, dtype, setting.kv_dtype),
         capacity_bytes=capacity, usable_bytes=capacity * MEMORY_USABLE_FRACTION,
     )

@@ -94,9 +94,9 @@ def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: i
     config = state.prefill_config(chunk_tokens, strategy, decode_room, trace)
     _check_memory(state, token_ids, cached, config)
     run = PrefillRun(state.model, token_ids, config, group=state.mesh.cp_group, cache=cache,
-                     cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, state.rank))
+                     cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, state.rank),
+                     drop_unseen=drop_unseen)
     run.keep = keep  # the document id to register when it finishes (None: a plain prefill)
-    run.drop_unseen = drop_unseen  # the document's windowed and chunked layers keep what later tokens see
     state.prefills[prefill_id] = run
     return run
 
@@ -112,8 +112,6 @@ def prefill_finish(state: RankState, prefill_id: int):
     run = state.prefills.pop(prefill_id)
     result = run.finish()
     if run.keep is not None and result.cache is not None:
-        if run.drop_unseen:
-            result.cache.drop_unseen(state.model.config.layer_spans, int(result.token_ids.numel()))
         result.document = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats, id=run.keep,
                                    dropped_unseen=run.drop_unseen)
         state.documents[run.keep] = result.document

@@ -153,6 +153,9 @@ class PrefillStats:
     """Part of handoff_bytes_per_rank that left the sender's host."""
     decode_slice_rows_per_rank: list[int] = field(default_factory=list)
     """KV rows (tokens) each rank holds for decoding after the hand-off (0 off the decode ranks)."""
+    decode_kv_bytes_per_rank: list[int] = field(default_factory=list)
+    """Bytes of those rows each rank keeps over all layers: fewer than rows x bytes per token when a
+    document's windowed and chunked layers dropped what later tokens cannot see."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -249,8 +252,11 @@ class PrefillRun:
     def __init__(self, model, token_ids: torch.Tensor, config: PrefillConfig, *,
                  group: dist.ProcessGroup | str | None = None, cache: KVCache | None = None,
                  cache_token_ids: torch.Tensor | None = None, shard: KVCache | None = None,
-                 on_chunk: Callable[[int, int, ChunkStats], None] | None = None):
+                 on_chunk: Callable[[int, int, ChunkStats], None] | None = None, drop_unseen: bool = False):
+        """drop_unseen: the decode ranks' caches of windowed and chunked layers keep only the rows
+        tokens after the prompt see, once it is handed off (KVCache.drop_unseen: a document's)."""
         rank, world = rank_and_world(group)
+        self.drop_unseen = drop_unseen
         self.model, self.token_ids, self.config, self.group = model, token_ids, config, group
         self.rank, self.world, self.cache, self.cache_token_ids = rank, world, cache, cache_token_ids
         self.on_chunk = on_chunk
@@ -470,18 +476,22 @@ class PrefillRun:
                 out_cache, moved = _hand_off(model, self.cache, shard, self.layouts, self.plan, self.first_new_row,
                                              self.cached_len, self.T, config, rank, world, group, comm,
                                              self.keeps_shard)
+            if self.drop_unseen and out_cache is not None:
+                out_cache.drop_unseen(model.config.layer_spans, self.cached_len + self.T)
             stats.handoff_s = time.perf_counter() - t_handoff
         stats.ttft_s = time.perf_counter() - self.t_start
 
         slice_rows = out_cache.length if out_cache is not None else 0
+        kept_bytes = out_cache.stored_bytes if out_cache is not None else 0
         ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
         tp = sum(comm.bytes_sent(kind) for kind in TP_KINDS)
         per_rank = all_gather_ints([comm.bytes_sent(), ring, tp, prefill_peak_rss, window_peak_rss_bytes(),
-                                    shard_bytes, moved["sent"], moved["cross_host"], slice_rows], group, world)
+                                    shard_bytes, moved["sent"], moved["cross_host"], slice_rows, kept_bytes], group,
+                                   world)
         (stats.bytes_sent_per_rank, stats.ring_bytes_per_rank, stats.tp_bytes_per_rank, stats.peak_rss_bytes_per_rank,
          stats.handoff_peak_rss_bytes_per_rank,
          stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
-         stats.decode_slice_rows_per_rank) = (list(column) for column in zip(*per_rank))
+         stats.decode_slice_rows_per_rank, stats.decode_kv_bytes_per_rank) = (list(column) for column in zip(*per_rank))
         all_ids = self.token_ids.cpu()
         if self.cache_token_ids is not None:
             all_ids = torch.cat([self.cache_token_ids.cpu(), all_ids])

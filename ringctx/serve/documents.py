@@ -26,6 +26,7 @@ import torch
 from ..engine.scheduler import SchedulerStopped
 from ..engine.work_items import DropDocument, FinishSave
 from ..planning.work import WorkProgress, prefill_chunk_flops
+from ..runtime.efficiency import document_kv_bytes
 from ..units import fmt_bytes
 from .backend import DocumentInfo
 from .store import DocumentStore
@@ -255,12 +256,14 @@ class ServedDocuments:
 
     # ------------------------------------------------------------------ memory
     def kv_bytes(self, tokens: int) -> int:
-        return tokens * self.bytes_per_token
+        """KV bytes a document of `tokens` tokens keeps (its windowed and chunked layers only what
+        later tokens see: documents are ingested with drop_unseen)."""
+        return document_kv_bytes(self.engine.model.full_config, self.bytes_per_token, tokens)
 
     def rank_bytes(self, tokens: int) -> list[int]:
         """KV bytes each decode rank holds for a document of `tokens` tokens (balanced slices)."""
-        n = self.engine.decode_ranks
-        return [((tokens * (r + 1)) // n - (tokens * r) // n) * self.bytes_per_token for r in range(n)]
+        n, total = self.engine.decode_ranks, self.kv_bytes(tokens)
+        return [(total * (r + 1)) // n - (total * r) // n for r in range(n)]
 
     def _decode_global_ranks(self) -> list[int]:
         e = self.engine

@@ -39,7 +39,7 @@ from ..model.context import ContextTooLong
 from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
 from . import backend as api
-from ..runtime.efficiency import kv_bytes_per_token
+from ..runtime.efficiency import document_tokens_within, kv_bytes_per_token
 from ..runtime.memory_check import auto_kv_budget
 from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument
 from .prompts import PromptRenderer, text_sha256
@@ -136,7 +136,8 @@ class EngineBackend:
         self.bytes_per_token = kv_bytes_per_token(engine)
         self.kv_budget_bytes = int(kv_budget_bytes if kv_budget_bytes is not None else auto_kv_budget(engine))
         self.max_document_tokens = int(max_document_tokens or
-                                       max(1, self.kv_budget_bytes // self.bytes_per_token - QUESTION_ROOM_TOKENS))
+                                       max(1, document_tokens_within(engine.model.full_config, self.bytes_per_token,
+                                                                     self.kv_budget_bytes) - QUESTION_ROOM_TOKENS))
         self._lock = threading.Lock()  # the counters below (the scheduler's thread writes too)
         self._problem: str | None = None
         self._draining = False
@@ -169,7 +170,7 @@ class EngineBackend:
         ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         n = len(ids)
         self._check_context(n, param="text")
-        need = n * self.bytes_per_token
+        need = self.docs.kv_bytes(n)
         if n > self.max_document_tokens or need > self.kv_budget_bytes:
             raise api.TooLarge(
                 f"the document has {n:,} tokens ({fmt_bytes(need)} of KV cache) but this server keeps at most "
