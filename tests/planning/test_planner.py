@@ -498,12 +498,24 @@ def test_decode_json_fields():
     assert d["kv_dtype"] == "int8" and d["fits"] is True and d["suggestion"] is None
     assert set(d["decode"]) == {
         "decode_ranks", "max_decode_ranks", "kv_dtype", "context_tokens", "slice_tokens", "weights_bytes",
-        "kv_slice_bytes", "token_activation_bytes", "scores_bytes", "logits_bytes", "dequant_bytes",
-        "capacity_bytes", "usable_bytes", "workspace_bytes", "total_bytes", "fits", "smallest_fitting"}
+        "kv_slice_bytes", "kv_slice_all_rows_bytes", "token_activation_bytes", "scores_bytes", "logits_bytes",
+        "dequant_bytes", "capacity_bytes", "usable_bytes", "workspace_bytes", "total_bytes", "fits",
+        "smallest_fitting"}
+    assert d["decode"]["kv_slice_bytes"] == d["decode"]["kv_slice_all_rows_bytes"]  # every layer full
     dec = d["decode"]
     assert dec["decode_ranks"] == 4 and dec["slice_tokens"] == 25_064 and dec["kv_slice_bytes"] == 25_064 * 67_584
     assert dec["total_bytes"] == dec["weights_bytes"] + dec["kv_slice_bytes"] + dec["workspace_bytes"]
     assert dec["fits"] is True and dec["smallest_fitting"] is None
+
+
+def test_a_document_of_a_3_to_1_chunked_model_keeps_about_a_quarter_of_its_kv():
+    """tiny-llama4 (3 layers in chunks of 8,192 : 1 global) at 1M tokens: the decode slice keeps
+    the global layer's rows and the current chunk of the others, about 1/4 of every row."""
+    d = json.loads(plan_prefill("tiny-llama4", 2, "cpu", tokens=1_000_000).to_json())["decode"]
+    share = d["kv_slice_bytes"] / d["kv_slice_all_rows_bytes"]
+    tokens = 1_000_000 + 256  # the decode room
+    assert share == pytest.approx((tokens + 3 * (tokens % 8192)) / (4 * tokens), rel=1e-3)
+    assert 0.25 < share < 0.26
 
 
 @pytest.mark.parametrize("kwargs, match", [
