@@ -30,7 +30,7 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3")
 """GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
 text model and Llama 3 files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model)."""
 
@@ -39,6 +39,7 @@ GGUF_REFUSED = {
     "gemma2": "general.architecture='gemma2' (ringctx runs Gemma 3: gemma3)",
     "llama4": "llama4.expert_count (Llama 4's mixture of experts, query temperature and L2 q/k norms)",
     "gpt-oss": "gpt-oss.expert_count (gpt-oss's mixture of experts)",
+    "gemma4": "general.architecture='gemma4' (Gemma 4)",
 }
 """Architectures refused with the key that makes them unsupported ("... is not supported yet")."""
 
@@ -97,8 +98,8 @@ def _fit_llama3_rope(cfg: ModelConfig, table: list[float], hint: int | None, sou
 def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None = None) -> ModelConfig:
     """The config stored in a GGUF file's header (a path or an open `gguf.GGUFReader`).
 
-    Supports general.architecture llama (also Mistral and Llama 3 files), qwen2, qwen3, phi3 and
-    gemma3, with llama.cpp's keys and tensors:
+    Supports general.architecture llama (also Mistral and Llama 3 files), qwen2, qwen3, seed_oss,
+    phi3 and gemma3, with llama.cpp's keys and tensors:
 
     - RoPE: linear and YaRN scaling from the rope.scaling.* keys (llama.cpp multiplies its
       `attn_factor` key by YaRN's own 0.1 ln(factor) + 1, so that product is transformers'

@@ -6,8 +6,8 @@ I-quants. Float types are viewed directly without a float32 detour.
 
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-architecture models
 so that each head's rotary pairs are adjacent (GPT-J "interleaved" order); ringctx, like
-transformers, uses the rotate-half order, so those rows are permuted back. Qwen2, Qwen3, Phi-3 and
-Gemma 3 files keep the Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not
+transformers, uses the rotate-half order, so those rows are permuted back. Qwen2, Qwen3, Seed-OSS,
+Phi-3 and Gemma 3 files keep the Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not
 touched. Phi-3 files hold fused tensors, as its checkpoints do: attn_qkv (q, k, v heads) and
 ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`).
 
@@ -101,7 +101,8 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
     for i in range(config.n_layers):
         blk, ours = f"blk.{i}", f"layers.{i}"
         add(f"{blk}.attn_norm.weight", f"{ours}.attention_norm.weight")
-        add(f"{blk}.ffn_norm.weight", f"{ours}.ffn_norm.weight")  # Gemma: its pre_feedforward_layernorm
+        # the MLP's norm: post_attention_layernorm (Seed-OSS's keeps that name), Gemma's pre_feedforward_layernorm
+        add(f"{blk}.{'post_attention_norm' if arch == 'seed_oss' else 'ffn_norm'}.weight", f"{ours}.ffn_norm.weight")
         if config.post_norms:
             add(f"{blk}.post_attention_norm.weight", f"{ours}.post_attention_norm.weight")
             add(f"{blk}.post_ffw_norm.weight", f"{ours}.post_ffn_norm.weight")

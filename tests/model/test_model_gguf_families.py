@@ -52,6 +52,8 @@ def hf_config(name: str):
         "qwen2-window": lambda: transformers.Qwen2Config(
             **{**SHAPE, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
             max_position_embeddings=512),
+        # Seed-OSS: q/k/v biases, head_dim != hidden / heads (its MLP norm keeps the name post_attention_norm).
+        "seed-oss": lambda: transformers.SeedOssConfig(**SHAPE, head_dim=32, max_position_embeddings=512),
         "phi3-longrope": lambda: transformers.Phi3Config(
             **SHAPE, max_position_embeddings=4 * ORIGINAL, original_max_position_embeddings=ORIGINAL,
             rope_parameters=_phi3_rope(16)),
@@ -62,7 +64,8 @@ def hf_config(name: str):
     }[name]()
 
 
-ARCH = {"mistral-window": "llama", "ministral-pattern": "llama", "qwen2-window": "qwen2", "phi3-longrope": "phi3",
+ARCH = {"mistral-window": "llama", "ministral-pattern": "llama", "qwen2-window": "qwen2", "seed-oss": "seed_oss",
+        "phi3-longrope": "phi3",
         "phi4-partial-window": "phi3", "gemma3": "gemma3"}
 CASES = list(ARCH)
 
@@ -314,6 +317,7 @@ _FACTORS = {"rope_factors_long.weight": np.full(8, 2.0), "rope_factors_short.wei
      r"general\.architecture='qwen3moe' \(a mixture of experts: qwen3moe\.expert_count=128, not supported yet\)"),
     ("gemma3n", {}, None, r"gemma3n\.embedding_length_per_layer_input \(Gemma 3n's per-layer inputs.*not supported yet"),
     ("llama4", {}, None, r"llama4\.expert_count .* is not supported yet"),
+    ("gemma4", {}, None, r"general\.architecture='gemma4' \(Gemma 4\) is not supported yet"),
 ])
 def test_bad_gguf_headers_are_one_line_errors(arch, keys, tensors, message, tmp_path):
     path = tmp_path / "bad.gguf"
