@@ -54,10 +54,11 @@ GEMMA3_27B_LAYERS = 62
 
 
 def _gguf_rope_scaling(arch: str, get, source: str) -> RopeScaling | None:
-    """The linear or YaRN scaling named by a GGUF header's rope.scaling.* keys (None: plain, or
-    Llama-3.1's rope_freqs table, read separately)."""
+    """The linear or YaRN scaling named by a GGUF header's rope.scaling.* keys (None: plain, or a
+    table read separately: Llama-3.1's rope_freqs, LongRoPE's factor tensors, whose type key
+    llama.cpp's converter writes as 'longrope')."""
     kind = get(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", ""):
+    if kind in ("none", "", "longrope"):
         return None
     factor = float(get(f"{arch}.rope.scaling.factor", 1.0))
     original = int(get(f"{arch}.rope.scaling.original_context_length", 0) or get(f"{arch}.context_length", 8192))
@@ -176,7 +177,8 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     eos = [get(k, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id")]
     max_seq_len = int(get(f"{arch}.context_length", 8192))
-    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+    if get(f"{arch}.rope.scaling.type", None) == "longrope" or any(
+            name in tensors for name in ("rope_factors_long.weight", "rope_factors_short.weight")):
         rope_scaling = _gguf_longrope(arch, get, tensors, rope_scaling, rotary_dim, max_seq_len, source)
     windows = _gguf_windows(arch, get, n_layers, source)
     if gemma:
@@ -226,8 +228,8 @@ def _gguf_table(tensor: Any) -> list[float]:
 
 def _gguf_longrope(arch: str, get, tensors: Mapping[str, Any], scaling: RopeScaling | None, rotary_dim: int,
                    context: int, source: str) -> RopeScaling:
-    """Phi-3's LongRoPE from a GGUF file, as llama.cpp's converter writes it: the long and short
-    factors as the tensors rope_factors_long.weight / rope_factors_short.weight [rotary_dim / 2],
+    """Phi-3's LongRoPE from a GGUF file, as llama.cpp's converter writes it (rope.scaling.type
+    'longrope' in recent versions, no type key in older ones): the long and short factors as the tensors rope_factors_long.weight / rope_factors_short.weight [rotary_dim / 2],
     the pre-extension length as rope.scaling.original_context_length, the cos/sin factor as
     rope.scaling.attn_factor (sqrt(1 + ln(s) / ln(original)), s = context_length / original, as
     transformers computes it when that key is absent), factor s."""
@@ -239,8 +241,9 @@ def _gguf_longrope(arch: str, get, tensors: Mapping[str, Any], scaling: RopeScal
                          "supported (ringctx reads LongRoPE from phi3 files)")
     missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in tensors]
     if missing:
-        raise ValueError(f"{source}: LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight; "
-                         f"{missing[0]} is missing: re-convert the model")
+        raise ValueError(f"{source}: LongRoPE ({arch}.rope.scaling.type='longrope' or a factor tensor) needs both "
+                         f"rope_factors_long.weight and rope_factors_short.weight; {missing[0]} is missing: "
+                         "re-convert the model")
     long, short = _gguf_table(tensors["rope_factors_long.weight"]), _gguf_table(tensors["rope_factors_short.weight"])
     for label, table in (("rope_factors_long.weight", long), ("rope_factors_short.weight", short)):
         if len(table) != rotary_dim // 2:

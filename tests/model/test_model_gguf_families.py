@@ -138,6 +138,8 @@ def add_keys(writer: gguf.GGUFWriter, hf, arch: str) -> None:
         writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         scale = c.max_position_embeddings / c.original_max_position_embeddings
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        if rope.get("rope_type") == "longrope":  # TextModel.set_gguf_parameters' type key (recent llama.cpp)
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     else:
         writer.add_rope_dimension_count(head_dim)
     if getattr(c, "sliding_window", None) is not None:
@@ -189,6 +191,17 @@ def test_gguf_logits_match_transformers_and_the_hf_directory(trio):
         MEASURED[name] = max(MEASURED.get(name, 0.0), err)
         assert err < 1e-4, (name, n, err)
         assert rel_err(got, from_hf.logits(ids)) < 1e-4, (name, n)
+
+
+def test_gguf_greedy_tokens_equal_transformers(trio):
+    """Decode from the GGUF model (windows, Gemma 3's stored gains, LongRoPE past the original
+    length) picks transformers' tokens."""
+    name, from_gguf, _, hf = trio
+    ids = prompt(LONG - 8, seed=2)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, ids.numel():].tolist()
+    assert from_gguf.generate(ids, max_new_tokens=6, stop_token_ids=[]).token_ids == ref, name
 
 
 def _rounded(value):
@@ -309,6 +322,9 @@ _FACTORS = {"rope_factors_long.weight": np.full(8, 2.0), "rope_factors_short.wei
     ("phi3", {"rope.scaling.original_context_length": 128},
      {"rope_factors_long.weight": np.ones(8)}, r"rope_factors_short\.weight is missing: re-convert"),
     ("phi3", {}, _FACTORS, r"without phi3\.rope\.scaling\.original_context_length .* add the key"),
+    ("phi3", {"rope.scaling.type": "longrope", "rope.scaling.original_context_length": 128}, None,
+     r"LongRoPE \(phi3\.rope\.scaling\.type='longrope' or a factor tensor\) needs both .* "
+     r"rope_factors_long\.weight is missing"),
     ("phi3", {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0,
               "rope.scaling.original_context_length": 128}, _FACTORS, r"a model has one RoPE scaling"),
     ("llama", {"expert_count": 8, "expert_used_count": 2}, None,
@@ -325,3 +341,15 @@ def test_bad_gguf_headers_are_one_line_errors(arch, keys, tensors, message, tmp_
     with pytest.raises(ValueError, match=message) as info:
         read_gguf_config(str(path))
     assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
+
+
+def test_phi3_longrope_header_of_older_converters(tmp_path):
+    """Older llama.cpp converters wrote no rope.scaling.type for Phi-3, and a file may lack
+    rope.scaling.attn_factor: the factor tensors alone make it LongRoPE, factor context / original
+    and cos/sin factor sqrt(1 + ln(factor) / ln(original)) as transformers computes it."""
+    path = tmp_path / "phi3-old.gguf"
+    write_header(path, "phi3", {"rope.scaling.original_context_length": 128, "context_length": 512}, _FACTORS)
+    scaling = read_gguf_config(str(path)).rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position) == ("longrope", 4.0, 128)
+    assert scaling.long_factor == (2.0,) * 8 and scaling.short_factor == (1.0,) * 8
+    assert abs(scaling.attention_factor - math.sqrt(1 + math.log(4.0) / math.log(128))) < 1e-12
