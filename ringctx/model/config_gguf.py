@@ -143,9 +143,11 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts, "
                          "e.g. Mixtral) is not supported yet; ringctx runs dense decoders")
     gemma = arch == "gemma3"
-    if get(f"{arch}.attn_logit_softcapping", None):
-        raise ValueError(f"{source}: {arch}.attn_logit_softcapping={get(f'{arch}.attn_logit_softcapping')} is not "
-                         "supported (Gemma 3 has none: llama.cpp and transformers ignore it); remove the key")
+    for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
+        if get(f"{arch}.{key}", None):
+            raise ValueError(f"{source}: {arch}.{key}={get(f'{arch}.{key}')} is not supported (ringctx reads "
+                             "gemma3's final_logit_softcapping only; Gemma 3 has no attention soft-cap, llama.cpp "
+                             "and transformers ignore one); remove the key")
     tensors = {t.name: t for t in reader.tensors}
     n_heads = int(get(f"{arch}.attention.head_count"))
     n_kv = get(f"{arch}.attention.head_count_kv", n_heads)
@@ -229,8 +231,9 @@ def _gguf_table(tensor: Any) -> list[float]:
 def _gguf_longrope(arch: str, get, tensors: Mapping[str, Any], scaling: RopeScaling | None, rotary_dim: int,
                    context: int, source: str) -> RopeScaling:
     """Phi-3's LongRoPE from a GGUF file, as llama.cpp's converter writes it (rope.scaling.type
-    'longrope' in recent versions, no type key in older ones): the long and short factors as the tensors rope_factors_long.weight / rope_factors_short.weight [rotary_dim / 2],
-    the pre-extension length as rope.scaling.original_context_length, the cos/sin factor as
+    'longrope' in recent versions, no type key in older ones): the long and short factors as the
+    tensors rope_factors_long.weight / rope_factors_short.weight [rotary_dim / 2], the
+    pre-extension length as rope.scaling.original_context_length, the cos/sin factor as
     rope.scaling.attn_factor (sqrt(1 + ln(s) / ln(original)), s = context_length / original, as
     transformers computes it when that key is absent), factor s."""
     if scaling is not None:

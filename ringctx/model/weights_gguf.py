@@ -6,9 +6,9 @@ I-quants. Float types are viewed directly without a float32 detour.
 
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-architecture models
 so that each head's rotary pairs are adjacent (GPT-J "interleaved" order); ringctx, like
-transformers, uses the rotate-half order, so those rows are permuted back. Qwen2, Qwen3, Seed-OSS,
-Phi-3 and Gemma 3 files keep the Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not
-touched. Phi-3 files hold fused tensors, as its checkpoints do: attn_qkv (q, k, v heads) and
+transformers, uses the rotate-half order, so those rows are permuted back. Qwen2, Qwen3,
+Seed-OSS, Phi-3 and Gemma 3 files keep the Hugging Face order (llama.cpp runs them with NeoX-style
+RoPE) and are not touched. Phi-3 files hold fused tensors, as its checkpoints do: attn_qkv (q, k, v heads) and
 ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`).
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.

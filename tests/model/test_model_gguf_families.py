@@ -137,7 +137,8 @@ def add_keys(writer: gguf.GGUFWriter, hf, arch: str) -> None:
         writer.add_rope_dimension_count(rotary)
         writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         scale = c.max_position_embeddings / c.original_max_position_embeddings
-        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings)))
+        original = c.original_max_position_embeddings
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         if rope.get("rope_type") == "longrope":  # TextModel.set_gguf_parameters' type key (recent llama.cpp)
             writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     else:
@@ -225,7 +226,8 @@ def test_gguf_config_equals_the_hf_config(trio):
         ours = dataclasses.replace(ours, norm_plus_one=True)
         windows = [ours.attention(i).window for i in range(7)]
         assert windows == [WINDOW] * 5 + [0, WINDOW] and ours.attention(0).rope_theta == 10_000.0
-    assert _rounded(dataclasses.replace(ours, name="x").to_dict()) == _rounded(dataclasses.replace(theirs, name="x").to_dict())
+    assert _rounded(dataclasses.replace(ours, name="x").to_dict()) == \
+        _rounded(dataclasses.replace(theirs, name="x").to_dict())
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
@@ -314,6 +316,7 @@ _FACTORS = {"rope_factors_long.weight": np.full(8, 2.0), "rope_factors_short.wei
     ("gemma3", {"attention.sliding_window": 8, "attention.scale": 0.5}, None,
      r"gemma3\.attention\.scale=0.5 disagrees with Gemma 3's query scale"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, None, r"gemma3\.attn_logit_softcapping=50.0 is not supported"),
+    ("llama", {"final_logit_softcapping": 30.0}, None, r"llama\.final_logit_softcapping=30.0 is not supported"),
     ("llama", {"attention.key_length": 32, "attention.value_length": 16}, None,
      r"llama\.attention\.key_length=32 but llama\.attention\.value_length=16: ringctx needs one head width"),
     ("llama", {"rope.dimension_count": 8}, None, r"llama\.rope\.dimension_count=8 < head dim 16\) are not supported"),
@@ -331,7 +334,8 @@ _FACTORS = {"rope_factors_long.weight": np.full(8, 2.0), "rope_factors_short.wei
      r"llama\.expert_count=8 \(a mixture of experts, e\.g\. Mixtral\) is not supported yet"),
     ("qwen3moe", {"expert_count": 128}, None,
      r"general\.architecture='qwen3moe' \(a mixture of experts: qwen3moe\.expert_count=128, not supported yet\)"),
-    ("gemma3n", {}, None, r"gemma3n\.embedding_length_per_layer_input \(Gemma 3n's per-layer inputs.*not supported yet"),
+    ("gemma3n", {}, None,
+     r"gemma3n\.embedding_length_per_layer_input \(Gemma 3n's per-layer inputs.*not supported yet"),
     ("llama4", {}, None, r"llama4\.expert_count .* is not supported yet"),
     ("gemma4", {}, None, r"general\.architecture='gemma4' \(Gemma 4\) is not supported yet"),
 ])
