@@ -123,6 +123,7 @@ def add_keys(writer: gguf.GGUFWriter, hf, arch: str) -> None:
     writer.add_vocab_size(c.vocab_size)
     writer.add_bos_token_id(c.bos_token_id)
     writer.add_eos_token_id(c.eos_token_id)
+    writer.add_pad_token_id(c.pad_token_id)
     rope = c.rope_parameters
     if arch == "gemma3":
         writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
@@ -152,14 +153,21 @@ def add_keys(writer: gguf.GGUFWriter, hf, arch: str) -> None:
             writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
 
 
-def write_model_gguf(path, hf, arch: str, keys=None, tensors: dict[str, np.ndarray] | None = None) -> None:
-    """hf's model as a float32 GGUF file; keys(writer) adds or overrides header keys."""
+def write_model_gguf(path, hf, arch: str, keys=None, tensors: dict[str, np.ndarray] | None = None,
+                     matrices=gguf.GGMLQuantizationType.F32) -> None:
+    """hf's model as a GGUF file, its matrices of type `matrices` (the rest float32); keys(writer)
+    adds or overrides header keys."""
     writer = gguf.GGUFWriter(str(path), arch)
     add_keys(writer, hf, arch)
     if keys is not None:
         keys(writer)
     for name, w in (gguf_tensors(hf, arch) if tensors is None else tensors).items():
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if w.ndim == 2 and matrices != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(w, matrices)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=matrices)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -205,6 +213,21 @@ def test_gguf_greedy_tokens_equal_transformers(trio):
     assert from_gguf.generate(ids, max_new_tokens=6, stop_token_ids=[]).token_ids == ref, name
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "phi4-partial-window", "gemma3"])
+def test_the_files_hold_what_transformers_gguf_loader_reads(name, tmp_path):
+    """The test's writer against an independent reader of llama.cpp's layout: transformers' own GGUF
+    loader (un-permuting llama Q/K, splitting Phi-3's fused tensors, subtracting Gemma's 1) gives
+    back every source tensor."""
+    from tests.model.test_model_gguf import load_transformers
+
+    hf = random_hf_model(name)
+    path = tmp_path / f"{name}.gguf"
+    write_model_gguf(path, hf, ARCH[name])
+    theirs = load_transformers(str(path)).state_dict()
+    for key, value in hf.state_dict().items():
+        assert torch.allclose(theirs[key], value, rtol=0, atol=1e-6), (name, key)
+
+
 def _rounded(value):
     """A config dict with floats to 6 significant digits (GGUF stores float32 keys)."""
     if isinstance(value, float):
@@ -230,15 +253,16 @@ def test_gguf_config_equals_the_hf_config(trio):
         _rounded(dataclasses.replace(theirs, name="x").to_dict())
 
 
-@pytest.mark.parametrize("tp_size", [2, 4])
-def test_phi3_fused_gguf_tensors_split_for_tensor_parallel_ranks(tp_size, tmp_path):
+@pytest.mark.parametrize("tp_size,matrices", [(2, "F32"), (4, "F32"), (2, "Q8_0")])
+def test_phi3_fused_gguf_tensors_split_for_tensor_parallel_ranks(tp_size, matrices, tmp_path):
     """Each TP rank reads its heads' rows of attn_qkv and its hidden units' rows of the fused
-    ffn_up: every parameter of its shard equals the same slice of the whole model's."""
+    ffn_up (whole quantized rows, Q8_0 too): every parameter of its shard equals the same slice
+    of the whole model's."""
     from ringctx.model.tensor_parallel import TensorParallel
     from ringctx.model.weights import _full_rows
 
     path = tmp_path / "phi3.gguf"
-    write_model_gguf(path, random_hf_model("phi3-longrope"), "phi3")
+    write_model_gguf(path, random_hf_model("phi3-longrope"), "phi3", matrices=gguf.GGMLQuantizationType[matrices])
     whole = dict(load_model(str(path), dtype=torch.float32, device="cpu").named_parameters())
     for rank in range(tp_size):
         shard = load_model(str(path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
