@@ -296,7 +296,8 @@ def _gguf_windows(arch: str, get, n_layers: int, source: str) -> list[int]:
     elif pattern is not None:
         if int(pattern) <= 0:
             raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern={pattern}: the pattern is a "
-                             "positive layer count (every n-th layer full; 1: none slides)")
+                             "positive layer count (every n-th layer full; 1: none slides); omit the key for a "
+                             "window on every layer")
         sliding = [i % int(pattern) < int(pattern) - 1 for i in range(n_layers)]
     else:
         sliding = [True] * n_layers
