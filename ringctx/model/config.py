@@ -282,9 +282,20 @@ class LayerAttention:
     def __post_init__(self) -> None:
         for name in ("window", "chunk", "rotary_dim"):
             if getattr(self, name) < 0:
-                raise ValueError(f"LayerAttention: {name} must be a positive count (0: none), got {getattr(self, name)}")
+                raise ValueError(f"LayerAttention: {name}={getattr(self, name)}: {name} is a positive count; "
+                                 f"give 0 for none (no {'rotation limit' if name == 'rotary_dim' else name})")
         if self.rotary_dim % 2:
-            raise ValueError(f"LayerAttention: rotary_dim must be even (dims rotate in pairs), got {self.rotary_dim}")
+            raise ValueError(f"LayerAttention: rotary_dim={self.rotary_dim} must be even (dims rotate in pairs)")
+        for name in ("rope_theta", "scale", "softcap"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LayerAttention: {name}={getattr(self, name)} must be positive; give 0 for the "
+                                 f"default ({_LAYER_DEFAULTS[name]})")
+        if self.rope_scaling is not None and self.rope_theta == 0:
+            raise ValueError("LayerAttention: rope_scaling is set but rope_theta=0 (the model's RoPE, whose scaling "
+                             "applies); give the layer's own rope_theta too, or drop its rope_scaling")
+        if not self.rope and (self.rope_theta or self.rotary_dim or self.rope_scaling is not None):
+            raise ValueError("LayerAttention: rope=False (a NoPE layer) with its own rope_theta, rope_scaling or "
+                             "rotary_dim: a layer without RoPE rotates nothing; drop those or set rope=True")
 
     @property
     def span(self) -> Span:
@@ -313,6 +324,9 @@ class LayerAttention:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
 
+
+_LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)", "softcap": "no soft-cap"}
+"""What a 0 means in LayerAttention's float fields (for its error lines)."""
 
 PLAIN_LAYER = LayerAttention()
 
@@ -402,14 +416,15 @@ class ModelConfig:
         object.__setattr__(self, "layer_attention", layers)
         if layers and len(layers) != self.n_layers:
             raise ValueError(f"ModelConfig {self.name!r}: layer_attention describes {len(layers)} layers "
-                             f"but the model has n_layers={self.n_layers}")
+                             f"but the model has n_layers={self.n_layers}: give one LayerAttention per layer "
+                             "(or none: every layer plain)")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
                              f"(one of {', '.join(MLP_ACTIVATIONS)})")
         for i, layer in enumerate(layers):
             if layer.rotary_dim > self.head_dim:
                 raise ValueError(f"ModelConfig {self.name!r}: layer {i} rotates {layer.rotary_dim} dims "
-                                 f"of a head of {self.head_dim}")
+                                 f"of a head of {self.head_dim}: rotary_dim is at most head_dim (0: all of it)")
 
     def attention(self, layer: int) -> LayerAttention:
         """How layer `layer`'s attention sees and rotates."""

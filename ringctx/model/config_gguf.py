@@ -4,10 +4,11 @@ GGUF weight loader (weights_gguf.py) and the planner call `read_gguf_config`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
-from .config import _MISSING, ModelConfig, RopeScaling, yarn_attention_factor
+from .config import _MISSING, LayerAttention, ModelConfig, RopeScaling, yarn_attention_factor
 
 
 def read_gguf_field(field: Any) -> Any:
@@ -29,15 +30,35 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-"""GGUF `general.architecture`s ringctx's decoder runs."""
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3")
+"""GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
+text model and Llama 3 files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model)."""
+
+GGUF_REFUSED = {
+    "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
+    "gemma2": "general.architecture='gemma2' (ringctx runs Gemma 3: gemma3)",
+    "llama4": "llama4.expert_count (Llama 4's mixture of experts, query temperature and L2 q/k norms)",
+    "gpt-oss": "gpt-oss.expert_count (gpt-oss's mixture of experts)",
+    "gemma4": "general.architecture='gemma4' (Gemma 4)",
+}
+"""Architectures refused with the key that makes them unsupported ("... is not supported yet")."""
+
+GEMMA3_PATTERN = 6
+"""llama.cpp's Gemma 3: every 6th layer full, the others sliding (`set_swa_pattern(6)`), whatever
+the header says; transformers' Gemma3TextConfig derives the same layers from its default pattern."""
+GEMMA3_LOCAL_BASE = 10_000.0
+"""llama.cpp's Gemma 3: the sliding layers' RoPE base, unscaled (`rope_freq_base_train_swa`)."""
+GEMMA3_27B_LAYERS = 62
+"""llama.cpp's Gemma 3 scales queries by 1/sqrt(head_dim), except the 27B model (62 layers):
+1/sqrt(embedding_length / head_count), its query_pre_attn_scalar (168 = 5376 / 32, head_dim 128)."""
 
 
 def _gguf_rope_scaling(arch: str, get, source: str) -> RopeScaling | None:
-    """The linear or YaRN scaling named by a GGUF header's rope.scaling.* keys (None: plain, or
-    Llama-3.1's rope_freqs table, read separately)."""
+    """The linear or YaRN scaling named by a GGUF header's rope.scaling.* keys (None: plain, or a
+    table read separately: Llama-3.1's rope_freqs, LongRoPE's factor tensors, whose type key
+    llama.cpp's converter writes as 'longrope')."""
     kind = get(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", ""):
+    if kind in ("none", "", "longrope"):
         return None
     factor = float(get(f"{arch}.rope.scaling.factor", 1.0))
     original = int(get(f"{arch}.rope.scaling.original_context_length", 0) or get(f"{arch}.context_length", 8192))
@@ -78,11 +99,23 @@ def _fit_llama3_rope(cfg: ModelConfig, table: list[float], hint: int | None, sou
 def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None = None) -> ModelConfig:
     """The config stored in a GGUF file's header (a path or an open `gguf.GGUFReader`).
 
-    Supports general.architecture llama (also Mistral and Llama 3 files), qwen2 and qwen3. A
-    Llama-3.1 file carries its RoPE scaling as the `rope_freqs.weight` table; it is matched
-    against the Llama-3.1 formula to recover `rope_scaling`. Linear and YaRN scaling are read
-    from the rope.scaling.* keys; llama.cpp multiplies its `attn_factor` key by YaRN's own
-    0.1 ln(factor) + 1, so that product is transformers' attention_factor.
+    Supports general.architecture llama (also Mistral and Llama 3 files), qwen2, qwen3, seed_oss,
+    phi3 and gemma3, with llama.cpp's keys and tensors:
+
+    - RoPE: linear and YaRN scaling from the rope.scaling.* keys (llama.cpp multiplies its
+      `attn_factor` key by YaRN's own 0.1 ln(factor) + 1, so that product is transformers'
+      attention_factor); Llama-3.1's `rope_freqs.weight` table, matched against the Llama-3.1
+      formula; Phi-3's LongRoPE as the `rope_factors_long` / `rope_factors_short` tensors over
+      rope.scaling.original_context_length (`_gguf_longrope`); phi3's partial rotary from
+      rope.dimension_count.
+    - Sliding windows (`_gguf_windows`): attention.sliding_window, on every layer or on those
+      attention.sliding_window_pattern names; Gemma 3's layers, local RoPE and query scale as
+      llama.cpp derives them (`_gemma3_layers`).
+    - Gemma 3's block: llama.cpp's converter stores every norm weight as 1 + w (Gemma3RMSNorm's
+      gain), so the config multiplies by the stored weight (norm_plus_one False); GeGLU, four
+      norms a block, sqrt(dim)-scaled embeddings, final_logit_softcapping.
+    Keys that disagree with each other or with how llama.cpp runs the architecture, and kinds
+    still unsupported (mixtures of experts, Gemma 3n), are one-line ValueErrors naming the key.
     """
     import gguf
 
@@ -98,13 +131,23 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         return default
 
     arch = get("general.architecture")
+    if arch in GGUF_REFUSED:
+        raise ValueError(f"{source}: {GGUF_REFUSED[arch]} is not supported yet; ringctx runs GGUF architecture "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{source}: unsupported architecture general.architecture={arch!r}; "
+        experts = get(f"{arch}.expert_count", None)
+        what = f" (a mixture of experts: {arch}.expert_count={experts}, not supported yet)" if experts else ""
+        raise ValueError(f"{source}: unsupported architecture general.architecture={arch!r}{what}; "
                          f"ringctx runs Llama-family decoders: GGUF architecture {', '.join(GGUF_ARCHITECTURES)}")
-    for key in (f"{arch}.expert_count", f"{arch}.attention.sliding_window"):
-        if get(key, None):
-            raise ValueError(f"{source}: {key}={get(key)} is not supported by ringctx's decoder "
-                             "(mixture of experts / sliding-window attention)")
+    if get(f"{arch}.expert_count", None):
+        raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts, "
+                         "e.g. Mixtral) is not supported yet; ringctx runs dense decoders")
+    gemma = arch == "gemma3"
+    for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
+        if get(f"{arch}.{key}", None):
+            raise ValueError(f"{source}: {arch}.{key}={get(f'{arch}.{key}')} is not supported (ringctx reads "
+                             "gemma3's final_logit_softcapping only; Gemma 3 has no attention soft-cap, llama.cpp "
+                             "and transformers ignore one); remove the key")
     tensors = {t.name: t for t in reader.tensors}
     n_heads = int(get(f"{arch}.attention.head_count"))
     n_kv = get(f"{arch}.attention.head_count_kv", n_heads)
@@ -113,12 +156,20 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
             raise ValueError(f"{source}: per-layer KV head counts {sorted(set(n_kv))} are not supported")
         n_kv = n_kv[0]
     dim = int(get(f"{arch}.embedding_length"))
+    n_layers = int(get(f"{arch}.block_count"))
     head_dim = int(get(f"{arch}.attention.key_length", dim // n_heads))
-    if int(get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise ValueError(f"{source}: key and value head widths differ; not supported")
-    if int(get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count "
-                         f"{get(f'{arch}.rope.dimension_count')} < head dim {head_dim}) are not supported")
+    value_dim = int(get(f"{arch}.attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ValueError(f"{source}: {arch}.attention.key_length={head_dim} but {arch}.attention.value_length="
+                         f"{value_dim}: ringctx needs one head width for keys and values (the file may be an MLA "
+                         "model, which is not supported)")
+    rotary_dim = int(get(f"{arch}.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim and arch != "phi3":
+        raise ValueError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count={rotary_dim} < head "
+                         f"dim {head_dim}) are not supported for architecture {arch} (phi3 only)")
+    if rotary_dim > head_dim or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"{source}: {arch}.rope.dimension_count={rotary_dim} for a head of {head_dim}: the rotated "
+                         "dims must be a positive even count up to the head width; fix the key")
     rope_scaling = _gguf_rope_scaling(arch, get, source)
     rope_theta = float(get(f"{arch}.rope.freq_base", 10000.0))
     vocab = get(f"{arch}.vocab_size", None)
@@ -127,31 +178,157 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
             int(tensors["token_embd.weight"].shape[-1])
     eos = [get(k, None) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id")]
+    max_seq_len = int(get(f"{arch}.context_length", 8192))
+    if get(f"{arch}.rope.scaling.type", None) == "longrope" or any(
+            name in tensors for name in ("rope_factors_long.weight", "rope_factors_short.weight")):
+        rope_scaling = _gguf_longrope(arch, get, tensors, rope_scaling, rotary_dim, max_seq_len, source)
+    windows = _gguf_windows(arch, get, n_layers, source)
+    if gemma:
+        layers = _gemma3_layers(arch, get, windows, dim, n_heads, head_dim, source)
+    else:
+        layers = tuple(LayerAttention(window=w, rotary_dim=0 if rotary_dim == head_dim else rotary_dim)
+                       for w in windows)
     cfg = ModelConfig(
         name=name or os.path.basename(source),
         vocab_size=int(vocab),
         dim=dim,
-        n_layers=int(get(f"{arch}.block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
         ffn_dim=int(get(f"{arch}.feed_forward_length")),
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        qkv_bias="blk.0.attn_q.bias" in tensors,
+        norm_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6 if gemma else 1e-5)),
+        qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         attn_out_bias="blk.0.attn_output.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch == "qwen3",  # llama.cpp's qwen3 always has attn_q_norm / attn_k_norm
-        max_seq_len=int(get(f"{arch}.context_length", 8192)),
+        qk_norm=arch in ("qwen3", "gemma3"),  # llama.cpp's qwen3 and gemma3 always have attn_q_norm / attn_k_norm
+        max_seq_len=max_seq_len,
         bos_token_id=get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+        layer_attention=layers,
+        mlp_activation="gelu_tanh" if gemma else "silu",
+        norm_plus_one=False,  # Gemma 3's (1 + w) gains are stored with the 1 added (see the docstring)
+        post_norms=gemma,
+        embed_scale=float(dim ** 0.5) if gemma else 1.0,
+        final_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0) if gemma else 0.0,
     )
     if "rope_freqs.weight" in tensors and rope_scaling is None:
-        from gguf.quants import dequantize
-
-        table = [float(x) for x in dequantize(tensors["rope_freqs.weight"].data,
-                                              tensors["rope_freqs.weight"].tensor_type).reshape(-1)]
+        table = _gguf_table(tensors["rope_freqs.weight"])
         hint = get(f"{arch}.rope.scaling.original_context_length", None)
         cfg = dataclasses.replace(cfg, rope_scaling=_fit_llama3_rope(cfg, table, hint, source))
     return cfg
+
+
+def _gguf_table(tensor: Any) -> list[float]:
+    """A small float tensor of a GGUF file (a RoPE factor table) as a list."""
+    from gguf.quants import dequantize
+
+    return [float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+
+
+def _gguf_longrope(arch: str, get, tensors: Mapping[str, Any], scaling: RopeScaling | None, rotary_dim: int,
+                   context: int, source: str) -> RopeScaling:
+    """Phi-3's LongRoPE from a GGUF file, as llama.cpp's converter writes it (rope.scaling.type
+    'longrope' in recent versions, no type key in older ones): the long and short factors as the
+    tensors rope_factors_long.weight / rope_factors_short.weight [rotary_dim / 2], the
+    pre-extension length as rope.scaling.original_context_length, the cos/sin factor as
+    rope.scaling.attn_factor (sqrt(1 + ln(s) / ln(original)), s = context_length / original, as
+    transformers computes it when that key is absent), factor s."""
+    if scaling is not None:
+        raise ValueError(f"{source}: the file has LongRoPE factor tensors and {arch}.rope.scaling.type="
+                         f"{scaling.rope_type!r}; a model has one RoPE scaling: remove one of them")
+    if arch != "phi3":
+        raise ValueError(f"{source}: rope_factors_long/short tensors (LongRoPE) on architecture {arch} are not "
+                         "supported (ringctx reads LongRoPE from phi3 files)")
+    missing = [n for n in ("rope_factors_long.weight", "rope_factors_short.weight") if n not in tensors]
+    if missing:
+        raise ValueError(f"{source}: LongRoPE ({arch}.rope.scaling.type='longrope' or a factor tensor) needs both "
+                         f"rope_factors_long.weight and rope_factors_short.weight; {missing[0]} is missing: "
+                         "re-convert the model")
+    long, short = _gguf_table(tensors["rope_factors_long.weight"]), _gguf_table(tensors["rope_factors_short.weight"])
+    for label, table in (("rope_factors_long.weight", long), ("rope_factors_short.weight", short)):
+        if len(table) != rotary_dim // 2:
+            raise ValueError(f"{source}: {label} has {len(table)} entries, but {arch}.rope.dimension_count="
+                             f"{rotary_dim} rotates {rotary_dim // 2} frequencies: the table and the key disagree; "
+                             "re-convert the model")
+    original = get(f"{arch}.rope.scaling.original_context_length", None)
+    if not original:
+        raise ValueError(f"{source}: LongRoPE factor tensors without {arch}.rope.scaling.original_context_length "
+                         "(the context the short factors cover); add the key or re-convert the model")
+    original = int(original)
+    factor = context / original
+    attention = get(f"{arch}.rope.scaling.attn_factor", None)
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(factor=factor, original_max_position=original, rope_type="longrope",
+                       attention_factor=float(attention), long_factor=tuple(long), short_factor=tuple(short))
+
+
+def _gguf_windows(arch: str, get, n_layers: int, source: str) -> list[int]:
+    """Per layer, its sliding window (0: full attention), from attention.sliding_window and
+    attention.sliding_window_pattern.
+
+    No window key: every layer full. A window and no pattern: every layer slides (transformers'
+    Mistral and Phi-3 with sliding_window set; llama.cpp itself runs llama, qwen2 and phi3 files
+    without windows, so a file of a windowed model written for it drops them). A pattern: an
+    integer n slides layer i iff i % n < n - 1 (llama.cpp's set_swa_pattern: every n-th layer
+    full; n need not divide the layer count, Gemma 3 1B has 26 layers and n = 6), or one bool per
+    layer (true: sliding; Qwen2's max_window_layers is written this way). gemma3: llama.cpp's
+    fixed pattern of 6 (GEMMA3_PATTERN); a pattern key there must say the same."""
+    window = get(f"{arch}.attention.sliding_window", None)
+    pattern = get(f"{arch}.attention.sliding_window_pattern", None)
+    if window is None:
+        if pattern is not None:
+            raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern without "
+                             f"{arch}.attention.sliding_window: add the window or remove the pattern")
+        return [0] * n_layers
+    window = int(window)
+    if window <= 0:
+        raise ValueError(f"{source}: {arch}.attention.sliding_window={window}: a window is a positive token count; "
+                         "remove the key for full attention on every layer")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern lists {len(pattern)} layers, but "
+                             f"{arch}.block_count={n_layers}: give one entry per layer (true: sliding)")
+        sliding = [bool(p) for p in pattern]
+    elif pattern is not None:
+        if int(pattern) <= 0:
+            raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern={pattern}: the pattern is a "
+                             "positive layer count (every n-th layer full; 1: none slides); omit the key for a "
+                             "window on every layer")
+        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(n_layers)]
+    else:
+        sliding = [True] * n_layers
+    if arch == "gemma3":
+        gemma = [i % GEMMA3_PATTERN < GEMMA3_PATTERN - 1 for i in range(n_layers)]
+        if pattern is not None and sliding != gemma:
+            raise ValueError(f"{source}: gemma3.attention.sliding_window_pattern={pattern} disagrees with Gemma 3's "
+                             f"layers (every {GEMMA3_PATTERN}th full, as llama.cpp runs every gemma3 file); "
+                             "remove the key")
+        sliding = gemma
+    return [window if s else 0 for s in sliding]
+
+
+def _gemma3_layers(arch: str, get, windows: list[int], dim: int, n_heads: int, head_dim: int,
+                   source: str) -> tuple[LayerAttention, ...]:
+    """Gemma 3's layers as llama.cpp derives them: the sliding ones rotate with base
+    GEMMA3_LOCAL_BASE, unscaled; every layer scales its queries by GEMMA3_27B_LAYERS' rule (the
+    header has no query_pre_attn_scalar). A rope.freq_base_swa or attention.scale key that says
+    otherwise is an error: llama.cpp would ignore it."""
+    n_layers = len(windows)
+    query_scalar = dim / n_heads if n_layers == GEMMA3_27B_LAYERS else head_dim
+    scale = float(query_scalar) ** -0.5
+    stated = get(f"{arch}.attention.scale", None)
+    if stated is not None and abs(float(stated) - scale) > 1e-6 * scale:
+        raise ValueError(f"{source}: {arch}.attention.scale={stated} disagrees with Gemma 3's query scale "
+                         f"1/sqrt({query_scalar:g}) = {scale:.6g} (llama.cpp derives it from the layer count and "
+                         "ignores the key); remove the key")
+    local_base = get(f"{arch}.rope.freq_base_swa", None)
+    if local_base is not None and float(local_base) != GEMMA3_LOCAL_BASE:
+        raise ValueError(f"{source}: {arch}.rope.freq_base_swa={local_base} disagrees with Gemma 3's sliding-layer "
+                         f"RoPE base {GEMMA3_LOCAL_BASE:g} (llama.cpp's, whatever the key says); remove the key")
+    scale = 0.0 if scale == head_dim ** -0.5 else scale  # the default: keeps plain layers plain
+    return tuple(LayerAttention(window=w, scale=scale, **({"rope_theta": GEMMA3_LOCAL_BASE} if w else {}))
+                 for w in windows)

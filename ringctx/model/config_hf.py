@@ -37,13 +37,28 @@ PARTIAL_ROTARY_TYPES = ("phi3",)
 
 REFUSED_TYPES = {
     "gemma4": "Gemma 4 is not supported yet", "gemma4_text": "Gemma 4 is not supported yet",
-    "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not supported",
-    "gemma3n_text": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not supported",
+    "gemma3n": "Gemma 3n (hidden_size_per_layer_input: per-layer inputs, AltUp, LAuReL) is not supported yet",
+    "gemma3n_text": "Gemma 3n (hidden_size_per_layer_input: per-layer inputs, AltUp, LAuReL) is not supported yet",
     "gemma2": "Gemma 2 is not supported (ringctx runs Gemma 3)",
     "ministral3": "model_type 'ministral3' (Ministral 3: rope_parameters.llama_4_scaling_beta scales each query "
                   "by its position) is not supported",
 }
 """model_types refused with their own one-line reason (the decoder would compute them wrongly)."""
+
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+"""Config keys that declare a mixture-of-experts feed-forward (qwen3_moe, mixtral, gpt_oss, llama4...)."""
+
+PER_LAYER_INPUT_KEYS = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
+"""Config keys of Gemma 3n's per-layer inputs (an embedding added to every layer)."""
+
+
+def _expert_key(d: Mapping[str, Any]) -> str | None:
+    """'key=value' of the first mixture-of-experts key a config (or its text_config) sets, or None."""
+    for config in (d, d.get("text_config") if isinstance(d.get("text_config"), Mapping) else {}):
+        for key in EXPERT_KEYS:
+            if config.get(key):
+                return f"{key}={config[key]}"
+    return None
 
 
 def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsupported) -> None:
@@ -58,10 +73,12 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
         raise unsupported("mlp_bias=true")
     if model_type not in PARTIAL_ROTARY_TYPES and d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
-                "num_experts_per_tok"):
+    experts = _expert_key({k: v for k, v in d.items() if k != "text_config"})
+    if experts:
+        raise unsupported(f"mixture-of-experts layers ({experts})", yet=True)
+    for key in PER_LAYER_INPUT_KEYS:
         if d.get(key):
-            raise unsupported(f"mixture-of-experts layers ({key}={d[key]})")
+            raise unsupported(f"per-layer inputs ({key}={d[key]}, Gemma 3n's)", yet=True)
     capped = () if gemma else ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma's final cap: read
     for key in capped:
         if d.get(key) is not None:
@@ -80,7 +97,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """`layer_types` entries ringctx computes."""
 
 
-def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> tuple[LayerAttention, ...]:
+def _positive_int(value: Any) -> bool:
+    """True for a whole token count above 0 (an int, or a float with no fraction), not a bool."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            and float(value).is_integer())
+
+
+def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported, invalid) -> tuple[LayerAttention, ...]:
     """Each layer's attention kind from a config dict, as transformers decides it per model type:
 
     - mistral, phi3: one sliding window on every layer whenever `sliding_window` is set (their
@@ -89,12 +112,16 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
     - ministral and others: `layer_types`, else derived as transformers' config classes do:
       qwen2/qwen3 slide from layer `max_window_layers` on when `use_sliding_window`; ministral
       slides everywhere when `sliding_window` is set.
-    An empty tuple when every layer is plain causal attention."""
+    An empty tuple when every layer is plain causal attention. unsupported(text) / invalid(text)
+    -> the ValueError for a kind ringctx does not compute / for a value no model can have."""
     n_layers = int(d["num_hidden_layers"])
     window = d.get("sliding_window")
     if model_type in GEMMA_TYPES and not d.get("layer_types"):
         # transformers' Gemma3TextConfig: every `sliding_window_pattern`-th layer (default 6) is full
-        pattern = int(d.get("sliding_window_pattern") or 6)
+        pattern = 6 if d.get("sliding_window_pattern") is None else d["sliding_window_pattern"]
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise invalid(f"sliding_window_pattern={pattern!r} (a positive layer count: every n-th layer is full); "
+                          "fix it, or give layer_types")
         d = {**d, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                   for i in range(n_layers)]}
     if model_type in ("mistral", "phi3"):  # MistralModel / Phi3Model: one window on every layer when set
@@ -110,19 +137,23 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
     else:
         kinds = ["sliding_attention" if window is not None else "full_attention"] * n_layers
     if len(kinds) != n_layers:
-        raise unsupported(f"layer_types lists {len(kinds)} layers for num_hidden_layers={n_layers}")
+        raise invalid(f"layer_types lists {len(kinds)} layers for num_hidden_layers={n_layers}: give one entry "
+                      "per layer")
     layers = []
     for kind in kinds:
         if kind not in LAYER_TYPES:
-            raise unsupported(f"layer_types entry {kind!r} (ringctx computes {', '.join(LAYER_TYPES)})")
+            raise unsupported(f"layer_types entry {kind!r} (ringctx computes {', '.join(LAYER_TYPES)})", yet=True)
         if kind == "sliding_attention":
-            if window is None or int(window) <= 0:
-                raise unsupported(f"sliding_attention layers with sliding_window={window!r} (a positive window)")
+            if not _positive_int(window):
+                raise invalid(f"sliding_attention layers with sliding_window={window!r} (a positive window): set "
+                              "sliding_window to the window in tokens, or null (mistral, phi3) / full_attention "
+                              "layers for none")
             layers.append(LayerAttention(window=int(window)))
         elif kind == "chunked_attention":
             chunk = d.get("attention_chunk_size")
-            if chunk is None or int(chunk) <= 0:
-                raise unsupported(f"chunked_attention layers with attention_chunk_size={chunk!r} (a positive size)")
+            if not _positive_int(chunk):
+                raise invalid(f"chunked_attention layers with attention_chunk_size={chunk!r} (a positive size): set "
+                              "attention_chunk_size to the chunk in tokens, or make those layers full_attention")
             layers.append(LayerAttention(chunk=int(chunk)))
         else:
             layers.append(LayerAttention())
@@ -186,13 +217,19 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             d["tie_word_embeddings"] = tie
         model_type = text_type
     if model_type not in HF_MODEL_TYPES:
+        experts = _expert_key(d)
+        what = f"a mixture of experts: {experts}, not supported yet; " if experts else ""
         raise ValueError(
             f"{source}: unsupported architecture model_type={model_type!r} "
-            f"(architectures={d.get('architectures')}); ringctx runs Llama-family decoders: "
+            f"({what}architectures={d.get('architectures')}); ringctx runs Llama-family decoders: "
             f"model_type {', '.join(HF_MODEL_TYPES)}")
 
-    def unsupported(what: str) -> ValueError:
-        return ValueError(f"{source}: {what} is not supported by ringctx's decoder (model_type {model_type})")
+    def unsupported(what: str, yet: bool = False) -> ValueError:
+        return ValueError(f"{source}: {what} is not supported {'yet ' if yet else ''}by ringctx's decoder "
+                          f"(model_type {model_type})")
+
+    def invalid(what: str) -> ValueError:
+        return ValueError(f"{source}: {what} (model_type {model_type})")
 
     _refuse_unsupported_features(d, model_type, unsupported)
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -222,7 +259,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             rope["rope_type"] = "longrope"  # Phi3Config's renaming of its older spellings
         original = d.get("original_max_position_embeddings") if model_type == "phi3" else None
         rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported, original)
-    layers = read_layer_attention(d, model_type, unsupported)
+    layers = read_layer_attention(d, model_type, unsupported, invalid)
     if gemma:
         layers = _gemma_layers(d, layers, head_dim, local)
     elif model_type == "phi3" and partial != 1.0:

@@ -6,8 +6,10 @@ I-quants. Float types are viewed directly without a float32 detour.
 
 llama.cpp's converter permutes the rows of the Q and K projections of Llama-architecture models
 so that each head's rotary pairs are adjacent (GPT-J "interleaved" order); ringctx, like
-transformers, uses the rotate-half order, so those rows are permuted back. Qwen2 and Qwen3 files
-keep the Hugging Face order (llama.cpp runs them with NeoX-style RoPE) and are not touched.
+transformers, uses the rotate-half order, so those rows are permuted back. Qwen2, Qwen3,
+Seed-OSS, Phi-3 and Gemma 3 files keep the Hugging Face order (llama.cpp runs them with NeoX-style
+RoPE) and are not touched. Phi-3 files hold fused tensors, as its checkpoints do: attn_qkv (q, k, v heads) and
+ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`).
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,47 +62,83 @@ def gguf_shards(path: str, reader) -> list:
     return [reader if os.path.basename(path) == n else open_gguf(os.path.join(directory, n)) for n in names]
 
 
-def expected_gguf_tensors(config: ModelConfig, arch: str,
-                          tp: TensorParallel = NO_TP) -> dict[str, tuple[WeightPiece, int | None]]:
-    """GGUF tensor name -> (where it goes, heads to un-permute for rotary or None), for TP rank
-    `tp.rank` (`config` is the whole model's; the heads are those of the rank's slice)."""
-    unpermute = arch == "llama"
-    local = tp.shard_config(config)
-    pieces: dict[str, tuple[WeightPiece, int | None]] = {}
+class GGUFPart(NamedTuple):
+    """Where (part of) a GGUF tensor goes."""
 
-    def add(gguf_name: str, param: str, rows=None, heads=None, kind: str = ""):
-        pieces[gguf_name] = (WeightPiece(param, rows, gguf_name, tp_take(config, tp, kind)), heads)
+    piece: WeightPiece
+    """The parameter rows it fills; piece.source_name names it for the WeightFiller (a fused
+    tensor's part: the tensor's name and the part, e.g. 'blk.0.attn_qkv.weight:k')."""
+    heads: int | None
+    """Heads to un-permute for rotary (llama.cpp's Llama Q/K rows), or None."""
+    first_row: int = 0
+    """The part's first row in the GGUF tensor (a fused tensor's q/k/v or gate/up); 0 otherwise."""
+
+
+FUSED_ARCHITECTURES = ("phi3",)
+"""GGUF architectures whose files hold attn_qkv and a gate+up ffn_up (llama.cpp's Phi-3)."""
+
+
+def expected_gguf_tensors(config: ModelConfig, arch: str,
+                          tp: TensorParallel = NO_TP) -> dict[str, list[GGUFPart]]:
+    """GGUF tensor name -> its parts (one for a plain tensor; q, k, v or gate, up for a fused one),
+    for TP rank `tp.rank` (`config` is the whole model's; heads to un-permute are those of the
+    rank's slice)."""
+    unpermute = arch == "llama"
+    fused = arch in FUSED_ARCHITECTURES
+    local = tp.shard_config(config)
+    pieces: dict[str, list[GGUFPart]] = {}
+
+    def add(gguf_name: str, param: str, rows=None, heads=None, kind: str = "", part: str = "", first_row: int = 0):
+        source = f"{gguf_name}:{part}" if part else gguf_name
+        pieces.setdefault(gguf_name, []).append(
+            GGUFPart(WeightPiece(param, rows, source, tp_take(config, tp, kind)), heads, first_row))
 
     add("token_embd.weight", "tok_embeddings.weight", kind="vocab")
     add("output_norm.weight", "norm.weight")
     if not config.tie_embeddings:
         add("output.weight", "output.weight", kind="vocab")
+    D = config.head_dim
     for i in range(config.n_layers):
         blk, ours = f"blk.{i}", f"layers.{i}"
         add(f"{blk}.attn_norm.weight", f"{ours}.attention_norm.weight")
-        add(f"{blk}.ffn_norm.weight", f"{ours}.ffn_norm.weight")
+        # the MLP's norm: post_attention_layernorm (Seed-OSS's keeps that name), Gemma's pre_feedforward_layernorm
+        add(f"{blk}.{'post_attention_norm' if arch == 'seed_oss' else 'ffn_norm'}.weight", f"{ours}.ffn_norm.weight")
+        if config.post_norms:
+            add(f"{blk}.post_attention_norm.weight", f"{ours}.post_attention_norm.weight")
+            add(f"{blk}.post_ffw_norm.weight", f"{ours}.post_ffn_norm.weight")
         kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
         for kind in kinds:
+            if fused:
+                starts = {"q": 0, "k": config.n_heads * D, "v": (config.n_heads + config.n_kv_heads) * D}
+                for which in "qkv":
+                    add(f"{blk}.attn_qkv.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
+                        kind=which, part=which, first_row=starts[which])
+                continue
             add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "q"),
                 local.n_heads if unpermute else None, "q")
             add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "k"),
                 local.n_kv_heads if unpermute else None, "k")
             add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "v"), kind="v")
         add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o")
-        if config.qk_norm:  # Qwen3: [head_dim] each, replicated under TP
+        if config.qk_norm:  # Qwen3, Gemma 3: [head_dim] each, replicated under TP
             add(f"{blk}.attn_q_norm.weight", f"{ours}.attention.q_norm.weight")
             add(f"{blk}.attn_k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
-        add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), kind="gate")
-        add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
+        if fused:
+            for which, first in (("gate", 0), ("up", config.ffn_dim)):
+                add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, which), kind=which,
+                    part=which, first_row=first)
+        else:
+            add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), kind="gate")
+            add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
         add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
 
 
 # Tensors a GGUF file may carry that are not parameters: Llama-3.1 RoPE factors are read into
-# ModelConfig.rope_scaling by read_gguf_config.
-_NOT_PARAMETERS = {"rope_freqs.weight"}
+# ModelConfig.rope_scaling by read_gguf_config, as are Phi-3's LongRoPE factors.
+_NOT_PARAMETERS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def gguf_tensor_shape(tensor) -> tuple[int, ...]:
@@ -194,21 +233,35 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     """Fill `model` (built from this file's config; a TP rank's shard reads only its slices) with
     the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
     expected = expected_gguf_tensors(model.full_config, arch, model.tp)
-    filler = WeightFiller(model, path, {name: piece for name, (piece, _) in expected.items()})
+    filler = WeightFiller(model, path, {part.piece.source_name: part.piece
+                                        for parts in expected.values() for part in parts})
     for tensor in tensors:
         if tensor.name in _NOT_PARAMETERS:
             continue
-        piece = filler.piece(tensor.name)
-        filler.check_shape(piece, gguf_tensor_shape(tensor))
-        try:
-            value = dequantize_tensor(tensor, piece.take)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        heads = expected[tensor.name][1]
-        if heads is not None:
-            value = unpermute_rotary_rows(value, heads)
-        filler.put(piece, value)
-        del value  # one dequantized tensor alive at a time
+        parts = expected.get(tensor.name) or [GGUFPart(filler.piece(tensor.name), None)]  # unknown: raises
+        shape = gguf_tensor_shape(tensor)
+        if len(parts) > 1:  # a fused tensor: its parts' rows, stacked
+            rows = [filler.expected_shape(part.piece)[0] for part in parts]
+            want = (sum(rows), *filler.expected_shape(parts[0].piece)[1:])
+            if shape != want:
+                raise ValueError(f"{path}: tensor {tensor.name!r} has shape {shape}, but the model config needs "
+                                 f"{want}; the weights do not match the config")
+        for part in parts:
+            piece, take = part.piece, part.piece.take
+            if len(parts) > 1:
+                n = filler.expected_shape(piece)[0]
+                take = Take(0, part.first_row + (take.start if take else 0),
+                            part.first_row + (take.stop if take else n), shape[0])
+            else:
+                filler.check_shape(piece, shape)
+            try:
+                value = dequantize_tensor(tensor, take)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+            if part.heads is not None:
+                value = unpermute_rotary_rows(value, part.heads)
+            filler.put(piece, value)
+            del value  # one dequantized tensor alive at a time
     filler.finish()
 
 
