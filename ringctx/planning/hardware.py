@@ -88,12 +88,18 @@ def measured_profile_path(cp_size: int) -> Path:
 
 
 def measured_profile(base: "HardwareProfile", flops: dict[str, float], *, bandwidth_bytes_per_s: float | None,
-                     ranks: int) -> "HardwareProfile":
+                     ranks: int, attention: dict[str, tuple[int, float]] | None = None) -> "HardwareProfile":
     """`base` with this machine's measured per-rank GEMM rate (`flops`, by dtype name) as its peak
     and its linear layers' rate, and its measured ring bandwidth (None: the base's, for one rank),
     named "measured": the per-chunk rule and the cost model then decide with what this machine
-    does, not the built-in placeholders."""
+    does, not the built-in placeholders. `attention` (by dtype name: (block rows, FLOP/s) of one
+    measured block) becomes the attention rate where the base has no calibrated table: attention
+    kernels run well below the GEMM peak on a CPU (a third of it, measured), which the cost
+    model would otherwise take for their rate."""
     flops = {canonical_dtype(name): rate for name, rate in flops.items()}
+    tables = dict(base.attention_throughput)
+    for name, (rows, rate) in (attention or {}).items():
+        tables.setdefault(canonical_dtype(name), (ThroughputPoint(int(rows), float(rate)),))
     shown = ", ".join(f"{name} {rate / 1e12:.3g} TFLOP/s" for name, rate in sorted(flops.items()))
     ring = f", ring {bandwidth_bytes_per_s / 1e9:.3g} GB/s" if bandwidth_bytes_per_s else ""
     return dataclasses.replace(
@@ -101,7 +107,7 @@ def measured_profile(base: "HardwareProfile", flops: dict[str, float], *, bandwi
         description=f"measured at start-up on {ranks} rank{'s' if ranks > 1 else ''}: GEMM {shown}{ring}",
         peak_flops={**base.peak_flops, **flops}, linear_flops_per_s={**base.linear_flops_per_s, **flops},
         achieved_fraction=1.0, bandwidth_bytes_per_s=bandwidth_bytes_per_s or base.bandwidth_bytes_per_s,
-        source_path=None)
+        attention_throughput=tables, source_path=None)
 
 
 def shown_source(profile: "HardwareProfile") -> str:

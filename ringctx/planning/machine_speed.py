@@ -87,6 +87,22 @@ def matmul_flops_per_s(rows: int, dim: int, ffn_dim: int, dtype: torch.dtype = t
     return 2 * (2 * rows * dim * ffn_dim) / best
 
 
+def attention_flops_per_s(rows: int, n_heads: int, n_kv_heads: int, head_dim: int,
+                          dtype: torch.dtype = torch.float32, *, repeats: int = 3) -> float:
+    """FLOP/s of one full attention block of `rows` queries against `rows` keys through the
+    kernel the ring calls (`attention_block`, the best of `repeats` after one warm-up), FLOPs
+    counted as 4*rows*rows*D per query head, as the planner counts them."""
+    from ..attention import attention_block
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, n_heads, head_dim, generator=generator).to(dtype)
+    k, v = (torch.randn(rows, n_kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+    with torch.inference_mode():
+        attention_block(q, k, v)  # warm-up: the kernel's first call builds or loads it
+        best = min(_seconds(lambda: attention_block(q, k, v)) for _ in range(repeats))
+    return 4 * rows * rows * head_dim * n_heads / best
+
+
 def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | None = None) -> float:
     """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
     read; a tied table is read whole as the output head, and counted once; int8 weights as their

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..kernels.cpu_features import compute_dtype
 from ..parallel.comm import Ring
 from ..planning.hardware import HardwareProfile, measured_profile
-from ..planning.machine_speed import matmul_flops_per_s
+from ..planning.machine_speed import attention_flops_per_s, matmul_flops_per_s
 from .rank_state import RankState
 
 RING_MESSAGE_BYTES = 8 << 20
@@ -34,6 +34,10 @@ RING_REPEATS = 5
 GEMM_ROWS = 512
 """Rows of the timed GEMMs: a prefill chunk's share of a rank at the small end."""
 
+ATTENTION_ROWS = 1024
+"""Query and key rows of the timed attention block: the size of a ring's blocks in a chunk of a few
+thousand tokens on a few ranks (the kernel's rate is flat past a few hundred rows on a CPU)."""
+
 
 def measure_hardware(state: RankState) -> HardwareProfile:
     """Measure this rank's GEMM rate and ring bandwidth together with every other rank, and return
@@ -42,16 +46,20 @@ def measure_hardware(state: RankState) -> HardwareProfile:
     dtype = compute_dtype(model.dtype, str(model.device))
     config = model.config
     flops = matmul_flops_per_s(min(GEMM_ROWS, state.chunk_tokens), config.dim, config.ffn_dim, dtype)
+    rows = min(ATTENTION_ROWS, state.chunk_tokens)
+    attention = attention_flops_per_s(rows, config.n_heads, config.n_kv_heads, config.head_dim, model.dtype)
     bandwidth = _ring_bandwidth(state) if state.mesh.cp_size > 1 else 0.0
     if state.world_size > 1:
-        mine = torch.tensor([flops, bandwidth], dtype=torch.float64)
+        mine = torch.tensor([flops, bandwidth, attention], dtype=torch.float64)
         every = [torch.empty_like(mine) for _ in range(state.world_size)]
         dist.all_gather(every, mine)
         flops = min(float(t[0]) for t in every)
         bandwidth = min(float(t[1]) for t in every)
+        attention = min(float(t[2]) for t in every)
     names = {str(model.dtype).removeprefix("torch."), str(dtype).removeprefix("torch.")}
     return measured_profile(settings.hardware, {name: flops for name in names},
-                            bandwidth_bytes_per_s=bandwidth or None, ranks=state.mesh.cp_size)
+                            bandwidth_bytes_per_s=bandwidth or None, ranks=state.mesh.cp_size,
+                            attention={name: (rows, attention) for name in names})
 
 
 def _ring_bandwidth(state: RankState) -> float:

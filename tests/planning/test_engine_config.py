@@ -175,6 +175,9 @@ def test_measured_hardware_is_what_every_rank_decides_with(tmp_path, monkeypatch
         hw = engine.hardware
         assert hw.name == MEASURED and not hw.calibrated and hw.bandwidth_bytes_per_s != load_profile("cpu").bandwidth_bytes_per_s
         assert hw.peak_flops["float32"] > 0 and "measured at start-up on 2 ranks" in hw.description
+        # the attention kernel's own rate, not the GEMMs' (one block of up to 1,024 rows)
+        (point,) = hw.attention_throughput["float32"]
+        assert point.block_tokens == min(1024, engine.chunk_tokens) and 0 < point.flops_per_s == hw.attention_flops_per_s("float32", 4096)
         result = engine.prefill(torch.arange(300) % 250, chunk_tokens=100)
         for chunk in result.stats.chunks:
             want = choose_strategy(chunk.tokens, chunk.cached, engine.model.full_config, 2, hw, "alg5", dtype="float32")
