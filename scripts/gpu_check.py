@@ -13,7 +13,8 @@ leaves what it measured; a section that fails is recorded and the next one runs)
   band        sliding-window (banded) and soft-capped blocks against the float64 reference: the
               Triton kernel (q_offset, window, softcap), flash-attn's band path where its
               bottom-right alignment applies (and that it declines the other blocks), and the
-              PyTorch band fallback; bf16 by the 2x rule, fp32 within 1e-5; the decode kernel's cap
+              PyTorch band fallback; bf16 by the 2x rule, fp32 within 1e-5; the decode kernel's cap;
+              a windowed block finished with per-head sink logits (LayerSoftmax.finish)
   attention   TFLOP/s of the Triton kernel, PyTorch's flash SDPA op and flash-attn (if installed),
               causal bf16, S = 16K and 64K, head dims 64 and 128
   window      a windowed block (T = S = 32K, W = 1024 and 4096, d 128, bf16) against the full
@@ -382,6 +383,27 @@ def band_section(ck: Check) -> dict:
           + ("ok" if ok else "FAIL"), flush=True)
     if not ok:
         ck.fail("band decode-cap30-d128 triton-decode")
+    # Sinks (gpt-oss): a windowed Triton block finished with per-head sink logits (LayerSoftmax.finish,
+    # the one place every path applies them) against the float64 reference with the sinks in it.
+    from ringctx.attention.spans import LayerSoftmax, Span
+
+    T, w = n(512), n(128)
+    q, k, v = _inputs(T, T, 8, 2, 64, lowp, dev, seed=198)
+    sinks = torch.linspace(-2.0, 3.0, 8, device=dev)
+    softmax = LayerSoftmax(1 / math.sqrt(64), span=Span(window=w), sinks=sinks)
+    ref_out, _ = reference_attention(q, k, v, band_mask(T, T, 0, w, device=dev), softmax.scale, sinks=sinks)
+    out = softmax.finish(*triton_attention_block(q, k, v, causal=True, softmax_scale=softmax.scale, window=w))
+    base = softmax.finish(*_torch_unsharded_capped(q, k, v, band_mask(T, T, 0, w, device=dev), softmax.scale, 0.0))
+    base_err = (base.double() - ref_out).abs().max().item()
+    err = (out.double() - ref_out).abs().max().item()
+    tol = 1e-5 if lowp == torch.float32 else 2 * base_err
+    ok = err <= tol
+    rows.append({"case": "sinks-w128-d64", "backend": "triton+finish", "err": err, "torch_err": base_err, "tol": tol,
+                 "ok": bool(ok)})
+    print(f"  {'sinks-w128-d64':24s} {'triton':10s} err {err:.2e} (torch {base_err:.2e}) " + ("ok" if ok else "FAIL"),
+          flush=True)
+    if not ok:
+        ck.fail("band sinks-w128-d64 triton")
     return {"rows": rows}
 
 

@@ -11,7 +11,7 @@
 #    capped at 90 s. Writes OUT_DIR/serve_check.json.
 # 3. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
 #    attention backend and both CUDA kernels against the float64 reference (sliding-window and
-#    soft-capped blocks too: Triton, flash-attn's band path, the PyTorch band fallback), kernel
+#    soft-capped blocks too: Triton, flash-attn's band path, the PyTorch band fallback; sink logits), kernel
 #    timings (TFLOP/s, GB/s; a 32K windowed block, W = 1024 and 4096, against the full causal
 #    block; the split-K decode kernel's K/V read bandwidth at B = 1..16 query tokens
 #    against a 32K and a 256K-key cache), continuous batching (8 questions on one 8K-token document
