@@ -278,13 +278,40 @@ class LayerAttention:
     """> 0: scores become softcap * tanh(score / softcap) before the softmax."""
     sinks: bool = False
     """The layer has a learned sink logit per query head (weights `sinks` [Hq], gpt-oss)."""
+    qk_norm_after_rope: bool = False
+    """Each head's q and k are RMS-normalised, without a weight, after RoPE (eps: the model's
+    norm_eps; in float32, rounded once): Llama 4's use_qk_norm, on its RoPE layers."""
+    temperature_floor: int = 0
+    """> 0: the query at global position p is multiplied by
+    log1p(floor((p + 1) / temperature_floor)) * temperature_scale + 1 before attention
+    (`query_temperature`; Llama 4's attn_temperature_tuning on its NoPE layers: floor_scale,
+    attn_scale). Keys and values are untouched, so caches and the ring are unchanged. 0: none."""
+    temperature_scale: float = 0.0
+    """The slope of that temperature (Llama 4's attn_scale); read only with temperature_floor > 0."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "chunk", "rotary_dim"):
+        for name in ("window", "chunk", "rotary_dim", "temperature_floor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerAttention: {name} must be a positive count (0: none), got {getattr(self, name)}")
         if self.rotary_dim % 2:
             raise ValueError(f"LayerAttention: rotary_dim must be even (dims rotate in pairs), got {self.rotary_dim}")
+        if self.temperature_scale and not self.temperature_floor:
+            raise ValueError(f"LayerAttention: temperature_scale={self.temperature_scale} needs a positive "
+                             "temperature_floor (the positions per step of the temperature)")
+
+    def query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        """The factor each query is multiplied by: positions [T] long (global) -> float32 [T], all
+        1.0 without a temperature.
+
+        transformers computes floor((p + 1.0) / floor_scale) and log1p in float32; here the floor
+        is an exact integer division and log1p runs in float64 (rounded once to float32): the
+        same values up to float32 rounding, and exact at positions float32 no longer holds."""
+        if not self.temperature_floor:
+            return torch.ones(positions.shape, dtype=torch.float32, device=positions.device)
+        math_device = torch.device("cpu") if positions.device.type == "mps" else positions.device  # no float64
+        steps = torch.div(positions.to(math_device) + 1, self.temperature_floor, rounding_mode="floor")
+        factor = torch.log1p(steps.to(torch.float64)) * self.temperature_scale + 1.0
+        return factor.to(positions.device, torch.float32)
 
     @property
     def span(self) -> Span:
@@ -304,6 +331,10 @@ class LayerAttention:
             extras.append("sinks")
         if self.softcap:
             extras.append(f"soft-cap {self.softcap:g}")
+        if self.qk_norm_after_rope:
+            extras.append("q/k norm")
+        if self.temperature_floor:
+            extras.append(f"temperature /{self.temperature_floor}")
         return ", ".join([kind, *extras])
 
     @classmethod
@@ -318,7 +349,7 @@ PLAIN_LAYER = LayerAttention()
 
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
-                   "per-layer softmax scale")
+                   "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position")
 """What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")

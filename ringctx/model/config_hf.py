@@ -19,15 +19,26 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
-                  "mistral3", "gemma3")
-"""Hugging Face `model_type`s ringctx's decoder runs (mistral3 and gemma3: their text model only,
-see WRAPPERS)."""
+                  "llama4_text", "mistral3", "gemma3", "llama4")
+"""Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3 and llama4: their text model
+only, see WRAPPERS)."""
 
-WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",)}
+WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",), "llama4": ("llama4_text",)}
 """Image-text models whose `text_config` ringctx runs, with the text model_types it accepts there:
-Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration) and Gemma 3 4B-27B
-(Gemma3ForConditionalGeneration). Their vision tower and projector are ignored (weights_hf.py
-skips those tensors): ringctx reads text prompts only."""
+Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration), Gemma 3 4B-27B
+(Gemma3ForConditionalGeneration) and Llama 4 (Llama4ForConditionalGeneration). Their vision tower
+and projector are ignored (weights_hf.py skips those tensors): ringctx reads text prompts only."""
+
+LLAMA4_TYPES = ("llama4_text",)
+"""model_types with Llama 4's attention (chunked RoPE layers with weightless q/k norms, NoPE layers
+with a query temperature; `_llama4_layers`) and interleaved rotary pairs in their checkpoints
+(weights_hf.py permutes those rows at load)."""
+
+LLAMA4_DEFAULTS = {"head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                   "intermediate_size_mlp": 16384, "attention_chunk_size": 8192, "use_qk_norm": True,
+                   "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                   "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "rope_theta": 500000.0}
+"""Llama4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
 
 GEMMA_TYPES = ("gemma3_text",)
 """model_types with Gemma's block: (1 + w) norms, four norms a block, GeGLU, scaled embeddings."""
@@ -58,8 +69,9 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
         raise unsupported("mlp_bias=true")
     if model_type not in PARTIAL_ROTARY_TYPES and d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
-                "num_experts_per_tok"):
+    experts = () if model_type in LLAMA4_TYPES else (  # Llama 4 lists its MoE layers: `llama4_moe_layers`
+        "num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
+    for key in experts:
         if d.get(key):
             raise unsupported(f"mixture-of-experts layers ({key}={d[key]})")
     capped = () if gemma else ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma's final cap: read
@@ -199,6 +211,13 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     absent = [key for key in required if d.get(key) is None]
     if absent:
         raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
+    if model_type in LLAMA4_TYPES:
+        d = {**LLAMA4_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in LLAMA4_DEFAULTS}}
+        moe = llama4_moe_layers(d)
+        if moe:
+            raise ValueError(f"{source}: mixture-of-experts layers ({len(moe)} of {d['num_hidden_layers']}: "
+                             f"moe_layers={moe}) are not supported yet; ringctx runs Llama 4 configs whose "
+                             "layers are all dense (moe_layers=[])")
     if model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
         d = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
              "max_position_embeddings": 131072, **{k: v for k, v in d.items() if v is not None or k not in (
@@ -222,7 +241,10 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             rope["rope_type"] = "longrope"  # Phi3Config's renaming of its older spellings
         original = d.get("original_max_position_embeddings") if model_type == "phi3" else None
         rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported, original)
-    layers = read_layer_attention(d, model_type, unsupported)
+    if model_type in LLAMA4_TYPES:
+        layers = _llama4_layers(d, unsupported)
+    else:
+        layers = read_layer_attention(d, model_type, unsupported)
     if gemma:
         layers = _gemma_layers(d, layers, head_dim, local)
     elif model_type == "phi3" and partial != 1.0:
@@ -238,7 +260,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     else:
         # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3's attention_bias puts one on o_proj too.
         qkv_bias = model_type == "qwen2" or attention_bias
-        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text") and attention_bias
+        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text", "llama4_text") and attention_bias
     eos = _as_id_list(d.get("eos_token_id"))
     eos += [i for i in extra_eos if i not in eos]
     return ModelConfig(
@@ -248,7 +270,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         n_layers=int(d["num_hidden_layers"]),
         n_heads=n_heads,
         n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(d["intermediate_size"]),
+        # Llama 4's dense layers are as wide as intermediate_size_mlp (intermediate_size: an expert's)
+        ffn_dim=int(d["intermediate_size_mlp" if model_type in LLAMA4_TYPES else "intermediate_size"]),
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -267,6 +290,47 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         embed_scale=float(int(d["hidden_size"]) ** 0.5) if gemma else 1.0,
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
     )
+
+
+def llama4_moe_layers(d: Mapping[str, Any]) -> list[int]:
+    """The mixture-of-experts layers of a Llama 4 text config, as Llama4TextConfig decides them:
+    `moe_layers` when given (an empty list: every layer dense), else every
+    `interleave_moe_layer_step`-th layer from step - 1 (step 1, the default: every layer)."""
+    if d.get("moe_layers") is not None:
+        return [int(i) for i in d["moe_layers"]]
+    step = int(d.get("interleave_moe_layer_step") or 1)
+    return list(range(step - 1, int(d["num_hidden_layers"]), step))
+
+
+def _llama4_layers(d: Mapping[str, Any], unsupported) -> tuple[LayerAttention, ...]:
+    """Llama 4's layers, as Llama4TextAttention computes them. `no_rope_layers[i]` is 1 where layer
+    i rotates (the name says the opposite; empty or absent: every `no_rope_layer_interval`-th layer,
+    from the interval's last, is NoPE). A RoPE layer attends within aligned chunks of
+    attention_chunk_size (`layer_types` "chunked_attention") and, with use_qk_norm, normalises q and
+    k after RoPE; a NoPE layer attends to every earlier key and, with attn_temperature_tuning,
+    multiplies its queries by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1."""
+    n_layers = int(d["num_hidden_layers"])
+    ropes = d.get("no_rope_layers") or [int((i + 1) % int(d["no_rope_layer_interval"]) != 0) for i in range(n_layers)]
+    if len(ropes) != n_layers:
+        raise unsupported(f"no_rope_layers lists {len(ropes)} layers for num_hidden_layers={n_layers}")
+    chunk = d.get("attention_chunk_size")
+    kinds = d.get("layer_types") or ["chunked_attention" if rope and chunk is not None else "full_attention"
+                                     for rope in ropes]
+    spans = read_layer_attention({**d, "layer_types": kinds, "sliding_window": None}, "llama4_text", unsupported)
+    spans = spans or (LayerAttention(),) * n_layers
+    floor_scale = float(d["floor_scale"])
+    if d["attn_temperature_tuning"] and (floor_scale <= 0 or not floor_scale.is_integer()):
+        raise unsupported(f"floor_scale={d['floor_scale']} (a positive whole number of positions)")
+    layers = []
+    for span, rope in zip(spans, ropes):
+        if rope:
+            layers.append(dataclasses.replace(span, qk_norm_after_rope=bool(d["use_qk_norm"])))
+        elif d["attn_temperature_tuning"]:
+            layers.append(dataclasses.replace(span, rope=False, temperature_floor=int(floor_scale),
+                                              temperature_scale=float(d["attn_scale"])))
+        else:
+            layers.append(dataclasses.replace(span, rope=False))
+    return tuple(layers)
 
 
 def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported) -> tuple[float, RopeScaling | None,
