@@ -34,7 +34,7 @@ LLAMA4_TYPES = ("llama4_text",)
 with a query temperature; `_llama4_layers`) and interleaved rotary pairs in their checkpoints
 (weights_hf.py permutes those rows at load)."""
 
-LLAMA4_DEFAULTS = {"head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+LLAMA4_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                    "intermediate_size_mlp": 16384, "attention_chunk_size": 8192, "use_qk_norm": True,
                    "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
                    "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "rope_theta": 500000.0}
@@ -212,7 +212,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     if absent:
         raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
     if model_type in LLAMA4_TYPES:
-        d = {**LLAMA4_DEFAULTS, **{k: v for k, v in d.items() if v is not None or k not in LLAMA4_DEFAULTS}}
+        d = {**LLAMA4_DEFAULTS, **d}  # an explicit null stays: attention_chunk_size null means no chunks
         moe = llama4_moe_layers(d)
         if moe:
             raise ValueError(f"{source}: mixture-of-experts layers ({len(moe)} of {d['num_hidden_layers']}: "
