@@ -20,7 +20,7 @@ import torch
 from ..attention.spans import Span
 
 
-ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope", "proportional")
 """Rotary scaling types ringctx computes as transformers does (`rope_type` in Hugging Face configs)."""
 
 
@@ -52,6 +52,10 @@ class RopeScaling:
       do; transformers' Phi3ForCausalLM.generate instead drops its cache once, at the first step
       past original_max_position, and prefills the whole sequence again with the long factors
       (ringctx's decode does not yet: its tokens from there on may differ from generate's).
+    - "proportional" (Gemma 4's full layers): the first int(proportion * head_dim // 2) frequencies
+      keep their plain value (the exponent over the whole head_dim), the others are 0 (those pairs
+      do not turn), every one divided by `factor`; pairs are the whole head's (i, i + head_dim/2),
+      unlike partial rotary (LayerAttention.rotary_dim), which rotates the first dims only.
 
     The field order and the llama3 default keep configs saved before other types existed loadable.
     """
@@ -79,6 +83,8 @@ class RopeScaling:
     """longrope: per rotary frequency [rotary_dim // 2], its divisor past original_max_position."""
     short_factor: tuple[float, ...] = ()
     """longrope: per rotary frequency [rotary_dim // 2], its divisor within original_max_position."""
+    proportion: float = 1.0
+    """proportional: the share of each head's dims that turn (transformers' partial_rotary_factor)."""
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -110,6 +116,9 @@ class RopeScaling:
             return [f / self.factor for f in inv_freq]
         if self.rope_type == "dynamic":  # inside the original context: plain (see the class docstring)
             return list(inv_freq)
+        if self.rope_type == "proportional":  # transformers' _compute_proportional_rope_parameters
+            turning = int(self.proportion * (2 * len(inv_freq)) // 2)
+            return [f / self.factor if i < turning else 0.0 for i, f in enumerate(inv_freq)]
         return self._yarn_inv_freq(inv_freq, rope_theta)
 
     def _yarn_inv_freq(self, inv_freq: "list[float]", base: float) -> list[float]:
@@ -173,6 +182,8 @@ class RopeScaling:
         elif self.rope_type == "longrope":
             d.update(original_max_position_embeddings=self.original_max_position, attention_factor=self.attention_factor,
                      long_factor=list(self.long_factor), short_factor=list(self.short_factor))
+        elif self.rope_type == "proportional":
+            d.update(partial_rotary_factor=self.proportion)
         return d
 
     @classmethod
@@ -188,6 +199,10 @@ class RopeScaling:
         rope_type = rope.get("rope_type", rope.get("type")) or "default"
         if rope_type == "default":
             return None
+        if rope_type == "proportional":  # its partial_rotary_factor is part of the formula
+            return cls(factor=float(rope.get("factor") or 1.0), rope_type="proportional",
+                       proportion=float(rope.get("partial_rotary_factor") or 1.0),
+                       original_max_position=int(max_position))
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise problem(f"rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']}")
         if rope_type not in ROPE_TYPES:
@@ -416,6 +431,10 @@ class ModelConfig:
     """Token embeddings are multiplied by this, rounded to the weights' dtype (Gemma: sqrt(dim))."""
     final_softcap: float = 0.0
     """> 0: logits become final_softcap * tanh(logits / final_softcap) (Gemma 2/3's final_logit_softcapping)."""
+    v_norm: bool = False
+    """Each head's v is RMS-normalised without a weight (eps norm_eps; in float32, rounded once): Gemma 4."""
+    layer_scalars: bool = False
+    """Each block's output is multiplied by its own stored scalar (weights `layer_scalar` [1]: Gemma 4)."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -469,7 +488,8 @@ class ModelConfig:
         """True when the blocks, embedding and head are Llama's (SwiGLU, weight-multiplied norms, two
         norms a block, unscaled embeddings, no logit soft-cap): what the fused CPU kernels compute."""
         return (self.mlp_activation == "silu" and not self.norm_plus_one and not self.post_norms
-                and self.embed_scale == 1.0 and not self.final_softcap)
+                and self.embed_scale == 1.0 and not self.final_softcap and not self.v_norm
+                and not self.layer_scalars)
 
     @property
     def gqa_group(self) -> int:
@@ -487,7 +507,7 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim + (1 if self.layer_scalars else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
 
@@ -565,9 +585,10 @@ class ModelConfig:
           max_position_embeddings 131,072, a 128K model): max_seq_len.
         - longrope (Phi-3/3.5/4): max_seq_len, the long factors' length (131,072 over an
           original 4,096 for the 128K models).
+        - proportional (Gemma 4): max_seq_len (it scales no length).
         """
         scaling = self.rope_scaling
-        if scaling is None or scaling.rope_type in ("llama3", "dynamic", "longrope"):
+        if scaling is None or scaling.rope_type in ("llama3", "dynamic", "longrope", "proportional"):
             return self.max_seq_len
         if scaling.rope_type == "linear" and scaling.original_max_position == self.max_seq_len:
             return self.max_seq_len  # no original length given: max_position_embeddings is the scaled one
@@ -596,8 +617,9 @@ def resolve_dtype(dtype: "torch.dtype | str | None") -> "torch.dtype | None":
 _MISSING = object()
 
 _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "silu", "norm_plus_one": False,
-                 "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0}
+                 "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0, "v_norm": False,
+                 "layer_scalars": False}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
-                      "attention_factor": 1.0, "long_factor": (), "short_factor": ()}
+                      "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""

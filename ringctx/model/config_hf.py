@@ -19,11 +19,12 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
-                  "llama4_text", "mistral3", "gemma3", "llama4")
-"""Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3 and llama4: their text model
-only, see WRAPPERS)."""
+                  "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4")
+"""Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3, gemma4 and llama4: their
+text model only, see WRAPPERS)."""
 
-WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",), "llama4": ("llama4_text",)}
+WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",), "gemma4": ("gemma4_text",),
+            "llama4": ("llama4_text",)}
 """Image-text models whose `text_config` ringctx runs, with the text model_types it accepts there:
 Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration), Gemma 3 4B-27B
 (Gemma3ForConditionalGeneration) and Llama 4 (Llama4ForConditionalGeneration). Their vision tower
@@ -40,14 +41,24 @@ LLAMA4_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "max_position_embe
                    "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "rope_theta": 500000.0}
 """Llama4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
 
-GEMMA_TYPES = ("gemma3_text",)
-"""model_types with Gemma's block: (1 + w) norms, four norms a block, GeGLU, scaled embeddings."""
+GEMMA_TYPES = ("gemma3_text", "gemma4_text")
+"""model_types with Gemma's block: four norms a block, GeGLU, scaled embeddings, q/k norms; (1 + w)
+norms on Gemma 3 only."""
+
+GEMMA4_TYPES = ("gemma4_text",)
+"""Gemma 4's text model: Gemma's block with plain (w) norms, a weightless v norm, a stored scalar
+per block, softmax scale 1, and full layers with their own RoPE ("proportional", partial), maybe
+their own head shape (refused: `_gemma4_refusals`) and keys as values (`attention_k_eq_v`)."""
+
+GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                   "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "global_head_dim": 512,
+                   "num_key_value_heads": 4, "tie_word_embeddings": True}
+"""Gemma4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
 
 PARTIAL_ROTARY_TYPES = ("phi3",)
 """model_types whose partial_rotary_factor ringctx reads (transformers rotates the first dims only)."""
 
 REFUSED_TYPES = {
-    "gemma4": "Gemma 4 is not supported yet", "gemma4_text": "Gemma 4 is not supported yet",
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not supported",
     "gemma3n_text": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not supported",
     "gemma2": "Gemma 2 is not supported (ringctx runs Gemma 3)",
@@ -81,7 +92,9 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
     if gemma and d.get("attn_logit_softcapping") is not None:
         # transformers 5.25's Gemma3Attention never passes it to the attention: refuse, not guess
         raise unsupported(f"attn_logit_softcapping={d['attn_logit_softcapping']} (transformers' Gemma 3 ignores it)")
-    if gemma and d.get("use_bidirectional_attention"):
+    if model_type in GEMMA4_TYPES:
+        _gemma4_refusals(d, unsupported)
+    elif gemma and d.get("use_bidirectional_attention"):
         raise unsupported("use_bidirectional_attention=true (EmbeddingGemma: not a causal decoder)")
     beta = (d.get("rope_parameters") or {}).get("llama_4_scaling_beta", d.get("llama_4_scaling_beta"))
     if beta:
@@ -97,7 +110,8 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
 
     - mistral, phi3: one sliding window on every layer whenever `sliding_window` is set (their
       models ignore layer_types);
-    - gemma3_text: `layer_types`, else every `sliding_window_pattern`-th layer (default 6) full;
+    - gemma3_text, gemma4_text: `layer_types`, else every `sliding_window_pattern`-th layer
+      (default 6) full; Gemma 4's last layer is full whatever the config says;
     - ministral and others: `layer_types`, else derived as transformers' config classes do:
       qwen2/qwen3 slide from layer `max_window_layers` on when `use_sliding_window`; ministral
       slides everywhere when `sliding_window` is set.
@@ -106,7 +120,7 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
     window = d.get("sliding_window")
     if model_type in GEMMA_TYPES and not d.get("layer_types"):
         # transformers' Gemma3TextConfig: every `sliding_window_pattern`-th layer (default 6) is full
-        pattern = int(d.get("sliding_window_pattern") or 6)
+        pattern = 6 if model_type in GEMMA4_TYPES else int(d.get("sliding_window_pattern") or 6)  # Gemma 4's: fixed
         d = {**d, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                   for i in range(n_layers)]}
     if model_type in ("mistral", "phi3"):  # MistralModel / Phi3Model: one window on every layer when set
@@ -123,6 +137,8 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported) -> 
         kinds = ["sliding_attention" if window is not None else "full_attention"] * n_layers
     if len(kinds) != n_layers:
         raise unsupported(f"layer_types lists {len(kinds)} layers for num_hidden_layers={n_layers}")
+    if model_type in GEMMA4_TYPES and kinds:  # Gemma4TextConfig forces its last layer to full attention
+        kinds[-1] = "full_attention"
     layers = []
     for kind in kinds:
         if kind not in LAYER_TYPES:
@@ -218,7 +234,10 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             raise ValueError(f"{source}: mixture-of-experts layers ({len(moe)} of {d['num_hidden_layers']}: "
                              f"moe_layers={moe}) are not supported yet; ringctx runs Llama 4 configs whose "
                              "layers are all dense (moe_layers=[])")
-    if model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
+    if model_type in GEMMA4_TYPES:
+        d = {**GEMMA4_DEFAULTS, **d}
+        _gemma4_refuse_head_shapes(d, unsupported)
+    elif model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
         d = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
              "max_position_embeddings": 131072, **{k: v for k, v in d.items() if v is not None or k not in (
                  "head_dim", "query_pre_attn_scalar")}}
@@ -227,7 +246,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // n_heads
     gemma = model_type in GEMMA_TYPES
     if gemma:
-        rope_theta, rope_scaling, local = _gemma_ropes(d, max_position, unsupported)
+        rope_theta, rope_scaling, local = _gemma_ropes(d, max_position, unsupported, model_type in GEMMA4_TYPES)
     else:
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
@@ -246,7 +265,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     else:
         layers = read_layer_attention(d, model_type, unsupported)
     if gemma:
-        layers = _gemma_layers(d, layers, head_dim, local)
+        layers = _gemma_layers(d, layers, head_dim, local, gemma4=model_type in GEMMA4_TYPES)
     elif model_type == "phi3" and partial != 1.0:
         rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * partial_rotary_factor)
         if rotary_dim % 2 or rotary_dim <= 0:
@@ -260,7 +279,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     else:
         # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3's attention_bias puts one on o_proj too.
         qkv_bias = model_type == "qwen2" or attention_bias
-        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text", "llama4_text") and attention_bias
+        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text", "gemma4_text", "llama4_text") and attention_bias
     eos = _as_id_list(d.get("eos_token_id"))
     eos += [i for i in extra_eos if i not in eos]
     return ModelConfig(
@@ -279,16 +298,18 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         qkv_bias=qkv_bias,
         attn_out_bias=attn_out_bias,
         tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # Gemma 3's configs tie by default
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "gemma4_text"),
         max_seq_len=max_position,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         layer_attention=layers,
         mlp_activation="gelu_tanh" if gemma else "silu",
-        norm_plus_one=gemma,
+        norm_plus_one=model_type == "gemma3_text",
         post_norms=gemma,
         embed_scale=float(int(d["hidden_size"]) ** 0.5) if gemma else 1.0,
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+        v_norm=model_type in GEMMA4_TYPES,
+        layer_scalars=model_type in GEMMA4_TYPES,
     )
 
 
@@ -333,14 +354,18 @@ def _llama4_layers(d: Mapping[str, Any], unsupported) -> tuple[LayerAttention, .
     return tuple(layers)
 
 
-def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported) -> tuple[float, RopeScaling | None,
-                                                                                 tuple[float, RopeScaling | None]]:
-    """Gemma 3's two RoPEs: (global base, global scaling, (local base, local scaling)).
+def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported, gemma4: bool = False
+                 ) -> tuple[float, RopeScaling | None, tuple[float, RopeScaling | None]]:
+    """Gemma 3's (and 4's) two RoPEs: (global base, global scaling, (local base, local scaling)).
 
     transformers 5 keys `rope_parameters` by layer type ({"full_attention": ..., "sliding_attention":
     ...}); older configs have rope_theta (+ rope_scaling) for the full layers and
     rope_local_base_freq, unscaled, for the sliding ones. Defaults as Gemma3TextConfig: 1e6 and 1e4."""
     params = d.get("rope_parameters") or {}
+    if not params and gemma4:  # Gemma4TextConfig's default RoPEs
+        params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                     "rope_theta": 1_000_000.0}}
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})
         local = dict(params.get("sliding_attention") or {})
@@ -355,16 +380,53 @@ def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported) -> tuple[
 
 
 def _gemma_layers(d: Mapping[str, Any], layers: tuple[LayerAttention, ...], head_dim: int,
-                  local: tuple[float, RopeScaling | None]) -> tuple[LayerAttention, ...]:
-    """Gemma 3's layers: the sliding ones rotate with the local RoPE; every one scales its queries by
-    query_pre_attn_scalar^-0.5 (Gemma3Attention.scaling) where that differs from head_dim^-0.5."""
+                  local: tuple[float, RopeScaling | None], gemma4: bool = False) -> tuple[LayerAttention, ...]:
+    """Gemma 3's and 4's layers: the sliding ones rotate with the local RoPE; every one scales its
+    queries by query_pre_attn_scalar^-0.5 (Gemma3Attention.scaling) where that differs from
+    head_dim^-0.5, or (Gemma 4, whose q and k are RMS-normed) by 1."""
     scalar = d.get("query_pre_attn_scalar")
-    scale = float(scalar) ** -0.5 if scalar is not None else 0.0
+    scale = 1.0 if gemma4 else float(scalar) ** -0.5 if scalar is not None else 0.0
     if scale == head_dim ** -0.5:
         scale = 0.0  # the default: keeps plain layers plain
     layers = layers or (LayerAttention(),) * int(d["num_hidden_layers"])
     return tuple(dataclasses.replace(layer, scale=scale, **(
         {"rope_theta": local[0], "rope_scaling": local[1]} if layer.window else {})) for layer in layers)
+
+
+def _gemma4_refusals(d: Mapping[str, Any], unsupported) -> None:
+    """Raise unsupported(...) for the Gemma 4 features ringctx does not compute (before defaults:
+    a key absent takes Gemma4TextConfig's default, which for per-layer embeddings is on)."""
+    if d.get("hidden_size_per_layer_input", 256):
+        raise unsupported(f"per-layer embeddings (hidden_size_per_layer_input="
+                          f"{d.get('hidden_size_per_layer_input', 256)}; 0 turns them off)")
+    if d.get("num_kv_shared_layers"):
+        raise unsupported(f"KV sharing across layers (num_kv_shared_layers={d['num_kv_shared_layers']})")
+    if d.get("enable_moe_block"):
+        raise unsupported("mixture-of-experts layers (enable_moe_block=true)")
+    if d.get("use_bidirectional_attention") == "all":
+        raise unsupported("use_bidirectional_attention='all' (not a causal decoder)")
+
+
+def _gemma4_refuse_head_shapes(d: Mapping[str, Any], unsupported) -> None:
+    """Gemma 4's full-attention layers may have their own head_dim and KV heads (the 31B: 512 and 4
+    where the sliding layers have 256 and 16): as Gemma4TextConfig, `per_layer_config` when the
+    config has one, else global_head_dim (default 512) and, with attention_k_eq_v,
+    num_global_key_value_heads. ringctx's KV cache has one shape for every layer: refused unless
+    they equal the sliding layers'. (A config.json saved by transformers lists only the layers
+    whose shape differs, {} when none does; the published ones give global_head_dim.)"""
+    head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // int(d["num_attention_heads"])
+    n_kv = int(d.get("num_key_value_heads") or d["num_attention_heads"])
+    if d.get("per_layer_config") is not None:  # as saved by transformers: only the overrides ({}: none)
+        shapes = {(int(c.get("head_dim") or head_dim), int(c.get("num_key_value_heads") or n_kv))
+                  for c in d["per_layer_config"].values()}
+    else:
+        global_kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v") else None
+        shapes = {(int(d["global_head_dim"]), int(global_kv or n_kv))}
+    for full_head_dim, full_kv in shapes:
+        if (full_head_dim, full_kv) != (head_dim, n_kv):
+            raise unsupported(f"per-layer head shapes (full-attention layers: head_dim={full_head_dim}, "
+                              f"{full_kv} KV heads; sliding layers: {head_dim}, {n_kv}; ringctx's KV cache "
+                              "has one shape for every layer)")
 
 
 def hf_config_dict(self: ModelConfig) -> dict:

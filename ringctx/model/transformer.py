@@ -206,6 +206,8 @@ class Attention(nn.Module):
         self.sinks: nn.Parameter | None = None
         # Weightless RMS norm of q and k after RoPE (Llama 4), with this eps; None: none (set by Block).
         self.norm_after_rope_eps: float | None = None
+        # Weightless RMS norm of v (Gemma 4), with this eps; None: none.
+        self.v_norm_eps: float | None = config.norm_eps if config.v_norm else None
 
     def project(self, x: torch.Tensor, rope: RopeAngles | None,
                 temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,7 +226,10 @@ class Attention(nn.Module):
         if temperature is not None:  # as transformers: (q * float32 factor) rounded once to q's dtype
             q = qk[:, : self.n_heads]
             q.copy_(q.float().mul_(temperature.view(T, 1, 1)))
-        return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
+        v = qkv[:, split:]
+        if self.v_norm_eps is not None:  # transformers' Gemma4RMSNorm(with_scale=False): float32, rounded once
+            v.copy_(F.rms_norm(v.float(), (self.head_dim,), None, self.v_norm_eps))
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [T, Hq * D] projected back to [T, dim] (summed over the TP ranks' heads)."""
@@ -291,7 +296,8 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h)); with config.post_norms
-    (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h)))."""
+    (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h))), times
+    the block's layer_scalar with config.layer_scalars (Gemma 4)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
         super().__init__()
@@ -312,6 +318,8 @@ class Block(nn.Module):
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
+        # Gemma 4: the block's output times a stored scalar [1] (transformers' layer_scalar)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
         self.span = kind.span
         self.scale = kind.scale or config.head_dim ** -0.5
 
@@ -365,9 +373,11 @@ class Block(nn.Module):
         """Rows x [n, dim] and their attention output [n, Hq * D] -> the block's output rows."""
         if self.post_attention_norm is None:
             h = x + self.attention.output(out)
-            return h + self.feed_forward.forward(self.ffn_norm.forward(h))
-        h = x + self.post_attention_norm.forward(self.attention.output(out))
-        return h + self.post_ffn_norm.forward(self.feed_forward.forward(self.ffn_norm.forward(h)))
+            h = h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        else:
+            h = x + self.post_attention_norm.forward(self.attention.output(out))
+            h = h + self.post_ffn_norm.forward(self.feed_forward.forward(self.ffn_norm.forward(h)))
+        return h if self.layer_scalar is None else h.mul_(self.layer_scalar)
 
 
 class Transformer(nn.Module):

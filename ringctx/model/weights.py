@@ -205,6 +205,9 @@ def init_random(model: Transformer, seed: int = 0) -> None:
             if name.endswith("norm.weight"):  # a unit gain: 0 where norms multiply by (1 + w) (Gemma)
                 param.fill_(0.0 if model.config.norm_plus_one else 1.0)
                 continue
+            if name.endswith("layer_scalar"):  # Gemma 4's block output scalars: 1, as transformers initialises them
+                param.fill_(1.0)
+                continue
             full_shape, rows, cols = _full_rows(model, name, param)
             row_numel = math.prod(full_shape[1:])
             block = max(1, (1 << 20) // max(row_numel, 1))

@@ -14,7 +14,7 @@ import os
 import torch
 
 from .config import ModelConfig
-from .config_hf import LLAMA4_TYPES, WRAPPERS, read_hf_config
+from .config_hf import GEMMA4_TYPES, LLAMA4_TYPES, WRAPPERS, read_hf_config
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 
@@ -61,6 +61,8 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
             add(f"{hf}.self_attn.k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
+        if config.layer_scalars:  # Gemma 4: [1], replicated
+            add(f"{hf}.layer_scalar", f"{ours}.layer_scalar")
         add(f"{hf}.{mlp}.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
         add(f"{hf}.{mlp}.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
         add(f"{hf}.{mlp}.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
@@ -80,7 +82,8 @@ Mistral3/Gemma3ForConditionalGeneration as model.language_model.* (+ lm_head.*),
 published before it as language_model.model.* (+ language_model.lm_head.*)."""
 
 _NOT_TEXT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
-                      "model.vision_model.", "vision_model.")
+                      "model.vision_model.", "vision_model.", "model.embed_vision.", "model.audio_tower.",
+                      "model.embed_audio.")
 """Tensors of an image-text checkpoint's vision side: ringctx runs the text model only, these are skipped."""
 
 
@@ -136,14 +139,22 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def checkpoint_model_type(directory: str) -> str | None:
-    """config.json's model_type, the text model's for an image-text wrapper (`WRAPPERS`)."""
+def text_config_dict(directory: str) -> dict:
+    """config.json as a dict, the text model's (`text_config`) for an image-text wrapper (`WRAPPERS`)."""
     with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
         d = json.load(f)
-    model_type = d.get("model_type")
-    if model_type in WRAPPERS:
-        model_type = (d.get("text_config") or {}).get("model_type")
-    return model_type
+    return dict(d.get("text_config") or {}) if d.get("model_type") in WRAPPERS else d
+
+
+def keys_as_values(text: dict, config: ModelConfig) -> dict[str, str]:
+    """Gemma 4 with attention_k_eq_v: its full-attention layers have no v_proj, their values are
+    the k projection's output (before k's norm and RoPE; v then gets its own weightless norm).
+    ringctx's fused projection keeps v rows, so those layers' k_proj tensors fill them too (an
+    exact copy): {k_proj name: v_proj name}, weights and biases."""
+    if text.get("model_type") not in GEMMA4_TYPES or not text.get("attention_k_eq_v"):
+        return {}
+    return {f"model.layers.{i}.self_attn.k_proj.{kind}": f"model.layers.{i}.self_attn.v_proj.{kind}"
+            for i in range(config.n_layers) if not config.attention(i).window for kind in ("weight", "bias")}
 
 
 ROTARY_PROJECTIONS = tuple(f".self_attn.{which}_proj.{kind}" for which in "qk" for kind in ("weight", "bias"))
@@ -171,7 +182,9 @@ def load_hf_weights(model, directory: str) -> None:
     from safetensors import safe_open
 
     config = model.full_config
-    llama4 = checkpoint_model_type(directory) in LLAMA4_TYPES
+    text = text_config_dict(directory)
+    llama4 = text.get("model_type") in LLAMA4_TYPES
+    as_values = keys_as_values(text, config)
     filler = WeightFiller(model, directory, expected_hf_tensors(config, model.tp,
                                                                 mlp="feed_forward" if llama4 else "mlp"))
     for path in safetensors_files(directory):
@@ -203,6 +216,8 @@ def load_hf_weights(model, directory: str) -> None:
                     if llama4 and part.endswith(ROTARY_PROJECTIONS):
                         value = permute_interleaved_rotary(value, config.head_dim)
                     filler.put(piece, value)
+                    if part in as_values:  # the same rows, TP slice included (k's and v's are both by KV heads)
+                        filler.put(filler.piece(as_values[part]), value)
                     del value
     filler.finish()
 
