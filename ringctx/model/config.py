@@ -376,7 +376,8 @@ class ModelConfig:
     """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2-style bias,
     Qwen3-style q/k norms, Seed-OSS, Phi-3) and of the blocks that differ from Llama's in a few
     constants (Gemma 3: (1 + w) norms, four norms a block, GeGLU, scaled embeddings, a soft-capped
-    head: `is_llama_block` says whether a config uses any of them)."""
+    head; Gemma 4: v norms and block scalars too: `is_llama_block` says whether a config uses any
+    of them)."""
 
     name: str
     """Human-readable name: a preset name or the file the config was read from."""
@@ -486,7 +487,8 @@ class ModelConfig:
     @property
     def is_llama_block(self) -> bool:
         """True when the blocks, embedding and head are Llama's (SwiGLU, weight-multiplied norms, two
-        norms a block, unscaled embeddings, no logit soft-cap): what the fused CPU kernels compute."""
+        norms a block, unscaled embeddings, no logit soft-cap, no v norm or block scalars): what the
+        fused CPU kernels compute."""
         return (self.mlp_activation == "silu" and not self.norm_plus_one and not self.post_norms
                 and self.embed_scale == 1.0 and not self.final_softcap and not self.v_norm
                 and not self.layer_scalars)

@@ -17,7 +17,8 @@ Numerics follow Hugging Face transformers' Llama / Mistral / Qwen2 / Qwen3 ForCa
 in float32, rotate-half RoPE with cos/sin cast to the activation dtype, SwiGLU and residual adds in
 the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The same
 holds for the blocks ModelConfig describes beyond Llama's (Seed-OSS, Phi-3, Gemma 3: GeGLU, (1 + w)
-norms, post-norms, scaled embeddings, a soft-capped head). The rotary
+norms, post-norms, scaled embeddings, a soft-capped head; Gemma 4: v norms, block scalars) and for
+Llama 4's attention (q/k norms after RoPE, query temperatures). The rotary
 angles are computed in float64, more accurate than transformers' float32 at long positions.
 """
 
@@ -191,7 +192,7 @@ class Attention(nn.Module):
     With `config.qk_norm` (Qwen3), q_norm and k_norm (weights [D], the same for every head, so
     every TP rank holds them whole) RMS-normalise each head's q and k before RoPE; a layer with
     `qk_norm_after_rope` (Llama 4's RoPE layers; set by Block) normalises them after RoPE, without
-    weights.
+    weights; with `config.v_norm` (Gemma 4) each head's v is normalised without weights too.
     """
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
