@@ -408,8 +408,8 @@ def _gemma4_refusals(d: Mapping[str, Any], unsupported) -> None:
 
 
 def _gemma4_refuse_head_shapes(d: Mapping[str, Any], unsupported) -> None:
-    """Gemma 4's full-attention layers may have their own head_dim and KV heads (the 31B: 512 and 4
-    where the sliding layers have 256 and 16): as Gemma4TextConfig, `per_layer_config` when the
+    """Gemma 4's full-attention layers may have their own head_dim and KV heads (the 31B's have
+    512-dim heads where its sliding layers have 256): as Gemma4TextConfig, `per_layer_config` when the
     config has one, else global_head_dim (default 512) and, with attention_k_eq_v,
     num_global_key_value_heads. ringctx's KV cache has one shape for every layer: refused unless
     they equal the sliding layers'. (A config.json saved by transformers lists only the layers

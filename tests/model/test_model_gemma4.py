@@ -5,7 +5,7 @@ per block, 5 sliding : 1 full layers, the full ones with "proportional" RoPE (a 
 head's pairs turning), keys as values on the full layers (attention_k_eq_v), a final soft-cap.
 
 What ringctx refuses, in one line each: full-attention layers with their own head_dim / KV heads
-(the published 31B: 512 and 4 where the sliding layers have 256 and 16), per-layer embeddings
+(the 31B: 512-dim heads on its full layers, 256 on the sliding ones), per-layer embeddings
 (E2B/E4B), KV sharing across layers, mixture-of-experts blocks (26B-A4B), bidirectional attention.
 
 Built as test_model_families_long.py builds its references: transformers' own config class, random
@@ -195,8 +195,8 @@ GEMMA4_31B = {"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 
               "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
               "hidden_size_per_layer_input": 0, "sliding_window": 1024, "max_position_embeddings": 262144,
               "final_logit_softcapping": 30.0}
-"""Gemma 4 31B's text shapes as its model card describes them (not read from a downloaded
-config.json: no hub here): 256-dim heads on the sliding layers, 512 on the full ones."""
+"""A Gemma 4 31B-like text config (written here, not read from a downloaded config.json: no hub):
+256-dim heads on the sliding layers, 512 on the full ones; the other numbers are illustrative."""
 
 BASE = {**TEXT, "model_type": "gemma4_text"}
 
