@@ -44,10 +44,11 @@ def reference_answer(hf, ids, n=8):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("world,decode_ranks", [(2, 2), (3, 2)])
+@pytest.mark.parametrize("world,decode_ranks", [(2, 1), (2, 2), (3, 2)])
 def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, world, decode_ranks):
-    """A 130-token document, greedy answers alone and batched (questions of different lengths: the
-    rows of a batched step sit at different positions, so their temperatures differ)."""
+    """A 130-token document on one decode rank or split over two, greedy answers alone and batched
+    (questions of different lengths: the rows of a batched step sit at different positions, so
+    their temperatures differ)."""
     directory, hf = saved
     doc_a, doc_b = prompt(130, seed=3).tolist(), prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
