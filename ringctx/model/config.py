@@ -20,7 +20,7 @@ import torch
 from ..attention.spans import Span
 
 
-ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope", "proportional")
 """Rotary scaling types ringctx computes as transformers does (`rope_type` in Hugging Face configs)."""
 
 
@@ -52,6 +52,10 @@ class RopeScaling:
       do; transformers' Phi3ForCausalLM.generate instead drops its cache once, at the first step
       past original_max_position, and prefills the whole sequence again with the long factors
       (ringctx's decode does not yet: its tokens from there on may differ from generate's).
+    - "proportional" (Gemma 4's full layers): the first int(proportion * head_dim // 2) frequencies
+      keep their plain value (the exponent over the whole head_dim), the others are 0 (those pairs
+      do not turn), every one divided by `factor`; pairs are the whole head's (i, i + head_dim/2),
+      unlike partial rotary (LayerAttention.rotary_dim), which rotates the first dims only.
 
     The field order and the llama3 default keep configs saved before other types existed loadable.
     """
@@ -79,6 +83,8 @@ class RopeScaling:
     """longrope: per rotary frequency [rotary_dim // 2], its divisor past original_max_position."""
     short_factor: tuple[float, ...] = ()
     """longrope: per rotary frequency [rotary_dim // 2], its divisor within original_max_position."""
+    proportion: float = 1.0
+    """proportional: the share of each head's dims that turn (transformers' partial_rotary_factor)."""
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -110,6 +116,9 @@ class RopeScaling:
             return [f / self.factor for f in inv_freq]
         if self.rope_type == "dynamic":  # inside the original context: plain (see the class docstring)
             return list(inv_freq)
+        if self.rope_type == "proportional":  # transformers' _compute_proportional_rope_parameters
+            turning = int(self.proportion * (2 * len(inv_freq)) // 2)
+            return [f / self.factor if i < turning else 0.0 for i, f in enumerate(inv_freq)]
         return self._yarn_inv_freq(inv_freq, rope_theta)
 
     def _yarn_inv_freq(self, inv_freq: "list[float]", base: float) -> list[float]:
@@ -173,6 +182,8 @@ class RopeScaling:
         elif self.rope_type == "longrope":
             d.update(original_max_position_embeddings=self.original_max_position, attention_factor=self.attention_factor,
                      long_factor=list(self.long_factor), short_factor=list(self.short_factor))
+        elif self.rope_type == "proportional":
+            d.update(partial_rotary_factor=self.proportion)
         return d
 
     @classmethod
@@ -188,6 +199,10 @@ class RopeScaling:
         rope_type = rope.get("rope_type", rope.get("type")) or "default"
         if rope_type == "default":
             return None
+        if rope_type == "proportional":  # its partial_rotary_factor is part of the formula
+            return cls(factor=float(rope.get("factor") or 1.0), rope_type="proportional",
+                       proportion=float(rope.get("partial_rotary_factor") or 1.0),
+                       original_max_position=int(max_position))
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise problem(f"rope_parameters.partial_rotary_factor={rope['partial_rotary_factor']}")
         if rope_type not in ROPE_TYPES:
@@ -278,9 +293,19 @@ class LayerAttention:
     """> 0: scores become softcap * tanh(score / softcap) before the softmax."""
     sinks: bool = False
     """The layer has a learned sink logit per query head (weights `sinks` [Hq], gpt-oss)."""
+    qk_norm_after_rope: bool = False
+    """Each head's q and k are RMS-normalised, without a weight, after RoPE (eps: the model's
+    norm_eps; in float32, rounded once): Llama 4's use_qk_norm, on its RoPE layers."""
+    temperature_floor: int = 0
+    """> 0: the query at global position p is multiplied by
+    log1p(floor((p + 1) / temperature_floor)) * temperature_scale + 1 before attention
+    (`query_temperature`; Llama 4's attn_temperature_tuning on its NoPE layers: floor_scale,
+    attn_scale). Keys and values are untouched, so caches and the ring are unchanged. 0: none."""
+    temperature_scale: float = 0.0
+    """The slope of that temperature (Llama 4's attn_scale); read only with temperature_floor > 0."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "chunk", "rotary_dim"):
+        for name in ("window", "chunk", "rotary_dim", "temperature_floor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerAttention: {name}={getattr(self, name)}: {name} is a positive count; "
                                  f"give 0 for none (no {'rotation limit' if name == 'rotary_dim' else name})")
@@ -296,6 +321,23 @@ class LayerAttention:
         if not self.rope and (self.rope_theta or self.rotary_dim or self.rope_scaling is not None):
             raise ValueError("LayerAttention: rope=False (a NoPE layer) with its own rope_theta, rope_scaling or "
                              "rotary_dim: a layer without RoPE rotates nothing; drop those or set rope=True")
+        if self.temperature_scale and not self.temperature_floor:
+            raise ValueError(f"LayerAttention: temperature_scale={self.temperature_scale} needs a positive "
+                             "temperature_floor (the positions per step of the temperature)")
+
+    def query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
+        """The factor each query is multiplied by: positions [T] long (global) -> float32 [T], all
+        1.0 without a temperature.
+
+        transformers computes floor((p + 1.0) / floor_scale) and log1p in float32; here the floor
+        is an exact integer division and log1p runs in float64 (rounded once to float32): the
+        same values up to float32 rounding, and exact at positions float32 no longer holds."""
+        if not self.temperature_floor:
+            return torch.ones(positions.shape, dtype=torch.float32, device=positions.device)
+        math_device = torch.device("cpu") if positions.device.type == "mps" else positions.device  # no float64
+        steps = torch.div(positions.to(math_device) + 1, self.temperature_floor, rounding_mode="floor")
+        factor = torch.log1p(steps.to(torch.float64)) * self.temperature_scale + 1.0
+        return factor.to(positions.device, torch.float32)
 
     @property
     def span(self) -> Span:
@@ -315,6 +357,10 @@ class LayerAttention:
             extras.append("sinks")
         if self.softcap:
             extras.append(f"soft-cap {self.softcap:g}")
+        if self.qk_norm_after_rope:
+            extras.append("q/k norm")
+        if self.temperature_floor:
+            extras.append(f"temperature /{self.temperature_floor}")
         return ", ".join([kind, *extras])
 
     @classmethod
@@ -332,7 +378,7 @@ PLAIN_LAYER = LayerAttention()
 
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
-                   "per-layer softmax scale")
+                   "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position")
 """What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -344,7 +390,8 @@ class ModelConfig:
     """Shapes and constants of a Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2-style bias,
     Qwen3-style q/k norms, Seed-OSS, Phi-3) and of the blocks that differ from Llama's in a few
     constants (Gemma 3: (1 + w) norms, four norms a block, GeGLU, scaled embeddings, a soft-capped
-    head: `is_llama_block` says whether a config uses any of them)."""
+    head; Gemma 4: v norms and block scalars too: `is_llama_block` says whether a config uses any
+    of them)."""
 
     name: str
     """Human-readable name: a preset name or the file the config was read from."""
@@ -399,6 +446,10 @@ class ModelConfig:
     """Token embeddings are multiplied by this, rounded to the weights' dtype (Gemma: sqrt(dim))."""
     final_softcap: float = 0.0
     """> 0: logits become final_softcap * tanh(logits / final_softcap) (Gemma 2/3's final_logit_softcapping)."""
+    v_norm: bool = False
+    """Each head's v is RMS-normalised without a weight (eps norm_eps; in float32, rounded once): Gemma 4."""
+    layer_scalars: bool = False
+    """Each block's output is multiplied by its own stored scalar (weights `layer_scalar` [1]: Gemma 4)."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -462,9 +513,11 @@ class ModelConfig:
     @property
     def is_llama_block(self) -> bool:
         """True when the blocks, embedding and head are Llama's (SwiGLU, weight-multiplied norms, two
-        norms a block, unscaled embeddings, no logit soft-cap): what the fused CPU kernels compute."""
+        norms a block, unscaled embeddings, no logit soft-cap, no v norm or block scalars): what the
+        fused CPU kernels compute."""
         return (self.mlp_activation == "silu" and not self.norm_plus_one and not self.post_norms
-                and self.embed_scale == 1.0 and not self.final_softcap)
+                and self.embed_scale == 1.0 and not self.final_softcap and not self.v_norm
+                and not self.layer_scalars)
 
     @property
     def gqa_group(self) -> int:
@@ -482,7 +535,7 @@ class ModelConfig:
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim
+        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim + (1 if self.layer_scalars else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
 
@@ -560,9 +613,10 @@ class ModelConfig:
           max_position_embeddings 131,072, a 128K model): max_seq_len.
         - longrope (Phi-3/3.5/4): max_seq_len, the long factors' length (131,072 over an
           original 4,096 for the 128K models).
+        - proportional (Gemma 4): max_seq_len (it scales no length).
         """
         scaling = self.rope_scaling
-        if scaling is None or scaling.rope_type in ("llama3", "dynamic", "longrope"):
+        if scaling is None or scaling.rope_type in ("llama3", "dynamic", "longrope", "proportional"):
             return self.max_seq_len
         if scaling.rope_type == "linear" and scaling.original_max_position == self.max_seq_len:
             return self.max_seq_len  # no original length given: max_position_embeddings is the scaled one
@@ -591,8 +645,9 @@ def resolve_dtype(dtype: "torch.dtype | str | None") -> "torch.dtype | None":
 _MISSING = object()
 
 _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "silu", "norm_plus_one": False,
-                 "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0}
+                 "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0, "v_norm": False,
+                 "layer_scalars": False}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
-                      "attention_factor": 1.0, "long_factor": (), "short_factor": ()}
+                      "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""

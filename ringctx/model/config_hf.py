@@ -19,24 +19,46 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
-                  "mistral3", "gemma3")
-"""Hugging Face `model_type`s ringctx's decoder runs (mistral3 and gemma3: their text model only,
-see WRAPPERS)."""
+                  "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4")
+"""Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3, gemma4 and llama4: their
+text model only, see WRAPPERS)."""
 
-WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",)}
+WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",), "gemma4": ("gemma4_text",),
+            "llama4": ("llama4_text",)}
 """Image-text models whose `text_config` ringctx runs, with the text model_types it accepts there:
-Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration) and Gemma 3 4B-27B
-(Gemma3ForConditionalGeneration). Their vision tower and projector are ignored (weights_hf.py
-skips those tensors): ringctx reads text prompts only."""
+Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration), Gemma 3 4B-27B
+(Gemma3ForConditionalGeneration) and Llama 4 (Llama4ForConditionalGeneration). Their vision tower
+and projector are ignored (weights_hf.py skips those tensors): ringctx reads text prompts only."""
 
-GEMMA_TYPES = ("gemma3_text",)
-"""model_types with Gemma's block: (1 + w) norms, four norms a block, GeGLU, scaled embeddings."""
+LLAMA4_TYPES = ("llama4_text",)
+"""model_types with Llama 4's attention (chunked RoPE layers with weightless q/k norms, NoPE layers
+with a query temperature; `_llama4_layers`) and interleaved rotary pairs in their checkpoints
+(weights_hf.py permutes those rows at load)."""
+
+LLAMA4_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                   "intermediate_size_mlp": 16384, "attention_chunk_size": 8192, "use_qk_norm": True,
+                   "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                   "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "rope_theta": 500000.0}
+"""Llama4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
+
+GEMMA_TYPES = ("gemma3_text", "gemma4_text")
+"""model_types with Gemma's block: four norms a block, GeGLU, scaled embeddings, q/k norms; (1 + w)
+norms on Gemma 3 only."""
+
+GEMMA4_TYPES = ("gemma4_text",)
+"""Gemma 4's text model: Gemma's block with plain (w) norms, a weightless v norm, a stored scalar
+per block, softmax scale 1, and full layers with their own RoPE ("proportional", partial), maybe
+their own head shape (refused: `_gemma4_refusals`) and keys as values (`attention_k_eq_v`)."""
+
+GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                   "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "global_head_dim": 512,
+                   "num_key_value_heads": 4, "tie_word_embeddings": True}
+"""Gemma4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
 
 PARTIAL_ROTARY_TYPES = ("phi3",)
 """model_types whose partial_rotary_factor ringctx reads (transformers rotates the first dims only)."""
 
 REFUSED_TYPES = {
-    "gemma4": "Gemma 4 is not supported yet", "gemma4_text": "Gemma 4 is not supported yet",
     "gemma3n": "Gemma 3n (hidden_size_per_layer_input: per-layer inputs, AltUp, LAuReL) is not supported yet",
     "gemma3n_text": "Gemma 3n (hidden_size_per_layer_input: per-layer inputs, AltUp, LAuReL) is not supported yet",
     "gemma2": "Gemma 2 is not supported (ringctx runs Gemma 3)",
@@ -49,7 +71,7 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_inte
 """Config keys that declare a mixture-of-experts feed-forward (qwen3_moe, mixtral, gpt_oss, llama4...)."""
 
 PER_LAYER_INPUT_KEYS = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
-"""Config keys of Gemma 3n's per-layer inputs (an embedding added to every layer)."""
+"""Config keys of per-layer inputs (an embedding added to every layer: Gemma 3n, the Gemma 4 edge models)."""
 
 
 def _expert_key(d: Mapping[str, Any]) -> str | None:
@@ -73,12 +95,13 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
         raise unsupported("mlp_bias=true")
     if model_type not in PARTIAL_ROTARY_TYPES and d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
-    experts = _expert_key({k: v for k, v in d.items() if k != "text_config"})
+    # Llama 4 lists its MoE layers itself (`_llama4_layers`): its expert counts are there with or without them
+    experts = None if model_type in LLAMA4_TYPES else _expert_key({k: v for k, v in d.items() if k != "text_config"})
     if experts:
         raise unsupported(f"mixture-of-experts layers ({experts})", yet=True)
     for key in PER_LAYER_INPUT_KEYS:
         if d.get(key):
-            raise unsupported(f"per-layer inputs ({key}={d[key]}, Gemma 3n's)", yet=True)
+            raise unsupported(f"per-layer inputs ({key}={d[key]}: Gemma 3n's, the Gemma 4 edge models')", yet=True)
     capped = () if gemma else ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma's final cap: read
     for key in capped:
         if d.get(key) is not None:
@@ -86,7 +109,9 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
     if gemma and d.get("attn_logit_softcapping") is not None:
         # transformers 5.25's Gemma3Attention never passes it to the attention: refuse, not guess
         raise unsupported(f"attn_logit_softcapping={d['attn_logit_softcapping']} (transformers' Gemma 3 ignores it)")
-    if gemma and d.get("use_bidirectional_attention"):
+    if model_type in GEMMA4_TYPES:
+        _gemma4_refusals(d, unsupported)
+    elif gemma and d.get("use_bidirectional_attention"):
         raise unsupported("use_bidirectional_attention=true (EmbeddingGemma: not a causal decoder)")
     beta = (d.get("rope_parameters") or {}).get("llama_4_scaling_beta", d.get("llama_4_scaling_beta"))
     if beta:
@@ -108,7 +133,8 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported, inv
 
     - mistral, phi3: one sliding window on every layer whenever `sliding_window` is set (their
       models ignore layer_types);
-    - gemma3_text: `layer_types`, else every `sliding_window_pattern`-th layer (default 6) full;
+    - gemma3_text, gemma4_text: `layer_types`, else every `sliding_window_pattern`-th layer
+      (default 6) full; Gemma 4's last layer is full whatever the config says;
     - ministral and others: `layer_types`, else derived as transformers' config classes do:
       qwen2/qwen3 slide from layer `max_window_layers` on when `use_sliding_window`; ministral
       slides everywhere when `sliding_window` is set.
@@ -118,10 +144,13 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported, inv
     window = d.get("sliding_window")
     if model_type in GEMMA_TYPES and not d.get("layer_types"):
         # transformers' Gemma3TextConfig: every `sliding_window_pattern`-th layer (default 6) is full
-        pattern = 6 if d.get("sliding_window_pattern") is None else d["sliding_window_pattern"]
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
-            raise invalid(f"sliding_window_pattern={pattern!r} (a positive layer count: every n-th layer is full); "
-                          "fix it, or give layer_types")
+        if model_type in GEMMA4_TYPES:  # Gemma4TextConfig's pattern is fixed
+            pattern = 6
+        else:
+            pattern = 6 if d.get("sliding_window_pattern") is None else d["sliding_window_pattern"]
+            if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+                raise invalid(f"sliding_window_pattern={pattern!r} (a positive layer count: every n-th layer is "
+                              "full); fix it, or give layer_types")
         d = {**d, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                   for i in range(n_layers)]}
     if model_type in ("mistral", "phi3"):  # MistralModel / Phi3Model: one window on every layer when set
@@ -139,6 +168,8 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported, inv
     if len(kinds) != n_layers:
         raise invalid(f"layer_types lists {len(kinds)} layers for num_hidden_layers={n_layers}: give one entry "
                       "per layer")
+    if model_type in GEMMA4_TYPES and kinds:  # Gemma4TextConfig forces its last layer to full attention
+        kinds[-1] = "full_attention"
     layers = []
     for kind in kinds:
         if kind not in LAYER_TYPES:
@@ -236,7 +267,17 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     absent = [key for key in required if d.get(key) is None]
     if absent:
         raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
-    if model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
+    if model_type in LLAMA4_TYPES:
+        d = {**LLAMA4_DEFAULTS, **d}  # an explicit null stays: attention_chunk_size null means no chunks
+        moe = llama4_moe_layers(d)
+        if moe:
+            raise ValueError(f"{source}: mixture-of-experts layers ({len(moe)} of {d['num_hidden_layers']}: "
+                             f"moe_layers={moe}) are not supported yet; ringctx runs Llama 4 configs whose "
+                             "layers are all dense (moe_layers=[])")
+    if model_type in GEMMA4_TYPES:
+        d = {**GEMMA4_DEFAULTS, **d}
+        _gemma4_refuse_head_shapes(d, unsupported)
+    elif model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
         d = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
              "max_position_embeddings": 131072, **{k: v for k, v in d.items() if v is not None or k not in (
                  "head_dim", "query_pre_attn_scalar")}}
@@ -245,7 +286,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // n_heads
     gemma = model_type in GEMMA_TYPES
     if gemma:
-        rope_theta, rope_scaling, local = _gemma_ropes(d, max_position, unsupported)
+        rope_theta, rope_scaling, local = _gemma_ropes(d, max_position, unsupported, model_type in GEMMA4_TYPES)
     else:
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
         rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
@@ -259,9 +300,12 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             rope["rope_type"] = "longrope"  # Phi3Config's renaming of its older spellings
         original = d.get("original_max_position_embeddings") if model_type == "phi3" else None
         rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported, original)
-    layers = read_layer_attention(d, model_type, unsupported, invalid)
+    if model_type in LLAMA4_TYPES:
+        layers = _llama4_layers(d, unsupported)
+    else:
+        layers = read_layer_attention(d, model_type, unsupported, invalid)
     if gemma:
-        layers = _gemma_layers(d, layers, head_dim, local)
+        layers = _gemma_layers(d, layers, head_dim, local, gemma4=model_type in GEMMA4_TYPES)
     elif model_type == "phi3" and partial != 1.0:
         rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * partial_rotary_factor)
         if rotary_dim % 2 or rotary_dim <= 0:
@@ -275,7 +319,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     else:
         # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3's attention_bias puts one on o_proj too.
         qkv_bias = model_type == "qwen2" or attention_bias
-        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text") and attention_bias
+        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text", "gemma4_text", "llama4_text") and attention_bias
     eos = _as_id_list(d.get("eos_token_id"))
     eos += [i for i in extra_eos if i not in eos]
     return ModelConfig(
@@ -285,7 +329,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         n_layers=int(d["num_hidden_layers"]),
         n_heads=n_heads,
         n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(d["intermediate_size"]),
+        # Llama 4's dense layers are as wide as intermediate_size_mlp (intermediate_size: an expert's)
+        ffn_dim=int(d["intermediate_size_mlp" if model_type in LLAMA4_TYPES else "intermediate_size"]),
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -293,27 +338,74 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         qkv_bias=qkv_bias,
         attn_out_bias=attn_out_bias,
         tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # Gemma 3's configs tie by default
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "gemma4_text"),
         max_seq_len=max_position,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         layer_attention=layers,
         mlp_activation="gelu_tanh" if gemma else "silu",
-        norm_plus_one=gemma,
+        norm_plus_one=model_type == "gemma3_text",
         post_norms=gemma,
         embed_scale=float(int(d["hidden_size"]) ** 0.5) if gemma else 1.0,
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
+        v_norm=model_type in GEMMA4_TYPES,
+        layer_scalars=model_type in GEMMA4_TYPES,
     )
 
 
-def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported) -> tuple[float, RopeScaling | None,
-                                                                                 tuple[float, RopeScaling | None]]:
-    """Gemma 3's two RoPEs: (global base, global scaling, (local base, local scaling)).
+def llama4_moe_layers(d: Mapping[str, Any]) -> list[int]:
+    """The mixture-of-experts layers of a Llama 4 text config, as Llama4TextConfig decides them:
+    `moe_layers` when given (an empty list: every layer dense), else every
+    `interleave_moe_layer_step`-th layer from step - 1 (step 1, the default: every layer)."""
+    if d.get("moe_layers") is not None:
+        return [int(i) for i in d["moe_layers"]]
+    step = int(d.get("interleave_moe_layer_step") or 1)
+    return list(range(step - 1, int(d["num_hidden_layers"]), step))
+
+
+def _llama4_layers(d: Mapping[str, Any], unsupported) -> tuple[LayerAttention, ...]:
+    """Llama 4's layers, as Llama4TextAttention computes them. `no_rope_layers[i]` is 1 where layer
+    i rotates (the name says the opposite; empty or absent: every `no_rope_layer_interval`-th layer,
+    from the interval's last, is NoPE). A RoPE layer attends within aligned chunks of
+    attention_chunk_size (`layer_types` "chunked_attention") and, with use_qk_norm, normalises q and
+    k after RoPE; a NoPE layer attends to every earlier key and, with attn_temperature_tuning,
+    multiplies its queries by log1p(floor((p + 1) / floor_scale)) * attn_scale + 1."""
+    n_layers = int(d["num_hidden_layers"])
+    ropes = d.get("no_rope_layers") or [int((i + 1) % int(d["no_rope_layer_interval"]) != 0) for i in range(n_layers)]
+    if len(ropes) != n_layers:
+        raise unsupported(f"no_rope_layers lists {len(ropes)} layers for num_hidden_layers={n_layers}")
+    chunk = d.get("attention_chunk_size")
+    kinds = d.get("layer_types") or ["chunked_attention" if rope and chunk is not None else "full_attention"
+                                     for rope in ropes]
+    spans = read_layer_attention({**d, "layer_types": kinds, "sliding_window": None}, "llama4_text", unsupported)
+    spans = spans or (LayerAttention(),) * n_layers
+    floor_scale = float(d["floor_scale"])
+    if d["attn_temperature_tuning"] and (floor_scale <= 0 or not floor_scale.is_integer()):
+        raise unsupported(f"floor_scale={d['floor_scale']} (a positive whole number of positions)")
+    layers = []
+    for span, rope in zip(spans, ropes):
+        if rope:
+            layers.append(dataclasses.replace(span, qk_norm_after_rope=bool(d["use_qk_norm"])))
+        elif d["attn_temperature_tuning"]:
+            layers.append(dataclasses.replace(span, rope=False, temperature_floor=int(floor_scale),
+                                              temperature_scale=float(d["attn_scale"])))
+        else:
+            layers.append(dataclasses.replace(span, rope=False))
+    return tuple(layers)
+
+
+def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported, gemma4: bool = False
+                 ) -> tuple[float, RopeScaling | None, tuple[float, RopeScaling | None]]:
+    """Gemma 3's (and 4's) two RoPEs: (global base, global scaling, (local base, local scaling)).
 
     transformers 5 keys `rope_parameters` by layer type ({"full_attention": ..., "sliding_attention":
     ...}); older configs have rope_theta (+ rope_scaling) for the full layers and
     rope_local_base_freq, unscaled, for the sliding ones. Defaults as Gemma3TextConfig: 1e6 and 1e4."""
     params = d.get("rope_parameters") or {}
+    if not params and gemma4:  # Gemma4TextConfig's default RoPEs
+        params = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                     "rope_theta": 1_000_000.0}}
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})
         local = dict(params.get("sliding_attention") or {})
@@ -328,16 +420,53 @@ def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported) -> tuple[
 
 
 def _gemma_layers(d: Mapping[str, Any], layers: tuple[LayerAttention, ...], head_dim: int,
-                  local: tuple[float, RopeScaling | None]) -> tuple[LayerAttention, ...]:
-    """Gemma 3's layers: the sliding ones rotate with the local RoPE; every one scales its queries by
-    query_pre_attn_scalar^-0.5 (Gemma3Attention.scaling) where that differs from head_dim^-0.5."""
+                  local: tuple[float, RopeScaling | None], gemma4: bool = False) -> tuple[LayerAttention, ...]:
+    """Gemma 3's and 4's layers: the sliding ones rotate with the local RoPE; every one scales its
+    queries by query_pre_attn_scalar^-0.5 (Gemma3Attention.scaling) where that differs from
+    head_dim^-0.5, or (Gemma 4, whose q and k are RMS-normed) by 1."""
     scalar = d.get("query_pre_attn_scalar")
-    scale = float(scalar) ** -0.5 if scalar is not None else 0.0
+    scale = 1.0 if gemma4 else float(scalar) ** -0.5 if scalar is not None else 0.0
     if scale == head_dim ** -0.5:
         scale = 0.0  # the default: keeps plain layers plain
     layers = layers or (LayerAttention(),) * int(d["num_hidden_layers"])
     return tuple(dataclasses.replace(layer, scale=scale, **(
         {"rope_theta": local[0], "rope_scaling": local[1]} if layer.window else {})) for layer in layers)
+
+
+def _gemma4_refusals(d: Mapping[str, Any], unsupported) -> None:
+    """Raise unsupported(...) for the Gemma 4 features ringctx does not compute (before defaults:
+    a key absent takes Gemma4TextConfig's default, which for per-layer embeddings is on)."""
+    if d.get("hidden_size_per_layer_input", 256):
+        raise unsupported(f"per-layer embeddings (hidden_size_per_layer_input="
+                          f"{d.get('hidden_size_per_layer_input', 256)}; 0 turns them off)")
+    if d.get("num_kv_shared_layers"):
+        raise unsupported(f"KV sharing across layers (num_kv_shared_layers={d['num_kv_shared_layers']})")
+    if d.get("enable_moe_block"):
+        raise unsupported("mixture-of-experts layers (enable_moe_block=true)")
+    if d.get("use_bidirectional_attention") == "all":
+        raise unsupported("use_bidirectional_attention='all' (not a causal decoder)")
+
+
+def _gemma4_refuse_head_shapes(d: Mapping[str, Any], unsupported) -> None:
+    """Gemma 4's full-attention layers may have their own head_dim and KV heads (the 31B's have
+    512-dim heads where its sliding layers have 256): as Gemma4TextConfig, `per_layer_config` when the
+    config has one, else global_head_dim (default 512) and, with attention_k_eq_v,
+    num_global_key_value_heads. ringctx's KV cache has one shape for every layer: refused unless
+    they equal the sliding layers'. (A config.json saved by transformers lists only the layers
+    whose shape differs, {} when none does; the published ones give global_head_dim.)"""
+    head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // int(d["num_attention_heads"])
+    n_kv = int(d.get("num_key_value_heads") or d["num_attention_heads"])
+    if d.get("per_layer_config") is not None:  # as saved by transformers: only the overrides ({}: none)
+        shapes = {(int(c.get("head_dim") or head_dim), int(c.get("num_key_value_heads") or n_kv))
+                  for c in d["per_layer_config"].values()}
+    else:
+        global_kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v") else None
+        shapes = {(int(d["global_head_dim"]), int(global_kv or n_kv))}
+    for full_head_dim, full_kv in shapes:
+        if (full_head_dim, full_kv) != (head_dim, n_kv):
+            raise unsupported(f"per-layer head shapes (full-attention layers: head_dim={full_head_dim}, "
+                              f"{full_kv} KV heads; sliding layers: {head_dim}, {n_kv}; ringctx's KV cache "
+                              "has one shape for every layer)")
 
 
 def hf_config_dict(self: ModelConfig) -> dict:

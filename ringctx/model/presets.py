@@ -32,14 +32,16 @@ PRESETS: dict[str, ModelConfig] = {
         layer_attention=tuple(LayerAttention() if (i + 1) % 6 == 0 else LayerAttention(window=1024)
                               for i in range(30)),
     ),
-    # Llama 4's attention pattern at a small width (random weights, a dense FFN): 3 layers in
-    # aligned chunks of 8,192 with RoPE, then 1 global NoPE layer; 10M positions. Sized so that a
-    # 1M-token prefill runs the whole path on a 2-core CPU in about an hour (its global layer's
-    # causal attention: 4 * 128 * 10^12 / 2 = 2.6e14 FLOPs).
+    # Llama 4's attention at a small width (random weights, a dense FFN): 3 layers in aligned
+    # chunks of 8,192 with RoPE and weightless q/k norms after it, then 1 global NoPE layer whose
+    # queries warm by position (floor_scale 8,192, attn_scale 0.1: Scout's and Maverick's); 10M
+    # positions. Sized so that a 1M-token prefill runs the whole path on a 2-core CPU in about an
+    # hour (its global layer's causal attention: 4 * 128 * 10^12 / 2 = 2.6e14 FLOPs).
     "tiny-llama4": ModelConfig(
         name="tiny-llama4", vocab_size=1024, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=256,
         head_dim=64, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=10485760, bos_token_id=1, eos_token_ids=(2,),
-        layer_attention=tuple(LayerAttention(rope=False) if (i + 1) % 4 == 0 else LayerAttention(chunk=8192)
+        layer_attention=tuple(LayerAttention(rope=False, temperature_floor=8192, temperature_scale=0.1)
+                              if (i + 1) % 4 == 0 else LayerAttention(chunk=8192, qk_norm_after_rope=True)
                               for i in range(4)),
     ),
     "qwen2.5-0.5b": ModelConfig(

@@ -17,7 +17,8 @@ Numerics follow Hugging Face transformers' Llama / Mistral / Qwen2 / Qwen3 ForCa
 in float32, rotate-half RoPE with cos/sin cast to the activation dtype, SwiGLU and residual adds in
 the activation dtype, logits cast to float32): float32 logits agree to ~1e-5 relative. The same
 holds for the blocks ModelConfig describes beyond Llama's (Seed-OSS, Phi-3, Gemma 3: GeGLU, (1 + w)
-norms, post-norms, scaled embeddings, a soft-capped head). The rotary
+norms, post-norms, scaled embeddings, a soft-capped head; Gemma 4: v norms, block scalars) and for
+Llama 4's attention (q/k norms after RoPE, query temperatures). The rotary
 angles are computed in float64, more accurate than transformers' float32 at long positions.
 """
 
@@ -98,21 +99,35 @@ class RopeAngles(NamedTuple):
         """The angles layer `layer` rotates with: these (every layer shares the model's RoPE)."""
         return self
 
+    def query_temperature(self, layer: int) -> None:
+        """No layer scales its queries by position (see LayerRopes)."""
+        return None
+
 
 class LayerRopes:
     """RoPE angles of T tokens for a model whose layers rotate differently (their own base or
     scaling, partial rotary, NoPE layers): one RopeAngles per distinct RoPE, shared by the layers
-    that use it; `for_layer` gives a layer's (None for a NoPE layer). Sliced like RopeAngles."""
+    that use it; `for_layer` gives a layer's (None for a NoPE layer). Sliced like RopeAngles.
 
-    def __init__(self, angles: list[RopeAngles], of_layer: list[int]):
+    The other per-token quantity a layer may need rides along: `query_temperature(layer)`, the
+    factors [T] its queries are multiplied by (Llama 4's NoPE layers), or None."""
+
+    def __init__(self, angles: list[RopeAngles], of_layer: list[int],
+                 temperatures: "list[torch.Tensor | None] | None" = None):
         self.angles, self.of_layer = angles, of_layer  # of_layer[i]: index into angles, -1: NoPE
+        self.temperatures = temperatures or [None] * len(of_layer)  # per layer: float32 [T] or None
 
     def rows(self, start: int, stop: int) -> "LayerRopes":
-        return LayerRopes([a.rows(start, stop) for a in self.angles], self.of_layer)
+        return LayerRopes([a.rows(start, stop) for a in self.angles], self.of_layer,
+                          [None if t is None else t[start:stop] for t in self.temperatures])
 
     def for_layer(self, layer: int) -> RopeAngles | None:
         index = self.of_layer[layer]
         return None if index < 0 else self.angles[index]
+
+    def query_temperature(self, layer: int) -> torch.Tensor | None:
+        """float32 [T]: what layer `layer` multiplies each token's query by; None: nothing."""
+        return self.temperatures[layer]
 
 
 def apply_rotary(x: torch.Tensor, rope: RopeAngles) -> torch.Tensor:
@@ -175,7 +190,9 @@ class Attention(nn.Module):
     rows in Hugging Face rotate-half order). wo.weight: [dim, Hq * D]. Under tensor parallelism
     `config` is this rank's shard (its heads) and wo's partial outputs are summed over `tp`.
     With `config.qk_norm` (Qwen3), q_norm and k_norm (weights [D], the same for every head, so
-    every TP rank holds them whole) RMS-normalise each head's q and k before RoPE.
+    every TP rank holds them whole) RMS-normalise each head's q and k before RoPE; a layer with
+    `qk_norm_after_rope` (Llama 4's RoPE layers; set by Block) normalises them after RoPE, without
+    weights; with `config.v_norm` (Gemma 4) each head's v is normalised without weights too.
     """
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
@@ -188,9 +205,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
         # Learned sink logits [Hq] (gpt-oss) of this layer, when it has them (set by Block).
         self.sinks: nn.Parameter | None = None
+        # Weightless RMS norm of q and k after RoPE (Llama 4), with this eps; None: none (set by Block).
+        self.norm_after_rope_eps: float | None = None
+        # Weightless RMS norm of v (Gemma 4), with this eps; None: none.
+        self.v_norm_eps: float | None = config.norm_eps if config.v_norm else None
 
-    def project(self, x: torch.Tensor, rope: RopeAngles | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE; rope None: a NoPE layer), v [T, Hkv, D]."""
+    def project(self, x: torch.Tensor, rope: RopeAngles | None,
+                temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE; rope None: a NoPE layer), v [T, Hkv, D].
+
+        temperature: float32 [T] or None, the factors each token's q is multiplied by last."""
         T = x.shape[0]
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias).view(T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
         split = self.n_heads + self.n_kv_heads
@@ -198,7 +222,15 @@ class Attention(nn.Module):
             for norm, heads in ((self.q_norm, qkv[:, : self.n_heads]), (self.k_norm, qkv[:, self.n_heads : split])):
                 heads.copy_(norm.forward(heads.reshape(-1, self.head_dim)).view(heads.shape))
         qk = qkv[:, :split] if rope is None else apply_rotary_(qkv[:, :split], rope)  # q and k heads together
-        return qk[:, : self.n_heads], qk[:, self.n_heads :], qkv[:, split:]
+        if self.norm_after_rope_eps is not None:  # transformers' Llama4TextL2Norm: float32, rounded once
+            qk.copy_(F.rms_norm(qk.float(), (self.head_dim,), None, self.norm_after_rope_eps))
+        if temperature is not None:  # as transformers: (q * float32 factor) rounded once to q's dtype
+            q = qk[:, : self.n_heads]
+            q.copy_(q.float().mul_(temperature.view(T, 1, 1)))
+        v = qkv[:, split:]
+        if self.v_norm_eps is not None:  # transformers' Gemma4RMSNorm(with_scale=False): float32, rounded once
+            v.copy_(F.rms_norm(v.float(), (self.head_dim,), None, self.v_norm_eps))
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """Attention output [T, Hq * D] projected back to [T, dim] (summed over the TP ranks' heads)."""
@@ -265,7 +297,8 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h)); with config.post_norms
-    (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h)))."""
+    (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h))), times
+    the block's layer_scalar with config.layer_scalars (Gemma 4)."""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
         super().__init__()
@@ -279,11 +312,15 @@ class Block(nn.Module):
             self.attention.k_norm = RMSNorm(config.head_dim, config.norm_eps, plus_one)
         if kind.sinks:
             self.attention.sinks = nn.Parameter(torch.zeros(config.n_heads, dtype=torch.float32))
+        if kind.qk_norm_after_rope:
+            self.attention.norm_after_rope_eps = config.norm_eps
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         self.feed_forward = FeedForward(config, tp)
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
+        # Gemma 4: the block's output times a stored scalar [1] (transformers' layer_scalar)
+        self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
         self.span = kind.span
         self.scale = kind.scale or config.head_dim ** -0.5
 
@@ -303,11 +340,12 @@ class Block(nn.Module):
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
         T = x.shape[0]
         attention = self.attention
+        temperature = rope.query_temperature(layer_idx)
         rope = rope.for_layer(layer_idx)
         width = attention.n_heads * attention.head_dim  # explicit: reshape(0, -1) is ambiguous for 0 rows
         slices = row_slices(T, x.dtype)
         if len(slices) == 1:  # one slice: no q/k/v buffers to fill (decode steps stay lean)
-            out = attend(layer_idx, *self._qkv(x, rope))
+            out = attend(layer_idx, *self._qkv(x, rope, temperature))
             return self._after_attention(x, out.reshape(T, width))
 
         q = head_major_rows(T, attention.n_heads, attention.head_dim, x)
@@ -315,7 +353,8 @@ class Block(nn.Module):
         v = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         for start, stop in slices:
             q[start:stop], k[start:stop], v[start:stop] = self._qkv(
-                x[start:stop], None if rope is None else rope.rows(start, stop))
+                x[start:stop], None if rope is None else rope.rows(start, stop),
+                None if temperature is None else temperature[start:stop])
         out = attend(layer_idx, q, k, v).reshape(T, width)
         del q, k, v  # attend copied what it keeps
         # Each slice's result depends on its own rows of x and out only, so when shapes allow it the
@@ -326,17 +365,20 @@ class Block(nn.Module):
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
 
-    def _qkv(self, x: torch.Tensor, rope: RopeAngles | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows x [n, dim] -> q, k (after RoPE), v of those rows."""
-        return self.attention.project(self.attention_norm.forward(x), rope)
+    def _qkv(self, x: torch.Tensor, rope: RopeAngles | None,
+             temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows x [n, dim] (and their query temperatures [n] or None) -> q, k (after RoPE), v of those rows."""
+        return self.attention.project(self.attention_norm.forward(x), rope, temperature)
 
     def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows x [n, dim] and their attention output [n, Hq * D] -> the block's output rows."""
         if self.post_attention_norm is None:
             h = x + self.attention.output(out)
-            return h + self.feed_forward.forward(self.ffn_norm.forward(h))
-        h = x + self.post_attention_norm.forward(self.attention.output(out))
-        return h + self.post_ffn_norm.forward(self.feed_forward.forward(self.ffn_norm.forward(h)))
+            h = h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        else:
+            h = x + self.post_attention_norm.forward(self.attention.output(out))
+            h = h + self.post_ffn_norm.forward(self.feed_forward.forward(self.ffn_norm.forward(h)))
+        return h if self.layer_scalar is None else h.mul_(self.layer_scalar)
 
 
 class Transformer(nn.Module):
@@ -400,7 +442,10 @@ class Transformer(nn.Module):
                 self._long_tables[table] = (len(self._rope_tables), scaling.original_max_position)
                 self._rope_tables.append((torch.tensor(config.rope_inv_freq(layer, long=True), dtype=torch.float64,
                                                        device="cpu"), config.rope_attention_factor(layer)))
-        self._one_rope = self._rope_of_layer == [0] * config.n_layers
+        # Layers whose queries are scaled by their position (Llama 4's NoPE layers): their factors
+        # ride in LayerRopes, computed once per distinct temperature.
+        self._temperature_layers = [i for i in range(config.n_layers) if config.attention(i).temperature_floor]
+        self._one_rope = self._rope_of_layer == [0] * config.n_layers and not self._temperature_layers
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -440,7 +485,8 @@ class Transformer(nn.Module):
 
     def rope(self, positions: torch.Tensor, sequence_end: "int | torch.Tensor | None" = None) -> "RopeAngles | LayerRopes":
         """Rotary cos/sin for positions [T] long (global positions), in the activation dtype: one
-        RopeAngles when every layer rotates alike, else LayerRopes (a RopeAngles per layer).
+        RopeAngles when every layer rotates alike, else LayerRopes (a RopeAngles per layer, and
+        the query temperatures of the layers that have one, also by global position).
 
         Global positions make ring attention exact with any scaling: a rank holding tokens past
         the original context gets the angles one device would. A ValueError for positions the
@@ -469,7 +515,17 @@ class Transformer(nn.Module):
                                          torch.where(pick, long_angles.sin, short_angles.sin)))
             else:
                 angles.append(self._angles(positions, long if end > original else i))
-        return angles[0] if self._one_rope else LayerRopes(angles, self._rope_of_layer)
+        if self._one_rope:
+            return angles[0]
+        temperatures: list[torch.Tensor | None] = [None] * self.config.n_layers
+        computed: dict[tuple[int, float], torch.Tensor] = {}
+        for layer in self._temperature_layers:
+            kind = self.config.attention(layer)
+            key = (kind.temperature_floor, kind.temperature_scale)
+            if key not in computed:
+                computed[key] = kind.query_temperature(positions)
+            temperatures[layer] = computed[key]
+        return LayerRopes(angles, self._rope_of_layer, temperatures)
 
     def _angles(self, positions: torch.Tensor, table: int) -> RopeAngles:
         device = positions.device

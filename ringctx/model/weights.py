@@ -95,6 +95,16 @@ def mlp_rows(config: ModelConfig, which: str) -> tuple[int, int]:
     return (0, config.ffn_dim) if which == "gate" else (config.ffn_dim, 2 * config.ffn_dim)
 
 
+def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Per head, interleaved rotary pairs -> rotate-half halves: each head's D rows (0, D/2, 1,
+    D/2+1, ...) as llama.cpp's Llama conversion and Llama 4's checkpoints order them (pair i in
+    rows 2i, 2i+1) become (0..D/2-1 | D/2..D-1), transformers' Llama order (pair i in rows i, i + D/2).
+    w: [n_heads * D, ...] (a weight or a bias) -> same shape, rows in Hugging Face order.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 @contextlib.contextmanager
 def _no_parameter_init():
     """Skip nn.Linear / nn.Embedding's random init while building: every value is overwritten.
@@ -194,6 +204,9 @@ def init_random(model: Transformer, seed: int = 0) -> None:
         for name, param in model.named_parameters(remove_duplicate=True):
             if name.endswith("norm.weight"):  # a unit gain: 0 where norms multiply by (1 + w) (Gemma)
                 param.fill_(0.0 if model.config.norm_plus_one else 1.0)
+                continue
+            if name.endswith("layer_scalar"):  # Gemma 4's block output scalars: 1, as transformers initialises them
+                param.fill_(1.0)
                 continue
             full_shape, rows, cols = _full_rows(model, name, param)
             row_numel = math.prod(full_shape[1:])

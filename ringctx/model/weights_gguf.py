@@ -28,7 +28,7 @@ from .config import ModelConfig
 from .config_gguf import read_gguf_config, read_gguf_field
 from ..telemetry import release_free_memory
 from .tensor_parallel import NO_TP, TensorParallel
-from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take
+from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -217,16 +217,6 @@ def _tensor_bytes(tensor) -> int:
 
     block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
     return int(tensor.n_elements) // block * type_size
-
-
-def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation: per head, interleaved pairs -> rotate-half halves.
-
-    llama.cpp reorders each head's D rows from (0..D/2-1 | D/2..D-1) to (0, D/2, 1, D/2+1, ...).
-    w: [n_heads * D, ...] (a weight or a bias) -> same shape, rows in Hugging Face order.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:

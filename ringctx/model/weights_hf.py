@@ -14,9 +14,9 @@ import os
 import torch
 
 from .config import ModelConfig
-from .config_hf import read_hf_config
+from .config_hf import GEMMA4_TYPES, LLAMA4_TYPES, WRAPPERS, read_hf_config
 from .tensor_parallel import NO_TP, TensorParallel
-from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take
+from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -24,12 +24,14 @@ INDEX_FILE = "model.safetensors.index.json"
 _NOT_PARAMETERS_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict[str, WeightPiece]:
+def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
+                        mlp: str = "mlp") -> dict[str, WeightPiece]:
     """Hugging Face tensor name -> where it goes (Llama / Mistral / Qwen2 / Qwen3 / Seed-OSS /
-    Gemma 3 naming, text models of image-text checkpoints renamed by `text_tensor_name`), and which
-    slice of it TP rank `tp.rank` holds. `config` is the whole model's. Phi-3's fused qkv_proj and
-    gate_up_proj appear here as their parts (`FUSED_PARTS`), each read from its rows of the file's
-    tensor by `load_hf_weights`."""
+    Gemma 3 / Llama 4 naming, text models of image-text checkpoints renamed by `text_tensor_name`),
+    and which slice of it TP rank `tp.rank` holds. `config` is the whole model's. Phi-3's fused
+    qkv_proj and gate_up_proj appear here as their parts (`FUSED_PARTS`), each read from its rows
+    of the file's tensor by `load_hf_weights`. mlp: the MLP's module name ("feed_forward" in
+    Llama 4's dense layers)."""
     pieces: dict[str, WeightPiece] = {}
     local = tp.shard_config(config)
 
@@ -59,9 +61,11 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP) -> dict
             add(f"{hf}.self_attn.k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
-        add(f"{hf}.mlp.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
-        add(f"{hf}.mlp.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
-        add(f"{hf}.mlp.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
+        if config.layer_scalars:  # Gemma 4: [1], replicated
+            add(f"{hf}.layer_scalar", f"{ours}.layer_scalar")
+        add(f"{hf}.{mlp}.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
+        add(f"{hf}.{mlp}.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
+        add(f"{hf}.{mlp}.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
 
 
@@ -77,7 +81,9 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 Mistral3/Gemma3ForConditionalGeneration as model.language_model.* (+ lm_head.*), the checkpoints
 published before it as language_model.model.* (+ language_model.lm_head.*)."""
 
-_NOT_TEXT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
+_NOT_TEXT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
+                      "model.vision_model.", "vision_model.", "model.embed_vision.", "model.audio_tower.",
+                      "model.embed_audio.")
 """Tensors of an image-text checkpoint's vision side: ringctx runs the text model only, these are skipped."""
 
 
@@ -133,12 +139,54 @@ def safetensors_files(directory: str) -> list[str]:
     return files
 
 
+def text_config_dict(directory: str) -> dict:
+    """config.json as a dict, the text model's (`text_config`) for an image-text wrapper (`WRAPPERS`)."""
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        d = json.load(f)
+    return dict(d.get("text_config") or {}) if d.get("model_type") in WRAPPERS else d
+
+
+def keys_as_values(text: dict, config: ModelConfig) -> dict[str, str]:
+    """Gemma 4 with attention_k_eq_v: its full-attention layers have no v_proj, their values are
+    the k projection's output (before k's norm and RoPE; v then gets its own weightless norm).
+    ringctx's fused projection keeps v rows, so those layers' k_proj tensors fill them too (an
+    exact copy): {k_proj name: v_proj name}, weights and biases."""
+    if text.get("model_type") not in GEMMA4_TYPES or not text.get("attention_k_eq_v"):
+        return {}
+    return {f"model.layers.{i}.self_attn.k_proj.{kind}": f"model.layers.{i}.self_attn.v_proj.{kind}"
+            for i in range(config.n_layers) if not config.attention(i).window for kind in ("weight", "bias")}
+
+
+ROTARY_PROJECTIONS = tuple(f".self_attn.{which}_proj.{kind}" for which in "qk" for kind in ("weight", "bias"))
+"""Name endings of the tensors whose rows RoPE rotates: q and k projections (weights, biases)."""
+
+
+def permute_interleaved_rotary(value: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A Llama 4 q or k projection's rows (weight or bias, this TP rank's whole heads) [H * head_dim,
+    ...] -> the same in ringctx's order.
+
+    Llama 4 rotates each head's dims (2i, 2i+1) as a pair (complex multiplication); ringctx's RoPE
+    (every path: PyTorch, the C and Triton kernels) rotates (i, i + D/2). Reordering each head's
+    rows of q_proj and k_proj from (0, 1, 2, ..., D-1) to (0, 2, ..., D-2, 1, 3, ..., D-1) makes
+    that rotation Llama 4's exactly: pair i keeps its frequency, and q.k, the weightless q/k norm
+    and the query temperature do not depend on the order of a head's dims, which q and k share
+    (v and the output are untouched). llama.cpp's Llama conversion keeps the same order in GGUF
+    files (weights_gguf.py undoes it the same way). Every layer is permuted, NoPE ones too (a
+    no-op for their scores), so that one rule covers the checkpoint."""
+    return unpermute_rotary_rows(value, value.shape[0] // head_dim)
+
+
 def load_hf_weights(model, directory: str) -> None:
-    """Fill `model` (built from this directory's config.json) with its safetensors tensors."""
+    """Fill `model` (built from this directory's config.json) with its safetensors tensors (Llama 4's
+    q/k rows reordered: `permute_interleaved_rotary`)."""
     from safetensors import safe_open
 
     config = model.full_config
-    filler = WeightFiller(model, directory, expected_hf_tensors(config, model.tp))
+    text = text_config_dict(directory)
+    llama4 = text.get("model_type") in LLAMA4_TYPES
+    as_values = keys_as_values(text, config)
+    filler = WeightFiller(model, directory, expected_hf_tensors(config, model.tp,
+                                                                mlp="feed_forward" if llama4 else "mlp"))
     for path in safetensors_files(directory):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -165,7 +213,11 @@ def load_hf_weights(model, directory: str) -> None:
                     except Exception as e:
                         raise ValueError(f"{path}: cannot read tensor {file_name!r} ({type(e).__name__}: {e}); the "
                                          "file is truncated or corrupt, re-download it") from None
+                    if llama4 and part.endswith(ROTARY_PROJECTIONS):
+                        value = permute_interleaved_rotary(value, config.head_dim)
                     filler.put(piece, value)
+                    if part in as_values:  # the same rows, TP slice included (k's and v's are both by KV heads)
+                        filler.put(filler.piece(as_values[part]), value)
                     del value
     filler.finish()
 
