@@ -70,7 +70,7 @@ REFUSED_TYPES = {
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 """Config keys that declare a mixture-of-experts feed-forward (qwen3_moe, mixtral, gpt_oss, llama4...)."""
 
-PER_LAYER_INPUT_KEYS = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
+PER_LAYER_INPUT_KEYS = ("hidden_size_per_layer_input",)  # its vocabulary size is set without them (Gemma 4)
 """Config keys of per-layer inputs (an embedding added to every layer: Gemma 3n, the Gemma 4 edge models)."""
 
 
@@ -99,9 +99,9 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
     experts = None if model_type in LLAMA4_TYPES else _expert_key({k: v for k, v in d.items() if k != "text_config"})
     if experts:
         raise unsupported(f"mixture-of-experts layers ({experts})", yet=True)
-    for key in PER_LAYER_INPUT_KEYS:
+    for key in () if model_type in GEMMA4_TYPES else PER_LAYER_INPUT_KEYS:  # Gemma 4's reader names its own
         if d.get(key):
-            raise unsupported(f"per-layer inputs ({key}={d[key]}: Gemma 3n's, the Gemma 4 edge models')", yet=True)
+            raise unsupported(f"per-layer inputs ({key}={d[key]}, Gemma 3n's)", yet=True)
     capped = () if gemma else ("attn_logit_softcapping", "final_logit_softcapping")  # Gemma's final cap: read
     for key in capped:
         if d.get(key) is not None:
@@ -301,7 +301,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         original = d.get("original_max_position_embeddings") if model_type == "phi3" else None
         rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported, original)
     if model_type in LLAMA4_TYPES:
-        layers = _llama4_layers(d, unsupported)
+        layers = _llama4_layers(d, unsupported, invalid)
     else:
         layers = read_layer_attention(d, model_type, unsupported, invalid)
     if gemma:
@@ -363,7 +363,7 @@ def llama4_moe_layers(d: Mapping[str, Any]) -> list[int]:
     return list(range(step - 1, int(d["num_hidden_layers"]), step))
 
 
-def _llama4_layers(d: Mapping[str, Any], unsupported) -> tuple[LayerAttention, ...]:
+def _llama4_layers(d: Mapping[str, Any], unsupported, invalid) -> tuple[LayerAttention, ...]:
     """Llama 4's layers, as Llama4TextAttention computes them. `no_rope_layers[i]` is 1 where layer
     i rotates (the name says the opposite; empty or absent: every `no_rope_layer_interval`-th layer,
     from the interval's last, is NoPE). A RoPE layer attends within aligned chunks of
@@ -373,11 +373,13 @@ def _llama4_layers(d: Mapping[str, Any], unsupported) -> tuple[LayerAttention, .
     n_layers = int(d["num_hidden_layers"])
     ropes = d.get("no_rope_layers") or [int((i + 1) % int(d["no_rope_layer_interval"]) != 0) for i in range(n_layers)]
     if len(ropes) != n_layers:
-        raise unsupported(f"no_rope_layers lists {len(ropes)} layers for num_hidden_layers={n_layers}")
+        raise invalid(f"no_rope_layers lists {len(ropes)} layers for num_hidden_layers={n_layers}: give one "
+                      "entry per layer")
     chunk = d.get("attention_chunk_size")
     kinds = d.get("layer_types") or ["chunked_attention" if rope and chunk is not None else "full_attention"
                                      for rope in ropes]
-    spans = read_layer_attention({**d, "layer_types": kinds, "sliding_window": None}, "llama4_text", unsupported)
+    spans = read_layer_attention({**d, "layer_types": kinds, "sliding_window": None}, "llama4_text", unsupported,
+                                 invalid)
     spans = spans or (LayerAttention(),) * n_layers
     floor_scale = float(d["floor_scale"])
     if d["attn_temperature_tuning"] and (floor_scale <= 0 or not floor_scale.is_integer()):
