@@ -48,7 +48,7 @@ MINISTRAL = {**SHAPE, "model_type": "ministral", "head_dim": 16, "sliding_window
     ({**SHAPE, "model_type": "gpt_oss", "num_local_experts": 32},
      r"model_type='gpt_oss' \(a mixture of experts: num_local_experts=32, not supported yet"),
     ({"model_type": "llama4", "text_config": {**SHAPE, "model_type": "llama4_text", "num_local_experts": 16}},
-     r"mixture-of-experts layers \(4 of 4: moe_layers=\[0, 1, 2, 3\]\) are not supported yet"),
+     r"mixture-of-experts layers \(2 of 2: moe_layers=\[0, 1\]\) are not supported yet"),
     ({**SHAPE, "model_type": "llama", "num_experts": 8},
      r"mixture-of-experts layers \(num_experts=8\) is not supported yet"),
 ])
