@@ -453,6 +453,12 @@ class KVCache:
         every so often while decoding one sequence (a ring buffer in steps of `least` rows)."""
         if len(spans) != self.n_layers:
             raise ValueError(f"drop_unseen: {len(spans)} spans for a cache of {self.n_layers} layers")
+        # ordinary tensors, not inference ones, even when called under inference_mode (a prefill's
+        # hand-off): the cache is written outside it later (positions of a question's rows)
+        with torch.inference_mode(False):
+            return self._drop_unseen(spans, next_position, least)
+
+    def _drop_unseen(self, spans, next_position, least) -> int:
         in_order = self.in_position_order()
         if not in_order and self.trimmed:
             raise ValueError("a cache whose layers dropped rows keeps them in position order; this one is not")
