@@ -102,3 +102,69 @@ def band_mask(T: int, S: int, q_offset: int = 0, window: int = 0, device=None) -
     if window > 0:
         visible &= rel < window
     return visible
+
+
+def rotate_half_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float64 (Hugging Face layout: pairs (i, i + D/2)) of x [T, H, D] at
+    positions [T] with angular frequencies inv_freq [D/2] -> [T, H, D] float64."""
+    angles = positions.double().view(-1, 1) * inv_freq.double().view(1, -1)  # [T, D/2]
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).unsqueeze(1)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1).unsqueeze(1)
+    x = x.double()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def reference_dual_chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    chunk_size: int,
+    local_size: int,
+    softmax_scale: float | None = None,
+    *,
+    q_factors: torch.Tensor | None = None,
+    k_factors: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual Chunk Attention in float64 from scratch, as vLLM defines it (see attention/dual_chunk.py),
+    on q [T, Hq, D], k, v [S, Hkv, D] *before* RoPE, at global positions q_positions [T] and
+    k_positions [S] of one sequence (causal: key s is seen iff its position <= the query's).
+
+    With L = chunk_size - local_size, keys rotate at s mod L; each (query, key) score uses the
+    query rotated at p mod L when both lie in one chunk of L, at min(p mod L + L, chunk_size) when
+    the key lies in the previous chunk, and at min(2L - 1, chunk_size) further back.
+    q_factors [T] and k_factors [S] (default 1): vLLM's length factors, multiplying each query and key.
+
+    Returns (out [T, Hq, D] float64, lse [Hq, T] float64), as `reference_attention`.
+    """
+    L = chunk_size - local_size
+    T, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    k_rot = rotate_half_rope(k, torch.remainder(k_positions, L), inv_freq)
+    if k_factors is not None:
+        k_rot = k_rot * k_factors.double().view(-1, 1, 1)
+    k_rot = k_rot.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+    intra = torch.remainder(q_positions, L)
+    rotations = [intra, (intra + L).clamp(max=chunk_size), torch.full_like(intra, min(2 * L - 1, chunk_size))]
+    scores = []
+    for pos in rotations:
+        q_rot = rotate_half_rope(q, pos, inv_freq)
+        if q_factors is not None:
+            q_rot = q_rot * q_factors.double().view(-1, 1, 1)
+        scores.append(torch.einsum("htd,hsd->hts", q_rot.transpose(0, 1), k_rot) * scale)
+    distance = (torch.div(q_positions.view(-1, 1), L, rounding_mode="floor")
+                - torch.div(k_positions.view(1, -1), L, rounding_mode="floor"))  # [T, S] chunks apart
+    chosen = torch.where(distance == 0, scores[0], torch.where(distance == 1, scores[1], scores[2]))
+    visible = k_positions.view(1, -1) <= q_positions.view(-1, 1)
+    chosen = chosen.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    v64 = v.double().transpose(0, 1).repeat_interleave(group, dim=0)
+    lse = torch.logsumexp(chosen, dim=-1)
+    finite = torch.isfinite(lse)
+    probs = torch.exp(chosen - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
+    probs = torch.where(finite.unsqueeze(-1), probs, torch.zeros_like(probs))
+    return torch.einsum("hts,hsd->htd", probs, v64).transpose(0, 1).contiguous(), lse

@@ -6,6 +6,8 @@ A span is a rule on global positions. Query at position p sees key at position s
     full            always
     window W        p - s < W                  (Mistral, Gemma 3's local layers, gpt-oss)
     chunk C         p // C == s // C           (Llama 4's chunked layers)
+    dual chunk L    always, but the query is rotated three ways by p // L - s // L (Dual Chunk
+                    Attention, Qwen2.5-1M: see dual_chunk.py); its blocks say which rotation
 
 Every kernel takes one kind of mask, a *band* on a block whose queries and keys each have
 contiguous positions (`attention_block`'s q_offset and window): row i (position q0 + i) sees
@@ -39,16 +41,33 @@ class Span:
     """Sliding window W: a query at p sees keys p-W+1..p. 0: no window."""
     chunk: int = 0
     """Aligned chunk C: a query at p sees keys of its own chunk, from C * (p // C). 0: no chunks."""
+    dual_chunk: int = 0
+    """Dual Chunk Attention's chunk length L (chunk_size - local_size): every earlier key is seen,
+    through one of three query rotations chosen by p // L - s // L (see dual_chunk.py); the query
+    tensor then holds the three versions side by side (`query_versions`). 0: one query."""
 
     def __post_init__(self) -> None:
-        if self.window < 0 or self.chunk < 0:
+        if self.window < 0 or self.chunk < 0 or self.dual_chunk < 0:
             raise ValueError(f"a sliding window and a chunk size are positive token counts (0: none); "
-                             f"got window={self.window}, chunk={self.chunk}")
+                             f"got window={self.window}, chunk={self.chunk}, dual_chunk={self.dual_chunk}")
+        if self.dual_chunk and (self.window or self.chunk):
+            raise ValueError("a dual chunk layer sees every earlier key: it has no window or chunk")
 
     @property
     def is_full(self) -> bool:
-        """True when every earlier key is seen (plain causal attention)."""
+        """True when every earlier key is seen with one query (plain causal attention)."""
+        return self.window == 0 and self.chunk == 0 and self.dual_chunk == 0
+
+    @property
+    def sees_everything(self) -> bool:
+        """True when a query sees every earlier key (full or dual chunk): nothing can be skipped."""
         return self.window == 0 and self.chunk == 0
+
+    @property
+    def query_versions(self) -> int:
+        """How many rotated versions of each query head an attention call gets: 3 for dual chunk
+        (intra, succ, inter, stacked as heads [0, Hq), [Hq, 2Hq), [2Hq, 3Hq)), else 1."""
+        return 3 if self.dual_chunk else 1
 
     def first_visible(self, position: int) -> int:
         """The first key position a query at `position` sees."""
@@ -91,7 +110,8 @@ class Band(NamedTuple):
     """One attention call of a span: query rows q_start..q_end-1 against key rows k_start..k_end-1.
 
     causal False: every query sees every key. True: row i sees key j iff j <= i + q_offset and
-    (window == 0 or j > i + q_offset - window) (`attention_block`'s band)."""
+    (window == 0 or j > i + q_offset - window) (`attention_block`'s band). query: which rotated
+    version of the queries the block uses (dual chunk: 0 intra, 1 succ, 2 inter; else 0)."""
 
     q_start: int
     q_end: int
@@ -100,6 +120,7 @@ class Band(NamedTuple):
     causal: bool
     q_offset: int = 0
     window: int = 0
+    query: int = 0
 
 
 def runs_of(positions: torch.Tensor, row: int = 0) -> list[Run]:
@@ -126,6 +147,8 @@ def band_blocks(span: Span, q_runs: Iterable[Run], k_runs: Iterable[Run]) -> lis
         [Band(q_start=0, q_end=4, k_start=8, k_end=14, causal=True, q_offset=2, window=3)]
     """
     k_runs = list(k_runs)
+    if span.dual_chunk:
+        return _dual_chunk_blocks(span.dual_chunk, q_runs, k_runs)
     blocks: list[Band] = []
     for q in q_runs:
         for q_sub in _chunk_pieces(span, q):  # each piece's queries share one chunk
@@ -144,6 +167,26 @@ def band_blocks(span: Span, q_runs: Iterable[Run], k_runs: Iterable[Run]) -> lis
                 window = span.window if span.window and last - lo >= span.window else 0
                 blocks.append(Band(q_sub.row, q_sub.row + q_sub.length, k_start, k_start + hi - lo,
                                    not full, 0 if full else q_offset, 0 if full else window))
+    return blocks
+
+
+def _dual_chunk_blocks(L: int, q_runs: Iterable[Run], k_runs: list[Run]) -> list[Band]:
+    """band_blocks of a dual chunk span of chunk length L: each query run, cut at multiples of L,
+    sees the keys of its own chunk causally with the intra rotation (an aligned-chunk span's
+    blocks), those of the previous chunk with the succ rotation and everything before that with
+    the inter rotation (full blocks: those keys all precede the queries)."""
+    blocks = []
+    for q in q_runs:
+        for piece in _chunk_pieces(Span(chunk=L), q):
+            blocks.extend(band_blocks(Span(chunk=L), [piece], k_runs))  # intra: query version 0
+            start = piece.position - piece.position % L  # the piece's chunk starts here
+            for version, lo, hi in ((1, start - L, start), (2, 0, start - L)):  # succ, inter
+                for k in k_runs:
+                    a, b = max(k.position, lo), min(k.position + k.length, hi)
+                    if a < b:
+                        k_start = k.row + a - k.position
+                        blocks.append(Band(piece.row, piece.row + piece.length, k_start, k_start + b - a, False,
+                                           query=version))
     return blocks
 
 
@@ -192,6 +235,11 @@ class KeyRows(NamedTuple):
     runs: list[Run]
 
 
+def query_heads(q: torch.Tensor, softmax: LayerSoftmax | None) -> int:
+    """Hq of a layer's queries q [T, versions * Hq, D] (dual chunk layers stack three versions)."""
+    return q.shape[1] // (1 if softmax is None else softmax.span.query_versions)
+
+
 def is_plain(softmax: LayerSoftmax | None) -> bool:
     """True when a layer's attention is plain causal softmax attention (any scale): the fused and
     specialised paths, written for that, apply."""
@@ -205,13 +253,16 @@ def span_attention(q: torch.Tensor, q_runs: list[Run], sources: list[KeyRows], s
     partial result (sinks are not applied: `LayerSoftmax.finish` does, once, after every merge).
 
     All queries and keys must belong to one sequence (positions are compared as such). A query
-    that sees no key gets out 0 and lse -inf.
+    that sees no key gets out 0 and lse -inf. A dual chunk layer's q is [T, 3 * Hq, D], its three
+    rotations side by side (`Span.query_versions`); the result has Hq heads.
     """
-    T, Hq, D = q.shape
+    T, heads, D = q.shape
+    Hq = heads // softmax.span.query_versions
     acc = PartialAccumulator(T, Hq, D, device=q.device)
     for source in sources:
         for b in band_blocks(softmax.span, q_runs, source.runs):
-            out, lse = attention_block(q[b.q_start:b.q_end], source.k[b.k_start:b.k_end], source.v[b.k_start:b.k_end],
+            queries = q[b.q_start:b.q_end, b.query * Hq:(b.query + 1) * Hq]
+            out, lse = attention_block(queries, source.k[b.k_start:b.k_end], source.v[b.k_start:b.k_end],
                                        causal=b.causal, q_offset=b.q_offset, window=b.window,
                                        softcap=softmax.softcap, softmax_scale=softmax.scale, backend=backend,
                                        one_sequence=one_sequence)
