@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..attention.dual_chunk import DualChunk
 from ..attention.spans import Span
 
 
@@ -303,6 +304,9 @@ class LayerAttention:
     attn_scale). Keys and values are untouched, so caches and the ring are unchanged. 0: none."""
     temperature_scale: float = 0.0
     """The slope of that temperature (Llama 4's attn_scale); read only with temperature_floor > 0."""
+    dual_chunk: DualChunk | None = None
+    """Dual Chunk Attention (Qwen2.5-1M's `dual_chunk_attention_config`, dense): keys rotate at
+    their position mod chunk_len, queries three ways (attention/dual_chunk.py). None: plain RoPE."""
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk", "rotary_dim", "temperature_floor"):
@@ -324,6 +328,14 @@ class LayerAttention:
         if self.temperature_scale and not self.temperature_floor:
             raise ValueError(f"LayerAttention: temperature_scale={self.temperature_scale} needs a positive "
                              "temperature_floor (the positions per step of the temperature)")
+        if isinstance(self.dual_chunk, Mapping):  # a saved config's dict
+            object.__setattr__(self, "dual_chunk", DualChunk(**self.dual_chunk))
+        if self.dual_chunk is not None and (self.window or self.chunk or not self.rope or self.rotary_dim
+                                            or self.rope_scaling is not None or self.qk_norm_after_rope
+                                            or self.temperature_floor):
+            raise ValueError("LayerAttention: dual chunk attention is computed for full layers with the whole "
+                             "head rotating and unscaled RoPE (no window, chunk, NoPE, partial rotary, scaling, "
+                             "norm after RoPE or query temperature)")
 
     def query_temperature(self, positions: torch.Tensor) -> torch.Tensor:
         """The factor each query is multiplied by: positions [T] long (global) -> float32 [T], all
@@ -342,7 +354,8 @@ class LayerAttention:
     @property
     def span(self) -> Span:
         """Which earlier keys this layer's queries see."""
-        return Span(window=self.window, chunk=self.chunk)
+        return Span(window=self.window, chunk=self.chunk,
+                    dual_chunk=self.dual_chunk.chunk_len if self.dual_chunk else 0)
 
     @property
     def is_plain(self) -> bool:
@@ -350,8 +363,10 @@ class LayerAttention:
         return self == LayerAttention()
 
     def describe(self) -> str:
-        """A few words for tables: 'full', 'window 4096', 'chunk 8192', with ', NoPE' etc."""
-        kind = f"window {self.window}" if self.window else f"chunk {self.chunk}" if self.chunk else "full"
+        """A few words for tables: 'full', 'window 4096', 'chunk 8192', 'dual chunk 262144/8192',
+        with ', NoPE' etc."""
+        kind = f"window {self.window}" if self.window else f"chunk {self.chunk}" if self.chunk else \
+            self.dual_chunk.describe() if self.dual_chunk else "full"
         extras = [] if self.rope else ["NoPE"]
         if self.sinks:
             extras.append("sinks")
@@ -378,7 +393,8 @@ PLAIN_LAYER = LayerAttention()
 
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
-                   "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position")
+                   "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position",
+                   "dual chunk attention (dense)")
 """What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -472,6 +488,12 @@ class ModelConfig:
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
                              f"(one of {', '.join(MLP_ACTIVATIONS)})")
+        if self.rope_scaling is not None and any(layer.dual_chunk and not layer.rope_theta for layer in layers):
+            raise ValueError(f"ModelConfig {self.name!r}: dual chunk attention with rope_type "
+                             f"{self.rope_scaling.rope_type!r}: DCA rotates with plain RoPE (as vLLM); drop one of them")
+        if self.v_norm and any(layer.dual_chunk for layer in layers):
+            raise ValueError(f"ModelConfig {self.name!r}: dual chunk attention with a v norm (Gemma 4's) is not "
+                             "computed; DCA layers are Qwen2's")
         for i, layer in enumerate(layers):
             if layer.rotary_dim > self.head_dim:
                 raise ValueError(f"ModelConfig {self.name!r}: layer {i} rotates {layer.rotary_dim} dims "
@@ -614,6 +636,10 @@ class ModelConfig:
         - longrope (Phi-3/3.5/4): max_seq_len, the long factors' length (131,072 over an
           original 4,096 for the 128K models).
         - proportional (Gemma 4): max_seq_len (it scales no length).
+        - dual chunk attention (Qwen2.5-7B/14B-Instruct-1M; plain RoPE, see LayerAttention): its
+          rotations never exceed chunk_size whatever the length, and the checkpoint states the
+          length DCA extends to as max_position_embeddings (1,010,000 over a chunk_size of
+          262,144): max_seq_len, the plain-RoPE line.
         """
         scaling = self.rope_scaling
         if scaling is None or scaling.rope_type in ("llama3", "dynamic", "longrope", "proportional"):

@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from ..attention.dual_chunk import DualChunk
 from .config import LayerAttention, ModelConfig, RopeScaling
 
 
@@ -304,6 +305,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         layers = _llama4_layers(d, unsupported, invalid)
     else:
         layers = read_layer_attention(d, model_type, unsupported, invalid)
+    if d.get("dual_chunk_attention_config"):
+        layers = _dual_chunk_layers(d, model_type, layers, rope_scaling, unsupported, invalid)
     if gemma:
         layers = _gemma_layers(d, layers, head_dim, local, gemma4=model_type in GEMMA4_TYPES)
     elif model_type == "phi3" and partial != 1.0:
@@ -419,6 +422,31 @@ def _gemma_ropes(d: Mapping[str, Any], max_position: int, unsupported, gemma4: b
     local_theta = float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0)))
     return (full_theta, RopeScaling.from_hf(full, max_position, unsupported),
             (local_theta, RopeScaling.from_hf(local, max_position, unsupported)))
+
+
+def _dual_chunk_layers(d: Mapping[str, Any], model_type: str, layers: tuple[LayerAttention, ...],
+                       rope_scaling: RopeScaling | None, unsupported, invalid) -> tuple[LayerAttention, ...]:
+    """Every layer with Dual Chunk Attention, from a qwen2 config's `dual_chunk_attention_config`
+    (Qwen2.5-7B/14B-Instruct-1M: chunk_size 262144, local_size 8192, original_max_position_embeddings
+    262144), as vLLM's Qwen2 reads it (its defaults: chunk_size 8192, local_size 1024, no length
+    scaling). Only the dense attention is computed: the sparse_attention_* entries (vLLM's
+    vertical-and-slash approximation for long prompts) are ignored."""
+    config = d["dual_chunk_attention_config"]
+    if model_type != "qwen2":
+        raise unsupported("dual_chunk_attention_config (ringctx reads it from qwen2 configs, as vLLM)")
+    if not isinstance(config, Mapping):
+        raise invalid(f"dual_chunk_attention_config={config!r}: give a dict with chunk_size and local_size")
+    if rope_scaling is not None:
+        raise unsupported(f"dual_chunk_attention_config with rope_type {rope_scaling.rope_type!r} "
+                          "(DCA rotates with plain RoPE, as vLLM)")
+    if layers:
+        raise unsupported("dual_chunk_attention_config with sliding-window layers")
+    try:
+        dca = DualChunk(int(config.get("chunk_size", 8192)), int(config.get("local_size", 1024)),
+                        int(config.get("original_max_position_embeddings") or 0))
+    except (TypeError, ValueError) as e:
+        raise invalid(f"dual_chunk_attention_config={dict(config)}: {e}") from None
+    return (LayerAttention(dual_chunk=dca),) * int(d["num_hidden_layers"])
 
 
 def _gemma_layers(d: Mapping[str, Any], layers: tuple[LayerAttention, ...], head_dim: int,

@@ -328,10 +328,12 @@ class LocalDecoder:
     def prefill(self, token_ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             # Long prompts in chunks bound the activation memory (each chunk attends to the cache).
+            # Every chunk rotates as the whole prompt does (LongRoPE's factors, DCA's length factor).
             chunks = token_ids.split(self.prefill_chunk or token_ids.numel())
+            end = self.cache.length + token_ids.numel()
             for chunk in chunks[:-1]:
-                forward_with_cache(self.model, chunk, self.cache, logits="none")
-            return forward_with_cache(self.model, chunks[-1], self.cache)
+                forward_with_cache(self.model, chunk, self.cache, logits="none", sequence_end=end)
+            return forward_with_cache(self.model, chunks[-1], self.cache, sequence_end=end)
 
     def step(self, token: int) -> torch.Tensor:
         if self._step is None:  # after the prompt: the fused CPU kernel where it applies

@@ -34,7 +34,7 @@ import torch
 
 from ..attention import PartialAccumulator, attention_block, attention_with_cache
 from ..attention import quant
-from ..attention.spans import KeyRows, LayerSoftmax, Run, Span, is_plain, runs_of, span_attention
+from ..attention.spans import KeyRows, LayerSoftmax, Run, Span, is_plain, query_heads, runs_of, span_attention
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from .config import ModelConfig
 from ..host_memory import collapse_steps, host_tensors
@@ -336,7 +336,9 @@ class KVCache:
         first = min(softmax.span.first_visible(p) for p in q_positions)
         wanted = [r for r in k_runs if r.position + r.length > first]  # rows any query may see
         if not wanted:
-            return (q.new_zeros(q.shape), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device))
+            heads = query_heads(q, softmax)  # a dual chunk layer's q holds three versions of each head
+            return (q.new_zeros(q.shape[0], heads, q.shape[2]),
+                    torch.full((heads, q.shape[0]), float("-inf"), device=q.device))
         lo, hi = min(r.row for r in wanted), max(r.row + r.length for r in wanted)
         k, v = self.read_rows(layer, lo, hi, q.dtype)  # views; dequantized rows of 8-bit caches
         runs = [Run(r.row - lo, r.position, r.length) for r in wanted]
@@ -578,16 +580,19 @@ def write_rows(buffer: torch.Tensor, rows, values: torch.Tensor) -> None:
         buffer.index_copy_(0, rows, values)
 
 
-def forward_with_cache(model, token_ids: torch.Tensor, cache: KVCache, *, logits="last", backend: str = "auto"):
+def forward_with_cache(model, token_ids: torch.Tensor, cache: KVCache, *, logits="last", backend: str = "auto",
+                       sequence_end: int | None = None):
     """Run `model` on the next T tokens of the cached sequence and advance `cache.length` by T.
 
     token_ids [T] long; positions are cache.length .. cache.length+T-1. Returns what
-    `Transformer.forward` returns for `logits` (float32 [1, vocab] for "last").
+    `Transformer.forward` returns for `logits` (float32 [1, vocab] for "last"). sequence_end:
+    the whole prompt's end when it is prefilled in pieces (`Transformer.rope`).
     """
     T = token_ids.shape[0]
     cache.ensure_room(T)
     start = cache.length
     positions = torch.arange(start, start + T, device=token_ids.device)
-    out = model(token_ids, positions, cache.attend(start, backend, model.layer_softmax), logits=logits)
+    out = model(token_ids, positions, cache.attend(start, backend, model.layer_softmax), logits=logits,
+                sequence_end=sequence_end)
     cache.length = start + T
     return out

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.dual_chunk import DualChunk
 from ..attention.spans import LayerSoftmax
 from .config import ModelConfig
 from ..kernels import cpu, selection
@@ -40,7 +41,10 @@ from .tensor_parallel import NO_TP, TensorParallel
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> out [T, Hq, D] in q's dtype.
 
-q and k arrive after RoPE at the tokens' global positions. They may be non-contiguous views of one
+q and k arrive after RoPE at the tokens' global positions. A dual chunk layer (Dual Chunk Attention)
+gets q [T, 3 * Hq, D], its three rotations side by side (intra heads [0, Hq), succ [Hq, 2Hq), inter
+[2Hq, 3Hq): `DualChunkAngles`), and k rotated at position mod chunk_len; it returns [T, Hq, D] all the
+same (`span_attention` and the ring read the layer's `LayerSoftmax.span`). They may be non-contiguous views of one
 fused projection; an implementation that keeps them beyond the call must copy them. The returned
 tensor belongs to the caller (a block may overwrite it), so it must not be one the implementation
 keeps or a view of its inputs."""
@@ -102,6 +106,33 @@ class RopeAngles(NamedTuple):
     def query_temperature(self, layer: int) -> None:
         """No layer scales its queries by position (see LayerRopes)."""
         return None
+
+
+class DualChunkAngles(NamedTuple):
+    """The angles of a Dual Chunk Attention layer for T tokens (attention/dual_chunk.py): the keys'
+    (at position mod chunk_len) and the queries' three rotations, each a RopeAngles whose cos and
+    sin carry the length factor (1 up to original_max_position)."""
+
+    key: RopeAngles
+    intra: RopeAngles
+    succ: RopeAngles
+    inter: RopeAngles
+
+    def rows(self, start: int, stop: int) -> "DualChunkAngles":
+        return DualChunkAngles(*(a.rows(start, stop) for a in self))
+
+    def for_layer(self, layer: int) -> "DualChunkAngles":
+        return self
+
+    def query_temperature(self, layer: int) -> None:
+        """A dual chunk layer scales no query by position (its length factor is in the angles)."""
+        return None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] (k a buffer the caller owns) -> (q [T, 3 * Hq, D]: the three
+        rotations side by side, k rotated in place)."""
+        q3 = torch.cat([apply_rotary(q, a) for a in (self.intra, self.succ, self.inter)], dim=1)
+        return q3, apply_rotary_(k, self.key)
 
 
 class LayerRopes:
@@ -210,9 +241,10 @@ class Attention(nn.Module):
         # Weightless RMS norm of v (Gemma 4), with this eps; None: none.
         self.v_norm_eps: float | None = config.norm_eps if config.v_norm else None
 
-    def project(self, x: torch.Tensor, rope: RopeAngles | None,
+    def project(self, x: torch.Tensor, rope: "RopeAngles | DualChunkAngles | None",
                 temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE; rope None: a NoPE layer), v [T, Hkv, D].
+        """x [T, dim] -> q [T, Hq, D], k [T, Hkv, D] (both after RoPE; rope None: a NoPE layer;
+        DualChunkAngles: q [T, 3 * Hq, D], see `DualChunkAngles.rotate`), v [T, Hkv, D].
 
         temperature: float32 [T] or None, the factors each token's q is multiplied by last."""
         T = x.shape[0]
@@ -221,6 +253,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, before RoPE (Qwen3); rows of [T * H, D] for the kernel
             for norm, heads in ((self.q_norm, qkv[:, : self.n_heads]), (self.k_norm, qkv[:, self.n_heads : split])):
                 heads.copy_(norm.forward(heads.reshape(-1, self.head_dim)).view(heads.shape))
+        if isinstance(rope, DualChunkAngles):  # no norm after RoPE, temperature or v norm (ModelConfig refuses them)
+            return (*rope.rotate(qkv[:, : self.n_heads], qkv[:, self.n_heads : split]), qkv[:, split:])
         qk = qkv[:, :split] if rope is None else apply_rotary_(qkv[:, :split], rope)  # q and k heads together
         if self.norm_after_rope_eps is not None:  # transformers' Llama4TextL2Norm: float32, rounded once
             qk.copy_(F.rms_norm(qk.float(), (self.head_dim,), None, self.norm_after_rope_eps))
@@ -348,7 +382,7 @@ class Block(nn.Module):
             out = attend(layer_idx, *self._qkv(x, rope, temperature))
             return self._after_attention(x, out.reshape(T, width))
 
-        q = head_major_rows(T, attention.n_heads, attention.head_dim, x)
+        q = head_major_rows(T, attention.n_heads * self.span.query_versions, attention.head_dim, x)
         k = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         v = head_major_rows(T, attention.n_kv_heads, attention.head_dim, x)
         for start, stop in slices:
@@ -423,15 +457,19 @@ class Transformer(nn.Module):
         # with the long factors: _long_tables[table] = (its index in _rope_tables, original length).
         self._rope_tables: list[tuple[torch.Tensor, float]] = []
         self._long_tables: dict[int, tuple[int, int]] = {}
+        self._dual_chunk_tables: dict[int, DualChunk] = {}  # a dual chunk layer's table: its rotations
         self._rope_of_layer: list[int] = []
         keys: dict = {}
         for i in range(config.n_layers):
             if not config.attention(i).rope:
                 self._rope_of_layer.append(-1)
                 continue
-            key = config.rope_of(i)
+            dual_chunk = config.attention(i).dual_chunk
+            key = (*config.rope_of(i), dual_chunk)
             if key not in keys:
                 keys[key] = len(self._rope_tables)
+                if dual_chunk is not None:
+                    self._dual_chunk_tables[keys[key]] = dual_chunk
                 self._rope_tables.append((torch.tensor(config.rope_inv_freq(i), dtype=torch.float64, device="cpu"),
                                           config.rope_attention_factor(i)))
             self._rope_of_layer.append(keys[key])
@@ -498,15 +536,21 @@ class Transformer(nn.Module):
         prefilled in pieces, and every ring rank's share, rotates as one call over it would. A
         LongTensor [T]: each row's own end (a batched decode step, whose rows are different
         sequences: positions + 1, each as its sequence's step alone would choose).
+
+        Dual chunk layers get DualChunkAngles, whose length factor is that of a sequence of
+        sequence_end tokens (per row for a tensor), as vLLM scales a prompt's keys and queries by
+        its whole length and a decoded token's by position + 1 (attention/dual_chunk.py).
         """
         check_rope_positions(self.config, positions)
         angles = []
-        if self._long_tables:
+        if self._long_tables or self._dual_chunk_tables:
             end = sequence_end if sequence_end is not None else (
                 int(positions.max()) + 1 if positions.numel() else 0)
         for i in range(len(self._rope_tables) - len(self._long_tables)):
             long, original = self._long_tables.get(i, (i, 0))
-            if not original:
+            if i in self._dual_chunk_tables:
+                angles.append(self._dual_chunk_angles(positions, i, self._dual_chunk_tables[i], end))
+            elif not original:
                 angles.append(self._angles(positions, i))
             elif isinstance(end, torch.Tensor):  # per row: a batch step's sequences each decide
                 short_angles, long_angles = self._angles(positions, i), self._angles(positions, long)
@@ -527,7 +571,19 @@ class Transformer(nn.Module):
             temperatures[layer] = computed[key]
         return LayerRopes(angles, self._rope_of_layer, temperatures)
 
-    def _angles(self, positions: torch.Tensor, table: int) -> RopeAngles:
+    def _dual_chunk_angles(self, positions: torch.Tensor, table: int, dca: DualChunk,
+                           end: "int | torch.Tensor") -> DualChunkAngles:
+        """A dual chunk layer's angles: keys at position mod chunk_len, the queries' three
+        rotations (DualChunk.query_positions), all times the length factor of `end` tokens."""
+        lengths = end if isinstance(end, torch.Tensor) else None
+        factor = dca.length_factor(lengths.cpu() if lengths is not None else end)
+        key = self._angles(dca.key_positions(positions), table, factor)
+        return DualChunkAngles(key, *(self._angles(p, table, factor) for p in dca.query_positions(positions)))
+
+    def _angles(self, positions: torch.Tensor, table: int,
+                row_factor: "float | torch.Tensor" = 1.0) -> RopeAngles:
+        """RopeAngles of `positions` [T] with table `table`; cos and sin times row_factor (a float
+        or a float64 [T] tensor: dual chunk attention's length factor)."""
         device = positions.device
         math_device = torch.device("cpu") if device.type == "mps" else device  # MPS has no float64
         inv_freq, factor = self._rope_tables[table]
@@ -538,6 +594,11 @@ class Transformer(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor
+        if isinstance(row_factor, torch.Tensor):
+            row_factor = row_factor.to(math_device, torch.float64).view(-1, 1)
+            cos, sin = cos * row_factor, sin * row_factor
+        elif row_factor != 1.0:
+            cos, sin = cos * row_factor, sin * row_factor
         cos = torch.cat((cos, cos), dim=-1).to(device, self.dtype)
         sin = torch.cat((-sin, sin), dim=-1).to(device, self.dtype)
         return RopeAngles(cos[:, None, :], sin[:, None, :])
@@ -569,6 +630,7 @@ class Transformer(nn.Module):
         attend: Attend,
         *,
         logits: LogitsSpec = "last",
+        sequence_end: int | None = None,
     ) -> torch.Tensor | None:
         """Run all blocks over T tokens and return float32 logits of the requested rows.
 
@@ -578,12 +640,14 @@ class Transformer(nn.Module):
             attend: attend(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D].
             logits: "last" -> [1, vocab] for the last row; "all" -> [T, vocab]; "none" -> None;
                 a LongTensor of row indices [N] -> [N, vocab].
+            sequence_end: one past the last position of the whole prompt (see `rope`; default:
+                the largest position + 1). A prompt prefilled in pieces passes its end.
         """
         if token_ids.dim() != 1 or positions.shape != token_ids.shape:
             raise ValueError(f"token_ids and positions must both be 1-D [T]; got {tuple(token_ids.shape)} "
                              f"and {tuple(positions.shape)} (ringctx has no batch dimension)")
         x = self.embed(token_ids)
-        rope = self.rope(positions)
+        rope = self.rope(positions, sequence_end)
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, rope, attend, i)
         if isinstance(logits, str):
