@@ -528,6 +528,11 @@ class ModelConfig:
         return " + ".join(f"{n} {text}" for text, n in counts.items())
 
     @property
+    def has_dual_chunk(self) -> bool:
+        """True when some layer runs Dual Chunk Attention (its queries come in three rotations)."""
+        return any(layer.dual_chunk is not None for layer in self.layer_attention)
+
+    @property
     def has_plain_attention(self) -> bool:
         """True when every layer is plain causal attention with the model's RoPE."""
         return not self.layer_attention

@@ -56,6 +56,9 @@ class BlockTask:
     """The band's offset: query row i sees key rows up to i + q_offset (windowed and chunked layers)."""
     window: int = 0
     """The band's sliding window (0: none)."""
+    query: int = 0
+    """Which rotated version of the queries the block uses (dual chunk layers: 0 intra, 1 succ,
+    2 inter; see attention/dual_chunk.py); 0 elsewhere."""
 
 
 @dataclass(frozen=True)

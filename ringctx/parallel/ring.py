@@ -81,6 +81,9 @@ def ring_attention(
             takes neither ring: each rank sends the rows of its KV that another rank's queries see,
             straight to it, and nothing else (a window W needs about W rows from the neighbour
             piece), whichever `strategy` is named. Sinks are not applied (`LayerSoftmax.finish`).
+            A dual chunk layer (q [T_r, 3 * Hq, D], its three rotations side by side) sees every
+            earlier key: it runs pass-KV whichever `strategy` is named. Its queries would travel
+            in three versions under pass-Q, three times the bytes that make pass-Q worth it.
         cached_from: with a span, cached_k/v hold this rank's cached rows from row `cached_from` on
             (a document's windowed or chunked layer dropped the rows before it, which no query of
             this call sees: `KVCache.drop_unseen`); 0 without a span.
@@ -102,7 +105,7 @@ def ring_attention(
     """
     rank, world = rank_and_world(group)
     problem = _local_problem(q, k, v, cached_k, cached_v, layout, rank, world, strategy, group, cached_from)
-    if problem is None and cached_from and (softmax is None or softmax.span.is_full):
+    if problem is None and cached_from and (softmax is None or softmax.span.sees_everything):
         problem = f"cached_from={cached_from} drops cached rows, which only a windowed or chunked layer may"
 
     if world > 1 and check_across_ranks:
@@ -119,8 +122,10 @@ def ring_attention(
     run = _RingRun(q, k, v, cached_k, cached_v, layout, rank, world, group, softmax, backend, stats, cached_from)
     if layout.total_new == 0:
         return run.empty_result()
-    if not softmax.span.is_full:
+    if not softmax.span.sees_everything:
         return run.span_exchange()
+    if softmax.span.dual_chunk:
+        return run.pass_kv()  # see the docstring: DCA's queries stay where they are
     return run.pass_kv() if strategy == "pass-kv" else run.pass_q()
 
 
@@ -134,10 +139,12 @@ class _RingRun:
         self.layout, self.rank, self.world, self.group = layout, rank, world, group
         self.softmax, self.scale, self.backend, self.stats = softmax, softmax.scale, backend, stats
         self.rows, self.heads, self.head_dim = q.shape
+        self.heads //= softmax.span.query_versions  # dual chunk: q holds three versions of each head
         self.ring = Ring(group) if world > 1 else None
 
     def empty_result(self):
-        return self.q.new_zeros(self.q.shape), torch.full((self.heads, 0), float("-inf"), device=self.q.device)
+        return (self.q.new_zeros(self.rows, self.heads, self.head_dim),
+                torch.full((self.heads, 0), float("-inf"), device=self.q.device))
 
     def kv_message(self, rows: int, first: int = 0) -> torch.Tensor:
         """This rank's KV message: K and V of its cached + new tokens in message order, stored
@@ -194,7 +201,10 @@ class _RingRun:
         with span("attention", "compute", q_rank=q_rank, kv_rank=kv_rank):
             for t in self.layout.block_tasks(q_rank, kv_rank, softmax.span):
                 k0, k1 = t.k_start - first_row, t.k_end - first_row
-                out, lse = attention_block(queries[t.q_start:t.q_end], keys[k0:k1], values[k0:k1], causal=t.causal,
+                versions = queries[t.q_start:t.q_end]
+                if softmax.span.dual_chunk:  # the block's rotation of the queries (BlockTask.query)
+                    versions = versions[:, t.query * self.heads:(t.query + 1) * self.heads]
+                out, lse = attention_block(versions, keys[k0:k1], values[k0:k1], causal=t.causal,
                                            q_offset=t.q_offset, window=t.window, softcap=softmax.softcap,
                                            softmax_scale=self.scale, backend=self.backend, one_sequence=True)
                 acc.add(out, lse, t.q_start, owned=True)

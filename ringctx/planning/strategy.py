@@ -173,6 +173,16 @@ class StrategyChoice:
         return dataclasses.asdict(self)
 
 
+DUAL_CHUNK_PASS_KV = ("dual chunk attention: pass-KV (ring_attention declines pass-Q for DCA layers, whose "
+                      "queries would travel in three rotations)")
+"""Why a model with Dual Chunk Attention layers runs pass-KV whatever the rule says (the one policy)."""
+
+
+def pass_kv_only(model: "ModelConfig") -> str | None:
+    """The reason `model` must run pass-KV (DUAL_CHUNK_PASS_KV for DCA layers), or None: both run."""
+    return DUAL_CHUNK_PASS_KV if model.has_dual_chunk else None
+
+
 def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | str", cp_size: int,
                     hardware: "HardwareProfile | str", rule: str = "alg5", *, dtype: str = "bfloat16",
                     tp_size: int = 1, max_cached_per_rank: int | None = None) -> StrategyChoice:
@@ -205,8 +215,13 @@ def choose_strategy(new_tokens: int, cached_tokens: int, model: "ModelConfig | s
         costs = predict_costs(new_tokens, cached_tokens, model, cp_size, hardware, tp_size=tp_size,
                               dtype=dtype, max_cached_per_rank=max_cached_per_rank)
         strategy, reason = _decide_cost(costs)
+    overruled = strategy == PASS_Q and pass_kv_only(model)
+    if overruled:
+        strategy, reason = PASS_KV, f"{pass_kv_only(model)}; the rule said: {reason}"
     numbers = dataclasses.replace(numbers, strategy=strategy, rule=rule)
     short, formula = _short_reason(numbers, costs if rule == "cost" else None), _formula(numbers, hardware)
+    if overruled:
+        short = "dual chunk attention -> pass-KV"
     reason += tp_heads_note(model, tp_size)
     formula += tp_heads_note(model, tp_size)
     if cp_size == 1:

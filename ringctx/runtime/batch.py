@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..attention import PartialAccumulator
+from ..attention.spans import query_heads
 from ..model import KVCache
 from ..model.kvcache import copy_rows
 from ..model.decode_step import AttentionSource, FusedBatchStep, step_logits
@@ -202,8 +203,8 @@ class BatchDecoder:
         self._ensure_exchange(len(seqs))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            B, H, D = q.shape
             softmax = model.layer_softmax(layer)  # windowed layers see rows by position
+            B, H, D = q.shape[0], query_heads(q, softmax), q.shape[2]  # dual chunk q: three versions per head
             if len(by_document) == 1 and len(members_of_one) == B and one_document.rows:
                 # every sequence asks the one document (ask_many): its result is the partial as is
                 o, l = one_document.cache.attend_rows(layer, q, one_document.rows, softmax=softmax,

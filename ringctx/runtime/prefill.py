@@ -583,6 +583,11 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int,
     """The chunk's strategy, the reason as a sentence, the reason in short, and the rule's formula."""
     if world == 1:
         return PASS_KV, "one rank: nothing travels", "one rank: nothing travels", ""
+    from ..planning.strategy import pass_kv_only
+
+    only = pass_kv_only(model.full_config)
+    if only:
+        return PASS_KV, only, only, ""
     if config.strategy != "auto":
         forced = f"forced: strategy={config.strategy}"
         return config.strategy, forced, forced, ""
