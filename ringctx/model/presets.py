@@ -8,9 +8,13 @@ planning without any download.
 
 from __future__ import annotations
 
+from ..attention.dual_chunk import DualChunk
 from .config import LayerAttention, ModelConfig, RopeScaling
 from .config_hf import read_hf_config
 
+
+QWEN_1M_DCA = DualChunk(chunk_size=262144, local_size=8192, original_max_position=262144)
+"""Qwen2.5-7B/14B-Instruct-1M's dual_chunk_attention_config (dense part)."""
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -62,9 +66,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Shapes of published checkpoints, from their config.json files on the Hugging Face hub
     # (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen2.5-7B-Instruct-1M); parameter counts
     # 8.03B, 8.19B and 7.62B. Qwen3-8B's own config has plain RoPE over 40,960 positions (its
-    # model card adds yarn, factor 4 over 32,768, for 128K); Qwen2.5-7B-Instruct-1M's
-    # dual_chunk_attention_config is vLLM's sparse approximation, which transformers and ringctx
-    # do not apply (full attention).
+    # model card adds yarn, factor 4 over 32,768, for 128K); Qwen2.5-7B-Instruct-1M's layers run
+    # Dual Chunk Attention (its dual_chunk_attention_config; ringctx computes the dense attention,
+    # not vLLM's sparse approximation of it).
     "llama3.1-8b": ModelConfig(
         name="llama3.1-8b", vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
         rope_theta=500000.0, rope_scaling=RopeScaling(), norm_eps=1e-5, max_seq_len=131072,
@@ -79,6 +83,7 @@ PRESETS: dict[str, ModelConfig] = {
         name="qwen2.5-7b-instruct-1m", vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4,
         ffn_dim=18944, rope_theta=10000000.0, norm_eps=1e-5, qkv_bias=True, max_seq_len=1010000,
         bos_token_id=151643, eos_token_ids=(151645,),
+        layer_attention=(LayerAttention(dual_chunk=QWEN_1M_DCA),) * 28,
     ),
     "llama3-70b": ModelConfig(
         name="llama3-70b", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
@@ -132,7 +137,9 @@ _PUBLISHED = {
         "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
         "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "rope_theta": 10_000_000.0,
         "max_position_embeddings": 1010000, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "bos_token_id": 151643, "eos_token_id": 151645},
+        "bos_token_id": 151643, "eos_token_id": 151645,
+        "dual_chunk_attention_config": {"chunk_size": 262144, "local_size": 8192,
+                                        "original_max_position_embeddings": 262144}},
 }
 PRESETS.update({name: read_hf_config(d, name=name) for name, d in _PUBLISHED.items()})
 """Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""

@@ -460,7 +460,7 @@ def visible_keys(first: int, stop: int, span: Span) -> int:
 def span_attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int, span: Span) -> int:
     """Attention FLOPs of T new tokens after P cached ones in a layer with `span`: 4*D per key
     seen (attention_flops for a full span, up to its halved diagonal's rounding)."""
-    if span.is_full:
+    if span.sees_everything:  # full, or dual chunk (every key once, through one of three query rotations)
         return attention_flops(new_tokens, cached_tokens, attn_dim)
     return 4 * attn_dim * visible_keys(cached_tokens, cached_tokens + new_tokens, span)
 
@@ -680,7 +680,8 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
     fixed = dict(tp_allreduce_s=TP_ALLREDUCES_PER_LAYER * tp_allreduce_seconds(n, model, tp_size, hw, e),
                  layer_overhead_s=hw.layer_overhead_s)
     spans = span_counts(model)
-    full_layers = spans.pop(Span(), 0)
+    # Full and dual chunk layers ring alike (DCA: pass-KV, the same keys); windows and chunks do not.
+    full_layers = sum(spans.pop(span) for span in list(spans) if span.sees_everything)
     per_layer_rest = linear + fixed["tp_allreduce_s"] + fixed["layer_overhead_s"]
     fixed.update(span_layers=sum(spans.values()),
                  span_layers_s=sum(count * (span_layer_seconds(new_tokens, cached_tokens, N, heads * DH, kv_heads * DH,

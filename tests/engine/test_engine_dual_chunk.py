@@ -53,7 +53,7 @@ def reference_answer(hf, document, question, n=6):
     return answer
 
 
-@pytest.mark.parametrize("world,decode_ranks", [(1, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("world,decode_ranks", [(2, 1), (2, 2), (3, 2)])
 def test_answers_on_split_decode_ranks_and_batched_equal_the_reference(saved, world, decode_ranks):
     directory, hf = saved
     doc = prompt(70, seed=3).tolist()

@@ -168,3 +168,32 @@ def test_past_chunk_len_dca_is_not_plain_attention(pair):
     assert rel_err(ours.logits(ids), plain) > 1e-3
     unscaled = reference_logits(hf, ids, torch.ones(70, dtype=torch.float64))
     assert rel_err(ours.logits(ids), unscaled.float()) > 1e-4
+
+
+def test_qwen_1m_presets_run_dual_chunk_within_their_stated_context():
+    """The 1M presets are what their checkpoints load as: DCA on every layer; the context guard
+    takes 1M tokens (max_position_embeddings, 1,010,000) and refuses past it."""
+    from ringctx.model.context import context_problem
+    from ringctx.model.presets import get_preset
+
+    for name, layers in (("qwen2.5-7b-instruct-1m", 28), ("qwen2.5-14b-instruct-1m", 48)):
+        config = get_preset(name)
+        assert config.attention_summary() == f"{layers} dual chunk 262144/8192", name
+        assert config.trained_context == 1_010_000
+        assert context_problem(config, 1_000_000) is None
+        assert context_problem(config, 1_000_000, cached_tokens=10_001) is not None
+
+
+def test_the_strategy_rule_keeps_dual_chunk_models_on_pass_kv():
+    """Where alg5 says pass-Q (a short follow-up on a long cache), a DCA model runs pass-KV and
+    the reason says why; the same shapes without DCA take pass-Q."""
+    import dataclasses
+
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.strategy import choose_strategy
+
+    config = get_preset("qwen2.5-7b-instruct-1m")
+    choice = choose_strategy(4000, 500_000, config, 4, "h100-rdma")
+    assert choice.strategy == "pass-kv" and "the rule said: alg5: pass-Q" in choice.reason
+    plain = dataclasses.replace(config, layer_attention=())
+    assert choose_strategy(4000, 500_000, plain, 4, "h100-rdma").strategy == "pass-q"
