@@ -68,3 +68,12 @@ def test_answers_on_split_decode_ranks_and_batched_equal_the_reference(saved, wo
             pass
         for q, result in zip(questions, many.results):
             assert result.token_ids == reference_answer(hf, doc, q), q
+
+
+def test_tensor_parallel_ranks_split_the_three_query_versions(saved):
+    """CP 2 x TP 2: each TP rank rotates and attends with its own heads' three versions."""
+    directory, hf = saved
+    ids = prompt(70, seed=70)
+    ref = reference_logits(hf, ids, prompt_factors(70, 70))[-1:].float()
+    with Engine(directory, nproc=4, tp=2, dtype="float32") as engine:
+        assert rel_err(engine.prefill(ids, chunk_tokens=29).logits, ref) < 1e-5
