@@ -30,10 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-QUERY_VERSIONS = ("intra", "succ", "inter")
-"""The three rotations of a DCA query, in the order they are stacked along the head dimension."""
-
-
 @dataclass(frozen=True)
 class DualChunk:
     """A layer's Dual Chunk Attention parameters (the config's `dual_chunk_attention_config`)."""
@@ -84,9 +80,3 @@ class DualChunk:
         """'dual chunk 262144/8192' for tables."""
         return f"dual chunk {self.chunk_size}/{self.local_size}"
 
-
-def chunk_distance(q_positions: torch.Tensor, k_positions: torch.Tensor, chunk_len: int) -> torch.Tensor:
-    """[T, S] long: c(p) - c(s), how many DCA chunks query t lies after key s (0: the same chunk)."""
-    qc = torch.div(q_positions.view(-1, 1), chunk_len, rounding_mode="floor")
-    kc = torch.div(k_positions.view(1, -1), chunk_len, rounding_mode="floor")
-    return qc - kc

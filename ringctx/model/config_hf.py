@@ -503,7 +503,7 @@ def hf_config_dict(self: ModelConfig) -> dict:
     """A transformers `config.json` dict for this config (LlamaConfig, Qwen2Config or Qwen3Config fields)."""
     if not self.has_plain_attention:
         raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one's "
-                         "layers have windows, chunks or their own RoPE")
+                         "layers have windows, chunks, dual chunk attention or their own RoPE")
     if not self.is_llama_block or (self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope"):
         raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one "
                          "has Gemma's block or LongRoPE")

@@ -43,11 +43,11 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 q and k arrive after RoPE at the tokens' global positions. A dual chunk layer (Dual Chunk Attention)
 gets q [T, 3 * Hq, D], its three rotations side by side (intra heads [0, Hq), succ [Hq, 2Hq), inter
-[2Hq, 3Hq): `DualChunkAngles`), and k rotated at position mod chunk_len; it returns [T, Hq, D] all the
-same (`span_attention` and the ring read the layer's `LayerSoftmax.span`). They may be non-contiguous views of one
-fused projection; an implementation that keeps them beyond the call must copy them. The returned
-tensor belongs to the caller (a block may overwrite it), so it must not be one the implementation
-keeps or a view of its inputs."""
+[2Hq, 3Hq): `DualChunkAngles`) and k rotated at position mod chunk_len, and still returns [T, Hq, D]
+(`span_attention` and the ring read the layer's `LayerSoftmax.span`). They may be non-contiguous
+views of one fused projection; an implementation that keeps them beyond the call must copy them.
+The returned tensor belongs to the caller (a block may overwrite it), so it must not be one the
+implementation keeps or a view of its inputs."""
 
 LogitsSpec = Union[str, torch.Tensor]
 """Which rows to compute logits for: "last", "all", "none" or a LongTensor of row indices."""
@@ -575,8 +575,7 @@ class Transformer(nn.Module):
                            end: "int | torch.Tensor") -> DualChunkAngles:
         """A dual chunk layer's angles: keys at position mod chunk_len, the queries' three
         rotations (DualChunk.query_positions), all times the length factor of `end` tokens."""
-        lengths = end if isinstance(end, torch.Tensor) else None
-        factor = dca.length_factor(lengths.cpu() if lengths is not None else end)
+        factor = dca.length_factor(end.cpu() if isinstance(end, torch.Tensor) else end)
         key = self._angles(dca.key_positions(positions), table, factor)
         return DualChunkAngles(key, *(self._angles(p, table, factor) for p in dca.query_positions(positions)))
 
