@@ -470,7 +470,7 @@ class KVCache:
             positions = positions[order]
         kept = list(self.kept)
         for layer, span in enumerate(spans):
-            if not span.is_full:
+            if not span.sees_everything:
                 horizon = torch.tensor(span.first_visible(int(next_position)), device=positions.device)
                 kept[layer] = max(kept[layer], int(torch.searchsorted(positions, horizon)))
         self.spans = list(spans)
