@@ -147,7 +147,11 @@ static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decode
  *                           token), then its query attends rows 0 .. keys-1;
  *
  * and each row's partials are merged by log-sum-exp in source order (its document, then its own
- * rows) into a float32 (output, lse) per row and head. One rank holding every row: that output,
+ * rows) into a float32 (output, lse) per row and head. A layer with a span (window, aligned chunk)
+ * reads of each source only the rows the row's query sees: the rows are in position order, so
+ * that is one range per row, layer and source (visible_rows: a binary search over the source's
+ * positions), and a document is then read one row's range at a time. A layer's sinks scale the
+ * merged output once (finish_attention; over several ranks the merge callback applies them). One rank holding every row: that output,
  * rounded, is the attention. Several ranks: merge() is called once per layer (outside any parallel
  * region, so no kernel thread spins beside the caller's); it merges every rank's partials and
  * writes the rounded output into the attn rows (ringctx_decode_batch_offsets says where).

@@ -12,7 +12,9 @@ the fused kernel applies (`FusedBatchStep.build`: a CPU model in float32 or bf16
 multiple of 16, the kernels built, see ringctx/kernels/), the step runs every layer in one
 call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
-too. Everywhere else it is `forward_with_cache` on one token.
+too, and so does each layer's attention kind, given to the kernel as data per layer (its window
+or chunk, softmax scale, soft-cap, sink logits, and its RoPE table, rotary dims or none: see
+`_shape_and_layers`). Everywhere else it is `forward_with_cache` on one token.
 
 There is one fused kernel, for B sequences at once (`FusedBatchStep`, what runtime/batch.py runs);
 a lone sequence (`FusedStep`) is a batch of one. Its cache's first `shared_rows` rows are its
@@ -116,8 +118,10 @@ class FusedStep:
         position: the token's global position (its RoPE angle); write_row: the slice row that
         stores its K/V, None when another rank stores it; keys: slice rows attended (the written
         row included); merge(out [1, Hq, D], lse [Hq, 1]): given this rank's float32 partial,
-        return the float32 output [1, Hq, D] merged over all ranks (None: this slice is the whole
-        cache). The cache's `length` is the caller's to advance.
+        return the float32 output [1, Hq, D] merged over all ranks, or (out, lse), which a model
+        with sink logits needs (None: this slice is the whole cache). A sliced cache's written row
+        has its position set first (a windowed layer reads rows by position). The cache's `length`
+        is the caller's to advance.
         """
         x = self._layers(token, position, write_row, keys, merge)
         return step_logits(self.model, x) if logits else None
@@ -174,6 +178,7 @@ class FusedBatchStep:
         self.model, self.lib = model, lib
         self.shape, self.layers, self._sinks = _shape_and_layers(model)
         self._softmax = [model.layer_softmax(i) for i in range(model.config.n_layers)]
+        self._spans = model.has_spans  # a span layer finds a row's keys by position: rows must be in order
         self.rows, self.threads = 0, 0  # what the work buffer below is sized for
         self._merge, self._merge_error = None, None
         self._callback = abi.MERGE_FN(self._on_merge)  # one object, kept alive with the step
@@ -271,6 +276,8 @@ class FusedBatchStep:
             slot.stored_from = tables.stored_from and ctypes.addressof(tables.stored_from)
             positions = source.cache.positions
             if positions is not None:  # a slice: each row's position (a span layer's query reads them)
+                if self._spans:
+                    _check_in_order(positions[source.first_row:source.first_row + source.keys])
                 slot.positions = positions.data_ptr() + source.first_row * positions.element_size()
             else:
                 slot.positions, slot.first_position = None, source.first_row
@@ -499,6 +506,14 @@ def _shape_and_layers(model):
                     setattr(layers[i], name + "_codes", codes.codes.data_ptr())
                     setattr(layers[i], name + "_exps", codes.exponents.data_ptr())
     return shape, layers, sinks
+
+
+def _check_in_order(positions: torch.Tensor) -> None:
+    """A ValueError unless a source's row positions increase (the kernel finds the rows a windowed or
+    chunked layer sees by binary search over them)."""
+    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise ValueError("a windowed or chunked model's fused decode step needs each cache's rows in position "
+                         "order: sort the cache first (KVCache.sorted_by_position)")
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
