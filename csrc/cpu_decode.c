@@ -148,10 +148,12 @@ static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decode
  *
  * and each row's partials are merged by log-sum-exp in source order (its document, then its own
  * rows) into a float32 (output, lse) per row and head. A layer with a span (window, aligned chunk)
- * reads of each source only the rows the row's query sees: the rows are in position order, so
- * that is one range per row, layer and source (visible_rows: a binary search over the source's
- * positions), and a document is then read one row's range at a time. A layer's sinks scale the
- * merged output once (finish_attention; over several ranks the merge callback applies them). One rank holding every row: that output,
+ * reads of each source only the rows the row's query sees: a source's rows come in segments whose
+ * positions increase (one for a cache in position order; a few for a slice a ring prefill wrote
+ * piece by piece), so that is one range per row, layer and segment (visible_rows: a binary search
+ * over the segment's positions), and a document is then read one row's ranges at a time. A layer's
+ * sinks scale the merged output once (finish_attention; over several ranks the merge callback
+ * applies them). One rank holding every row: that output,
  * rounded, is the attention. Several ranks: merge() is called once per layer (outside any parallel
  * region, so no kernel thread spins beside the caller's); it merges every rank's partials and
  * writes the rounded output into the attn rows (ringctx_decode_batch_offsets says where).
@@ -170,10 +172,13 @@ typedef struct {
     int64_t keys;       /* rows attended: 0 .. keys-1 */
     int64_t write_row;  /* own rows only (n_rows == 1): the row that takes the token's k, v first; -1: none */
     int32_t kv_q8;      /* -1: the model dtype; Q8_INT8 / Q8_FP8 */
-    /* Where the rows lie in their sequence, for layers with a span: row j at positions[j] (rows in
-     * increasing position order), or at first_position + j when positions is NULL. */
+    /* Where the rows lie in their sequence, for layers with a span: row j at positions[j], or at
+     * first_position + j when positions is NULL; segments [n_segments] the first row of each run of
+     * rows whose positions increase (segments[0] = 0; NULL: one segment, every row). */
     const int64_t *positions;
     int64_t first_position;
+    const int64_t *segments;
+    int64_t n_segments;
     /* [n_layers]: the first row each layer still stores (rows before it were dropped: a span layer
      * keeps what later tokens see; its k[layer] then points where row 0 would be), or NULL: 0. */
     const int64_t *stored_from;
@@ -289,10 +294,23 @@ static inline int64_t row_position(const ringctx_attention_source *src, int64_t 
     return src->positions ? src->positions[j] : src->first_position + j;
 }
 
-/* The first row of the source's rows 0 .. keys-1 at or past global position p (keys if none):
- * rows are in position order, so a binary search. */
-static int64_t first_row_from(const ringctx_attention_source *src, int64_t p) {
-    int64_t lo = 0, hi = src->keys;
+/* The source's segments that a layer reads (a full layer: one, every row). */
+static inline int64_t segments_of(const ringctx_decoder_layer *layer, const ringctx_attention_source *src) {
+    return (layer->window == 0 && layer->chunk == 0) || src->segments == NULL ? 1 : src->n_segments;
+}
+
+/* Rows [*start, *end) of segment k of the source (clipped to its keys). */
+static inline void segment_rows(const ringctx_attention_source *src, int64_t k, int64_t *start, int64_t *end) {
+    *start = src->segments && k > 0 ? src->segments[k] : 0;
+    *end = src->segments && k + 1 < src->n_segments ? src->segments[k + 1] : src->keys;
+    if (*start > src->keys) *start = src->keys;
+    if (*end > src->keys) *end = src->keys;
+}
+
+/* The first of rows start .. end-1 (positions increasing) at or past global position p (end if
+ * none): a binary search. */
+static int64_t first_row_from(const ringctx_attention_source *src, int64_t start, int64_t end, int64_t p) {
+    int64_t lo = start, hi = end;
     while (lo < hi) {
         const int64_t mid = lo + (hi - lo) / 2;
         if (row_position(src, mid) < p) lo = mid + 1;
@@ -301,22 +319,33 @@ static int64_t first_row_from(const ringctx_attention_source *src, int64_t p) {
     return lo;
 }
 
-/* The rows [*lo, *hi) of a source that a query at position p sees in this layer: all of them in a
- * full layer (the rows given are the sequence's rows before it, and its own), else those at
- * positions first_visible(p) .. p (ringctx/attention/spans.py's Span): a window's last W, or the
- * query's chunk; one contiguous range, the rows being in position order. */
-static void visible_rows(const ringctx_decoder_layer *layer, const ringctx_attention_source *src, int64_t p,
-                         int64_t *lo, int64_t *hi) {
+/* The rows [*lo, *hi) of segment k of a source that a query at position p sees in this layer: all
+ * of the source's rows in a full layer (the rows given are the sequence's rows before it, and its
+ * own), else those at positions first_visible(p) .. p (ringctx/attention/spans.py's Span): a
+ * window's last W, or the query's chunk; one contiguous range, the segment's positions increasing. */
+static void visible_rows(const ringctx_decoder_layer *layer, const ringctx_attention_source *src, int64_t k,
+                         int64_t p, int64_t *lo, int64_t *hi) {
     if (layer->window == 0 && layer->chunk == 0) {
         *lo = 0, *hi = src->keys;
         return;
     }
-    int64_t first = 0;
+    int64_t first = 0, start, end;
     if (layer->window > 0 && p - layer->window + 1 > first) first = p - layer->window + 1;
     if (layer->chunk > 0 && p - p % layer->chunk > first) first = p - p % layer->chunk;
-    *lo = first_row_from(src, first);
-    *hi = first_row_from(src, p + 1);
-    if (*hi < *lo) *hi = *lo;
+    segment_rows(src, k, &start, &end);
+    *lo = first_row_from(src, start, end, first);
+    *hi = first_row_from(src, *lo, end, p + 1);
+}
+
+/* How many of a source's rows a query at position p sees in this layer (over every segment). */
+static int64_t visible_count(const ringctx_decoder_layer *layer, const ringctx_attention_source *src, int64_t p) {
+    int64_t count = 0;
+    for (int64_t k = 0; k < segments_of(layer, src); ++k) {
+        int64_t lo, hi;
+        visible_rows(layer, src, k, p, &lo, &hi);
+        count += hi - lo;
+    }
+    return count;
 }
 
 /* Merge one partial (o [D] normalised, its lse) into row r, head h of the running state, as
@@ -394,20 +423,26 @@ static void attend_split(const batch_attention *a, const ringctx_decoder_layer *
     }
 }
 
-/* One short own source on this thread alone: its query row over its keys lo .. hi-1. */
+/* One short own source on this thread alone: its query row over the keys it sees (each segment's
+ * range merged in turn). */
 static void attend_alone(const batch_attention *a, const ringctx_decoder_layer *layer_of, const ringctx_attention_source *src,
-                         int64_t layer, int64_t lo, int64_t hi) {
+                         int64_t layer) {
     const ringctx_decoder_shape *s = a->s;
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, r = src->rows[0];
     float *mine = a->threads + omp_get_thread_num() * a->per_thread, *m = mine, *l = m + hq, *acc = l + hq;
-    attend_range(a->qkv + r * a->width, hkv, hq / hkv, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
-                 src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
-                 layer_of->scale, layer_of->softcap, lo, hi, m, l, acc, acc + hq * d);
-    for (int64_t h = 0; h < hq; ++h) {
-        if (l[h] <= 0.0f) continue;
-        const vfloat inv = vset1(1.0f / l[h]);
-        for (int64_t c = 0; c < d; c += VW) vstore(acc + h * d + c, vload(acc + h * d + c) * inv);
-        merge_partial(a, r, h, acc + h * d, m[h] + logf(l[h]));
+    for (int64_t k = 0; k < segments_of(layer_of, src); ++k) {
+        int64_t lo, hi;
+        visible_rows(layer_of, src, k, a->positions[r], &lo, &hi);
+        if (hi <= lo) continue;
+        attend_range(a->qkv + r * a->width, hkv, hq / hkv, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
+                     src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
+                     layer_of->scale, layer_of->softcap, lo, hi, m, l, acc, acc + hq * d);
+        for (int64_t h = 0; h < hq; ++h) {
+            if (l[h] <= 0.0f) continue;
+            const vfloat inv = vset1(1.0f / l[h]);
+            for (int64_t c = 0; c < d; c += VW) vstore(acc + h * d + c, vload(acc + h * d + c) * inv);
+            merge_partial(a, r, h, acc + h * d, m[h] + logf(l[h]));
+        }
     }
 }
 
@@ -422,20 +457,21 @@ static void attend_sources(const batch_attention *a, const ringctx_decoder_layer
     const int64_t pass = layer_of->window || layer_of->chunk ? 1 : rows_per_pass(s, a->b);
     for (int64_t i = 0; i < n_sources; ++i) {
         const ringctx_attention_source *src = sources + i;
-        for (int64_t first = 0; first < src->n_rows; first += pass) {
-            int64_t lo, hi;
-            visible_rows(layer_of, src, a->positions[src->rows[first]], &lo, &hi);
-            if (hi <= lo || (i >= n_shared && hi - lo < OWN_SPLIT_KEYS)) continue;
-            attend_split(a, layer_of, src, layer, src->rows + first,
-                         src->n_rows - first < pass ? src->n_rows - first : pass, lo, hi);
-        }
+        if (i >= n_shared && visible_count(layer_of, src, a->positions[src->rows[0]]) < OWN_SPLIT_KEYS) continue;
+        for (int64_t first = 0; first < src->n_rows; first += pass)
+            for (int64_t k = 0; k < segments_of(layer_of, src); ++k) {
+                int64_t lo, hi;
+                visible_rows(layer_of, src, k, a->positions[src->rows[first]], &lo, &hi);
+                if (hi > lo)
+                    attend_split(a, layer_of, src, layer, src->rows + first,
+                                 src->n_rows - first < pass ? src->n_rows - first : pass, lo, hi);
+            }
     }
     /* short own rows: one source per thread (each row has one own source: no two threads meet) */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = n_shared; i < n_sources; ++i) {
-        int64_t lo, hi;
-        visible_rows(layer_of, sources + i, a->positions[sources[i].rows[0]], &lo, &hi);
-        if (hi > lo && hi - lo < OWN_SPLIT_KEYS) attend_alone(a, layer_of, sources + i, layer, lo, hi);
+        const int64_t seen = visible_count(layer_of, sources + i, a->positions[sources[i].rows[0]]);
+        if (seen > 0 && seen < OWN_SPLIT_KEYS) attend_alone(a, layer_of, sources + i, layer);
     }
 }
 
@@ -554,7 +590,8 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
         const ringctx_attention_source *src = sources + i;
         if (src->n_rows < 1 || src->keys < 0 || (src->kv_q8 != -1 && src->kv_q8 != Q8_INT8 && src->kv_q8 != Q8_FP8) ||
             (src->kv_q8 >= 0 && (src->k_scale == NULL || src->v_scale == NULL)) ||
-            (i < n_shared ? src->write_row >= 0 : src->n_rows != 1))
+            (i < n_shared ? src->write_row >= 0 : src->n_rows != 1) ||
+            (src->segments && (src->n_segments < 1 || src->segments[0] != 0)))
             return -2;
         for (int64_t j = 0; j < src->n_rows; ++j)
             if (src->rows[j] < 0 || src->rows[j] >= b) return -2;
@@ -566,11 +603,12 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
             return -2;
         if (!l->window && !l->chunk) continue;
         for (int64_t i = 0; i < n_sources; ++i)  /* the rows each query sees must still be stored */
-            for (int64_t j = 0; j < sources[i].n_rows; ++j) {
-                int64_t lo, hi;
-                visible_rows(l, sources + i, positions[sources[i].rows[j]], &lo, &hi);
-                if (hi > lo && sources[i].stored_from && lo < sources[i].stored_from[li]) return -3;
-            }
+            for (int64_t j = 0; j < sources[i].n_rows; ++j)
+                for (int64_t k = 0; k < segments_of(l, sources + i); ++k) {
+                    int64_t lo, hi;
+                    visible_rows(l, sources + i, k, positions[sources[i].rows[j]], &lo, &hi);
+                    if (hi > lo && sources[i].stored_from && lo < sources[i].stored_from[li]) return -3;
+                }
     }
     /* the own source each row writes its new k, v into (at most one: one own source per row) */
     const ringctx_attention_source *writer[MAX_BATCH] = {NULL};
@@ -698,7 +736,7 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     ringctx_attention_source rows[MAX_BATCH];
     const ringctx_attention_source *writer[MAX_BATCH];
     for (int64_t r = 0; r < t; ++r) {
-        rows[r] = (ringctx_attention_source){k, v, NULL, NULL, NULL, 1, cached + t, cached + r, -1, NULL, 0, NULL};
+        rows[r] = (ringctx_attention_source){k, v, NULL, NULL, NULL, 1, cached + t, cached + r, -1, NULL, 0, NULL, 0, NULL};
         writer[r] = rows + r;
     }
     for (int64_t i = 0; i < t * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
@@ -792,6 +830,8 @@ static const ringctx_abi_field abi_fields[] = {
     ABI_FIELD(ringctx_attention_source, kv_q8),
     ABI_FIELD(ringctx_attention_source, positions),
     ABI_FIELD(ringctx_attention_source, first_position),
+    ABI_FIELD(ringctx_attention_source, segments),
+    ABI_FIELD(ringctx_attention_source, n_segments),
     ABI_FIELD(ringctx_attention_source, stored_from),
 };
 

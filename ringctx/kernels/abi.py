@@ -80,9 +80,11 @@ class AttentionSource(ctypes.Structure):
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
                 ("v_scale", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("n_rows", ctypes.c_int64),
                 ("keys", ctypes.c_int64), ("write_row", ctypes.c_int64), ("kv_q8", ctypes.c_int32),
-                ("positions", ctypes.c_void_p), ("first_position", ctypes.c_int64), ("stored_from", ctypes.c_void_p)]
-    """positions: the rows' global positions (int64, in increasing order) or NULL (row j at
-    first_position + j); stored_from: [n_layers] int64, the first row each layer still stores, or NULL."""
+                ("positions", ctypes.c_void_p), ("first_position", ctypes.c_int64), ("segments", ctypes.c_void_p),
+                ("n_segments", ctypes.c_int64), ("stored_from", ctypes.c_void_p)]
+    """positions: the rows' global positions (int64) or NULL (row j at first_position + j);
+    segments: [n_segments] int64, the first row of each run of rows whose positions increase, or
+    NULL (one); stored_from: [n_layers] int64, the first row each layer still stores, or NULL."""
 
 
 STRUCTS: dict[str, type[ctypes.Structure]] = {

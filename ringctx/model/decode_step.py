@@ -178,7 +178,7 @@ class FusedBatchStep:
         self.model, self.lib = model, lib
         self.shape, self.layers, self._sinks = _shape_and_layers(model)
         self._softmax = [model.layer_softmax(i) for i in range(model.config.n_layers)]
-        self._spans = model.has_spans  # a span layer finds a row's keys by position: rows must be in order
+        self._spans = model.has_spans  # a span layer finds a row's keys by position
         self.rows, self.threads = 0, 0  # what the work buffer below is sized for
         self._merge, self._merge_error = None, None
         self._callback = abi.MERGE_FN(self._on_merge)  # one object, kept alive with the step
@@ -276,9 +276,11 @@ class FusedBatchStep:
             slot.stored_from = tables.stored_from and ctypes.addressof(tables.stored_from)
             positions = source.cache.positions
             if positions is not None:  # a slice: each row's position (a span layer's query reads them)
-                if self._spans:
-                    _check_in_order(positions[source.first_row:source.first_row + source.keys])
                 slot.positions = positions.data_ptr() + source.first_row * positions.element_size()
+                if self._spans:
+                    segments = _segments(positions[source.first_row:source.first_row + source.keys])
+                    keep.append(segments)
+                    slot.segments, slot.n_segments = segments.data_ptr(), segments.numel()
             else:
                 slot.positions, slot.first_position = None, source.first_row
             slot.rows, slot.n_rows, slot.keys = ctypes.addressof(rows), len(source.rows), source.keys
@@ -508,12 +510,12 @@ def _shape_and_layers(model):
     return shape, layers, sinks
 
 
-def _check_in_order(positions: torch.Tensor) -> None:
-    """A ValueError unless a source's row positions increase (the kernel finds the rows a windowed or
-    chunked layer sees by binary search over them)."""
-    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
-        raise ValueError("a windowed or chunked model's fused decode step needs each cache's rows in position "
-                         "order: sort the cache first (KVCache.sorted_by_position)")
+def _segments(positions: torch.Tensor) -> torch.Tensor:
+    """The first row of each run of rows whose positions increase, int64 [n] (0 first): one for a
+    cache in position order, a few for a slice written in pieces (a ring prefill's arrival order).
+    The kernel finds the rows a windowed or chunked layer sees by binary search within each."""
+    breaks = torch.nonzero(positions[1:] <= positions[:-1]).view(-1) + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long), breaks])
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

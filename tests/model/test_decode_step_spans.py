@@ -379,13 +379,34 @@ def test_sinks_over_ranks_need_the_merged_lse():
 
 
 @needs_kernels
-def test_rows_out_of_position_order_are_refused():
-    """A span layer finds a row's keys by binary search over positions: a slice in arrival order
-    (positions not increasing) is a clear error, not a wrong answer."""
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
+def test_rows_in_arrival_order_equal_the_layer_path(kv_dtype, threads):  # noqa: F811
+    """A slice whose rows are not in position order (a ring prefill writes a document piece by piece,
+    in zigzag order): each run of increasing positions is searched alone, and every row attends what
+    the layer path's attend_rows gives it."""
     model = span_model("d16", torch.float32)
     step = FusedBatchStep.build(model)
-    setup = make_batch(model, 1)
-    own = setup.own[0]
-    own.positions[:2] = own.positions[:2].flip(0)
-    with pytest.raises(ValueError, match="position order"):
-        fused_path(step, setup, [1])
+    fused = make_batch(model, 3, kv_dtype)
+    order = [list(range(20, 30)) + list(range(0, 10)) + list(range(30, 40)) + list(range(10, 20))]
+    document = fused.documents[0]
+    shuffled = KVCache(document.n_layers, document.max_tokens, document.n_kv_heads, document.head_dim,
+                       dtype=document.dtype, kv_dtype=kv_dtype, sliced=True)
+    index = torch.tensor(order[0])
+    for dst, src in zip(shuffled.storage_tensors(), document.storage_tensors()):
+        dst[:40].copy_(src[index])
+    shuffled.positions[:40] = document.positions[index]
+    shuffled.length = 40
+    fused.documents[0] = shuffled
+    own = fused.own[1]  # an own slice whose rows arrive in two pieces (positions 3..8 after 9..13)
+    n = own.length
+    index = torch.cat([torch.arange(n // 2, n), torch.arange(0, n // 2)])
+    for t in own.storage_tensors():
+        t[:n] = t[:n][index].clone()
+    own.positions[:n] = own.positions[:n][index].clone()
+    plain = fused.copy()
+    tokens = [4, 8, 15]
+    for _ in range(STEPS):
+        got, want = fused_path(step, fused, tokens), layer_path(model, plain, tokens)
+        for i in range(3):
+            assert rel_err(got[i], want[i]) < (1e-5 if kv_dtype == "model" else 1e-3), (i, rel_err(got[i], want[i]))
+        tokens = [int(t) for t in want.argmax(dim=-1)]
