@@ -51,7 +51,6 @@ from ..kernels import abi, build, selection
 from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
 from .kvcache import KVCache, forward_with_cache
-from .transformer import RopeAngles
 
 
 class DecodeStep:
@@ -224,7 +223,7 @@ class FusedBatchStep:
         at = torch.tensor(positions, dtype=torch.long)
         rope = model.rope(at, sequence_end=at + 1)  # each row is its own sequence's step (LongRoPE)
         # one cos/sin table per distinct RoPE of the layers (DecoderLayer.rope indexes them)
-        tables = [rope] if isinstance(rope, RopeAngles) else rope.angles
+        tables = rope.angles if _per_layer(rope) else [rope]
         tables = [(t.cos.contiguous(), t.sin.contiguous()) for t in tables]
         cos = (ctypes.c_void_p * max(1, len(tables)))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * max(1, len(tables)))(*(s.data_ptr() for _, s in tables))
@@ -483,7 +482,7 @@ def _shape_and_layers(model):
         softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
     layers = (abi.DecoderLayer * config.n_layers)()
     probe = model.rope(torch.zeros(1, dtype=torch.long))  # which of a step's RoPE tables each layer takes
-    rope_of = [0] * config.n_layers if isinstance(probe, RopeAngles) else probe.of_layer
+    rope_of = probe.of_layer if _per_layer(probe) else [0] * config.n_layers
     sinks = []
     for i, block in enumerate(model.layers):
         attention, mlp = block.attention, block.feed_forward
@@ -516,6 +515,13 @@ def _segments(positions: torch.Tensor) -> torch.Tensor:
     The kernel finds the rows a windowed or chunked layer sees by binary search within each."""
     breaks = torch.nonzero(positions[1:] <= positions[:-1]).view(-1) + 1
     return torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+
+
+def _per_layer(rope) -> bool:
+    """Whether `Transformer.rope` gave LayerRopes (a table per distinct RoPE, `of_layer` naming each
+    layer's) rather than one RopeAngles (asked by attribute: transformer.py imports this module's
+    importers, so this module does not import it)."""
+    return hasattr(rope, "of_layer")
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
