@@ -729,7 +729,7 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
                           work + l.split, work + l.threads, l.per_thread};
     const batch_attention a = {s, t, width, w.qkv, work + l.part_out, work + l.part_lse,
-                               work + l.queries, work + l.threads, l.per_thread};
+                               work + l.queries, work + l.threads, l.per_thread, NULL}; /* attention: flash blocks */
     float *block_out = work + l.total, *block_lse = block_out + t * hq * d;
     void *queries = block_lse + hq * t; /* [t, Hq, D] in the model dtype */
     /* each row writes its k, v into its own cache row (layer_qkv's writers) */

@@ -207,8 +207,9 @@ class FusedBatchStep:
 
         A layer with a span (window, chunk) reads, for each row, the rows of each source at the
         positions it sees: a cache's rows carry their positions (`KVCache.positions`, else row i is
-        position i) in increasing order, and a cache that dropped rows a layer no longer sees
-        (`KVCache.kept_from`) is read through that rule."""
+        position i), in any order (searched in runs of increasing positions, `_segments`), and a
+        cache that dropped rows a layer no longer sees (`KVCache.kept_from`) is read through that
+        rule."""
         model = self.model
         B = len(tokens)
         if not 1 <= B <= selection.MAX_BATCH or len(positions) != B:

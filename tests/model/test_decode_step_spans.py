@@ -230,6 +230,7 @@ def test_float32_spans_equal_the_layer_path_and_float64(name, batch, threads):  
             for i in range(batch):
                 assert rel_err(got[i], want[i]) < 1e-5, (i, gaps, rel_err(got[i], want[i]))
                 assert rel_err(got[i], truth[i]) < 1e-4, (i, gaps, rel_err(got[i], truth[i]))
+            assert got.argmax(dim=-1).tolist() == want.argmax(dim=-1).tolist()  # the same greedy tokens
             tokens = [int(t) for t in want.argmax(dim=-1)]
         for a, b in zip(fused.own, plain.own):  # the K/V rows the kernel wrote
             for x, y in zip(a.k + a.v, b.k + b.v):
