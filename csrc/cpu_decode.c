@@ -601,6 +601,8 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
         if (l->window < 0 || l->chunk < 0 || !(l->scale > 0.0f) || !(l->softcap >= 0.0f) || l->rope < -1 ||
             l->rope >= n_ropes || (l->rope >= 0 && (l->rotary_dim < 2 || l->rotary_dim % 2 || l->rotary_dim > s->head_dim)))
             return -2;
+        for (int64_t i = 0; i < n_sources && !l->window && !l->chunk; ++i)  /* a full layer reads every row */
+            if (sources[i].stored_from && sources[i].keys > 0 && sources[i].stored_from[li] > 0) return -3;
         if (!l->window && !l->chunk) continue;
         for (int64_t i = 0; i < n_sources; ++i)  /* the rows each query sees must still be stored */
             for (int64_t j = 0; j < sources[i].n_rows; ++j)
