@@ -15,9 +15,13 @@
  *   xn   = round(x * rsqrt(mean(x^2) + eps) * w_norm)     RMSNorm, float32 inside
  *   qkv  = round(xn Wqkv^T + b)                           float32 accumulation (gemv_block)
  *   q, k = round(q * rsqrt(mean(q^2) + eps) * w_qnorm)    per head, Qwen3 only (likewise k)
- *   q, k = round(round(x cos) + roll(x, D/2) sin)         rotate-half RoPE, sin = (-sin, sin)
+ *   q, k = round(round(x cos) + roll(x, R/2) sin)         rotate-half RoPE over the layer's first R
+ *                                                         dims (its own table; none: a NoPE layer)
  *   K, V cache row `position` = k, v        (8-bit caches: quantized per head, with its scale)
- *   o    = round(softmax(q K^T scale) V)                  over the sequence's rows
+ *   s    = q K^T scale  (softcap > 0: softcap tanh(s / softcap))   the layer's scale and soft-cap
+ *   o    = softmax(s) V                                   over the rows the layer's span lets the
+ *                                                         query see (window, aligned chunk)
+ *   o    = round(o sigmoid(lse - sink[h]))                sinks: once, after every source's merge
  *   h    = round(x + round(o Wo^T + bo))
  *   g, u = round(round(norm(h)) W13^T)                    gate and up halves
  *   x'   = round(h + round(round(round(silu(g)) u) W2^T))
@@ -51,12 +55,21 @@ typedef struct {
      * codes stand for; a product reads one or the other (INT8_MAX_ROWS), with the same result. */
     const int8_t *wqkv_codes, *wo_codes, *w13_codes, *w2_codes;
     const int8_t *wqkv_exps, *wo_exps, *w13_exps, *w2_exps;
+    /* The layer's attention as data (ringctx/attention/spans.py's LayerSoftmax, the model's
+     * LayerRopes): what its queries see, how scores are scaled and capped, and how q, k rotate. */
+    const float *sinks;   /* [Hq] float32 sink logits (gpt-oss), or NULL */
+    int64_t window;       /* sliding window W: a query at p sees keys p-W+1 .. p; 0: none */
+    int64_t chunk;        /* aligned chunk C: a query at p sees keys from C (p / C) on; 0: none */
+    int64_t rotary_dim;   /* dims of a head that rotate (pairs (i, i + rotary_dim / 2)); the rest pass */
+    float scale;          /* multiplies q.k (the decode step's; the prefill takes the shape's) */
+    float softcap;        /* > 0: scores become softcap tanh(s / softcap); 0: none */
+    int32_t rope;         /* which cos/sin table rotates this layer's q and k; -1: none (NoPE) */
 } ringctx_decoder_layer;
 
-/* A step over several ranks: called once per layer, after this rank's attention, to merge every
- * rank's float32 partials and write the merged output, rounded to the model dtype, into the attn
- * rows (see ringctx_decode_step_batch). */
-typedef void (*ringctx_merge_fn)(void);
+/* A step over several ranks: called once per layer (its index the argument), after this rank's
+ * attention, to merge every rank's float32 partials and write the merged output, with the layer's
+ * sinks applied and rounded to the model dtype, into the attn rows (see ringctx_decode_step_batch). */
+typedef void (*ringctx_merge_fn)(int64_t layer);
 
 /* The widest input of the step's matrix products: its rows are split there for the bf16 pair path
  * (see linear_rows). */
@@ -134,7 +147,13 @@ static int int8_weights_fit(const ringctx_decoder_shape *s, const ringctx_decode
  *                           token), then its query attends rows 0 .. keys-1;
  *
  * and each row's partials are merged by log-sum-exp in source order (its document, then its own
- * rows) into a float32 (output, lse) per row and head. One rank holding every row: that output,
+ * rows) into a float32 (output, lse) per row and head. A layer with a span (window, aligned chunk)
+ * reads of each source only the rows the row's query sees: a source's rows come in segments whose
+ * positions increase (one for a cache in position order; a few for a slice a ring prefill wrote
+ * piece by piece), so that is one range per row, layer and segment (visible_rows: a binary search
+ * over the segment's positions), and a document is then read one row's ranges at a time. A layer's
+ * sinks scale the merged output once (finish_attention; over several ranks the merge callback
+ * applies them). One rank holding every row: that output,
  * rounded, is the attention. Several ranks: merge() is called once per layer (outside any parallel
  * region, so no kernel thread spins beside the caller's); it merges every rank's partials and
  * writes the rounded output into the attn rows (ringctx_decode_batch_offsets says where).
@@ -153,6 +172,16 @@ typedef struct {
     int64_t keys;       /* rows attended: 0 .. keys-1 */
     int64_t write_row;  /* own rows only (n_rows == 1): the row that takes the token's k, v first; -1: none */
     int32_t kv_q8;      /* -1: the model dtype; Q8_INT8 / Q8_FP8 */
+    /* Where the rows lie in their sequence, for layers with a span: row j at positions[j], or at
+     * first_position + j when positions is NULL; segments [n_segments] the first row of each run of
+     * rows whose positions increase (segments[0] = 0; NULL: one segment, every row). */
+    const int64_t *positions;
+    int64_t first_position;
+    const int64_t *segments;
+    int64_t n_segments;
+    /* [n_layers]: the first row each layer still stores (rows before it were dropped: a span layer
+     * keeps what later tokens see; its k[layer] then points where row 0 would be), or NULL: 0. */
+    const int64_t *stored_from;
 } ringctx_attention_source;
 
 #define MAX_BATCH 64
@@ -257,7 +286,67 @@ typedef struct {
     float *queries;            /* a document pass's gathered queries [Hkv, R, D] */
     float *threads;            /* per thread: m, l, acc of attend_range, then its buffer */
     int64_t per_thread;
+    const int64_t *positions;  /* [b]: each row's global position (what a span layer's query sees) */
 } batch_attention;
+
+/* The global position of row j of a source. */
+static inline int64_t row_position(const ringctx_attention_source *src, int64_t j) {
+    return src->positions ? src->positions[j] : src->first_position + j;
+}
+
+/* The source's segments that a layer reads (a full layer: one, every row). */
+static inline int64_t segments_of(const ringctx_decoder_layer *layer, const ringctx_attention_source *src) {
+    return (layer->window == 0 && layer->chunk == 0) || src->segments == NULL ? 1 : src->n_segments;
+}
+
+/* Rows [*start, *end) of segment k of the source (clipped to its keys). */
+static inline void segment_rows(const ringctx_attention_source *src, int64_t k, int64_t *start, int64_t *end) {
+    *start = src->segments && k > 0 ? src->segments[k] : 0;
+    *end = src->segments && k + 1 < src->n_segments ? src->segments[k + 1] : src->keys;
+    if (*start > src->keys) *start = src->keys;
+    if (*end > src->keys) *end = src->keys;
+}
+
+/* The first of rows start .. end-1 (positions increasing) at or past global position p (end if
+ * none): a binary search. */
+static int64_t first_row_from(const ringctx_attention_source *src, int64_t start, int64_t end, int64_t p) {
+    int64_t lo = start, hi = end;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (row_position(src, mid) < p) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* The rows [*lo, *hi) of segment k of a source that a query at position p sees in this layer: all
+ * of the source's rows in a full layer (the rows given are the sequence's rows before it, and its
+ * own), else those at positions first_visible(p) .. p (ringctx/attention/spans.py's Span): a
+ * window's last W, or the query's chunk; one contiguous range, the segment's positions increasing. */
+static void visible_rows(const ringctx_decoder_layer *layer, const ringctx_attention_source *src, int64_t k,
+                         int64_t p, int64_t *lo, int64_t *hi) {
+    if (layer->window == 0 && layer->chunk == 0) {
+        *lo = 0, *hi = src->keys;
+        return;
+    }
+    int64_t first = 0, start, end;
+    if (layer->window > 0 && p - layer->window + 1 > first) first = p - layer->window + 1;
+    if (layer->chunk > 0 && p - p % layer->chunk > first) first = p - p % layer->chunk;
+    segment_rows(src, k, &start, &end);
+    *lo = first_row_from(src, start, end, first);
+    *hi = first_row_from(src, *lo, end, p + 1);
+}
+
+/* How many of a source's rows a query at position p sees in this layer (over every segment). */
+static int64_t visible_count(const ringctx_decoder_layer *layer, const ringctx_attention_source *src, int64_t p) {
+    int64_t count = 0;
+    for (int64_t k = 0; k < segments_of(layer, src); ++k) {
+        int64_t lo, hi;
+        visible_rows(layer, src, k, p, &lo, &hi);
+        count += hi - lo;
+    }
+    return count;
+}
 
 /* Merge one partial (o [D] normalised, its lse) into row r, head h of the running state, as
  * PartialAccumulator.add does: the first partial is copied, later ones weighted by exp(lse - new). */
@@ -301,11 +390,12 @@ static float merge_thread_row(const batch_attention *a, int64_t rows, int n_thre
     return total > 0.0f ? top + logf(total) : -INFINITY;
 }
 
-/* A source's keys split over the threads, for the query rows rows[0..n) (at most rows_per_pass):
+/* A source's keys lo .. hi-1 split over the threads, for the query rows rows[0..n) (at most
+ * rows_per_pass; all of them see those keys):
  * their queries gathered per KV head, each thread's share of the keys attended, the threads'
  * partials merged into the rows' running state. Called by every thread of the region. */
-static void attend_split(const batch_attention *a, const ringctx_attention_source *src, int64_t layer,
-                         const int64_t *rows, int64_t n) {
+static void attend_split(const batch_attention *a, const ringctx_decoder_layer *l, const ringctx_attention_source *src,
+                         int64_t layer, const int64_t *rows, int64_t n, int64_t lo, int64_t hi) {
     const ringctx_decoder_shape *s = a->s;
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, group = hq / hkv, R = n * group;
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -319,10 +409,10 @@ static void attend_split(const batch_attention *a, const ringctx_attention_sourc
         q = a->queries;
     }
     float *mine = a->threads + t * a->per_thread;
-    const int64_t qrows = hkv * R, keys = src->keys, j0 = keys * t / nt, j1 = keys * (t + 1) / nt;
+    const int64_t qrows = hkv * R, keys = hi - lo, j0 = lo + keys * t / nt, j1 = lo + keys * (t + 1) / nt;
     const float *ks = src->k_scale ? src->k_scale[layer] : NULL, *vs = src->v_scale ? src->v_scale[layer] : NULL;
-    attend_range(q, hkv, R, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8, ks, vs, s->softmax_scale, j0, j1,
-                 mine, mine + qrows, mine + 2 * qrows, mine + 2 * qrows + qrows * d);
+    attend_range(q, hkv, R, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8, ks, vs, l->scale, l->softcap, j0,
+                 j1, mine, mine + qrows, mine + 2 * qrows, mine + 2 * qrows + qrows * d);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t qr = 0; qr < qrows; ++qr) {  /* qr = (h, i, g): batch row rows[i], head h group + g */
@@ -333,40 +423,69 @@ static void attend_split(const batch_attention *a, const ringctx_attention_sourc
     }
 }
 
-/* One short own source on this thread alone: its query row over all its keys. */
-static void attend_alone(const batch_attention *a, const ringctx_attention_source *src, int64_t layer) {
+/* One short own source on this thread alone: its query row over the keys it sees (each segment's
+ * range merged in turn). */
+static void attend_alone(const batch_attention *a, const ringctx_decoder_layer *layer_of, const ringctx_attention_source *src,
+                         int64_t layer) {
     const ringctx_decoder_shape *s = a->s;
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, r = src->rows[0];
     float *mine = a->threads + omp_get_thread_num() * a->per_thread, *m = mine, *l = m + hq, *acc = l + hq;
-    attend_range(a->qkv + r * a->width, hkv, hq / hkv, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
-                 src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
-                 s->softmax_scale, 0, src->keys, m, l, acc, acc + hq * d);
-    for (int64_t h = 0; h < hq; ++h) {
-        if (l[h] <= 0.0f) continue;
-        const vfloat inv = vset1(1.0f / l[h]);
-        for (int64_t c = 0; c < d; c += VW) vstore(acc + h * d + c, vload(acc + h * d + c) * inv);
-        merge_partial(a, r, h, acc + h * d, m[h] + logf(l[h]));
+    for (int64_t k = 0; k < segments_of(layer_of, src); ++k) {
+        int64_t lo, hi;
+        visible_rows(layer_of, src, k, a->positions[r], &lo, &hi);
+        if (hi <= lo) continue;
+        attend_range(a->qkv + r * a->width, hkv, hq / hkv, d, src->k[layer], src->v[layer], s->bf16, src->kv_q8,
+                     src->k_scale ? src->k_scale[layer] : NULL, src->v_scale ? src->v_scale[layer] : NULL,
+                     layer_of->scale, layer_of->softcap, lo, hi, m, l, acc, acc + hq * d);
+        for (int64_t h = 0; h < hq; ++h) {
+            if (l[h] <= 0.0f) continue;
+            const vfloat inv = vset1(1.0f / l[h]);
+            for (int64_t c = 0; c < d; c += VW) vstore(acc + h * d + c, vload(acc + h * d + c) * inv);
+            merge_partial(a, r, h, acc + h * d, m[h] + logf(l[h]));
+        }
     }
 }
 
 /* One layer's attention of the batch into a->out / a->lse, which layer_qkv emptied after writing
- * the rows' new k, v (every thread of the region calls it). */
-static void attend_sources(const batch_attention *a, const ringctx_attention_source *sources, int64_t n_sources,
-                           int64_t n_shared, int64_t layer) {
+ * the rows' new k, v (every thread of the region calls it). In a layer with a span each row sees
+ * its own range of a source's rows, so a document is read one row at a time (every row's range is
+ * computed by every thread alike: they all take the same passes). */
+static void attend_sources(const batch_attention *a, const ringctx_decoder_layer *layer_of,
+                           const ringctx_attention_source *sources, int64_t n_sources, int64_t n_shared, int64_t layer) {
     const ringctx_decoder_shape *s = a->s;
-    const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, b = a->b;
     /* documents, then long own rows: the keys over the threads, one pass per rows_per_pass rows */
-    const int64_t pass = rows_per_pass(s, b);
+    const int64_t pass = layer_of->window || layer_of->chunk ? 1 : rows_per_pass(s, a->b);
     for (int64_t i = 0; i < n_sources; ++i) {
         const ringctx_attention_source *src = sources + i;
-        if (src->keys <= 0 || (i >= n_shared && src->keys < OWN_SPLIT_KEYS)) continue;
+        if (i >= n_shared && visible_count(layer_of, src, a->positions[src->rows[0]]) < OWN_SPLIT_KEYS) continue;
         for (int64_t first = 0; first < src->n_rows; first += pass)
-            attend_split(a, src, layer, src->rows + first, src->n_rows - first < pass ? src->n_rows - first : pass);
+            for (int64_t k = 0; k < segments_of(layer_of, src); ++k) {
+                int64_t lo, hi;
+                visible_rows(layer_of, src, k, a->positions[src->rows[first]], &lo, &hi);
+                if (hi > lo)
+                    attend_split(a, layer_of, src, layer, src->rows + first,
+                                 src->n_rows - first < pass ? src->n_rows - first : pass, lo, hi);
+            }
     }
     /* short own rows: one source per thread (each row has one own source: no two threads meet) */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = n_shared; i < n_sources; ++i)
-        if (sources[i].keys > 0 && sources[i].keys < OWN_SPLIT_KEYS) attend_alone(a, sources + i, layer);
+    for (int64_t i = n_shared; i < n_sources; ++i) {
+        const int64_t seen = visible_count(layer_of, sources + i, a->positions[sources[i].rows[0]]);
+        if (seen > 0 && seen < OWN_SPLIT_KEYS) attend_alone(a, layer_of, sources + i, layer);
+    }
+}
+
+/* The merged attention rounded into attn [b, Hq, D]: o, or o sigmoid(lse - sink[h]) in a layer with
+ * sinks (LayerSoftmax.finish: exp(sink) joins the softmax's denominator). */
+static void finish_attention(const batch_attention *a, const ringctx_decoder_layer *layer, float *attn) {
+    const int64_t hq = a->s->n_heads, d = a->s->head_dim, b = a->b;
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < b * hq; ++rh) {
+        const int64_t r = rh / hq, h = rh % hq;
+        const float weight = layer->sinks ? 1.0f / (1.0f + expf(layer->sinks[h] - a->lse[h * b + r])) : 1.0f;
+        for (int64_t c = 0; c < d; ++c)
+            attn[rh * d + c] = round_to(layer->sinks ? a->out[rh * d + c] * weight : a->out[rh * d + c], a->s->bf16);
+    }
 }
 
 /* The batch's float32 work arrays (see layout_batch), and each thread's slot. */
@@ -389,9 +508,10 @@ static void store_head(const ringctx_decoder_shape *s, const ringctx_attention_s
 }
 
 /* A layer up to its attention: norm, q/k/v projection, Qwen3's head norms, RoPE at each row's own
- * position, each row's new k, v into the cache of writer[row] (its own rows, when this rank stores
- * the token), and the attention's partials emptied (zeros, lse -inf: a row may see no key here).
- * Every thread of the region calls it. */
+ * position (cos, sin: the layer's table [b, rotary_dim], NULL for a NoPE layer), each row's new
+ * k, v into the cache of writer[row] (its own rows, when this rank stores the token), and the
+ * attention's partials emptied (zeros, lse -inf: a row may see no key here). Every thread of the
+ * region calls it. */
 static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, int64_t li,
                       const batch_rows *w, const batch_attention *a, int64_t b, const void *cos, const void *sin,
                       const ringctx_attention_source *const *writer) {
@@ -408,8 +528,9 @@ static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_laye
         float *xh = w->qkv + r * heads * d + h * d;
         if (h < hq + hkv) {  /* a q or k head: Qwen3's head norm, then RoPE */
             const void *head_norm = h < hq ? layer->q_norm : layer->k_norm;
+            const int64_t rd = layer->rotary_dim; /* the first rd dims rotate, the rest pass through */
             if (head_norm) token_rms_norm(xh, 0, head_norm, bf16, d, s->norm_eps, xh, 0);
-            token_rope(xh, 0, (const char *)cos + r * d * esize, (const char *)sin + r * d * esize, bf16, d);
+            if (cos) token_rope(xh, 0, (const char *)cos + r * rd * esize, (const char *)sin + r * rd * esize, bf16, rd);
         }
         if (h < hq) {
             memset(a->out + (r * hq + h) * d, 0, (size_t)d * sizeof(float));
@@ -446,17 +567,20 @@ static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_l
 }
 
 /* Run B tokens (one per sequence) through n_layers layers. x [b, dim] (model dtype): the tokens'
- * embeddings on entry, the last layer's outputs (before the final norm) on return. cos, sin:
- * [b, head_dim] rotary factors of each row's own position (model dtype, as RopeAngles). sources:
+ * embeddings on entry, the last layer's outputs (before the final norm) on return. positions [b]:
+ * each row's global position. cos, sin: n_ropes tables, table t [b, R_t] the rotary factors of each
+ * row's own position (model dtype, as RopeAngles) for the layers whose `rope` is t (R_t their
+ * rotary_dim). sources:
  * n_sources attention sources, the first n_shared of them documents, the rest own rows (at most
  * one per batch row), as described above. merge: NULL when this rank holds every row, else see above. work: at least
  * ringctx_decode_batch_work_floats(shape, b, threads) floats.
- * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape, b outside
- * 1..MAX_BATCH or a bad source. */
+ * Returns 0, -1 when this CPU cannot run this variant, -2 for an unsupported shape or layer, b
+ * outside 1..MAX_BATCH or a bad source, -3 when a row's query would see rows its layer no longer
+ * stores (stored_from). */
 int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers,
-                              void *x, int64_t b, const void *cos, const void *sin,
-                              const ringctx_attention_source *sources, int64_t n_sources, int64_t n_shared,
-                              float *work, int threads, ringctx_merge_fn merge) {
+                              void *x, int64_t b, const int64_t *positions, const void *const *cos,
+                              const void *const *sin, int64_t n_ropes, const ringctx_attention_source *sources,
+                              int64_t n_sources, int64_t n_shared, float *work, int threads, ringctx_merge_fn merge) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (b < 1 || b > MAX_BATCH || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
         s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || n_shared < 0 || n_shared > n_sources ||
@@ -466,10 +590,27 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
         const ringctx_attention_source *src = sources + i;
         if (src->n_rows < 1 || src->keys < 0 || (src->kv_q8 != -1 && src->kv_q8 != Q8_INT8 && src->kv_q8 != Q8_FP8) ||
             (src->kv_q8 >= 0 && (src->k_scale == NULL || src->v_scale == NULL)) ||
-            (i < n_shared ? src->write_row >= 0 : src->n_rows != 1))
+            (i < n_shared ? src->write_row >= 0 : src->n_rows != 1) ||
+            (src->segments && (src->n_segments < 1 || src->segments[0] != 0)))
             return -2;
         for (int64_t j = 0; j < src->n_rows; ++j)
             if (src->rows[j] < 0 || src->rows[j] >= b) return -2;
+    }
+    for (int64_t li = 0; li < n_layers; ++li) {
+        const ringctx_decoder_layer *l = layers + li;
+        if (l->window < 0 || l->chunk < 0 || !(l->scale > 0.0f) || !(l->softcap >= 0.0f) || l->rope < -1 ||
+            l->rope >= n_ropes || (l->rope >= 0 && (l->rotary_dim < 2 || l->rotary_dim % 2 || l->rotary_dim > s->head_dim)))
+            return -2;
+        for (int64_t i = 0; i < n_sources && !l->window && !l->chunk; ++i)  /* a full layer reads every row */
+            if (sources[i].stored_from && sources[i].keys > 0 && sources[i].stored_from[li] > 0) return -3;
+        if (!l->window && !l->chunk) continue;
+        for (int64_t i = 0; i < n_sources; ++i)  /* the rows each query sees must still be stored */
+            for (int64_t j = 0; j < sources[i].n_rows; ++j)
+                for (int64_t k = 0; k < segments_of(l, sources + i); ++k) {
+                    int64_t lo, hi;
+                    visible_rows(l, sources + i, k, positions[sources[i].rows[j]], &lo, &hi);
+                    if (hi > lo && sources[i].stored_from && lo < sources[i].stored_from[li]) return -3;
+                }
     }
     /* the own source each row writes its new k, v into (at most one: one own source per row) */
     const ringctx_attention_source *writer[MAX_BATCH] = {NULL};
@@ -486,32 +627,33 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
                           work + l.split, work + l.threads, l.per_thread};
     const batch_attention a = {s, b, (hq + 2 * s->n_kv_heads) * d, w.qkv, work + l.part_out, work + l.part_lse,
-                               work + l.queries, work + l.threads, l.per_thread};
+                               work + l.queries, work + l.threads, l.per_thread, positions};
     for (int64_t i = 0; i < b * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
+#define LAYER_ROPE(li) (layers[li].rope < 0 ? NULL : cos[layers[li].rope]), (layers[li].rope < 0 ? NULL : sin[layers[li].rope])
 
     if (merge == NULL) {  /* nothing leaves C: one parallel region for the whole step */
 #pragma omp parallel num_threads(threads)
         for (int64_t li = 0; li < n_layers; ++li) {
-            layer_qkv(s, layers + li, li, &w, &a, b, cos, sin, writer);
-            attend_sources(&a, sources, n_sources, n_shared, li);
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < b * hq * d; ++i) w.attn[i] = round_to(a.out[i], bf16);
+            layer_qkv(s, layers + li, li, &w, &a, b, LAYER_ROPE(li), writer);
+            attend_sources(&a, layers + li, sources, n_sources, n_shared, li);
+            finish_attention(&a, layers + li, w.attn);
             layer_output(s, layers + li, &w, b);
         }
     } else {  /* each layer's region ends before its merge (no kernel thread spins beside the caller's) */
         for (int64_t li = 0; li < n_layers; ++li) {
 #pragma omp parallel num_threads(threads)
             {
-                layer_qkv(s, layers + li, li, &w, &a, b, cos, sin, writer);
-                attend_sources(&a, sources, n_sources, n_shared, li);
+                layer_qkv(s, layers + li, li, &w, &a, b, LAYER_ROPE(li), writer);
+                attend_sources(&a, layers + li, sources, n_sources, n_shared, li);
             }
-            merge(); /* writes the rounded, merged attention into attn */
+            merge(li); /* writes the rounded, merged attention (its sinks applied) into attn */
 #pragma omp parallel num_threads(threads)
             layer_output(s, layers + li, &w, b);
         }
     }
     for (int64_t i = 0; i < b * s->dim; ++i) store_one(x, bf16, i, w.resid[i]);
     return 0;
+#undef LAYER_ROPE
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -577,6 +719,10 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     if (t < 1 || t > MAX_BATCH || cached < 0 || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
         s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || !int8_weights_fit(s, layers, n_layers))
         return -2;
+    for (int64_t li = 0; li < n_layers; ++li)  /* plain causal layers with the model's RoPE only */
+        if (layers[li].window || layers[li].chunk || layers[li].softcap != 0.0f || layers[li].sinks ||
+            layers[li].rope != 0 || layers[li].rotary_dim != s->head_dim)
+            return -2;
     if (threads < 1) threads = 1;
     if (threads > 256) threads = 256;
     const int bf16 = s->bf16;
@@ -585,20 +731,20 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
                           work + l.split, work + l.threads, l.per_thread};
     const batch_attention a = {s, t, width, w.qkv, work + l.part_out, work + l.part_lse,
-                               work + l.queries, work + l.threads, l.per_thread};
+                               work + l.queries, work + l.threads, l.per_thread, NULL}; /* attention: flash blocks */
     float *block_out = work + l.total, *block_lse = block_out + t * hq * d;
     void *queries = block_lse + hq * t; /* [t, Hq, D] in the model dtype */
     /* each row writes its k, v into its own cache row (layer_qkv's writers) */
     ringctx_attention_source rows[MAX_BATCH];
     const ringctx_attention_source *writer[MAX_BATCH];
     for (int64_t r = 0; r < t; ++r) {
-        rows[r] = (ringctx_attention_source){k, v, NULL, NULL, NULL, 1, cached + t, cached + r, -1};
+        rows[r] = (ringctx_attention_source){k, v, NULL, NULL, NULL, 1, cached + t, cached + r, -1, NULL, 0, NULL, 0, NULL};
         writer[r] = rows + r;
     }
     for (int64_t i = 0; i < t * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
     for (int64_t li = 0; li < n_layers; ++li) {
 #pragma omp parallel num_threads(threads)
-        layer_qkv(s, layers + li, li, &w, &a, t, cos, sin, writer);
+        layer_qkv(s, layers + li, li, &w, &a, t, cos, sin, writer);  /* plain layers: one table [t, D] */
         for (int64_t r = 0; r < t; ++r) /* the q heads, exact in the model dtype (they were rounded to it) */
             for (int64_t i = 0; i < hq * d; ++i) store_one(queries, bf16, r * hq * d + i, w.qkv[r * width + i]);
         const int64_t row_bytes = hkv * d * (bf16 ? 2 : 4);
@@ -667,6 +813,13 @@ static const ringctx_abi_field abi_fields[] = {
     ABI_FIELD(ringctx_decoder_layer, wo_exps),
     ABI_FIELD(ringctx_decoder_layer, w13_exps),
     ABI_FIELD(ringctx_decoder_layer, w2_exps),
+    ABI_FIELD(ringctx_decoder_layer, sinks),
+    ABI_FIELD(ringctx_decoder_layer, window),
+    ABI_FIELD(ringctx_decoder_layer, chunk),
+    ABI_FIELD(ringctx_decoder_layer, rotary_dim),
+    ABI_FIELD(ringctx_decoder_layer, scale),
+    ABI_FIELD(ringctx_decoder_layer, softcap),
+    ABI_FIELD(ringctx_decoder_layer, rope),
     ABI_STRUCT(ringctx_attention_source),
     ABI_FIELD(ringctx_attention_source, k),
     ABI_FIELD(ringctx_attention_source, v),
@@ -677,6 +830,11 @@ static const ringctx_abi_field abi_fields[] = {
     ABI_FIELD(ringctx_attention_source, keys),
     ABI_FIELD(ringctx_attention_source, write_row),
     ABI_FIELD(ringctx_attention_source, kv_q8),
+    ABI_FIELD(ringctx_attention_source, positions),
+    ABI_FIELD(ringctx_attention_source, first_position),
+    ABI_FIELD(ringctx_attention_source, segments),
+    ABI_FIELD(ringctx_attention_source, n_segments),
+    ABI_FIELD(ringctx_attention_source, stored_from),
 };
 
 static const ringctx_abi_limit abi_limits[] = {

@@ -932,8 +932,8 @@ int64_t attend_range_floats(int64_t Hkv, int64_t R, int64_t D) {
 }
 
 void attend_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v, int bf16, int q8,
-                  const float *ks, const float *vs, float scale, int64_t j0, int64_t j1, float *m, float *l,
-                  float *acc, float *buf) {
+                  const float *ks, const float *vs, float scale, float softcap, int64_t j0, int64_t j1, float *m,
+                  float *l, float *acc, float *buf) {
     const int64_t rows = Hkv * R, tile = attend_tile_keys(rows);
     const int64_t row_bytes = Hkv * D * (q8 >= 0 ? 1 : bf16 ? 2 : 4);
     float *alpha = buf, *tile_out = alpha + rows, *scores = tile_out + rows * D;
@@ -946,6 +946,15 @@ void attend_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void 
             scores_q8_range(q, Hkv, R, D, (const int8_t *)k_tile, ks + t0 * Hkv, q8, tile, scale, scores, 0, n);
         else
             scores_range(q, Hkv, R, D, k_tile, bf16, tile, scale, scores, 0, n, j1 - t0);
+        if (softcap > 0.0f) {  /* soft-capped scores (Gemma 2 style): s = softcap tanh(s / softcap) */
+            const vfloat cap = vset1(softcap), inv = vset1(1.0f / softcap);
+            for (int64_t r = 0; r < rows; ++r) {
+                float *sr = scores + r * tile;
+                int64_t j = 0;
+                for (; j + VW <= n; j += VW) vstore(sr + j, cap * vtanh(vload(sr + j) * inv));
+                for (; j < n; ++j) sr[j] = (cap * vtanh(vset1(sr[j]) * inv))[0];
+            }
+        }
         for (int64_t r = 0; r < rows; ++r) {  /* online softmax: p = e^(s - m_new) in place */
             float *sr = scores + r * tile;
             vfloat vmaxes = vset1(-INFINITY);
@@ -1021,7 +1030,7 @@ int ringctx_decode_attention(const float *q, int64_t Hkv, int64_t R, int64_t D, 
 #pragma omp single
         used = nt;
         float *mine = work + t * per_thread;
-        attend_range(q, Hkv, R, D, k, v, bf16, q8, k_scale, v_scale, scale, split(S, t, nt), split(S, t + 1, nt), mine,
+        attend_range(q, Hkv, R, D, k, v, bf16, q8, k_scale, v_scale, scale, 0.0f, split(S, t, nt), split(S, t + 1, nt), mine,
                      mine + rows, mine + 2 * rows, mine + 2 * rows + rows * D);
     }
     /* merge the threads' partials by log-sum-exp, in thread order */

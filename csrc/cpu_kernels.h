@@ -197,7 +197,8 @@ RINGCTX_INTERNAL void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_
 
 /* One-pass decode attention (cpu_kernels.c): one thread's share, keys [j0, j1) of a token-major cache
  * k, v [S, Hkv, D] (bf16 bits or float32 with q8 = -1; 8-bit data of kind q8 with scales ks, vs
- * [S, Hkv] otherwise) against q [Hkv, R, D] float32, in tiles of attend_tile_keys(Hkv R) keys.
+ * [S, Hkv] otherwise) against q [Hkv, R, D] float32, in tiles of attend_tile_keys(Hkv R) keys;
+ * softcap > 0: each score s = scale q.k becomes softcap tanh(s / softcap) (0: none).
  * Leaves per row (Hkv R of them) the running max m, the sum l of e^(s - m) and the unnormalised
  * output acc [Hkv R, D] (m = -inf, l = 0, acc = 0 for an empty range); buf holds
  * attend_range_floats(Hkv, R, D) floats of scratch. */
@@ -205,8 +206,8 @@ RINGCTX_INTERNAL void pv_q8_range(const float *p, int64_t Hkv, int64_t R, int64_
 RINGCTX_INTERNAL int64_t attend_tile_keys(int64_t rows);
 RINGCTX_INTERNAL int64_t attend_range_floats(int64_t Hkv, int64_t R, int64_t D);
 RINGCTX_INTERNAL void attend_range(const float *q, int64_t Hkv, int64_t R, int64_t D, const void *k, const void *v,
-                                   int bf16, int q8, const float *ks, const float *vs, float scale, int64_t j0,
-                                   int64_t j1, float *m, float *l, float *acc, float *buf);
+                                   int bf16, int q8, const float *ks, const float *vs, float scale, float softcap,
+                                   int64_t j0, int64_t j1, float *m, float *l, float *acc, float *buf);
 
 /* The whole attention of R query rows per KV head, keys split over the threads and merged by
  * log-sum-exp: out [Hkv, R, D] float32 normalised, lse [Hkv, R] natural log (S = 0: zeros and

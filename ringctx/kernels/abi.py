@@ -45,8 +45,9 @@ Q8_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 """The 8-bit cache formats the q8 decode kernels read (ringctx/attention/quant.py), and their `kind`
 code in csrc/cpu_kernels.h (Q8_INT8, Q8_FP8)."""
 
-MERGE_FN = ctypes.CFUNCTYPE(None)
-"""The decode step's per-layer callback over several ranks (see ringctx_merge_fn in csrc/cpu_decode.c)."""
+MERGE_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+"""The decode step's per-layer callback over several ranks, given the layer's index (see
+ringctx_merge_fn in csrc/cpu_decode.c)."""
 
 
 class DecoderShape(ctypes.Structure):
@@ -59,13 +60,17 @@ class DecoderShape(ctypes.Structure):
 
 class DecoderLayer(ctypes.Structure):
     """ringctx_decoder_layer of csrc/cpu_decode.c: data pointers of one layer's weights (NULL for an
-    absent bias and for the q/k norms of models without them)."""
+    absent bias and for the q/k norms of models without them), then its attention as data."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "q_norm", "k_norm", "wqkv_codes",
-        "wo_codes", "w13_codes", "w2_codes", "wqkv_exps", "wo_exps", "w13_exps", "w2_exps")]
+        "wo_codes", "w13_codes", "w2_codes", "wqkv_exps", "wo_exps", "w13_exps", "w2_exps", "sinks")] + [
+        ("window", ctypes.c_int64), ("chunk", ctypes.c_int64), ("rotary_dim", ctypes.c_int64),
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("rope", ctypes.c_int32)]
     """The *_codes and *_exps fields: int8 weights' codes and exponents beside their bf16 values in
-    w* (ringctx/model/int8_weights.py), or NULL."""
+    w* (ringctx/model/int8_weights.py), or NULL. sinks: [Hq] float32 sink logits or NULL; window,
+    chunk: the layer's span (0: none); rotary_dim: dims that rotate; scale, softcap: its softmax
+    settings; rope: which of the step's cos/sin tables rotates it (-1: a NoPE layer)."""
 
 
 class AttentionSource(ctypes.Structure):
@@ -74,7 +79,12 @@ class AttentionSource(ctypes.Structure):
 
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
                 ("v_scale", ctypes.c_void_p), ("rows", ctypes.c_void_p), ("n_rows", ctypes.c_int64),
-                ("keys", ctypes.c_int64), ("write_row", ctypes.c_int64), ("kv_q8", ctypes.c_int32)]
+                ("keys", ctypes.c_int64), ("write_row", ctypes.c_int64), ("kv_q8", ctypes.c_int32),
+                ("positions", ctypes.c_void_p), ("first_position", ctypes.c_int64), ("segments", ctypes.c_void_p),
+                ("n_segments", ctypes.c_int64), ("stored_from", ctypes.c_void_p)]
+    """positions: the rows' global positions (int64) or NULL (row j at first_position + j);
+    segments: [n_segments] int64, the first row of each run of rows whose positions increase, or
+    NULL (one); stored_from: [n_layers] int64, the first row each layer still stores, or NULL."""
 
 
 STRUCTS: dict[str, type[ctypes.Structure]] = {

@@ -207,8 +207,8 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     shape, layer = ctypes.POINTER(DecoderShape), ctypes.POINTER(DecoderLayer)
     lib.ringctx_encode_e4m3.argtypes = [ptr, i64, ptr]
     lib.ringctx_encode_e4m3.restype = None
-    lib.ringctx_decode_step_batch.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ctypes.POINTER(AttentionSource),
-                                              i64, i64, ptr, i32, MERGE_FN]
+    lib.ringctx_decode_step_batch.argtypes = [shape, layer, i64, ptr, i64, ptr, ptr, ptr, i64,
+                                              ctypes.POINTER(AttentionSource), i64, i64, ptr, i32, MERGE_FN]
     lib.ringctx_decode_batch_work_floats.argtypes = [shape, i64, i32]
     lib.ringctx_decode_batch_work_floats.restype = i64
     lib.ringctx_decode_batch_offsets.argtypes = [shape, i64, ptr]

@@ -12,7 +12,9 @@ the fused kernel applies (`FusedBatchStep.build`: a CPU model in float32 or bf16
 multiple of 16, the kernels built, see ringctx/kernels/), the step runs every layer in one
 call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; the final norm
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
-too. Everywhere else it is `forward_with_cache` on one token.
+too, and so does each layer's attention kind, given to the kernel as data per layer (its window
+or chunk, softmax scale, soft-cap, sink logits, and its RoPE table, rotary dims or none: see
+`_shape_and_layers`). Everywhere else it is `forward_with_cache` on one token.
 
 There is one fused kernel, for B sequences at once (`FusedBatchStep`, what runtime/batch.py runs);
 a lone sequence (`FusedStep`) is a batch of one. Its cache's first `shared_rows` rows are its
@@ -115,8 +117,10 @@ class FusedStep:
         position: the token's global position (its RoPE angle); write_row: the slice row that
         stores its K/V, None when another rank stores it; keys: slice rows attended (the written
         row included); merge(out [1, Hq, D], lse [Hq, 1]): given this rank's float32 partial,
-        return the float32 output [1, Hq, D] merged over all ranks (None: this slice is the whole
-        cache). The cache's `length` is the caller's to advance.
+        return the float32 output [1, Hq, D] merged over all ranks, or (out, lse), which a model
+        with sink logits needs (None: this slice is the whole cache). A sliced cache's written row
+        has its position set first (a windowed layer reads rows by position). The cache's `length`
+        is the caller's to advance.
         """
         x = self._layers(token, position, write_row, keys, merge)
         return step_logits(self.model, x) if logits else None
@@ -171,7 +175,9 @@ class FusedBatchStep:
 
     def __init__(self, model, lib: ctypes.CDLL):
         self.model, self.lib = model, lib
-        self.shape, self.layers = _shape_and_layers(model)
+        self.shape, self.layers, self._sinks = _shape_and_layers(model)
+        self._softmax = [model.layer_softmax(i) for i in range(model.config.n_layers)]
+        self._spans = model.has_spans  # a span layer finds a row's keys by position
         self.rows, self.threads = 0, 0  # what the work buffer below is sized for
         self._merge, self._merge_error = None, None
         self._callback = abi.MERGE_FN(self._on_merge)  # one object, kept alive with the step
@@ -195,8 +201,15 @@ class FusedBatchStep:
                  own: list[AttentionSource], merge=None) -> torch.Tensor:
         """tokens[i] at global position positions[i] -> the last layer's outputs [B, dim] (model
         dtype, before the final norm). documents: the shared caches (never written); own: at most
-        one source per batch row, each with that one row. merge(out, lse) -> float32 [B, Hq, D], or
-        None when these sources hold every key of every row. B must be 1 .. selection.MAX_BATCH."""
+        one source per batch row, each with that one row. merge(out, lse) -> float32 [B, Hq, D] (or
+        (out, lse [Hq, B]), which a model with sink logits needs), or None when these sources hold
+        every key of every row. B must be 1 .. selection.MAX_BATCH.
+
+        A layer with a span (window, chunk) reads, for each row, the rows of each source at the
+        positions it sees: a cache's rows carry their positions (`KVCache.positions`, else row i is
+        position i), in any order (searched in runs of increasing positions, `_segments`), and a
+        cache that dropped rows a layer no longer sees (`KVCache.kept_from`) is read through that
+        rule."""
         model = self.model
         B = len(tokens)
         if not 1 <= B <= selection.MAX_BATCH or len(positions) != B:
@@ -210,18 +223,25 @@ class FusedBatchStep:
         x = model.embed(torch.tensor(tokens, dtype=torch.long)).contiguous()  # a new tensor: the kernel writes it
         at = torch.tensor(positions, dtype=torch.long)
         rope = model.rope(at, sequence_end=at + 1)  # each row is its own sequence's step (LongRoPE)
-        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
+        # one cos/sin table per distinct RoPE of the layers (DecoderLayer.rope indexes them)
+        tables = rope.angles if _per_layer(rope) else [rope]
+        tables = [(t.cos.contiguous(), t.sin.contiguous()) for t in tables]
+        cos = (ctypes.c_void_p * max(1, len(tables)))(*(c.data_ptr() for c, _ in tables))
+        sin = (ctypes.c_void_p * max(1, len(tables)))(*(s.data_ptr() for _, s in tables))
         self._merge, self._merge_error = merge, None
         try:
             status = self.lib.ringctx_decode_step_batch(
-                ctypes.byref(self.shape), self.layers, len(self.layers), x.data_ptr(), B, cos.data_ptr(),
-                sin.data_ptr(), sources, len(sources), len(documents), self.work.data_ptr(), self.threads,
+                ctypes.byref(self.shape), self.layers, len(self.layers), x.data_ptr(), B, at.data_ptr(), cos, sin,
+                len(tables), sources, len(sources), len(documents), self.work.data_ptr(), self.threads,
                 self._callback if merge is not None else abi.MERGE_FN())
         finally:
             self._merge = None
-            del keep
+            del keep, tables
         if self._merge_error is not None:  # a lost rank, say: the kernel finished on garbage
             raise self._merge_error
+        if status == -3:
+            raise ValueError("a windowed or chunked layer's query would see cache rows that layer no longer "
+                             "stores (KVCache.kept_from): keep the rows every row's position still sees")
         if status != 0:
             raise RuntimeError(f"ringctx_decode_step_batch failed with status {status} (a source the kernel "
                                "refuses: check `takes` and that each own source has one row)")
@@ -239,6 +259,8 @@ class FusedBatchStep:
                 raise ValueError(f"the fused batch step cannot read a {source.cache.k[0].dtype} cache of a "
                                  f"{self.model.dtype} model")
             room = source.cache.max_tokens - source.first_row
+            tables = self._layer_pointers(source.cache, source.first_row)
+            room = min(room, tables.rows_held - source.first_row)
             if (not 0 <= source.first_row <= source.cache.max_tokens or any(not 0 <= r < batch for r in source.rows) or len(set(source.rows)) != len(source.rows)
                     or not 0 <= source.keys <= room
                     or (source.write_row is not None and not 0 <= source.write_row < min(source.keys, room))):
@@ -246,32 +268,48 @@ class FusedBatchStep:
                                  f"{batch}), {source.keys} keys or write row {source.write_row} outside its cache "
                                  f"of {room} rows from row {source.first_row} (the written row must be one of the "
                                  "keys attended)")
-            k, v, k_scale, v_scale = self._layer_pointers(source.cache, source.first_row)
             rows = (ctypes.c_int64 * len(source.rows))(*source.rows)
             keep.append(rows)
-            slot.k, slot.v, slot.k_scale, slot.v_scale = (ctypes.addressof(k), ctypes.addressof(v),
-                                                          k_scale and ctypes.addressof(k_scale),
-                                                          v_scale and ctypes.addressof(v_scale))
+            slot.k, slot.v = ctypes.addressof(tables.k), ctypes.addressof(tables.v)
+            slot.k_scale = tables.k_scale and ctypes.addressof(tables.k_scale)
+            slot.v_scale = tables.v_scale and ctypes.addressof(tables.v_scale)
+            slot.stored_from = tables.stored_from and ctypes.addressof(tables.stored_from)
+            positions = source.cache.positions
+            if positions is not None:  # a slice: each row's position (a span layer's query reads them)
+                slot.positions = positions.data_ptr() + source.first_row * positions.element_size()
+                if self._spans:
+                    segments = _segments(positions[source.first_row:source.first_row + source.keys])
+                    keep.append(segments)
+                    slot.segments, slot.n_segments = segments.data_ptr(), segments.numel()
+            else:
+                slot.positions, slot.first_position = None, source.first_row
             slot.rows, slot.n_rows, slot.keys = ctypes.addressof(rows), len(source.rows), source.keys
             slot.write_row = -1 if source.write_row is None else source.write_row
             slot.kv_q8 = abi.Q8_KINDS.get(source.cache.k[0].dtype, -1)
         return array, keep
 
-    def _layer_pointers(self, cache: KVCache, first_row: int):
+    def _layer_pointers(self, cache: KVCache, first_row: int) -> "_LayerTables":
         """The [n_layers] pointer tables of a cache's k, v (and scales) from row `first_row`, built
-        once per cache and start row, and rebuilt if its buffers were replaced."""
-        kept = self._pointers.get(cache)
-        if kept is None or kept[0] != cache.k[0].data_ptr():
-            kept = self._pointers[cache] = (cache.k[0].data_ptr(), {})
-        tables = kept[1].get(first_row)
-        if tables is None:
-            n = len(cache.k)
+        once per cache, start row and kept rows, and rebuilt if its buffers were replaced.
+
+        Row i of layer l lives in slot i - kept_from(l) of its buffers, so layer l's entry points
+        where row `first_row` is (before the buffer when rows were dropped: the kernel reads only
+        rows from stored_from[l] = kept_from(l) - first_row on, and refuses a step needing others)."""
+        n = len(cache.k)
+        kept_rows = tuple(cache.kept_from(layer) for layer in range(n))
+        key = (first_row, kept_rows, tuple(t.data_ptr() for t in cache.k))
+        per_cache = self._pointers.setdefault(cache, {})
+        tables = per_cache.get(first_row)
+        if tables is None or tables.key != key:
 
             def table(tensors):
-                return (ctypes.c_void_p * n)(*(t[first_row:].data_ptr() for t in tensors))
+                return (ctypes.c_void_p * n)(*(t.data_ptr() + (first_row - kept) * t.stride(0) * t.element_size()
+                                               for t, kept in zip(tensors, kept_rows)))
 
             scales = (table(cache.k_scale), table(cache.v_scale)) if cache.quantized else (None, None)
-            tables = kept[1][first_row] = (table(cache.k), table(cache.v), *scales)
+            stored = (ctypes.c_int64 * n)(*(kept - first_row for kept in kept_rows)) if any(kept_rows) else None
+            held = min(t.shape[0] + kept for t, kept in zip(cache.k, kept_rows))  # rows past it have no slot
+            tables = per_cache[first_row] = _LayerTables(key, table(cache.k), table(cache.v), *scales, stored, held)
         return tables
 
     def _prepare(self, rows: int) -> None:
@@ -290,14 +328,21 @@ class FusedBatchStep:
         self._out = self.work[offsets[2]:offsets[2] + rows * hq * d].view(rows, hq, d)
         self._lse = self.work[offsets[3]:offsets[3] + hq * rows].view(hq, rows)
 
-    def _on_merge(self) -> None:
-        """The kernel's callback: the caller's merge of this layer's partials, rounded into attn
-        (errors kept for __call__)."""
+    def _on_merge(self, layer: int) -> None:
+        """The kernel's callback: the caller's merge of this layer's partials, its sinks applied
+        (`LayerSoftmax.finish`, on the merged lse), rounded into attn (errors kept for __call__)."""
         if self._merge_error is not None:
             return
         try:
             merged = self._merge(self._out, self._lse)
-            self._attn.copy_(merged.to(self.model.dtype) if self.model.dtype != torch.float32 else merged)
+            out, lse = merged if isinstance(merged, tuple) else (merged, None)
+            softmax = self._softmax[layer]
+            if softmax.sinks is not None:
+                if lse is None:
+                    raise ValueError("a layer with sink logits needs the merged lse: merge(out, lse) must return "
+                                     "(out, lse) for this model")
+                out = softmax.finish(out, lse)
+            self._attn.copy_(out.to(self.model.dtype) if self.model.dtype != torch.float32 else out)
         except BaseException as exc:  # no exception may cross back into C
             self._merge_error = exc
 
@@ -324,7 +369,7 @@ class FusedPrefill:
         # no reference to the model: _PREFILLS keeps this per model, and a value that held its key
         # would keep the model alive
         self.dtype, self.lib, self.weights = model.dtype, lib, weights
-        self.shape, self.layers = _shape_and_layers(model)
+        self.shape, self.layers, _ = _shape_and_layers(model)
         # ring_attention's scale (1 / sqrt(D)), the Python path's
         self.shape.softmax_scale = 1.0 / math.sqrt(model.config.head_dim)
         self.group = model.config.n_heads // model.config.n_kv_heads
@@ -346,7 +391,7 @@ class FusedPrefill:
         kept = _PREFILLS.get(model)
         if kept is not None and kept.lib is lib and kept.weights == weights:
             return kept
-        if not _layers_fit(model):
+        if not _layers_fit(model) or not model.config.has_plain_attention:  # its kernel: plain causal layers
             return None
         _PREFILLS[model] = fused = cls(model, lib, weights)
         return fused
@@ -388,6 +433,22 @@ _PREFILLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model -> its FusedPrefill (see FusedPrefill.build)."""
 
 
+@dataclass
+class _LayerTables:
+    """A cache's per-layer pointer tables from one start row (FusedBatchStep._layer_pointers)."""
+
+    key: tuple
+    """(first_row, each layer's kept_from, each layer's k buffer address): what they were built for."""
+    k: ctypes.Array
+    v: ctypes.Array
+    k_scale: ctypes.Array | None
+    v_scale: ctypes.Array | None
+    stored_from: ctypes.Array | None
+    """[n_layers] the first row (from first_row) each layer stores, or None: every row."""
+    rows_held: int
+    """Rows of the cache every layer has a slot for (rows past it cannot be read or written)."""
+
+
 def step_logits(model, x: torch.Tensor) -> torch.Tensor:
     """The final norm and LM head of a decode step's rows x [B, dim]: float32 logits [B, vocab],
     selection.MAX_ROWS rows at a time, so that every row goes through the product a lone step's
@@ -398,12 +459,11 @@ def step_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
-    bf16, Llama's block (`ModelConfig.is_llama_block`), heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
+    bf16, Llama's block (`ModelConfig.is_llama_block`; any layer attention: spans, scale, soft-cap,
+    sinks, per-layer RoPE are per-layer data), heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
     most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if not config.has_plain_attention:  # its layer code computes plain causal attention only
         return False
     if not config.is_llama_block:  # nor other norms, activations, embedding scales or logit caps
         return False
@@ -415,15 +475,21 @@ def _layers_fit(model) -> bool:
 
 def _shape_and_layers(model):
     """The kernel's DecoderShape and DecoderLayer array for `model` (its caches come per step, as
-    attention sources)."""
+    attention sources), and the float32 sink logits the layers point to (kept alive with them)."""
     config = model.config
     shape = abi.DecoderShape(
         dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
         softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
     layers = (abi.DecoderLayer * config.n_layers)()
+    probe = model.rope(torch.zeros(1, dtype=torch.long))  # which of a step's RoPE tables each layer takes
+    rope_of = probe.of_layer if _per_layer(probe) else [0] * config.n_layers
+    sinks = []
     for i, block in enumerate(model.layers):
         attention, mlp = block.attention, block.feed_forward
+        softmax = block.softmax()
+        if softmax.sinks is not None:
+            sinks.append(softmax.sinks.float().contiguous())
         layers[i] = abi.DecoderLayer(
             attention_norm=block.attention_norm.weight.data_ptr(),
             wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
@@ -431,14 +497,32 @@ def _shape_and_layers(model):
             ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
             w2=mlp.w2.weight.data_ptr(),
             q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
-            k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None))
+            k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None),
+            sinks=_pointer(sinks[-1] if softmax.sinks is not None else None), window=softmax.span.window,
+            chunk=softmax.span.chunk, rotary_dim=config.rope_of(i)[2], scale=softmax.scale, softcap=softmax.softcap,
+            rope=rope_of[i])
         if model.dtype == torch.bfloat16 and selection.reads_int8_weights():  # int8 weights: their codes
             for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", mlp.w13), ("w2", mlp.w2)):
                 codes = int8_of(linear.weight)
                 if codes is not None:
                     setattr(layers[i], name + "_codes", codes.codes.data_ptr())
                     setattr(layers[i], name + "_exps", codes.exponents.data_ptr())
-    return shape, layers
+    return shape, layers, sinks
+
+
+def _segments(positions: torch.Tensor) -> torch.Tensor:
+    """The first row of each run of rows whose positions increase, int64 [n] (0 first): one for a
+    cache in position order, a few for a slice written in pieces (a ring prefill's arrival order).
+    The kernel finds the rows a windowed or chunked layer sees by binary search within each."""
+    breaks = torch.nonzero(positions[1:] <= positions[:-1]).view(-1) + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long), breaks])
+
+
+def _per_layer(rope) -> bool:
+    """Whether `Transformer.rope` gave LayerRopes (a table per distinct RoPE, `of_layer` naming each
+    layer's) rather than one RopeAngles (asked by attribute: transformer.py imports this module's
+    importers, so this module does not import it)."""
+    return hasattr(rope, "of_layer")
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

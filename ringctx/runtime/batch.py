@@ -279,9 +279,10 @@ class BatchDecoder:
         """Own rows of every sequence on this rank (what the batch holds besides the documents)."""
         return sum(s.own.length for s in self.sequences.values())
 
-    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Every rank's partials (out [B, Hq, D], lse [Hq, B] float32) merged exactly: one exchange."""
-        return merge_across_ranks(out, lse, self.world, self.group, self._shm)
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's partials (out [B, Hq, D], lse [Hq, B] float32) merged exactly: one exchange; with
+        the merged lse (a layer with sink logits applies them to the merged result)."""
+        return merge_across_ranks(out, lse, self.world, self.group, self._shm, with_lse=True)
 
     def _ensure_exchange(self, batch: int) -> None:
         """The shared-memory exchange with room for `batch` sequences (collective when it grows:

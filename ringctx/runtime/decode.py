@@ -211,9 +211,10 @@ class ShardedDecoder:
             self._fused, self._fused_cache = FusedStep.build(self.model, self.cache, self.shared_rows), self.cache
         return self._fused
 
-    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32."""
-        return merge_across_ranks(out, lse, self.world, self.group, self._shm)
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's partial (out [1, Hq, D], lse [Hq, 1]) merged exactly, in float32, with the
+        merged lse (a layer with sink logits applies them to the merged result)."""
+        return merge_across_ranks(out, lse, self.world, self.group, self._shm, with_lse=True)
 
 
 def step_owner(rows: list[int], steps: int) -> int:

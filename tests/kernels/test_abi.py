@@ -21,8 +21,8 @@ class ShapeWithDoubleEps(ctypes.Structure):
     _fields_ = [(name, ctypes.c_double if name == "norm_eps" else kind) for name, kind in abi.DecoderShape._fields_]
 
 
-class SourceWithoutKind(ctypes.Structure):
-    """ringctx_attention_source without its last field, `kv_q8`."""
+class SourceWithoutLast(ctypes.Structure):
+    """ringctx_attention_source without its last field, `stored_from`."""
 
     _fields_ = abi.AttentionSource._fields_[:-1]
 
@@ -47,10 +47,10 @@ def test_a_wrong_structure_is_named_by_struct_and_field():
         f"ringctx_decoder_shape.softmax_scale: offset 44, 4 bytes in C; offset 48, 4 bytes in {here}",
         f"ringctx_decoder_shape.bf16: offset 48, 4 bytes in C; offset 52, 4 bytes in {here}"]
 
-    problems = abi.layout_problems(lib, {"ringctx_attention_source": SourceWithoutKind}, {})
-    here = f"{__name__}.SourceWithoutKind"
-    assert problems == [f"struct ringctx_attention_source is 72 bytes in C, 64 in {here}",
-                        f"ringctx_attention_source.kv_q8: a field of the C struct that {here} does not have"]
+    problems = abi.layout_problems(lib, {"ringctx_attention_source": SourceWithoutLast}, {})
+    here = f"{__name__}.SourceWithoutLast"
+    assert problems == [f"struct ringctx_attention_source is 112 bytes in C, 104 in {here}",
+                        f"ringctx_attention_source.stored_from: a field of the C struct that {here} does not have"]
 
     assert abi.layout_problems(lib, {}, {"MAX_R": 32}) == ["MAX_R is 64 in C, 32 in ringctx/kernels/abi.py"]
     assert abi.layout_problems(lib, {"ringctx_no_such_struct": abi.DecoderShape}, {}) == [
