@@ -20,7 +20,7 @@ from ringctx.attention import PartialAccumulator
 from ringctx.model import KVCache
 from ringctx.model.config import LayerAttention
 from ringctx.model.decode_step import AttentionSource, DecodeStep, FusedBatchStep, FusedStep, step_logits
-from ringctx.model.kvcache import forward_with_cache
+from ringctx.model.kvcache import copy_rows, forward_with_cache
 from tests.helpers import rel_err
 from tests.kernels.test_cpu_kernels import needs_kernels
 from tests.model.test_decode_step import TINY, random_model, threads  # noqa: F401
@@ -282,22 +282,12 @@ def test_bf16_spans_are_as_accurate_as_the_layer_path(threads):  # noqa: F811
         assert fused_err <= 2 * plain_err, (i, fused_err, plain_err)
 
 
-class DroppedRows(KVCache):
-    """A cache whose span layers dropped rows (its row count: layer 0's slots past what it dropped)."""
-
-    @property
-    def max_tokens(self) -> int:
-        return self.k[0].shape[0] + self.kept_from(0)
-
-
 def dropped(cache, keep_from):
     """A copy of a dense cache whose layers l dropped their rows below keep_from[l] (row i of the
     layer then in slot i - keep_from[l] of a shorter buffer, as KVCache.kept_from describes)."""
-    out = DroppedRows(cache.n_layers, cache.max_tokens, cache.n_kv_heads, cache.head_dim, dtype=cache.dtype)
-    for layer, first in enumerate(keep_from):
-        out.k[layer] = cache.k[layer][first:].clone()
-        out.v[layer] = cache.v[layer][first:].clone()
-        out.kept[layer] = first
+    out = KVCache(cache.n_layers, cache.max_tokens, cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
+                  kept=keep_from)
+    copy_rows(out, 0, cache, 0, cache.length)
     out.length = cache.length
     return out
 
