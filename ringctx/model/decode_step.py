@@ -459,14 +459,18 @@ def step_logits(model, x: torch.Tensor) -> torch.Tensor:
 
 def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
-    bf16, Llama's block (`ModelConfig.is_llama_block`; any layer attention: spans, scale, soft-cap,
-    sinks, per-layer RoPE are per-layer data), heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
+    bf16, Llama's block (`ModelConfig.is_llama_block`; spans, scale, soft-cap, sinks and per-layer
+    RoPE are per-layer data; not Llama 4's q/k norm after RoPE or query temperature, nor dual chunk
+    attention), heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
     most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not config.is_llama_block:  # nor other norms, activations, embedding scales or logit caps
         return False
+    kinds = [config.attention(i) for i in range(config.n_layers)]
+    if any(a.qk_norm_after_rope or a.temperature_floor or a.dual_chunk is not None for a in kinds):
+        return False  # Llama 4's q/k norm after RoPE and query temperature, dual chunk attention: not in C
     if not selection.fused_step_shape_fits(config.head_dim, config.n_heads, config.n_kv_heads):
         return False
     weights = [t for block in model.layers for t in _block_tensors(block)]
