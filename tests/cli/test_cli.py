@@ -47,8 +47,11 @@ def test_prefill_by_default_runs_a_ring_and_a_follow_up_on_its_cache(tmp_path, m
     48-token follow-up on its cache goes pass-Q, and the table says so with the bytes moved."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     out = tmp_path / "r.json"
+    # the built-in profile: a measured one's GEMM rate and bandwidth move the rule's thresholds with
+    # the machine's load (the follow-up took pass-KV on a busy machine)
     result = CliRunner().invoke(main, ["prefill", "--model", "tiny", "--tokens", "768", "--chunk-tokens", "256",
-                                       "--dtype", "float32", "--device", "cpu", "--json", str(out)])
+                                       "--dtype", "float32", "--device", "cpu", "--hardware", "cpu",
+                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["world_size"] == 2 and [c["strategy"] for c in data["chunks"]] == ["pass-kv"] * 3
@@ -111,7 +114,8 @@ def test_prefill_table_reads_at_80_columns_with_one_short_reason_per_chunk(tmp_p
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     out = tmp_path / "r.json"
     result, lines = _lines_at_80_columns(monkeypatch, ["--model", "tiny", "--tokens", "768", "--chunk-tokens", "256",
-                                                       "--dtype", "float32", "--device", "cpu", "--json", str(out)])
+                                                       "--dtype", "float32", "--device", "cpu", "--hardware", "cpu",
+                                                       "--json", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     chunks = data["chunks"] + data["follow_up"]["chunks"]
