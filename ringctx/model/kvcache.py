@@ -360,6 +360,9 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget all tokens (buffers are kept, not cleared)."""
+        if self.trimmed:
+            raise ValueError("a cache whose windowed or chunked layers dropped rows has shorter buffers for them: "
+                             "make a new cache (KVCache.for_model) instead of resetting this one")
         self.length = 0
 
     def truncate(self, length: int) -> None:
