@@ -45,3 +45,42 @@ def capped_attention(q, k, v, visible, scale: float, softcap: float = 0.0, dtype
     probs = torch.exp(scores - torch.where(finite, lse, torch.zeros_like(lse)).unsqueeze(-1))
     probs = torch.where(finite.unsqueeze(-1), probs, torch.zeros_like(probs))
     return torch.einsum("hts,hsd->htd", probs, vh).transpose(0, 1), lse
+
+
+# -- a family against transformers: the same random weights saved once, read by both ---------------
+
+def saved_hf_pair(name: str, make_hf, tmp_path_factory):
+    """(name, ringctx model, transformers model, directory): make_hf(name)'s weights saved as
+    safetensors and read back by ringctx's loader in float32."""
+    from ringctx.model import load_model
+
+    directory = tmp_path_factory.mktemp(name)
+    hf = make_hf(name)
+    hf.save_pretrained(directory)
+    return name, load_model(str(directory), dtype=torch.float32, device="cpu"), hf, directory
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits [T, vocab] of one sequence of ids [T]."""
+    with torch.no_grad():
+        return hf(input_ids=ids[None]).logits[0].float()
+
+
+def assert_logits_match(pair, prompts, measured: dict | None = None, tol: float = 1e-4) -> None:
+    """Every prompt's logits within `tol` (relative) of transformers'; the largest error per case
+    kept in `measured` (a module's report)."""
+    name, ours, hf, _ = pair
+    for ids in prompts:
+        err = rel_err(ours.logits(ids), hf_logits(hf, ids))
+        if measured is not None:
+            measured[name] = max(measured.get(name, 0.0), err)
+        assert err < tol, (name, ids.numel(), err)
+
+
+def assert_greedy_matches(pair, ids: torch.Tensor, n: int = 6) -> None:
+    """ringctx's greedy decode picks transformers' generate's n tokens after ids."""
+    name, ours, hf, _ = pair
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, ids.numel():].tolist()
+    assert ours.generate(ids, max_new_tokens=n, stop_token_ids=[]).token_ids == ref, name

@@ -19,7 +19,8 @@ import torch
 
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
-from tests.helpers import one_thread_for_module, rel_err
+from tests.helpers import (assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
+                           rel_err, saved_hf_pair)
 from tests.model.test_model_families import prompt
 
 one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
@@ -85,15 +86,8 @@ CASES = ["llama4-text", "llama4-text-scaled-bias", "llama4-vlm"]
 @pytest.fixture(scope="module", params=CASES)
 def pair(request, tmp_path_factory):
     """(case name, ringctx model, transformers model, directory) with the same weights."""
-    directory = tmp_path_factory.mktemp(request.param)
-    hf = random_hf_model(request.param)
-    hf.save_pretrained(directory)
-    return request.param, load_model(str(directory), dtype=torch.float32, device="cpu"), hf, directory
+    return saved_hf_pair(request.param, random_hf_model, tmp_path_factory)
 
-
-def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(input_ids=ids[None]).logits[0].float()
 
 
 MEASURED: dict[str, float] = {}
@@ -101,23 +95,13 @@ MEASURED: dict[str, float] = {}
 
 
 def test_logits_match_transformers(pair):
-    name, ours, hf, _ = pair
-    for n in (SHORT, LONG):
-        ids = prompt(n)
-        err = rel_err(ours.logits(ids), hf_logits(hf, ids))
-        MEASURED[name] = max(MEASURED.get(name, 0.0), err)
-        assert err < 1e-4, (name, n, err)
+    assert_logits_match(pair, [prompt(SHORT), prompt(LONG)], MEASURED)
 
 
 def test_greedy_tokens_equal_transformers(pair):
     """ringctx's decode loop (one query a step: its temperature from its own position) picks the
     same tokens as transformers' generate."""
-    name, ours, hf, _ = pair
-    ids = prompt(LONG - 8, seed=2)
-    with torch.no_grad():
-        ref = hf.generate(input_ids=ids[None], max_new_tokens=6, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, ids.numel():].tolist()
-    assert ours.generate(ids, max_new_tokens=6, stop_token_ids=[]).token_ids == ref, name
+    assert_greedy_matches(pair, prompt(LONG - 8, seed=2))
 
 
 def test_config_is_read_as_written(pair):
