@@ -84,3 +84,41 @@ def assert_greedy_matches(pair, ids: torch.Tensor, n: int = 6) -> None:
         ref = hf.generate(input_ids=ids[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, ids.numel():].tolist()
     assert ours.generate(ids, max_new_tokens=n, stop_token_ids=[]).token_ids == ref, name
+
+
+# -- a family through the Engine against transformers ----------------------------------------------
+
+def random_prompt(n: int, seed: int = 1) -> torch.Tensor:
+    """n random token ids [n] (3..255: clear of a tiny vocabulary's special ids)."""
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_greedy(hf, ids: list[int], n: int = 8) -> list[int]:
+    """transformers' n greedy tokens after ids (no stop token)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def assert_engine_prefills_match(engine, hf, cases, what="") -> None:
+    """Each (tokens, chunk_tokens) case's last logits within 1e-4 of transformers', pass-KV and
+    pass-Q forced."""
+    for n, chunk in cases:
+        ids = random_prompt(n)
+        ref = hf_logits(hf, ids)[-1:]
+        for strategy in ("pass-kv", "pass-q"):
+            result = engine.prefill(ids, chunk_tokens=chunk, strategy=strategy)
+            assert rel_err(result.logits, ref) < 1e-4, (what, n, strategy)
+
+
+def assert_engine_answers_match(engine, hf, document, document_ids: list[int], questions, n: int = 8) -> None:
+    """The first question answered alone, then every question batched (ask_many), each with
+    transformers' greedy tokens after the document's."""
+    alone = engine.generate(document, questions[0], max_new_tokens=n, stop_token_ids=[])
+    "".join(alone)
+    assert alone.result.token_ids == hf_greedy(hf, document_ids + questions[0], n)
+    many = engine.ask_many(document, questions, max_new_tokens=n, stop_token_ids=[])
+    for _ in many:
+        pass
+    for q, result in zip(questions, many.results):
+        assert result.token_ids == hf_greedy(hf, document_ids + q, n), q

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import rel_err
+from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match, hf_greedy, random_prompt,
+                           rel_err)
 
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -46,28 +47,12 @@ def saved(tmp_path_factory):
     return models
 
 
-def prompt(n, seed=1):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("case", ["ministral", "qwen2-window"])
 def test_prefill_matches_transformers(saved, case, world):
     directory, hf = saved[case]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=1) as engine:
-        for n, chunk in ((9, 64), (97, 37), (150, 29)):
-            ids = prompt(n)
-            with torch.no_grad():
-                ref = hf(ids[None]).logits[0, -1:]
-            for strategy in ("pass-kv", "pass-q"):
-                result = engine.prefill(ids, chunk_tokens=chunk, strategy=strategy)
-                assert rel_err(result.logits, ref) < 1e-4, (case, world, n, strategy)
-
-
-def reference_answer(hf, ids, n=8):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        assert_engine_prefills_match(engine, hf, ((9, 64), (97, 37), (150, 29)), (case, world))
 
 
 @pytest.mark.parametrize("world,decode_ranks", [(2, 2), (3, 2)])
@@ -76,21 +61,14 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
     answers alone and batched, on two documents at once; its sliding layers keep only the rows
     later tokens see, saved so and loaded on 1 and 2 decode ranks."""
     directory, hf = saved["ministral"]
-    doc_a, doc_b = prompt(130, seed=3).tolist(), prompt(70, seed=4).tolist()
+    doc_a, doc_b = random_prompt(130, seed=3).tolist(), random_prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24]]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=decode_ranks, chunk_tokens=32) as engine:
         a, b = engine.ingest(doc_a), engine.ingest(doc_b)
-        alone = engine.generate(a, questions[0], max_new_tokens=8, stop_token_ids=[])
-        "".join(alone)
-        assert alone.result.token_ids == reference_answer(hf, doc_a + questions[0])
-        many = engine.ask_many(a, questions, max_new_tokens=8, stop_token_ids=[])
-        for _ in many:
-            pass
-        for q, result in zip(questions, many.results):
-            assert result.token_ids == reference_answer(hf, doc_a + q), q
+        assert_engine_answers_match(engine, hf, a, doc_a, questions)
         other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
         "".join(other)
-        assert other.result.token_ids == reference_answer(hf, doc_b + questions[1])
+        assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
         # The documents' sliding layers kept only what later tokens see (rank 0's slice here):
         # the window of 11 needs the last 10 rows, wherever they are; the full layer keeps all.
         assert a.dropped_unseen and a.cache.kept[1] == 0 and all(a.cache.kept[i] > 0 for i in (0, 2, 3))
@@ -108,7 +86,7 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
             assert loaded.dropped_unseen and loaded.cache.kept[0] > 0
             again = engine.generate(loaded, questions[2], max_new_tokens=8, stop_token_ids=[])
             "".join(again)
-            assert again.result.token_ids == reference_answer(hf, doc_a + questions[2]), nproc
+            assert again.result.token_ids == hf_greedy(hf, doc_a + questions[2]), nproc
 
 
 @pytest.mark.parametrize("case", ["phi3-longrope", "gemma3-text"])
@@ -122,7 +100,7 @@ def test_long_context_families_through_the_engine(case, tmp_path):
     hf.save_pretrained(tmp_path)
     with Engine(str(tmp_path), nproc=2, dtype="float32", decode_ranks=1) as engine:
         for n in (SHORT, LONG):
-            ids = prompt(n, seed=5)
+            ids = random_prompt(n, seed=5)
             with torch.no_grad():
                 ref = hf(ids[None]).logits[0, -1:]
             for strategy in ("pass-kv", "pass-q"):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import rel_err
+from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match, hf_greedy, random_prompt,
+                           rel_err)
 from tests.model.test_model_llama4 import random_hf_model
 
 
@@ -21,27 +22,11 @@ def saved(tmp_path_factory):
     return str(directory), hf
 
 
-def prompt(n, seed=1):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
-
-
 @pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"W{w}")
 def test_prefill_matches_transformers(saved, world):
     directory, hf = saved
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=1) as engine:
-        for n, chunk in ((9, 64), (97, 37), (150, 29)):
-            ids = prompt(n)
-            with torch.no_grad():
-                ref = hf(ids[None]).logits[0, -1:]
-            for strategy in ("pass-kv", "pass-q"):
-                result = engine.prefill(ids, chunk_tokens=chunk, strategy=strategy)
-                assert rel_err(result.logits, ref) < 1e-4, (world, n, strategy)
-
-
-def reference_answer(hf, ids, n=8):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        assert_engine_prefills_match(engine, hf, ((9, 64), (97, 37), (150, 29)), world)
 
 
 @pytest.mark.parametrize("world,decode_ranks", [(2, 1), (2, 2), (3, 2)])
@@ -50,28 +35,21 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
     (questions of different lengths: the rows of a batched step sit at different positions, so
     their temperatures differ)."""
     directory, hf = saved
-    doc_a, doc_b = prompt(130, seed=3).tolist(), prompt(70, seed=4).tolist()
+    doc_a, doc_b = random_prompt(130, seed=3).tolist(), random_prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=decode_ranks, chunk_tokens=32) as engine:
         a, b = engine.ingest(doc_a), engine.ingest(doc_b)
-        alone = engine.generate(a, questions[0], max_new_tokens=8, stop_token_ids=[])
-        "".join(alone)
-        assert alone.result.token_ids == reference_answer(hf, doc_a + questions[0])
-        many = engine.ask_many(a, questions, max_new_tokens=8, stop_token_ids=[])
-        for _ in many:
-            pass
-        for q, result in zip(questions, many.results):
-            assert result.token_ids == reference_answer(hf, doc_a + q), q
+        assert_engine_answers_match(engine, hf, a, doc_a, questions)
         other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
         "".join(other)
-        assert other.result.token_ids == reference_answer(hf, doc_b + questions[1])
+        assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
 
 
 def test_tensor_parallel_prefill_matches_transformers(saved):
     """TP 2 splits the heads (each rank's q/k rows permuted within its heads); the q/k norms and
     the temperature are per head and per token."""
     directory, hf = saved
-    ids = prompt(97)
+    ids = random_prompt(97)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0, -1:]
     with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
