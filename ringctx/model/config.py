@@ -517,7 +517,7 @@ class ModelConfig:
     def decode_kv_rows(self, context: int) -> int:
         """K/V rows a decode step at position `context` reads over all layers: every earlier row in
         a full layer, the window's or the current chunk's in the others (and its own)."""
-        return sum(self.attention(i).span.kept_tokens(context) + 1 for i in range(self.n_layers))
+        return self.kv_rows_kept(context) + self.n_layers
 
     def attention_summary(self) -> str:
         """The layers' attention kinds in a few words: "30 full", or "25 window 1024 + 5 full"."""

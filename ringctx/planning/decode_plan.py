@@ -14,8 +14,8 @@ from ringctx.attention.quant import is_quantized
 from ringctx.model.config import ModelConfig
 from ringctx.planning.hardware import HardwareProfile
 from ringctx.planning.memory import (
-    MEMORY_USABLE_FRACTION, check_integers, kv_cache_bytes_per_rank, layer_activation_bytes, rank_memory_bytes,
-    validate_setting, weight_bytes_per_rank,
+    MEMORY_USABLE_FRACTION, check_integers, document_kv_bytes, kv_cache_bytes_per_rank, layer_activation_bytes,
+    rank_memory_bytes, validate_setting, weight_bytes_per_rank,
 )
 from ringctx.planning.strategy import local_heads
 
@@ -168,8 +168,8 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
     slice_tokens = decode_slice_tokens(context_tokens, setting.decode_ranks)
     capacity = rank_memory_bytes(hw, setting.decode_ranks)  # host RAM profiles share it among the ranks
     all_rows = kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype)
-    tokens = context_tokens + DECODE_ROOM_TOKENS
-    kept = all_rows * model.kv_rows_kept(tokens) // (model.n_layers * tokens)
+    tokens = context_tokens + DECODE_ROOM_TOKENS  # the slice's share of what the whole cache keeps
+    kept = document_kv_bytes(model, all_rows, tokens) // tokens
     return DecodeMemory(
         decode_ranks=setting.decode_ranks, max_decode_ranks=max_decode_ranks(hw, tp_size),
         kv_dtype=setting.kv_dtype, context_tokens=context_tokens, slice_tokens=slice_tokens,

@@ -136,22 +136,3 @@ def kv_bytes_per_token(engine) -> int:
                               kv_dtype=engine.kv_dtype)
     return int(probe.bytes_per_token)
 
-
-def document_kv_bytes(config, bytes_per_token: int, tokens: int) -> int:
-    """KV bytes a document of `tokens` tokens keeps over all decode ranks (`bytes_per_token`: one
-    token's over every layer, `kv_bytes_per_token`): every row of a full layer, what later tokens
-    see of a windowed or chunked one (documents drop the rest: KVCache.drop_unseen)."""
-    return bytes_per_token * config.kv_rows_kept(tokens) // config.n_layers
-
-
-def document_tokens_within(config, bytes_per_token: int, budget_bytes: int) -> int:
-    """The most tokens a document may have for `document_kv_bytes` to stay within `budget_bytes`
-    (a windowed layer's rows stop growing past its window: the full layers set the limit)."""
-    lo, hi = 0, 1 << 40  # document_kv_bytes only grows with the tokens
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if document_kv_bytes(config, bytes_per_token, mid) <= budget_bytes:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -26,7 +26,7 @@ import torch
 from ..engine.scheduler import SchedulerStopped
 from ..engine.work_items import DropDocument, FinishSave
 from ..planning.work import WorkProgress, prefill_chunk_flops
-from ..runtime.efficiency import document_kv_bytes
+from ..planning.memory import document_kv_bytes
 from ..units import fmt_bytes
 from .backend import DocumentInfo
 from .store import DocumentStore

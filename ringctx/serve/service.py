@@ -39,7 +39,8 @@ from ..model.context import ContextTooLong
 from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
 from . import backend as api
-from ..runtime.efficiency import document_tokens_within, kv_bytes_per_token
+from ..planning.memory import document_tokens_within
+from ..runtime.efficiency import kv_bytes_per_token
 from ..runtime.memory_check import auto_kv_budget
 from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument
 from .prompts import PromptRenderer, text_sha256
