@@ -307,9 +307,15 @@ class LayerAttention:
     dual_chunk: DualChunk | None = None
     """Dual Chunk Attention (Qwen2.5-1M's `dual_chunk_attention_config`, dense): keys rotate at
     their position mod chunk_len, queries three ways (attention/dual_chunk.py). None: plain RoPE."""
+    head_dim: int = 0
+    """> 0: this layer's own head width (q, k and v heads; Gemma 4 31B's full layers: 512 where its
+    sliding ones have 256). Its KV cache rows, ring messages and RoPE are that wide. 0: the model's."""
+    n_kv_heads: int = 0
+    """> 0: this layer's own KV head count (Gemma 4 31B's full layers: 4 where its sliding ones have
+    16); the model's n_heads must be a multiple of it. 0: the model's."""
 
     def __post_init__(self) -> None:
-        for name in ("window", "chunk", "rotary_dim", "temperature_floor"):
+        for name in ("window", "chunk", "rotary_dim", "temperature_floor", "head_dim", "n_kv_heads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LayerAttention: {name}={getattr(self, name)}: {name} is a positive count; "
                                  f"give 0 for none (no {'rotation limit' if name == 'rotary_dim' else name})")
@@ -376,6 +382,10 @@ class LayerAttention:
             extras.append("q/k norm")
         if self.temperature_floor:
             extras.append(f"temperature /{self.temperature_floor}")
+        if self.n_kv_heads:
+            extras.append(f"{self.n_kv_heads} KV heads")
+        if self.head_dim:
+            extras.append(f"head dim {self.head_dim}")
         return ", ".join([kind, *extras])
 
     @classmethod
@@ -495,13 +505,43 @@ class ModelConfig:
             raise ValueError(f"ModelConfig {self.name!r}: dual chunk attention with a v norm (Gemma 4's) is not "
                              "computed; DCA layers are Qwen2's")
         for i, layer in enumerate(layers):
-            if layer.rotary_dim > self.head_dim:
+            if layer.rotary_dim > self.head_dim_of(i):
                 raise ValueError(f"ModelConfig {self.name!r}: layer {i} rotates {layer.rotary_dim} dims "
-                                 f"of a head of {self.head_dim}: rotary_dim is at most head_dim (0: all of it)")
+                                 f"of a head of {self.head_dim_of(i)}: rotary_dim is at most head_dim (0: all of it)")
+            if self.n_heads % self.kv_heads_of(i):
+                raise ValueError(f"ModelConfig {self.name!r}: n_heads={self.n_heads} is not a multiple of layer "
+                                 f"{i}'s n_kv_heads={self.kv_heads_of(i)}")
+            if layer.dual_chunk is not None and (layer.head_dim or layer.n_kv_heads):
+                raise ValueError(f"ModelConfig {self.name!r}: layer {i}: dual chunk attention with the layer's "
+                                 "own head shape is not computed (DCA layers are Qwen2's)")
 
     def attention(self, layer: int) -> LayerAttention:
         """How layer `layer`'s attention sees and rotates."""
         return self.layer_attention[layer] if self.layer_attention else PLAIN_LAYER
+
+    def head_dim_of(self, layer: int) -> int:
+        """Layer `layer`'s head width (its q, k and v heads): its own, else the model's head_dim."""
+        return self.attention(layer).head_dim or self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        """Layer `layer`'s KV head count: its own, else the model's n_kv_heads."""
+        return self.attention(layer).n_kv_heads or self.n_kv_heads
+
+    @property
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """Per layer, (KV heads, head width) of its K and V rows: the cache's, the ring's and the
+        document files' row shape of that layer."""
+        return [(self.kv_heads_of(i), self.head_dim_of(i)) for i in range(self.n_layers)]
+
+    @property
+    def widest_head_dim(self) -> int:
+        """The widest layer's head width: what a buffer that serves every layer's heads is sized for."""
+        return max(d for _, d in self.kv_shapes)
+
+    @property
+    def uniform_heads(self) -> bool:
+        """True when every layer has the model's head shape (one KV row shape for the whole cache)."""
+        return all(not (layer.head_dim or layer.n_kv_heads) for layer in self.layer_attention)
 
     @property
     def layer_spans(self) -> list[Span]:
@@ -513,6 +553,12 @@ class ModelConfig:
         layers dropped what later tokens cannot see (`KVCache.drop_unseen`): `tokens` per full
         layer, at most W (or the current chunk) per other layer."""
         return sum(span.kept_tokens(tokens) for span in self.layer_spans)
+
+    def kv_elements_kept(self, tokens: int) -> int:
+        """K or V elements (heads x head width per row) those kept rows hold over all layers: what
+        a cache's bytes follow when layers differ in head shape (`kv_rows_kept` when they do not,
+        times one row's elements)."""
+        return sum(span.kept_tokens(tokens) * h * d for span, (h, d) in zip(self.layer_spans, self.kv_shapes))
 
     def decode_kv_rows(self, context: int) -> int:
         """K/V rows a decode step at position `context` reads over all layers: every earlier row in
@@ -554,21 +600,23 @@ class ModelConfig:
     @property
     def n_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
-        attn = self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim + self.n_heads * self.head_dim * self.dim
-        if self.qkv_bias:
-            attn += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        if self.attn_out_bias:
-            attn += self.dim
-        if self.qk_norm:
-            attn += 2 * self.head_dim
-        mlp = 3 * self.dim * self.ffn_dim
-        per_layer = attn + mlp + (4 if self.post_norms else 2) * self.dim + (1 if self.layer_scalars else 0)
+        layers = 0
+        for hkv, d in self.kv_shapes:
+            attn = self.dim * (self.n_heads + 2 * hkv) * d + self.n_heads * d * self.dim
+            if self.qkv_bias:
+                attn += (self.n_heads + 2 * hkv) * d
+            if self.attn_out_bias:
+                attn += self.dim
+            if self.qk_norm:
+                attn += 2 * d
+            mlp = 3 * self.dim * self.ffn_dim
+            layers += attn + mlp + (4 if self.post_norms else 2) * self.dim + (1 if self.layer_scalars else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.n_layers * per_layer + self.vocab_size * self.dim + head + self.dim
+        return layers + self.vocab_size * self.dim + head + self.dim
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         """Bytes of K and V that one token adds to the cache over all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * element_bytes
+        return 2 * sum(h * d for h, d in self.kv_shapes) * element_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -612,7 +660,7 @@ class ModelConfig:
     def rope_of(self, layer: int | None = None) -> tuple[float, RopeScaling | None, int]:
         """(base, scaling, rotating dims) of layer `layer`'s RoPE (None: the model's)."""
         attention = PLAIN_LAYER if layer is None else self.attention(layer)
-        dims = attention.rotary_dim or self.head_dim
+        dims = attention.rotary_dim or (self.head_dim if layer is None else self.head_dim_of(layer))
         if attention.rope_theta > 0:
             return attention.rope_theta, attention.rope_scaling, dims
         return self.rope_theta, self.rope_scaling, dims

@@ -49,7 +49,7 @@ norms on Gemma 3 only."""
 GEMMA4_TYPES = ("gemma4_text",)
 """Gemma 4's text model: Gemma's block with plain (w) norms, a weightless v norm, a stored scalar
 per block, softmax scale 1, and full layers with their own RoPE ("proportional", partial), maybe
-their own head shape (refused: `_gemma4_refusals`) and keys as values (`attention_k_eq_v`)."""
+their own head shape (`_gemma4_head_shapes`) and keys as values (`attention_k_eq_v`)."""
 
 GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
                    "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "global_head_dim": 512,
@@ -277,7 +277,6 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
                              "layers are all dense (moe_layers=[])")
     if model_type in GEMMA4_TYPES:
         d = {**GEMMA4_DEFAULTS, **d}
-        _gemma4_refuse_head_shapes(d, unsupported)
     elif model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
         d = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
              "max_position_embeddings": 131072, **{k: v for k, v in d.items() if v is not None or k not in (
@@ -309,6 +308,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         layers = _dual_chunk_layers(d, model_type, layers, rope_scaling, unsupported, invalid)
     if gemma:
         layers = _gemma_layers(d, layers, head_dim, local, gemma4=model_type in GEMMA4_TYPES)
+        if model_type in GEMMA4_TYPES:
+            layers = _gemma4_head_shapes(d, layers, invalid)
     elif model_type == "phi3" and partial != 1.0:
         rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * partial_rotary_factor)
         if rotary_dim % 2 or rotary_dim <= 0:
@@ -477,26 +478,39 @@ def _gemma4_refusals(d: Mapping[str, Any], unsupported) -> None:
         raise unsupported("use_bidirectional_attention='all' (not a causal decoder)")
 
 
-def _gemma4_refuse_head_shapes(d: Mapping[str, Any], unsupported) -> None:
-    """Gemma 4's full-attention layers may have their own head_dim and KV heads (the 31B's have
-    512-dim heads where its sliding layers have 256): as Gemma4TextConfig, `per_layer_config` when the
-    config has one, else global_head_dim (default 512) and, with attention_k_eq_v,
-    num_global_key_value_heads. ringctx's KV cache has one shape for every layer: refused unless
-    they equal the sliding layers'. (A config.json saved by transformers lists only the layers
-    whose shape differs, {} when none does; the published ones give global_head_dim.)"""
+def _gemma4_head_shapes(d: Mapping[str, Any], layers: tuple[LayerAttention, ...], invalid
+                        ) -> tuple[LayerAttention, ...]:
+    """Gemma 4's full-attention layers with their own head shape (`LayerAttention.head_dim`,
+    `n_kv_heads`; the 31B's: 512-dim heads, 4 KV heads, where its sliding layers have 256 and 16),
+    as Gemma4TextConfig reads them: `per_layer_config` when the config has one (as transformers
+    saves it: {layer index: overrides}, only the layers whose shape differs), else global_head_dim
+    (default 512) on every full layer and, with attention_k_eq_v, num_global_key_value_heads."""
     head_dim = int(d.get("head_dim") or 0) or int(d["hidden_size"]) // int(d["num_attention_heads"])
     n_kv = int(d.get("num_key_value_heads") or d["num_attention_heads"])
-    if d.get("per_layer_config") is not None:  # as saved by transformers: only the overrides ({}: none)
-        shapes = {(int(c.get("head_dim") or head_dim), int(c.get("num_key_value_heads") or n_kv))
-                  for c in d["per_layer_config"].values()}
+    if d.get("per_layer_config") is not None:
+        try:
+            overrides = {int(i): dict(c) for i, c in d["per_layer_config"].items()}
+        except (AttributeError, TypeError, ValueError):
+            raise invalid(f"per_layer_config={d['per_layer_config']!r}: give {{layer index: {{head_dim, "
+                          "num_key_value_heads}}}}") from None
     else:
         global_kv = d.get("num_global_key_value_heads") if d.get("attention_k_eq_v") else None
-        shapes = {(int(d["global_head_dim"]), int(global_kv or n_kv))}
-    for full_head_dim, full_kv in shapes:
-        if (full_head_dim, full_kv) != (head_dim, n_kv):
-            raise unsupported(f"per-layer head shapes (full-attention layers: head_dim={full_head_dim}, "
-                              f"{full_kv} KV heads; sliding layers: {head_dim}, {n_kv}; ringctx's KV cache "
-                              "has one shape for every layer)")
+        full = {"head_dim": d["global_head_dim"], **({"num_key_value_heads": global_kv} if global_kv else {})}
+        overrides = {i: full for i, layer in enumerate(layers) if not layer.window}
+    out = list(layers)
+    for i, override in overrides.items():
+        if not 0 <= i < len(out):
+            raise invalid(f"per_layer_config names layer {i} of a model of {len(out)} layers")
+        try:
+            shape = (int(override.get("head_dim") or head_dim), int(override.get("num_key_value_heads") or n_kv))
+        except (TypeError, ValueError):
+            raise invalid(f"per_layer_config[{i}]={override!r}: head_dim and num_key_value_heads are counts") from None
+        if shape[1] <= 0 or shape[0] <= 0 or int(d["num_attention_heads"]) % shape[1]:
+            raise invalid(f"per_layer_config[{i}]: {shape[1]} KV heads of {shape[0]} dims for "
+                          f"{d['num_attention_heads']} query heads: n_heads is not a multiple of layer {i}'s n_kv_heads")
+        if shape != (head_dim, n_kv):  # the model's shape stays implicit: such a layer stays plain
+            out[i] = dataclasses.replace(out[i], head_dim=shape[0], n_kv_heads=shape[1] if shape[1] != n_kv else 0)
+    return tuple(out)
 
 
 def hf_config_dict(self: ModelConfig) -> dict:

@@ -461,8 +461,8 @@ def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
     bf16, Llama's block (`ModelConfig.is_llama_block`; spans, scale, soft-cap, sinks and per-layer
     RoPE are per-layer data; not Llama 4's q/k norm after RoPE or query temperature, nor dual chunk
-    attention), heads it takes (`selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at
-    most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
+    attention), heads it takes (one shape for every layer, `selection.fused_step_shape_fits`: head_dim a
+    multiple of 16 up to 256, at most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -471,8 +471,9 @@ def _layers_fit(model) -> bool:
     kinds = [config.attention(i) for i in range(config.n_layers)]
     if any(a.qk_norm_after_rope or a.temperature_floor or a.dual_chunk is not None for a in kinds):
         return False  # Llama 4's q/k norm after RoPE and query temperature, dual chunk attention: not in C
-    if not selection.fused_step_shape_fits(config.head_dim, config.n_heads, config.n_kv_heads):
-        return False
+    if not config.uniform_heads or not selection.fused_step_shape_fits(config.head_dim, config.n_heads,
+                                                                       config.n_kv_heads):
+        return False  # one head shape for every layer (the kernel's DecoderShape has one)
     weights = [t for block in model.layers for t in _block_tensors(block)]
     return all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights)
 

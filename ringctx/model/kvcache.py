@@ -67,14 +67,21 @@ class KVCache:
         sliced: bool = False,
         small_pages: bool = False,
         kept: Sequence[int] | None = None,
+        shapes: Sequence[tuple[int, int]] | None = None,
     ):
         """dtype: what reads return and writes take (the model's dtype); kv_dtype: how rows are
         stored (see the class docstring); sliced: keep a `positions` index (rows in any order);
         small_pages: on a CPU, in ordinary pages, not 2 MiB ones (a prefill's cache, written chunk by
-        chunk: see ringctx.host_memory); kept: per layer, the first row it stores (default 0: all)."""
+        chunk: see ringctx.host_memory); kept: per layer, the first row it stores (default 0: all);
+        shapes: per layer, (KV heads, head width) of its rows when layers differ (Gemma 4 31B's
+        full layers; `ModelConfig.kv_shapes`), default (n_kv_heads, head_dim) for every layer."""
         if max_tokens <= 0:
             raise ValueError(f"KVCache: max_tokens must be positive, got {max_tokens}")
         kept = [0] * n_layers if kept is None else [int(r) for r in kept]
+        shapes = [(n_kv_heads, head_dim)] * n_layers if shapes is None else [(int(h), int(d)) for h, d in shapes]
+        if len(shapes) != n_layers:
+            raise ValueError(f"KVCache: shapes must give each of the {n_layers} layers its (KV heads, head dim), "
+                             f"got {len(shapes)}")
         if len(kept) != n_layers or any(not 0 <= r <= max_tokens for r in kept):
             raise ValueError(f"KVCache: kept must give each of the {n_layers} layers a first row in "
                              f"[0, {max_tokens}], got {kept}")
@@ -88,8 +95,8 @@ class KVCache:
         # (small_pages: the same mapping in ordinary pages).
         quantized = is_quantized(kv_dtype)
         specs = []
-        for first in kept:
-            shape = (max_tokens - first, n_kv_heads, head_dim)
+        for first, (heads, width) in zip(kept, shapes):
+            shape = (max_tokens - first, heads, width)
             specs += [(shape, stored)] * 2 + ([(shape[:2], torch.float32)] * 2 if quantized else [])
         buffers = _empty_buffers(specs, device, small_pages=small_pages)
         self.small_pages = small_pages
@@ -116,9 +123,17 @@ class KVCache:
         device: torch.device | str = "cpu", kv_dtype: str = "model", sliced: bool = False,
         small_pages: bool = False, kept: Sequence[int] | None = None,
     ) -> "KVCache":
-        """An empty cache with this model's layer count, KV heads and head width."""
+        """An empty cache with this model's layer count and each layer's KV heads and head width."""
         return cls(config.n_layers, max_tokens, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
-                   kv_dtype=kv_dtype, sliced=sliced, small_pages=small_pages, kept=kept)
+                   kv_dtype=kv_dtype, sliced=sliced, small_pages=small_pages, kept=kept,
+                   shapes=None if config.uniform_heads else config.kv_shapes)
+
+    def empty_like(self, max_tokens: int, *, sliced: bool, kept: Sequence[int] | None = None,
+                   small_pages: bool = False) -> "KVCache":
+        """An empty cache with this one's layers, row shapes, dtypes and device, room for `max_tokens`."""
+        return KVCache(self.n_layers, max_tokens, *self.shapes[0], dtype=self.dtype, device=self.device,
+                       kv_dtype=self.kv_dtype, sliced=sliced, small_pages=small_pages, kept=kept,
+                       shapes=self.shapes)
 
     @classmethod
     def from_tensors(
@@ -132,7 +147,8 @@ class KVCache:
         """A cache holding the K/V handed over by the prefill engine.
 
         Args:
-            k, v: one tensor per layer, [P, Hkv, D] each (all the same shape, dtype, device).
+            k, v: one tensor per layer, [P, Hkv, D] each (the same P, dtype and device; a layer's
+                Hkv and D may be its own).
             length: valid tokens; defaults to P.
             max_tokens: capacity. None: use the given tensors as the buffers, without copying
                 (allocate them with room to decode into). Otherwise new buffers of this size
@@ -142,9 +158,9 @@ class KVCache:
             raise ValueError(f"KVCache.from_tensors: need one K and one V per layer, got {len(k)} and {len(v)}")
         shape, dtype, device = k[0].shape, k[0].dtype, k[0].device
         for i, (ki, vi) in enumerate(zip(k, v)):
-            if ki.dim() != 3 or ki.shape != shape or vi.shape != shape:
+            if ki.dim() != 3 or ki.shape[0] != shape[0] or vi.shape != ki.shape:
                 raise ValueError(f"KVCache.from_tensors: layer {i} has K {tuple(ki.shape)} and V {tuple(vi.shape)}, "
-                                 f"expected both {tuple(shape)} = [tokens, Hkv, D]")
+                                 f"expected both [{shape[0]}, Hkv, D] (tokens, KV heads, head dim)")
             if ki.dtype != dtype or vi.dtype != dtype or ki.device != device or vi.device != device:
                 raise ValueError(f"KVCache.from_tensors: layer {i} differs in dtype or device from layer 0")
         length = shape[0] if length is None else length
@@ -161,7 +177,7 @@ class KVCache:
         else:
             if max_tokens < length:
                 raise ValueError(f"KVCache.from_tensors: max_tokens={max_tokens} cannot hold the {length} given tokens")
-            buffers = _empty_buffers([((max_tokens, *shape[1:]), dtype)] * (2 * len(k)), device, zero=True)
+            buffers = _empty_buffers([((max_tokens, *t.shape[1:]), dtype) for t in k for _ in "kv"], device, zero=True)
             cache.k, cache.v = buffers[0::2], buffers[1::2]
             for dst, src in zip(cache.k + cache.v, list(k) + list(v)):
                 dst[:length].copy_(src[:length])
@@ -175,12 +191,26 @@ class KVCache:
         return len(self.k)
 
     @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Per layer, (KV heads, head width) of its rows."""
+        return [(t.shape[1], t.shape[2]) for t in self.k]
+
+    @property
     def n_kv_heads(self) -> int:
-        return self.k[0].shape[1]
+        """KV heads of every layer (a ValueError when layers differ: read `shapes`)."""
+        return self._uniform()[0]
 
     @property
     def head_dim(self) -> int:
-        return self.k[0].shape[2]
+        """Head width of every layer (a ValueError when layers differ: read `shapes`)."""
+        return self._uniform()[1]
+
+    def _uniform(self) -> tuple[int, int]:
+        shapes = set(self.shapes)
+        if len(shapes) > 1:
+            raise ValueError(f"this KV cache's layers differ in (KV heads, head dim): {sorted(shapes)}; "
+                             "read KVCache.shapes per layer")
+        return shapes.pop()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -248,9 +278,8 @@ class KVCache:
 
     def check_model(self, config: ModelConfig) -> None:
         """Raise a ValueError unless this cache's shapes fit `config`."""
-        want = (config.n_layers, config.n_kv_heads, config.head_dim)
-        have = (self.n_layers, self.n_kv_heads, self.head_dim)
-        if want != have:
+        if self.shapes != config.kv_shapes:
+            have, want = _describe_shapes(self.shapes), _describe_shapes(config.kv_shapes)
             raise ValueError(f"KV cache has (layers, KV heads, head dim) = {have} but model {config.name!r} "
                              f"needs {want}")
 
@@ -348,9 +377,8 @@ class KVCache:
         """A cache with room for `max_tokens` rows holding this one's valid rows (self if it has the room)."""
         if max_tokens <= self.max_tokens:
             return self
-        out = KVCache(self.n_layers, max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
-                      device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None,
-                      small_pages=self.small_pages, kept=self.kept)
+        out = self.empty_like(max_tokens, sliced=self.positions is not None, small_pages=self.small_pages,
+                              kept=self.kept)
         out.spans = self.spans
         copy_rows(out, 0, self, 0, self.length)
         if self.positions is not None:
@@ -403,8 +431,7 @@ class KVCache:
         if self.trimmed:
             raise ValueError("a cache whose layers dropped rows keeps them in position order; this one is not")
         order = torch.argsort(self.positions[:self.length])
-        out = KVCache(self.n_layers, self.max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
-                      device=self.device, kv_dtype=self.kv_dtype, sliced=True, small_pages=self.small_pages)
+        out = self.empty_like(self.max_tokens, sliced=True, small_pages=self.small_pages)
         for dst, src in zip(out.storage_tensors(), self.storage_tensors()):
             torch.index_select(src[:self.length], 0, order.to(src.device), out=dst[:self.length])
         out.positions[:self.length] = self.positions[:self.length][order]
@@ -480,9 +507,8 @@ class KVCache:
         if all(new - old < least for new, old in zip(kept, self.kept)):
             return 0
         dropped = sum(kept) - sum(self.kept)
-        out = KVCache(self.n_layers, self.max_tokens, self.n_kv_heads, self.head_dim, dtype=self.dtype,
-                      device=self.device, kv_dtype=self.kv_dtype, sliced=self.positions is not None,
-                      small_pages=self.small_pages, kept=kept)
+        out = self.empty_like(self.max_tokens, sliced=self.positions is not None, small_pages=self.small_pages,
+                              kept=kept)
         if order is None:
             copy_rows(out, 0, self, 0, self.length)
         else:
@@ -549,6 +575,11 @@ class CachedAttend:
             acc.add(*cache.attend_rows(layer, q, start, backend=self.backend, softmax_scale=scale), owned=True)
         acc.add(*attention_block(q, k, v, causal=True, softmax_scale=scale, backend=self.backend))
         return acc.result(q.dtype)[0]
+
+
+def _describe_shapes(shapes: Sequence[tuple[int, int]]):
+    """(layers, KV heads, head dim), or (layers, [per layer...]) when layers differ, for error lines."""
+    return (len(shapes), *shapes[0]) if len(set(shapes)) == 1 else (len(shapes), list(shapes))
 
 
 def _empty_buffers(specs, device, *, zero: bool = False, small_pages: bool = False) -> list[torch.Tensor]:

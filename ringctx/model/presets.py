@@ -114,6 +114,17 @@ _PUBLISHED = {
         "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
         "bos_token_id": 2, "eos_token_id": [1, 106]},
+    # Gemma 4 31B's layout as FAMILIES.md records it (5 sliding : 1 full; the full layers' own
+    # 512-dim heads, 4 KV heads whose keys are their values, partial proportional RoPE): the
+    # widths here are not read from the published config.json (no hub here); load the checkpoint
+    # for its exact numbers.
+    "gemma4-31b": {
+        "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 5376, "intermediate_size": 21504,
+        "num_hidden_layers": 60, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 256,
+        "global_head_dim": 512, "num_global_key_value_heads": 4, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 0, "sliding_window": 1024, "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106]},
     "mistral-small-24b": {
         "model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
         "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

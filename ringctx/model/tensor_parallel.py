@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +52,17 @@ def tp_problem(config: ModelConfig, tp_size: int) -> str | None:
         return f"tp must be a positive integer, got {tp_size!r}"
     if tp_size == 1:
         return None
-    hq, hkv = config.n_heads, config.n_kv_heads
-    divisors = [t for t in range(1, hq + 1) if hq % t == 0 and (hkv % t == 0 or t % hkv == 0)]
+    hq, kv_counts = config.n_heads, sorted({h for h, _ in config.kv_shapes})  # a layer may have its own
+    divisors = [t for t in range(1, hq + 1)
+                if hq % t == 0 and all(hkv % t == 0 or t % hkv == 0 for hkv in kv_counts)]
     if hq % tp_size:
         return (f"tp={tp_size} does not divide the {hq} query heads of {config.name}; "
                 f"use one of {', '.join(map(str, divisors))}")
-    if hkv % tp_size and tp_size % hkv:
-        return (f"tp={tp_size} neither divides nor is a multiple of the {hkv} KV heads of {config.name}; "
-                f"use one of {', '.join(map(str, divisors))}")
+    for hkv in kv_counts:
+        if hkv % tp_size and tp_size % hkv:
+            return (f"tp={tp_size} neither divides nor is a multiple of the {hkv} KV heads of "
+                    f"{config.name}{'' if len(kv_counts) == 1 else ' (some of its layers)'}; "
+                    f"use one of {', '.join(map(str, divisors))}")
     if config.ffn_dim < tp_size or config.vocab_size < tp_size:
         return f"tp={tp_size} is larger than the MLP width or vocabulary of {config.name}"
     return None
@@ -85,12 +89,14 @@ class TensorParallel:
         """[start, stop) of this rank's query heads."""
         return split_range(config.n_heads, self.size, self.rank)
 
-    def kv_heads(self, config: ModelConfig) -> tuple[int, int]:
-        """[start, stop) of this rank's KV heads: its share, or the one KV head its query heads
-        use when T > Hkv (replicated on T / Hkv ranks)."""
-        if self.size <= config.n_kv_heads:
-            return split_range(config.n_kv_heads, self.size, self.rank)
-        head = self.q_heads(config)[0] // config.gqa_group
+    def kv_heads(self, config: ModelConfig, layer: int | None = None) -> tuple[int, int]:
+        """[start, stop) of this rank's KV heads (of layer `layer`, which may have its own count;
+        None: the model's): its share, or the one KV head its query heads use when T > Hkv
+        (replicated on T / Hkv ranks)."""
+        n_kv = config.n_kv_heads if layer is None else config.kv_heads_of(layer)
+        if self.size <= n_kv:
+            return split_range(n_kv, self.size, self.rank)
+        head = self.q_heads(config)[0] // (config.n_heads // n_kv)
         return head, head + 1
 
     def ffn(self, config: ModelConfig) -> tuple[int, int]:
@@ -108,8 +114,11 @@ class TensorParallel:
         q0, q1 = self.q_heads(config)
         k0, k1 = self.kv_heads(config)
         f0, f1 = self.ffn(config)
+        layers = tuple(dataclasses.replace(kind, n_kv_heads=-operator.sub(*self.kv_heads(config, i)))
+                       if kind.n_kv_heads else kind for i, kind in enumerate(config.layer_attention))
         return dataclasses.replace(config, name=f"{config.name} [TP {self.rank}/{self.size}]", n_heads=q1 - q0,
-                                   n_kv_heads=k1 - k0, ffn_dim=f1 - f0, head_dim=config.head_dim)
+                                   n_kv_heads=k1 - k0, ffn_dim=f1 - f0, head_dim=config.head_dim,
+                                   layer_attention=layers)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, what: str = "all-reduce") -> torch.Tensor:
@@ -164,13 +173,13 @@ def gather_kv_heads(cache, model):
     n = cache.length
     out = None
     if tp.rank == 0:
-        out = KVCache(cache.n_layers, n, full.n_kv_heads, cache.head_dim, dtype=cache.dtype, device=cache.device,
-                      kv_dtype=cache.kv_dtype, sliced=cache.positions is not None, kept=cache.kept)
+        out = KVCache.for_model(full, n, dtype=cache.dtype, device=cache.device, kv_dtype=cache.kv_dtype,
+                                sliced=cache.positions is not None, kept=cache.kept)
         out.spans = cache.spans
         if cache.positions is not None:
             out.positions[:n] = cache.positions[:n]
-    ranges = [TensorParallel(tp.size, r).kv_heads(full) for r in range(tp.size)]
     for layer in range(cache.n_layers):
+        ranges = [TensorParallel(tp.size, r).kv_heads(full, layer) for r in range(tp.size)]
         m = n - min(cache.kept_from(layer), n)  # the layer's stored rows (a windowed layer's last ones)
         for j, mine in enumerate(cache.storage_tensors(layer)):
             local = mine[:m].contiguous()
@@ -182,7 +191,7 @@ def gather_kv_heads(cache, model):
                 continue
             target = out.storage_tensors(layer)[j]
             target_raw = target.view(target.shape[0], target.shape[1], per_head).view(torch.uint8)
-            for head in range(full.n_kv_heads):
+            for head in range(full.kv_heads_of(layer)):
                 r = next(r for r, (a, b) in enumerate(ranges) if a <= head < b)
                 target_raw[:m, head] = pieces[r][:, head - ranges[r][0]]
     if out is not None:

@@ -226,10 +226,11 @@ class Attention(nn.Module):
     weights; with `config.v_norm` (Gemma 4) each head's v is normalised without weights too.
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
         super().__init__()
         self.tp = tp
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        # a layer may have its own head shape (Gemma 4 31B's full layers: `LayerAttention.head_dim`)
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads_of(layer), config.head_dim_of(layer)
         self.wqkv = nn.Linear(config.dim, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=config.attn_out_bias)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if config.qk_norm else None
@@ -340,10 +341,10 @@ class Block(nn.Module):
         self.kind = kind = config.attention(layer)
         plus_one = config.norm_plus_one
         self.attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
-        self.attention = Attention(config, tp)
+        self.attention = Attention(config, tp, layer)
         if plus_one and config.qk_norm:  # Gemma 3's per-head q/k norms multiply by (1 + w) too
-            self.attention.q_norm = RMSNorm(config.head_dim, config.norm_eps, plus_one)
-            self.attention.k_norm = RMSNorm(config.head_dim, config.norm_eps, plus_one)
+            self.attention.q_norm = RMSNorm(self.attention.head_dim, config.norm_eps, plus_one)
+            self.attention.k_norm = RMSNorm(self.attention.head_dim, config.norm_eps, plus_one)
         if kind.sinks:
             self.attention.sinks = nn.Parameter(torch.zeros(config.n_heads, dtype=torch.float32))
         if kind.qk_norm_after_rope:
@@ -356,7 +357,7 @@ class Block(nn.Module):
         # Gemma 4: the block's output times a stored scalar [1] (transformers' layer_scalar)
         self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
         self.span = kind.span
-        self.scale = kind.scale or config.head_dim ** -0.5
+        self.scale = kind.scale or self.attention.head_dim ** -0.5
 
     def softmax(self) -> LayerSoftmax:
         """This layer's softmax settings (scale, soft-cap, span, sinks) for whoever computes its

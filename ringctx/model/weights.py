@@ -56,22 +56,23 @@ class WeightPiece(NamedTuple):
     """The slice of the checkpoint tensor this rank holds (tensor parallelism), or None: all of it."""
 
 
-def tp_take(config: ModelConfig, tp: TensorParallel, kind: str) -> Take | None:
+def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | None = None) -> Take | None:
     """Which slice of a checkpoint tensor of `kind` TP rank `tp.rank` holds (None: all of it).
 
     kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
     "gate", "up" (rows), "down" (input columns), "vocab" (embedding or head rows), or anything
-    else (norms, the o bias): replicated. `config` is the whole model's.
+    else (norms, the o bias): replicated. `config` is the whole model's; layer: the layer of an
+    attention tensor (its head shape may be its own), None for the model's.
     """
     if tp.size == 1:
         return None
-    D = config.head_dim
+    D = config.head_dim if layer is None else config.head_dim_of(layer)
     if kind == "q":
         a, b = tp.q_heads(config)
         return Take(0, a * D, b * D, config.n_heads * D)
     if kind in ("k", "v"):
-        a, b = tp.kv_heads(config)
-        return Take(0, a * D, b * D, config.n_kv_heads * D)
+        a, b = tp.kv_heads(config, layer)
+        return Take(0, a * D, b * D, (config.n_kv_heads if layer is None else config.kv_heads_of(layer)) * D)
     if kind == "o":
         a, b = tp.q_heads(config)
         return Take(1, a * D, b * D, config.n_heads * D)
@@ -84,9 +85,12 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str) -> Take | None:
     return None
 
 
-def qkv_rows(config: ModelConfig, which: str) -> tuple[int, int]:
-    """Row range of 'q', 'k' or 'v' inside the fused wqkv weight (or bias)."""
+def qkv_rows(config: ModelConfig, which: str, layer: int | None = None) -> tuple[int, int]:
+    """Row range of 'q', 'k' or 'v' inside the fused wqkv weight (or bias) of layer `layer` (None:
+    a layer of the model's head shape)."""
     D, hq, hkv = config.head_dim, config.n_heads, config.n_kv_heads
+    if layer is not None:
+        D, hkv = config.head_dim_of(layer), config.kv_heads_of(layer)
     return {"q": (0, hq * D), "k": (hq * D, (hq + hkv) * D), "v": ((hq + hkv) * D, (hq + 2 * hkv) * D)}[which]
 
 
@@ -234,10 +238,11 @@ def _full_rows(model: Transformer, name: str,
         return tuple(param.shape), torch.arange(param.shape[0]), None
     shape = list(param.shape)
     kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else None
     if kind == "wqkv":  # rows: this rank's q heads, then its k heads, then its v heads
-        shape[0] = qkv_rows(full, "v")[1]
-        rows = [torch.arange(qkv_rows(full, w)[0] + t.start, qkv_rows(full, w)[0] + t.stop)
-                for w in "qkv" for t in [tp_take(full, tp, w)]]
+        shape[0] = qkv_rows(full, "v", layer)[1]
+        rows = [torch.arange(qkv_rows(full, w, layer)[0] + t.start, qkv_rows(full, w, layer)[0] + t.stop)
+                for w in "qkv" for t in [tp_take(full, tp, w, layer)]]
         return tuple(shape), torch.cat(rows), None
     if kind == "w13":
         shape[0] = 2 * full.ffn_dim
@@ -245,7 +250,7 @@ def _full_rows(model: Transformer, name: str,
                 for w in ("gate", "up") for t in [tp_take(full, tp, w)]]
         return tuple(shape), torch.cat(rows), None
     if kind in ("wo", "w2") and name.endswith("weight"):
-        t = tp_take(full, tp, "o" if kind == "wo" else "down")
+        t = tp_take(full, tp, "o" if kind == "wo" else "down", layer)
         shape[1] = t.full
         return tuple(shape), torch.arange(shape[0]), slice(t.start, t.stop)
     if kind in ("tok_embeddings", "output"):

@@ -35,8 +35,8 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
     pieces: dict[str, WeightPiece] = {}
     local = tp.shard_config(config)
 
-    def add(hf_name: str, param: str, rows=None, kind: str = ""):
-        pieces[hf_name] = WeightPiece(param, rows, hf_name, tp_take(config, tp, kind))
+    def add(hf_name: str, param: str, rows=None, kind: str = "", layer: int | None = None):
+        pieces[hf_name] = WeightPiece(param, rows, hf_name, tp_take(config, tp, kind, layer))
 
     add("model.embed_tokens.weight", "tok_embeddings.weight", kind="vocab")
     add("model.norm.weight", "norm.weight")
@@ -53,9 +53,9 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
             add(f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
             for which in "qkv":
-                add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
-                    which)
-        add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight", kind="o")
+                add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which, i),
+                    which, i)
+        add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight", kind="o", layer=i)
         if config.qk_norm:  # [head_dim], shared by all heads: every TP rank reads it whole
             add(f"{hf}.self_attn.q_norm.weight", f"{ours}.attention.q_norm.weight")
             add(f"{hf}.self_attn.k_norm.weight", f"{ours}.attention.k_norm.weight")
@@ -214,7 +214,7 @@ def load_hf_weights(model, directory: str) -> None:
                         raise ValueError(f"{path}: cannot read tensor {file_name!r} ({type(e).__name__}: {e}); the "
                                          "file is truncated or corrupt, re-download it") from None
                     if llama4 and part.endswith(ROTARY_PROJECTIONS):
-                        value = permute_interleaved_rotary(value, config.head_dim)
+                        value = permute_interleaved_rotary(value, config.head_dim)  # Llama 4: one head shape
                     filler.put(piece, value)
                     if part in as_values:  # the same rows, TP slice included (k's and v's are both by KV heads)
                         filler.put(filler.piece(as_values[part]), value)

@@ -15,7 +15,7 @@ from ringctx.model.config import ModelConfig
 from ringctx.planning.hardware import HardwareProfile
 from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, check_integers, document_kv_bytes, kv_cache_bytes_per_rank, layer_activation_bytes,
-    rank_memory_bytes, validate_setting, weight_bytes_per_rank,
+    layer_kv_row_bytes, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
 )
 from ringctx.planning.strategy import local_heads
 
@@ -63,13 +63,14 @@ def decode_workspace_bytes(model: ModelConfig, tp_size: int, slice_tokens: int, 
                               whole slice if shorter) of one layer widened to float32,
                               2 * rows * NKV_local * DH * 4; 0 for float caches (read in place)
     """
-    heads, kv_heads = local_heads(model, tp_size)
+    heads, _ = local_heads(model, tp_size)
+    kv_row = max(max(1, h // tp_size) * d for h, d in model.kv_shapes)  # the widest layer's NKV_local * DH
     block = min(slice_tokens, DEQUANT_BLOCK_TOKENS) if is_quantized(kv_dtype) else 0
     return {
         "token_activation_bytes": layer_activation_bytes(model, tp_size, 1, dtype),
         "scores_bytes": heads * slice_tokens * 4,
         "logits_bytes": model.vocab_size * 4,
-        "dequant_bytes": 2 * block * kv_heads * model.head_dim * 4,
+        "dequant_bytes": 2 * block * kv_row * 4,
     }
 
 
@@ -169,7 +170,8 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
     capacity = rank_memory_bytes(hw, setting.decode_ranks)  # host RAM profiles share it among the ranks
     all_rows = kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype)
     tokens = context_tokens + DECODE_ROOM_TOKENS  # the slice's share of what the whole cache keeps
-    kept = document_kv_bytes(model, all_rows, tokens) // tokens
+    kept = document_kv_bytes(model, layer_kv_row_bytes(model, tp_size, dtype, setting.kv_dtype), tokens) \
+        * slice_tokens // tokens
     return DecodeMemory(
         decode_ranks=setting.decode_ranks, max_decode_ranks=max_decode_ranks(hw, tp_size),
         kv_dtype=setting.kv_dtype, context_tokens=context_tokens, slice_tokens=slice_tokens,

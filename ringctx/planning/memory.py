@@ -44,15 +44,26 @@ def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str, w
 
 
 def kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: str = "model") -> int:
-    """Bytes one token adds to one GPU's KV cache over all layers: 2 * n_layers * NKV_local * DH * e_kv.
+    """Bytes one token adds to one GPU's KV cache over all layers: 2 * n_layers * NKV_local * DH * e_kv
+    (the sum of `layer_kv_row_bytes` when layers differ in head shape)."""
+    return sum(layer_kv_row_bytes(model, tp_size, dtype, kv_dtype))
+
+
+def layer_kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: str = "model") -> list[int]:
+    """Per layer, the bytes one token adds to its KV cache on one GPU: 2 * NKV_local * DH * e_kv with
+    the layer's own KV heads and head width (Gemma 4 31B's full layers differ from its sliding ones).
 
     e_kv = kv_element_bytes(kv_dtype, DH, e(dtype)): e(dtype) for "model", the float's own size, or
     1 + 4/DH for fp8/int8 (one byte per element and a float32 scale per token and KV head), so one
-    head's row is DH * e or DH + 4 bytes, always a whole number.
+    head's row is DH * e or DH + 4 bytes, always a whole number. NKV_local: the layer's KV heads
+    split over tp_size, one replicated head when tp_size exceeds them.
     """
-    _, kv_heads = local_heads(model, tp_size)
-    head_row = round(model.head_dim * kv_element_bytes(kv_dtype, model.head_dim, element_bytes(dtype)))
-    return 2 * model.n_layers * kv_heads * head_row
+    local_heads(model, tp_size)  # a clear error for a TP size that cannot split the heads
+    rows = []
+    for kv_heads, head_dim in model.kv_shapes:
+        head_row = round(head_dim * kv_element_bytes(kv_dtype, head_dim, element_bytes(dtype)))
+        rows.append(2 * max(1, kv_heads // tp_size) * head_row)
+    return rows
 
 
 def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int, dtype: str,
@@ -68,20 +79,21 @@ def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int
     return rows_per_rank * kv_row_bytes(model, tp_size, dtype, kv_dtype)
 
 
-def document_kv_bytes(config, bytes_per_token: int, tokens: int) -> int:
-    """KV bytes a document of `tokens` tokens keeps over all decode ranks (`bytes_per_token`: one
-    token's over every layer, `kv_bytes_per_token`): every row of a full layer, what later tokens
-    see of a windowed or chunked one (documents drop the rest: KVCache.drop_unseen)."""
-    return bytes_per_token * config.kv_rows_kept(tokens) // config.n_layers
+def document_kv_bytes(config, layer_row_bytes: list[int], tokens: int) -> int:
+    """KV bytes a document of `tokens` tokens keeps (`layer_row_bytes`: one row's bytes in each
+    layer, `layer_kv_row_bytes` or a cache's `KVCache.layer_row_bytes`): every row of a full layer,
+    what later tokens see of a windowed or chunked one (documents drop the rest:
+    KVCache.drop_unseen)."""
+    return sum(span.kept_tokens(tokens) * row for span, row in zip(config.layer_spans, layer_row_bytes))
 
 
-def document_tokens_within(config, bytes_per_token: int, budget_bytes: int) -> int:
+def document_tokens_within(config, layer_row_bytes: list[int], budget_bytes: int) -> int:
     """The most tokens a document may have for `document_kv_bytes` to stay within `budget_bytes`
     (a windowed layer's rows stop growing past its window: the full layers set the limit)."""
     lo, hi = 0, 1 << 40  # document_kv_bytes only grows with the tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if document_kv_bytes(config, bytes_per_token, mid) <= budget_bytes:
+        if document_kv_bytes(config, layer_row_bytes, mid) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -91,10 +103,11 @@ def document_tokens_within(config, bytes_per_token: int, budget_bytes: int) -> i
 def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: str) -> int:
     """One layer's activations for `rows` tokens on one GPU, ring buffers and logits left out:
     the hidden, qkv, mlp and accumulator terms of `activation_bytes_per_rank` with t = rows."""
-    heads, kv_heads = local_heads(model, tp_size)
-    e, DH = element_bytes(dtype), model.head_dim
+    heads, _ = local_heads(model, tp_size)
+    e, DH = element_bytes(dtype), model.widest_head_dim
     hidden = HIDDEN_BUFFERS * rows * model.dim * e
-    qkv = rows * (heads + 2 * kv_heads) * DH * e
+    # the layer with the widest q, k and v sets the peak (layers may differ in head shape)
+    qkv = rows * max((heads + 2 * max(1, h // tp_size)) * d for h, d in model.kv_shapes) * e
     mlp = 3 * rows * (model.ffn_dim // tp_size) * e
     accumulator = rows * heads * (DH + 1) * LSE_BYTES
     return hidden + qkv + mlp + accumulator
@@ -115,12 +128,13 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
                            held for and received from the N-1 other ranks); 0 when N = 1
       logits      vocab * 4                            (float32, last token only)
     """
-    heads, kv_heads = local_heads(model, tp_size)
-    e, DH, t = element_bytes(dtype), model.head_dim, tokens_per_rank(chunk_tokens, cp_size)
+    heads, _ = local_heads(model, tp_size)
+    e, DH, t = element_bytes(dtype), model.widest_head_dim, tokens_per_rank(chunk_tokens, cp_size)
+    kv_row = max(max(1, h // tp_size) * d for h, d in model.kv_shapes)  # the widest layer's NKV_local * DH
     if cp_size == 1:
         ring = 0
     elif strategy == PASS_KV:
-        ring = 2 * (max_cached_per_rank + t) * 2 * kv_heads * DH * e
+        ring = 2 * (max_cached_per_rank + t) * 2 * kv_row * e
     elif strategy == PASS_Q:
         ring = 2 * t * heads * DH * e + 2 * all2all_bytes_per_rank(chunk_tokens, cp_size, heads, DH, e)
     else:

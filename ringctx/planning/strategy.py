@@ -255,7 +255,7 @@ def _threshold_numbers(T: int, P: int, model: ModelConfig, N: int, tp_size: int,
                        dtype: str) -> StrategyChoice:
     """Every number of Eq. 1-3 and Algorithm 5 for this case, per GPU (strategy/rule/reason blank)."""
     C, BW, e = threshold_flops(hw, dtype, N), hw.ring(N).bandwidth_bytes_per_s, element_bytes(dtype)
-    NH, NKV = local_heads(model, tp_size)
+    NH, NKV = ring_heads(model, tp_size)
     return StrategyChoice(
         strategy="", rule="", reason="", new_tokens=T, cached_tokens=P, cp_size=N, tp_size=tp_size,
         n_heads=NH, n_kv_heads=NKV, miss_rate=miss_rate(T, P),
@@ -392,6 +392,23 @@ def local_heads(model: ModelConfig, tp_size: int) -> tuple[int, int]:
     return NH // tp_size, max(1, NKV // tp_size)
 
 
+def ring_heads(model: ModelConfig, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) on one GPU of the layers that ring (full and dual chunk ones; windowed
+    and chunked layers exchange a few rows): the NH and NKV of Eq. 1-3 and Algorithm 5. The model's
+    (`local_heads`) unless those layers have their own KV heads (Gemma 4 31B's full layers: 4 where
+    the model's are 16), then theirs (the most common count among them). Head widths cancel in
+    every ratio: a layer's q and K/V heads share one."""
+    NH, NKV = local_heads(model, tp_size)
+    counts: dict[int, int] = {}
+    for layer in range(model.n_layers):
+        if model.attention(layer).span.sees_everything:
+            kv = model.kv_heads_of(layer)
+            counts[kv] = counts.get(kv, 0) + 1
+    if counts:
+        NKV = max(1, max(counts, key=counts.get) // tp_size)
+    return NH, NKV
+
+
 def cached_rows_per_rank(cached_tokens: int, cp_size: int) -> int:
     """ceil(P/N): cache rows of the fullest rank when a cache is split evenly (ShardLayout default)."""
     return -(-cached_tokens // cp_size)
@@ -465,20 +482,20 @@ def span_attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int, spa
     return 4 * attn_dim * visible_keys(cached_tokens, cached_tokens + new_tokens, span)
 
 
-def span_counts(model: ModelConfig) -> dict[Span, int]:
-    """How many layers have each span (full attention is Span())."""
-    counts: dict[Span, int] = {}
-    for i in range(model.n_layers):
-        span = model.attention(i).span
-        counts[span] = counts.get(span, 0) + 1
-    return counts
-
-
 def linear_params_per_layer(model: ModelConfig) -> int:
-    """Weights of one block's matmuls: Q,K,V,O projections and the SwiGLU MLP (gate, up, down)."""
-    qkv = model.dim * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim
-    out = model.n_heads * model.head_dim * model.dim
-    return qkv + out + 3 * model.dim * model.ffn_dim
+    """Weights of one block's matmuls: Q,K,V,O projections and the SwiGLU MLP (gate, up, down); the
+    mean over the layers when some have their own head shape (n_layers times it is their sum)."""
+    attention = sum(model.dim * (model.n_heads + 2 * h) * d + model.n_heads * d * model.dim
+                    for h, d in model.kv_shapes)
+    return attention // model.n_layers + 3 * model.dim * model.ffn_dim
+
+
+def layer_widths(model: ModelConfig, tp_size: int, layer: int) -> tuple[int, int]:
+    """(NH_local * DH, NKV_local * DH) of layer `layer` on one GPU: the width its attention FLOPs
+    and its K/V messages scale with (a layer may have its own head shape)."""
+    heads, _ = local_heads(model, tp_size)
+    kv_heads, head_dim = model.kv_shapes[layer]
+    return heads * head_dim, max(1, kv_heads // tp_size) * head_dim
 
 
 def linear_flops(tokens: int, model: ModelConfig, tp_size: int) -> int:
@@ -679,14 +696,31 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
         a2a_bytes = all2all_bytes_per_rank(new_tokens, N, heads, DH, e)
     fixed = dict(tp_allreduce_s=TP_ALLREDUCES_PER_LAYER * tp_allreduce_seconds(n, model, tp_size, hw, e),
                  layer_overhead_s=hw.layer_overhead_s)
-    spans = span_counts(model)
     # Full and dual chunk layers ring alike (DCA: pass-KV, the same keys); windows and chunks do not.
-    full_layers = sum(spans.pop(span) for span in list(spans) if span.sees_everything)
+    # Layers with their own head shape count at their widths: the windowed ones each, the full ones
+    # at their mean (compute and bytes grow linearly with the width, so the sum stays right).
+    kinds: dict[tuple[Span, int, int], int] = {}
+    for layer in range(model.n_layers):
+        key = (model.attention(layer).span, *layer_widths(model, tp_size, layer))
+        kinds[key] = kinds.get(key, 0) + 1
+    full = {key: n for key, n in kinds.items() if key[0].sees_everything}
+    full_layers = sum(full.values())
+    if full_layers and any(w != (heads * DH, kv_heads * DH) for _, *w in full):
+        attn_dim = sum(n * w for (_, w, _), n in full.items()) / full_layers
+        kv_dim = sum(n * w for (_, _, w), n in full.items()) / full_layers
+        compute = attention_seconds_per_rank(new_tokens, cached_tokens, N, attn_dim, hw, dtype,
+                                             ring.compute_scale / ring.attention_factor) / N
+        if strategy == PASS_KV:
+            message = round(pass_kv_message_bytes(max_p, new_tokens, N, 1, kv_dim, e))
+        else:
+            message = round(pass_q_message_bytes(new_tokens, N, 1, attn_dim, e))
+            a2a_bytes = round(all2all_bytes_per_rank(new_tokens, N, heads, attn_dim / heads, e))
     per_layer_rest = linear + fixed["tp_allreduce_s"] + fixed["layer_overhead_s"]
+    spans = {key: n for key, n in kinds.items() if not key[0].sees_everything}
     fixed.update(span_layers=sum(spans.values()),
-                 span_layers_s=sum(count * (span_layer_seconds(new_tokens, cached_tokens, N, heads * DH, kv_heads * DH,
-                                                               span, hw, dtype, ring) + per_layer_rest)
-                                   for span, count in spans.items()))
+                 span_layers_s=sum(count * (span_layer_seconds(new_tokens, cached_tokens, N, attn, kv, span, hw, dtype,
+                                                               ring) + per_layer_rest)
+                                   for (span, attn, kv), count in spans.items()))
     if N == 1:  # no ring: nothing is sent
         return StrategyCost(strategy=strategy, sendrecv_bytes=0, sendrecv_s=0.0, compute_s=compute, all2all_bytes=0,
                             all2all_s=0.0, attention_s=compute, exposed_comm_s=0.0, linear_s=linear,
@@ -799,13 +833,13 @@ def fit_empirical_rule_to_alg5(model: ModelConfig, cp_size: int, hardware: "Hard
                                dtype: str = "bfloat16", *, tp_size: int = 1) -> EmpiricalRuleCoefficients:
     """Coefficients of h fitted to Algorithm 5's decisions on `fitting_grid()` for this setting.
 
-    Algorithm 5 runs on the heads of one GPU under TP (`local_heads`) and the thresholds' C
+    Algorithm 5 runs on the heads of one GPU under TP (`ring_heads`) and the thresholds' C
     (`threshold_flops`). This is how the built-in profiles' defaults were made (source
     "fit-to-alg5"); calibration replaces them with fits to measured winners (source "calibrated").
     """
     hw = load_profile(hardware)
     dtype = canonical_dtype(dtype)
-    heads, kv_heads = local_heads(model, tp_size)
+    heads, kv_heads = ring_heads(model, tp_size)
     a, b, c, agreement = _fit_alg5_cached(heads, kv_heads, cp_size, threshold_flops(hw, dtype, cp_size),
                                           element_bytes(dtype), hw.ring(cp_size).bandwidth_bytes_per_s)
     return EmpiricalRuleCoefficients(a=a, b=b, c=c, cp_size=cp_size, n_heads=heads, n_kv_heads=kv_heads,

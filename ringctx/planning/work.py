@@ -12,16 +12,16 @@ progress bar and the server's ingest ETA both use it.
 from __future__ import annotations
 
 from ..model.config import ModelConfig
-from .strategy import linear_flops, span_attention_flops, span_counts
+from .strategy import linear_flops, span_attention_flops
 
 
 def chunk_flops(new_tokens: int, cached_tokens: int, model: ModelConfig) -> float:
     """FLOPs of one prefill chunk of T new tokens on P cached ones, all layers, all ranks together:
-    n_layers * linear_flops(T) + each layer's span_attention_flops(T, P, NH*DH) (full layers: all
+    n_layers * linear_flops(T) + each layer's span_attention_flops(T, P, NH*DH, its own DH) (full layers: all
     earlier keys; windows and chunks: the keys they see). Chunk k of a prompt attends to all k
     chunks before it, so its cost grows with k: the work a progress bar and an ETA count."""
-    attention = sum(count * span_attention_flops(new_tokens, cached_tokens, model.n_heads * model.head_dim, span)
-                    for span, count in span_counts(model).items())
+    attention = sum(span_attention_flops(new_tokens, cached_tokens, model.n_heads * model.head_dim_of(layer),
+                                         model.attention(layer).span) for layer in range(model.n_layers))
     return float(model.n_layers * linear_flops(new_tokens, model, 1) + attention)
 
 

@@ -291,7 +291,7 @@ class BatchDecoder:
             return
         size = max(8, 1 << (batch - 1).bit_length())
         cfg = self.model.config
-        self._shm = ShmExchange.create(size * cfg.n_heads * (cfg.head_dim + 1), self.group, self.timeout_s)
+        self._shm = ShmExchange.create(size * cfg.n_heads * (cfg.widest_head_dim + 1), self.group, self.timeout_s)
         self._shm_batch = size if self._shm is not None else 1 << 62  # None: the process group, for good
 
 
@@ -336,9 +336,7 @@ def joined_rows(first: KVCache | None, rows: KVCache, room: int) -> KVCache:
     like = first if first is not None else rows
     total = (first.length if first is not None else 0) + rows.length
     sliced = first is None or first.positions is not None
-    out = KVCache(like.n_layers, total + max(room, 1), like.n_kv_heads, like.head_dim, dtype=like.dtype,
-                  device=like.device, kv_dtype=like.kv_dtype, sliced=sliced,
-                  kept=first.kept if first is not None else None)
+    out = like.empty_like(total + max(room, 1), sliced=sliced, kept=first.kept if first is not None else None)
     if first is not None:
         out.spans = first.spans
         copy_rows(out, 0, first, 0, first.length)
@@ -358,9 +356,8 @@ def prefix_rows(cache: KVCache, tokens: int, room: int) -> KVCache:
     positions = cache.row_positions()
     keep = torch.nonzero(positions < tokens).flatten()
     n = int(keep.numel())
-    out = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
-                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=cache.positions is not None,
-                  kept=cache.kept if cache.trimmed else None)
+    out = cache.empty_like(n + max(room, 1), sliced=cache.positions is not None,
+                           kept=cache.kept if cache.trimmed else None)
     out.spans = cache.spans
     if n == 0 or int(keep[-1]) == n - 1:  # the first n rows: one copy each (always, once rows were dropped)
         copy_rows(out, 0, cache, 0, n)
@@ -379,8 +376,7 @@ def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
     n = cache.length - start
     # small pages: a question's rows grow a token at a time, and a 2 MiB page's first touch stalled
     # the whole batch's step (ringctx.host_memory)
-    own = KVCache(cache.n_layers, n + max(room, 1), cache.n_kv_heads, cache.head_dim, dtype=cache.dtype,
-                  device=cache.device, kv_dtype=cache.kv_dtype, sliced=True, small_pages=True)
+    own = cache.empty_like(n + max(room, 1), sliced=True, small_pages=True)
     copy_rows(own, 0, cache, start, n)
     own.positions[:n] = cache.row_positions()[start:start + n]
     own.length = n

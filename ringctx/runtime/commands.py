@@ -54,7 +54,8 @@ from ..units import fmt_bytes
 from .batch import BatchDecoder, append_rows, own_storage, prefix_rows
 from .decode import ShardedDecoder
 from .document import Document
-from .documents import DROPPED_UNSEEN_KEY, ENGINE_CONFIG_KEY, PendingSave, load_document_slices, start_document_save
+from .documents import (DROPPED_UNSEEN_KEY, ENGINE_CONFIG_KEY, PendingSave, layer_heads, load_document_slices,
+                        start_document_save)
 from .failures import with_test_hook
 from .handoff import gather_in_order
 from .measure import measure_hardware
@@ -327,7 +328,9 @@ def _start_save(state: RankState, document_id: int, path: str, document: Documen
     model, s = state.model, state.settings
     tp, full = model.tp, model.full_config
     heads = tp.kv_heads(full)
-    writes = all(TensorParallel(tp.size, r).kv_heads(full) != heads for r in range(tp.rank))
+    # a TP rank writes unless an earlier one holds the same heads of every layer (replicated heads)
+    mine = layer_heads(full, tp)
+    writes = all(layer_heads(full, TensorParallel(tp.size, r)) != mine for r in range(tp.rank))
     extra = {**document.frame, ENGINE_CONFIG_KEY: s.config}  # what made it, for whoever reads the manifest
     if document.dropped_unseen:
         extra[DROPPED_UNSEEN_KEY] = True

@@ -95,7 +95,7 @@ class ShardedDecoder:
         self._fused: FusedStep | None = None  # the fused CPU step over this slice, where it applies
         self._fused_cache: KVCache | None = None
         cfg = model.config
-        self._shm = ShmExchange.create(cfg.n_heads * (cfg.head_dim + 1), group, timeout_s) \
+        self._shm = ShmExchange.create(cfg.n_heads * (cfg.widest_head_dim + 1), group, timeout_s) \
             if self.world > 1 and shm_supported(model.device) else None
 
     # -- prompt -------------------------------------------------------------------------------

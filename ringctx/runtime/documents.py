@@ -15,7 +15,8 @@ A document is a directory (no pickle anywhere):
                                    rows - kept[layer] (the manifest's slice lists `kept`)
         slice-00000-kv-002-004.safetensors   under tensor parallelism: a decode rank's rows for KV
                                    heads 2..3, written by the TP rank that holds them (the manifest
-                                   lists a slice's "parts" and their heads)
+                                   lists a slice's "parts" and their heads; "layer_heads" per
+                                   layer where layers differ in KV heads, Gemma 4 31B's)
 
 Every decode rank (every TP rank of it) writes its own slice (its own heads), so no rank ever
 holds more than its share and the writes run in parallel. Loading on M decode ranks: rank m takes rows m*R/M .. (m+1)*R/M - 1 of the
@@ -83,9 +84,19 @@ def _slice_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def part_name(index: int, heads: tuple[int, int] | None) -> str:
-    """The file of decode rank `index`'s rows: all KV heads (None), or heads [a, b) under TP."""
-    return slice_name(index) if heads is None else f"slice-{index:05d}-kv-{heads[0]:03d}-{heads[1]:03d}.safetensors"
+def part_name(index: int, heads: tuple[int, int] | None, tp_rank: int | None = None) -> str:
+    """The file of decode rank `index`'s rows: all KV heads (None), or heads [a, b) under TP (and
+    the TP rank that wrote it, when layers differ in KV heads: two ranks may share [a, b) then)."""
+    if heads is None:
+        return slice_name(index)
+    rank = "" if tp_rank is None else f"-tp-{tp_rank:03d}"
+    return f"slice-{index:05d}-kv-{heads[0]:03d}-{heads[1]:03d}{rank}.safetensors"
+
+
+def layer_heads(config, tp) -> list[tuple[int, int]]:
+    """Per layer, the KV heads [a, b) TP rank `tp` holds of the whole model `config` (all of them
+    without TP): what a document part it writes holds of each layer."""
+    return [tp.kv_heads(config, layer) for layer in range(config.n_layers)]
 
 
 def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, model, extra: dict, *, group,
@@ -97,7 +108,8 @@ def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, mod
     group, rank, world: every rank that holds part of the cache, in (decode rank, TP rank) order
     (the decode ranks alone without tensor parallelism). Under TP (`tp_size` > 1) this rank's
     cache holds KV `heads` [a, b) of the model's; `writes` is False for a rank whose heads another
-    TP rank of its decode rank already writes (KV heads replicated when TP > KV heads).
+    TP rank of its decode rank already writes (KV heads replicated when TP > KV heads). A layer
+    with its own KV head count holds its own heads, `layer_heads(model.full_config, model.tp)`.
     """
     start_document_save(path, cache, token_ids, model, extra, group=group, rank=rank, world=world, tp_size=tp_size,
                         heads=heads, writes=writes).finish()
@@ -116,8 +128,12 @@ class PendingSave:
         """index: the decode rank whose slice this rank writes (None: it writes nothing); heads: the
         KV heads it writes under TP (None: all)."""
         self.path, self.partial, self.token_ids, self.model, self.extra = path, partial, token_ids, model, extra
-        self.dtype, self.kv_dtype, self.n_layers, self.n_kv_heads = cache.dtype, cache.kv_dtype, cache.n_layers, \
-            cache.n_kv_heads
+        self.dtype, self.kv_dtype, self.n_layers = cache.dtype, cache.kv_dtype, cache.n_layers
+        full = model.full_config
+        self.n_kv_heads = full.n_kv_heads
+        # per layer, the heads this rank's part holds, recorded where layers differ (None: `heads` for every layer)
+        self.layer_heads = None if full.uniform_heads else layer_heads(full, model.tp)
+        self.tp_rank = None if full.uniform_heads else model.tp.rank
         self.group, self.rank, self.world = group, rank, world
         self.record, self.problem = "", None
         self.kept = list(cache.kept)
@@ -142,11 +158,12 @@ class PendingSave:
 
     def _write(self, tensors: dict[str, torch.Tensor], rows: int, index: int, heads: tuple[int, int] | None) -> None:
         try:
-            name = part_name(index, heads)
+            name = part_name(index, heads, None if heads is None else self.tp_rank)
             file = os.path.join(self.partial, name)
             save_file(tensors, file, metadata={"format": FORMAT, "slice": str(index)})
+            by_layer = {} if self.layer_heads is None else {"layer_heads": [list(h) for h in self.layer_heads]}
             self.record = json.dumps({"index": index, "file": name, "heads": list(heads or (0, self.n_kv_heads)),
-                                      "rows": rows, "kept": self.kept, "sha256": file_sha256(file)})
+                                      **by_layer, "rows": rows, "kept": self.kept, "sha256": file_sha256(file)})
         except Exception as exc:  # disk full, permissions: every rank must hear of it
             self.problem = f"rank {self.rank} could not write its slice: {exc}"
         finally:
@@ -221,13 +238,18 @@ def _slices(records: list[dict]) -> list[dict]:
             slices.append({"file": parts[0]["file"], "rows": parts[0]["rows"], "sha256": parts[0]["sha256"], **kept})
         else:
             slices.append({"rows": parts[0]["rows"], **kept,
-                           "parts": [{"file": r["file"], "heads": r["heads"], "sha256": r["sha256"]} for r in parts]})
+                           "parts": [{"file": r["file"], "heads": r["heads"], "sha256": r["sha256"],
+                                      **({"layer_heads": r["layer_heads"]} if "layer_heads" in r else {})}
+                                     for r in parts]})
     return slices
 
 
-def slice_parts(entry: dict, n_kv_heads: int) -> list[dict]:
-    """A manifest slice's files with the KV heads each holds (a single file holds all of them)."""
-    return entry.get("parts") or [{"file": entry["file"], "heads": [0, n_kv_heads], "sha256": entry["sha256"]}]
+def slice_parts(entry: dict, config) -> list[dict]:
+    """A manifest slice's files with the KV heads each holds (a single file holds all of them, of
+    every layer: `config`'s, the whole model's)."""
+    whole = {} if config.uniform_heads else {"layer_heads": [[0, h] for h, _ in config.kv_shapes]}
+    return entry.get("parts") or [{"file": entry["file"], "heads": [0, config.n_kv_heads], "sha256": entry["sha256"],
+                                   **whole}]
 
 
 def _swap_in(partial: str, path: str) -> None:
@@ -314,7 +336,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     slices, length = manifest["slices"], int(manifest["length"])
     lo, hi = split_range(length, world, rank)  # loading rank `rank` takes a contiguous share
     saved_as, kv_dtype = manifest["kv_dtype"], kv_dtype or manifest["kv_dtype"]
-    n_kv_heads = model.full_config.n_kv_heads
+    full = model.full_config
     n_layers = model.config.n_layers
     # The share's rows go in position order (one decode rank: row = position), so that the rows a
     # windowed or chunked layer kept (the file holds a slice's last rows - kept[layer] of it) are
@@ -324,7 +346,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
         a, b = max(lo, start), min(hi, start + s["rows"])
         if a < b and problem is None:
             try:
-                with HeadReader(path, slice_parts(s, n_kv_heads), (0, 1)) as f:
+                with HeadReader(path, slice_parts(s, full), None) as f:
                     pieces.append((s, a - start, b - start, f.rows("positions", a - start, b - start)))
             except (OSError, ValueError, KeyError) as exc:
                 problem = f"document {path!r} is incomplete ({exc}); save it again"
@@ -359,7 +381,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
         cache.spans = model.config.layer_spans
     if memory_check is not None and problem is None:
         problem = memory_check(-(-cache.nbytes // max(1, cache.bytes_per_token)), cache.bytes_per_token)
-    files = [part for s in slices for part in slice_parts(s, n_kv_heads)]
+    files = [part for s in slices for part in slice_parts(s, full)]
     # Checksums: file i is verified by rank i mod world, the tokens file by rank 0.
     try:
         if problem is None:
@@ -375,10 +397,10 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     _agree("load", problem, group, world)
 
     names = ["k", "v"] + (["k_scale", "v_scale"] if saved_as in ("fp8", "int8") else [])
-    heads = model.tp.kv_heads(model.full_config)  # every KV head without tensor parallelism
+    heads = layer_heads(full, model.tp)  # every KV head without tensor parallelism
     at = 0
     for s, a, b, _ in pieces:  # the share's rows of each slice, a block of rows at a time
-        with HeadReader(path, slice_parts(s, n_kv_heads), heads) as f:
+        with HeadReader(path, slice_parts(s, full), heads) as f:
             for layer in range(cache.n_layers):
                 first = (s.get("kept") or [0] * n_layers)[layer]  # the slice's rows in the file start here
                 for r0 in range(max(a, first), b, LOAD_BLOCK_ROWS):
@@ -442,29 +464,43 @@ class SliceReader:
 
 
 class HeadReader:
-    """Row ranges of KV heads [a, b) of one decode rank's slice, from the files of its parts (one
-    file with every head, or one per TP rank that saved it): each part read with a SliceReader."""
+    """Row ranges of some KV heads of one decode rank's slice, from the files of its parts (one file
+    with every head, or one per TP rank that saved it): each part read with a SliceReader.
 
-    def __init__(self, path: str, parts: list[dict], heads: tuple[int, int]):
+    heads: per layer, the KV heads [a, b) wanted (None: positions only). A part holds heads
+    [a, b) of every layer ("heads"), or its own range per layer ("layer_heads"); where parts
+    overlap (a head replicated on several TP ranks), the first part holding a head gives it."""
+
+    def __init__(self, path: str, parts: list[dict], heads: list[tuple[int, int]] | None):
         self.heads = heads
-        wanted = [p for p in parts if p["heads"][0] < heads[1] and heads[0] < p["heads"][1]]
-        self.parts = [(p["heads"], SliceReader(os.path.join(path, p["file"]))) for p in wanted]
+        parts = sorted(parts, key=lambda p: p["heads"][0])
+        self.parts = [(p.get("layer_heads"), p["heads"], SliceReader(os.path.join(path, p["file"]))) for p in parts]
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop-1 of tensor `name`, of this reader's KV heads (positions: as stored)."""
+        """Rows start..stop-1 of tensor `name` ("k.{layer}"...), of this reader's KV heads of that
+        layer (positions: as stored)."""
         if name == "positions":
-            return self.parts[0][1].rows(name, start, stop)
+            return self.parts[0][2].rows(name, start, stop)
+        layer = int(name.rsplit(".", 1)[1])
+        lo, hi = self.heads[layer]
         pieces = []
-        for (a, b), reader in self.parts:  # in head order: the overlap of each part with ours
-            lo, hi = max(a, self.heads[0]), min(b, self.heads[1])
-            pieces.append(reader.rows(name, start, stop)[:, lo - a:hi - a])
+        for by_layer, whole, reader in sorted(self.parts, key=lambda p: (p[0] or [p[1]] * (layer + 1))[layer][0]):
+            a, b = (by_layer or [whole] * (layer + 1))[layer]
+            if a <= lo < b:  # in head order: the part holding the next head we still need
+                take = min(b, hi)
+                pieces.append(reader.rows(name, start, stop)[:, lo - a:take - a])
+                lo = take
+            if lo >= hi:
+                break
+        if lo < hi:
+            raise ValueError(f"no part of the slice holds KV head {lo} of layer {layer}")
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
     def __enter__(self) -> "HeadReader":
         return self
 
     def __exit__(self, *exc) -> None:
-        for _, reader in self.parts:
+        for *_, reader in self.parts:
             reader.__exit__()
 
 

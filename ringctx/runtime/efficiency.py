@@ -16,6 +16,7 @@ larger counts. CPU only: on a GPU nothing is measured yet (`measure_efficiency` 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -130,9 +131,16 @@ def _threads() -> int:
 
 def kv_bytes_per_token(engine) -> int:
     """KV bytes one token takes over all decode ranks (every KV head and layer, in the cache's kv_dtype)."""
+    return sum(kv_layer_row_bytes(engine))
+
+
+def kv_layer_row_bytes(engine) -> list[int]:
+    """Per layer, the KV bytes one token takes there over all decode ranks (every KV head, in the
+    cache's kv_dtype; a layer's own head shape where it has one)."""
     from ..model import KVCache
 
     probe = KVCache.for_model(engine.model.full_config, 1, dtype=engine.model.dtype, device="meta",
                               kv_dtype=engine.kv_dtype)
-    return int(probe.bytes_per_token)
+    return [sum(math.prod(t.shape[1:]) * t.element_size() for t in probe.storage_tensors(layer))
+            for layer in range(probe.n_layers)]
 

@@ -98,7 +98,7 @@ def test_documents_move_between_tp_sizes(mesh_run, tmp_path):
 
     hkv = engine.model.full_config.n_kv_heads
     for entry in read_manifest(path)["slices"]:
-        heads = [tuple(part["heads"]) for part in slice_parts(entry, hkv)]
+        heads = [tuple(part["heads"]) for part in slice_parts(entry, engine.model.full_config)]
         assert heads == [(h, h + hkv // len(heads)) for h in range(0, hkv, hkv // len(heads))]
         assert len(heads) == (1 if engine.tp_size == 1 else min(engine.tp_size, hkv))
     single = Engine(engine.model_name, dtype="float32")

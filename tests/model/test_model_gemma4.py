@@ -1,12 +1,12 @@
 """Gemma 4's dense text model against transformers 5.25 (Gemma4ForCausalLM, and the text model of
-Gemma4ForConditionalGeneration), where its shapes fit one KV cache shape per layer: Gemma's block
-with plain (w) norms, q/k norms before RoPE, a weightless v norm, softmax scale 1, a stored scalar
-per block, 5 sliding : 1 full layers, the full ones with "proportional" RoPE (a quarter of each
-head's pairs turning), keys as values on the full layers (attention_k_eq_v), a final soft-cap.
+Gemma4ForConditionalGeneration): Gemma's block with plain (w) norms, q/k norms before RoPE, a
+weightless v norm, softmax scale 1, a stored scalar per block, 5 sliding : 1 full layers, the full
+ones with "proportional" RoPE (a quarter of each head's pairs turning), keys as values on the full
+layers (attention_k_eq_v), a final soft-cap; full layers with their own head shape (the 31B's:
+512-dim heads and 4 KV heads where its sliding layers have 256 and 16), here 32 and 1 against 16 and 2.
 
-What ringctx refuses, in one line each: full-attention layers with their own head_dim / KV heads
-(the 31B: 512-dim heads on its full layers, 256 on the sliding ones), per-layer embeddings
-(E2B/E4B), KV sharing across layers, mixture-of-experts blocks (26B-A4B), bidirectional attention.
+What ringctx refuses, in one line each: per-layer embeddings (E2B/E4B), KV sharing across layers,
+mixture-of-experts blocks (26B-A4B), bidirectional attention.
 
 Built as test_model_families_long.py builds its references: transformers' own config class, random
 weights (norms, biases and the block scalars too), save_pretrained, loaded by ringctx; float32.
@@ -50,6 +50,10 @@ def hf_config(name: str):
             attention_bias=True, tie_word_embeddings=False,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                          "full_attention", "sliding_attention"]),
+        # the 31B's layout in small: full layers with 32-dim heads and one KV head (keys as values),
+        # sliding layers with 16-dim heads and two
+        "gemma4-heads": lambda: transformers.Gemma4TextConfig(
+            **{**TEXT, "global_head_dim": 32}, attention_k_eq_v=True, num_global_key_value_heads=1),
         "gemma4-vlm": lambda: transformers.Gemma4Config(
             text_config=transformers.Gemma4TextConfig(**TEXT), audio_config=None,
             vision_config=transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -77,7 +81,7 @@ def random_hf_model(name: str, seed: int = 0):
     return model
 
 
-CASES = ["gemma4-text", "gemma4-keqv-bias", "gemma4-vlm"]
+CASES = ["gemma4-text", "gemma4-keqv-bias", "gemma4-heads", "gemma4-vlm"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -101,17 +105,24 @@ def test_config_is_read_as_written(pair):
     name, ours, hf, _ = pair
     c = ours.config
     text = hf.config.get_text_config()
+    sliding = text.per_layer_config[0]  # the model's head shape is its sliding layers'
     assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size, c.ffn_dim) == (
-        text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads, text.head_dim,
-        text.vocab_size, text.intermediate_size)
+        text.hidden_size, text.num_hidden_layers, text.num_attention_heads, sliding.num_key_value_heads,
+        sliding.head_dim, text.vocab_size, text.intermediate_size)
     hf_text = {n: p for n, p in [*hf.named_parameters(), *hf.named_buffers()]
                if ("layers." in n and n.endswith("layer_scalar")) or (
                    n in dict(hf.named_parameters()) and "vision" not in n and "embed_vision" not in n)}
     keqv = name == "gemma4-keqv-bias"
     # ringctx holds v rows for the k_eq_v (full) layers too (a copy of k's): count them once more
-    full = sum(1 for i in range(c.n_layers) if not c.attention(i).window)
-    extra = full * (c.dim * c.n_kv_heads * c.head_dim + c.n_kv_heads * c.head_dim) if keqv else 0
+    full = [i for i in range(c.n_layers) if not c.attention(i).window]
+    bias = 1 if keqv else 0
+    extra = sum(c.kv_heads_of(i) * c.head_dim_of(i) * (c.dim + bias) for i in full) \
+        if name in ("gemma4-keqv-bias", "gemma4-heads") else 0
     assert c.n_params == sum(p.numel() for p in hf_text.values()) + extra, name
+    layer_config = text.per_layer_config
+    assert c.kv_shapes == [(layer_config[i].num_key_value_heads, layer_config[i].head_dim)
+                           for i in range(c.n_layers)], name
+    assert c.uniform_heads == (name != "gemma4-heads")
     assert (c.norm_plus_one, c.post_norms, c.qk_norm, c.v_norm, c.layer_scalars, c.mlp_activation) == (
         False, True, True, True, True, "gelu_tanh")
     assert c.rope_scaling.rope_type == "proportional" and c.rope_scaling.proportion == 0.25 and c.rope_theta == 1e6
@@ -185,13 +196,37 @@ GEMMA4_31B = {"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 
 BASE = {**TEXT, "model_type": "gemma4_text"}
 
 
-@pytest.mark.parametrize("config,message", [
-    (GEMMA4_31B, r"per-layer head shapes \(full-attention layers: head_dim=512, 4 KV heads; sliding layers: 256, 16"),
-    ({"model_type": "gemma4", "text_config": GEMMA4_31B}, r"per-layer head shapes"),
-    ({**BASE, "global_head_dim": 32}, r"per-layer head shapes \(full-attention layers: head_dim=32, 2 KV heads"),
+@pytest.mark.parametrize("config,shapes", [
+    (GEMMA4_31B, {"full": (4, 512), "sliding": (16, 256)}),
+    ({"model_type": "gemma4", "text_config": GEMMA4_31B}, {"full": (4, 512), "sliding": (16, 256)}),
+    ({**BASE, "global_head_dim": 32}, {"full": (2, 32), "sliding": (2, 16)}),  # no k_eq_v: KV heads as is
+    ({**BASE, "global_head_dim": 32, "num_global_key_value_heads": 1}, {"full": (2, 32), "sliding": (2, 16)}),
     ({**BASE, "per_layer_config": {"5": {"head_dim": 16, "num_key_value_heads": 1}}},
-     r"full-attention layers: head_dim=16, 1 KV heads"),
-    ({k: v for k, v in BASE.items() if k != "global_head_dim"}, r"head_dim=512"),
+     {"full": (1, 16), "sliding": (2, 16)}),
+    ({**BASE, "per_layer_config": {}}, {"full": (2, 16), "sliding": (2, 16)}),
+    ({k: v for k, v in BASE.items() if k != "global_head_dim"}, {"full": (2, 512), "sliding": (2, 16)}),
+])
+def test_full_layers_head_shapes_are_read_as_gemma4_text_config(config, shapes, tmp_path):
+    """Each layer's (KV heads, head dim) as Gemma4TextConfig builds its per_layer_config: global_head_dim
+    (default 512) on every full layer, num_global_key_value_heads only with attention_k_eq_v, or the
+    per_layer_config a saved config.json lists."""
+    import transformers
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = read_hf_config(tmp_path)
+    text = config.get("text_config", config)
+    hf = transformers.Gemma4TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    want = [(hf.per_layer_config[i].num_key_value_heads, hf.per_layer_config[i].head_dim)
+            for i in range(hf.num_hidden_layers)]
+    assert ours.kv_shapes == want
+    kinds = ["full" if t == "full_attention" else "sliding" for t in hf.layer_types]
+    assert want == [shapes[kind] for kind in kinds]
+
+
+@pytest.mark.parametrize("config,message", [
+    ({**BASE, "per_layer_config": {"9": {"head_dim": 32}}}, r"per_layer_config names layer 9 of a model of 6"),
+    ({**BASE, "per_layer_config": {"5": {"head_dim": "wide"}}}, r"per_layer_config\[5\].*are counts"),
+    ({**BASE, "per_layer_config": {"5": {"num_key_value_heads": 3}}}, r"per_layer_config\[5\]: 3 KV heads.*not a multiple of layer 5's n_kv_heads"),
     ({k: v for k, v in BASE.items() if k != "hidden_size_per_layer_input"},
      r"per-layer embeddings \(hidden_size_per_layer_input=256"),
     ({**BASE, "num_kv_shared_layers": 2}, r"KV sharing across layers \(num_kv_shared_layers=2\)"),
