@@ -404,7 +404,7 @@ PLAIN_LAYER = LayerAttention()
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
                    "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position",
-                   "dual chunk attention (dense)")
+                   "dual chunk attention (dense)", "per-layer head shape (head dim, KV heads)")
 """What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")

@@ -120,8 +120,8 @@ def check_weights(weights: str, dtype=None) -> None:
 def check_int8_model(config, tp_size: int = 1) -> str | None:
     """Why a model with this (whole-model) config cannot take int8 weights under tp_size, or None."""
     if tp_size > 1:
-        for name, width in (("attention heads x head_dim", config.n_heads * config.head_dim),
-                            ("ffn_dim", config.ffn_dim)):
+        widths = [("attention heads x head_dim", config.n_heads * d) for d in sorted({d for _, d in config.kv_shapes})]
+        for name, width in (*widths, ("ffn_dim", config.ffn_dim)):
             if width % (tp_size * GROUP):
                 return (f"int8 weights under tp={tp_size} need each TP rank's share of {name} ({width} / "
                         f"{tp_size}) to be a multiple of {GROUP} inputs; use another --tp or --weights model")
@@ -132,13 +132,15 @@ def code_bytes(config, tp_size: int = 1) -> int:
     """Bytes of codes and exponents one TP rank keeps beside its bf16 weights (a CPU bf16 model,
     see quantize_model), from the whole model's config: every block matrix whose (per-rank) input
     width is whole groups, 1 + 1 / GROUP bytes per weight. What `ringctx plan --weights int8` adds."""
-    attn = config.n_heads * config.head_dim
-    matrices = (((config.n_heads + 2 * config.n_kv_heads) * config.head_dim // tp_size, config.dim),  # wqkv: out split
-                (config.dim, attn // tp_size),                                                        # wo: in split
-                (2 * config.ffn_dim // tp_size, config.dim),                                          # w13
-                (config.dim, config.ffn_dim // tp_size))                                              # w2
-    per_layer = sum(out * width + out * (width // GROUP) for out, width in matrices if width % GROUP == 0)
-    return config.n_layers * per_layer
+    total = 0
+    for kv_heads, head_dim in config.kv_shapes:  # a layer may have its own head shape
+        attn = config.n_heads * head_dim
+        matrices = (((config.n_heads + 2 * kv_heads) * head_dim // tp_size, config.dim),  # wqkv: out split
+                    (config.dim, attn // tp_size),                                        # wo: in split
+                    (2 * config.ffn_dim // tp_size, config.dim),                          # w13
+                    (config.dim, config.ffn_dim // tp_size))                              # w2
+        total += sum(out * width + out * (width // GROUP) for out, width in matrices if width % GROUP == 0)
+    return total
 
 
 def quantize_model(model) -> int:

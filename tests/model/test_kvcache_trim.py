@@ -112,3 +112,39 @@ def test_a_slice_out_of_order_is_sorted_as_it_drops(model):
         a = whole.attend_rows(layer, q, softmax=softmax, q_positions=[25])
         b = cache.attend_rows(layer, q, softmax=softmax, q_positions=[25])
         assert rel_err(b[0], a[0]) < 1e-6, layer
+
+
+def test_layers_with_their_own_head_shape_keep_rows_of_that_shape():
+    """A model whose full layer has its own head shape (Gemma 4 31B's kind: wider heads, fewer KV
+    heads): the cache's buffers, the copies it makes (grown, trimmed, sorted, from tensors) keep
+    each layer's shape; decoding over it equals the model's own forward over the whole prompt;
+    a question about one layer's shape where layers differ is refused in words."""
+    kinds = (LayerAttention(window=7), LayerAttention(head_dim=32, n_kv_heads=1), LayerAttention(chunk=16),
+             LayerAttention(window=5, head_dim=8))
+    config = dataclasses.replace(get_preset("tiny"), name="tiny-heads", n_layers=4, layer_attention=kinds)
+    model = empty_model(config, dtype=torch.float32, device="cpu")
+    init_random(model, 0)
+    assert config.kv_shapes == [(2, 16), (1, 32), (2, 16), (2, 8)] and not config.uniform_heads
+    ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = model.logits(ids)
+        for kv_dtype in ("model", "int8"):
+            cache = KVCache.for_model(config, 40, dtype=torch.float32, kv_dtype=kv_dtype)
+            assert [tuple(k.shape[1:]) for k in cache.k] == config.kv_shapes
+            cache.check_model(config)
+            forward_with_cache(model, ids[:30], cache)
+            cache = cache.grown(64)
+            cache.drop_unseen(spans(model), 30)
+            assert cache.shapes == config.kv_shapes and cache.trimmed
+            for t in range(30, 59):
+                forward_with_cache(model, ids[t:t + 1], cache)
+            got = forward_with_cache(model, ids[59:60], cache)
+            assert rel_err(got, want[-1:]) < (1e-5 if kv_dtype == "model" else 3e-2), kv_dtype
+    with pytest.raises(ValueError, match=r"layers differ in \(KV heads, head dim\).*read KVCache.shapes"):
+        cache.n_kv_heads
+    whole = KVCache.from_tensors([torch.zeros(5, h, d) for h, d in config.kv_shapes],
+                                 [torch.zeros(5, h, d) for h, d in config.kv_shapes], max_tokens=9)
+    assert whole.shapes == config.kv_shapes and whole.empty_like(3, sliced=True).shapes == config.kv_shapes
+    uniform = dataclasses.replace(config, layer_attention=KINDS)
+    with pytest.raises(ValueError, match=r"KV cache has \(layers, KV heads, head dim\) = \(4, \[\(2, 16\), \(1, 32\)"):
+        whole.check_model(uniform)

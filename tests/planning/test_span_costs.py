@@ -47,3 +47,32 @@ def test_chunk_work_and_predicted_time_count_windowed_layers_as_cheaper():
             assert windowed[strategy].span_layers == base.n_layers - base.n_layers // 6
             assert windowed[strategy].n_layers == base.n_layers // 6
             assert windowed[strategy].total_s < 0.5 * full[strategy].total_s
+
+
+def test_layers_with_their_own_head_shape_count_at_their_width():
+    """Gemma 4 31B: 50 windowed layers of 16 KV heads x 256 and 10 full ones of 4 x 512. The cache's
+    row bytes, a document's kept bytes, the chunk FLOPs and the ring's NKV take each layer's own."""
+    from ringctx.planning.memory import document_kv_bytes, kv_row_bytes, layer_kv_row_bytes
+    from ringctx.planning.strategy import linear_params_per_layer, ring_heads
+
+    model = get_preset("gemma4-31b")
+    windowed = [i for i in range(model.n_layers) if model.attention(i).window]
+    assert len(windowed) == 50 and model.kv_shapes[0] == (16, 256) and model.kv_shapes[5] == (4, 512)
+    rows = layer_kv_row_bytes(model, 1, "bfloat16")
+    assert {rows[i] for i in windowed} == {2 * 16 * 256 * 2} and rows[5] == 2 * 4 * 512 * 2
+    assert kv_row_bytes(model, 1, "bfloat16") == model.kv_bytes_per_token(2) == 50 * 16384 + 10 * 8192
+    assert layer_kv_row_bytes(model, 1, "bfloat16", "int8")[5] == 2 * 4 * (512 + 4)  # a scale per head
+    assert layer_kv_row_bytes(model, 8, "bfloat16")[:6] == [2 * 2 * 256 * 2] * 5 + [2 * 1 * 512 * 2]  # TP 8
+    tokens = 1_000_000
+    # a window of 1,024 keeps the 1,023 rows before the next token
+    assert document_kv_bytes(model, rows, tokens) == 50 * 1023 * 16384 + 10 * tokens * 8192
+    assert ring_heads(model, 1) == (32, 4) and ring_heads(get_preset("gemma3-27b"), 1) == (32, 16)
+    # q/k/v/o of both shapes, summed over the layers
+    attention = 50 * (5376 * (32 + 32) * 256 + 32 * 256 * 5376) + 10 * (5376 * (32 + 8) * 512 + 32 * 512 * 5376)
+    assert linear_params_per_layer(model) * 60 == attention + 60 * 3 * 5376 * 21504
+    # chunk FLOPs: each layer's attention at its own q width
+    uniform = dataclasses.replace(model, layer_attention=tuple(
+        dataclasses.replace(model.attention(i), head_dim=0, n_kv_heads=0) for i in range(model.n_layers)))
+    gap = chunk_flops(4096, 8192, model) - chunk_flops(4096, 8192, uniform)
+    linear_gap = 2 * 4096 * (linear_params_per_layer(model) - linear_params_per_layer(uniform)) * 60
+    assert gap - linear_gap == 10 * (attention_flops(4096, 8192, 32 * 512) - attention_flops(4096, 8192, 32 * 256))
