@@ -176,6 +176,29 @@ def collapse_steps(tensors: Sequence[torch.Tensor]):
         yield
 
 
+def release_pages(t: torch.Tensor) -> int:
+    """Give the whole memory pages under a contiguous CPU tensor back to the system (madvise
+    MADV_DONTNEED); returns the bytes released. Its values then read as zeros: only for memory
+    nobody reads again (rows a cache dropped). Nothing happens elsewhere (a GPU tensor, an OS
+    without madvise): the memory stays, the values too."""
+    if t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous() or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    start += -start % page  # whole pages only: the partial ones at the edges hold kept bytes
+    end -= end % page
+    if end <= start:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
 def _huge_page_bytes(nbytes: int, advise: bool = True) -> torch.Tensor:
     """A uint8 tensor over a fresh private anonymous mapping of nbytes that asks for 2 MiB pages
     (advise=False: for ordinary pages, even where THP is "always").

@@ -37,7 +37,7 @@ from ..attention import quant
 from ..attention.spans import KeyRows, LayerSoftmax, Run, Span, is_plain, query_heads, runs_of, span_attention
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
 from .config import ModelConfig
-from ..host_memory import collapse_steps, host_tensors
+from ..host_memory import collapse_steps, host_tensors, release_pages
 
 
 class KVCache:
@@ -269,6 +269,21 @@ class KVCache:
         a, b = self._slots(layer, start, stop)
         return [t[a:b] for t in self.storage_tensors(layer)]
 
+    def rows_as_sent(self, layer: int, start: int, stop: int) -> list[torch.Tensor]:
+        """Rows start..stop-1 of one layer as stored ([k, v] or with scales), those the layer
+        dropped as zeros: views when it holds them all, else copies. A hand-off sends a shard's
+        rows so, and the receiver skips the dropped ones."""
+        first = self.kept[layer]
+        if start >= first:
+            return self.stored_rows(layer, start, stop)
+        out = []
+        for t in self.storage_tensors(layer):
+            rows = t.new_zeros((stop - start, *t.shape[1:]))
+            if stop > first:
+                rows[first - start:] = t[:stop - first]
+            out.append(rows)
+        return out
+
     def _slots(self, layer: int, start: int, stop: int) -> tuple[int, int]:
         first = self.kept[layer]
         if start < first and stop > start:
@@ -474,35 +489,65 @@ class KVCache:
                 return False
         return True
 
-    def drop_unseen(self, spans: Sequence[Span], next_position: int, *, least: int = 1) -> int:
+    def drop_unseen(self, spans: Sequence[Span], next_position: int, *, least: int = 1,
+                    in_place: bool = False) -> int:
         """Free the rows that no token at `next_position` or later sees in a windowed or chunked
         layer (spans[l]: layer l's; a full layer keeps everything), when a layer can drop at least
         `least` more rows. The kept rows move into new, smaller buffers (one arena, as allocated),
         in position order (a slice whose rows were not is sorted on the way: attention does not
         depend on their order); returns the rows dropped over all layers (0: nothing changed).
 
+        in_place (rows in position order only): nothing moves; each layer's buffers become views
+        that start at its first kept row, and the whole memory pages under the dropped rows go back
+        to the system (a CPU cache: `release_pages`). A prefill's shard does this after every chunk,
+        so a windowed layer's memory stays about its window however long the prompt.
+
         Who owns the cache calls it: after a document's prefill (next_position = its length), and
         every so often while decoding one sequence (a ring buffer in steps of `least` rows)."""
         if len(spans) != self.n_layers:
             raise ValueError(f"drop_unseen: {len(spans)} spans for a cache of {self.n_layers} layers")
+        if in_place:
+            return self._drop_in_place(spans, next_position, least)
         # ordinary tensors, not inference ones, even when called under inference_mode (a prefill's
         # hand-off): the cache is written outside it later (positions of a question's rows)
         with torch.inference_mode(False):
             return self._drop_unseen(spans, next_position, least)
 
-    def _drop_unseen(self, spans, next_position, least) -> int:
-        in_order = self.in_position_order()
-        if not in_order and self.trimmed:
-            raise ValueError("a cache whose layers dropped rows keeps them in position order; this one is not")
-        positions = self.row_positions()
-        order = None if in_order else torch.argsort(positions)
-        if order is not None:
-            positions = positions[order]
+    def _kept_for(self, spans, next_position, positions) -> list[int]:
+        """Per layer, the first row a token at `next_position` or later still sees (rows in position
+        order, `positions` theirs); never below what the layer already dropped."""
         kept = list(self.kept)
         for layer, span in enumerate(spans):
             if not span.sees_everything:
                 horizon = torch.tensor(span.first_visible(int(next_position)), device=positions.device)
                 kept[layer] = max(kept[layer], int(torch.searchsorted(positions, horizon)))
+        return kept
+
+    def _drop_in_place(self, spans, next_position, least) -> int:
+        if not self.in_position_order():
+            raise ValueError("drop_unseen(in_place=True) needs the rows in position order")
+        kept = self._kept_for(spans, next_position, self.row_positions())
+        self.spans = list(spans)
+        if all(new - old < least for new, old in zip(kept, self.kept)):
+            return 0
+        dropped = 0
+        for layer, (new, old) in enumerate(zip(kept, self.kept)):
+            if new == old:
+                continue
+            for buffers in (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ()):
+                release_pages(buffers[layer][:new - old])
+                buffers[layer] = buffers[layer][new - old:]
+            dropped += new - old
+        self.kept = kept
+        return dropped
+
+    def _drop_unseen(self, spans, next_position, least) -> int:
+        in_order = self.in_position_order()
+        positions = self.row_positions()
+        order = None if in_order else torch.argsort(positions)
+        if order is not None:
+            positions = positions[order]
+        kept = self._kept_for(spans, next_position, positions)
         self.spans = list(spans)
         if all(new - old < least for new, old in zip(kept, self.kept)):
             return 0
@@ -512,10 +557,14 @@ class KVCache:
         if order is None:
             copy_rows(out, 0, self, 0, self.length)
         else:
+            # Sorted, a layer keeps rows order[kept:]; rows it had dropped (below its kept_from,
+            # all under the earlier horizon, so under this one too) are never among them. (A decode
+            # rank's shard that dropped rows chunk by chunk, then received other ranks' rows.)
             for layer in range(self.n_layers):
-                rows = order[kept[layer]:].to(self.device)
+                first = self.kept[layer]
+                rows = (order[kept[layer]:] - first).to(self.device)
                 for dst, src in zip(out.storage_tensors(layer), self.storage_tensors(layer)):
-                    torch.index_select(src[:self.length], 0, rows, out=dst[:rows.numel()])
+                    torch.index_select(src[:self.length - first], 0, rows, out=dst[:rows.numel()])
             out.positions[:self.length] = positions
             self.positions = out.positions
         self.k, self.v, self.k_scale, self.v_scale, self.kept = out.k, out.v, out.k_scale, out.v_scale, out.kept

@@ -18,7 +18,8 @@ from ringctx.model.int8_weights import check_int8_model, check_weights, code_byt
 from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
 from ringctx.planning.strategy import (
-    LSE_BYTES, PASS_KV, PASS_Q, STRATEGIES, all2all_bytes_per_rank, local_heads, tokens_per_rank,
+    LSE_BYTES, PASS_KV, PASS_Q, STRATEGIES, all2all_bytes_per_rank, cached_rows_per_rank, local_heads,
+    tokens_per_rank,
 )
 
 
@@ -77,6 +78,28 @@ def kv_cache_bytes_per_rank(model: ModelConfig, rows_per_rank: int, tp_size: int
     is (cached+tokens)/N when 2N divides every chunk and N the cache.
     """
     return rows_per_rank * kv_row_bytes(model, tp_size, dtype, kv_dtype)
+
+
+def prefill_kv_bytes_per_rank(model: ModelConfig, cached: int, chunks: list[int], cp_size: int, tp_size: int,
+                              dtype: str, kv_dtype: str = "model", drop_unseen: bool = False) -> int:
+    """The fullest moment of one rank's KV shard during a prefill of `chunks` (token counts, in
+    order) on `cached` tokens: `kv_cache_bytes_per_rank` of every row it ends with, or, with
+    drop_unseen (a CPU rank's shard drops what the next chunk no longer sees after every chunk and
+    gives those pages back: KVCache.drop_unseen in place), the most it holds while a chunk runs:
+    a full layer every row so far, a windowed or chunked one at most the rows the chunk's first
+    token still sees (`Span.kept_tokens`, all of them on this rank at worst) plus the chunk's own."""
+    rows = cached_rows_per_rank(cached, cp_size)
+    if not drop_unseen:
+        return kv_cache_bytes_per_rank(model, rows + sum(tokens_per_rank(t, cp_size) for t in chunks), tp_size,
+                                       dtype, kv_dtype)
+    row_bytes = layer_kv_row_bytes(model, tp_size, dtype, kv_dtype)
+    peak, seen = 0, cached
+    for tokens in chunks:
+        new = tokens_per_rank(tokens, cp_size)
+        held = sum(row * (rows + new if span.sees_everything else min(rows, span.kept_tokens(seen)) + new)
+                   for span, row in zip(model.layer_spans, row_bytes))
+        peak, seen, rows = max(peak, held), seen + tokens, rows + new
+    return peak
 
 
 def document_kv_bytes(config, layer_row_bytes: list[int], tokens: int) -> int:
@@ -149,7 +172,8 @@ class MemoryEstimate:
     weights_bytes: int
     """Model weights: n_params * e_w / TP."""
     kv_cache_bytes: int
-    """KV-cache shard after the prefill: (cached + tokens)/N rows of all layers, in the kv dtype."""
+    """KV-cache shard at its fullest: (cached + tokens)/N rows of all layers, in the kv dtype; on a
+    CPU profile a windowed or chunked layer's only what its chunk sees (`prefill_kv_bytes_per_rank`)."""
     activation_bytes: int
     """Largest one-layer working set over the chunks (chunk activations and ring buffers)."""
     capacity_bytes: float

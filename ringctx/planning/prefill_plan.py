@@ -35,7 +35,7 @@ from ringctx.planning.decode_plan import (
 from ringctx.planning.hardware import DTYPE_BYTES, HardwareProfile, canonical_dtype, element_bytes
 from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, MemoryEstimate, activation_bytes_per_rank, as_model_config, check_integers,
-    kv_cache_bytes_per_rank, kv_row_bytes, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
+    kv_row_bytes, prefill_kv_bytes_per_rank, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
 )
 from ringctx.planning.strategy import (
     RULES, STRATEGIES, StrategyChoice, StrategyCost, cached_rows_per_rank, choose_strategy, predict_costs,
@@ -256,7 +256,9 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
         seen, rows = seen + new, rows + tokens_per_rank(new, cp_size)
     memory = MemoryEstimate(
         weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw),
-        kv_cache_bytes=kv_cache_bytes_per_rank(model, rows, tp_size, dtype, kv_dtype),
+        # a CPU rank's shard drops what later chunks no longer see (a GPU's keeps every row until the hand-off)
+        kv_cache_bytes=prefill_kv_bytes_per_rank(model, cached, split_chunks(tokens, chunk), cp_size, tp_size, dtype,
+                                                 kv_dtype, drop_unseen=hw.cpu_host),
         activation_bytes=max(e.activation_bytes for e in entries),
         capacity_bytes=rank_memory_bytes(hw, cp_size),
         usable_bytes=rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION,
@@ -370,13 +372,14 @@ def fitting_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "Ha
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, None, tp_size, dtype,
                                                "alg5", weight_dtype, kv_dtype, weights)
     rows = cached_rows_per_rank(cached, cp_size) + tokens_per_rank(tokens, cp_size)
-    fixed = (weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw)
-             + kv_cache_bytes_per_rank(model, rows, tp_size, dtype, kv_dtype))
+    weights_bytes = weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw)
     usable = rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION
 
     def fits(chunk: int) -> bool:
         working = max(activation_bytes_per_rank(model, cp_size, tp_size, chunk, rows, s, dtype) for s in STRATEGIES)
-        return fixed + working <= usable
+        kv = prefill_kv_bytes_per_rank(model, cached, split_chunks(tokens, chunk), cp_size, tp_size, dtype, kv_dtype,
+                                       drop_unseen=hw.cpu_host)
+        return weights_bytes + kv + working <= usable
 
     if fits(tokens):
         return tokens
@@ -385,6 +388,8 @@ def fitting_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "Ha
         if fits(chunk):
             return chunk
         chunk //= 2
+    fixed = weights_bytes + prefill_kv_bytes_per_rank(model, cached, split_chunks(tokens, MIN_DEFAULT_CHUNK_TOKENS),
+                                                      cp_size, tp_size, dtype, kv_dtype, drop_unseen=hw.cpu_host)
     raise ValueError(
         f"{model.name} with {cached + tokens} tokens does not fit {hw.name!r} at cp_size={cp_size}, "
         f"tp_size={tp_size}: weights + KV cache take {fixed / 1e9:.3g} GB of {usable / 1e9:.3g} GB usable per rank "

@@ -118,19 +118,19 @@ def spread_shards(shard: KVCache, plan: list[Transfer], rank: int, group, *, hos
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     for layer in range(shard.n_layers):
         works, pieces = [], []  # the sent pieces stay referenced until their sends complete
-        for tensor in shard.storage_tensors(layer):
-            for t in mine:
-                if t.src == rank:
-                    piece = _as_bytes(tensor[t.src_start:t.src_start + t.n].contiguous())
+        for t in mine:
+            if t.src == rank:  # rows the shard dropped (a windowed layer's older ones) travel as zeros
+                for rows in shard.rows_as_sent(layer, t.src_start, t.src_start + t.n):
+                    piece = _as_bytes(rows.contiguous())
                     pieces.append(piece)
                     works.append(dist.isend(piece, to_global(t.dst), group=group))
                     sent += nbytes(piece)
                     cross += nbytes(piece) if host_of(t.src) != host_of(t.dst) else 0
                     if comm is not None:
                         comm.record("hand-off", layer, nbytes(piece))
-                else:
-                    works.append(dist.irecv(_as_bytes(tensor[t.dst_start:t.dst_start + t.n]), to_global(t.src),
-                                            group=group))
+            else:  # after the receiver's own rows: rows it holds
+                for rows in shard.stored_rows(layer, t.dst_start, t.dst_start + t.n):
+                    works.append(dist.irecv(_as_bytes(rows), to_global(t.src), group=group))
         for w in works:
             w.wait()
     return {"sent": sent, "cross_host": cross}
@@ -146,7 +146,8 @@ def gather_in_order(shard: KVCache, out: KVCache | None, positions: list[torch.T
     n_mine = positions[rank].numel()
     dst = dist.get_global_rank(group, decode) if group is not None else decode
     for layer in range(shard.n_layers):
-        parts = [t[first_row:first_row + n_mine] for t in shard.storage_tensors(layer)]
+        # rows the shard dropped (what no later token sees) travel as zeros; the receiver skips them
+        parts = shard.rows_as_sent(layer, first_row, first_row + n_mine)
         if world == 1:
             gathered = [parts]
         else:
@@ -163,9 +164,14 @@ def gather_in_order(shard: KVCache, out: KVCache | None, positions: list[torch.T
             else:
                 gathered = [_unpack(block, parts) for block in everyone]
         if rank == decode:
+            first = out.kept_from(layer)  # `out` may keep only a windowed layer's last rows
             for r, pieces in enumerate(gathered):
                 n = positions[r].numel()
                 where = positions[r].to(out.device)
+                if first:
+                    wanted = where >= first
+                    where, n = where[wanted] - first, int(wanted.sum())
+                    pieces = [p[:positions[r].numel()][wanted] for p in pieces]
                 targets = out.storage_tensors(layer)
                 if not out.quantized:
                     scatter_kv(targets[0], targets[1], pieces[0][:n], pieces[1][:n], where)

@@ -254,7 +254,8 @@ class PrefillRun:
                  cache_token_ids: torch.Tensor | None = None, shard: KVCache | None = None,
                  on_chunk: Callable[[int, int, ChunkStats], None] | None = None, drop_unseen: bool = False):
         """drop_unseen: the decode ranks' caches of windowed and chunked layers keep only the rows
-        tokens after the prompt see, once it is handed off (KVCache.drop_unseen: a document's)."""
+        tokens after the prompt see, once it is handed off (KVCache.drop_unseen: a document's);
+        each rank's shard drops what the next chunk no longer sees after every chunk too."""
         rank, world = rank_and_world(group)
         self.drop_unseen = drop_unseen
         self.model, self.token_ids, self.config, self.group = model, token_ids, config, group
@@ -449,6 +450,11 @@ class PrefillRun:
         if shard.positions is not None:
             shard.positions[chunk.rows_before:chunk.rows_before + n_new] = chunk.positions.cpu()
         shard.length = chunk.rows_before + n_new
+        if self.drop_unseen and self.model.has_spans and shard.in_position_order():
+            # what the next chunk's tokens no longer see leaves memory now, not at the hand-off: a
+            # windowed layer's shard stays about its window however long the prompt
+            s, e = self.chunks[chunk.index]
+            shard.drop_unseen(self.model.config.layer_spans, self.cached_len + e, in_place=True)
         record = chunk.record
         record.seconds = chunk.seconds
         self.stats.chunks.append(record)
@@ -467,7 +473,7 @@ class PrefillRun:
         with torch.inference_mode(), (self.tracer or contextlib.nullcontext()), _counting_tp(model, comm):
             # --- hand-off ---------------------------------------------------------------------------
             prefill_peak_rss = window_peak_rss_bytes()
-            shard_bytes = shard.length * shard.bytes_per_token
+            shard_bytes = shard.stored_bytes
             if self.token_ids.numel() >= TRIM_FROM_TOKENS:  # the chunks' freed activations, before the
                 release_free_memory()                       # decode ranks fill their caches
             reset_peak_rss()
@@ -475,7 +481,7 @@ class PrefillRun:
             with span("hand-off", "comm"):
                 out_cache, moved = _hand_off(model, self.cache, shard, self.layouts, self.plan, self.first_new_row,
                                              self.cached_len, self.T, config, rank, world, group, comm,
-                                             self.keeps_shard)
+                                             self.keeps_shard, self.drop_unseen)
             if self.drop_unseen and out_cache is not None:
                 out_cache.drop_unseen(model.config.layer_spans, self.cached_len + self.T)
             stats.handoff_s = time.perf_counter() - t_handoff
@@ -644,12 +650,13 @@ def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, co
 
 
 def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, config, rank, world, group, comm,
-              keeps_shard):
+              keeps_shard, drop_unseen=False):
     """Leave the KV cache on the decode ranks: (this rank's decode cache or None, bytes moved).
 
     Several decode ranks: they keep their shards and receive the others' rows (`spread_plan`).
     One decode rank: every rank's new rows are gathered there in sequence order (into `cache` when
-    it was given, else a new cache), as the single-rank decode and the KV files expect.
+    it was given, else a new cache), as the single-rank decode and the KV files expect; with
+    drop_unseen a new cache holds only the rows later tokens see of its windowed layers.
     """
     none = {"sent": 0, "cross_host": 0}
     if world == 1 and keeps_shard:  # the shard is the sequence in order (see cp_prefill)
@@ -671,8 +678,14 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
     if rank == decode:
         need = cached_len + T + config.decode_room
         if cache is None:  # in ordinary pages, as the shards (a server moves it into 2 MiB ones when idle)
+            spans = model.config.layer_spans
+            # row = position: a windowed layer's rows start where the next token's window does
+            kept = [0 if span.sees_everything else span.first_visible(cached_len + T) for span in spans] \
+                if drop_unseen else None
             out = KVCache.for_model(model.config, need, dtype=model.dtype, device=model.device,
-                                    kv_dtype=config.kv_dtype, small_pages=True)
+                                    kv_dtype=config.kv_dtype, small_pages=True, kept=kept)
+            if drop_unseen:
+                out.spans = spans
         else:
             out = cache.grown(need)
             out.length = cached_len

@@ -76,6 +76,13 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
         assert stored < 0.45 * 4 * a.cache.length
         with pytest.raises(ValueError, match="drop_unseen=False"):
             engine.document_prefix(a, 60)
+        # The prefill's shards dropped what the next chunk no longer sees chunk by chunk: at the
+        # hand-off each rank held its full layer's rows and a few of each sliding layer's.
+        every = engine.prefill(doc_a, chunk_tokens=32)
+        dropped = engine.prefill(doc_a, chunk_tokens=32, as_document=True, drop_unseen=True)
+        assert torch.equal(dropped.logits, every.logits)
+        for kept, whole in zip(dropped.stats.kv_shard_bytes_per_rank, every.stats.kv_shard_bytes_per_rank):
+            assert kept < 0.45 * whole
         keeps_all = engine.ingest(doc_a, drop_unseen=False)
         assert not keeps_all.dropped_unseen and engine.document_prefix(keeps_all, 60).length == 60
         engine.save_document(a, tmp_path / "a.kv")

@@ -148,3 +148,66 @@ def test_layers_with_their_own_head_shape_keep_rows_of_that_shape():
     uniform = dataclasses.replace(config, layer_attention=KINDS)
     with pytest.raises(ValueError, match=r"KV cache has \(layers, KV heads, head dim\) = \(4, \[\(2, 16\), \(1, 32\)"):
         whole.check_model(uniform)
+
+
+@pytest.mark.parametrize("kv_dtype", ["model", "int8"])
+def test_dropping_in_place_moves_nothing_and_gives_the_pages_back(model, kv_dtype):
+    """A prefill's shard drops chunk by chunk in place: each layer's buffers become views of the
+    same memory from its first kept row (nothing is copied), the whole pages under the dropped
+    rows are released, and decoding over it equals decoding over the whole cache. Received rows
+    out of order afterwards (a decode rank's hand-off) sort as they drop."""
+    from ringctx.host_memory import release_pages
+
+    ids = torch.randint(3, 256, (2100,), generator=torch.Generator().manual_seed(3))
+    whole = KVCache.for_model(model.config, 2200, dtype=torch.float32, kv_dtype=kv_dtype)
+    shard = KVCache.for_model(model.config, 2200, dtype=torch.float32, kv_dtype=kv_dtype)
+    with torch.inference_mode():
+        starts = [t.data_ptr() for t in shard.k]
+        for a in range(0, 2048, 512):  # chunks of 512 (8-bit rows: as the whole cache's), dropping after each
+            forward_with_cache(model, ids[a:a + 512], whole)
+            forward_with_cache(model, ids[a:a + 512], shard)
+            shard.drop_unseen(spans(model), a + 512, in_place=True)
+        assert [shard.length - r for r in shard.kept] == [6, 2048, 0, 4]
+        row = shard.k[0].element_size() * model.config.n_kv_heads * model.config.head_dim
+        assert [t.data_ptr() - s for t, s in zip(shard.k, starts)] == [r * row for r in shard.kept]
+        assert shard.trimmed and shard.nbytes < whole.nbytes
+        for t in range(2048, 2099):
+            a = forward_with_cache(model, ids[t:t + 1], whole)
+            b = forward_with_cache(model, ids[t:t + 1], shard)
+            assert rel_err(b, a) < 1e-6, t
+    # whole pages come back; a tensor smaller than a page releases nothing
+    pages = torch.ones(1 << 16, dtype=torch.float32)
+    assert release_pages(pages) > 0 and release_pages(pages[:10]) == 0
+
+
+def test_a_shard_dropped_in_place_then_given_rows_out_of_order_sorts_as_it_drops(model):
+    """A decode rank's shard: its own rows in position order dropped in place after the chunks,
+    then another rank's rows appended (positions between its own, some under the horizon, as
+    zeros); the hand-off's drop sorts them: every layer sees what the whole slice shows it."""
+    torch.manual_seed(1)
+    cfg = model.config
+    own, theirs = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]), torch.tensor([4, 5, 6, 7, 12, 13, 14, 15])
+    k, v = (torch.randn(20, cfg.n_kv_heads, cfg.head_dim) for _ in range(2))
+    shard = KVCache.for_model(cfg, 24, dtype=torch.float32, sliced=True)
+    reference = KVCache.for_model(cfg, 24, dtype=torch.float32, sliced=True)
+    for layer in range(cfg.n_layers):
+        shard.update(layer, 0, k[own], v[own])
+        reference.update(layer, 0, k[torch.cat([own, theirs])], v[torch.cat([own, theirs])])
+    shard.positions[:12], shard.length = own, 12
+    reference.positions[:20], reference.length = torch.cat([own, theirs]), 20
+    shard.drop_unseen(spans(model), 16, in_place=True)  # window 7 from 16: >= 10; chunk 16: >= 16; window 5: >= 12
+    assert shard.kept == [6, 0, 8, 8]
+    for layer in range(cfg.n_layers):  # the received rows, as sent: those under the sender's horizon zeros
+        rows = shard.stored_rows(layer, 12, 20)
+        seen = theirs >= cfg.attention(layer).span.first_visible(16)
+        rows[0].copy_(k[theirs] * seen.view(-1, 1, 1))
+        rows[1].copy_(v[theirs] * seen.view(-1, 1, 1))
+    shard.positions[12:20], shard.length = theirs, 20
+    shard.drop_unseen(spans(model), 20)
+    assert shard.in_position_order() and shard.kept == [14, 0, 16, 16]  # from 20: >= 14, all, >= 16, >= 16
+    q = torch.randn(1, cfg.n_heads, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        softmax = model.layer_softmax(layer)
+        a = reference.attend_rows(layer, q, softmax=softmax, q_positions=[20])
+        b = shard.attend_rows(layer, q, softmax=softmax, q_positions=[20])
+        assert rel_err(b[0], a[0]) < 1e-6 and rel_err(b[1], a[1]) < 1e-6, layer

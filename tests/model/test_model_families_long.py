@@ -284,8 +284,9 @@ GEMMA_BASE = {**SHAPE, "model_type": "gemma3_text", "head_dim": 16, "sliding_win
 
 @pytest.mark.parametrize("config,message", [
     ({**SHAPE, "model_type": "gemma4_text"}, r"per-layer embeddings \(hidden_size_per_layer_input=256"),
-    ({"model_type": "gemma4", "text_config": {**SHAPE, "model_type": "gemma4_text", "hidden_size_per_layer_input": 0}},
-     r"per-layer head shapes \(full-attention layers: head_dim=512"),
+    ({"model_type": "gemma4", "text_config": {**SHAPE, "model_type": "gemma4_text", "hidden_size_per_layer_input": 0,
+                                              "num_kv_shared_layers": 2}},
+     r"KV sharing across layers \(num_kv_shared_layers=2\)"),
     ({"model_type": "gemma3n", "text_config": {"model_type": "gemma3n_text"}}, r"Gemma 3n"),
     ({"model_type": "gemma3", "text_config": {"model_type": "gemma3n_text"}}, r"Gemma 3n"),
     ({"model_type": "mistral3", "text_config": {**SHAPE, "model_type": "ministral3"}},

@@ -518,6 +518,24 @@ def test_a_document_of_a_3_to_1_chunked_model_keeps_about_a_quarter_of_its_kv():
     assert 0.25 < share < 0.26
 
 
+def test_a_cpu_prefill_shard_of_a_chunked_model_holds_its_global_layer_and_the_chunks_it_sees():
+    """tiny-llama4 at 1M tokens on 2 CPU ranks: each shard drops what the next chunk no longer sees
+    (KVCache.drop_unseen in place), so at its fullest it holds the global layer's rows and, per
+    chunked layer, at most the chunk of 8,192 the last prefill chunk starts in plus its own rows; a
+    GPU profile counts every row (its shard frees nothing before the hand-off)."""
+    from ringctx.planning.memory import kv_cache_bytes_per_rank
+
+    cpu = json.loads(plan_prefill("tiny-llama4", 2, "cpu", tokens=1_000_000, chunk_tokens=4096).to_json())
+    gpu = plan_prefill("tiny-llama4", 2, "h200", tokens=1_000_000, chunk_tokens=4096)
+    every = kv_cache_bytes_per_rank(get_preset("tiny-llama4"), 500_000, 1, cpu["dtype"])
+    assert gpu.memory.kv_cache_bytes == kv_cache_bytes_per_rank(get_preset("tiny-llama4"), 500_000, 1, gpu.dtype)
+    kept = cpu["memory"]["kv_cache_bytes"]
+    row = every // 500_000 // 4  # one layer's row
+    chunk_rows = 4096 // 2
+    assert row * 500_000 < kept <= row * (500_000 + 3 * (8191 + chunk_rows))
+    assert kept < 0.3 * every
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(decode_ranks=0), r"decode_ranks must be an integer from 1 to 8 \(the 8 devices of one 'h200' host"),
     (dict(decode_ranks=9), r"decode_ranks must be an integer from 1 to 8 .*got 9; pass 1 to 8"),
