@@ -187,15 +187,19 @@ def test_gguf_greedy_tokens_equal_transformers(trio):
     assert from_gguf.generate(ids, max_new_tokens=6, stop_token_ids=[]).token_ids == ref, name
 
 
-def test_gguf_config_equals_the_hf_config(trio):
-    """Every field as read from config.json: head shapes per layer, both RoPEs (the proportional
-    share from the table), scale 1, v norm, block scalars, soft-cap."""
+def test_gguf_config_and_weights_equal_the_hf_directorys(trio):
+    """Every config field as read from config.json (head shapes per layer, both RoPEs with the
+    proportional share from the table, scale 1, v norm, block scalars, soft-cap), and every
+    parameter bit for bit (float32 files; v rows copied from k where the file has no attn_v)."""
     name, from_gguf, from_hf, _, _ = trio
     ours, theirs = from_gguf.config, from_hf.config
     assert ours.kv_shapes == theirs.kv_shapes and ours.uniform_heads == (name != "gemma4-heads")
     assert ours.rope_scaling.rope_type == "proportional" and ours.rope_scaling.proportion == 0.25
     assert _rounded(dataclasses.replace(ours, name="x").to_dict()) == \
         _rounded(dataclasses.replace(theirs, name="x").to_dict())
+    hf_params = dict(from_hf.named_parameters())
+    for param_name, param in from_gguf.named_parameters():
+        assert torch.equal(param, hf_params[param_name]), (name, param_name)
 
 
 def test_report_measured_errors():
@@ -273,7 +277,8 @@ _TABLE = {"rope_freqs.weight": proportional_table(32, 0.25)}
     ({"attention.shared_kv_layers": 2}, None, r"gemma4\.attention\.shared_kv_layers=2 \(KV sharing across layers\)"),
     ({"expert_count": 128, "expert_used_count": 8}, None,
      r"gemma4\.expert_count=128 \(Gemma 4's mixture-of-experts blocks \(26B-A4B\)\) is not supported yet"),
-    ({}, {"blk.0.ffn_gate_up_exps.weight": np.ones((2, 4, 8))}, r"tensor blk\.0\.ffn_gate_up_exps\.weight \(Gemma 4's mixture"),
+    ({}, {"blk.0.ffn_gate_up_exps.weight": np.ones((2, 4, 8))},
+     r"tensor blk\.0\.ffn_gate_up_exps\.weight \(Gemma 4's mixture"),
     ({"attention.value_length_swa": 32}, None,
      r"gemma4\.attention\.key_length_swa=16 but gemma4\.attention\.value_length_swa=32"),
     ({"rope.dimension_count_swa": 8}, None, r"gemma4\.rope\.dimension_count_swa=8 for sliding heads of 16 dims"),
@@ -281,12 +286,14 @@ _TABLE = {"rope_freqs.weight": proportional_table(32, 0.25)}
     ({"rope.scaling.type": "linear", "rope.scaling.factor": 8.0}, None,
      r"gemma4\.rope\.scaling\.type='linear' is not supported on gemma4"),
     ({"attention.scale": 0.0625}, None, r"gemma4\.attention\.scale=0\.0625 disagrees with Gemma 4's softmax scale 1"),
-    ({}, {"rope_freqs.weight": np.ones(8)}, r"rope_freqs\.weight has 8 entries, but gemma4's full layers have heads of 32"),
+    ({}, {"rope_freqs.weight": np.ones(8)},
+     r"rope_freqs\.weight has 8 entries, but gemma4's full layers have heads of 32"),
     ({}, {"rope_freqs.weight": np.asarray([1.0, 2.0, 4.0] + [8.0] * 13)},
      r"is not Gemma 4's proportional RoPE table"),
     ({"attention.head_count_kv": [2, 2, 2]}, None,
      r"gemma4\.attention\.head_count_kv lists 3 layers, but gemma4\.block_count=4"),
-    ({"attention.head_count": [4, 4, 2, 4]}, None, r"per-layer gemma4\.attention\.head_count \[2, 4\] is not supported"),
+    ({"attention.head_count": [4, 4, 2, 4]}, None,
+     r"per-layer gemma4\.attention\.head_count \[2, 4\] is not supported"),
     ({"attention.sliding_window": None}, None, r"GGUF header lacks 'gemma4\.attention\.sliding_window'"),
     ({"attn_logit_softcapping": 50.0}, None, r"gemma4\.attn_logit_softcapping=50\.0 is not supported"),
 ])
