@@ -401,6 +401,17 @@ _LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)"
 
 PLAIN_LAYER = LayerAttention()
 
+
+def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model_head_dim: int,
+                    model_kv_heads: int) -> LayerAttention:
+    """`layer` with its own head shape (head_dim, n_kv_heads) where that differs from the model's
+    (model_head_dim, model_kv_heads): head_dim is then spelled out, n_kv_heads only where the count
+    differs. One spelling for every reader (Gemma 4's config.json and GGUF), so that the same
+    checkpoint read either way gives equal configs (and fingerprints)."""
+    if (head_dim, n_kv_heads) == (model_head_dim, model_kv_heads):
+        return layer
+    return dataclasses.replace(layer, head_dim=head_dim, n_kv_heads=n_kv_heads if n_kv_heads != model_kv_heads else 0)
+
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
                    "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position",

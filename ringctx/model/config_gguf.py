@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from .config import _MISSING, LayerAttention, ModelConfig, RopeScaling, yarn_attention_factor
+from .config import _MISSING, LayerAttention, ModelConfig, RopeScaling, with_head_shape, yarn_attention_factor
 
 
 def read_gguf_field(field: Any) -> Any:
@@ -30,16 +30,16 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4")
 """GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
-text model and Llama 3 files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model)."""
+text model and Llama 3 files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model; gemma4 Gemma 4's
+dense text models, the 31B's own head shape on its full layers included)."""
 
 GGUF_REFUSED = {
     "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
     "gemma2": "general.architecture='gemma2' (ringctx runs Gemma 3: gemma3)",
     "llama4": "llama4.expert_count (Llama 4's mixture of experts, query temperature and L2 q/k norms)",
     "gpt-oss": "gpt-oss.expert_count (gpt-oss's mixture of experts)",
-    "gemma4": "general.architecture='gemma4' (Gemma 4)",
 }
 """Architectures refused with the key that makes them unsupported ("... is not supported yet")."""
 
@@ -48,6 +48,11 @@ GEMMA3_PATTERN = 6
 the header says; transformers' Gemma3TextConfig derives the same layers from its default pattern."""
 GEMMA3_LOCAL_BASE = 10_000.0
 """llama.cpp's Gemma 3: the sliding layers' RoPE base, unscaled (`rope_freq_base_train_swa`)."""
+GEMMA4_STILL_DIVISOR = 1e20
+"""A `rope_freqs` entry of a gemma4 file at least this large stops its pair: llama.cpp's converter
+writes 1.0 for the pairs Gemma 4's proportional RoPE turns and 1e30 for the others (ggml divides
+each pair's angle by its entry, so 1e30 leaves cos 1, sin < 1e-20 at any position); ringctx turns
+those pairs by exactly 0, as transformers does."""
 GEMMA3_27B_LAYERS = 62
 """llama.cpp's Gemma 3 scales queries by 1/sqrt(head_dim), except the 27B model (62 layers):
 1/sqrt(embedding_length / head_count), its query_pre_attn_scalar (168 = 5376 / 32, head_dim 128)."""
@@ -100,7 +105,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     """The config stored in a GGUF file's header (a path or an open `gguf.GGUFReader`).
 
     Supports general.architecture llama (also Mistral and Llama 3 files), qwen2, qwen3, seed_oss,
-    phi3 and gemma3, with llama.cpp's keys and tensors:
+    phi3, gemma3 and gemma4, with llama.cpp's keys and tensors:
 
     - RoPE: linear and YaRN scaling from the rope.scaling.* keys (llama.cpp multiplies its
       `attn_factor` key by YaRN's own 0.1 ln(factor) + 1, so that product is transformers'
@@ -114,8 +119,14 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     - Gemma 3's block: llama.cpp's converter stores every norm weight as 1 + w (Gemma3RMSNorm's
       gain), so the config multiplies by the stored weight (norm_plus_one False); GeGLU, four
       norms a block, sqrt(dim)-scaled embeddings, final_logit_softcapping.
+    - Gemma 4's dense text models (`_gemma4_layers`): Gemma's block with its norms stored as they
+      are (w), a weightless v norm, softmax scale 1, the block scalars (blk.N.layer_output_scale),
+      per-layer head shapes (attention.key_length / _swa, a per-layer attention.head_count_kv),
+      keys as values where a layer has no attn_v, the sliding layers' RoPE base
+      rope.freq_base_swa and the full layers' proportional RoPE from rope_freqs.weight.
     Keys that disagree with each other or with how llama.cpp runs the architecture, and kinds
-    still unsupported (mixtures of experts, Gemma 3n), are one-line ValueErrors naming the key.
+    still unsupported (mixtures of experts, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
+    are one-line ValueErrors naming the key or tensor.
     """
     import gguf
 
@@ -139,24 +150,28 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         what = f" (a mixture of experts: {arch}.expert_count={experts}, not supported yet)" if experts else ""
         raise ValueError(f"{source}: unsupported architecture general.architecture={arch!r}{what}; "
                          f"ringctx runs Llama-family decoders: GGUF architecture {', '.join(GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    if arch == "gemma4":
+        _gemma4_refusals(arch, get, tensors, source)
     if get(f"{arch}.expert_count", None):
         raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts, "
                          "e.g. Mixtral) is not supported yet; ringctx runs dense decoders")
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma3", "gemma4")
     for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
         if get(f"{arch}.{key}", None):
             raise ValueError(f"{source}: {arch}.{key}={get(f'{arch}.{key}')} is not supported (ringctx reads "
-                             "gemma3's final_logit_softcapping only; Gemma 3 has no attention soft-cap, llama.cpp "
-                             "and transformers ignore one); remove the key")
-    tensors = {t.name: t for t in reader.tensors}
-    n_heads = int(get(f"{arch}.attention.head_count"))
-    n_kv = get(f"{arch}.attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list):  # per-layer counts: only a uniform model is supported
-        if len(set(n_kv)) != 1:
-            raise ValueError(f"{source}: per-layer KV head counts {sorted(set(n_kv))} are not supported")
-        n_kv = n_kv[0]
+                             "gemma3's and gemma4's final_logit_softcapping only; Gemma 3 and 4 have no attention "
+                             "soft-cap, llama.cpp and transformers ignore one); remove the key")
     dim = int(get(f"{arch}.embedding_length"))
     n_layers = int(get(f"{arch}.block_count"))
+    n_heads = int(_one_value(arch, "attention.head_count", get(f"{arch}.attention.head_count"), source))
+    n_kv = get(f"{arch}.attention.head_count_kv", n_heads)
+    kv_counts = [int(n) for n in n_kv] if isinstance(n_kv, list) else [int(n_kv)] * n_layers
+    if len(kv_counts) != n_layers:
+        raise ValueError(f"{source}: {arch}.attention.head_count_kv lists {len(kv_counts)} layers, but "
+                         f"{arch}.block_count={n_layers}: give one count per layer, or one for all")
+    if arch != "gemma4":  # Gemma 4's full layers may have their own count (`_gemma4_layers`)
+        n_kv = _one_value(arch, "attention.head_count_kv", n_kv, source)
     head_dim = int(get(f"{arch}.attention.key_length", dim // n_heads))
     value_dim = int(get(f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
@@ -183,7 +198,10 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
             name in tensors for name in ("rope_factors_long.weight", "rope_factors_short.weight")):
         rope_scaling = _gguf_longrope(arch, get, tensors, rope_scaling, rotary_dim, max_seq_len, source)
     windows = _gguf_windows(arch, get, n_layers, source)
-    if gemma:
+    if arch == "gemma4":
+        layers, head_dim, n_kv, rope_scaling = _gemma4_layers(arch, get, tensors, windows, kv_counts, head_dim,
+                                                              rope_scaling, max_seq_len, source)
+    elif gemma:
         layers = _gemma3_layers(arch, get, windows, dim, n_heads, head_dim, source)
     else:
         layers = tuple(LayerAttention(window=w, rotary_dim=0 if rotary_dim == head_dim else rotary_dim)
@@ -195,7 +213,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
-        ffn_dim=int(get(f"{arch}.feed_forward_length")),
+        ffn_dim=int(_one_value(arch, "feed_forward_length", get(f"{arch}.feed_forward_length"), source)),
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -203,7 +221,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         attn_out_bias="blk.0.attn_output.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch in ("qwen3", "gemma3"),  # llama.cpp's qwen3 and gemma3 always have attn_q_norm / attn_k_norm
+        qk_norm=arch in ("qwen3", "gemma3", "gemma4"),  # llama.cpp's always have attn_q_norm / attn_k_norm
         max_seq_len=max_seq_len,
         bos_token_id=get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
@@ -213,12 +231,27 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         post_norms=gemma,
         embed_scale=float(dim ** 0.5) if gemma else 1.0,
         final_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0) if gemma else 0.0,
+        v_norm=arch == "gemma4",  # llama.cpp's gemma4 graph RMS-normalises every layer's v, without a weight
+        # a block scalar where the file has one (llama.cpp's gemma4: optional, none means 1)
+        layer_scalars=arch == "gemma4" and any(f"blk.{i}.layer_output_scale.weight" in tensors
+                                               for i in range(n_layers)),
     )
-    if "rope_freqs.weight" in tensors and rope_scaling is None:
+    if "rope_freqs.weight" in tensors and rope_scaling is None and arch != "gemma4":
         table = _gguf_table(tensors["rope_freqs.weight"])
         hint = get(f"{arch}.rope.scaling.original_context_length", None)
         cfg = dataclasses.replace(cfg, rope_scaling=_fit_llama3_rope(cfg, table, hint, source))
     return cfg
+
+
+def _one_value(arch: str, key: str, value: Any, source: str) -> Any:
+    """A header value llama.cpp reads "key or array" (one per layer) as the one value ringctx keeps
+    for every layer: the value, or an array's entries when they are all equal."""
+    if not isinstance(value, list):
+        return value
+    if len(set(value)) != 1:
+        raise ValueError(f"{source}: per-layer {arch}.{key} {sorted(set(value))} is not supported (ringctx "
+                         "runs one value on every layer)")
+    return value[0]
 
 
 def _gguf_table(tensor: Any) -> list[float]:
@@ -276,9 +309,11 @@ def _gguf_windows(arch: str, get, n_layers: int, source: str) -> list[int]:
     integer n slides layer i iff i % n < n - 1 (llama.cpp's set_swa_pattern: every n-th layer
     full; n need not divide the layer count, Gemma 3 1B has 26 layers and n = 6), or one bool per
     layer (true: sliding; Qwen2's max_window_layers is written this way). gemma3: llama.cpp's
-    fixed pattern of 6 (GEMMA3_PATTERN); a pattern key there must say the same."""
-    window = get(f"{arch}.attention.sliding_window", None)
-    pattern = get(f"{arch}.attention.sliding_window_pattern", None)
+    fixed pattern of 6 (GEMMA3_PATTERN); a pattern key there must say the same. gemma4: both keys
+    required, as llama.cpp's gemma4 loader requires them."""
+    required = _MISSING if arch == "gemma4" else None
+    window = get(f"{arch}.attention.sliding_window", required)
+    pattern = get(f"{arch}.attention.sliding_window_pattern", required)
     if window is None:
         if pattern is not None:
             raise ValueError(f"{source}: {arch}.attention.sliding_window_pattern without "
@@ -332,3 +367,98 @@ def _gemma3_layers(arch: str, get, windows: list[int], dim: int, n_heads: int, h
     scale = 0.0 if scale == head_dim ** -0.5 else scale  # the default: keeps plain layers plain
     return tuple(LayerAttention(window=w, scale=scale, **({"rope_theta": GEMMA3_LOCAL_BASE} if w else {}))
                  for w in windows)
+
+
+GEMMA4_UNSUPPORTED = "Gemma 4's per-layer inputs (E2B, E4B)", "KV sharing across layers", \
+    "Gemma 4's mixture-of-experts blocks (26B-A4B)"
+"""What llama.cpp's gemma4 carries that ringctx does not compute (`_gemma4_refusals`)."""
+
+
+def _gemma4_refusals(arch: str, get, tensors: Mapping[str, Any], source: str) -> None:
+    """Refuse, naming the key or tensor, what llama.cpp's gemma4 runs and ringctx does not compute:
+    per-layer inputs (embedding_length_per_layer_input > 0, per_layer_token_embd), KV sharing
+    (attention.shared_kv_layers > 0) and experts (expert_count, ffn_gate_inp / *_exps tensors).
+    llama.cpp's converter writes the first two keys as 0 for the dense models."""
+    inputs, sharing, experts = GEMMA4_UNSUPPORTED
+    found = []
+    for key, what in (("embedding_length_per_layer_input", inputs), ("attention.shared_kv_layers", sharing),
+                      ("expert_count", experts)):
+        if get(f"{arch}.{key}", None):
+            found.append(f"{arch}.{key}={get(f'{arch}.{key}')} ({what})")
+    for name in tensors:
+        if name.startswith("per_layer_") or ".inp_gate." in name:
+            found.append(f"tensor {name} ({inputs})")
+        elif ".ffn_gate_inp." in name or "_exps." in name:
+            found.append(f"tensor {name} ({experts})")
+    if found:
+        raise ValueError(f"{source}: {found[0]} is not supported yet; ringctx runs Gemma 4's dense text models "
+                         "(the 31B's layout)")
+
+
+def _gemma4_layers(arch: str, get, tensors: Mapping[str, Any], windows: list[int], kv_counts: list[int],
+                   full_dim: int, scaling: RopeScaling | None, context: int, source: str
+                   ) -> tuple[tuple[LayerAttention, ...], int, int, RopeScaling | None]:
+    """Gemma 4's layers as llama.cpp's gemma4 runs them: (layers, the model's head_dim and
+    n_kv_heads, the full layers' RopeScaling).
+
+    - Sliding layers (attention.sliding_window_pattern true): heads of attention.key_length_swa
+      dims, RoPE base rope.freq_base_swa (llama.cpp's default: rope.freq_base), unscaled.
+    - Full layers: heads of attention.key_length dims (full_dim), the model's base rope.freq_base;
+      with rope_freqs.weight, Gemma 4's proportional RoPE (`_gemma4_proportion`).
+    - KV heads per layer from attention.head_count_kv (`kv_counts`: an array on the 31B, 4 on the
+      full layers and 16 on the sliding ones).
+    - Softmax scale 1 on every layer (llama.cpp fixes it; a different attention.scale is an error).
+    The model's head shape is the sliding layers' (as Gemma4TextConfig's head_dim and
+    num_key_value_heads); a layer of another shape carries its own (`with_head_shape`).
+    Both RoPEs rotate whole heads and are otherwise unscaled, as llama.cpp's converter writes
+    them; other rope keys are errors."""
+    swa_dim = int(get(f"{arch}.attention.key_length_swa", full_dim))
+    swa_value = int(get(f"{arch}.attention.value_length_swa", swa_dim))
+    if swa_value != swa_dim:
+        raise ValueError(f"{source}: {arch}.attention.key_length_swa={swa_dim} but {arch}.attention.value_length_swa="
+                         f"{swa_value}: Gemma 4's sliding layers have one head width for keys and values; fix the key")
+    swa_rotary = int(get(f"{arch}.rope.dimension_count_swa", get(f"{arch}.rope.dimension_count", full_dim)))
+    if swa_rotary != swa_dim:
+        raise ValueError(f"{source}: {arch}.rope.dimension_count_swa={swa_rotary} for sliding heads of {swa_dim} dims: "
+                         "ringctx rotates Gemma 4's sliding heads whole, as llama.cpp's converter writes them; fix "
+                         "the key")
+    if scaling is not None:
+        raise ValueError(f"{source}: {arch}.rope.scaling.type={get(f'{arch}.rope.scaling.type')!r} is not supported "
+                         "on gemma4 (Gemma 4's RoPEs are unscaled; its full layers' proportional RoPE is the "
+                         "rope_freqs.weight table); remove the rope.scaling keys")
+    stated = get(f"{arch}.attention.scale", None)
+    if stated is not None and float(stated) != 1.0:
+        raise ValueError(f"{source}: {arch}.attention.scale={stated} disagrees with Gemma 4's softmax scale 1 "
+                         "(llama.cpp's gemma4 fixes it and ignores the key); remove the key")
+    sliding = [i for i, w in enumerate(windows) if w]
+    model_kv = kv_counts[sliding[0] if sliding else 0]
+    local = {"rope_theta": float(get(f"{arch}.rope.freq_base_swa", get(f"{arch}.rope.freq_base", 10000.0)))}
+    layers = tuple(with_head_shape(LayerAttention(window=w, scale=1.0, **(local if w else {})),
+                                   swa_dim if w else full_dim, kv, swa_dim, model_kv)
+                   for w, kv in zip(windows, kv_counts))
+    proportional = None
+    if "rope_freqs.weight" in tensors:
+        proportion = _gemma4_proportion(_gguf_table(tensors["rope_freqs.weight"]), full_dim, source)
+        proportional = RopeScaling(factor=1.0, rope_type="proportional", proportion=proportion,
+                                   original_max_position=context)
+    return layers, swa_dim, model_kv, proportional
+
+
+def _gemma4_proportion(table: list[float], full_dim: int, source: str) -> float:
+    """The share of a full layer's head that turns, from llama.cpp's rope_freqs.weight table
+    [full_dim / 2]: 1.0 for each pair that turns, then GEMMA4_STILL_DIVISOR or more for each that
+    does not (transformers' proportional RoPE: partial_rotary_factor, pairs counted from the first)."""
+    if len(table) != full_dim // 2:
+        raise ValueError(f"{source}: rope_freqs.weight has {len(table)} entries, but gemma4's full layers have "
+                         f"heads of {full_dim} dims ({full_dim // 2} pairs): the table and attention.key_length "
+                         "disagree; re-convert the model")
+    turning = next((i for i, f in enumerate(table) if f != 1.0), len(table))
+    if turning == 0 or any(f < GEMMA4_STILL_DIVISOR for f in table[turning:]):
+        raise ValueError(f"{source}: rope_freqs.weight {table[:4]}... is not Gemma 4's proportional RoPE table "
+                         f"(1.0 for the pairs that turn, then 1e30 for those that do not); ringctx reads no other "
+                         "frequency factors on gemma4")
+    proportion = 2 * turning / full_dim
+    if int(proportion * full_dim // 2) != turning:  # RopeScaling's own rounding must give the same pairs back
+        raise ValueError(f"{source}: rope_freqs.weight turns {turning} of {full_dim // 2} pairs, a share ringctx's "
+                         "proportional RoPE cannot state exactly")
+    return proportion

@@ -9,7 +9,7 @@ import os
 from typing import Any, Mapping
 
 from ..attention.dual_chunk import DualChunk
-from .config import LayerAttention, ModelConfig, RopeScaling
+from .config import LayerAttention, ModelConfig, RopeScaling, with_head_shape
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -508,8 +508,7 @@ def _gemma4_head_shapes(d: Mapping[str, Any], layers: tuple[LayerAttention, ...]
         if shape[1] <= 0 or shape[0] <= 0 or int(d["num_attention_heads"]) % shape[1]:
             raise invalid(f"per_layer_config[{i}]: {shape[1]} KV heads of {shape[0]} dims for "
                           f"{d['num_attention_heads']} query heads: n_heads is not a multiple of layer {i}'s n_kv_heads")
-        if shape != (head_dim, n_kv):  # the model's shape stays implicit: such a layer stays plain
-            out[i] = dataclasses.replace(out[i], head_dim=shape[0], n_kv_heads=shape[1] if shape[1] != n_kv else 0)
+        out[i] = with_head_shape(out[i], *shape, head_dim, n_kv)  # the model's shape stays implicit
     return tuple(out)
 
 

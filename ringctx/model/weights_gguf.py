@@ -9,7 +9,9 @@ so that each head's rotary pairs are adjacent (GPT-J "interleaved" order); ringc
 transformers, uses the rotate-half order, so those rows are permuted back. Qwen2, Qwen3,
 Seed-OSS, Phi-3 and Gemma 3 files keep the Hugging Face order (llama.cpp runs them with NeoX-style
 RoPE) and are not touched. Phi-3 files hold fused tensors, as its checkpoints do: attn_qkv (q, k, v heads) and
-ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`).
+ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`). Gemma 4 files
+(gemma4) keep the Hugging Face order too, each layer at its own head shape; a layer without
+attn_v (Gemma 4's attention_k_eq_v full layers) takes its keys as values (`gguf_keys_as_values`).
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
 """
@@ -88,10 +90,11 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
     local = tp.shard_config(config)
     pieces: dict[str, list[GGUFPart]] = {}
 
-    def add(gguf_name: str, param: str, rows=None, heads=None, kind: str = "", part: str = "", first_row: int = 0):
+    def add(gguf_name: str, param: str, rows=None, heads=None, kind: str = "", part: str = "", first_row: int = 0,
+            layer: int | None = None):
         source = f"{gguf_name}:{part}" if part else gguf_name
         pieces.setdefault(gguf_name, []).append(
-            GGUFPart(WeightPiece(param, rows, source, tp_take(config, tp, kind)), heads, first_row))
+            GGUFPart(WeightPiece(param, rows, source, tp_take(config, tp, kind, layer)), heads, first_row))
 
     add("token_embd.weight", "tok_embeddings.weight", kind="vocab")
     add("output_norm.weight", "norm.weight")
@@ -114,17 +117,19 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
                     add(f"{blk}.attn_qkv.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
                         kind=which, part=which, first_row=starts[which])
                 continue
-            add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "q"),
-                local.n_heads if unpermute else None, "q")
-            add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "k"),
-                local.n_kv_heads if unpermute else None, "k")
-            add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "v"), kind="v")
-        add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o")
-        if config.qk_norm:  # Qwen3, Gemma 3: [head_dim] each, replicated under TP
+            add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "q", i),
+                local.n_heads if unpermute else None, "q", layer=i)
+            add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "k", i),
+                local.kv_heads_of(i) if unpermute else None, "k", layer=i)
+            add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "v", i), kind="v", layer=i)
+        add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o", layer=i)
+        if config.qk_norm:  # Qwen3, Gemma 3 and 4: [the layer's head_dim], replicated under TP
             add(f"{blk}.attn_q_norm.weight", f"{ours}.attention.q_norm.weight")
             add(f"{blk}.attn_k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
+        if config.layer_scalars:  # Gemma 4: [1], replicated
+            add(f"{blk}.layer_output_scale.weight", f"{ours}.layer_scalar")
         if fused:
             for which, first in (("gate", 0), ("up", config.ffn_dim)):
                 add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, which), kind=which,
@@ -139,6 +144,18 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
 # Tensors a GGUF file may carry that are not parameters: Llama-3.1 RoPE factors are read into
 # ModelConfig.rope_scaling by read_gguf_config, as are Phi-3's LongRoPE factors.
 _NOT_PARAMETERS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def gguf_keys_as_values(arch: str, names: set[str], n_layers: int) -> dict[str, str]:
+    """gemma4: the layers whose file has no attn_v take their keys as values, as llama.cpp's gemma4
+    graph runs them (v = the k projection's output; its weightless v norm follows): Gemma 4's
+    attention_k_eq_v full layers are written so. ringctx's fused projection keeps v rows, which
+    such a layer's attn_k tensors fill too (an exact copy): {attn_k name: attn_v name}, weights
+    and biases. Other architectures need every attn_v (a missing one is reported as missing)."""
+    if arch != "gemma4":
+        return {}
+    return {f"blk.{i}.attn_k.{kind}": f"blk.{i}.attn_v.{kind}" for i in range(n_layers)
+            for kind in ("weight", "bias") if f"blk.{i}.attn_v.weight" not in names}
 
 
 def gguf_tensor_shape(tensor) -> tuple[int, ...]:
@@ -225,6 +242,7 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     expected = expected_gguf_tensors(model.full_config, arch, model.tp)
     filler = WeightFiller(model, path, {part.piece.source_name: part.piece
                                         for parts in expected.values() for part in parts})
+    as_values = gguf_keys_as_values(arch, {t.name for t in tensors}, model.full_config.n_layers)
     for tensor in tensors:
         if tensor.name in _NOT_PARAMETERS:
             continue
@@ -251,6 +269,8 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
             if part.heads is not None:
                 value = unpermute_rotary_rows(value, part.heads)
             filler.put(piece, value)
+            if tensor.name in as_values:  # the same rows, TP slice included (k's and v's are both by KV heads)
+                filler.put(filler.piece(as_values[tensor.name]), value)
             del value  # one dequantized tensor alive at a time
     filler.finish()
 

@@ -361,8 +361,7 @@ _FACTORS = {"rope_factors_long.weight": np.full(8, 2.0), "rope_factors_short.wei
     ("gemma3n", {}, None,
      r"gemma3n\.embedding_length_per_layer_input \(Gemma 3n's per-layer inputs.*not supported yet"),
     ("llama4", {}, None, r"llama4\.expert_count .* is not supported yet"),
-    ("gemma4", {}, None, r"general\.architecture='gemma4' \(Gemma 4\) is not supported yet"),
-])
+])  # gemma4's refusals: test_model_gguf_gemma4.py
 def test_bad_gguf_headers_are_one_line_errors(arch, keys, tensors, message, tmp_path):
     path = tmp_path / "bad.gguf"
     write_header(path, arch, keys, tensors)
