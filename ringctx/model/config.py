@@ -412,6 +412,7 @@ def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model
         return layer
     return dataclasses.replace(layer, head_dim=head_dim, n_kv_heads=n_kv_heads if n_kv_heads != model_kv_heads else 0)
 
+
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
                    "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position",
