@@ -12,9 +12,9 @@ For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
         out[token] += weight * y                               float32 accumulator, index_add
     out rounded once to the activations' dtype; under TP summed over the ranks (the MLP's all-reduce)
 
-So a decode step (one row) reads the router and its k experts only, and a token's result does not
-depend on the other rows of the call: the pairs of one token reach the accumulator in the order of
-their experts, whatever else is in the batch.
+So a decode step (one row) reads the router and its k experts only. The pairs of one token reach
+its accumulator row in the order of their experts whatever else is in the call (the products
+themselves take the kernel `linear` picks for the rows an expert got, as every matmul does).
 
 Rounding, as transformers 5.25 computes it by default (`experts_implementation="grouped_mm"`,
 integrations/moe.py): the expert's output, in the model dtype, times its weight, summed over the k
