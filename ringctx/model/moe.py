@@ -28,11 +28,19 @@ Tensors: `router.weight` [E, dim] (replicated under TP); `w13` [E, 2F, dim], eac
 then its up rows (the dense MLP's w13 layout, per expert); `w2` [E, dim, F]. Under tensor
 parallelism F is this rank's share of every expert's hidden units (model/tensor_parallel.py).
 
-torch._grouped_mm (present in torch 2.13, with a CPU kernel) was measured against this loop on a
-2-core Xeon (E 8, k 2, dim 256, F 512; one thread): float32 0.28 vs 0.59 ms at 1 row, 6.0 vs 9.1 ms
-at 64 rows, 22.6 vs 13.6 ms at 512; bf16 0.48 vs 0.39, 4.9 vs 2.5, 9.1 vs 10.7 ms. Neither wins
-throughout, and the loop's products go through ringctx's `linear` (its decode-sized and AMX
-kernels, int8 codes one day): the loop stays.
+torch._grouped_mm (torch 2.13 has a CPU kernel) was measured against this loop, this module's
+forward either way (one thread, a 2-core Xeon shared with other jobs, so +-30%; ms per call):
+
+    E, k, dim, F          dtype     1 row           64 rows          256-512 rows
+    64, 8, 256, 128       float32   2.8 vs 3.3      66 vs 27         119 vs 103
+    64, 8, 256, 128       bf16      6.3 vs 5.0      40 vs 26         59 vs 32
+    32, 8, 2048, 768      float32   30 vs 23        -                1059 vs 619 (256)
+    32, 8, 2048, 768      bf16      16 vs 19        -                285 vs 359 (256)
+
+(loop vs grouped_mm). At a real expert width (Qwen3-30B-A3B's 2048 x 768) the loop is faster in
+bf16, the dtype CPU prefills run in, and grouped_mm in float32 (1.3-1.7x); the loop's products go
+through ringctx's `linear` (its decode-sized and AMX kernels). The loop stays; a per-dtype choice
+would be a rule of kernels/selection.py.
 """
 
 from __future__ import annotations

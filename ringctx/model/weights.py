@@ -239,15 +239,22 @@ def init_random(model: Transformer, seed: int = 0) -> None:
                 n = min(block, full_shape[0] - first)
                 values = torch.empty((n, *full_shape[1:]), dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
                 values = values[rows[wanted] - first]
-                values = values if cols is None else values[(slice(None), *cols)]
+                values = values if cols is None else values[keep_index(cols)]
                 param[wanted.to(param.device)] = values.to(param.device, param.dtype)
 
 
+def keep_index(cols: "slice | torch.Tensor | tuple") -> tuple:
+    """The indexing tuple of `_full_rows`' cols: a slice or LongTensor of dimension 1, or a tuple
+    (an expert parameter's index of dimensions 1 and on)."""
+    return (slice(None), *cols) if isinstance(cols, tuple) else (slice(None), cols)
+
+
 def _full_rows(model: Transformer, name: str,
-               param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor, tuple | None]:
+               param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor, "slice | torch.Tensor | tuple | None"]:
     """Where parameter `name` (`param`) of this (possibly TP-sharded) model comes from in the whole
-    model: (the whole parameter's shape, the whole parameter's row of each of our rows, the index
-    of what we keep in its other dimensions or None for all)."""
+    model: (the whole parameter's shape, the whole parameter's row of each of our rows, the columns
+    we keep or None for all: a slice of dimension 1, or for an expert parameter [E, ...] a tuple
+    indexing dimensions 1 and on, see `keep_index`)."""
     full, tp = model.full_config, model.tp
     if tp.size == 1:
         return tuple(param.shape), torch.arange(param.shape[0]), None
@@ -261,7 +268,7 @@ def _full_rows(model: Transformer, name: str,
             return tuple(shape), torch.arange(shape[0]), (slice(None), slice(t.start, t.stop))
         shape[1] = 2 * t.full
         ours = [torch.arange(first + t.start, first + t.stop) for first in (0, t.full)]  # its gate, its up rows
-        return tuple(shape), torch.arange(shape[0]), (torch.cat(ours),)
+        return tuple(shape), torch.arange(shape[0]), (torch.cat(ours),)  # (a tuple: see keep_index)
     if kind == "wqkv":  # rows: this rank's q heads, then its k heads, then its v heads
         shape[0] = qkv_rows(full, "v", layer)[1]
         rows = [torch.arange(qkv_rows(full, w, layer)[0] + t.start, qkv_rows(full, w, layer)[0] + t.stop)
@@ -275,7 +282,7 @@ def _full_rows(model: Transformer, name: str,
     if kind in ("wo", "w2") and name.endswith("weight"):
         t = tp_take(full, tp, "o" if kind == "wo" else "down", layer)
         shape[1] = t.full
-        return tuple(shape), torch.arange(shape[0]), (slice(t.start, t.stop),)
+        return tuple(shape), torch.arange(shape[0]), slice(t.start, t.stop)
     if kind in ("tok_embeddings", "output"):
         t = tp_take(full, tp, "vocab")
         shape[0] = t.full

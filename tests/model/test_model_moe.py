@@ -117,6 +117,22 @@ def test_config_is_read_as_written(pair):
     assert c.n_params == sum(p.numel() for p in hf.parameters())  # a tied head counted once by both
 
 
+def test_bf16_within_twice_transformers_bf16_error(pair):
+    """bf16 by the project's rule: logits at most twice as far from a float64 forward (transformers'
+    eager experts in float64) as transformers' own bf16 forward (its default grouped_mm experts)."""
+    import copy
+
+    name, _, hf, directory = pair
+    ids = prompt(60)
+    with torch.no_grad():
+        exact = copy.deepcopy(hf).double()
+        exact.set_experts_implementation("eager")  # grouped_mm takes no float64
+        ref = exact(ids[None]).logits[0]
+        theirs = copy.deepcopy(hf).to(torch.bfloat16)(ids[None]).logits[0]
+    ours = load_model(str(directory), dtype=torch.bfloat16, device="cpu").logits(ids)
+    assert rel_err(ours, ref) <= 2 * rel_err(theirs, ref), (name, rel_err(ours, ref), rel_err(theirs, ref))
+
+
 def test_active_parameters_count_the_experts_a_token_reaches(pair):
     name, ours, hf, _ = pair
     c = ours.config
@@ -200,7 +216,7 @@ def test_tensor_parallel_shards_are_slices_of_the_whole_model(pair, tp_size):
     """Each TP rank reads its share of every expert's hidden units (w13 gate and up rows, w2
     columns), the router whole; init_random's index (`_full_rows`) names the same slices."""
     from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows
+    from ringctx.model.weights import _full_rows, keep_index
 
     name, ours, _, directory = pair
     whole = dict(ours.named_parameters())
@@ -208,8 +224,32 @@ def test_tensor_parallel_shards_are_slices_of_the_whole_model(pair, tp_size):
         shard = load_model(str(directory), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
         for param_name, param in shard.named_parameters():
             _, rows, cols = _full_rows(shard, param_name, param)
-            expected = whole[param_name][rows] if cols is None else whole[param_name][rows][(slice(None), *cols)]
+            expected = whole[param_name][rows] if cols is None else whole[param_name][rows][keep_index(cols)]
             assert torch.equal(param, expected), (rank, param_name)
+
+
+def test_random_weights_under_tensor_parallelism_are_slices_of_the_whole_model(pair):
+    """init_random (presets' weights) draws each TP rank's share of every expert: the same values
+    as the whole model's slices (each expert's gate and up rows, its down columns)."""
+    from ringctx.model.tensor_parallel import TensorParallel
+    from ringctx.model.weights import empty_model, init_random
+
+    c = pair[1].config
+    whole = empty_model(c, dtype=torch.float32, device="cpu")
+    init_random(whole)
+    expected = dict(whole.named_parameters())
+    for rank in range(2):
+        shard = empty_model(c, dtype=torch.float32, device="cpu", tp=TensorParallel(2, rank))
+        init_random(shard)
+        for layer in range(c.n_layers):
+            if c.experts(layer) is None:
+                continue
+            width = c.experts(layer).expert_ffn_dim
+            a, b = rank * width // 2, (rank + 1) * width // 2
+            w13, w2 = (f"layers.{layer}.feed_forward.{w}" for w in ("w13", "w2"))
+            params = dict(shard.named_parameters())
+            assert torch.equal(params[w13], torch.cat([expected[w13][:, a:b], expected[w13][:, width + a:width + b]], 1))
+            assert torch.equal(params[w2], expected[w2][:, :, a:b])
 
 
 # ------------------------------------------------------------------------------------------------
