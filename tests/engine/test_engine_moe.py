@@ -45,9 +45,10 @@ def test_prefill_matches_transformers(saved, world):
 
 @pytest.mark.parametrize("case,world,decode_ranks", [("qwen3-moe-norm", 2, 2), ("mixtral", 3, 2),
                                                      ("qwen3-moe-step", 2, 1)])
-def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, case, world, decode_ranks):
+def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, case, world, decode_ranks, tmp_path):
     """A 130-token document on one decode rank or split over two, greedy answers alone and batched
-    (questions of different lengths), and a second document answered beside it."""
+    (questions of different lengths), and a second document answered beside it, then saved and
+    loaded back (its manifest's config carries the experts)."""
     directory, hf = saved[case]
     doc_a, doc_b = random_prompt(130, seed=3).tolist(), random_prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
@@ -57,6 +58,11 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, cas
         other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
         "".join(other)
         assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
+        engine.save_document(b, str(tmp_path / "b.kv"))
+        loaded = engine.load_document(str(tmp_path / "b.kv"))
+        again = engine.generate(loaded, questions[2], max_new_tokens=8, stop_token_ids=[])
+        "".join(again)
+        assert again.result.token_ids == hf_greedy(hf, doc_b + questions[2])
 
 
 def test_tensor_parallel_prefill_and_answer_match_transformers(saved):
