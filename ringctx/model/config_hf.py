@@ -71,8 +71,9 @@ REFUSED_TYPES = {
 MOE_DEFAULTS = {
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
                 "max_position_embeddings": 131072},
-    "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 32768},
+    "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "max_position_embeddings": 32768},
 }
 """The mixture-of-experts model_types ringctx reads (`read_experts`), with their config classes'
 defaults for the keys a config.json may leave out (MixtralConfig, Qwen3MoeConfig, transformers 5.25;

@@ -461,8 +461,9 @@ def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
     bf16, Llama's block (`ModelConfig.is_llama_block`; spans, scale, soft-cap, sinks and per-layer
     RoPE are per-layer data; not Llama 4's q/k norm after RoPE or query temperature, nor dual chunk
-    attention, nor a mixture of experts: every feed-forward dense), heads it takes (one shape for every layer, `selection.fused_step_shape_fits`: head_dim a
-    multiple of 16 up to 256, at most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
+    attention, nor a mixture of experts: every feed-forward dense), heads it takes (one shape for
+    every layer, `selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at most 64
+    query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False

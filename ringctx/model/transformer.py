@@ -353,7 +353,8 @@ class Block(nn.Module):
             self.attention.norm_after_rope_eps = config.norm_eps
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
-        self.feed_forward = FeedForward(config, tp) if experts is None else MixtureOfExperts(config, experts, linear, tp)
+        self.feed_forward = (FeedForward(config, tp) if experts is None
+                             else MixtureOfExperts(config, experts, linear, tp))
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None

@@ -65,8 +65,8 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | Non
     kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
     "gate", "up" (rows), "down" (input columns), "expert_gate", "expert_up", "expert_down" (one
     expert's, likewise, of layer `layer`'s expert width), "vocab" (embedding or head rows), or
-    anything else (norms, the o bias, a router): replicated. `config` is the whole model's; layer: the layer of an
-    attention tensor (its head shape may be its own), None for the model's.
+    anything else (norms, the o bias, a router): replicated. `config` is the whole model's; layer:
+    the layer of an attention or expert tensor (its head shape may be its own), None for the model's.
     """
     if tp.size == 1:
         return None

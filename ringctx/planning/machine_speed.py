@@ -105,8 +105,9 @@ def attention_flops_per_s(rows: int, n_heads: int, n_kv_heads: int, head_dim: in
 
 def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | None = None) -> float:
     """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
-    read; of a mixture of experts the router and the experts_per_token experts a token goes through; a tied table is read whole as the output head, and counted once; int8 weights as their
-    codes and exponents, which the decode reads instead), plus K and V of `context` cached tokens
+    read; a tied table is read whole as the output head, and counted once; int8 weights as their
+    codes and exponents, which the decode reads instead; of a mixture of experts the router and the
+    experts_per_token experts a token goes through), plus K and V of `context` cached tokens
     in every layer (`kv_bytes_per_token` each; default: in the weights' dtype, every layer and KV
     head)."""
     from ..kernels.selection import reads_int8_weights

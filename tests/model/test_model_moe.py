@@ -248,7 +248,8 @@ def test_random_weights_under_tensor_parallelism_are_slices_of_the_whole_model(p
             a, b = rank * width // 2, (rank + 1) * width // 2
             w13, w2 = (f"layers.{layer}.feed_forward.{w}" for w in ("w13", "w2"))
             params = dict(shard.named_parameters())
-            assert torch.equal(params[w13], torch.cat([expected[w13][:, a:b], expected[w13][:, width + a:width + b]], 1))
+            gate, up = expected[w13][:, a:b], expected[w13][:, width + a:width + b]
+            assert torch.equal(params[w13], torch.cat([gate, up], 1))
             assert torch.equal(params[w2], expected[w2][:, :, a:b])
 
 

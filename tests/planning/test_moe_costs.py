@@ -40,10 +40,11 @@ def test_mixed_dense_and_sparse_layers_average_their_costs():
     base = get_preset("qwen3-30b-a3b")
     experts = base.experts(0)
     mixed = dataclasses.replace(base, layer_experts=tuple(None if i % 2 else experts for i in range(base.n_layers)))
-    ffn = [3 * base.dim * base.ffn_dim if i % 2 else experts.params(base.dim, active=True) for i in range(base.n_layers)]
-    attention = linear_params_per_layer(dataclasses.replace(base, layer_experts=())) - 3 * base.dim * base.ffn_dim
+    dense = 3 * base.dim * base.ffn_dim
+    ffn = [dense if i % 2 else experts.params(base.dim, active=True) for i in range(base.n_layers)]
+    attention = linear_params_per_layer(dataclasses.replace(base, layer_experts=())) - dense
     assert linear_params_per_layer(mixed) == attention + sum(ffn) // base.n_layers
-    assert mixed.n_params == base.n_params - base.n_layers // 2 * (experts.params(base.dim) - 3 * base.dim * base.ffn_dim)
+    assert mixed.n_params == base.n_params - base.n_layers // 2 * (experts.params(base.dim) - dense)
 
 
 def test_a_decode_step_reads_the_router_and_its_experts_only():
