@@ -673,6 +673,16 @@ class ModelConfig:
             counts[text] = counts.get(text, 0) + 1
         return " + ".join(f"{n} {text}" for text, n in counts.items())
 
+    def feed_forward_summary(self) -> str:
+        """The layers' feed-forward kinds in a few words: "48 layers of 128 experts, top 8", or
+        "24 dense + 24 layers of 128 experts, top 8"."""
+        counts: dict[str, int] = {}
+        for i in range(self.n_layers):
+            experts = self.experts(i)
+            text = "dense" if experts is None else f"layers of {experts.describe()}"
+            counts[text] = counts.get(text, 0) + 1
+        return " + ".join(f"{n} {text}" for text, n in counts.items())
+
     @property
     def has_dual_chunk(self) -> bool:
         """True when some layer runs Dual Chunk Attention (its queries come in three rotations)."""

@@ -47,6 +47,13 @@ def test_mixed_dense_and_sparse_layers_average_their_costs():
     assert mixed.n_params == base.n_params - base.n_layers // 2 * (experts.params(base.dim) - dense)
 
 
+def test_feed_forward_summary():
+    assert get_preset("qwen3-30b-a3b").feed_forward_summary() == "48 layers of 128 experts, top 8"
+    base = get_preset("mixtral-8x7b")
+    mixed = dataclasses.replace(base, layer_experts=(None,) * 16 + base.layer_experts[16:])
+    assert mixed.feed_forward_summary() == "16 dense + 16 layers of 8 experts, top 2"
+
+
 def test_a_decode_step_reads_the_router_and_its_experts_only():
     from ringctx.model.weights import empty_model
 
