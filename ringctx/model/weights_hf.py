@@ -41,8 +41,33 @@ class ExpertNames(NamedTuple):
 EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "gate", "w1", "w3", "w2"),
                 "qwen3_moe": ExpertNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")}
 """model_type -> its expert tensors' names, as the published checkpoints have them and as
-transformers 5.25's save_pretrained writes them (it converts its fused in-memory [E, 2F, dim]
-gate_up_proj and [E, dim, F] down_proj back to these per-expert tensors)."""
+transformers 5.25's save_pretrained writes them by default (it converts its fused in-memory
+tensors back to these per-expert ones; `fused_expert_parts` reads the fused ones too)."""
+
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.(\d+))\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+
+
+def fused_expert_parts(name: str, config: ModelConfig, names: ExpertNames
+                       ) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
+    """For a layer's experts as transformers 5 holds them in memory and saves them with
+    save_pretrained(save_original_format=False) (and when offloaded): mlp.gate.weight [E, dim],
+    mlp.experts.gate_up_proj [E, 2F, dim] (each expert's gate rows, then its up rows) and
+    mlp.experts.down_proj [E, dim, F]: (the shape the config needs, [(the per-expert tensor it
+    holds (`names`' naming), its index in the fused tensor)]). None for any other tensor, or one on
+    a layer without experts."""
+    match = _FUSED_EXPERTS.match(name)
+    layer = int(match.group(2)) if match else config.n_layers
+    experts = config.experts(layer) if layer < config.n_layers else None
+    if experts is None:
+        return None
+    stem, what = f"{match.group(1)}.{names.block}", match.group(3)
+    E, F = experts.n_experts, experts.expert_ffn_dim
+    if what == "gate.weight":
+        return (E, config.dim), [(f"{stem}.{names.router}.weight", ())]
+    if what == "experts.down_proj":
+        return (E, config.dim, F), [(f"{stem}.experts.{e}.{names.down}.weight", (e,)) for e in range(E)]
+    return (E, 2 * F, config.dim), [(f"{stem}.experts.{e}.{which}.weight", (e, rows)) for e in range(E)
+                                    for which, rows in ((names.gate, slice(0, F)), (names.up, slice(F, 2 * F)))]
 
 
 def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
@@ -216,9 +241,9 @@ def load_hf_weights(model, directory: str) -> None:
     text = text_config_dict(directory)
     llama4 = text.get("model_type") in LLAMA4_TYPES
     as_values = keys_as_values(text, config)
+    expert_names = EXPERT_NAMES.get(text.get("model_type"), EXPERT_NAMES["qwen3_moe"])
     filler = WeightFiller(model, directory, expected_hf_tensors(
-        config, model.tp, mlp="feed_forward" if llama4 else "mlp",
-        experts=EXPERT_NAMES.get(text.get("model_type"), EXPERT_NAMES["qwen3_moe"])))
+        config, model.tp, mlp="feed_forward" if llama4 else "mlp", experts=expert_names))
     for path in safetensors_files(directory):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -233,6 +258,10 @@ def load_hf_weights(model, directory: str) -> None:
                 if name == "lm_head.weight" and config.tie_embeddings:
                     continue  # some saves write the tied head too; it equals the embedding
                 shape = tuple(handle.get_slice(file_name).get_shape())
+                fused = None if name in filler.expected else fused_expert_parts(name, config, expert_names)
+                if fused is not None:
+                    _fill_fused_experts(handle, path, file_name, shape, *fused, filler)
+                    continue
                 parts = fused_parts(name, config)
                 if parts is not None and shape and shape[0] != parts[-1][2]:
                     raise ValueError(f"{directory}: tensor {file_name!r} has shape {shape}, but the model config "
@@ -271,6 +300,24 @@ def _check_expert_count(name: str, config: ModelConfig, directory: str) -> None:
     raise ValueError(f"{directory}: tensor {name!r} is expert {expert} of layer {layer}, but the config's layer "
                      f"{layer} {what}; the expert count (num_local_experts / num_experts, decoder_sparse_step, "
                      "mlp_only_layers) does not match the weights")
+
+
+def _fill_fused_experts(handle, path: str, name: str, shape: tuple[int, ...], needed: tuple[int, ...],
+                        parts: list[tuple[str, tuple]], filler: WeightFiller) -> None:
+    """Fill a layer's expert (or router) parameter from one fused tensor `name` of shape `shape`
+    (`fused_expert_parts`: the shape the config needs, each part's name and index), one expert's
+    matrix at a time, each cut to this TP rank's share."""
+    if shape != needed:
+        raise ValueError(f"{filler.source}: tensor {name!r} has shape {shape}, but the model config needs {needed} "
+                         "(experts, their width, the model width); the weights do not match the config")
+    for part, index in parts:
+        piece = filler.piece(part)
+        try:
+            value = handle.get_slice(name)[index] if index else handle.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e}); the file is "
+                             "truncated or corrupt, re-download it") from None
+        filler.put(piece, value if piece.take is None else value[piece.take.index()])
 
 
 def _read(handle, name: str, piece: WeightPiece, start: int, stop: int | None) -> torch.Tensor:

@@ -253,6 +253,21 @@ def test_random_weights_under_tensor_parallelism_are_slices_of_the_whole_model(p
             assert torch.equal(params[w2], expected[w2][:, :, a:b])
 
 
+def test_fused_expert_tensors_load_as_the_per_expert_ones(pair, tmp_path):
+    """save_pretrained(save_original_format=False) writes transformers' in-memory layout
+    (mlp.gate.weight, mlp.experts.gate_up_proj [E, 2F, dim], mlp.experts.down_proj [E, dim, F]):
+    the same parameters, whole and as TP 2 shards."""
+    from ringctx.model.tensor_parallel import TensorParallel
+
+    name, ours, hf, directory = pair
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    for tp in (TensorParallel(), TensorParallel(2, 1)):
+        per_expert = load_model(str(directory), dtype=torch.float32, device="cpu", tp=tp)
+        fused = dict(load_model(str(tmp_path), dtype=torch.float32, device="cpu", tp=tp).named_parameters())
+        for param_name, param in per_expert.named_parameters():
+            assert torch.equal(fused[param_name], param), (name, tp.rank, param_name)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input
 
@@ -287,6 +302,16 @@ def test_more_experts_in_the_config_than_in_the_weights(tmp_path):
     with pytest.raises(ValueError, match=r"block_sparse_moe\.gate\.weight' has shape \(4, 64\), but the model config "
                                          r"needs \(5, 64\)|missing: .*experts\.4\.") as info:
         load_model(str(directory), dtype=torch.float32, device="cpu")
+    assert "\n" not in str(info.value)
+
+
+def test_fused_expert_tensors_of_another_count(tmp_path):
+    random_hf_model("mixtral").save_pretrained(tmp_path, save_original_format=False)
+    _edit_config(tmp_path, num_local_experts=5)
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d\.mlp\.(experts\.\w+|gate\.weight)' has shape "
+                                         r"\(4, .*\), but the model config needs \(5, .*\) \(experts, their width, "
+                                         r"the model width\); the weights do not match the config") as info:
+        load_model(str(tmp_path), dtype=torch.float32, device="cpu")
     assert "\n" not in str(info.value)
 
 
