@@ -315,6 +315,18 @@ def test_fused_expert_tensors_of_another_count(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_a_router_of_another_width_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = _saved_mixtral(tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["model.layers.0.block_sparse_moe.gate.weight"] = torch.zeros(5, 64)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.gate\.weight' has shape "
+                                         r"\(5, 64\), but the model config needs \(4, 64\); the weights do not match"):
+        load_model(str(directory), dtype=torch.float32, device="cpu")
+
+
 def test_missing_expert_tensors_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
