@@ -118,6 +118,8 @@ class MixtureOfExperts(nn.Module):
             rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
             start += n
             y = self.linear(swiglu_(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
-            # float32 weights: the product in float32; model-dtype weights: rounded there first
+            # float32 weights: the product in float32; model-dtype weights: rounded there first. A token
+            # picks k different experts, so one call adds to each row at most once: even with atomics
+            # (CUDA) every row's sum runs in expert order, the same every time.
             out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
         return self.tp.all_reduce(out.to(x.dtype))
