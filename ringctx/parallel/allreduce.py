@@ -41,6 +41,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..kernels import cpu as cpu_kernels
 from .comm import all_gather_ints
 from .shm import ShmSegment, shm_supported
 
@@ -49,8 +50,12 @@ ENV = "RINGCTX_TP_ALLREDUCE"
 
 CHOICES = ("auto", "group", "one-shot", "two-shot")
 
-CPU_TWO_SHOT_FROM = {2: 1 << 62, 3: 1 << 62, 4: 1 << 62}
-"""Message bytes from which CPU ranks use two-shot, by group size (placeholder until measured)."""
+CPU_TWO_SHOT_FROM = {2: 1 << 62, 3: 4 << 20, 4: 4 << 20}
+"""Message bytes from which CPU ranks use two-shot, by group size (larger groups: 4's). Measured on
+a 2-core AMD EPYC (scripts/bench_allreduce.py, docs/BENCHMARKS.md): at 2 ranks one-shot was as fast
+or faster at every size to 16 MiB and neither won at 64 MiB (both move 4x the message per rank
+there, and two-shot waits twice): never; at 4 ranks two-shot took 0.8-0.95x one-shot's time from
+4 MiB (one-shot reads N x per rank, two-shot about 2 x). 3 ranks were not measured: 4's."""
 
 CPU_SLOT_BYTES = 4 << 20
 """Bytes of each rank's shared slot (two of them per rank, used in turn); a larger message goes
@@ -97,7 +102,15 @@ class GroupAllReduce:
 
 def add_in_rank_order(sources: list[torch.Tensor], out: torch.Tensor) -> None:
     """out [n] = sources[0] + sources[1] + ... (each [n], out's dtype), added left to right: in the
-    dtype for float32 / float64, in float32 rounded once for bfloat16 / float16."""
+    dtype for float32 / float64, in float32 rounded once for bfloat16 / float16. bfloat16 takes one
+    pass of the C kernel where it runs (the same bits as the PyTorch adds below, which widen every
+    source into a new float32 buffer: 5-25x its time at 4 MiB)."""
+    if not cpu_kernels.sum_buffers(sources, out):
+        add_with_torch(sources, out)
+
+
+def add_with_torch(sources: list[torch.Tensor], out: torch.Tensor) -> None:
+    """add_in_rank_order in PyTorch ops (where the C kernel does not apply, and to compare)."""
     if out.dtype in _ACCUMULATE_IN_FLOAT32:
         acc = sources[0].float()
         for s in sources[1:]:

@@ -117,3 +117,20 @@ def test_segments_cover_the_message_with_aligned_starts():
         assert bounds[0] == 0 and bounds[-1] == n and bounds == sorted(bounds)
         assert all(b * size % 64 == 0 for b in bounds[:-1])
     assert math.isclose(allreduce.ring_bytes(1000, 4), 1500)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_the_c_sum_is_the_torch_sum_bit_for_bit(kernel_variant, count):
+    """bf16 buffers summed by the C kernel (each variant this CPU runs) equal PyTorch's float32
+    adds in rank order rounded once, at odd sizes and across vector and thread-block edges."""
+    from ringctx.kernels import cpu
+
+    for n in (1, 7, 33, 4095, 4097, 70001):
+        sources = [rank_input(r, n, "bfloat16", n) * 1000 ** (r % 2) for r in range(count)]
+        got, want = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        allreduce.add_with_torch(sources, want)
+        if kernel_variant is None:  # no compiler here: the kernel does not apply, PyTorch's adds do
+            assert not cpu.sum_buffers(sources, got)
+            continue
+        assert cpu.sum_buffers(sources, got)
+        assert torch.equal(got, want), n
