@@ -911,18 +911,19 @@ ALLREDUCE_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 
 
 
 def _allreduce_job(rank: int, world: int, dry: bool) -> dict:
-    """On every rank: the TP all-reduce make_all_reduce builds here (symmetric memory on CUDA; shared
-    memory in --dry-run) against the float64 sum and the group's all_reduce (NCCL; gloo dry), bf16."""
+    """On every rank: the TP all-reduce of ringctx/parallel/allreduce.py (symmetric memory on CUDA,
+    built even for a one-rank group; shared memory in --dry-run) against the float64 sum and the
+    group's all_reduce (NCCL; gloo dry), bf16."""
     import torch
     import torch.distributed as dist
 
-    from ringctx.parallel.allreduce import GroupAllReduce, make_all_reduce
+    from ringctx.parallel.allreduce import ShmAllReduce, SymmMemAllReduce
 
     device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
-    reducer = make_all_reduce(None, device)
+    reducer = ShmAllReduce.create(None, 60) if dry else SymmMemAllReduce.create(None, device)
+    if reducer is None:
+        raise RuntimeError(f"the symmetric-memory all-reduce could not be built here: {SymmMemAllReduce.why_not}")
     out = {"world": world, "kind": type(reducer).__name__, "rows": []}
-    if isinstance(reducer, GroupAllReduce):
-        return out
     sizes = ALLREDUCE_SIZES[:3] if dry else ALLREDUCE_SIZES
 
     def addend(r: int, n: int):

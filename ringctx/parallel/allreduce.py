@@ -212,6 +212,9 @@ class SymmMemAllReduce:
     """One-shot / two-shot all-reduce of CUDA ranks through PyTorch's symmetric memory
     (torch.ops.symm_mem), NCCL for large messages; imported and built only on CUDA."""
 
+    why_not: str | None = None
+    """Why the last `create` on this rank returned None (its exception), for reports."""
+
     def __init__(self, buffer: torch.Tensor, group, group_name: str, world: int, force: str = "auto"):
         self.buffer, self.group_name, self.world, self.force = buffer, group_name, world, force
         self.fallback = GroupAllReduce(group, world)
@@ -226,8 +229,9 @@ class SymmMemAllReduce:
             handle = symm_mem.rendezvous(buffer, group or dist.group.WORLD)
             name = handle.group_name if hasattr(handle, "group_name") else (group or dist.group.WORLD).group_name
             ok = 1
-        except Exception:  # an old torch, no P2P between the GPUs, ...: every rank uses NCCL
+        except Exception as exc:  # an old torch, no P2P between the GPUs, ...: every rank uses NCCL
             buffer, name, ok = None, "", 0
+            cls.why_not = f"{type(exc).__name__}: {exc}"
         everyone = torch.tensor([ok], device=device)
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
         world = dist.get_world_size(group)

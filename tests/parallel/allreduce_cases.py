@@ -104,3 +104,17 @@ def dead_peer_case(rank: int, world: int, report: str):
         with open(report, "w") as f:
             f.write(f"{time.monotonic() - t0:.3f}\n{text}")
     return text
+
+
+def engine_tp_case(rank: int, world: int):
+    """The TensorParallel the engine builds for a (1, world) mesh: its all-reduce's class, a sum
+    through it and the bytes its CommStats recorded."""
+    from ringctx.engine.startup import tensor_parallel
+    from ringctx.parallel.comm import CommStats
+    from ringctx.parallel.mesh import build_mesh
+
+    tp = tensor_parallel(build_mesh(world, rank, world, "cpu"), "cpu", 60)
+    tp.stats = CommStats()
+    x = torch.full((3, 5), float(rank + 1))
+    tp.all_reduce(x, "tp-test")
+    return type(tp.reducer).__name__, x, tp.stats.bytes_sent("tp-test")

@@ -12,7 +12,7 @@ import torch
 from ringctx.parallel import allreduce
 from ringctx.parallel.launch import RankPool
 
-from .allreduce_cases import (SLOT_BYTES, chosen_case, dead_peer_case, rank_input, strided_case, stuck_peer_case,
+from .allreduce_cases import (chosen_case, dead_peer_case, engine_tp_case, rank_input, strided_case, stuck_peer_case,
                               sums_case)
 
 SIZES = [1, 3, 17, 1000, 4099]  # odd sizes; 4099 float32 take 5 chunks of SLOT_BYTES
@@ -63,14 +63,28 @@ def test_one_shot_and_two_shot_report_the_bytes_they_move(rank_pool, world):
         assert {results[r][i][1] for r in range(2) for i in range(2)} == {allreduce.ring_bytes(n * 4, 2)}
 
 
-def test_the_size_chooses_the_algorithm(monkeypatch):
+def test_the_engine_hands_tensor_parallel_the_shared_memory_all_reduce(rank_pool):
+    """engine/startup.py's TensorParallel sums through ShmAllReduce, and its CommStats record what
+    one-shot moves: (T-1) x the tensor, not a ring's 2(T-1)/T."""
+    for name, x, sent in rank_pool(3).run(engine_tp_case):
+        assert name == "ShmAllReduce"
+        assert torch.equal(x, torch.full((3, 5), 6.0))
+        assert sent == 2 * 15 * 4
+
+
+def test_the_size_chooses_the_algorithm():
+    """Two-shot from the measured size at 3+ ranks (more than 4: 4's), never at 2; a forced one always."""
     reducer = allreduce.ShmAllReduce.__new__(allreduce.ShmAllReduce)
-    reducer.world, reducer.force = 4, "auto"
-    threshold = allreduce.CPU_TWO_SHOT_FROM[4]
-    assert reducer.algorithm(threshold - 1) == "one-shot"
-    assert reducer.algorithm(threshold) == "two-shot"
-    reducer.force = "one-shot"
+    reducer.force = "auto"
+    for world in (3, 4, 8):
+        reducer.world = world
+        threshold = allreduce.CPU_TWO_SHOT_FROM[min(world, 4)]
+        assert reducer.algorithm(threshold - 1) == "one-shot"
+        assert reducer.algorithm(threshold) == "two-shot"
+    reducer.world = 2
     assert reducer.algorithm(1 << 40) == "one-shot"
+    reducer.force = "two-shot"
+    assert reducer.algorithm(1) == "two-shot"
 
 
 def test_a_strided_tensor_is_summed_in_place(rank_pool):
