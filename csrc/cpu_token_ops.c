@@ -137,7 +137,7 @@ int ringctx_merge_rows(float *acc_out, int64_t a_rs, float *acc_lse, int64_t l_h
 /* out[i] = sources[0][i] + sources[1][i] + ... + sources[count - 1][i] for i < n, added left to
  * right in float32 (plain IEEE additions: the bits of PyTorch's float32 adds in that order); bf16
  * sources accumulate in float32 and the sum is rounded to bf16 once. One pass over the sources,
- * where PyTorch widens every bf16 buffer into a float32 one and adds in several passes (5-25x the
+ * where PyTorch widens every bf16 buffer into a float32 one and adds in several passes (3-16x the
  * time at 4 MiB, docs/BENCHMARKS.md); the all-reduce calls it for bf16 only. */
 int ringctx_sum_buffers(const void *const *sources, int count, int64_t n, int bf16, void *out, int threads) {
     if (!ringctx_cpu_kernels_supported()) return -1;

@@ -953,10 +953,11 @@ def _allreduce_job(rank: int, world: int, dry: bool) -> dict:
         x = addend(rank, n).to(device)
         reference = sum(addend(r, n).double() for r in range(world))
         magnitude = sum(addend(r, n).double().abs() for r in range(world))
-        row = {"bytes": nbytes}
+        row, results = {"bytes": nbytes}, {}
         for algorithm in ("one-shot", "two-shot", "group"):
             y = x.clone()
             reducer(y, algorithm) if algorithm != "group" else dist.all_reduce(y)
+            results[algorithm] = y.cpu()
             everyone = [torch.empty_like(y) for _ in range(world)]
             dist.all_gather(everyone, y)
             err = (y.cpu().double() - reference).abs()
@@ -966,6 +967,7 @@ def _allreduce_job(rank: int, world: int, dry: bool) -> dict:
                                                       + 1e-30)).max()),
                 "us": 1e6 * median_s(lambda: reducer(y, algorithm) if algorithm != "group" else dist.all_reduce(y),
                                      5 if dry else 30)}
+        row["one_shot_equals_two_shot"] = torch.equal(results["one-shot"], results["two-shot"])
         row["nccl/one-shot"] = row["group"]["us"] / row["one-shot"]["us"]
         row["nccl/two-shot"] = row["group"]["us"] / row["two-shot"]["us"]
         row["chosen"] = reducer.algorithm(nbytes)

@@ -39,7 +39,7 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
     sum_buffers            the TP all-reduce's sum of N ranks' buffers (parallel/allreduce.py): one
                            pass, float32 accumulation in rank order, bf16 rounded once; PyTorch
-                           widened every bf16 buffer into a new float32 one (5-25x the time at 4 MiB).
+                           widened every bf16 buffer into a new float32 one (3-16x the time at 4 MiB).
     flash_attention        flash attention in float32 (csrc/cpu_flash.c): a prefill's attention
                            blocks on CPUs without bf16 units (a bf16 model computes them in
                            float32 there, widened as it reads them) and a float32 model's

@@ -297,7 +297,7 @@ def swiglu_applies(gate_up: torch.Tensor, ffn: int) -> bool:
 def sum_buffers_applies(sources: list[torch.Tensor], out: torch.Tensor) -> bool:
     """Whether `sum_buffers` takes these inputs (the library aside): 1 or more bf16 sources [n] and
     out [n], contiguous, on the CPU, no gradient wanted. Not float32 (the kernel computes it, but
-    PyTorch's float32 adds are one pass each already and took 0.7-1.3x its time: measured)."""
+    PyTorch's float32 adds are one pass each already and took 0.3-0.9x its time: measured)."""
     return (len(sources) >= 1 and out.dim() == 1 and out.dtype == torch.bfloat16
             and all(s.shape == out.shape for s in sources)
             and all(t.is_contiguous() for t in (*sources, out)) and _rows_apply(out, *sources))

@@ -16,7 +16,9 @@ Both add the same values in the same order (rank 0's, then rank 1's, ...), so ev
 the same bits, whichever algorithm ran. float32 and float64 add in their own dtype, as gloo does;
 bfloat16 and float16 accumulate in float32 and round once at the end (gloo rounds after every
 addition, so with 3+ ranks its result can differ from this one by the rounding of the partial
-sums; this one is the more exact). Other dtypes take the process group's all_reduce.
+sums; this one is the more exact). Other dtypes take the process group's all_reduce. On CUDA the
+sum is PyTorch's symmetric-memory kernels' (scripts/gpu_check.py checks that every rank gets the
+same bits and the error against float64).
 
     CPU ranks of one host   `ShmAllReduce`: shared memory (parallel/shm.py), one-shot below
                             `CPU_TWO_SHOT_FROM[N]` bytes, two-shot from there; a message larger
@@ -53,9 +55,10 @@ CHOICES = ("auto", "group", "one-shot", "two-shot")
 CPU_TWO_SHOT_FROM = {2: 1 << 62, 3: 4 << 20, 4: 4 << 20}
 """Message bytes from which CPU ranks use two-shot, by group size (larger groups: 4's). Measured on
 a 2-core AMD EPYC (scripts/bench_allreduce.py, docs/BENCHMARKS.md): at 2 ranks one-shot was as fast
-or faster at every size to 16 MiB and neither won at 64 MiB (both move 4x the message per rank
-there, and two-shot waits twice): never; at 4 ranks two-shot took 0.8-0.95x one-shot's time from
-4 MiB (one-shot reads N x per rank, two-shot about 2 x). 3 ranks were not measured: 4's."""
+or faster at every size to 16 MiB and neither won at 64 MiB (with two ranks both algorithms read
+and write the same bytes, and two-shot waits twice): never; at 4 ranks two-shot took 0.8-0.95x
+one-shot's time from 4 MiB (one-shot reads N x per rank, two-shot about 2 x). 3 ranks were not
+measured: 4's."""
 
 CPU_SLOT_BYTES = 4 << 20
 """Bytes of each rank's shared slot (two of them per rank, used in turn); a larger message goes
@@ -104,7 +107,7 @@ def add_in_rank_order(sources: list[torch.Tensor], out: torch.Tensor) -> None:
     """out [n] = sources[0] + sources[1] + ... (each [n], out's dtype), added left to right: in the
     dtype for float32 / float64, in float32 rounded once for bfloat16 / float16. bfloat16 takes one
     pass of the C kernel where it runs (the same bits as the PyTorch adds below, which widen every
-    source into a new float32 buffer: 5-25x its time at 4 MiB)."""
+    source into a new float32 buffer: 3-16x its time at 4 MiB)."""
     if not cpu_kernels.sum_buffers(sources, out):
         add_with_torch(sources, out)
 
