@@ -118,3 +118,22 @@ def engine_tp_case(rank: int, world: int):
     x = torch.full((3, 5), float(rank + 1))
     tp.all_reduce(x, "tp-test")
     return type(tp.reducer).__name__, x, tp.stats.bytes_sent("tp-test")
+
+
+def fallback_case(rank: int, world: int, what: str):
+    """The last rank cannot use shared memory ("platform": shm_supported says no there; "open": its
+    /dev/shm file will not open): the class make_all_reduce builds on each rank, and a sum through it."""
+    from unittest import mock
+
+    from ringctx.parallel import allreduce, shm
+
+    last = rank == world - 1
+    if what == "platform":
+        patch = mock.patch.object(allreduce, "shm_supported", return_value=not last)
+    else:
+        patch = mock.patch.object(shm.torch, "from_file", side_effect=OSError("no room") if last else torch.from_file)
+    with patch:
+        reducer = allreduce.make_all_reduce(None, torch.device("cpu"), timeout_s=60)
+    x = torch.full((5,), float(rank + 1))
+    reducer(x)
+    return type(reducer).__name__, x.tolist()

@@ -12,8 +12,8 @@ import torch
 from ringctx.parallel import allreduce
 from ringctx.parallel.launch import RankPool
 
-from .allreduce_cases import (chosen_case, dead_peer_case, engine_tp_case, rank_input, strided_case, stuck_peer_case,
-                              sums_case)
+from .allreduce_cases import (chosen_case, dead_peer_case, engine_tp_case, fallback_case, rank_input, strided_case,
+                              stuck_peer_case, sums_case)
 
 SIZES = [1, 3, 17, 1000, 4099]  # odd sizes; 4099 float32 take 5 chunks of SLOT_BYTES
 ALGORITHMS = ["one-shot", "two-shot", None]  # None: the automatic choice by size
@@ -99,6 +99,13 @@ def test_the_environment_variable_forces_a_choice(rank_pool, env, expected):
     for got in rank_pool(2).run(chosen_case, env):
         assert got[:2] == expected
         assert got[2] == [3.0] * 9
+
+
+@pytest.mark.parametrize("what", ["platform", "open"])
+def test_every_rank_falls_back_to_the_group_when_one_cannot_share_memory(rank_pool, what):
+    for name, x in rank_pool(3).run(fallback_case, what):
+        assert name == "GroupAllReduce"
+        assert x == [6.0] * 5
 
 
 def test_an_unknown_choice_is_one_clear_error(rank_pool):
