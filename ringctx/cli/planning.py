@@ -316,6 +316,9 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
                           f"{result.model.n_kv_heads} kv heads x {result.model.head_dim}")
     if not result.model.has_plain_attention:
         head.add_row("attention", result.model.attention_summary())
+    if result.model.has_experts:  # memory holds every expert, time counts those a token reaches
+        head.add_row("feed-forward", f"{result.model.feed_forward_summary()}; {result.model.n_params / 1e9:.1f}B "
+                                     f"parameters, {result.model.active_params / 1e9:.1f}B reach a token")
     head.add_row("hardware", f"{hw.name} ({cal}): {(as_run or {}).get('hardware') or shown_source(hw)}")
     for what, note in (as_run or {}).items():
         if what != "hardware" and not note.endswith("as given"):

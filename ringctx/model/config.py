@@ -402,6 +402,65 @@ _LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)"
 PLAIN_LAYER = LayerAttention()
 
 
+ROUTERS = ("softmax-topk",)
+"""How a mixture of experts picks a token's experts (`Experts.router`)."""
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One decoder layer's mixture-of-experts feed-forward (`ModelConfig.layer_experts`), in place of
+    the dense gated MLP: a router scores every expert for each token, the token goes through its
+    `experts_per_token` best ones (each a SwiGLU MLP of its own weights), and their outputs, times
+    the routing weights, are summed (model/moe.py computes it).
+
+    Router "softmax-topk" (Mixtral, Qwen3-MoE): probabilities = softmax(x W_router^T) over every
+    expert in float32; the k largest are kept (ties: the lower expert index wins), renormalised to
+    sum 1 when `renormalize`."""
+
+    n_experts: int
+    """E: experts in the layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
+    experts_per_token: int
+    """k: experts each token goes through (num_experts_per_tok)."""
+    expert_ffn_dim: int
+    """F: each expert's hidden width (Mixtral's intermediate_size, Qwen3-MoE's moe_intermediate_size;
+    under tensor parallelism this rank's share of it)."""
+    router: str = "softmax-topk"
+    """How the experts are picked: one of ROUTERS."""
+    renormalize: bool = True
+    """The k kept probabilities are divided by their sum (Mixtral: always; Qwen3-MoE: norm_topk_prob)."""
+    weights_in_model_dtype: bool = False
+    """The routing weights are rounded to the activations' dtype before they multiply the experts'
+    outputs (Qwen3-MoE: `.to(router_logits.dtype)`); False: they stay float32 (Mixtral). Only a
+    bf16 / fp16 model sees the difference."""
+    shared_ffn_dim: int = 0
+    """Hidden width of a shared expert every token also goes through (Llama 4, Qwen2-MoE); 0: none
+    (the only value computed yet)."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "experts_per_token", "expert_ffn_dim"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) <= 0:
+                raise ValueError(f"Experts: {name}={getattr(self, name)!r} must be a positive count")
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"Experts: experts_per_token={self.experts_per_token} is more than the layer's "
+                             f"n_experts={self.n_experts}: a token picks among the layer's experts")
+        if self.router not in ROUTERS:
+            raise ValueError(f"Experts: router={self.router!r} is not computed; ringctx has {', '.join(ROUTERS)}")
+        if self.shared_ffn_dim:
+            raise ValueError(f"Experts: shared_ffn_dim={self.shared_ffn_dim}: shared experts are not computed yet; "
+                             "give 0")
+
+    def params(self, dim: int, active: bool = False) -> int:
+        """Weights of this feed-forward for a residual width `dim`: the router [E, dim] and each
+        expert's gate, up and down (3 * dim * F); active: only the experts one token goes through
+        (k of them) and the router."""
+        experts = self.experts_per_token if active else self.n_experts
+        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim
+
+    def describe(self) -> str:
+        """A few words for tables: '8 experts, top 2'."""
+        return f"{self.n_experts} experts, top {self.experts_per_token}"
+
+
 def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model_head_dim: int,
                     model_kv_heads: int) -> LayerAttention:
     """`layer` with its own head shape (head_dim, n_kv_heads) where that differs from the model's
@@ -488,6 +547,10 @@ class ModelConfig:
     """Each head's v is RMS-normalised without a weight (eps norm_eps; in float32, rounded once): Gemma 4."""
     layer_scalars: bool = False
     """Each block's output is multiplied by its own stored scalar (weights `layer_scalar` [1]: Gemma 4)."""
+    layer_experts: tuple[Experts | None, ...] = ()
+    """Per layer, its mixture-of-experts feed-forward, or None where the layer has the dense gated
+    MLP of `ffn_dim` (Qwen3-MoE's mlp_only_layers / decoder_sparse_step); empty: every layer dense
+    (see `experts`)."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -507,6 +570,16 @@ class ModelConfig:
             raise ValueError(f"ModelConfig {self.name!r}: layer_attention describes {len(layers)} layers "
                              f"but the model has n_layers={self.n_layers}: give one LayerAttention per layer "
                              "(or none: every layer plain)")
+        experts = tuple(Experts(**e) if isinstance(e, Mapping) else e for e in self.layer_experts)
+        if all(e is None for e in experts):
+            experts = ()  # one spelling of "every layer dense": fingerprints and files agree
+        object.__setattr__(self, "layer_experts", experts)
+        if experts and len(experts) != self.n_layers:
+            raise ValueError(f"ModelConfig {self.name!r}: layer_experts describes {len(experts)} layers but the "
+                             f"model has n_layers={self.n_layers}: give one Experts or None per layer")
+        if experts and self.mlp_activation != "silu":
+            raise ValueError(f"ModelConfig {self.name!r}: experts with mlp_activation={self.mlp_activation!r}: "
+                             "experts are computed as SwiGLU MLPs")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
                              f"(one of {', '.join(MLP_ACTIVATIONS)})")
@@ -530,6 +603,21 @@ class ModelConfig:
     def attention(self, layer: int) -> LayerAttention:
         """How layer `layer`'s attention sees and rotates."""
         return self.layer_attention[layer] if self.layer_attention else PLAIN_LAYER
+
+    def experts(self, layer: int) -> Experts | None:
+        """Layer `layer`'s mixture of experts, or None: its feed-forward is the dense gated MLP."""
+        return self.layer_experts[layer] if self.layer_experts else None
+
+    @property
+    def has_experts(self) -> bool:
+        """True when some layer's feed-forward is a mixture of experts."""
+        return bool(self.layer_experts)
+
+    def ffn_params(self, layer: int, active: bool = False) -> int:
+        """Weights of layer `layer`'s feed-forward: the dense MLP's 3 * dim * ffn_dim, or its
+        experts' and router's (active: what one token reads, see `Experts.params`)."""
+        experts = self.experts(layer)
+        return 3 * self.dim * self.ffn_dim if experts is None else experts.params(self.dim, active)
 
     def head_dim_of(self, layer: int) -> int:
         """Layer `layer`'s head width (its q, k and v heads): its own, else the model's head_dim."""
@@ -585,6 +673,16 @@ class ModelConfig:
             counts[text] = counts.get(text, 0) + 1
         return " + ".join(f"{n} {text}" for text, n in counts.items())
 
+    def feed_forward_summary(self) -> str:
+        """The layers' feed-forward kinds in a few words: "48 layers of 128 experts, top 8", or
+        "24 dense + 24 layers of 128 experts, top 8"."""
+        counts: dict[str, int] = {}
+        for i in range(self.n_layers):
+            experts = self.experts(i)
+            text = "dense" if experts is None else f"layers of {experts.describe()}"
+            counts[text] = counts.get(text, 0) + 1
+        return " + ".join(f"{n} {text}" for text, n in counts.items())
+
     @property
     def has_dual_chunk(self) -> bool:
         """True when some layer runs Dual Chunk Attention (its queries come in three rotations)."""
@@ -611,9 +709,18 @@ class ModelConfig:
 
     @property
     def n_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+        """Parameter count (embedding counted once when tied; every expert of every layer)."""
+        return self._params(active=False)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token reads: `n_params` with each mixture of experts counted as its
+        router and the experts_per_token experts the token goes through (n_params for a dense model)."""
+        return self._params(active=True)
+
+    def _params(self, active: bool) -> int:
         layers = 0
-        for hkv, d in self.kv_shapes:
+        for i, (hkv, d) in enumerate(self.kv_shapes):
             attn = self.dim * (self.n_heads + 2 * hkv) * d + self.n_heads * d * self.dim
             if self.qkv_bias:
                 attn += (self.n_heads + 2 * hkv) * d
@@ -621,7 +728,7 @@ class ModelConfig:
                 attn += self.dim
             if self.qk_norm:
                 attn += 2 * d
-            mlp = 3 * self.dim * self.ffn_dim
+            mlp = self.ffn_params(i, active)
             layers += attn + mlp + (4 if self.post_norms else 2) * self.dim + (1 if self.layer_scalars else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return layers + self.vocab_size * self.dim + head + self.dim
@@ -640,6 +747,7 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["layer_attention"] = tuple(LayerAttention.from_dict(x) for x in d.get("layer_attention") or ())
+        d["layer_experts"] = tuple(None if x is None else Experts(**x) for x in d.get("layer_experts") or ())
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -737,7 +845,7 @@ _MISSING = object()
 
 _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "silu", "norm_plus_one": False,
                  "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0, "v_norm": False,
-                 "layer_scalars": False}
+                 "layer_scalars": False, "layer_experts": ()}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                       "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}

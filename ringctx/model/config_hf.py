@@ -9,7 +9,7 @@ import os
 from typing import Any, Mapping
 
 from ..attention.dual_chunk import DualChunk
-from .config import LayerAttention, ModelConfig, RopeScaling, with_head_shape
+from .config import Experts, LayerAttention, ModelConfig, RopeScaling, with_head_shape
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -20,7 +20,7 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
-                  "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4")
+                  "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4", "mixtral", "qwen3_moe")
 """Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3, gemma4 and llama4: their
 text model only, see WRAPPERS)."""
 
@@ -68,8 +68,20 @@ REFUSED_TYPES = {
 }
 """model_types refused with their own one-line reason (the decoder would compute them wrongly)."""
 
+MOE_DEFAULTS = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                "max_position_embeddings": 131072},
+    "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                  "max_position_embeddings": 32768},
+}
+"""The mixture-of-experts model_types ringctx reads (`read_experts`), with their config classes'
+defaults for the keys a config.json may leave out (MixtralConfig, Qwen3MoeConfig, transformers 5.25;
+both store the expert count as num_local_experts, num_experts being an alias of it)."""
+
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
-"""Config keys that declare a mixture-of-experts feed-forward (qwen3_moe, mixtral, gpt_oss, llama4...)."""
+"""Config keys that declare a mixture-of-experts feed-forward (qwen3_moe, mixtral, gpt_oss, llama4...):
+refused outside the model_types of MOE_DEFAULTS (and Llama 4, which lists its own MoE layers)."""
 
 PER_LAYER_INPUT_KEYS = ("hidden_size_per_layer_input",)  # its vocabulary size is set without them (Gemma 4)
 """Config keys of per-layer inputs (an embedding added to every layer: Gemma 3n, the Gemma 4 edge models)."""
@@ -96,8 +108,10 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
         raise unsupported("mlp_bias=true")
     if model_type not in PARTIAL_ROTARY_TYPES and d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
-    # Llama 4 lists its MoE layers itself (`_llama4_layers`): its expert counts are there with or without them
-    experts = None if model_type in LLAMA4_TYPES else _expert_key({k: v for k, v in d.items() if k != "text_config"})
+    # Llama 4 lists its MoE layers itself (`_llama4_layers`): its expert counts are there with or without them;
+    # mixtral and qwen3_moe are read (`read_experts`)
+    experts = None if model_type in LLAMA4_TYPES or model_type in MOE_DEFAULTS else _expert_key(
+        {k: v for k, v in d.items() if k != "text_config"})
     if experts:
         raise unsupported(f"mixture-of-experts layers ({experts})", yet=True)
     for key in () if model_type in GEMMA4_TYPES else PER_LAYER_INPUT_KEYS:  # Gemma 4's reader names its own
@@ -154,8 +168,11 @@ def read_layer_attention(d: Mapping[str, Any], model_type: str, unsupported, inv
                               "full); fix it, or give layer_types")
         d = {**d, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                   for i in range(n_layers)]}
-    if model_type in ("mistral", "phi3"):  # MistralModel / Phi3Model: one window on every layer when set
+    if model_type in ("mistral", "phi3", "mixtral"):  # their models: one window on every layer when set
         kinds = ["sliding_attention" if window is not None else "full_attention"] * n_layers
+    elif model_type == "qwen3_moe":  # Qwen3MoeConfig keeps sliding_window only with use_sliding_window
+        slides = bool(d.get("use_sliding_window")) and window is not None
+        kinds = ["sliding_attention" if slides else "full_attention"] * n_layers
     elif d.get("layer_types"):
         kinds = list(d["layer_types"])
         if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
@@ -275,6 +292,10 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             raise ValueError(f"{source}: mixture-of-experts layers ({len(moe)} of {d['num_hidden_layers']}: "
                              f"moe_layers={moe}) are not supported yet; ringctx runs Llama 4 configs whose "
                              "layers are all dense (moe_layers=[])")
+    if model_type in MOE_DEFAULTS:
+        if d.get("num_local_experts") is None and d.get("num_experts") is not None:  # the alias, as transformers
+            d = {**d, "num_local_experts": d["num_experts"]}
+        d = {**MOE_DEFAULTS[model_type], **d}
     if model_type in GEMMA4_TYPES:
         d = {**GEMMA4_DEFAULTS, **d}
     elif model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
@@ -323,7 +344,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
     else:
         # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3's attention_bias puts one on o_proj too.
         qkv_bias = model_type == "qwen2" or attention_bias
-        attn_out_bias = model_type in ("llama", "qwen3", "gemma3_text", "gemma4_text", "llama4_text") and attention_bias
+        attn_out_bias = model_type in ("llama", "qwen3", "qwen3_moe", "gemma3_text", "gemma4_text",
+                                       "llama4_text") and attention_bias
     eos = _as_id_list(d.get("eos_token_id"))
     eos += [i for i in extra_eos if i not in eos]
     return ModelConfig(
@@ -338,11 +360,11 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        norm_eps=float(d.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6)),
+        norm_eps=float(d.get("rms_norm_eps", 1e-5 if model_type == "phi3" else 1e-6)),  # mixtral's: MOE_DEFAULTS
         qkv_bias=qkv_bias,
         attn_out_bias=attn_out_bias,
         tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # Gemma 3's configs tie by default
-        qk_norm=model_type in ("qwen3", "gemma3_text", "gemma4_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
         max_seq_len=max_position,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos),
@@ -354,7 +376,48 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         v_norm=model_type in GEMMA4_TYPES,
         layer_scalars=model_type in GEMMA4_TYPES,
+        layer_experts=read_experts(d, model_type, invalid) if model_type in MOE_DEFAULTS else (),
     )
+
+
+def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Experts | None, ...]:
+    """Each layer's mixture of experts (None: a dense MLP of intermediate_size) from a mixtral or
+    qwen3_moe config (MOE_DEFAULTS filled in), as transformers 5.25's decoder layers decide it:
+
+    - mixtral: every layer, num_local_experts experts of intermediate_size, top num_experts_per_tok,
+      the k weights always renormalised and kept in float32 (MixtralTopKRouter);
+    - qwen3_moe: layer i is sparse unless it is in mlp_only_layers, when num_experts > 0 and
+      (i + 1) % decoder_sparse_step == 0; experts of moe_intermediate_size, top num_experts_per_tok,
+      renormalised iff norm_topk_prob, the weights rounded to the model dtype (Qwen3MoeTopKRouter).
+    The expert count is num_local_experts (read_hf_config renames the alias num_experts to it).
+    invalid(text) -> the ValueError for a value no model can have."""
+    n_layers = int(d["num_hidden_layers"])
+    key = "num_local_experts"
+    n_experts, per_token = d.get(key), d.get("num_experts_per_tok")
+    width_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
+    for name, value in ((key, n_experts), ("num_experts_per_tok", per_token), (width_key, d.get(width_key))):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid(f"{name}={value!r} (a count of experts or units)")
+    if model_type == "mixtral":
+        sparse = [True] * n_layers
+        renormalize, rounded = True, False
+    else:
+        step, dense = d.get("decoder_sparse_step"), d.get("mlp_only_layers") or []
+        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+            raise invalid(f"decoder_sparse_step={step!r} (a positive layer count: every n-th layer is sparse)")
+        if not all(isinstance(i, int) and 0 <= i < n_layers for i in dense):
+            raise invalid(f"mlp_only_layers={dense!r} names layers outside 0..{n_layers - 1}")
+        sparse = [i not in dense and n_experts > 0 and (i + 1) % step == 0 for i in range(n_layers)]
+        renormalize, rounded = bool(d.get("norm_topk_prob")), True
+    if not any(sparse):
+        return ()
+    try:
+        experts = Experts(n_experts=n_experts, experts_per_token=per_token, expert_ffn_dim=int(d[width_key]),
+                          renormalize=renormalize, weights_in_model_dtype=rounded)
+    except ValueError as e:  # Experts names the field; the config's keys say which entry to fix
+        raise invalid(f"{key}={n_experts}, num_experts_per_tok={per_token}, {width_key}={d[width_key]}: "
+                      f"{str(e).removeprefix('Experts: ')}") from None
+    return tuple(experts if s else None for s in sparse)
 
 
 def llama4_moe_layers(d: Mapping[str, Any]) -> list[int]:
@@ -517,6 +580,9 @@ def hf_config_dict(self: ModelConfig) -> dict:
     if not self.has_plain_attention:
         raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one's "
                          "layers have windows, chunks, dual chunk attention or their own RoPE")
+    if self.has_experts:
+        raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes dense Llama/Qwen configs; this one's "
+                         "layers have experts")
     if not self.is_llama_block or (self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope"):
         raise ValueError(f"ModelConfig {self.name!r}: hf_config_dict writes plain Llama/Qwen configs; this one "
                          "has Gemma's block or LongRoPE")

@@ -382,8 +382,8 @@ class FusedPrefill:
         kernels at a question's rows). Kept per model while its weights stay where they are
         (building one took ~3 ms, once per question)."""
         if not selection.fused_prefill_applies(model.dtype, computes_in_float32(model.layers[0].attention_norm.weight),
-                                               model.config.head_dim):
-            return None
+                                               model.config.head_dim) or model.config.has_experts:
+            return None  # (experts: `_layers_fit`'s refusal, asked before the weights' addresses, which differ)
         lib = build.library()
         if lib is None:
             return None
@@ -461,12 +461,15 @@ def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
     bf16, Llama's block (`ModelConfig.is_llama_block`; spans, scale, soft-cap, sinks and per-layer
     RoPE are per-layer data; not Llama 4's q/k norm after RoPE or query temperature, nor dual chunk
-    attention), heads it takes (one shape for every layer, `selection.fused_step_shape_fits`: head_dim a
-    multiple of 16 up to 256, at most 64 query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
+    attention, nor a mixture of experts: every feed-forward dense), heads it takes (one shape for
+    every layer, `selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at most 64
+    query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
     if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not config.is_llama_block:  # nor other norms, activations, embedding scales or logit caps
+        return False
+    if config.has_experts:  # the C layer runs the dense MLP: a mixture of experts takes the layer path
         return False
     kinds = [config.attention(i) for i in range(config.n_layers)]
     if any(a.qk_norm_after_rope or a.temperature_floor or a.dual_chunk is not None for a in kinds):

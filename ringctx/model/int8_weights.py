@@ -119,6 +119,9 @@ def check_weights(weights: str, dtype=None) -> None:
 
 def check_int8_model(config, tp_size: int = 1) -> str | None:
     """Why a model with this (whole-model) config cannot take int8 weights under tp_size, or None."""
+    if config.has_experts:
+        return ("int8 weights do not cover mixture-of-experts layers yet (their experts are 3-D parameters); "
+                "use --weights model")
     if tp_size > 1:
         widths = [("attention heads x head_dim", config.n_heads * d) for d in sorted({d for _, d in config.kv_shapes})]
         for name, width in (*widths, ("ffn_dim", config.ffn_dim)):

@@ -151,6 +151,21 @@ _PUBLISHED = {
         "bos_token_id": 151643, "eos_token_id": 151645,
         "dual_chunk_attention_config": {"chunk_size": 262144, "local_size": 8192,
                                         "original_max_position_embeddings": 262144}},
+    # The mixtures of experts, from Qwen/Qwen3-30B-A3B's and mistralai/Mixtral-8x7B-v0.1's
+    # config.json values: 30.5B parameters of which 3.3B reach a token, and 46.7B of which 12.9B.
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    "mixtral-8x7b": {
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "rope_theta": 1_000_000.0, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
+        "eos_token_id": 2},
 }
 PRESETS.update({name: read_hf_config(d, name=name) for name, d in _PUBLISHED.items()})
 """Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""

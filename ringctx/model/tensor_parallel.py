@@ -10,6 +10,9 @@ With T tensor-parallel ranks, TP rank t holds (D = head_dim, G = query heads per
                  T ranks are summed by an all-reduce (the bias, if any, is added once after it)
     w_gate, w_up column-parallel: rows [t*F/T, (t+1)*F/T) of the MLP's hidden units
     w_down       row-parallel: the matching input columns, then an all-reduce
+    experts      each expert's hidden units split as the MLP's (its w13 rows [E, 2F/T, D], its w2
+                 columns [E, D, F/T]); the router is replicated, so every rank routes every token
+                 alike, and the experts' partial outputs join the MLP's all-reduce
     embedding    vocab-parallel: token ids [t*V/T, (t+1)*V/T); a rank looks up the ids it holds,
                  zeros elsewhere, and an all-reduce gives every rank the full rows (one per chunk)
     output head  vocab-parallel: the logits of its ids, all-gathered when logits are wanted (one
@@ -65,6 +68,8 @@ def tp_problem(config: ModelConfig, tp_size: int) -> str | None:
                     f"use one of {', '.join(map(str, divisors))}")
     if config.ffn_dim < tp_size or config.vocab_size < tp_size:
         return f"tp={tp_size} is larger than the MLP width or vocabulary of {config.name}"
+    if any(e is not None and e.expert_ffn_dim < tp_size for e in config.layer_experts):
+        return f"tp={tp_size} is larger than the expert width of {config.name}"
     return None
 
 
@@ -106,12 +111,16 @@ class TensorParallel:
         """[start, stop) of this rank's MLP hidden units."""
         return split_range(config.ffn_dim, self.size, self.rank)
 
+    def expert_ffn(self, config: ModelConfig, layer: int) -> tuple[int, int]:
+        """[start, stop) of this rank's hidden units of each expert of layer `layer` (a mixture of experts)."""
+        return split_range(config.experts(layer).expert_ffn_dim, self.size, self.rank)
+
     def vocab(self, config: ModelConfig) -> tuple[int, int]:
         """[start, stop) of the token ids whose embedding rows and logits this rank holds."""
         return split_range(config.vocab_size, self.size, self.rank)
 
     def shard_config(self, config: ModelConfig) -> ModelConfig:
-        """The config of this rank's shard: its heads and MLP width (vocabulary and layers as is)."""
+        """The config of this rank's shard: its heads, MLP and expert widths (vocabulary and layers as is)."""
         if self.size == 1:
             return config
         q0, q1 = self.q_heads(config)
@@ -119,9 +128,11 @@ class TensorParallel:
         f0, f1 = self.ffn(config)
         layers = tuple(dataclasses.replace(kind, n_kv_heads=-operator.sub(*self.kv_heads(config, i)))
                        if kind.n_kv_heads else kind for i, kind in enumerate(config.layer_attention))
+        experts = tuple(None if e is None else dataclasses.replace(
+            e, expert_ffn_dim=-operator.sub(*self.expert_ffn(config, i))) for i, e in enumerate(config.layer_experts))
         return dataclasses.replace(config, name=f"{config.name} [TP {self.rank}/{self.size}]", n_heads=q1 - q0,
                                    n_kv_heads=k1 - k0, ffn_dim=f1 - f0, head_dim=config.head_dim,
-                                   layer_attention=layers)
+                                   layer_attention=layers, layer_experts=experts)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, what: str = "all-reduce") -> torch.Tensor:

@@ -36,6 +36,7 @@ from .config import ModelConfig
 from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
+from .moe import MixtureOfExperts
 from .tensor_parallel import NO_TP, TensorParallel
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -331,7 +332,8 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h)); with config.post_norms
+    """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h)) (mlp: the gated MLP, or the
+    layer's mixture of experts, `ModelConfig.experts`); with config.post_norms
     (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h))), times
     the block's layer_scalar with config.layer_scalars (Gemma 4)."""
 
@@ -350,7 +352,9 @@ class Block(nn.Module):
         if kind.qk_norm_after_rope:
             self.attention.norm_after_rope_eps = config.norm_eps
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
-        self.feed_forward = FeedForward(config, tp)
+        experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
+        self.feed_forward = (FeedForward(config, tp) if experts is None
+                             else MixtureOfExperts(config, experts, linear, tp))
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None

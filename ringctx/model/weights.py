@@ -54,15 +54,19 @@ class WeightPiece(NamedTuple):
     """The tensor's name in the checkpoint (for error messages)."""
     take: Take | None = None
     """The slice of the checkpoint tensor this rank holds (tensor parallelism), or None: all of it."""
+    expert: int | None = None
+    """The expert whose slab of a 3-D expert parameter ([E, ...], model/moe.py) the tensor fills
+    (`rows` then index within that slab), or None: a 2-D parameter."""
 
 
 def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | None = None) -> Take | None:
     """Which slice of a checkpoint tensor of `kind` TP rank `tp.rank` holds (None: all of it).
 
     kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
-    "gate", "up" (rows), "down" (input columns), "vocab" (embedding or head rows), or anything
-    else (norms, the o bias): replicated. `config` is the whole model's; layer: the layer of an
-    attention tensor (its head shape may be its own), None for the model's.
+    "gate", "up" (rows), "down" (input columns), "expert_gate", "expert_up", "expert_down" (one
+    expert's, likewise, of layer `layer`'s expert width), "vocab" (embedding or head rows), or
+    anything else (norms, the o bias, a router): replicated. `config` is the whole model's; layer:
+    the layer of an attention or expert tensor (its head shape may be its own), None for the model's.
     """
     if tp.size == 1:
         return None
@@ -82,6 +86,10 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | Non
         return Take(1, *tp.ffn(config), config.ffn_dim)
     if kind == "vocab":
         return Take(0, *tp.vocab(config), config.vocab_size)
+    if kind in ("expert_gate", "expert_up"):  # one expert's [F, dim]: rows, as the MLP's gate and up
+        return Take(0, *tp.expert_ffn(config, layer), config.experts(layer).expert_ffn_dim)
+    if kind == "expert_down":  # one expert's [dim, F]: input columns, as the MLP's down
+        return Take(1, *tp.expert_ffn(config, layer), config.experts(layer).expert_ffn_dim)
     return None
 
 
@@ -94,9 +102,12 @@ def qkv_rows(config: ModelConfig, which: str, layer: int | None = None) -> tuple
     return {"q": (0, hq * D), "k": (hq * D, (hq + hkv) * D), "v": ((hq + hkv) * D, (hq + 2 * hkv) * D)}[which]
 
 
-def mlp_rows(config: ModelConfig, which: str) -> tuple[int, int]:
-    """Row range of 'gate' or 'up' inside the fused w13 weight."""
-    return (0, config.ffn_dim) if which == "gate" else (config.ffn_dim, 2 * config.ffn_dim)
+def mlp_rows(config: ModelConfig, which: str, layer: int | None = None) -> tuple[int, int]:
+    """Row range of 'gate' or 'up' inside the fused w13 weight (of each expert of layer `layer`'s
+    mixture of experts when it has one: [2F, dim] per expert)."""
+    experts = None if layer is None else config.experts(layer)
+    ffn = config.ffn_dim if experts is None else experts.expert_ffn_dim
+    return (0, ffn) if which == "gate" else (ffn, 2 * ffn)
 
 
 def unpermute_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -166,6 +177,8 @@ class WeightFiller:
     def expected_shape(self, piece: WeightPiece) -> tuple[int, ...]:
         """The shape the whole checkpoint tensor must have to fill `piece` (before any TP slice)."""
         shape = list(self.params[piece.param].shape)
+        if piece.expert is not None:  # one expert's slab of [E, ...]
+            shape = shape[1:]
         if piece.rows is not None:
             shape[0] = piece.rows[1] - piece.rows[0]
         if piece.take is not None:
@@ -182,6 +195,8 @@ class WeightFiller:
         """Copy `tensor` (any dtype, any device; already cut to `piece.take`) into its place,
         converting to the model's dtype."""
         param = self.params[piece.param]
+        if piece.expert is not None:
+            param = param[piece.expert]
         target = param if piece.rows is None else param[piece.rows[0]:piece.rows[1]]
         with torch.no_grad():
             target.copy_(tensor)
@@ -224,21 +239,36 @@ def init_random(model: Transformer, seed: int = 0) -> None:
                 n = min(block, full_shape[0] - first)
                 values = torch.empty((n, *full_shape[1:]), dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
                 values = values[rows[wanted] - first]
-                values = values if cols is None else values[:, cols]
+                values = values if cols is None else values[keep_index(cols)]
                 param[wanted.to(param.device)] = values.to(param.device, param.dtype)
 
 
+def keep_index(cols: "slice | torch.Tensor | tuple") -> tuple:
+    """The indexing tuple of `_full_rows`' cols: a slice or LongTensor of dimension 1, or a tuple
+    (an expert parameter's index of dimensions 1 and on)."""
+    return (slice(None), *cols) if isinstance(cols, tuple) else (slice(None), cols)
+
+
 def _full_rows(model: Transformer, name: str,
-               param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor, slice | None]:
+               param: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor, "slice | torch.Tensor | tuple | None"]:
     """Where parameter `name` (`param`) of this (possibly TP-sharded) model comes from in the whole
     model: (the whole parameter's shape, the whole parameter's row of each of our rows, the columns
-    we keep or None for all)."""
+    we keep or None for all: a slice of dimension 1, or for an expert parameter [E, ...] a tuple
+    indexing dimensions 1 and on, see `keep_index`)."""
     full, tp = model.full_config, model.tp
     if tp.size == 1:
         return tuple(param.shape), torch.arange(param.shape[0]), None
     shape = list(param.shape)
     kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    if name.endswith(("feed_forward.w13", "feed_forward.w2")):  # experts [E, 2F, dim] / [E, dim, F]: every expert
+        t = tp_take(full, tp, "expert_down", layer)
+        if name.endswith("w2"):
+            shape[2] = t.full
+            return tuple(shape), torch.arange(shape[0]), (slice(None), slice(t.start, t.stop))
+        shape[1] = 2 * t.full
+        ours = [torch.arange(first + t.start, first + t.stop) for first in (0, t.full)]  # its gate, its up rows
+        return tuple(shape), torch.arange(shape[0]), (torch.cat(ours),)  # (a tuple: see keep_index)
     if kind == "wqkv":  # rows: this rank's q heads, then its k heads, then its v heads
         shape[0] = qkv_rows(full, "v", layer)[1]
         rows = [torch.arange(qkv_rows(full, w, layer)[0] + t.start, qkv_rows(full, w, layer)[0] + t.stop)

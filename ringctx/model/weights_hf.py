@@ -10,6 +10,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+from typing import NamedTuple
 
 import torch
 
@@ -24,19 +26,64 @@ INDEX_FILE = "model.safetensors.index.json"
 _NOT_PARAMETERS_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+class ExpertNames(NamedTuple):
+    """How a family's checkpoints name a layer's mixture of experts: model.layers.{i}.{block}.{router}
+    [E, dim] and model.layers.{i}.{block}.experts.{e}.{gate|up|down}.weight, each expert's 2-D
+    matrices ([F, dim], [F, dim], [dim, F])."""
+
+    block: str
+    router: str
+    gate: str
+    up: str
+    down: str
+
+
+EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "gate", "w1", "w3", "w2"),
+                "qwen3_moe": ExpertNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")}
+"""model_type -> its expert tensors' names, as the published checkpoints have them and as
+transformers 5.25's save_pretrained writes them by default (it converts its fused in-memory
+tensors back to these per-expert ones; `fused_expert_parts` reads the fused ones too)."""
+
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.(\d+))\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
+
+
+def fused_expert_parts(name: str, config: ModelConfig, names: ExpertNames
+                       ) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
+    """For a layer's experts as transformers 5 holds them in memory and saves them with
+    save_pretrained(save_original_format=False) (and when offloaded): mlp.gate.weight [E, dim],
+    mlp.experts.gate_up_proj [E, 2F, dim] (each expert's gate rows, then its up rows) and
+    mlp.experts.down_proj [E, dim, F]: (the shape the config needs, [(the per-expert tensor it
+    holds (`names`' naming), its index in the fused tensor)]). None for any other tensor, or one on
+    a layer without experts."""
+    match = _FUSED_EXPERTS.match(name)
+    layer = int(match.group(2)) if match else config.n_layers
+    experts = config.experts(layer) if layer < config.n_layers else None
+    if experts is None:
+        return None
+    stem, what = f"{match.group(1)}.{names.block}", match.group(3)
+    E, F = experts.n_experts, experts.expert_ffn_dim
+    if what == "gate.weight":
+        return (E, config.dim), [(f"{stem}.{names.router}.weight", ())]
+    if what == "experts.down_proj":
+        return (E, config.dim, F), [(f"{stem}.experts.{e}.{names.down}.weight", (e,)) for e in range(E)]
+    return (E, 2 * F, config.dim), [(f"{stem}.experts.{e}.{which}.weight", (e, rows)) for e in range(E)
+                                    for which, rows in ((names.gate, slice(0, F)), (names.up, slice(F, 2 * F)))]
+
+
 def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
-                        mlp: str = "mlp") -> dict[str, WeightPiece]:
+                        mlp: str = "mlp", experts: ExpertNames = EXPERT_NAMES["qwen3_moe"]) -> dict[str, WeightPiece]:
     """Hugging Face tensor name -> where it goes (Llama / Mistral / Qwen2 / Qwen3 / Seed-OSS /
     Gemma 3 / Llama 4 naming, text models of image-text checkpoints renamed by `text_tensor_name`),
     and which slice of it TP rank `tp.rank` holds. `config` is the whole model's. Phi-3's fused
     qkv_proj and gate_up_proj appear here as their parts (`FUSED_PARTS`), each read from its rows
     of the file's tensor by `load_hf_weights`. mlp: the MLP's module name ("feed_forward" in
-    Llama 4's dense layers)."""
+    Llama 4's dense layers); experts: the names of a mixture of experts' tensors (`EXPERT_NAMES`), each
+    expert's matrices going to its slab of the layer's 3-D parameters."""
     pieces: dict[str, WeightPiece] = {}
     local = tp.shard_config(config)
 
-    def add(hf_name: str, param: str, rows=None, kind: str = "", layer: int | None = None):
-        pieces[hf_name] = WeightPiece(param, rows, hf_name, tp_take(config, tp, kind, layer))
+    def add(hf_name: str, param: str, rows=None, kind: str = "", layer: int | None = None, expert=None):
+        pieces[hf_name] = WeightPiece(param, rows, hf_name, tp_take(config, tp, kind, layer), expert)
 
     add("model.embed_tokens.weight", "tok_embeddings.weight", kind="vocab")
     add("model.norm.weight", "norm.weight")
@@ -63,6 +110,15 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{hf}.layer_scalar", f"{ours}.layer_scalar")
+        if config.experts(i) is not None:  # the router replicated, each expert's rows / columns split under TP
+            moe, ff = f"{hf}.{experts.block}", f"{ours}.feed_forward"
+            add(f"{moe}.{experts.router}.weight", f"{ff}.router.weight")
+            for e in range(config.experts(i).n_experts):
+                for which, name in (("gate", experts.gate), ("up", experts.up)):
+                    add(f"{moe}.experts.{e}.{name}.weight", f"{ff}.w13", mlp_rows(local, which, i), f"expert_{which}",
+                        i, e)
+                add(f"{moe}.experts.{e}.{experts.down}.weight", f"{ff}.w2", None, "expert_down", i, e)
+            continue
         add(f"{hf}.{mlp}.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
         add(f"{hf}.{mlp}.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
         add(f"{hf}.{mlp}.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
@@ -185,8 +241,9 @@ def load_hf_weights(model, directory: str) -> None:
     text = text_config_dict(directory)
     llama4 = text.get("model_type") in LLAMA4_TYPES
     as_values = keys_as_values(text, config)
-    filler = WeightFiller(model, directory, expected_hf_tensors(config, model.tp,
-                                                                mlp="feed_forward" if llama4 else "mlp"))
+    expert_names = EXPERT_NAMES.get(text.get("model_type"), EXPERT_NAMES["qwen3_moe"])
+    filler = WeightFiller(model, directory, expected_hf_tensors(
+        config, model.tp, mlp="feed_forward" if llama4 else "mlp", experts=expert_names))
     for path in safetensors_files(directory):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -201,11 +258,17 @@ def load_hf_weights(model, directory: str) -> None:
                 if name == "lm_head.weight" and config.tie_embeddings:
                     continue  # some saves write the tied head too; it equals the embedding
                 shape = tuple(handle.get_slice(file_name).get_shape())
+                fused = None if name in filler.expected else fused_expert_parts(name, config, expert_names)
+                if fused is not None:
+                    _fill_fused_experts(handle, path, file_name, shape, *fused, filler)
+                    continue
                 parts = fused_parts(name, config)
                 if parts is not None and shape and shape[0] != parts[-1][2]:
                     raise ValueError(f"{directory}: tensor {file_name!r} has shape {shape}, but the model config "
                                      f"needs {parts[-1][2]} rows; the weights do not match the config")
                 for part, start, stop in parts or [(name, 0, None)]:
+                    if part not in filler.expected:
+                        _check_expert_count(part, config, directory)
                     piece = filler.piece(part)
                     filler.check_shape(piece, shape if stop is None else (stop - start, *shape[1:]))
                     try:  # a TP rank reads only its slice of the memory-mapped file
@@ -220,6 +283,41 @@ def load_hf_weights(model, directory: str) -> None:
                         filler.put(filler.piece(as_values[part]), value)
                     del value
     filler.finish()
+
+
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.")
+
+
+def _check_expert_count(name: str, config: ModelConfig, directory: str) -> None:
+    """A ValueError naming the count for an expert tensor the config has no place for (an expert
+    past the layer's count, or experts on a layer the config makes dense); other names pass."""
+    match = _EXPERT_TENSOR.match(name)
+    if match is None:
+        return
+    layer, expert = int(match.group(1)), int(match.group(2))
+    experts = config.experts(layer) if layer < config.n_layers else None
+    what = "has a dense MLP" if experts is None else f"has {experts.n_experts} experts (0..{experts.n_experts - 1})"
+    raise ValueError(f"{directory}: tensor {name!r} is expert {expert} of layer {layer}, but the config's layer "
+                     f"{layer} {what}; the expert count (num_local_experts / num_experts, decoder_sparse_step, "
+                     "mlp_only_layers) does not match the weights")
+
+
+def _fill_fused_experts(handle, path: str, name: str, shape: tuple[int, ...], needed: tuple[int, ...],
+                        parts: list[tuple[str, tuple]], filler: WeightFiller) -> None:
+    """Fill a layer's expert (or router) parameter from one fused tensor `name` of shape `shape`
+    (`fused_expert_parts`: the shape the config needs, each part's name and index), one expert's
+    matrix at a time, each cut to this TP rank's share."""
+    if shape != needed:
+        raise ValueError(f"{filler.source}: tensor {name!r} has shape {shape}, but the model config needs {needed} "
+                         "(experts, their width, the model width); the weights do not match the config")
+    for part, index in parts:
+        piece = filler.piece(part)
+        try:
+            value = handle.get_slice(name)[index] if index else handle.get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e}); the file is "
+                             "truncated or corrupt, re-download it") from None
+        filler.put(piece, value if piece.take is None else value[piece.take.index()])
 
 
 def _read(handle, name: str, piece: WeightPiece, start: int, stop: int | None) -> torch.Tensor:

@@ -106,7 +106,8 @@ def attention_flops_per_s(rows: int, n_heads: int, n_kv_heads: int, head_dim: in
 def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | None = None) -> float:
     """Bytes a decode step reads once: every parameter but the embedding table (one row of it is
     read; a tied table is read whole as the output head, and counted once; int8 weights as their
-    codes and exponents, which the decode reads instead), plus K and V of `context` cached tokens
+    codes and exponents, which the decode reads instead; of a mixture of experts the router and the
+    experts_per_token experts a token goes through), plus K and V of `context` cached tokens
     in every layer (`kv_bytes_per_token` each; default: in the weights' dtype, every layer and KV
     head)."""
     from ..kernels.selection import reads_int8_weights
@@ -120,6 +121,11 @@ def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | No
 
     config = model.config
     weights = sum(read(p) for p in model.parameters())
+    for i, block in enumerate(model.layers):  # a mixture of experts: a token reads its k experts only
+        experts = config.experts(i)
+        if experts is not None:
+            unread = 1 - experts.experts_per_token / experts.n_experts
+            weights -= unread * sum(read(p) for p in (block.feed_forward.w13, block.feed_forward.w2))
     if not config.tie_embeddings:
         weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
     if kv_bytes_per_token is None:

@@ -131,7 +131,10 @@ def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: s
     hidden = HIDDEN_BUFFERS * rows * model.dim * e
     # the layer with the widest q, k and v sets the peak (layers may differ in head shape)
     qkv = rows * max((heads + 2 * max(1, h // tp_size)) * d for h, d in model.kv_shapes) * e
-    mlp = 3 * rows * (model.ffn_dim // tp_size) * e
+    # the widest feed-forward sets the peak: a dense MLP's ffn_dim or an expert's width (an expert
+    # takes at most every row), plus a mixture of experts' float32 sum of its rows (model/moe.py)
+    widths = [model.ffn_dim if x is None else x.expert_ffn_dim for x in map(model.experts, range(model.n_layers))]
+    mlp = 3 * rows * (max(widths) // tp_size) * e + (rows * model.dim * 4 if model.has_experts else 0)
     accumulator = rows * heads * (DH + 1) * LSE_BYTES
     return hidden + qkv + mlp + accumulator
 
@@ -144,7 +147,9 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
 
       hidden      4 * t * dim * e                      (HIDDEN_BUFFERS residual-sized buffers)
       qkv         t * (NH + 2*NKV)_local * DH * e
-      mlp         3 * t * ffn/TP * e                   (gate, up, their product)
+      mlp         3 * t * ffn/TP * e                   (gate, up, their product; ffn the widest layer's:
+                                                        dense ffn_dim or an expert's width, + t * dim * 4
+                                                        for a mixture of experts' float32 sum)
       accumulator t * NH_local * (DH + 1) * 4           (float32 output and LSE of the merge)
       ring        pass-KV: 2 * (max_i P_i + t) * 2 * NKV_local * DH * e   (send and receive buffer)
                   pass-Q : 2 * t * NH_local * DH * e  +  2 * All2All bytes  (Q in flight, partials

@@ -483,11 +483,14 @@ def span_attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int, spa
 
 
 def linear_params_per_layer(model: ModelConfig) -> int:
-    """Weights of one block's matmuls: Q,K,V,O projections and the SwiGLU MLP (gate, up, down); the
-    mean over the layers when some have their own head shape (n_layers times it is their sum)."""
+    """Weights of one block's matmuls that a token goes through: Q,K,V,O projections and the SwiGLU
+    MLP (gate, up, down), or of a mixture of experts the router and the experts_per_token experts a
+    token reaches (`ModelConfig.ffn_params(active=True)`: time follows the active weights, memory
+    all of them); the mean over the layers when layers differ (n_layers times it is their sum)."""
     attention = sum(model.dim * (model.n_heads + 2 * h) * d + model.n_heads * d * model.dim
                     for h, d in model.kv_shapes)
-    return attention // model.n_layers + 3 * model.dim * model.ffn_dim
+    ffn = sum(model.ffn_params(i, active=True) for i in range(model.n_layers))
+    return (attention + ffn) // model.n_layers
 
 
 def layer_widths(model: ModelConfig, tp_size: int, layer: int) -> tuple[int, int]:
