@@ -131,3 +131,27 @@ int ringctx_merge_rows(float *acc_out, int64_t a_rs, float *acc_lse, int64_t l_h
         }
     return 0;
 }
+
+/* ---- the TP all-reduce's sum (ringctx/parallel/allreduce.py) ------------------------------- */
+
+/* out[i] = sources[0][i] + sources[1][i] + ... + sources[count - 1][i] for i < n, added left to
+ * right in float32 (plain IEEE additions: the bits of PyTorch's float32 adds in that order); bf16
+ * sources accumulate in float32 and the sum is rounded to bf16 once. One pass over the sources,
+ * where PyTorch widens every bf16 buffer into a float32 one and adds in several passes (3-16x the
+ * time at 4 MiB, docs/BENCHMARKS.md); the all-reduce calls it for bf16 only. */
+int ringctx_sum_buffers(const void *const *sources, int count, int64_t n, int bf16, void *out, int threads) {
+    if (!ringctx_cpu_kernels_supported()) return -1;
+    if (count < 1) return -2;
+    const int64_t block = 4096; /* elements per task: each thread streams whole blocks */
+    const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t stop = (b + 1) * block < n ? (b + 1) * block : n;
+        for (int64_t i = b * block; i < stop; i += VW) {
+            vfloat acc = load_any_n(sources[0], bf16, i, stop - i);
+            for (int r = 1; r < count; ++r) acc = acc + load_any_n(sources[r], bf16, i, stop - i);
+            store_any_n(out, bf16, i, round_any(acc, bf16), stop - i);
+        }
+    }
+    return 0;
+}

@@ -98,7 +98,7 @@ def rank_job(model_name: str, tp: int, rank: int, port: int, dtype: str, tokens:
     reset_peak_rss()
     baseline = rss_bytes("VmRSS")
     t0 = time.perf_counter()
-    model = load_model(model_name, dtype=dtype, device="cpu", tp=tensor_parallel(mesh))
+    model = load_model(model_name, dtype=dtype, device="cpu", tp=tensor_parallel(mesh, "cpu"))
     load_s = time.perf_counter() - t0
     after_load = rss_bytes("VmHWM")
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -35,6 +35,9 @@ leaves what it measured; a section that fails is recorded and the next one runs)
   merge       the merge kernel against float64 (2x rule against the torch float32 merge) and the
               KV scatter kernel against index_copy_ (bit-exact); GB/s of both against the torch
               paths, as fractions of the card's bandwidth (datasheet and measured copy)
+  allreduce   the TP all-reduce on every GPU here (one: a one-rank group, fixed costs only):
+              symmetric-memory one-shot and two-shot against NCCL, 4 KiB - 16 MiB of bf16, each
+              result against the float64 sum and the same bits on every rank
   prefill     chunked prefill (64K-token chunks) of SmolLM2-135M shapes, random weights, on one
               GPU at 128K and 1M tokens with the fastest backend that passed: tokens/s, time to
               first token, MFU, and time against what the attention FLOPs at the kernel rate
@@ -904,6 +907,98 @@ def batch_section(ck: Check) -> dict:
     return out
 
 
+ALLREDUCE_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def _allreduce_job(rank: int, world: int, dry: bool) -> dict:
+    """On every rank: the TP all-reduce of ringctx/parallel/allreduce.py (symmetric memory on CUDA,
+    built even for a one-rank group; shared memory in --dry-run) against the float64 sum and the
+    group's all_reduce (NCCL; gloo dry), bf16."""
+    import torch
+    import torch.distributed as dist
+
+    from ringctx.parallel.allreduce import ShmAllReduce, SymmMemAllReduce
+
+    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    reducer = ShmAllReduce.create(None, 60) if dry else SymmMemAllReduce.create(None, device)
+    if reducer is None:
+        raise RuntimeError(f"the symmetric-memory all-reduce could not be built here: {SymmMemAllReduce.why_not}")
+    out = {"world": world, "kind": type(reducer).__name__, "rows": []}
+    sizes = ALLREDUCE_SIZES[:3] if dry else ALLREDUCE_SIZES
+
+    def addend(r: int, n: int):
+        return torch.randn(n, generator=torch.Generator().manual_seed(1000 * r + n)).bfloat16()
+
+    def median_s(fn, reps: int) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            if dry:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            else:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+
+    for nbytes in sizes:
+        n = nbytes // 2
+        x = addend(rank, n).to(device)
+        reference = sum(addend(r, n).double() for r in range(world))
+        magnitude = sum(addend(r, n).double().abs() for r in range(world))
+        row, results = {"bytes": nbytes}, {}
+        for algorithm in ("one-shot", "two-shot", "group"):
+            y = x.clone()
+            reducer(y, algorithm) if algorithm != "group" else dist.all_reduce(y)
+            results[algorithm] = y.cpu()
+            everyone = [torch.empty_like(y) for _ in range(world)]
+            dist.all_gather(everyone, y)
+            err = (y.cpu().double() - reference).abs()
+            row[algorithm] = {
+                "same_bits_on_every_rank": all(torch.equal(e, everyone[0]) for e in everyone),
+                "max_error_over_bound": float((err / (2.0 ** -8 * reference.abs() + world * 2.0 ** -8 * magnitude
+                                                      + 1e-30)).max()),
+                "us": 1e6 * median_s(lambda: reducer(y, algorithm) if algorithm != "group" else dist.all_reduce(y),
+                                     5 if dry else 30)}
+        row["one_shot_equals_two_shot"] = torch.equal(results["one-shot"], results["two-shot"])
+        row["nccl/one-shot"] = row["group"]["us"] / row["one-shot"]["us"]
+        row["nccl/two-shot"] = row["group"]["us"] / row["two-shot"]["us"]
+        row["chosen"] = reducer.algorithm(nbytes)
+        out["rows"].append(row)
+    return out
+
+
+def allreduce_section(ck: Check) -> dict:
+    """The TP all-reduce (ringctx/parallel/allreduce.py) on every GPU of this machine: PyTorch's
+    symmetric-memory one-shot and two-shot against NCCL at 4 KiB - 16 MiB of bf16, medians of CUDA
+    event times, each result against the float64 sum (same bits on every rank, error within bf16
+    rounding). With one GPU the group has one rank: the times are then each call's fixed cost only.
+    --dry-run: two CPU ranks, shared memory against gloo."""
+    import torch
+
+    from ringctx.parallel.launch import RankPool
+
+    world = 2 if ck.dry else max(1, torch.cuda.device_count())
+    with RankPool(world, backend="gloo" if ck.dry else "nccl", timeout=120) as pool:
+        result = pool.run(_allreduce_job, ck.dry)[0]
+    for row in result["rows"]:
+        for algorithm in ("one-shot", "two-shot", "group"):
+            r = row[algorithm]
+            if not r["same_bits_on_every_rank"] or r["max_error_over_bound"] > 1:
+                ck.fail(f"allreduce: {algorithm} at {row['bytes']} bytes: {r}")
+        print(f"  {row['bytes'] >> 10:>6} KiB  one-shot {row['one-shot']['us']:8.1f} us  two-shot "
+              f"{row['two-shot']['us']:8.1f} us  {'gloo' if ck.dry else 'NCCL'} {row['group']['us']:8.1f} us  "
+              f"(chosen: {row['chosen']})", flush=True)
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json")
@@ -921,7 +1016,7 @@ def main() -> int:
         return 2
     ck = Check(args.out, args.budget_s, args.dry_run)
     sections = [("env", env_section), ("correctness", correctness_section), ("band", band_section),
-                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("allreduce", allreduce_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
     if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
         start_build(ck)
     for name, fn in sections:

@@ -12,23 +12,27 @@ import torch
 from ..model import load_model
 from ..model.kvfile import share_weights_digest, weights_digest
 from ..model.tensor_parallel import NO_TP, TensorParallel
+from ..parallel.allreduce import make_all_reduce
 from ..parallel.comm import agree_across_ranks
 from ..parallel.mesh import Mesh, build_mesh, decode_groups
 from ..planning.prefill_plan import default_chunk_tokens
 from ..runtime.rank_state import EngineSettings, RankState
 
 
-def tensor_parallel(mesh: Mesh) -> TensorParallel:
-    """The model's TensorParallel over this rank's TP group of the mesh (NO_TP without TP)."""
+def tensor_parallel(mesh: Mesh, device, timeout_s: float = 300.0) -> TensorParallel:
+    """The model's TensorParallel over this rank's TP group of the mesh (NO_TP without TP), with
+    the all-reduce chosen by size (parallel/allreduce.py; a collective of the TP group)."""
     if mesh.tp_size == 1:
         return NO_TP
-    return TensorParallel(size=mesh.tp_size, rank=mesh.tp_rank, group=mesh.tp_group)
+    return TensorParallel(size=mesh.tp_size, rank=mesh.tp_rank, group=mesh.tp_group,
+                          reducer=make_all_reduce(mesh.tp_group, device, timeout_s))
 
 
 def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
     """Load this rank's model, check it against every other rank's and make the decode groups."""
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
-    model = load_model(settings.model_name, dtype=settings.dtype, device=device, tp=tensor_parallel(mesh),
+    model = load_model(settings.model_name, dtype=settings.dtype, device=device,
+                       tp=tensor_parallel(mesh, device, settings.timeout_s),
                        weights=settings.weights, rope_scaling=settings.rope_scaling)
     state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
                       chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))

@@ -219,6 +219,7 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     lib.ringctx_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, f32, i32, ptr, i64, i32]
     lib.ringctx_rope_rows.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i32, i32]
     lib.ringctx_swiglu_rows.argtypes = [ptr, i64, i64, i64, i32, i32]
+    lib.ringctx_sum_buffers.argtypes = [ptr, i32, i64, i32, ptr, i32]
     lib.ringctx_merge_rows.argtypes = [ptr, i64, ptr, i64, ptr, i32, i64, i64, ptr, i64, i64, i64, i64]
     # q, k, v (pointer, row and head strides), T, S, Hq, Hkv, D, causal, q_offset, window, scale, softcap,
     # out (pointer, strides), lse, threads

@@ -37,6 +37,9 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
     swiglu_                one pass per row in float32 with the PyTorch path's roundings, where
                            PyTorch makes several elementwise passes, each converting bf16 to
                            float32 and back (~1 s of a 7 s bf16 prefill of 8K tokens).
+    sum_buffers            the TP all-reduce's sum of N ranks' buffers (parallel/allreduce.py): one
+                           pass, float32 accumulation in rank order, bf16 rounded once; PyTorch
+                           widened every bf16 buffer into a new float32 one (3-16x the time at 4 MiB).
     flash_attention        flash attention in float32 (csrc/cpu_flash.c): a prefill's attention
                            blocks on CPUs without bf16 units (a bf16 model computes them in
                            float32 there, widened as it reads them) and a float32 model's
@@ -53,6 +56,8 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -280,6 +285,21 @@ def merge_rows(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     return lib.ringctx_merge_rows(acc_out.data_ptr(), acc_out.stride(0), acc_lse.data_ptr(), acc_lse.stride(0),
                                   out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), out.stride(1),
                                   lse.data_ptr(), lse.stride(0), n, H, D) == 0
+
+
+def sum_buffers(sources: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """out [n] = sources[0] + sources[1] + ... (each [n] bf16), added left to right in float32 and
+    rounded once (the TP all-reduce's sum, parallel/allreduce.py). False (out untouched) where the
+    kernel does not apply (float32 among them: selection.sum_buffers_applies)."""
+    if not selection.sum_buffers_applies(sources, out):
+        return False
+    lib = build.library()
+    if lib is None:
+        return False
+    pointers = (ctypes.c_void_p * len(sources))(*(s.data_ptr() for s in sources))
+    threads = torch.get_num_threads() if out.numel() >= selection.SUM_BUFFERS_THREADS_FROM else 1
+    return lib.ringctx_sum_buffers(pointers, len(sources), out.numel(), int(out.dtype == torch.bfloat16),
+                                   out.data_ptr(), threads) == 0
 
 
 def swiglu_(gate_up: torch.Tensor, ffn: int) -> bool:

@@ -294,6 +294,19 @@ def swiglu_applies(gate_up: torch.Tensor, ffn: int) -> bool:
     return gate_up.dim() == 2 and gate_up.shape[1] == 2 * ffn and _rows_apply(gate_up)
 
 
+def sum_buffers_applies(sources: list[torch.Tensor], out: torch.Tensor) -> bool:
+    """Whether `sum_buffers` takes these inputs (the library aside): 1 or more bf16 sources [n] and
+    out [n], contiguous, on the CPU, no gradient wanted. Not float32 (the kernel computes it, but
+    PyTorch's float32 adds are one pass each already and took 0.3-0.9x its time: measured)."""
+    return (len(sources) >= 1 and out.dim() == 1 and out.dtype == torch.bfloat16
+            and all(s.shape == out.shape for s in sources)
+            and all(t.is_contiguous() for t in (*sources, out)) and _rows_apply(out, *sources))
+
+
+SUM_BUFFERS_THREADS_FROM = 1 << 16
+"""Elements from which `sum_buffers` splits over the threads (below, waking them costs more)."""
+
+
 def merge_rows_applies(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> bool:
     """Whether `merge_rows` takes these inputs (the library aside): float32 state acc_out [n, H, D]
     (rows contiguous) and acc_lse [H, n]; out [n, H, D] float32 or bf16 with unit stride along D,

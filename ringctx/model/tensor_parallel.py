@@ -88,6 +88,9 @@ class TensorParallel:
     """The TP group's torch.distributed ProcessGroup (None when size is 1)."""
     stats: object | None = None
     """A CommStats that records each collective's bytes on the wire while set (the prefill sets it)."""
+    reducer: object | None = None
+    """The all-reduce the engine hands in (parallel/allreduce.py's `make_all_reduce`: shared or
+    symmetric memory, chosen by size), a callable x -> bytes sent; None: the group's all_reduce."""
 
     # -- which slice this rank holds ---------------------------------------------------------
     def q_heads(self, config: ModelConfig) -> tuple[int, int]:
@@ -136,9 +139,13 @@ class TensorParallel:
         """Sum `x` over the TP group in place (row-parallel outputs); returns x."""
         if self.size == 1:
             return x
-        dist.all_reduce(x, group=self.group)
-        if self.stats is not None:  # a ring all-reduce sends 2(T-1)/T of the tensor per rank
-            self.stats.record(what, 0, 2 * (self.size - 1) * x.numel() * x.element_size() // self.size)
+        if self.reducer is not None:
+            sent = self.reducer(x)  # what its algorithm moved (one-shot: (T-1) x; two-shot as a ring)
+        else:
+            dist.all_reduce(x, group=self.group)
+            sent = 2 * (self.size - 1) * x.numel() * x.element_size() // self.size  # a ring: 2(T-1)/T of x
+        if self.stats is not None:
+            self.stats.record(what, 0, sent)
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:

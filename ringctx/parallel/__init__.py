@@ -1,4 +1,5 @@
-"""Everything that talks between ranks: sharding layouts, ring communication, ring attention."""
+"""Everything that talks between ranks: sharding layouts, ring communication, ring attention, shared
+memory between the ranks of a host and the TP all-reduce."""
 
 from .comm import CommStats
 from .layout import BlockTask, ShardLayout

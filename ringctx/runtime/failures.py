@@ -27,6 +27,7 @@ import time
 import torch.distributed as dist
 
 from ..parallel.launch import describe_exit
+from ..parallel.shm import machine_id, process_state  # parallel/ holds them: the TP all-reduce needs them too
 
 TEST_KILL_ENV = "RINGCTX_TEST_KILL"
 
@@ -69,32 +70,6 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text)
     text = text.split(". This is typically caused", 1)[0]
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def process_state(pid: int) -> str:
-    """'alive', 'stopped' (SIGSTOP / traced) or 'dead' (gone or a zombie) for a local pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return "dead"
-    except OSError:
-        return "alive"
-    return {"Z": "dead", "X": "dead", "T": "stopped", "t": "stopped"}.get(state, "alive")
-
-
-def machine_id() -> str:
-    """Identifies this host: boot id and network namespace (emulated hosts share one kernel)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = socket.gethostname()
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return f"{boot}/{netns}"
 
 
 # ----------------------------------------------------------------------------- test hook
