@@ -453,8 +453,8 @@ class PrefillRun:
         if self.drop_unseen and self.model.has_spans and shard.in_position_order():
             # what the next chunk's tokens no longer see leaves memory now, not at the hand-off: a
             # windowed layer's shard stays about its window however long the prompt
-            s, e = self.chunks[chunk.index]
-            shard.drop_unseen(self.model.config.layer_spans, self.cached_len + e, in_place=True)
+            chunk_end = self.chunks[chunk.index][1]
+            shard.drop_unseen(self.model.config.layer_spans, self.cached_len + chunk_end, in_place=True)
         record = chunk.record
         record.seconds = chunk.seconds
         self.stats.chunks.append(record)
