@@ -5,6 +5,14 @@ import tempfile
 # the tests must not depend on one a developer wrote: point at a file that is not there.
 os.environ["RINGCTX_HARDWARE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="ringctx-tests-"), "hardware.json")
 
+# OpenMP threads that find no work wait passively (sleep) instead of spinning for a while first:
+# the tests run on a 2-core machine, often more threads than cores (the kernel tests' 3-thread
+# cases, spawned ranks, a concurrent run), where spinning threads steal the cores of the ones with
+# work (the 3-thread kernel tests ran 5x slower). Only how idle threads wait changes, not the thread
+# counts or the results. Set before torch (and its libgomp) is first imported, which reads it once;
+# spawned ranks, servers and CLI subprocesses inherit it. A value already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import shutil
 
 import pytest
