@@ -50,3 +50,18 @@ def rank_pool():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' model of the embedded SmolLM2-135M-Instruct GGUF, dequantized to float32 (the
+    oracle of tests/model/test_model_smollm2.py and tests/engine/test_engine_smollm2.py), loaded once
+    per session: its GGUF conversion takes 10+ s. Tests must not change it (copy it first)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ringctx.model import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32, local_files_only=True).eval()
