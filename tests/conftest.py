@@ -5,13 +5,18 @@ import tempfile
 # the tests must not depend on one a developer wrote: point at a file that is not there.
 os.environ["RINGCTX_HARDWARE_PROFILE"] = os.path.join(tempfile.mkdtemp(prefix="ringctx-tests-"), "hardware.json")
 
-# OpenMP threads that find no work wait passively (sleep) instead of spinning for a while first:
-# the tests run on a 2-core machine, often more threads than cores (the kernel tests' 3-thread
-# cases, spawned ranks, a concurrent run), where spinning threads steal the cores of the ones with
-# work (the 3-thread kernel tests ran 5x slower). Only how idle threads wait changes, not the thread
-# counts or the results. Set before torch (and its libgomp) is first imported, which reads it once;
-# spawned ranks, servers and CLI subprocesses inherit it. A value already set wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# In this process, OpenMP threads that find no work wait passively (sleep) instead of spinning for
+# a while first: the tests run on a 2-core machine with more threads than cores (the kernel tests'
+# 3-thread cases, a concurrent run), where spinning threads steal the cores of the ones with work
+# (the kernel and flash-attention tests ran 3-5x slower). Only how idle threads wait changes, not
+# the thread counts or the results. OpenMP reads the policy once, when torch loads it (the C
+# kernels' library shares torch's libgomp.so.1); then it is taken out of the environment again, so
+# that spawned ranks, servers and CLI subprocesses keep OpenMP's default (the 8-bit cache engine
+# tests ran ~20% slower with passive ranks). A policy already set is left alone.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    import torch  # noqa: E402,F401 - its OpenMP runtime reads the policy now
+    del os.environ["OMP_WAIT_POLICY"]
 
 import shutil
 
