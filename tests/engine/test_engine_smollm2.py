@@ -12,7 +12,6 @@ from click.testing import CliRunner
 
 from ringctx.cli import main
 from ringctx.engine import Engine
-from ringctx.model import embedded_gguf_path
 
 SECRET = "The secret code for the vault is 7492, and only Marta knows it."
 QUESTION = "What is the secret code for the vault?"
@@ -43,9 +42,7 @@ def document2(engine2):
     return engine2.ingest(long_document())
 
 
-def test_two_ranks_equal_one_rank_and_transformers(engine1, engine2):
-    from transformers import AutoModelForCausalLM
-
+def test_two_ranks_equal_one_rank_and_transformers(engine1, engine2, smollm2_hf):
     ids = engine1.model.tokenizer(long_document(40))["input_ids"]
     r1 = engine1.prefill(ids, chunk_tokens=len(ids))
     r2 = engine2.prefill(ids, chunk_tokens=97, as_document=True)  # several chunks, both strategies possible
@@ -57,11 +54,8 @@ def test_two_ranks_equal_one_rank_and_transformers(engine1, engine2):
     engine2.drop_document(r2.document)
     for layer in (0, 29):
         torch.testing.assert_close(whole.k[layer][:len(ids)], r1.cache.k[layer][:len(ids)], atol=1e-4, rtol=0)
-    path = embedded_gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(path.rsplit("/", 1)[0], gguf_file=path.rsplit("/", 1)[1],
-                                              torch_dtype=torch.float32)
-    with torch.inference_mode():
-        hf_logits = hf(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+    with torch.inference_mode():  # transformers' float32 model of the embedded GGUF (tests/conftest.py)
+        hf_logits = smollm2_hf(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
     rel = (r2.logits - hf_logits).abs().max() / hf_logits.abs().max()
     assert rel < 1e-4, f"relative max error {rel:.2e} against transformers"
 

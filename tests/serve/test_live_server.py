@@ -92,16 +92,25 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Engine.ask's greedy answer on the same document (one process, float32)."""
+def one_process():
+    """An Engine in this process (float32) without the prefix cache: the answers the server's must
+    equal. (Without the cache, each answer is computed from its whole prompt; a document's ingest
+    is the same either way, as nothing was cached before it.)"""
     import ringctx
 
-    with ringctx.Engine(dtype="float32") as engine:
-        document = engine.ingest(DOCUMENT)
-        answer = engine.generate(document, QUESTION, max_new_tokens=16)
-        text = "".join(answer)
-        return {"answer": text, "tokens": document.length, "answer_tokens": len(answer.result.token_ids),
-                "finish_reason": "length" if answer.result.finish_reason == "length" else "stop"}
+    with ringctx.Engine(dtype="float32", prefix_cache=False) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def reference(one_process):
+    """Engine.ask's greedy answer on the same document (one process, float32)."""
+    document = one_process.ingest(DOCUMENT)
+    answer = one_process.generate(document, QUESTION, max_new_tokens=16)
+    text = "".join(answer)
+    one_process.drop_document(document)
+    return {"answer": text, "tokens": document.length, "answer_tokens": len(answer.result.token_ids),
+            "finish_reason": "length" if answer.result.finish_reason == "length" else "stop"}
 
 
 @pytest.fixture(scope="module")
@@ -154,12 +163,19 @@ PLAIN = ("The lighthouse keeper writes down every ship that passes the northern 
 
 
 @pytest.fixture(scope="module")
-def uncached():
-    """Engine.chat's greedy answer to a conversation without the prefix cache (one process, float32)."""
-    import ringctx
+def uncached(one_process):
+    """Engine.chat's greedy answer to a conversation without the prefix cache (one process, float32).
+    Kept per conversation: greedy answers are deterministic, and the tests ask some conversations
+    more than once (another salt, a restarted server)."""
+    answers = {}
 
-    with ringctx.Engine(dtype="float32", prefix_cache=False) as engine:
-        yield lambda messages: engine.chat(messages, max_new_tokens=GREEDY["max_tokens"]).text
+    def answer(messages):
+        key = json.dumps(messages)
+        if key not in answers:
+            answers[key] = one_process.chat(messages, max_new_tokens=GREEDY["max_tokens"]).text
+        return answers[key]
+
+    return answer
 
 
 def test_a_plain_client_reuses_its_earlier_prompts_and_turns(server, uncached):
