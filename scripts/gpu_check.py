@@ -106,26 +106,30 @@ class Check:
 
 # --- timing ----------------------------------------------------------------------------------
 
-def timed(ck: Check, fn, *, min_reps: int = 3, min_seconds: float = 0.3, max_reps: int = 100) -> float:
-    """Median seconds of fn() after two warm-up calls (CUDA events on GPU)."""
+def time_once(fn, dry: bool) -> float:
+    """Seconds of one fn() call: CUDA events on a GPU, the wall clock in a dry run."""
     import torch
 
+    if dry:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
+def timed(ck: Check, fn, *, min_reps: int = 3, min_seconds: float = 0.3, max_reps: int = 100) -> float:
+    """Median seconds of fn() after two warm-up calls (CUDA events on GPU)."""
     for _ in range(2):
         fn()
     times: list[float] = []
     start = time.monotonic()
     while len(times) < max_reps and (len(times) < min_reps or time.monotonic() - start < min_seconds):
-        if ck.dry:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        else:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+        times.append(time_once(fn, ck.dry))
     return statistics.median(times)
 
 
@@ -935,17 +939,7 @@ def _allreduce_job(rank: int, world: int, dry: bool) -> dict:
         times = []
         for _ in range(reps):
             dist.barrier()
-            if dry:
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            else:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
+            times.append(time_once(fn, dry))
         return statistics.median(times)
 
     for nbytes in sizes:

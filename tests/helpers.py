@@ -122,3 +122,46 @@ def assert_engine_answers_match(engine, hf, document, document_ids: list[int], q
         pass
     for q, result in zip(questions, many.results):
         assert result.token_ids == hf_greedy(hf, document_ids + q, n), q
+
+
+class SavedHFModels(dict):
+    """case -> (directory, transformers model): make_hf(case)'s model saved with save_pretrained on
+    first use (a module-scoped fixture's value: each case saved once for every test of a module)."""
+
+    def __init__(self, make_hf, tmp_path_factory):
+        super().__init__()
+        self.make_hf, self.tmp_path_factory = make_hf, tmp_path_factory
+
+    def __missing__(self, name):
+        directory = self.tmp_path_factory.mktemp(name)
+        hf = self.make_hf(name)
+        hf.save_pretrained(directory)
+        self[name] = (str(directory), hf)
+        return self[name]
+
+
+def assert_two_documents_answer_as_transformers(engine, hf, doc_a: list[int], doc_b: list[int], questions):
+    """Ingest two documents; questions on the first, alone and batched, and one on the second beside
+    it, answer as transformers' greedy generate does. Returns the two Documents."""
+    a, b = engine.ingest(doc_a), engine.ingest(doc_b)
+    assert_engine_answers_match(engine, hf, a, doc_a, questions)
+    other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
+    "".join(other)
+    assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
+    return a, b
+
+
+def random_hf_model_of(config, seed: int = 0):
+    """transformers' model of `config` (an image-text one when it has a text_config) in float32, every
+    parameter random: norms uniform in 0.5..1.5, the rest normal with std 0.05 (seeded before the
+    model is built, so its own init draws count too)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    auto = transformers.AutoModelForImageTextToText if hasattr(config, "text_config") else \
+        transformers.AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in param_name else torch.randn_like(p) * 0.05)
+    return model

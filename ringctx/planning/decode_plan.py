@@ -17,7 +17,7 @@ from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, check_integers, document_kv_bytes, kv_cache_bytes_per_rank, layer_activation_bytes,
     layer_kv_row_bytes, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
 )
-from ringctx.planning.strategy import local_heads
+from ringctx.planning.strategy import local_heads, widest_kv_width
 
 
 DECODE_ROOM_TOKENS = 256
@@ -64,7 +64,7 @@ def decode_workspace_bytes(model: ModelConfig, tp_size: int, slice_tokens: int, 
                               2 * rows * NKV_local * DH * 4; 0 for float caches (read in place)
     """
     heads, _ = local_heads(model, tp_size)
-    kv_row = max(max(1, h // tp_size) * d for h, d in model.kv_shapes)  # the widest layer's NKV_local * DH
+    kv_row = widest_kv_width(model, tp_size)
     block = min(slice_tokens, DEQUANT_BLOCK_TOKENS) if is_quantized(kv_dtype) else 0
     return {
         "token_activation_bytes": layer_activation_bytes(model, tp_size, 1, dtype),

@@ -18,8 +18,8 @@ from ringctx.model.int8_weights import check_int8_model, check_weights, code_byt
 from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
 from ringctx.planning.strategy import (
-    LSE_BYTES, PASS_KV, PASS_Q, STRATEGIES, all2all_bytes_per_rank, cached_rows_per_rank, local_heads,
-    tokens_per_rank,
+    LSE_BYTES, PASS_KV, PASS_Q, STRATEGIES, all2all_bytes_per_rank, cached_rows_per_rank, layer_widths, local_heads,
+    tokens_per_rank, widest_kv_width,
 )
 
 
@@ -130,7 +130,7 @@ def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: s
     e, DH = element_bytes(dtype), model.widest_head_dim
     hidden = HIDDEN_BUFFERS * rows * model.dim * e
     # the layer with the widest q, k and v sets the peak (layers may differ in head shape)
-    qkv = rows * max((heads + 2 * max(1, h // tp_size)) * d for h, d in model.kv_shapes) * e
+    qkv = rows * max(q + 2 * kv for q, kv in (layer_widths(model, tp_size, i) for i in range(model.n_layers))) * e
     # the widest feed-forward sets the peak: a dense MLP's ffn_dim or an expert's width (an expert
     # takes at most every row), plus a mixture of experts' float32 sum of its rows (model/moe.py)
     widths = [model.ffn_dim if x is None else x.expert_ffn_dim for x in map(model.experts, range(model.n_layers))]
@@ -158,7 +158,7 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
     """
     heads, _ = local_heads(model, tp_size)
     e, DH, t = element_bytes(dtype), model.widest_head_dim, tokens_per_rank(chunk_tokens, cp_size)
-    kv_row = max(max(1, h // tp_size) * d for h, d in model.kv_shapes)  # the widest layer's NKV_local * DH
+    kv_row = widest_kv_width(model, tp_size)
     if cp_size == 1:
         ring = 0
     elif strategy == PASS_KV:

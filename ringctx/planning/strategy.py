@@ -501,6 +501,12 @@ def layer_widths(model: ModelConfig, tp_size: int, layer: int) -> tuple[int, int
     return heads * head_dim, max(1, kv_heads // tp_size) * head_dim
 
 
+def widest_kv_width(model: ModelConfig, tp_size: int) -> int:
+    """The widest layer's NKV_local * DH (`layer_widths`): what a buffer of one layer's K or V rows
+    is sized for."""
+    return max(layer_widths(model, tp_size, layer)[1] for layer in range(model.n_layers))
+
+
 def linear_flops(tokens: int, model: ModelConfig, tp_size: int) -> int:
     """FLOPs of one block's linear layers for `tokens` tokens on one GPU: 2 * tokens * params / TP."""
     return 2 * tokens * linear_params_per_layer(model) // tp_size

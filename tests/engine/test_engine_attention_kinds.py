@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match, hf_greedy, random_prompt,
-                           rel_err)
+from tests.helpers import (assert_engine_prefills_match, assert_two_documents_answer_as_transformers, hf_greedy,
+                           random_prompt, rel_err)
 
 SHAPE = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -64,11 +64,7 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
     doc_a, doc_b = random_prompt(130, seed=3).tolist(), random_prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24]]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=decode_ranks, chunk_tokens=32) as engine:
-        a, b = engine.ingest(doc_a), engine.ingest(doc_b)
-        assert_engine_answers_match(engine, hf, a, doc_a, questions)
-        other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
-        "".join(other)
-        assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
+        a, b = assert_two_documents_answer_as_transformers(engine, hf, doc_a, doc_b, questions)
         # The documents' sliding layers kept only what later tokens see (rank 0's slice here):
         # the window of 11 needs the last 10 rows, wherever they are; the full layer keeps all.
         assert a.dropped_unseen and a.cache.kept[1] == 0 and all(a.cache.kept[i] > 0 for i in (0, 2, 3))

@@ -8,28 +8,13 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import rel_err
+from tests.helpers import SavedHFModels, rel_err
 from tests.model.test_model_families import INSIDE, PAST, prompt, random_hf_model
-
-
-class SavedModels(dict):
-    """case -> (directory, transformers model), each saved with save_pretrained on first use."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, name):
-        directory = self.tmp_path_factory.mktemp(name)
-        hf = random_hf_model(name)
-        hf.save_pretrained(directory)
-        self[name] = (str(directory), hf)
-        return self[name]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return SavedModels(tmp_path_factory)
+    return SavedHFModels(random_hf_model, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"W{w}")

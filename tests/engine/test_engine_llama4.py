@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match, hf_greedy, random_prompt,
+from tests.helpers import (assert_engine_prefills_match, assert_two_documents_answer_as_transformers, random_prompt,
                            rel_err)
 from tests.model.test_model_llama4 import random_hf_model
 
@@ -38,11 +38,7 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, wor
     doc_a, doc_b = random_prompt(130, seed=3).tolist(), random_prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=decode_ranks, chunk_tokens=32) as engine:
-        a, b = engine.ingest(doc_a), engine.ingest(doc_b)
-        assert_engine_answers_match(engine, hf, a, doc_a, questions)
-        other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
-        "".join(other)
-        assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
+        a, b = assert_two_documents_answer_as_transformers(engine, hf, doc_a, doc_b, questions)
 
 
 def test_tensor_parallel_prefill_matches_transformers(saved):

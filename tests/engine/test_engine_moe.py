@@ -9,29 +9,14 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match, hf_greedy, random_prompt,
-                           rel_err)
+from tests.helpers import (SavedHFModels, assert_engine_prefills_match, assert_two_documents_answer_as_transformers,
+                           hf_greedy, random_prompt, rel_err)
 from tests.model.test_model_moe import random_hf_model
-
-
-class SavedModels(dict):
-    """case -> (directory, transformers model), each saved with save_pretrained on first use."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, name):
-        directory = self.tmp_path_factory.mktemp(name)
-        hf = random_hf_model(name)
-        hf.save_pretrained(directory)
-        self[name] = (str(directory), hf)
-        return self[name]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    return SavedModels(tmp_path_factory)
+    return SavedHFModels(random_hf_model, tmp_path_factory)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"W{w}")
@@ -53,11 +38,7 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved, cas
     doc_a, doc_b = random_prompt(130, seed=3).tolist(), random_prompt(70, seed=4).tolist()
     questions = [[7, 11, 13], [5, 9], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
     with Engine(directory, nproc=world, dtype="float32", decode_ranks=decode_ranks, chunk_tokens=32) as engine:
-        a, b = engine.ingest(doc_a), engine.ingest(doc_b)
-        assert_engine_answers_match(engine, hf, a, doc_a, questions)
-        other = engine.generate(b, questions[1], max_new_tokens=8, stop_token_ids=[])
-        "".join(other)
-        assert other.result.token_ids == hf_greedy(hf, doc_b + questions[1])
+        a, b = assert_two_documents_answer_as_transformers(engine, hf, doc_a, doc_b, questions)
         engine.save_document(b, str(tmp_path / "b.kv"))
         loaded = engine.load_document(str(tmp_path / "b.kv"))
         again = engine.generate(loaded, questions[2], max_new_tokens=8, stop_token_ids=[])

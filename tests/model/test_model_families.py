@@ -18,7 +18,7 @@ import torch
 from ringctx.model.config import ModelConfig, RopeScaling
 from ringctx.model.config_hf import read_hf_config
 from ringctx.model import load_model
-from tests.helpers import one_thread_for_module, rel_err
+from tests.helpers import one_thread_for_module, random_hf_model_of, rel_err
 from tests.model.test_model_gguf import gguf_weights_from_hf, write_gguf
 
 one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
@@ -71,14 +71,7 @@ CASES = ["qwen3-yarn-tied", "qwen3-bias", "llama-yarn-mscale", "llama-linear", "
 
 def random_hf_model(name: str, seed: int = 0):
     """transformers' model of case `name`, every parameter random (biases and norms too)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            p.copy_(torch.rand_like(p) + 0.5 if "norm" in param_name else torch.randn_like(p) * 0.05)
-    return model
+    return random_hf_model_of(hf_config(name), seed)
 
 
 @pytest.fixture(scope="module", params=CASES)

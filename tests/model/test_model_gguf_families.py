@@ -161,7 +161,12 @@ def write_model_gguf(path, hf, arch: str, keys=None, tensors: dict[str, np.ndarr
     add_keys(writer, hf, arch)
     if keys is not None:
         keys(writer)
-    for name, w in (gguf_tensors(hf, arch) if tensors is None else tensors).items():
+    write_tensors(writer, gguf_tensors(hf, arch) if tensors is None else tensors, matrices)
+
+
+def write_tensors(writer, tensors: dict[str, np.ndarray], matrices=gguf.GGMLQuantizationType.F32) -> None:
+    """Add `tensors` (matrices of type `matrices`, the rest float32) and write the file out."""
+    for name, w in tensors.items():
         w = np.ascontiguousarray(w, dtype=np.float32)
         if w.ndim == 2 and matrices != gguf.GGMLQuantizationType.F32:
             data = gguf.quants.quantize(w, matrices)

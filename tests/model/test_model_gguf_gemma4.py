@@ -39,8 +39,8 @@ from ringctx.model.config_gguf import read_gguf_config
 from ringctx.model.config_hf import read_hf_config
 from tests.helpers import one_thread_for_module, rel_err
 from tests.model.test_model_families import prompt
-from tests.model.test_model_gemma4 import GEMMA4_31B, LONG, SHORT, WINDOW, random_hf_model
-from tests.model.test_model_gguf_families import _rounded, write_header
+from tests.model.test_model_gemma4 import GEMMA4_31B, LONG, SHORT, random_hf_model
+from tests.model.test_model_gguf_families import _rounded, write_header, write_tensors
 
 one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
 
@@ -123,17 +123,7 @@ def write_gemma4_gguf(path, hf, matrices=gguf.GGMLQuantizationType.F32) -> None:
     """hf's model as llama.cpp's gemma4 GGUF file, its matrices of type `matrices`."""
     writer = gguf.GGUFWriter(str(path), "gemma4")
     add_gemma4_keys(writer, hf.config)
-    for name, w in gemma4_tensors(hf).items():
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if w.ndim == 2 and matrices != gguf.GGMLQuantizationType.F32:
-            data = gguf.quants.quantize(w, matrices)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=matrices)
-        else:
-            writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, gemma4_tensors(hf), matrices)
 
 
 @pytest.fixture(scope="module", params=CASES)

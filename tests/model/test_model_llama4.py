@@ -20,7 +20,7 @@ import torch
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
 from tests.helpers import (assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
-                           rel_err, saved_hf_pair)
+                           random_hf_model_of, rel_err, saved_hf_pair)
 from tests.model.test_model_families import prompt
 
 one_thread = pytest.fixture(scope="module", autouse=True)(one_thread_for_module)
@@ -69,15 +69,7 @@ def random_hf_model(name: str, seed: int = 0):
     import transformers
 
     assert transformers.__version__ == TRANSFORMERS_VERSION
-    torch.manual_seed(seed)
-    config = hf_config(name)
-    auto = transformers.AutoModelForImageTextToText if hasattr(config, "text_config") else \
-        transformers.AutoModelForCausalLM
-    model = auto.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            p.copy_(torch.rand_like(p) + 0.5 if "norm" in param_name else torch.randn_like(p) * 0.05)
-    return model
+    return random_hf_model_of(hf_config(name), seed)
 
 
 CASES = ["llama4-text", "llama4-text-scaled-bias", "llama4-vlm"]
