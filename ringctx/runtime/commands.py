@@ -93,7 +93,7 @@ def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: i
     """Check the memory, agree on the inputs and plan the shards of a prefill over every CP rank."""
     token_ids = ids_from_bytes(ids)
     config = state.prefill_config(chunk_tokens, strategy, decode_room, trace)
-    _check_memory(state, token_ids, cached, config)
+    _check_memory(state, token_ids, cached, config, drop_unseen)
     run = PrefillRun(state.model, token_ids, config, group=state.mesh.cp_group, cache=cache,
                      cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, state.rank),
                      drop_unseen=drop_unseen)
@@ -124,7 +124,7 @@ def prefill_cancel(state: RankState, prefill_id: int) -> None:
     state.prefills.pop(prefill_id, None)
 
 
-def _check_memory(state: RankState, token_ids, cached: int, config) -> None:
+def _check_memory(state: RankState, token_ids, cached: int, config, drop_unseen: bool) -> None:
     """Refuse a prefill the memory cannot hold, on every rank alike (see memory_check.memory_problem)."""
     s = state.settings
     torchrun = state.mode == "torchrun"
@@ -132,7 +132,8 @@ def _check_memory(state: RankState, token_ids, cached: int, config) -> None:
     local_decode = not torchrun or state.leader // s.ranks_per_host == state.rank // s.ranks_per_host
     problem = memory_problem(state.model, int(token_ids.numel()), cached, config.chunk_tokens, s.cp_size,
                              state.mesh.cp_rank, config.decode_rank, config.decode_room, local_ranks=local_ranks,
-                             local_decode=local_decode, decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype)
+                             local_decode=local_decode, decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype,
+                             drop_unseen=drop_unseen and state.model.device.type == "cpu")
     if state.world_size > 1:
         agree_across_ranks("prefill", problem, "memory check")
     elif problem:

@@ -16,7 +16,8 @@ import torch
 from ..parallel.ring import STRATEGIES
 from ..planning.hardware import element_bytes
 from ..planning.memory import (
-    MEMORY_USABLE_FRACTION, activation_bytes_per_rank, kv_cache_bytes_per_rank, kv_row_bytes,
+    MEMORY_USABLE_FRACTION, activation_bytes_per_rank, document_kv_bytes, kv_row_bytes, layer_kv_row_bytes,
+    prefill_kv_bytes_per_rank,
 )
 from ..planning.strategy import cached_rows_per_rank, tokens_per_rank
 from ..units import fmt_bytes
@@ -57,23 +58,28 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: int, chunk: int, *,
                         decode_room: int, local_ranks: int, decode_here: bool, decode_ranks: int = 1,
-                        kv_dtype: str = "model") -> dict:
+                        kv_dtype: str = "model", drop_unseen: bool = False) -> dict:
     """Bytes a prefill adds on this rank's device (host RAM on CPU: all its local ranks), by part.
 
-    From the planner's formulas: the KV shard (kv_cache_bytes_per_rank over the rows this rank
-    ends with, stored in kv_dtype), the one-layer working set of a chunk (activation_bytes_per_rank,
-    the larger of pass-KV and pass-Q), and what the hand-off adds on the decode host: with one
-    decode rank the whole decode KV cache, with several the rows the other ranks send them plus
-    each decode rank's room. Weights are already loaded and not counted again.
+    From the planner's formulas: the KV shard at its fullest (prefill_kv_bytes_per_rank, stored in
+    kv_dtype; with drop_unseen its windowed and chunked layers hold only what the next chunk still
+    sees), the one-layer working set of a chunk (activation_bytes_per_rank, the larger of pass-KV
+    and pass-Q), and what the hand-off adds on the decode host: with one decode rank the whole
+    decode KV cache (a document's rows with drop_unseen: document_kv_bytes), with several the rows
+    the other ranks send them plus each decode rank's room. Weights are already loaded and not
+    counted again. `cfg` is this rank's (its tensor-parallel share of the heads).
     """
     chunk = max(1, min(chunk, tokens))
     full, rest = divmod(tokens, chunk)
-    rows = cached_rows_per_rank(cached, world) + full * tokens_per_rank(chunk, world) + \
-        (tokens_per_rank(rest, world) if rest else 0)
-    shard = kv_cache_bytes_per_rank(cfg, rows, 1, dtype_name, kv_dtype)
+    chunks = [chunk] * full + ([rest] if rest else [])
+    rows = cached_rows_per_rank(cached, world) + sum(tokens_per_rank(t, world) for t in chunks)
+    shard = prefill_kv_bytes_per_rank(cfg, cached, chunks, world, 1, dtype_name, kv_dtype, drop_unseen)
     activations = max(activation_bytes_per_rank(cfg, world, 1, chunk, rows, s, dtype_name) for s in STRATEGIES)
     per_token = kv_row_bytes(cfg, 1, dtype_name, kv_dtype)
-    if decode_ranks == 1:
+    if decode_ranks == 1 and drop_unseen:
+        decode_cache = document_kv_bytes(cfg, layer_kv_row_bytes(cfg, 1, dtype_name, kv_dtype), cached + tokens) \
+            + per_token * decode_room
+    elif decode_ranks == 1:
         decode_cache = per_token * (cached + tokens + decode_room)
     else:  # decode ranks keep their shards: only the other ranks' rows arrive, and the room
         moved = (cached + tokens) * max(0, world - decode_ranks) // world
@@ -86,12 +92,13 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
 
 def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank: int, decode_rank: int,
                    decode_room: int, *, local_ranks: int = 1, local_decode: bool | None = None,
-                   decode_ranks: int = 1, kv_dtype: str = "model") -> str | None:
+                   decode_ranks: int = 1, kv_dtype: str = "model", drop_unseen: bool = False) -> str | None:
     """A one-line problem when the prefill would not fit the memory available to this rank, else None.
 
     On CPU the ranks of one host share its RAM: `local_ranks` of them, and what the hand-off
     brings to the decode ranks when `local_decode` (default: this is the decode rank). Every fix
-    it suggests is checked to fit. Set RINGCTX_MEMORY_CHECK=0 to
+    it suggests is checked to fit. drop_unseen: the prefill drops what later chunks no longer see
+    (PrefillRun's drop_unseen on a CPU rank). Set RINGCTX_MEMORY_CHECK=0 to
     skip the check, RINGCTX_MEMORY_LIMIT=<size> to cap the memory it assumes available.
     """
     if os.environ.get(MEMORY_CHECK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -115,7 +122,8 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
         extra_weights = (n_local - local_ranks) * weight_bytes * element_bytes(dtype) // element_bytes(dtype_name)
         return extra_weights + prefill_memory_need(
             cfg, dtype, n_world * n_local // local_ranks, n_tokens, cached, n_chunk, decode_room=decode_room,
-            local_ranks=n_local, decode_here=decode_here, decode_ranks=n_decode, kv_dtype=kv)["total"]
+            local_ranks=n_local, decode_here=decode_here, decode_ranks=n_decode, kv_dtype=kv,
+            drop_unseen=drop_unseen)["total"]
 
     try:
         free, where = available_memory(model.device)
@@ -124,7 +132,7 @@ def memory_problem(model, tokens: int, cached: int, chunk: int, world: int, rank
     usable = int(free * MEMORY_USABLE_FRACTION)
     need = prefill_memory_need(cfg, dtype_name, world, tokens, cached, chunk, decode_room=decode_room,
                                local_ranks=local_ranks, decode_here=decode_here, decode_ranks=decode_ranks,
-                               kv_dtype=kv_dtype)
+                               kv_dtype=kv_dtype, drop_unseen=drop_unseen)
     if need["total"] <= usable:
         return None
     parts = f"KV shard {fmt_bytes(need['shard'])} + chunk working set {fmt_bytes(need['activations'])} per rank"

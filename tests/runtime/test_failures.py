@@ -184,6 +184,22 @@ def _settings_in(message: str) -> dict:
     return dict(re.findall(r"--(dtype|kv-dtype|chunk-tokens|nproc) (\S+)", fix))
 
 
+def test_the_memory_check_counts_what_a_dropping_prefill_holds():
+    """A windowed model's prefill that drops unseen rows holds about its window per layer: the check
+    asks for the planner's figure (prefill_kv_bytes_per_rank), much less than every row."""
+    from ringctx.model.presets import get_preset
+    from ringctx.planning.memory import prefill_kv_bytes_per_rank
+
+    cfg = get_preset("tiny-llama4")  # 3 of 4 layers chunked (8,192): their rows stop growing
+    args = dict(decode_room=256, local_ranks=2, decode_here=True, decode_ranks=1, kv_dtype="model")
+    keep = prefill_memory_need(cfg, "bfloat16", 2, 131072, 0, 4096, **args)
+    drop = prefill_memory_need(cfg, "bfloat16", 2, 131072, 0, 4096, drop_unseen=True, **args)
+    assert drop["shard"] == prefill_kv_bytes_per_rank(cfg, 0, [4096] * 32, 2, 1, "bfloat16", drop_unseen=True)
+    assert keep["shard"] == prefill_kv_bytes_per_rank(cfg, 0, [4096] * 32, 2, 1, "bfloat16")
+    assert drop["shard"] < 0.4 * keep["shard"] and drop["decode_cache"] < 0.4 * keep["decode_cache"]
+
+
+
 @pytest.mark.parametrize("cores", [1, 4])
 def test_memory_refusals_suggest_only_settings_that_fit(monkeypatch, cores):
     # cores: more local ranks are among the settings tried only where the cores could run them
