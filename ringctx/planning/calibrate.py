@@ -84,7 +84,7 @@ class CalibrationSettings:
     ring_case_seconds: float = 0.3
     """Cases predicted (before the fit) to take longer than this per call are left out."""
     tp_size: int = 0
-    """Group size whose all_reduce gives the tensor-parallel link (tp_latency_s, tp_bandwidth_bytes_per_s);
+    """Group size whose all-reduce (the engine's: parallel/allreduce.py) gives the tensor-parallel link (tp_latency_s, tp_bandwidth_bytes_per_s);
     0: the smallest measured group. It is measured as one of cp_sizes."""
 
     @classmethod
@@ -370,9 +370,11 @@ def live_group_job(rank: int, world: int, settings: dict) -> dict[str, Any]:
     esize = torch.empty(0, dtype=dtype).element_size()
     out: dict[str, Any] = {"world": world, "threads": torch.get_num_threads()}
     if world > 1:
+        from ringctx.parallel.allreduce import make_all_reduce
         from ringctx.planning.strategy import allreduce_bus_bytes
 
         ring = Ring(None)
+        reduce = make_all_reduce(None, torch.device("cpu"))  # the engine's TP all-reduce, chosen by size
         sendrecv, a2a, allreduce = [], [], []
         for nb in settings["message_bytes"]:
             send = torch.zeros(max(1, nb // esize), dtype=dtype)
@@ -381,11 +383,12 @@ def live_group_job(rank: int, world: int, settings: dict) -> dict[str, Any]:
             per_peer = max(1, nb // esize // (world - 1))
             chunks = torch.zeros(world, per_peer, dtype=dtype)
             a2a.append(((world - 1) * per_peer * esize, _timed_collective(lambda: all_to_all_equal(chunks, None), repeats)))
-            # a TP all-reduce of an nb-byte activation buffer among the local ranks, priced by the
-            # bytes each rank moves (as the cost model's tp_allreduce_bytes counts them)
+            # a TP all-reduce of an nb-byte activation buffer among the local ranks, as the engine
+            # runs it (parallel/allreduce.py: shared memory on one host, else the group's), priced
+            # by the bytes each rank moves (as the cost model's tp_allreduce_bytes counts them)
             buffer = torch.zeros(max(1, nb // esize), dtype=dtype)
             allreduce.append((allreduce_bus_bytes(buffer.numel() * esize, world),
-                              _timed_collective(lambda: dist.all_reduce(buffer), repeats)))
+                              _timed_collective(lambda: reduce(buffer), repeats)))
         out["sendrecv"], out["all2all"], out["allreduce"] = sendrecv, a2a, allreduce
 
     # compute: rank 0 alone (the others wait at a barrier), then every rank at once
@@ -784,8 +787,9 @@ def _finish_profile(profile: HardwareProfile, rings: dict[int, RingCalibration],
         "linear_flops_per_s and layer_overhead_s: time = overhead + FLOPs / rate fitted to whole decoder blocks "
         "without attention (norms, RoPE, SiLU included) from one token up; plain GEMMs gave "
         + ", ".join(f"{d} {g / 1e9:.3g} GFLOP/s" for d, g in gemm.items()) + ". "
-        f"tp_latency_s and tp_bandwidth_bytes_per_s: all_reduce among {settings.tp_size or 'the smallest measured group of'} "
-        "local ranks, latency + 2*(N-1)/N*bytes / bandwidth. "
+        f"tp_latency_s and tp_bandwidth_bytes_per_s: the engine's TP all-reduce (shared memory by size on one host) "
+        f"among {settings.tp_size or 'the smallest measured group of'} local ranks, "
+        "latency + 2*(N-1)/N*bytes / bandwidth. "
         "memory_bytes is the host RAM, shared by the local ranks (the planner divides it by N). "
         f"Ring sizes measured: {', '.join(str(n) for n in measured) or 'none'}; others are scaled from the nearest "
         "(HardwareProfile.ring). Rerun `ringctx calibrate` after changing the machine, the torch version or the load."
