@@ -1,0 +1,171 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3.5 / 3.6, Qwen3-Next linear-attention layers), and how a
+sequence split into pieces over ranks computes it exactly.
+
+For each head, a state S [Dk, Dv] (float32) runs over the tokens t = 1..T:
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T      g_t <= 0 (log decay), 0 <= beta_t <= 1
+    o_t = S_t^T q_t                                                         [Dv]
+
+(transformers' torch_recurrent_gated_delta_rule: decay the state, read k_t from it, write back
+beta_t (v_t - S^T k_t) at k_t.) q and k arrive L2-normalised and q scaled by Dk^-0.5 (the layer
+does both, as transformers does, before calling these).
+
+The recurrence is linear in the start state. Write A_t = exp(g_t) (I - beta_t k_t k_t^T) [Dk, Dk]
+(symmetric); over a piece of tokens from a start state S_0:
+
+    S_end    = M S_0 + C                  M = A_T ... A_1 (the piece's transition), C = S_end from 0
+    o_t(S_0) = o_t(0) + (P_t S_0)^T q_t     P_t = A_t ... A_1
+
+so the outputs from any start state are the outputs from zero plus a term linear in S_0. Context
+parallelism uses exactly this (`PieceSummary`, `compose`): every rank summarises its pieces of a
+chunk as (M, C) from a zero state, one exchange gives every rank every summary, each composes the
+true start state of its pieces in sequence order, and the scan runs again from it. What is not
+repeated is the costly part of a chunk: the projections, the convolution and the intra-chunk
+triangular solve (`ChunkForm`).
+
+The chunked form (`ChunkForm`, after transformers' torch_chunk_gated_delta_rule and the DeltaNet
+paper's UT transform): tokens in blocks of `block` (64); within a block the T rank-1 updates are
+condensed by one triangular solve into u (the values each token writes, corrected for the block's
+earlier writes) and w (the keys' decayed reads of the block's start state); across blocks a scan
+of small matmuls carries the state:
+
+    v_new = u_b - w_b S          o_b = (q_b decayed) S + (intra_b) v_new
+    S     = exp(G_b) S + (k_b decayed to the block's end)^T v_new
+
+Every function is computed in float32 (inputs of another dtype are converted); the reference
+(`recurrent`) runs in the dtype it is given, float64 for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 64
+"""Tokens per block of the chunked form (transformers' and flash-linear-attention's chunk_size)."""
+
+
+def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token, in q's dtype (the decode step; float64 as the reference).
+
+    q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dk, Dv] or None (zeros).
+    Returns (o [T, H, Dv], the state after the last token [H, Dk, Dv])."""
+    T, H, Dk = k.shape
+    dtype = q.dtype
+    S = torch.zeros(H, Dk, v.shape[-1], dtype=dtype, device=q.device) if state is None else state.to(dtype).clone()
+    out = torch.empty(T, H, v.shape[-1], dtype=dtype, device=q.device)
+    for t in range(T):
+        S.mul_(g[t].to(dtype).exp()[:, None, None])
+        read = torch.einsum("hk,hkv->hv", k[t].to(dtype), S)
+        delta = (v[t].to(dtype) - read) * beta[t].to(dtype)[:, None]
+        S.add_(k[t].to(dtype)[:, :, None] * delta[:, None, :])
+        out[t] = torch.einsum("hk,hkv->hv", q[t].to(dtype), S)
+    return out, S
+
+
+@dataclass
+class ChunkForm:
+    """A piece of T tokens prepared for the scan: what depends only on the piece's own q, k, v, g,
+    beta (its cost is the layer's; a new start state does not change it). Heads first, tokens in
+    nb = ceil(T / block) blocks of `block` (the last padded with g = 0, beta = 0, k = v = q = 0: a
+    padded token neither decays nor writes the state, and its output is dropped).
+
+    Shapes (float32): u [H, nb, B, Dv] the values written; w [H, nb, B, Dk] the keys' reads of the
+    block's start state; q_decayed [H, nb, B, Dk]; k_to_end [H, nb, B, Dk] (each key decayed to its
+    block's end); intra [H, nb, B, B] the block's causal, decayed q.k; block_decay [H, nb] exp of a
+    block's summed g."""
+
+    T: int
+    u: torch.Tensor
+    w: torch.Tensor
+    q_decayed: torch.Tensor
+    k_to_end: torch.Tensor
+    intra: torch.Tensor
+    block_decay: torch.Tensor
+
+    @classmethod
+    def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              block: int = BLOCK) -> "ChunkForm":
+        """q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H] (any float dtype; computed in float32)."""
+        T, H, Dk = k.shape
+        pad = (-T) % block
+        f32 = [x.float().transpose(0, 1) for x in (q, k, v)]                       # [H, T, D]
+        q_, k_, v_ = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(H, -1, block, x.shape[-1]) for x in f32)
+        g_, beta_ = (torch.nn.functional.pad(x.float().transpose(0, 1), (0, pad)).reshape(H, -1, block)
+                     for x in (g, beta))
+        cum = g_.cumsum(-1)                                                        # [H, nb, B]
+        upper = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
+        # exp(cum_i - cum_j) for j <= i: the decay from token j to token i of a block (masked before exp)
+        pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        k_beta = k_ * beta_[..., None]
+        system = (k_beta @ k_.transpose(-1, -2)) * pair                            # unit lower-triangular, minus I
+        system = system.masked_fill(~torch.ones_like(upper).tril(-1), 0) + torch.eye(block, device=q.device)
+        u = torch.linalg.solve_triangular(system, v_ * beta_[..., None], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+        return cls(T=T, u=u, w=w, q_decayed=q_ * cum.exp()[..., None],
+                   k_to_end=k_ * (cum[..., -1:] - cum).exp()[..., None],
+                   intra=(q_ @ k_.transpose(-1, -2)) * pair, block_decay=cum[..., -1].exp())
+
+    def scan(self, state: torch.Tensor | None, outputs: bool = True, values: bool = True
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Carry a start state [H, Dk, Dv'] (None: zeros of Dv' = Dv) through the piece.
+
+        values=False drops the piece's own writes (u): the scan is then the linear part alone, the
+        map S_0 -> (outputs' dependence on S_0, P S_0), which with S_0 = I gives the transition M.
+        Returns (o [T, H, Dv'] or None when not `outputs`, the end state [H, Dk, Dv'])."""
+        H, nb, B, Dv = self.u.shape
+        S = torch.zeros(H, self.w.shape[-1], Dv, device=self.u.device) if state is None else state.float().clone()
+        out = torch.empty(H, nb, B, S.shape[-1], device=self.u.device) if outputs else None
+        for b in range(nb):
+            v_new = -(self.w[:, b] @ S)
+            if values:
+                v_new += self.u[:, b]
+            if outputs:
+                out[:, b] = self.q_decayed[:, b] @ S + self.intra[:, b] @ v_new
+            S = S * self.block_decay[:, b, None, None] + self.k_to_end[:, b].transpose(-1, -2) @ v_new
+        if out is not None:
+            out = out.reshape(H, nb * B, -1)[:, :self.T].transpose(0, 1)
+        return out, S
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            state: torch.Tensor | None = None, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over T tokens in the chunked form (prefill), float32: (o [T, H, Dv], end state
+    [H, Dk, Dv]). Shapes as `recurrent`."""
+    return ChunkForm.build(q, k, v, g, beta, block).scan(state)
+
+
+@dataclass
+class PieceSummary:
+    """What a piece of a sequence tells the others (one exchange per linear layer and chunk): the
+    end state S_end = transition S_0 + contribution for any start state S_0.
+
+    transition [H, Dk, Dk] and contribution [H, Dk, Dv], float32 (bf16 drifts over many pieces)."""
+
+    transition: torch.Tensor
+    contribution: torch.Tensor
+
+    @classmethod
+    def of(cls, form: ChunkForm) -> "PieceSummary":
+        """The summary of a prepared piece: two scans without outputs, from zero and from I."""
+        H, _, _, Dv = form.u.shape
+        Dk = form.w.shape[-1]
+        _, contribution = form.scan(None, outputs=False)
+        eye = torch.eye(Dk, device=form.u.device).expand(H, Dk, Dk)
+        _, transition = form.scan(eye, outputs=False, values=False)
+        return cls(transition, contribution)
+
+    def apply(self, state: torch.Tensor) -> torch.Tensor:
+        """The piece's end state from the start state [H, Dk, Dv]."""
+        return self.transition @ state.float() + self.contribution
+
+
+def compose(summaries: list[PieceSummary], state: torch.Tensor) -> list[torch.Tensor]:
+    """The start state of each piece, in sequence order, from the state before the first
+    [H, Dk, Dv]; then the end state after the last (len(summaries) + 1 states)."""
+    states = [state.float()]
+    for summary in summaries:
+        states.append(summary.apply(states[-1]))
+    return states
