@@ -1,0 +1,49 @@
+"""Case functions of tests/parallel/test_linear_state.py, run on every rank of a RankPool."""
+
+from __future__ import annotations
+
+import torch
+
+H, DK, DV, WIDTH, C = 2, 8, 6, 3, 5
+
+
+def whole_sequence(T: int, seed: int):
+    """The chunk's inputs every rank can rebuild: q, k, v, g, beta (as attention/gated_delta.py
+    takes them), the convolution inputs [T, C], the state and convolution inputs before the chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(T, H, DK, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in "qk")
+    v = torch.randn(T, H, DV, generator=gen, dtype=torch.float64)
+    g = -torch.rand(T, H, generator=gen, dtype=torch.float64) * 0.5
+    beta = torch.rand(T, H, generator=gen, dtype=torch.float64)
+    conv = torch.randn(T, C, generator=gen).to(torch.bfloat16)
+    state = torch.randn(H, DK, DV, generator=gen, dtype=torch.float64)
+    conv_before = torch.randn(WIDTH, C, generator=gen).to(torch.bfloat16)
+    return (q * DK ** -0.5, k, v, g, beta), conv, state, conv_before
+
+
+def piece_bounds(T: int, world: int) -> list[tuple[int, int]]:
+    """[start, end) of pieces 0..2N-1 (layout.py's cut: ceil(T / 2N) tokens each, the last ones short or empty)."""
+    size = -(-T // (2 * world))
+    return [(min(p * size, T), min((p + 1) * size, T)) for p in range(2 * world)]
+
+
+def exchange_case(rank: int, world: int, cases: list[tuple[int, int]]):
+    """For each (T, seed): this rank's two pieces' (bounds, outputs from their composed start, the
+    convolution inputs before them), and the end state and inputs this rank composed."""
+    from ringctx.attention.gated_delta import ChunkForm, PieceSummary
+    from ringctx.parallel.linear_state import empty_summary, exchange_starts, piece_tail
+
+    out = []
+    for T, seed in cases:
+        tensors, conv, state, conv_before = whole_sequence(T, seed)
+        bounds = piece_bounds(T, world)
+        mine = [bounds[rank], bounds[2 * world - 1 - rank]]
+        forms = [ChunkForm.build(*(x[a:b] for x in tensors)) if b > a else None for a, b in mine]
+        summaries = [PieceSummary.of(f) if f is not None else empty_summary(H, DK, DV) for f in forms]
+        tails = [piece_tail(conv[a:b], WIDTH) for a, b in mine]
+        starts, end, end_inputs = exchange_starts(summaries, tails, [b - a for a, b in mine], state, conv_before)
+        pieces = [(a, b, f.scan(s.state)[0] if f is not None else None, s.conv_inputs)
+                  for (a, b), f, s in zip(mine, forms, starts)]
+        out.append((pieces, end, end_inputs))
+    return out
