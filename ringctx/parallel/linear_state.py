@@ -7,20 +7,21 @@ delta layer (attention/gated_delta.py) needs, for each piece, two things that co
     the recurrent state at its first token    [H, Dk, Dv] float32
     the convolution's K-1 previous inputs     [K-1, C]  (the short causal convolution in front)
 
-Sent piece to piece, either would serialise the ranks. Instead every rank summarises its pieces
-from a zero state (a piece's transition [H, Dk, Dk] and contribution [H, Dk, Dv], `PieceSummary`)
-and its pieces' last K-1 inputs, one all-gather gives every rank all of them, and each rank
-composes in sequence order the start state and the previous inputs of its own pieces (and the
-chunk's end state, the next chunk's start: every rank composes it alike, so every rank holds it).
+Sent piece to piece, either would serialise the ranks. Instead two all-gathers per layer and
+chunk, each composed by every rank in sequence order (and to the chunk's end, the next chunk's
+start, which every rank so holds alike):
 
-    exchange per layer and chunk: 2N pieces x (H Dk (Dk + Dv) floats + (K-1) C inputs)
+    exchange_conv_inputs   each piece's last K-1 in-projected inputs (they depend on the piece
+                           alone): (K-1) C values a piece; then every rank runs the convolution
+    exchange_states        each piece's summary from a zero state (transition [H, Dk, Dk] and
+                           contribution [H, Dk, Dv], `PieceSummary`): H Dk (Dk + Dv) floats a piece;
+                           then every rank scans its pieces again from their true start states
 
 States compose in float32 whatever the model's dtype (a bf16 state drifts over many pieces).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,15 +36,6 @@ def balanced_piece_order(world: int) -> list[tuple[int, int]]:
     return [(p, 0) if p < world else (2 * world - 1 - p, 1) for p in range(2 * world)]
 
 
-@dataclass
-class PieceStart:
-    """What one of this rank's pieces starts from: the recurrent state before its first token and
-    the convolution's previous inputs (its last K-1 inputs before the piece, oldest first)."""
-
-    state: torch.Tensor
-    conv_inputs: torch.Tensor
-
-
 def conv_tail(before: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     """The last K-1 rows of `before` [K-1, C] followed by `inputs` [n, C]: the convolution's previous
     inputs after a piece (a piece shorter than K-1 keeps some of what came before it)."""
@@ -51,40 +43,64 @@ def conv_tail(before: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     return torch.cat([before, inputs.to(before.dtype)])[-width:] if width else before
 
 
-def exchange_starts(summaries: list[PieceSummary], tails: list[torch.Tensor], lengths: list[int],
-                    state: torch.Tensor, conv_before: torch.Tensor, group=None
-                    ) -> tuple[list[PieceStart], torch.Tensor, torch.Tensor]:
-    """The start of this rank's two pieces, and the chunk's end (state, convolution inputs).
+def _all_gather_flat(mine: torch.Tensor, group, world: int) -> list[torch.Tensor]:
+    """Every rank's float32 message (equal sizes), in rank order."""
+    if world == 1:
+        return [mine]
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return gathered
 
-    summaries: this rank's two pieces' PieceSummary (from a zero state; an empty piece: identity
-    transition, zero contribution). tails [K-1, C] each: a piece's last min(K-1, length) inputs,
-    zero-padded in front to K-1 rows; lengths: the pieces' token counts. state [H, Dk, Dv] and
-    conv_before [K-1, C]: before the chunk's first token (equal on every rank). A collective of
-    `group` (one all-gather); every rank returns the same end state and inputs, bit for bit."""
+
+def exchange_conv_inputs(tails: list[torch.Tensor], lengths: list[int], conv_before: torch.Tensor, group=None
+                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The convolution's previous inputs of this rank's two pieces [K-1, C] each, and after the
+    chunk's last token (the next chunk's, equal on every rank).
+
+    tails [K-1, C]: a piece's last min(K-1, length) inputs, zero-padded in front (`piece_tail`);
+    lengths: the pieces' token counts; conv_before [K-1, C]: before the chunk (equal on every rank).
+    A collective of `group` (one all-gather of (K-1) C + 1 values a piece). The inputs are the
+    in-projection's rows, which depend on the piece alone: this exchange comes first, the state's
+    after the convolution (`exchange_states`)."""
     rank, world = rank_and_world(group)
-    H, Dk, Dv = state.shape
     width, C = conv_before.shape
-    floats = H * Dk * (Dk + Dv)
-    # One flat float32 message per rank: both pieces' transition | contribution | tail | length.
-    mine = torch.cat([torch.cat([s.transition.reshape(-1), s.contribution.reshape(-1), tail.float().reshape(-1),
-                                 torch.tensor([float(n)])]) for s, tail, n in zip(summaries, tails, lengths)])
-    gathered = [torch.empty_like(mine) for _ in range(world)] if world > 1 else [mine]
-    if world > 1:
-        dist.all_gather(gathered, mine, group=group)
-    per_piece = floats + width * C + 1
-    starts: list[PieceStart | None] = [None, None]
-    current, inputs = state.float(), conv_before
+    mine = torch.cat([torch.cat([t.float().reshape(-1), torch.tensor([float(n)])]) for t, n in zip(tails, lengths)])
+    gathered = _all_gather_flat(mine, group, world)
+    per_piece = width * C + 1
+    starts: list[torch.Tensor | None] = [None, None]
+    inputs = conv_before
     for owner, which in balanced_piece_order(world):
         piece = gathered[owner][which * per_piece:(which + 1) * per_piece]
         if owner == rank:
-            starts[which] = PieceStart(current, inputs)
-        transition = piece[:H * Dk * Dk].view(H, Dk, Dk)
-        contribution = piece[H * Dk * Dk:floats].view(H, Dk, Dv)
-        current = PieceSummary(transition, contribution).apply(current)
+            starts[which] = inputs
         n = int(piece[-1].item())
-        tail = piece[floats:floats + width * C].view(width, C)
+        tail = piece[:width * C].view(width, C)
         inputs = conv_tail(inputs, tail[width - min(n, width):].to(conv_before.dtype))
-    return starts, current, inputs
+    return starts, inputs
+
+
+def exchange_states(summaries: list[PieceSummary], state: torch.Tensor, group=None
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The recurrent state before each of this rank's two pieces [H, Dk, Dv] (float32), and after
+    the chunk's last token (the next chunk's, the same bits on every rank).
+
+    summaries: this rank's two pieces' PieceSummary from a zero state (`empty_summary` for a piece
+    without tokens); state: before the chunk (equal on every rank). A collective of `group` (one
+    all-gather of H Dk (Dk + Dv) floats a piece)."""
+    rank, world = rank_and_world(group)
+    H, Dk, Dv = state.shape
+    mine = torch.cat([torch.cat([s.transition.reshape(-1), s.contribution.reshape(-1)]) for s in summaries])
+    gathered = _all_gather_flat(mine, group, world)
+    per_piece = H * Dk * (Dk + Dv)
+    starts: list[torch.Tensor | None] = [None, None]
+    current = state.float()
+    for owner, which in balanced_piece_order(world):
+        piece = gathered[owner][which * per_piece:(which + 1) * per_piece]
+        if owner == rank:
+            starts[which] = current
+        summary = PieceSummary(piece[:H * Dk * Dk].view(H, Dk, Dk), piece[H * Dk * Dk:].view(H, Dk, Dv))
+        current = summary.apply(current)
+    return starts, current
 
 
 def empty_summary(H: int, Dk: int, Dv: int, device=None) -> PieceSummary:

@@ -32,18 +32,19 @@ def exchange_case(rank: int, world: int, cases: list[tuple[int, int]]):
     """For each (T, seed): this rank's two pieces' (bounds, outputs from their composed start, the
     convolution inputs before them), and the end state and inputs this rank composed."""
     from ringctx.attention.gated_delta import ChunkForm, PieceSummary
-    from ringctx.parallel.linear_state import empty_summary, exchange_starts, piece_tail
+    from ringctx.parallel.linear_state import empty_summary, exchange_conv_inputs, exchange_states, piece_tail
 
     out = []
     for T, seed in cases:
         tensors, conv, state, conv_before = whole_sequence(T, seed)
         bounds = piece_bounds(T, world)
         mine = [bounds[rank], bounds[2 * world - 1 - rank]]
+        conv_starts, end_inputs = exchange_conv_inputs([piece_tail(conv[a:b], WIDTH) for a, b in mine],
+                                                       [b - a for a, b in mine], conv_before)
         forms = [ChunkForm.build(*(x[a:b] for x in tensors)) if b > a else None for a, b in mine]
         summaries = [PieceSummary.of(f) if f is not None else empty_summary(H, DK, DV) for f in forms]
-        tails = [piece_tail(conv[a:b], WIDTH) for a, b in mine]
-        starts, end, end_inputs = exchange_starts(summaries, tails, [b - a for a, b in mine], state, conv_before)
-        pieces = [(a, b, f.scan(s.state)[0] if f is not None else None, s.conv_inputs)
-                  for (a, b), f, s in zip(mine, forms, starts)]
+        starts, end = exchange_states(summaries, state)
+        pieces = [(a, b, f.scan(s)[0] if f is not None else None, inputs)
+                  for (a, b), f, s, inputs in zip(mine, forms, starts, conv_starts)]
         out.append((pieces, end, end_inputs))
     return out
