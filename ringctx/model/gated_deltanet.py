@@ -1,0 +1,152 @@
+"""A Gated DeltaNet layer (Qwen3.5 / Qwen3.6's linear-attention layers), on one device, with its
+state explicit so that a prefill can stop after any chunk and a question can start from a copy.
+
+For T tokens x [T, dim] (Hk key heads and Hv value heads, Dk and Dv their widths, K the
+convolution's width, C = 2 Hk Dk + Hv Dv its channels):
+
+    mixed = x W_qkv^T                                       [T, C]   (q | k | v channels)
+    mixed = silu(causal depthwise conv(mixed, K))           the K-1 inputs before x from the state
+    q, k, v = split(mixed); q, k L2-normalised in float32; q *= Dk^-0.5; q, k repeated to Hv heads
+    beta = sigmoid(x W_b^T)                                 [T, Hv]
+    g    = -exp(A_log) softplus(x W_a^T + dt_bias)          [T, Hv]  (float32; the log decay, <= 0)
+    o    = the gated delta rule over (q, k, v, g, beta) from the recurrent state (attention/gated_delta.py)
+    y    = (rmsnorm(o) * weight * silu(x W_z^T)) W_out^T    the norm per value head, then the gate
+
+as transformers 5.25's Qwen3_5GatedDeltaNet computes it (its torch fallbacks, the oracle): the
+convolution in the weights' dtype, the rule in float32, the norm in float32 then scaled by its
+weight in the model's dtype, the gate in float32. One token with a state takes the recurrence
+token by token (decode), more take the chunked form (prefill), as transformers does.
+
+The state (`LinearState`): the convolution's last K-1 inputs [K-1, C] in the model's dtype and
+the recurrent state [Hv, Dk, Dv] in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.gated_delta import ChunkForm, recurrent
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A Gated DeltaNet layer's widths (Qwen3.5's linear_* config keys)."""
+
+    key_heads: int
+    """Hk: query/key heads (linear_num_key_heads)."""
+    value_heads: int
+    """Hv: value heads, a multiple of Hk (linear_num_value_heads); q and k serve Hv / Hk of them each."""
+    key_dim: int
+    """Dk: a query/key head's width (linear_key_head_dim)."""
+    value_dim: int
+    """Dv: a value head's width (linear_value_head_dim)."""
+    conv_width: int = 4
+    """K: the causal convolution's taps (linear_conv_kernel_dim)."""
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_width"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) <= 0:
+                raise ValueError(f"LinearShape: {name}={getattr(self, name)!r} must be a positive count")
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"LinearShape: value_heads={self.value_heads} is not a multiple of "
+                             f"key_heads={self.key_heads}: each key head serves a whole group of value heads")
+
+    @property
+    def channels(self) -> int:
+        """C: the convolution's channels (q | k | v)."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one sequence's state: the recurrent state (float32) and the convolution inputs."""
+        return 4 * self.value_heads * self.key_dim * self.value_dim + (self.conv_width - 1) * self.channels * dtype_bytes
+
+
+@dataclass
+class LinearState:
+    """Where a sequence's linear layer stands after its last token."""
+
+    conv: torch.Tensor
+    """[K-1, C] the convolution's last inputs (oldest first), in the model's dtype."""
+    recurrent: torch.Tensor
+    """[Hv, Dk, Dv] float32."""
+
+    def clone(self) -> "LinearState":
+        return LinearState(self.conv.clone(), self.recurrent.clone())
+
+
+class GatedDeltaNet(nn.Module):
+    """forward(x [T, dim], state or None) -> (y [T, dim], the state after x). Parameter names are
+    transformers' (linear_attn.*), so checkpoints map one to one."""
+
+    def __init__(self, dim: int, shape: LinearShape, norm_eps: float):
+        super().__init__()
+        self.shape, self.norm_eps = shape, norm_eps
+        s = shape
+        self.in_proj_qkv = nn.Linear(dim, s.channels, bias=False)
+        self.in_proj_z = nn.Linear(dim, s.value_heads * s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(dim, s.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(dim, s.value_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(s.channels, s.conv_width))  # checkpoint conv1d.weight [C, 1, K]
+        self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.value_heads))
+        self.norm_weight = nn.Parameter(torch.ones(s.value_dim))
+        self.out_proj = nn.Linear(s.value_heads * s.value_dim, dim, bias=False)
+
+    def empty_state(self, device=None, dtype=None) -> LinearState:
+        """The state before a sequence's first token: zeros."""
+        s = self.shape
+        return LinearState(torch.zeros(s.conv_width - 1, s.channels, dtype=dtype or self.conv_weight.dtype,
+                                       device=device),
+                           torch.zeros(s.value_heads, s.key_dim, s.value_dim, device=device))
+
+    # -- the steps, in order (context parallelism runs them with exchanges between) -------------------
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> the convolution's inputs [T, C] (they depend on these tokens alone)."""
+        return self.in_proj_qkv(x)
+
+    def convolve(self, mixed: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The causal convolution of mixed [T, C] after its previous inputs before [K-1, C], SiLU, the
+        split, the L2 norms and q's scale: (q [T, Hv, Dk] float32, k [T, Hv, Dk] float32, v [T, Hv, Dv]
+        in the model's dtype)."""
+        s, T = self.shape, mixed.shape[0]
+        w = self.conv_weight
+        window = torch.cat([before.to(w.dtype), mixed.to(w.dtype)]).t()[None]        # [1, C, K-1+T]
+        out = F.silu(F.conv1d(window, w[:, None, :], groups=s.channels))[0].t().to(mixed.dtype)  # [T, C]
+        q, k, v = out.split([s.key_heads * s.key_dim, s.key_heads * s.key_dim, s.value_heads * s.value_dim], -1)
+        group = s.value_heads // s.key_heads
+        q, k = (t.reshape(T, s.key_heads, s.key_dim).repeat_interleave(group, dim=1).float() for t in (q, k))
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * s.key_dim ** -0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        return q, k, v.reshape(T, s.value_heads, s.value_dim)
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [T, Hv] float32 log decay, beta [T, Hv] in the model's dtype) of x [T, dim]."""
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return g, beta
+
+    def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The gated norm and the out-projection: o [T, Hv, Dv] float32, x [T, dim] -> y [T, dim]."""
+        T, dtype = x.shape[0], x.dtype
+        z = self.in_proj_z(x).reshape(T, self.shape.value_heads, self.shape.value_dim)
+        o = o.to(dtype).float()  # transformers hands the rule's output over in the model's dtype
+        normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(dtype)
+        gated = (self.norm_weight * normed) * F.silu(z.float())
+        return self.out_proj(gated.to(dtype).reshape(T, -1))
+
+    def forward(self, x: torch.Tensor, state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
+        s = self.shape
+        state = state if state is not None else self.empty_state(x.device, x.dtype)
+        mixed = self.project(x)
+        q, k, v = self.convolve(mixed, state.conv)
+        g, beta = self.gates(x)
+        if x.shape[0] == 1:  # decode: the recurrence, as transformers' single-token step
+            o, rec = recurrent(q, k, v.float(), g, beta.float(), state.recurrent)
+        else:
+            o, rec = ChunkForm.build(q, k, v, g, beta).scan(state.recurrent)
+        conv = torch.cat([state.conv, mixed.to(state.conv.dtype)])[-(s.conv_width - 1):]
+        return self.finish(o, x), LinearState(conv, rec)
