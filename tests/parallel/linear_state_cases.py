@@ -48,3 +48,37 @@ def exchange_case(rank: int, world: int, cases: list[tuple[int, int]]):
                   for (a, b), f, s, inputs in zip(mine, forms, starts, conv_starts)]
         out.append((pieces, end, end_inputs))
     return out
+
+
+def random_layer(dtype=torch.float32):
+    """A Gated DeltaNet layer (dim 32, 2 key heads serving 4 value heads) with seeded random weights,
+    and a random state before the chunk: the same on every rank and in the test process."""
+    from ringctx.model.gated_deltanet import GatedDeltaNet, LinearShape, LinearState
+
+    torch.manual_seed(5)
+    layer = GatedDeltaNet(32, LinearShape(key_heads=2, value_heads=4, key_dim=8, value_dim=6, conv_width=4), 1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    s = layer.shape
+    state = LinearState(torch.randn(s.conv_width - 1, s.channels).to(dtype),
+                        torch.randn(s.value_heads, s.key_dim, s.value_dim))
+    return layer.to(dtype), state
+
+
+def layer_case(rank: int, world: int, cases: list[tuple[int, int, str]]):
+    """For each (T, seed, dtype): this rank's outputs of its two balanced pieces (with their bounds)
+    from runtime/linear_layers.py, and the chunk's end state."""
+    from ringctx.runtime.linear_layers import linear_layer_over_ranks
+
+    out = []
+    for T, seed, dtype in cases:
+        layer, state = random_layer(getattr(torch, dtype))
+        x = torch.randn(T, 32, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+        bounds = piece_bounds(T, world)
+        mine = [bounds[rank], bounds[2 * world - 1 - rank]]
+        with torch.no_grad():
+            y, end = linear_layer_over_ranks(layer, torch.cat([x[a:b] for a, b in mine]),
+                                             tuple(b - a for a, b in mine), state)
+        out.append((mine, y, end))
+    return out

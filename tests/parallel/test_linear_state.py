@@ -30,3 +30,29 @@ def test_composed_starts_give_the_whole_chunks_outputs_and_convolution_inputs(ra
                     assert rel_err(out, ref_out[a:b]) < 2e-5, (T, world, r, a, b)
             assert torch.equal(end, results[0][i][1]) and torch.equal(end_inputs, results[0][i][2])
             assert rel_err(end, ref_state) < 2e-5 and torch.equal(end_inputs, history[-WIDTH:])
+
+
+LAYER_CASES = [(97, 0, "float32"), (5, 1, "float32"), (130, 2, "bfloat16")]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gated_deltanet_layer_over_ranks_equals_the_layer_on_one(rank_pool, world):
+    """runtime/linear_layers.py: each rank's pieces' outputs and the chunk's end state (convolution
+    inputs and recurrent state) equal the layer run over the whole chunk in one process."""
+    from .linear_state_cases import layer_case, random_layer
+
+    results = rank_pool(world).run(layer_case, LAYER_CASES)
+    for i, (T, seed, dtype) in enumerate(LAYER_CASES):
+        layer, state = random_layer(getattr(torch, dtype))
+        x = torch.randn(T, 32, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+        with torch.no_grad():
+            ref, ref_end = layer(x, state)
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        for r in range(world):
+            mine, y, end = results[r][i]
+            ref_rows = torch.cat([ref[a:b] for a, b in mine])
+            if ref_rows.numel():
+                assert rel_err(y, ref_rows) < tol, (T, dtype, world, r)
+            # (the in-projection of a piece rounds as a GEMM of other rows may: equal to the float32 rounding)
+            assert rel_err(end.conv, ref_end.conv) < tol and rel_err(end.recurrent, ref_end.recurrent) < tol
+            assert torch.equal(end.recurrent, results[0][i][2].recurrent)  # every rank composed it alike

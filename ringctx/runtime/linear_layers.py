@@ -1,0 +1,53 @@
+"""A Gated DeltaNet layer over the context-parallel ranks: each rank computes its two balanced
+pieces of a chunk at once, the state crossing ranks in two small exchanges (parallel/linear_state.py).
+
+    on every rank, for its pieces a (chunk r) and b (chunk 2N-1-r):
+    1. mixed = the in-projection of each piece                       (the pieces' own tokens)
+    2. exchange_conv_inputs: every piece's last K-1 inputs            -> the K-1 before each piece
+    3. the convolution, the norms, the gates; each piece's chunked form (the UT solve: the costly part)
+    4. each piece's summary from a zero state; exchange_states        -> the state before each piece
+    5. each piece's scan from its state, the gated norm, the out-projection
+
+The chunk's end state (the next chunk's start; a document's, for decode) comes out of both
+exchanges on every rank alike. Compared with running the layer on one rank, a rank does the
+chunked form once and the scan three times (from zero, from I for the transition, from the true
+state) over a piece of 1/2N of the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.gated_delta import ChunkForm, PieceSummary
+from ..model.gated_deltanet import GatedDeltaNet, LinearState
+from ..parallel.linear_state import empty_summary, exchange_conv_inputs, exchange_states, piece_tail
+
+
+def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tuple[int, int], state: LinearState,
+                            group=None) -> tuple[torch.Tensor, LinearState]:
+    """This rank's outputs and the chunk's end state.
+
+    x [lengths[0] + lengths[1], dim]: this rank's two pieces' rows, chunk r then chunk 2N-1-r (the
+    layout's local order); state: before the chunk, equal on every rank. A collective of `group`
+    (the CP ranks): every rank calls it for every linear layer of every chunk, with 0-length
+    pieces where it has no tokens. Returns (y [rows, dim] in x's dtype, the state after the chunk)."""
+    s = layer.shape
+    pieces = list(x.split(list(lengths)))
+    mixed = [layer.project(p) for p in pieces]
+    befores, conv_end = exchange_conv_inputs([piece_tail(m, s.conv_width - 1) for m in mixed], list(lengths),
+                                             state.conv, group)
+    forms, summaries, gates = [], [], []
+    for p, m, before in zip(pieces, mixed, befores):
+        if p.shape[0] == 0:
+            forms.append(None)
+            summaries.append(empty_summary(s.value_heads, s.key_dim, s.value_dim, x.device))
+            continue
+        q, k, v = layer.convolve(m, before)
+        g, beta = layer.gates(p)
+        form = ChunkForm.build(q, k, v, g, beta)
+        forms.append(form)
+        summaries.append(PieceSummary.of(form))
+    starts, end = exchange_states(summaries, state.recurrent, group)
+    outs = [layer.finish(form.scan(start)[0], p) if form is not None else p.new_zeros(0, p.shape[1])
+            for form, start, p in zip(forms, starts, pieces)]
+    return torch.cat(outs), LinearState(conv_end, end)
