@@ -125,6 +125,19 @@ _PUBLISHED = {
         "hidden_size_per_layer_input": 0, "sliding_window": 1024, "max_position_embeddings": 262144,
         "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106]},
+    # Gemma 4 26B-A4B's text model (google/gemma-4-26B-A4B-it's text_config, as copies of its
+    # config.json in public repositories agree; no hub here): 30 layers of 2,816, 5 sliding (1,024)
+    # : 1 full, the full layers' 512-dim heads with 2 KV heads whose keys are their values, and on
+    # every layer a dense GeGLU MLP of 2,112 beside 128 experts of 704, top 8 (Gemma4TextRouter).
+    # Keys left out take Gemma4TextConfig's defaults (RoPE bases 10,000 and 1,000,000, partial 0.25).
+    "gemma4-26b": {
+        "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112,
+        "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+        "global_head_dim": 512, "num_global_key_value_heads": 2, "attention_k_eq_v": True,
+        "hidden_size_per_layer_input": 0, "sliding_window": 1024, "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+        "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+        "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106]},
     "mistral-small-24b": {
         "model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
         "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
