@@ -173,6 +173,16 @@ _PUBLISHED = {
         "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1_000_000.0,
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "use_sliding_window": False,
         "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
+    # Qwen/Qwen3-235B-A22B-Instruct-2507's config.json (the 2507 release: 262,144 positions, RoPE base
+    # 5,000,000; not read from the hub here, so the values are the issue's and the published model
+    # card's): 235.1B parameters of which 22.2B reach a token.
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 5_000_000.0,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+        "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
     "mixtral-8x7b": {
         "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
