@@ -402,7 +402,7 @@ _LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)"
 PLAIN_LAYER = LayerAttention()
 
 
-ROUTERS = ("softmax-topk",)
+ROUTERS = ("softmax-topk", "gemma4")
 """How a mixture of experts picks a token's experts (`Experts.router`)."""
 
 
@@ -415,7 +415,13 @@ class Experts:
 
     Router "softmax-topk" (Mixtral, Qwen3-MoE): probabilities = softmax(x W_router^T) over every
     expert in float32; the k largest are kept (ties: the lower expert index wins), renormalised to
-    sum 1 when `renormalize`."""
+    sum 1 when `renormalize`.
+
+    Router "gemma4" (Gemma 4 26B-A4B's Gemma4TextRouter): the router reads the residual x RMS-normed
+    without a weight (eps norm_eps; float32, rounded to the activations' dtype), times its own
+    `router_scale` [dim], times dim**-0.5; then softmax-topk as above, always renormalised, and
+    each kept weight times the chosen expert's `per_expert_scale` [E]. With `beside_dense` the
+    layer keeps its dense MLP too (model/transformer.py's Block)."""
 
     n_experts: int
     """E: experts in the layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
@@ -435,6 +441,10 @@ class Experts:
     shared_ffn_dim: int = 0
     """Hidden width of a shared expert every token also goes through (Llama 4, Qwen2-MoE); 0: none
     (the only value computed yet)."""
+    beside_dense: bool = False
+    """The layer keeps its dense gated MLP (ffn_dim) and adds the experts beside it, each branch
+    with its own norms, their sum normed once more (Gemma 4's enable_moe_block); False: the experts
+    replace the dense MLP."""
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "experts_per_token", "expert_ffn_dim"):
@@ -454,11 +464,13 @@ class Experts:
         expert's gate, up and down (3 * dim * F); active: only the experts one token goes through
         (k of them) and the router."""
         experts = self.experts_per_token if active else self.n_experts
-        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim
+        gemma4 = dim + self.n_experts if self.router == "gemma4" else 0  # router_scale, per_expert_scale
+        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim + gemma4
 
     def describe(self) -> str:
-        """A few words for tables: '8 experts, top 2'."""
-        return f"{self.n_experts} experts, top {self.experts_per_token}"
+        """A few words for tables: '8 experts, top 2' (Gemma 4's: '..., beside a dense MLP')."""
+        return f"{self.n_experts} experts, top {self.experts_per_token}" + (
+            ", beside a dense MLP" if self.beside_dense else "")
 
 
 def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model_head_dim: int,
@@ -577,9 +589,6 @@ class ModelConfig:
         if experts and len(experts) != self.n_layers:
             raise ValueError(f"ModelConfig {self.name!r}: layer_experts describes {len(experts)} layers but the "
                              f"model has n_layers={self.n_layers}: give one Experts or None per layer")
-        if experts and self.mlp_activation != "silu":
-            raise ValueError(f"ModelConfig {self.name!r}: experts with mlp_activation={self.mlp_activation!r}: "
-                             "experts are computed as SwiGLU MLPs")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
                              f"(one of {', '.join(MLP_ACTIVATIONS)})")
@@ -617,6 +626,8 @@ class ModelConfig:
         """Weights of layer `layer`'s feed-forward: the dense MLP's 3 * dim * ffn_dim, or its
         experts' and router's (active: what one token reads, see `Experts.params`)."""
         experts = self.experts(layer)
+        if experts is not None and experts.beside_dense:  # Gemma 4: the dense MLP, the experts, 3 more norms
+            return 3 * self.dim * self.ffn_dim + experts.params(self.dim, active) + 3 * self.dim
         return 3 * self.dim * self.ffn_dim if experts is None else experts.params(self.dim, active)
 
     def head_dim_of(self, layer: int) -> int:
@@ -764,6 +775,10 @@ class ModelConfig:
         if d.get("layer_attention"):
             d["layer_attention"] = [{k: v for k, v in layer.items() if getattr(PLAIN_LAYER, k) != v}
                                     for layer in d["layer_attention"]]
+        if d.get("layer_experts"):
+            d["layer_experts"] = [None if e is None else {k: v for k, v in e.items()
+                                                          if _LATER_EXPERT_FIELDS.get(k, _MISSING) != v}
+                                  for e in d["layer_experts"]]
         if d["rope_scaling"] is not None:
             d["rope_scaling"] = {k: v for k, v in d["rope_scaling"].items()
                                  if _LATER_ROPE_FIELDS.get(k, _MISSING) != v}
@@ -847,6 +862,8 @@ _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "sil
                  "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0, "v_norm": False,
                  "layer_scalars": False, "layer_experts": ()}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
+_LATER_EXPERT_FIELDS = {"beside_dense": False}
+"""Experts fields added after MoE fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                       "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""

@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any, Mapping
 
-from .config import _MISSING, LayerAttention, ModelConfig, RopeScaling, with_head_shape, yarn_attention_factor
+from .config import _MISSING, Experts, LayerAttention, ModelConfig, RopeScaling, with_head_shape, yarn_attention_factor
 
 
 def read_gguf_field(field: Any) -> Any:
@@ -30,10 +30,14 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4", "qwen3moe")
 """GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
-text model and Llama 3 files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model; gemma4 Gemma 4's
-dense text models, the 31B's own head shape on its full layers included)."""
+text model, Llama 3 and Mixtral files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model; gemma4
+Gemma 4's dense text models, the 31B's own head shape on its full layers included; qwen3moe
+Qwen3-MoE, 2507 and Qwen3-Coder included)."""
+
+GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe")
+"""Architectures whose {arch}.expert_count ringctx reads (`_gguf_experts`): Mixtral, Qwen3-MoE."""
 
 GGUF_REFUSED = {
     "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
@@ -153,9 +157,10 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     tensors = {t.name: t for t in reader.tensors}
     if arch == "gemma4":
         _gemma4_refusals(arch, get, tensors, source)
-    if get(f"{arch}.expert_count", None):
-        raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts, "
-                         "e.g. Mixtral) is not supported yet; ringctx runs dense decoders")
+    if get(f"{arch}.expert_count", None) and arch not in GGUF_EXPERT_ARCHITECTURES:
+        raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts) is not "
+                         f"supported yet on architecture {arch}; ringctx reads the experts of "
+                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES)} files (Mixtral, Qwen3-MoE)")
     gemma = arch in ("gemma3", "gemma4")
     for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
         if get(f"{arch}.{key}", None):
@@ -221,7 +226,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         attn_out_bias="blk.0.attn_output.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch in ("qwen3", "gemma3", "gemma4"),  # llama.cpp's always have attn_q_norm / attn_k_norm
+        qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3moe"),  # llama.cpp's always have attn_q_norm / attn_k_norm
         max_seq_len=max_seq_len,
         bos_token_id=get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
@@ -235,12 +240,46 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         # a block scalar where the file has one (llama.cpp's gemma4: optional, none means 1)
         layer_scalars=arch == "gemma4" and any(f"blk.{i}.layer_output_scale.weight" in tensors
                                                for i in range(n_layers)),
+        layer_experts=_gguf_experts(arch, get, n_layers, source) if arch in GGUF_EXPERT_ARCHITECTURES else (),
     )
     if "rope_freqs.weight" in tensors and rope_scaling is None and arch != "gemma4":
         table = _gguf_table(tensors["rope_freqs.weight"])
         hint = get(f"{arch}.rope.scaling.original_context_length", None)
         cfg = dataclasses.replace(cfg, rope_scaling=_fit_llama3_rope(cfg, table, hint, source))
     return cfg
+
+
+def _gguf_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts | None, ...]:
+    """Every layer's mixture of experts from llama.cpp's header keys, as its llama (Mixtral) and
+    qwen3moe graphs run them (none when {arch}.expert_count is absent or 0: a dense model):
+    expert_count experts, top expert_used_count, each of expert_feed_forward_length units (llama:
+    feed_forward_length, Mixtral's expert width); softmax gating, the k weights renormalised
+    unless {arch}.expert_weights_norm is false (llama.cpp's default for both: true, Mixtral's and
+    Qwen3-MoE's norm_topk_prob as released), rounded to the model dtype on qwen3moe as
+    transformers' Qwen3MoeTopKRouter does (read_hf_config reads the same `Experts`). The tensors
+    (ffn_gate_inp, ffn_{gate,up,down}_exps) are checked against these counts when loaded."""
+    count = get(f"{arch}.expert_count", None)
+    if not count:
+        return ()
+    used = get(f"{arch}.expert_used_count", None)
+    width_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    width = _one_value(arch, width_key, get(f"{arch}.{width_key}", None), source)
+    for key, value in (("expert_count", count), ("expert_used_count", used), (width_key, width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{source}: {arch}.{key}={value!r} (a positive count of experts or units) with "
+                             f"{arch}.expert_count={count}; fix the key or re-convert the model")
+    gating = get(f"{arch}.expert_gating_func", None)
+    if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"{source}: {arch}.expert_gating_func={gating} is not supported (ringctx's {arch} experts "
+                         "are gated by a softmax: 1)")
+    try:
+        experts = Experts(n_experts=count, experts_per_token=used, expert_ffn_dim=width,
+                          renormalize=bool(get(f"{arch}.expert_weights_norm", True)),
+                          weights_in_model_dtype=arch == "qwen3moe")
+    except ValueError as e:  # Experts names the field; the header's keys say which entry to fix
+        raise ValueError(f"{source}: {arch}.expert_count={count}, {arch}.expert_used_count={used}: "
+                         f"{str(e).removeprefix('Experts: ')}; fix the keys or re-convert the model") from None
+    return (experts,) * n_layers
 
 
 def _one_value(arch: str, key: str, value: Any, source: str) -> Any:

@@ -109,8 +109,9 @@ def _refuse_unsupported_features(d: Mapping[str, Any], model_type: str, unsuppor
     if model_type not in PARTIAL_ROTARY_TYPES and d.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         raise unsupported(f"partial_rotary_factor={d['partial_rotary_factor']}")
     # Llama 4 lists its MoE layers itself (`_llama4_layers`): its expert counts are there with or without them;
-    # mixtral and qwen3_moe are read (`read_experts`)
-    experts = None if model_type in LLAMA4_TYPES or model_type in MOE_DEFAULTS else _expert_key(
+    # mixtral and qwen3_moe are read (`read_experts`), gemma4_text's with enable_moe_block (`read_gemma4_experts`)
+    read = model_type in LLAMA4_TYPES or model_type in MOE_DEFAULTS or model_type in GEMMA4_TYPES
+    experts = None if read else _expert_key(
         {k: v for k, v in d.items() if k != "text_config"})
     if experts:
         raise unsupported(f"mixture-of-experts layers ({experts})", yet=True)
@@ -376,7 +377,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         v_norm=model_type in GEMMA4_TYPES,
         layer_scalars=model_type in GEMMA4_TYPES,
-        layer_experts=read_experts(d, model_type, invalid) if model_type in MOE_DEFAULTS else (),
+        layer_experts=read_experts(d, model_type, invalid) if model_type in MOE_DEFAULTS else
+        read_gemma4_experts(d, invalid) if model_type in GEMMA4_TYPES else (),
     )
 
 
@@ -418,6 +420,26 @@ def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Expert
         raise invalid(f"{key}={n_experts}, num_experts_per_tok={per_token}, {width_key}={d[width_key]}: "
                       f"{str(e).removeprefix('Experts: ')}") from None
     return tuple(experts if s else None for s in sparse)
+
+
+def read_gemma4_experts(d: Mapping[str, Any], invalid) -> tuple[Experts | None, ...]:
+    """A Gemma 4 text config's experts (Gemma4TextConfig's enable_moe_block, the 26B-A4B's): with
+    it every layer has num_experts experts of moe_intermediate_size beside its dense MLP of
+    intermediate_size, top top_k_experts by Gemma4TextRouter ("gemma4": `Experts`); without it
+    none (transformers then ignores the expert keys). invalid(text) -> the ValueError."""
+    if not d.get("enable_moe_block"):
+        return ()
+    keys = ("num_experts", "top_k_experts", "moe_intermediate_size")
+    for key in keys:
+        value = d.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise invalid(f"enable_moe_block=true with {key}={value!r} (a positive count of experts or units)")
+    try:
+        experts = Experts(n_experts=d["num_experts"], experts_per_token=d["top_k_experts"],
+                          expert_ffn_dim=d["moe_intermediate_size"], router="gemma4", beside_dense=True)
+    except ValueError as e:
+        raise invalid(", ".join(f"{key}={d[key]}" for key in keys) + f": {str(e).removeprefix('Experts: ')}") from None
+    return (experts,) * int(d["num_hidden_layers"])
 
 
 def llama4_moe_layers(d: Mapping[str, Any]) -> list[int]:
@@ -535,8 +557,6 @@ def _gemma4_refusals(d: Mapping[str, Any], unsupported) -> None:
                           f"{d.get('hidden_size_per_layer_input', 256)}; 0 turns them off)")
     if d.get("num_kv_shared_layers"):
         raise unsupported(f"KV sharing across layers (num_kv_shared_layers={d['num_kv_shared_layers']})")
-    if d.get("enable_moe_block"):
-        raise unsupported("mixture-of-experts layers (enable_moe_block=true)")
     if d.get("use_bidirectional_attention") == "all":
         raise unsupported("use_bidirectional_attention='all' (not a causal decoder)")
 

@@ -1,5 +1,6 @@
-"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE), described by its
-`Experts` (model/config.py); `Block` builds it in place of the dense MLP where the layer has one.
+"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE, Gemma 4 26B-A4B),
+described by its `Experts` (model/config.py); `Block` builds it in place of the dense MLP where the
+layer has one (beside it for Gemma 4: `Experts.beside_dense`).
 
 For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
 
@@ -8,9 +9,14 @@ For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
     weights /= their sum                                       when Experts.renormalize
     the T * k (token, expert) pairs sorted by expert           (stable: token order within an expert)
     for each expert e that got rows:                           one GEMM pair per expert, no loop per token
-        y = (silu(rows W_gate[e]^T) * (rows W_up[e]^T)) W_down[e]^T
+        y = (act(rows W_gate[e]^T) * (rows W_up[e]^T)) W_down[e]^T   act: the model's mlp_activation
+                                                               (silu; Gemma 4: GELU's tanh form)
         out[token] += weight * y                               float32 accumulator, index_add
     out rounded once to the activations' dtype; under TP summed over the ranks (the MLP's all-reduce)
+
+Gemma 4's router ("gemma4") reads rms_norm(x) * router_scale * dim**-0.5 instead of x (its own
+input, `router_input`: the residual, where the experts read their pre-norm's output), and
+multiplies each kept weight by the chosen expert's per_expert_scale after renormalising.
 
 So a decode step (one row) reads the router and its k experts only. The pairs of one token reach
 its accumulator row in the order of their experts whatever else is in the call (the products
@@ -59,19 +65,24 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """linear(x [n, in], weight [out, in]) -> [n, out] in x's dtype (transformer.linear)."""
 
 
-def route(logits: torch.Tensor, experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, experts: Experts,
+          per_expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The router's choice for T tokens: logits [T, E] (any float dtype) -> (weights [T, k] float32,
     chosen [T, k] long), each token's k most probable experts in descending probability.
 
     Softmax over all E experts in float32, as transformers' MixtralTopKRouter / Qwen3MoeTopKRouter.
     Ties are broken by expert index, the lower first (a stable sort: torch.topk, which transformers
     calls, leaves the order of equal values unspecified, and on the CPU picked experts 1 and 3 of four
-    equal ones). With `renormalize` the k weights are divided by their sum in float32."""
+    equal ones). With `renormalize` the k weights are divided by their sum in float32. Router
+    "gemma4": then each times per_expert_scale [E] (any dtype) of its expert, in float32
+    (Gemma4TextRouter's `top_k_weights * per_expert_scale[top_k_index]`)."""
     probs = torch.softmax(logits.float(), dim=-1)
     ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, chosen = ranked[:, :experts.experts_per_token], order[:, :experts.experts_per_token]
     if experts.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if experts.router == "gemma4":
+        weights = weights * per_expert_scale.float()[chosen]
     return weights, chosen
 
 
@@ -84,11 +95,19 @@ def swiglu_(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
     return gate
 
 
+def geglu_(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
+    """gelu_tanh(gate) * up in place over the gate half of gate_up [n, 2 ffn] (as FeedForward's
+    GeGLU: transformers' act_fn(gate) * up in the activation dtype); returns that half [n, ffn]."""
+    gate = gate_up[:, :ffn]
+    return gate.copy_(F.gelu(gate, approximate="tanh")).mul_(gate_up[:, ffn:])
+
+
 class MixtureOfExperts(nn.Module):
     """A layer's mixture of experts (see the module docstring): forward(x [T, dim]) -> [T, dim].
 
     `linear` is the block's product (transformer.linear, handed in by Block: this module is
-    imported by transformer.py, so it does not import it)."""
+    imported by transformer.py, so it does not import it). Router "gemma4" adds router_scale
+    [dim] and per_expert_scale [E] (replicated under TP, as the router)."""
 
     def __init__(self, config: ModelConfig, experts: Experts, linear: Linear, tp: TensorParallel = NO_TP):
         super().__init__()
@@ -97,11 +116,28 @@ class MixtureOfExperts(nn.Module):
         self.router = nn.Linear(config.dim, E, bias=False)
         self.w13 = nn.Parameter(torch.empty(E, 2 * ffn, config.dim))
         self.w2 = nn.Parameter(torch.empty(E, config.dim, ffn))
+        self.activation = swiglu_ if config.mlp_activation == "silu" else geglu_
+        self.gemma4 = experts.router == "gemma4"
+        if self.gemma4:
+            self.router_scale = nn.Parameter(torch.ones(config.dim))
+            self.per_expert_scale = nn.Parameter(torch.ones(E))
+            self.norm_eps, self.root = config.norm_eps, config.dim ** -0.5
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, dim] -> [T, dim] in x's dtype (summed over the TP ranks)."""
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's scores [T, E] (x's dtype) of its input x [T, dim]: x W_router^T; Gemma 4's
+        router first RMS-norms x without a weight (float32, rounded once) and scales it, as
+        Gemma4TextRouter: (normed * scale) * dim**-0.5 in x's dtype."""
+        if self.gemma4:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.norm_eps).to(x.dtype)
+            x = normed.mul_(self.router_scale).mul_(self.root)
+        return self.linear(x, self.router.weight)
+
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, dim] -> [T, dim] in x's dtype (summed over the TP ranks); the router reads
+        router_input [T, dim] when given (Gemma 4: the residual), else x."""
         experts = self.experts
-        weights, chosen = route(self.linear(x, self.router.weight), experts)
+        logits = self.router_logits(x if router_input is None else router_input)
+        weights, chosen = route(logits, experts, self.per_expert_scale if self.gemma4 else None)
         if experts.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         k, ffn = experts.experts_per_token, experts.expert_ffn_dim
@@ -117,7 +153,7 @@ class MixtureOfExperts(nn.Module):
                 continue  # an expert no token chose: its weights are not read
             rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
             start += n
-            y = self.linear(swiglu_(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
+            y = self.linear(self.activation(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
             # float32 weights: the product in float32; model-dtype weights: rounded there first. A token
             # picks k different experts, so one call adds to each row at most once: even with atomics
             # (CUDA) every row's sum runs in expert order, the same every time.

@@ -335,7 +335,11 @@ class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then h + mlp(norm(h)) (mlp: the gated MLP, or the
     layer's mixture of experts, `ModelConfig.experts`); with config.post_norms
     (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h))), times
-    the block's layer_scalar with config.layer_scalars (Gemma 4)."""
+    the block's layer_scalar with config.layer_scalars (Gemma 4). A layer whose experts sit beside
+    its dense MLP (Gemma 4 26B-A4B, `Experts.beside_dense`) computes, as Gemma4TextDecoderLayer:
+
+        h + post_ffn_norm(post_dense_norm(dense_mlp(ffn_norm(h)))
+                          + post_experts_norm(experts(pre_experts_norm(h), router reading h)))"""
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
         super().__init__()
@@ -355,6 +359,10 @@ class Block(nn.Module):
         experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
         self.feed_forward = (FeedForward(config, tp) if experts is None
                              else MixtureOfExperts(config, experts, linear, tp))
+        beside = experts is not None and experts.beside_dense  # Gemma 4: the dense MLP stays, with 3 more norms
+        self.dense_mlp = FeedForward(config, tp) if beside else None
+        self.post_dense_norm, self.pre_experts_norm, self.post_experts_norm = (
+            (RMSNorm(config.dim, config.norm_eps, plus_one) for _ in range(3)) if beside else (None, None, None))
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
@@ -414,9 +422,14 @@ class Block(nn.Module):
         if self.post_attention_norm is None:
             h = x + self.attention.output(out)
             h = h + self.feed_forward.forward(self.ffn_norm.forward(h))
-        else:
+        elif self.dense_mlp is None:
             h = x + self.post_attention_norm.forward(self.attention.output(out))
             h = h + self.post_ffn_norm.forward(self.feed_forward.forward(self.ffn_norm.forward(h)))
+        else:  # Gemma 4's experts beside the dense MLP; the router reads the residual h
+            h = x + self.post_attention_norm.forward(self.attention.output(out))
+            dense = self.post_dense_norm.forward(self.dense_mlp.forward(self.ffn_norm.forward(h)))
+            moe = self.post_experts_norm.forward(self.feed_forward.forward(self.pre_experts_norm.forward(h), h))
+            h = h + self.post_ffn_norm.forward(dense + moe)
         return h if self.layer_scalar is None else h.mul_(self.layer_scalar)
 
 

@@ -204,7 +204,8 @@ class WeightFiller:
 
     def finish(self) -> None:
         """Raise a ValueError naming the checkpoint tensors that never arrived."""
-        missing = [name for name in self.expected if name not in self.seen]
+        # by source name: the per-expert pieces of one fused tensor (Gemma 4's) are named as that tensor
+        missing = list(dict.fromkeys(p.source_name for p in self.expected.values() if p.source_name not in self.seen))
         if missing:
             shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
             raise ValueError(f"{self.source}: {len(missing)} weight tensor(s) missing: {shown}; the checkpoint "
@@ -223,6 +224,9 @@ def init_random(model: Transformer, seed: int = 0) -> None:
         for name, param in model.named_parameters(remove_duplicate=True):
             if name.endswith("norm.weight"):  # a unit gain: 0 where norms multiply by (1 + w) (Gemma)
                 param.fill_(0.0 if model.config.norm_plus_one else 1.0)
+                continue
+            if name.endswith(("router_scale", "per_expert_scale")):  # Gemma 4's router scales: 1, as transformers
+                param.fill_(1.0)
                 continue
             if name.endswith("layer_scalar"):  # Gemma 4's block output scalars: 1, as transformers initialises them
                 param.fill_(1.0)

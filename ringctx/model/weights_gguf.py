@@ -12,6 +12,10 @@ RoPE) and are not touched. Phi-3 files hold fused tensors, as its checkpoints do
 ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`). Gemma 4 files
 (gemma4) keep the Hugging Face order too, each layer at its own head shape; a layer without
 attn_v (Gemma 4's attention_k_eq_v full layers) takes its keys as values (`gguf_keys_as_values`).
+Mixtures of experts (llama's Mixtral, qwen3moe) hold each layer's experts as 3-D tensors,
+ffn_gate_exps / ffn_up_exps [E, F, dim] and ffn_down_exps [E, dim, F] (PyTorch order), beside the
+router ffn_gate_inp [E, dim]; each expert's slab is read alone and cut to the TP rank's share
+(`_fill_gguf_experts`).
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
 """
@@ -130,6 +134,16 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{blk}.layer_output_scale.weight", f"{ours}.layer_scalar")
+        experts = config.experts(i)
+        if experts is not None:  # the router replicated; one part per expert of each 3-D tensor (TP: its share)
+            add(f"{blk}.ffn_gate_inp.weight", f"{ours}.feed_forward.router.weight")
+            for e in range(experts.n_experts):
+                for which, stored in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+                    rows = None if which == "down" else mlp_rows(local, which, i)
+                    param = f"{ours}.feed_forward.{'w2' if which == 'down' else 'w13'}"
+                    pieces.setdefault(f"{blk}.{stored}.weight", []).append(GGUFPart(WeightPiece(
+                        param, rows, f"{blk}.{stored}.weight", tp_take(config, tp, f"expert_{which}", i), e), None))
+            continue
         if fused:
             for which, first in (("gate", 0), ("up", config.ffn_dim)):
                 add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, which), kind=which,
@@ -240,7 +254,8 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     """Fill `model` (built from this file's config; a TP rank's shard reads only its slices) with
     the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
     expected = expected_gguf_tensors(model.full_config, arch, model.tp)
-    filler = WeightFiller(model, path, {part.piece.source_name: part.piece
+    filler = WeightFiller(model, path, {part.piece.source_name + ("" if part.piece.expert is None else
+                                                                  f"[{part.piece.expert}]"): part.piece
                                         for parts in expected.values() for part in parts})
     as_values = gguf_keys_as_values(arch, {t.name for t in tensors}, model.full_config.n_layers)
     for tensor in tensors:
@@ -248,6 +263,9 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
             continue
         parts = expected.get(tensor.name) or [GGUFPart(filler.piece(tensor.name), None)]  # unknown: raises
         shape = gguf_tensor_shape(tensor)
+        if parts[0].piece.expert is not None:  # a layer's experts [E, ...]: one slab each
+            _fill_gguf_experts(tensor, shape, [part.piece for part in parts], filler, path)
+            continue
         if len(parts) > 1:  # a fused tensor: its parts' rows, stacked
             rows = [filler.expected_shape(part.piece)[0] for part in parts]
             want = (sum(rows), *filler.expected_shape(parts[0].piece)[1:])
@@ -273,6 +291,25 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
                 filler.put(filler.piece(as_values[tensor.name]), value)
             del value  # one dequantized tensor alive at a time
     filler.finish()
+
+
+def _fill_gguf_experts(tensor, shape: tuple[int, ...], pieces: list[WeightPiece], filler: WeightFiller,
+                       path: str) -> None:
+    """Fill every expert's slab of a 3-D parameter from a GGUF expert tensor of `shape` (pieces:
+    one per expert, in expert order): each expert's [F, dim] or [dim, F] rows are read alone
+    (dequantized one expert at a time) and cut to the TP rank's share (`WeightPiece.take`)."""
+    want = (len(pieces), *filler.expected_shape(pieces[0]))
+    if shape != want:
+        raise ValueError(f"{path}: tensor {tensor.name!r} has shape {shape}, but the model config needs {want} "
+                         "(experts, then each expert's matrix); the expert count or widths in the header do not "
+                         "match the tensors")
+    for piece in pieces:
+        try:
+            value = dequantize_tensor(tensor, Take(0, piece.expert, piece.expert + 1, len(pieces)))[0]
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        filler.put(piece, value if piece.take is None else value[piece.take.index()])
+        del value
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None,

@@ -110,6 +110,9 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{hf}.layer_scalar", f"{ours}.layer_scalar")
+        if config.experts(i) is not None and config.experts(i).beside_dense:  # Gemma 4 26B-A4B
+            pieces.update(gemma4_moe_pieces(config, tp, i))
+            continue
         if config.experts(i) is not None:  # the router replicated, each expert's rows / columns split under TP
             moe, ff = f"{hf}.{experts.block}", f"{ours}.feed_forward"
             add(f"{moe}.{experts.router}.weight", f"{ff}.router.weight")
@@ -123,6 +126,64 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
         add(f"{hf}.{mlp}.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
         add(f"{hf}.{mlp}.down_proj.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
+
+
+def gemma4_moe_pieces(config: ModelConfig, tp: TensorParallel, i: int) -> dict[str, WeightPiece]:
+    """Layer i's feed-forward tensors of a Gemma 4 26B-A4B checkpoint (experts beside the dense MLP):
+    mlp.{gate,up,down}_proj (the dense MLP), post_feedforward_layernorm_1, pre_feedforward_layernorm_2,
+    post_feedforward_layernorm_2, router.proj.weight [E, dim], router.scale [dim],
+    router.per_expert_scale [E] (replicated under TP), and experts.gate_up_proj [E, 2F, dim] and
+    experts.down_proj [E, dim, F], fused as transformers saves them: these two appear here as
+    one piece per expert and half (`gemma4_expert_parts` names them), each with the fused tensor's
+    name as its source, so that a missing one is named as the checkpoint names it."""
+    pieces: dict[str, WeightPiece] = {}
+    local = tp.shard_config(config)
+    hf, ours = f"model.layers.{i}", f"layers.{i}"
+
+    def add(name: str, param: str, rows=None, kind: str = "", layer: int | None = None, expert=None, source=None):
+        pieces[name] = WeightPiece(param, rows, source or name, tp_take(config, tp, kind, layer), expert)
+
+    add(f"{hf}.mlp.gate_proj.weight", f"{ours}.dense_mlp.w13.weight", mlp_rows(local, "gate"), "gate")
+    add(f"{hf}.mlp.up_proj.weight", f"{ours}.dense_mlp.w13.weight", mlp_rows(local, "up"), "up")
+    add(f"{hf}.mlp.down_proj.weight", f"{ours}.dense_mlp.w2.weight", kind="down")
+    for theirs, norm in (("post_feedforward_layernorm_1", "post_dense_norm"),
+                         ("pre_feedforward_layernorm_2", "pre_experts_norm"),
+                         ("post_feedforward_layernorm_2", "post_experts_norm")):
+        add(f"{hf}.{theirs}.weight", f"{ours}.{norm}.weight")
+    ff = f"{ours}.feed_forward"
+    add(f"{hf}.router.proj.weight", f"{ff}.router.weight")
+    add(f"{hf}.router.scale", f"{ff}.router_scale")
+    add(f"{hf}.router.per_expert_scale", f"{ff}.per_expert_scale")
+    gate_up, down = f"{hf}.experts.gate_up_proj", f"{hf}.experts.down_proj"
+    for e in range(config.experts(i).n_experts):
+        for which in ("gate", "up"):
+            add(f"{gate_up}[{e}].{which}", f"{ff}.w13", mlp_rows(local, which, i), f"expert_{which}", i, e, gate_up)
+        add(f"{down}[{e}]", f"{ff}.w2", None, "expert_down", i, e, down)
+    return pieces
+
+
+_GEMMA4_EXPERTS = re.compile(r"model\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
+
+
+def gemma4_expert_parts(name: str, config: ModelConfig, source: str) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
+    """For a Gemma 4 checkpoint's fused experts.gate_up_proj [E, 2F, dim] (each expert's gate rows,
+    then its up rows) or experts.down_proj [E, dim, F]: (the shape the config needs, [(the piece
+    `gemma4_moe_pieces` names, its index in the fused tensor)]), as `fused_expert_parts`; None for
+    any other tensor. A layer the config gives no experts is a ValueError naming the tensor."""
+    match = _GEMMA4_EXPERTS.match(name)
+    if match is None:
+        return None
+    layer = int(match.group(1))
+    experts = config.experts(layer) if layer < config.n_layers else None
+    if experts is None or not experts.beside_dense:
+        raise ValueError(f"{source}: tensor {name!r} holds experts of layer {layer}, but the config gives that layer none "
+                         "(enable_moe_block is not true, or the layer count differs); the weights do not match "
+                         "the config")
+    E, F = experts.n_experts, experts.expert_ffn_dim
+    if match.group(2) == "down_proj":
+        return (E, config.dim, F), [(f"{name}[{e}]", (e,)) for e in range(E)]
+    return (E, 2 * F, config.dim), [(f"{name}[{e}].{which}", (e, rows)) for e in range(E)
+                                    for which, rows in (("gate", slice(0, F)), ("up", slice(F, 2 * F)))]
 
 
 FUSED_PARTS = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
@@ -258,7 +319,8 @@ def load_hf_weights(model, directory: str) -> None:
                 if name == "lm_head.weight" and config.tie_embeddings:
                     continue  # some saves write the tied head too; it equals the embedding
                 shape = tuple(handle.get_slice(file_name).get_shape())
-                fused = None if name in filler.expected else fused_expert_parts(name, config, expert_names)
+                fused = None if name in filler.expected else (
+                    fused_expert_parts(name, config, expert_names) or gemma4_expert_parts(name, config, directory))
                 if fused is not None:
                     _fill_fused_experts(handle, path, file_name, shape, *fused, filler)
                     continue

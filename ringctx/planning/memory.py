@@ -134,6 +134,7 @@ def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: s
     # the widest feed-forward sets the peak: a dense MLP's ffn_dim or an expert's width (an expert
     # takes at most every row), plus a mixture of experts' float32 sum of its rows (model/moe.py)
     widths = [model.ffn_dim if x is None else x.expert_ffn_dim for x in map(model.experts, range(model.n_layers))]
+    widths += [model.ffn_dim for x in model.layer_experts if x is not None and x.beside_dense][:1]  # Gemma 4's MLP
     mlp = 3 * rows * (max(widths) // tp_size) * e + (rows * model.dim * 4 if model.has_experts else 0)
     accumulator = rows * heads * (DH + 1) * LSE_BYTES
     return hidden + qkv + mlp + accumulator
