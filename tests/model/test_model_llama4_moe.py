@@ -293,3 +293,50 @@ def test_bad_expert_keys_are_one_line(keys, message):
     with pytest.raises(ValueError, match=message) as info:
         read_hf_config({**MOE, "model_type": "llama4_text", **keys})
     assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets and the planner
+
+
+@pytest.mark.parametrize("name,total,active,sparse", [("llama4-scout", 109e9, 17e9, 48),
+                                                      ("llama4-maverick", 400e9, 17e9, 24)])
+def test_presets_have_their_published_parameter_counts(name, total, active, sparse):
+    """Meta's counts (Scout 109B, Maverick 400B, 17B active each; theirs include the vision tower's
+    ~1B, the presets are the text model), and which layers are sparse (Maverick: every 2nd)."""
+    from ringctx.model.presets import get_preset
+
+    config = get_preset(name)
+    assert abs(config.n_params / total - 1) < 0.02 and abs(config.active_params / active - 1) < 0.02
+    assert sum(e is not None for e in config.layer_experts) == sparse
+    assert all(e.shared_ffn_dim == e.expert_ffn_dim == 8192 for e in config.layer_experts if e is not None)
+    assert [config.attention(i).chunk for i in range(4)] == [8192, 8192, 8192, 0]
+
+
+def test_a_decode_step_of_tiny_llama4_reads_the_router_its_expert_and_the_shared_one():
+    """tiny-llama4's two MoE layers: a token reads 1 of 4 experts and the shared expert."""
+    from ringctx.model.presets import get_preset
+    from ringctx.model.weights import empty_model
+    from ringctx.planning.machine_speed import decode_bytes_per_token
+
+    config = get_preset("tiny-llama4")
+    model = empty_model(config, dtype=torch.float32, device="meta")
+    every = sum(p.numel() for p in model.parameters()) * 4 - config.vocab_size * config.dim * 4  # one embedding row
+    unread = 2 * 3 * 3 * config.dim * 128 * 4  # two layers, 3 of 4 experts' gate, up and down
+    assert decode_bytes_per_token(model, 0) == every - unread
+    assert config.feed_forward_summary() == "2 dense + 2 layers of 4 experts, top 1 + shared"
+
+
+def test_a_10m_token_scout_plan_counts_the_global_layers_kv_and_every_expert():
+    """`ringctx plan --model llama4-scout --tokens 10000000` on 4 hosts of 8 H200s (CP 8 x TP 4,
+    chunks of 131,072): the weights are every expert's over TP 4, and the decode slice keeps the 12
+    NoPE layers' rows and the current chunk of 8,192 of the 36 chunked ones (about a quarter)."""
+    from ringctx.planning.prefill_plan import plan_prefill
+
+    plan = plan_prefill("llama4-scout", 8, "h200", tokens=10_000_000, chunk_tokens=131072, tp_size=4)
+    d = json.loads(plan.to_json())
+    assert d["memory"]["weights_bytes"] == -(-107_769_861_120 * 2 // 4)
+    dec = d["decode"]
+    share = dec["kv_slice_bytes"] / dec["kv_slice_all_rows_bytes"]
+    assert 0.25 <= share < 0.251, share
+    assert dec["fits"] is True
