@@ -402,7 +402,7 @@ _LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)"
 PLAIN_LAYER = LayerAttention()
 
 
-ROUTERS = ("softmax-topk", "gemma4")
+ROUTERS = ("softmax-topk", "gemma4", "sigmoid-topk")
 """How a mixture of experts picks a token's experts (`Experts.router`)."""
 
 
@@ -421,7 +421,12 @@ class Experts:
     without a weight (eps norm_eps; float32, rounded to the activations' dtype), times its own
     `router_scale` [dim], times dim**-0.5; then softmax-topk as above, always renormalised, and
     each kept weight times the chosen expert's `per_expert_scale` [E]. With `beside_dense` the
-    layer keeps its dense MLP too (model/transformer.py's Block)."""
+    layer keeps its dense MLP too (model/transformer.py's Block).
+
+    Router "sigmoid-topk" (Llama 4's Llama4Router): the k largest logits x W_router^T are kept (ties:
+    the lower expert index), each expert's score is sigmoid(logit) computed in float32 (no
+    renormalising), and the score multiplies the expert's INPUT: the token goes through expert e as
+    expert_e(score * x), whose output is added unweighted (`scales_inputs`)."""
 
     n_experts: int
     """E: experts in the layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
@@ -439,8 +444,9 @@ class Experts:
     outputs (Qwen3-MoE: `.to(router_logits.dtype)`); False: they stay float32 (Mixtral). Only a
     bf16 / fp16 model sees the difference."""
     shared_ffn_dim: int = 0
-    """Hidden width of a shared expert every token also goes through (Llama 4, Qwen2-MoE); 0: none
-    (the only value computed yet)."""
+    """Hidden width of a shared expert every token also goes through, a SwiGLU MLP of its own weights
+    whose output is added to the routed experts' sum (Llama 4's shared_expert: intermediate_size;
+    under tensor parallelism this rank's share of it); 0: none."""
     beside_dense: bool = False
     """The layer keeps its dense gated MLP (ffn_dim) and adds the experts beside it, each branch
     with its own norms, their sum normed once more (Gemma 4's enable_moe_block); False: the experts
@@ -455,22 +461,28 @@ class Experts:
                              f"n_experts={self.n_experts}: a token picks among the layer's experts")
         if self.router not in ROUTERS:
             raise ValueError(f"Experts: router={self.router!r} is not computed; ringctx has {', '.join(ROUTERS)}")
-        if self.shared_ffn_dim:
-            raise ValueError(f"Experts: shared_ffn_dim={self.shared_ffn_dim}: shared experts are not computed yet; "
-                             "give 0")
+        if isinstance(self.shared_ffn_dim, bool) or self.shared_ffn_dim < 0:
+            raise ValueError(f"Experts: shared_ffn_dim={self.shared_ffn_dim!r} must be a count of units (0: no "
+                             "shared expert)")
+
+    @property
+    def scales_inputs(self) -> bool:
+        """The routing weight multiplies the expert's input, not its output (router "sigmoid-topk")."""
+        return self.router == "sigmoid-topk"
 
     def params(self, dim: int, active: bool = False) -> int:
-        """Weights of this feed-forward for a residual width `dim`: the router [E, dim] and each
-        expert's gate, up and down (3 * dim * F); active: only the experts one token goes through
-        (k of them) and the router."""
+        """Weights of this feed-forward for a residual width `dim`: the router [E, dim], each
+        expert's gate, up and down (3 * dim * F) and the shared expert's (3 * dim * shared_ffn_dim);
+        active: only the experts one token goes through (k of them), the router and the shared expert."""
         experts = self.experts_per_token if active else self.n_experts
         gemma4 = dim + self.n_experts if self.router == "gemma4" else 0  # router_scale, per_expert_scale
-        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim + gemma4
+        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim + 3 * dim * self.shared_ffn_dim + gemma4
 
     def describe(self) -> str:
-        """A few words for tables: '8 experts, top 2' (Gemma 4's: '..., beside a dense MLP')."""
+        """A few words for tables: '8 experts, top 2' (', + shared' with a shared expert; Gemma 4's:
+        ', beside a dense MLP')."""
         return f"{self.n_experts} experts, top {self.experts_per_token}" + (
-            ", beside a dense MLP" if self.beside_dense else "")
+            " + shared" if self.shared_ffn_dim else "") + (", beside a dense MLP" if self.beside_dense else "")
 
 
 def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model_head_dim: int,

@@ -39,7 +39,8 @@ with a query temperature; `_llama4_layers`) and interleaved rotary pairs in thei
 LLAMA4_DEFAULTS = {"head_dim": 128, "num_key_value_heads": 8, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
                    "intermediate_size_mlp": 16384, "attention_chunk_size": 8192, "use_qk_norm": True,
                    "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
-                   "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "rope_theta": 500000.0}
+                   "no_rope_layer_interval": 4, "interleave_moe_layer_step": 1, "rope_theta": 500000.0,
+                   "num_local_experts": 16, "num_experts_per_tok": 1}
 """Llama4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
 
 GEMMA_TYPES = ("gemma3_text", "gemma4_text")
@@ -288,11 +289,6 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         raise ValueError(f"{source}: the config lacks {', '.join(absent)}; it is incomplete or not a model config")
     if model_type in LLAMA4_TYPES:
         d = {**LLAMA4_DEFAULTS, **d}  # an explicit null stays: attention_chunk_size null means no chunks
-        moe = llama4_moe_layers(d)
-        if moe:
-            raise ValueError(f"{source}: mixture-of-experts layers ({len(moe)} of {d['num_hidden_layers']}: "
-                             f"moe_layers={moe}) are not supported yet; ringctx runs Llama 4 configs whose "
-                             "layers are all dense (moe_layers=[])")
     if model_type in MOE_DEFAULTS:
         if d.get("num_local_experts") is None and d.get("num_experts") is not None:  # the alias, as transformers
             d = {**d, "num_local_experts": d["num_experts"]}
@@ -377,8 +373,9 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         v_norm=model_type in GEMMA4_TYPES,
         layer_scalars=model_type in GEMMA4_TYPES,
-        layer_experts=read_experts(d, model_type, invalid) if model_type in MOE_DEFAULTS else
-        read_gemma4_experts(d, invalid) if model_type in GEMMA4_TYPES else (),
+        layer_experts=(read_experts(d, model_type, invalid) if model_type in MOE_DEFAULTS
+                       else read_llama4_experts(d, invalid) if model_type in LLAMA4_TYPES
+                       else read_gemma4_experts(d, invalid) if model_type in GEMMA4_TYPES else ()),
     )
 
 
@@ -450,6 +447,33 @@ def llama4_moe_layers(d: Mapping[str, Any]) -> list[int]:
         return [int(i) for i in d["moe_layers"]]
     step = int(d.get("interleave_moe_layer_step") or 1)
     return list(range(step - 1, int(d["num_hidden_layers"]), step))
+
+
+def read_llama4_experts(d: Mapping[str, Any], invalid) -> tuple[Experts | None, ...]:
+    """Each layer's mixture of experts (None: a dense MLP of intermediate_size_mlp) from a Llama 4
+    text config (LLAMA4_DEFAULTS filled in), as Llama4TextDecoderLayer decides it: the layers of
+    `llama4_moe_layers` have num_local_experts experts of intermediate_size, top
+    num_experts_per_tok by the "sigmoid-topk" router (Llama4Router: the scores rounded to the model
+    dtype, scaling the experts' inputs), plus a shared expert of intermediate_size (Llama4TextMoe)."""
+    n_layers = int(d["num_hidden_layers"])
+    moe = llama4_moe_layers(d)
+    if not all(isinstance(i, int) and 0 <= i < n_layers for i in moe):
+        raise invalid(f"moe_layers={moe!r} names layers outside 0..{n_layers - 1}")
+    if not moe:
+        return ()
+    n_experts, per_token, width = d.get("num_local_experts"), d.get("num_experts_per_tok"), d["intermediate_size"]
+    for name, value in (("num_local_experts", n_experts), ("num_experts_per_tok", per_token),
+                        ("intermediate_size", width)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise invalid(f"{name}={value!r} (a positive count of experts or units)")
+    try:
+        experts = Experts(n_experts=n_experts, experts_per_token=per_token, expert_ffn_dim=width,
+                          router="sigmoid-topk", renormalize=False, weights_in_model_dtype=True,
+                          shared_ffn_dim=width)
+    except ValueError as e:  # Experts names the field; the config's keys say which entry to fix
+        raise invalid(f"num_local_experts={n_experts}, num_experts_per_tok={per_token}: "
+                      f"{str(e).removeprefix('Experts: ')}") from None
+    return tuple(experts if i in moe else None for i in range(n_layers))
 
 
 def _llama4_layers(d: Mapping[str, Any], unsupported, invalid) -> tuple[LayerAttention, ...]:

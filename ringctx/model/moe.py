@@ -1,6 +1,6 @@
-"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE, Gemma 4 26B-A4B),
-described by its `Experts` (model/config.py); `Block` builds it in place of the dense MLP where the
-layer has one (beside it for Gemma 4: `Experts.beside_dense`).
+"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE, Llama 4, Gemma 4
+26B-A4B), described by its `Experts` (model/config.py); `Block` builds it in place of the dense MLP
+where the layer has one (beside it for Gemma 4: `Experts.beside_dense`).
 
 For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
 
@@ -30,9 +30,23 @@ float32 the two are the same computation; in bf16 they differ in the last bits. 
 "eager" experts instead add each expert's rounded output into a model-dtype sum, and transformers
 4.x rounded the weights for Mixtral too: the tests pin 5.25.)
 
+Llama 4 (router "sigmoid-topk", `Experts.scales_inputs`) differs in three places, as
+transformers 5.25's Llama4TextMoe computes it:
+
+    chosen = the k largest logits of each token               (ties: the lower expert index)
+    weights = sigmoid(those logits) in float32, rounded to the model dtype, not renormalised
+    y = expert_e(weight * rows)                                the weight scales the expert's INPUT
+    out[token] += y                                            float32, then rounded once
+    out = shared_expert(x) + out                               in the model dtype (Llama4TextMoe's add_)
+
+the shared expert being a SwiGLU MLP every token goes through (`Experts.shared_ffn_dim`). transformers
+runs every expert on every token with a score of 0 for the experts not chosen (sigmoid(-inf)):
+an expert of a zero input outputs exactly 0, so skipping them changes no bit.
+
 Tensors: `router.weight` [E, dim] (replicated under TP); `w13` [E, 2F, dim], each expert's gate rows
-then its up rows (the dense MLP's w13 layout, per expert); `w2` [E, dim, F]. Under tensor
-parallelism F is this rank's share of every expert's hidden units (model/tensor_parallel.py).
+then its up rows (the dense MLP's w13 layout, per expert); `w2` [E, dim, F]; with a shared expert
+`shared_w13` [2S, dim] and `shared_w2` [dim, S] (the dense MLP's layout). Under tensor parallelism
+F and S are this rank's share of every expert's hidden units (model/tensor_parallel.py).
 
 torch._grouped_mm (torch 2.13 has a CPU kernel) was measured against this loop, this module's
 forward either way (one thread, a 2-core Xeon shared with other jobs, so +-30%; ms per call):
@@ -75,7 +89,14 @@ def route(logits: torch.Tensor, experts: Experts,
     calls, leaves the order of equal values unspecified, and on the CPU picked experts 1 and 3 of four
     equal ones). With `renormalize` the k weights are divided by their sum in float32. Router
     "gemma4": then each times per_expert_scale [E] (any dtype) of its expert, in float32
-    (Gemma4TextRouter's `top_k_weights * per_expert_scale[top_k_index]`)."""
+    (Gemma4TextRouter's `top_k_weights * per_expert_scale[top_k_index]`).
+
+    Router "sigmoid-topk" (Llama 4): the k largest logits, ranked as they are (in the logits'
+    dtype, ties likewise), and their sigmoid in float32 as the weights (Llama4Router)."""
+    if experts.router == "sigmoid-topk":
+        ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        k = experts.experts_per_token
+        return torch.sigmoid(ranked[:, :k].float()), order[:, :k]
     probs = torch.softmax(logits.float(), dim=-1)
     ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, chosen = ranked[:, :experts.experts_per_token], order[:, :experts.experts_per_token]
@@ -122,6 +143,9 @@ class MixtureOfExperts(nn.Module):
             self.router_scale = nn.Parameter(torch.ones(config.dim))
             self.per_expert_scale = nn.Parameter(torch.ones(E))
             self.norm_eps, self.root = config.norm_eps, config.dim ** -0.5
+        if experts.shared_ffn_dim:  # the shared expert: the dense MLP's layout, its own width
+            self.shared_w13 = nn.Parameter(torch.empty(2 * experts.shared_ffn_dim, config.dim))
+            self.shared_w2 = nn.Parameter(torch.empty(config.dim, experts.shared_ffn_dim))
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's scores [T, E] (x's dtype) of its input x [T, dim]: x W_router^T; Gemma 4's
@@ -153,9 +177,17 @@ class MixtureOfExperts(nn.Module):
                 continue  # an expert no token chose: its weights are not read
             rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
             start += n
+            if experts.scales_inputs:  # Llama 4: the weight scales the input (in the model dtype), y added as is
+                y = self.linear(self.activation(self.linear(x[rows] * w, self.w13[e]), ffn), self.w2[e])
+                out.index_add_(0, rows, y.float())
+                continue
             y = self.linear(self.activation(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
             # float32 weights: the product in float32; model-dtype weights: rounded there first. A token
             # picks k different experts, so one call adds to each row at most once: even with atomics
             # (CUDA) every row's sum runs in expert order, the same every time.
             out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
+        if experts.shared_ffn_dim:  # transformers' order: the shared output (rounded) plus the routed sum (rounded)
+            shared = self.linear(self.activation(self.linear(x, self.shared_w13), experts.shared_ffn_dim),
+                                 self.shared_w2)
+            return self.tp.all_reduce(shared.add_(out.to(x.dtype)))
         return self.tp.all_reduce(out.to(x.dtype))

@@ -9,7 +9,7 @@ planning without any download.
 from __future__ import annotations
 
 from ..attention.dual_chunk import DualChunk
-from .config import LayerAttention, ModelConfig, RopeScaling
+from .config import Experts, LayerAttention, ModelConfig, RopeScaling
 from .config_hf import read_hf_config
 
 
@@ -36,17 +36,23 @@ PRESETS: dict[str, ModelConfig] = {
         layer_attention=tuple(LayerAttention() if (i + 1) % 6 == 0 else LayerAttention(window=1024)
                               for i in range(30)),
     ),
-    # Llama 4's attention at a small width (random weights, a dense FFN): 3 layers in aligned
+    # Llama 4's attention at a small width (random weights): 3 layers in aligned
     # chunks of 8,192 with RoPE and weightless q/k norms after it, then 1 global NoPE layer whose
     # queries warm by position (floor_scale 8,192, attn_scale 0.1: Scout's and Maverick's); 10M
-    # positions. Sized so that a 1M-token prefill runs the whole path on a 2-core CPU in about an
-    # hour (its global layer's causal attention: 4 * 128 * 10^12 / 2 = 2.6e14 FLOPs).
+    # positions. Maverick's feed-forward layout: layers 1 and 3 a mixture of 4 experts of 128
+    # units, top 1 by Llama 4's sigmoid router, plus a shared expert of 128 (as interleave step 2);
+    # layers 0 and 2 a dense MLP of 256. A token's FFN work is the dense model's (2 x 128 units on
+    # an MoE layer, 256 on a dense one). Sized so that a 1M-token prefill runs the whole path on a
+    # 2-core CPU in about an hour (its global layer's causal attention: 4 * 128 * 10^12 / 2 = 2.6e14 FLOPs).
     "tiny-llama4": ModelConfig(
         name="tiny-llama4", vocab_size=1024, dim=128, n_layers=4, n_heads=2, n_kv_heads=1, ffn_dim=256,
         head_dim=64, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=10485760, bos_token_id=1, eos_token_ids=(2,),
         layer_attention=tuple(LayerAttention(rope=False, temperature_floor=8192, temperature_scale=0.1)
                               if (i + 1) % 4 == 0 else LayerAttention(chunk=8192, qk_norm_after_rope=True)
                               for i in range(4)),
+        layer_experts=tuple(Experts(n_experts=4, experts_per_token=1, expert_ffn_dim=128, router="sigmoid-topk",
+                                    renormalize=False, weights_in_model_dtype=True, shared_ffn_dim=128)
+                            if i % 2 else None for i in range(4)),
     ),
     "qwen2.5-0.5b": ModelConfig(
         name="qwen2.5-0.5b", vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
@@ -189,6 +195,31 @@ _PUBLISHED = {
         "num_experts_per_tok": 2, "rope_theta": 1_000_000.0, "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-5, "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 1,
         "eos_token_id": 2},
+    # Llama 4, from meta-llama/Llama-4-Scout-17B-16E's and Llama-4-Maverick-17B-128E's text_config
+    # values as recalled here (no hub on this machine: check against the checkpoint's config.json):
+    # Scout 48 layers of 16 experts + a shared one on every layer, llama3 RoPE scaling (factor 16 over
+    # 8,192), 10M positions, 107.8B text parameters of which 17.2B reach a token; Maverick 128 experts
+    # on every 2nd layer (dense MLPs of 16,384 between), no RoPE scaling and no q/k norm, 1M positions,
+    # 400.7B of which 17.2B. Both: chunks of 8,192 on the RoPE layers, every 4th layer NoPE
+    # (no_rope_layers left to the default interval 4), the query temperature of floor_scale 8,192.
+    "llama4-scout": {
+        "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "use_qk_norm": True,
+        "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192},
+        "max_position_embeddings": 10485760, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008]},
+    "llama4-maverick": {
+        "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
+        "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 128, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2, "attention_chunk_size": 8192, "use_qk_norm": False,
+        "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1, "rope_theta": 500000.0,
+        "rope_scaling": None, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008]},
 }
 PRESETS.update({name: read_hf_config(d, name=name) for name, d in _PUBLISHED.items()})
 """Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""

@@ -70,6 +70,8 @@ def tp_problem(config: ModelConfig, tp_size: int) -> str | None:
         return f"tp={tp_size} is larger than the MLP width or vocabulary of {config.name}"
     if any(e is not None and e.expert_ffn_dim < tp_size for e in config.layer_experts):
         return f"tp={tp_size} is larger than the expert width of {config.name}"
+    if any(e is not None and 0 < e.shared_ffn_dim < tp_size for e in config.layer_experts):
+        return f"tp={tp_size} is larger than the shared expert's width of {config.name}"
     return None
 
 
@@ -115,6 +117,10 @@ class TensorParallel:
         """[start, stop) of this rank's hidden units of each expert of layer `layer` (a mixture of experts)."""
         return split_range(config.experts(layer).expert_ffn_dim, self.size, self.rank)
 
+    def shared_ffn(self, config: ModelConfig, layer: int) -> tuple[int, int]:
+        """[start, stop) of this rank's hidden units of layer `layer`'s shared expert (split as the MLP's)."""
+        return split_range(config.experts(layer).shared_ffn_dim, self.size, self.rank)
+
     def vocab(self, config: ModelConfig) -> tuple[int, int]:
         """[start, stop) of the token ids whose embedding rows and logits this rank holds."""
         return split_range(config.vocab_size, self.size, self.rank)
@@ -129,7 +135,8 @@ class TensorParallel:
         layers = tuple(dataclasses.replace(kind, n_kv_heads=-operator.sub(*self.kv_heads(config, i)))
                        if kind.n_kv_heads else kind for i, kind in enumerate(config.layer_attention))
         experts = tuple(None if e is None else dataclasses.replace(
-            e, expert_ffn_dim=-operator.sub(*self.expert_ffn(config, i))) for i, e in enumerate(config.layer_experts))
+            e, expert_ffn_dim=-operator.sub(*self.expert_ffn(config, i)),
+            shared_ffn_dim=-operator.sub(*self.shared_ffn(config, i))) for i, e in enumerate(config.layer_experts))
         return dataclasses.replace(config, name=f"{config.name} [TP {self.rank}/{self.size}]", n_heads=q1 - q0,
                                    n_kv_heads=k1 - k0, ffn_dim=f1 - f0, head_dim=config.head_dim,
                                    layer_attention=layers, layer_experts=experts)

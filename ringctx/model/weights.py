@@ -64,7 +64,8 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | Non
 
     kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
     "gate", "up" (rows), "down" (input columns), "expert_gate", "expert_up", "expert_down" (one
-    expert's, likewise, of layer `layer`'s expert width), "vocab" (embedding or head rows), or
+    expert's, likewise, of layer `layer`'s expert width), "shared_gate", "shared_up", "shared_down"
+    (its shared expert's, likewise), "vocab" (embedding or head rows), or
     anything else (norms, the o bias, a router): replicated. `config` is the whole model's; layer:
     the layer of an attention or expert tensor (its head shape may be its own), None for the model's.
     """
@@ -90,6 +91,10 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | Non
         return Take(0, *tp.expert_ffn(config, layer), config.experts(layer).expert_ffn_dim)
     if kind == "expert_down":  # one expert's [dim, F]: input columns, as the MLP's down
         return Take(1, *tp.expert_ffn(config, layer), config.experts(layer).expert_ffn_dim)
+    if kind in ("shared_gate", "shared_up"):  # the shared expert's [S, dim]: rows, as the MLP's gate and up
+        return Take(0, *tp.shared_ffn(config, layer), config.experts(layer).shared_ffn_dim)
+    if kind == "shared_down":  # its [dim, S]: input columns
+        return Take(1, *tp.shared_ffn(config, layer), config.experts(layer).shared_ffn_dim)
     return None
 
 
@@ -265,6 +270,13 @@ def _full_rows(model: Transformer, name: str,
     shape = list(param.shape)
     kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    if name.endswith(("feed_forward.shared_w13", "feed_forward.shared_w2")):  # the shared expert: as the MLP's
+        t = tp_take(full, tp, "shared_down", layer)
+        if name.endswith("w2"):
+            shape[1] = t.full
+            return tuple(shape), torch.arange(shape[0]), slice(t.start, t.stop)
+        shape[0] = 2 * t.full
+        return tuple(shape), torch.cat([torch.arange(first + t.start, first + t.stop) for first in (0, t.full)]), None
     if name.endswith(("feed_forward.w13", "feed_forward.w2")):  # experts [E, 2F, dim] / [E, dim, F]: every expert
         t = tp_take(full, tp, "expert_down", layer)
         if name.endswith("w2"):

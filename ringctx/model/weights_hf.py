@@ -36,10 +36,13 @@ class ExpertNames(NamedTuple):
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert"
+    """The shared expert's module: model.layers.{i}.{block}.{shared}.{gate|up|down}_proj.weight (Llama 4)."""
 
 
 EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "gate", "w1", "w3", "w2"),
-                "qwen3_moe": ExpertNames("mlp", "gate", "gate_proj", "up_proj", "down_proj")}
+                "qwen3_moe": ExpertNames("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+                "llama4_text": ExpertNames("feed_forward", "router", "gate_proj", "up_proj", "down_proj")}
 """model_type -> its expert tensors' names, as the published checkpoints have them and as
 transformers 5.25's save_pretrained writes them by default (it converts its fused in-memory
 tensors back to these per-expert ones; `fused_expert_parts` reads the fused ones too)."""
@@ -68,6 +71,29 @@ def fused_expert_parts(name: str, config: ModelConfig, names: ExpertNames
         return (E, config.dim, F), [(f"{stem}.experts.{e}.{names.down}.weight", (e,)) for e in range(E)]
     return (E, 2 * F, config.dim), [(f"{stem}.experts.{e}.{which}.weight", (e, rows)) for e in range(E)
                                     for which, rows in ((names.gate, slice(0, F)), (names.up, slice(F, 2 * F)))]
+
+
+_LLAMA4_EXPERTS = re.compile(r"(model\.layers\.(\d+))\.feed_forward\.experts\.(gate_up_proj|down_proj)$")
+
+
+def llama4_expert_parts(name: str, config: ModelConfig) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
+    """As `fused_expert_parts`, for Llama 4's experts as its checkpoints (and transformers 5.25's
+    save_pretrained) store them, transposed relative to Qwen3-MoE's: feed_forward.experts.gate_up_proj
+    [E, dim, 2F] (x @ gate_up: each expert's gate columns, then its up columns) and
+    feed_forward.experts.down_proj [E, F, dim]. Each part's index cuts one expert's matrix, which
+    its transpose turns into EXPERT_NAMES["llama4_text"]'s [F, dim] / [dim, F] (`_fill_fused_experts`
+    with transposed=True). None for any other tensor, or one on a layer without experts."""
+    match = _LLAMA4_EXPERTS.match(name)
+    layer = int(match.group(2)) if match else config.n_layers
+    experts = config.experts(layer) if layer < config.n_layers else None
+    if experts is None:
+        return None
+    stem, names = f"{match.group(1)}.feed_forward", EXPERT_NAMES["llama4_text"]
+    E, F = experts.n_experts, experts.expert_ffn_dim
+    if match.group(3) == "down_proj":
+        return (E, F, config.dim), [(f"{stem}.experts.{e}.{names.down}.weight", (e,)) for e in range(E)]
+    return (E, config.dim, 2 * F), [(f"{stem}.experts.{e}.{which}.weight", (e, slice(None), cols)) for e in range(E)
+                                    for which, cols in ((names.gate, slice(0, F)), (names.up, slice(F, 2 * F)))]
 
 
 def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
@@ -121,6 +147,12 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
                     add(f"{moe}.experts.{e}.{name}.weight", f"{ff}.w13", mlp_rows(local, which, i), f"expert_{which}",
                         i, e)
                 add(f"{moe}.experts.{e}.{experts.down}.weight", f"{ff}.w2", None, "expert_down", i, e)
+            shared = config.experts(i).shared_ffn_dim and local.experts(i).shared_ffn_dim
+            for which in ("gate", "up") if shared else ():  # the shared expert: the dense MLP's layout
+                add(f"{moe}.{experts.shared}.{which}_proj.weight", f"{ff}.shared_w13",
+                    (0, shared) if which == "gate" else (shared, 2 * shared), f"shared_{which}", i)
+            if shared:
+                add(f"{moe}.{experts.shared}.down_proj.weight", f"{ff}.shared_w2", None, "shared_down", i)
             continue
         add(f"{hf}.{mlp}.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
         add(f"{hf}.{mlp}.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
@@ -320,9 +352,10 @@ def load_hf_weights(model, directory: str) -> None:
                     continue  # some saves write the tied head too; it equals the embedding
                 shape = tuple(handle.get_slice(file_name).get_shape())
                 fused = None if name in filler.expected else (
+                    llama4_expert_parts(name, config) if llama4 else
                     fused_expert_parts(name, config, expert_names) or gemma4_expert_parts(name, config, directory))
                 if fused is not None:
-                    _fill_fused_experts(handle, path, file_name, shape, *fused, filler)
+                    _fill_fused_experts(handle, path, file_name, shape, *fused, filler, transposed=llama4)
                     continue
                 parts = fused_parts(name, config)
                 if parts is not None and shape and shape[0] != parts[-1][2]:
@@ -365,10 +398,11 @@ def _check_expert_count(name: str, config: ModelConfig, directory: str) -> None:
 
 
 def _fill_fused_experts(handle, path: str, name: str, shape: tuple[int, ...], needed: tuple[int, ...],
-                        parts: list[tuple[str, tuple]], filler: WeightFiller) -> None:
+                        parts: list[tuple[str, tuple]], filler: WeightFiller, transposed: bool = False) -> None:
     """Fill a layer's expert (or router) parameter from one fused tensor `name` of shape `shape`
     (`fused_expert_parts`: the shape the config needs, each part's name and index), one expert's
-    matrix at a time, each cut to this TP rank's share."""
+    matrix at a time (transposed: each part's matrix transposed first, `llama4_expert_parts`), each
+    cut to this TP rank's share."""
     if shape != needed:
         raise ValueError(f"{filler.source}: tensor {name!r} has shape {shape}, but the model config needs {needed} "
                          "(experts, their width, the model width); the weights do not match the config")
@@ -379,6 +413,7 @@ def _fill_fused_experts(handle, path: str, name: str, shape: tuple[int, ...], ne
         except Exception as e:
             raise ValueError(f"{path}: cannot read tensor {name!r} ({type(e).__name__}: {e}); the file is "
                              "truncated or corrupt, re-download it") from None
+        value = value.T if transposed else value
         filler.put(piece, value if piece.take is None else value[piece.take.index()])
 
 

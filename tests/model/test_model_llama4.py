@@ -229,14 +229,6 @@ def test_layers_without_qk_norm_or_temperature_or_chunks():
 
 
 @pytest.mark.parametrize("config,message", [
-    ({**TEXT, "model_type": "llama4_text", "moe_layers": [1, 3]},
-     r"mixture-of-experts layers \(2 of 4: moe_layers=\[1, 3\]\) are not supported yet"),
-    ({**{k: v for k, v in TEXT.items() if k != "moe_layers"}, "model_type": "llama4_text",
-      "interleave_moe_layer_step": 2}, r"mixture-of-experts layers \(2 of 4: moe_layers=\[1, 3\]\)"),
-    ({**{k: v for k, v in TEXT.items() if k != "moe_layers"}, "model_type": "llama4_text"},
-     r"mixture-of-experts layers \(4 of 4"),
-    ({"model_type": "llama4", "text_config": {**TEXT, "model_type": "llama4_text", "moe_layers": [0]}},
-     r"mixture-of-experts layers \(1 of 4"),
     ({**TEXT, "model_type": "llama4_text", "no_rope_layers": [1, 0]}, r"no_rope_layers lists 2 layers"),
     ({**TEXT, "model_type": "llama4_text", "floor_scale": 0.5}, r"floor_scale=0.5"),
     ({**TEXT, "model_type": "llama4_text", "hidden_act": "gelu"}, r"hidden_act='gelu'"),

@@ -395,5 +395,5 @@ def test_config_round_trip_and_refusals():
     with pytest.raises(ValueError, match="layer_experts describes 1 layers but the model has n_layers=2"):
         ModelConfig(name="x", vocab_size=8, dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=8,
                     layer_experts=(Experts(4, 2, 8),))
-    with pytest.raises(ValueError, match="shared experts are not computed yet"):
-        Experts(4, 2, 8, shared_ffn_dim=16)
+    with pytest.raises(ValueError, match="shared_ffn_dim=-1 must be a count of units"):
+        Experts(4, 2, 8, shared_ffn_dim=-1)
