@@ -402,8 +402,11 @@ _LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)"
 PLAIN_LAYER = LayerAttention()
 
 
-ROUTERS = ("softmax-topk",)
+ROUTERS = ("softmax-topk", "topk-softmax")
 """How a mixture of experts picks a token's experts (`Experts.router`)."""
+
+EXPERT_ACTIVATIONS = ("swiglu", "clamped-swiglu")
+"""How each expert joins its gate and up halves (`Experts.activation`)."""
 
 
 @dataclass(frozen=True)
@@ -415,7 +418,10 @@ class Experts:
 
     Router "softmax-topk" (Mixtral, Qwen3-MoE): probabilities = softmax(x W_router^T) over every
     expert in float32; the k largest are kept (ties: the lower expert index wins), renormalised to
-    sum 1 when `renormalize`."""
+    sum 1 when `renormalize`.
+
+    Router "topk-softmax" (gpt-oss): the k largest logits x W_router^T + b_router (ties: the lower
+    expert index), then a softmax over those k only (`renormalize` does not apply: they sum to 1)."""
 
     n_experts: int
     """E: experts in the layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
@@ -435,6 +441,19 @@ class Experts:
     shared_ffn_dim: int = 0
     """Hidden width of a shared expert every token also goes through (Llama 4, Qwen2-MoE); 0: none
     (the only value computed yet)."""
+    activation: str = "swiglu"
+    """How an expert's gate g and up u halves become its hidden units: "swiglu", silu(g) * u
+    (Mixtral, Qwen3-MoE); "clamped-swiglu" (gpt-oss), with g clamped above at swiglu_limit and u
+    to [-swiglu_limit, swiglu_limit]: (u + 1) * g * sigmoid(swiglu_alpha * g)."""
+    bias: bool = False
+    """Every expert has biases: on its gate and up rows ([2F] each expert, split under TP as the
+    rows are) and on its down projection ([dim]); gpt-oss."""
+    router_bias: bool = False
+    """The router has a bias [E] added to its logits (gpt-oss)."""
+    swiglu_alpha: float = 1.702
+    """clamped-swiglu: the gain inside the sigmoid (gpt-oss's swiglu_alpha)."""
+    swiglu_limit: float = 7.0
+    """clamped-swiglu: the clamp of the gate (above) and of up (both sides) (gpt-oss's swiglu_limit)."""
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "experts_per_token", "expert_ffn_dim"):
@@ -448,13 +467,21 @@ class Experts:
         if self.shared_ffn_dim:
             raise ValueError(f"Experts: shared_ffn_dim={self.shared_ffn_dim}: shared experts are not computed yet; "
                              "give 0")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"Experts: activation={self.activation!r} is not computed; ringctx has "
+                             f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if self.activation == "clamped-swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise ValueError(f"Experts: clamped-swiglu with swiglu_alpha={self.swiglu_alpha}, "
+                             f"swiglu_limit={self.swiglu_limit}: both must be positive")
 
     def params(self, dim: int, active: bool = False) -> int:
-        """Weights of this feed-forward for a residual width `dim`: the router [E, dim] and each
-        expert's gate, up and down (3 * dim * F); active: only the experts one token goes through
-        (k of them) and the router."""
+        """Weights of this feed-forward for a residual width `dim`: the router [E, dim] (and its
+        bias [E]) and each expert's gate, up and down (3 * dim * F, and with `bias` 2F + dim);
+        active: only the experts one token goes through (k of them) and the router."""
         experts = self.experts_per_token if active else self.n_experts
-        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim
+        router = self.n_experts * (dim + (1 if self.router_bias else 0))
+        biases = 2 * self.expert_ffn_dim + dim if self.bias else 0
+        return router + experts * (3 * dim * self.expert_ffn_dim + biases)
 
     def describe(self) -> str:
         """A few words for tables: '8 experts, top 2'."""
@@ -726,6 +753,8 @@ class ModelConfig:
                 attn += (self.n_heads + 2 * hkv) * d
             if self.attn_out_bias:
                 attn += self.dim
+            if self.attention(i).sinks:  # one sink logit per query head (gpt-oss)
+                attn += self.n_heads
             if self.qk_norm:
                 attn += 2 * d
             mlp = self.ffn_params(i, active)
@@ -767,6 +796,10 @@ class ModelConfig:
         if d["rope_scaling"] is not None:
             d["rope_scaling"] = {k: v for k, v in d["rope_scaling"].items()
                                  if _LATER_ROPE_FIELDS.get(k, _MISSING) != v}
+        if d.get("layer_experts"):
+            d["layer_experts"] = [None if e is None else {k: v for k, v in e.items()
+                                                          if _LATER_EXPERT_FIELDS.get(k, _MISSING) != v}
+                                  for e in d["layer_experts"]]
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def rope_inv_freq(self, layer: int | None = None, long: bool = False) -> list[float]:
@@ -850,3 +883,6 @@ _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "sil
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                       "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""
+_LATER_EXPERT_FIELDS = {"activation": "swiglu", "bias": False, "router_bias": False, "swiglu_alpha": 1.702,
+                        "swiglu_limit": 7.0}
+"""Experts fields added after fingerprints were first stored (gpt-oss's), with their defaults."""

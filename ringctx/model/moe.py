@@ -1,5 +1,5 @@
-"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE), described by its
-`Experts` (model/config.py); `Block` builds it in place of the dense MLP where the layer has one.
+"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE, gpt-oss), described by
+its `Experts` (model/config.py); `Block` builds it in place of the dense MLP where the layer has one.
 
 For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
 
@@ -11,6 +11,10 @@ For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
         y = (silu(rows W_gate[e]^T) * (rows W_up[e]^T)) W_down[e]^T
         out[token] += weight * y                               float32 accumulator, index_add
     out rounded once to the activations' dtype; under TP summed over the ranks (the MLP's all-reduce)
+
+gpt-oss (`Experts.router` "topk-softmax", `bias`, `router_bias`, `activation` "clamped-swiglu"):
+the router's logits get a bias, its k largest logits are kept and softmaxed over those k (`route`);
+each expert's gate/up and down products get their biases, and clamped_swiglu replaces silu(gate) * up.
 
 So a decode step (one row) reads the router and its k experts only. The pairs of one token reach
 its accumulator row in the order of their experts whatever else is in the call (the products
@@ -24,9 +28,11 @@ float32 the two are the same computation; in bf16 they differ in the last bits. 
 "eager" experts instead add each expert's rounded output into a model-dtype sum, and transformers
 4.x rounded the weights for Mixtral too: the tests pin 5.25.)
 
-Tensors: `router.weight` [E, dim] (replicated under TP); `w13` [E, 2F, dim], each expert's gate rows
-then its up rows (the dense MLP's w13 layout, per expert); `w2` [E, dim, F]. Under tensor
-parallelism F is this rank's share of every expert's hidden units (model/tensor_parallel.py).
+Tensors: `router.weight` [E, dim] (and `router.bias` [E]; replicated under TP); `w13` [E, 2F, dim],
+each expert's gate rows then its up rows (the dense MLP's w13 layout, per expert; gpt-oss's
+checkpoints interleave them, weights_hf.py separates them at load); `w2` [E, dim, F]; with biases
+`b13` [E, 2F] (gate then up) and `b2` [E, dim]. Under tensor parallelism F is this rank's share of
+every expert's hidden units (model/tensor_parallel.py).
 
 torch._grouped_mm (torch 2.13 has a CPU kernel) was measured against this loop, this module's
 forward either way (one thread, a 2-core Xeon shared with other jobs, so +-30%; ms per call):
@@ -55,21 +61,30 @@ from ..kernels import cpu
 from .config import Experts, ModelConfig
 from .tensor_parallel import NO_TP, TensorParallel
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""linear(x [n, in], weight [out, in]) -> [n, out] in x's dtype (transformer.linear)."""
+Linear = Callable[..., torch.Tensor]
+"""linear(x [n, in], weight [out, in], bias [out] or None) -> [n, out] in x's dtype (transformer.linear)."""
 
 
 def route(logits: torch.Tensor, experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice for T tokens: logits [T, E] (any float dtype) -> (weights [T, k] float32,
-    chosen [T, k] long), each token's k most probable experts in descending probability.
+    """The router's choice for T tokens: logits [T, E] (any float dtype; the router's bias already
+    added) -> (weights [T, k] float32, chosen [T, k] long), each token's k best experts in descending
+    order of their logits.
 
-    Softmax over all E experts in float32, as transformers' MixtralTopKRouter / Qwen3MoeTopKRouter.
+    "softmax-topk": softmax over all E experts in float32, as transformers' MixtralTopKRouter /
+    Qwen3MoeTopKRouter; with `renormalize` the k weights are divided by their sum in float32.
+    "topk-softmax" (GptOssTopKRouter): the k largest logits as they are (in the model dtype), then a
+    softmax over those k in float32 (transformers' softmax(dtype=bf16) computes in float32 and rounds
+    once; `weights_in_model_dtype` rounds the same way).
     Ties are broken by expert index, the lower first (a stable sort: torch.topk, which transformers
     calls, leaves the order of equal values unspecified, and on the CPU picked experts 1 and 3 of four
-    equal ones). With `renormalize` the k weights are divided by their sum in float32."""
+    equal ones)."""
+    k = experts.experts_per_token
+    if experts.router == "topk-softmax":
+        ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        return torch.softmax(ranked[:, :k].float(), dim=-1), order[:, :k]
     probs = torch.softmax(logits.float(), dim=-1)
     ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, chosen = ranked[:, :experts.experts_per_token], order[:, :experts.experts_per_token]
+    weights, chosen = ranked[:, :k], order[:, :k]
     if experts.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, chosen
@@ -84,6 +99,16 @@ def swiglu_(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
     return gate
 
 
+def clamped_swiglu(gate_up: torch.Tensor, ffn: int, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over gate_up [n, 2 ffn] (gate half, then up half) -> [n, ffn]:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit). The ops of
+    transformers' GptOssExperts._apply_gate in the same order, each in gate_up's dtype (so bf16
+    rounds where it does)."""
+    gate = gate_up[:, :ffn].clamp(max=limit)
+    up = gate_up[:, ffn:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class MixtureOfExperts(nn.Module):
     """A layer's mixture of experts (see the module docstring): forward(x [T, dim]) -> [T, dim].
 
@@ -94,17 +119,21 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.experts, self.linear, self.tp = experts, linear, tp
         E, ffn = experts.n_experts, experts.expert_ffn_dim
-        self.router = nn.Linear(config.dim, E, bias=False)
+        self.router = nn.Linear(config.dim, E, bias=experts.router_bias)
         self.w13 = nn.Parameter(torch.empty(E, 2 * ffn, config.dim))
         self.w2 = nn.Parameter(torch.empty(E, config.dim, ffn))
+        # Experts.bias (gpt-oss): b13 [E, 2F] this rank's gate then up units (split as w13's rows),
+        # b2 [E, dim] whole on every rank but added by rank 0 only (see forward).
+        self.b13 = nn.Parameter(torch.empty(E, 2 * ffn)) if experts.bias else None
+        self.b2 = nn.Parameter(torch.empty(E, config.dim)) if experts.bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim] in x's dtype (summed over the TP ranks)."""
         experts = self.experts
-        weights, chosen = route(self.linear(x, self.router.weight), experts)
+        weights, chosen = route(self.linear(x, self.router.weight, self.router.bias), experts)
         if experts.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        k, ffn = experts.experts_per_token, experts.expert_ffn_dim
+        k = experts.experts_per_token
         # Pairs sorted by expert; the stable sort keeps each expert's pairs in token order.
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -117,9 +146,25 @@ class MixtureOfExperts(nn.Module):
                 continue  # an expert no token chose: its weights are not read
             rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
             start += n
-            y = self.linear(swiglu_(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
+            y = self.linear(self._hidden(x[rows], e), self.w2[e], self._down_bias(e))
             # float32 weights: the product in float32; model-dtype weights: rounded there first. A token
             # picks k different experts, so one call adds to each row at most once: even with atomics
             # (CUDA) every row's sum runs in expert order, the same every time.
             out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
         return self.tp.all_reduce(out.to(x.dtype))
+
+    def _hidden(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's hidden units [n, F] of rows [n, dim]: its gate and up products (and biases),
+        joined by the layer's activation."""
+        experts, ffn = self.experts, self.experts.expert_ffn_dim
+        gate_up = self.linear(rows, self.w13[e], None if self.b13 is None else self.b13[e])
+        if experts.activation == "clamped-swiglu":
+            return clamped_swiglu(gate_up, ffn, experts.swiglu_alpha, experts.swiglu_limit)
+        return swiglu_(gate_up, ffn)
+
+    def _down_bias(self, e: int) -> torch.Tensor | None:
+        """Expert e's down bias [dim] for this rank's product, or None. Under TP each rank's product
+        is a partial sum over its hidden units; the bias belongs to the whole sum once, so rank 0
+        adds it to its partial, before the weighting and the all-reduce: sum over ranks of
+        w * (y_r + [r = 0] b) = w * (y + b), transformers' (y + b) * w, exact up to rounding order."""
+        return None if self.b2 is None or self.tp.rank != 0 else self.b2[e]

@@ -62,7 +62,8 @@ class WeightPiece(NamedTuple):
 def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | None = None) -> Take | None:
     """Which slice of a checkpoint tensor of `kind` TP rank `tp.rank` holds (None: all of it).
 
-    kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
+    kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns), "sinks" (by
+    query heads),
     "gate", "up" (rows), "down" (input columns), "expert_gate", "expert_up", "expert_down" (one
     expert's, likewise, of layer `layer`'s expert width), "vocab" (embedding or head rows), or
     anything else (norms, the o bias, a router): replicated. `config` is the whole model's; layer:
@@ -77,6 +78,9 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | Non
     if kind in ("k", "v"):
         a, b = tp.kv_heads(config, layer)
         return Take(0, a * D, b * D, (config.n_kv_heads if layer is None else config.kv_heads_of(layer)) * D)
+    if kind == "sinks":  # one logit per query head [Hq]
+        a, b = tp.q_heads(config)
+        return Take(0, a, b, config.n_heads)
     if kind == "o":
         a, b = tp.q_heads(config)
         return Take(1, a * D, b * D, config.n_heads * D)
@@ -261,7 +265,11 @@ def _full_rows(model: Transformer, name: str,
     shape = list(param.shape)
     kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else None
-    if name.endswith(("feed_forward.w13", "feed_forward.w2")):  # experts [E, 2F, dim] / [E, dim, F]: every expert
+    if name.endswith("attention.sinks"):  # [Hq]: this rank's query heads
+        t = tp_take(full, tp, "sinks")
+        return (t.full,), torch.arange(t.start, t.stop), None
+    # experts [E, 2F, dim] / [E, dim, F] (and the gate/up biases [E, 2F]): every expert
+    if name.endswith(("feed_forward.w13", "feed_forward.w2", "feed_forward.b13")):
         t = tp_take(full, tp, "expert_down", layer)
         if name.endswith("w2"):
             shape[2] = t.full
