@@ -307,3 +307,35 @@ def test_report_measured_errors():
     """Prints the errors measured above (run with -s)."""
     for name, err in MEASURED.items():
         print(f"gpt-oss {name}: rel err {err:.2e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets and the planner
+
+
+@pytest.mark.parametrize("name,total,active,layers,experts", [("gpt-oss-20b", 20.91e9, 4.19e9, 24, 32),
+                                                                ("gpt-oss-120b", 116.83e9, 5.71e9, 36, 128)])
+def test_presets_have_the_published_shapes(name, total, active, layers, experts):
+    """The model card's totals; active: the card's 3.61B / 5.13B plus the 0.58B embedding table it
+    leaves out."""
+    from ringctx.model.presets import get_preset
+
+    c = get_preset(name)
+    assert abs(c.n_params - total) < 0.005e9 and abs(c.active_params - active) < 0.005e9
+    assert c.attention_summary() == f"{layers // 2} window 128, sinks + {layers // 2} full, sinks"
+    assert c.feed_forward_summary() == f"{layers} layers of {experts} experts, top 4"
+    assert c.trained_context == 131072 and c.rope_scaling.attention_factor == pytest.approx(1 + 0.1 * 3.4657359)
+
+
+def test_plan_of_gpt_oss_120b_at_its_whole_context():
+    """`ringctx plan --model gpt-oss-120b --tokens 131072` on one H100 host: fits, the sliding
+    layers' KV counted as their windows (half the rows kept)."""
+    from click.testing import CliRunner
+
+    from ringctx.cli import main
+
+    result = CliRunner().invoke(main, ["plan", "--model", "gpt-oss-120b", "--tokens", "131072",
+                                       "--hardware", "h100-rdma", "--hosts", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output[result.output.index("{"):])
+    assert plan["fits"] is True
