@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import json
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -339,3 +341,100 @@ def test_plan_of_gpt_oss_120b_at_its_whole_context():
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output[result.output.index("{"):])
     assert plan["fits"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# GGUF: llama.cpp's gpt-oss files
+
+
+def gguf_tensors(hf) -> dict[str, np.ndarray]:
+    """hf's tensors as llama.cpp's converter (GptOssModel) writes them: gate_up_proj transposed and
+    split into ffn_gate_exps (even units) and ffn_up_exps (odd), down_proj transposed, the FFN's
+    norm as post_attention_norm, sinks as attn_sinks.weight."""
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+             **{f"self_attn.{p}_proj.{k}": f"attn_{'output' if p == 'o' else p}.{k}"
+                for p in "qkvo" for k in ("weight", "bias")}}
+    out = {}
+    for name, value in hf.state_dict().items():
+        w = value.float().numpy()
+        if not name.startswith("model.layers."):
+            out[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]] = w
+            continue
+        i, rest = name.split(".", 3)[2:]
+        blk = f"blk.{i}"
+        if rest == "mlp.experts.gate_up_proj":
+            w = w.transpose(0, 2, 1)
+            out[f"{blk}.ffn_gate_exps.weight"], out[f"{blk}.ffn_up_exps.weight"] = w[:, 0::2], w[:, 1::2]
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            out[f"{blk}.ffn_gate_exps.bias"], out[f"{blk}.ffn_up_exps.bias"] = w[:, 0::2], w[:, 1::2]
+        elif rest == "mlp.experts.down_proj":
+            out[f"{blk}.ffn_down_exps.weight"] = w.transpose(0, 2, 1)
+        else:
+            out[f"{blk}.{names[rest]}"] = w
+    return out
+
+
+def write_gguf(path, hf, experts=gguf.GGMLQuantizationType.F32) -> None:
+    """hf as a gpt-oss GGUF file: llama.cpp's header keys (the shared writer's, plus the experts and
+    YaRN GptOssModel.set_gguf_parameters adds, and the tiny model's lowered swiglu limit), its expert
+    matrices of type `experts`."""
+    from tests.model.test_model_gguf_families import add_keys
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    add_keys(writer, hf, "gpt-oss")
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(c.rope_parameters["factor"])
+    writer.add_rope_scaling_orig_ctx_len(c.rope_parameters["original_max_position_embeddings"])
+    if c.swiglu_limit != 7.0:  # llama.cpp's converter writes none: gpt-oss's 7.0 is the reader's default
+        writer.add_swiglu_clamp_exp([c.swiglu_limit] * c.num_hidden_layers)
+    for name, w in gguf_tensors(hf).items():
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if "_exps.weight" in name and experts != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(w, experts)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=experts)
+        else:
+            writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_equals_the_hf_directory(pair, tmp_path):
+    """A gpt-oss GGUF file of the same weights: the same config (fingerprint) and parameters, whole
+    and as a TP 2 shard, hence transformers' logits."""
+    from ringctx.model.tensor_parallel import TensorParallel
+
+    _, ours, hf, directory = pair
+    write_gguf(tmp_path / "gpt-oss.gguf", hf)
+    from_gguf = load_model(str(tmp_path / "gpt-oss.gguf"), dtype=torch.float32, device="cpu")
+    assert from_gguf.config.fingerprint() == ours.config.fingerprint()
+    whole = dict(ours.named_parameters())
+    for name, param in from_gguf.named_parameters():
+        assert torch.equal(param, whole[name]), name
+    shard = load_model(str(tmp_path / "gpt-oss.gguf"), dtype=torch.float32, device="cpu", tp=TensorParallel(2, 1))
+    expected = load_model(str(directory), dtype=torch.float32, device="cpu", tp=TensorParallel(2, 1))
+    for name, param in shard.named_parameters():
+        assert torch.equal(param, dict(expected.named_parameters())[name]), name
+    assert_logits_match(("gguf", from_gguf, hf, tmp_path), [prompt(30)])
+
+
+def test_gguf_mxfp4_experts_are_dequantized(pair, tmp_path):
+    """Expert matrices stored as GGUF MXFP4 (the gguf package's type and dequantizer): read back as
+    the gguf package dequantizes them."""
+    _, ours, hf, _ = pair
+    write_gguf(tmp_path / "mxfp4.gguf", hf, experts=gguf.GGMLQuantizationType.MXFP4)
+    model = load_model(str(tmp_path / "mxfp4.gguf"), dtype=torch.float32, device="cpu")
+    up = gguf_tensors(hf)["blk.1.ffn_up_exps.weight"]
+    stored = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(up), gguf.GGMLQuantizationType.MXFP4),
+                                    gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(model.layers[1].feed_forward.w13[:, 32:], torch.from_numpy(stored))
+    assert not torch.equal(model.layers[1].feed_forward.w13, ours.layers[1].feed_forward.w13)  # 4 bits: not exact
+    assert rel_err(model.logits(prompt(20)), ours.logits(prompt(20))) < 0.2
