@@ -402,8 +402,11 @@ _LAYER_DEFAULTS = {"rope_theta": "the model's RoPE", "scale": "1/sqrt(head_dim)"
 PLAIN_LAYER = LayerAttention()
 
 
-ROUTERS = ("softmax-topk", "gemma4", "sigmoid-topk")
+ROUTERS = ("softmax-topk", "topk-softmax", "sigmoid-topk", "gemma4")
 """How a mixture of experts picks a token's experts (`Experts.router`)."""
+
+EXPERT_ACTIVATIONS = ("swiglu", "clamped-swiglu")
+"""How each expert joins its gate and up halves (`Experts.activation`)."""
 
 
 @dataclass(frozen=True)
@@ -417,16 +420,19 @@ class Experts:
     expert in float32; the k largest are kept (ties: the lower expert index wins), renormalised to
     sum 1 when `renormalize`.
 
-    Router "gemma4" (Gemma 4 26B-A4B's Gemma4TextRouter): the router reads the residual x RMS-normed
-    without a weight (eps norm_eps; float32, rounded to the activations' dtype), times its own
-    `router_scale` [dim], times dim**-0.5; then softmax-topk as above, always renormalised, and
-    each kept weight times the chosen expert's `per_expert_scale` [E]. With `beside_dense` the
-    layer keeps its dense MLP too (model/transformer.py's Block).
+    Router "topk-softmax" (gpt-oss): the k largest logits x W_router^T + b_router (ties: the lower
+    expert index), then a softmax over those k only (`renormalize` does not apply: they sum to 1).
 
     Router "sigmoid-topk" (Llama 4's Llama4Router): the k largest logits x W_router^T are kept (ties:
     the lower expert index), each expert's score is sigmoid(logit) computed in float32 (no
     renormalising), and the score multiplies the expert's INPUT: the token goes through expert e as
-    expert_e(score * x), whose output is added unweighted (`scales_inputs`)."""
+    expert_e(score * x), whose output is added unweighted (`scales_inputs`).
+
+    Router "gemma4" (Gemma 4 26B-A4B's Gemma4TextRouter): the router reads the residual x RMS-normed
+    without a weight (eps norm_eps; float32, rounded to the activations' dtype), times its own
+    `router_scale` [dim], times dim**-0.5; then softmax-topk as above, always renormalised, and
+    each kept weight times the chosen expert's `per_expert_scale` [E]. With `beside_dense` the
+    layer keeps its dense MLP too (model/transformer.py's Block)."""
 
     n_experts: int
     """E: experts in the layer (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
@@ -451,6 +457,20 @@ class Experts:
     """The layer keeps its dense gated MLP (ffn_dim) and adds the experts beside it, each branch
     with its own norms, their sum normed once more (Gemma 4's enable_moe_block); False: the experts
     replace the dense MLP."""
+    activation: str = "swiglu"
+    """How an expert's gate g and up u halves become its hidden units: "swiglu", the model's gated
+    activation (silu(g) * u for Mixtral, Qwen3-MoE, Llama 4; Gemma 4's GeGLU); "clamped-swiglu"
+    (gpt-oss), with g clamped above at swiglu_limit and u to [-swiglu_limit, swiglu_limit]:
+    (u + 1) * g * sigmoid(swiglu_alpha * g)."""
+    bias: bool = False
+    """Every expert has biases: on its gate and up rows ([2F] each expert, split under TP as the
+    rows are) and on its down projection ([dim]); gpt-oss."""
+    router_bias: bool = False
+    """The router has a bias [E] added to its logits (gpt-oss)."""
+    swiglu_alpha: float = 1.702
+    """clamped-swiglu: the gain inside the sigmoid (gpt-oss's swiglu_alpha)."""
+    swiglu_limit: float = 7.0
+    """clamped-swiglu: the clamp of the gate (above) and of up (both sides) (gpt-oss's swiglu_limit)."""
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "experts_per_token", "expert_ffn_dim"):
@@ -464,6 +484,12 @@ class Experts:
         if isinstance(self.shared_ffn_dim, bool) or self.shared_ffn_dim < 0:
             raise ValueError(f"Experts: shared_ffn_dim={self.shared_ffn_dim!r} must be a count of units (0: no "
                              "shared expert)")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"Experts: activation={self.activation!r} is not computed; ringctx has "
+                             f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if self.activation == "clamped-swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise ValueError(f"Experts: clamped-swiglu with swiglu_alpha={self.swiglu_alpha}, "
+                             f"swiglu_limit={self.swiglu_limit}: both must be positive")
 
     @property
     def scales_inputs(self) -> bool:
@@ -471,12 +497,15 @@ class Experts:
         return self.router == "sigmoid-topk"
 
     def params(self, dim: int, active: bool = False) -> int:
-        """Weights of this feed-forward for a residual width `dim`: the router [E, dim], each
-        expert's gate, up and down (3 * dim * F) and the shared expert's (3 * dim * shared_ffn_dim);
-        active: only the experts one token goes through (k of them), the router and the shared expert."""
+        """Weights of this feed-forward for a residual width `dim`: the router [E, dim] (and its
+        bias [E]), each expert's gate, up and down (3 * dim * F, and with `bias` 2F + dim) and the
+        shared expert's (3 * dim * shared_ffn_dim), Gemma 4's router scales (dim + E); active: only
+        the experts one token goes through (k of them), the router and the shared expert."""
         experts = self.experts_per_token if active else self.n_experts
-        gemma4 = dim + self.n_experts if self.router == "gemma4" else 0  # router_scale, per_expert_scale
-        return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim + 3 * dim * self.shared_ffn_dim + gemma4
+        router = self.n_experts * (dim + (1 if self.router_bias else 0))
+        router += dim + self.n_experts if self.router == "gemma4" else 0  # router_scale, per_expert_scale
+        biases = 2 * self.expert_ffn_dim + dim if self.bias else 0
+        return router + experts * (3 * dim * self.expert_ffn_dim + biases) + 3 * dim * self.shared_ffn_dim
 
     def describe(self) -> str:
         """A few words for tables: '8 experts, top 2' (', + shared' with a shared expert; Gemma 4's:
@@ -749,6 +778,8 @@ class ModelConfig:
                 attn += (self.n_heads + 2 * hkv) * d
             if self.attn_out_bias:
                 attn += self.dim
+            if self.attention(i).sinks:  # one sink logit per query head (gpt-oss)
+                attn += self.n_heads
             if self.qk_norm:
                 attn += 2 * d
             mlp = self.ffn_params(i, active)
@@ -874,8 +905,9 @@ _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "sil
                  "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0, "v_norm": False,
                  "layer_scalars": False, "layer_experts": ()}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
-_LATER_EXPERT_FIELDS = {"beside_dense": False}
-"""Experts fields added after MoE fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                       "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""
+_LATER_EXPERT_FIELDS = {"beside_dense": False, "activation": "swiglu", "bias": False, "router_bias": False,
+                        "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+"""Experts fields added after MoE fingerprints were first stored (Gemma 4's, gpt-oss's), with their defaults."""

@@ -30,20 +30,21 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4", "qwen3moe", "gpt-oss")
 """GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
 text model, Llama 3 and Mixtral files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model; gemma4
 Gemma 4's dense text models, the 31B's own head shape on its full layers included; qwen3moe
-Qwen3-MoE, 2507 and Qwen3-Coder included)."""
+Qwen3-MoE, 2507 and Qwen3-Coder included; gpt-oss its mixture of experts, sinks and biases:
+`_gpt_oss_gguf`)."""
 
 GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe")
-"""Architectures whose {arch}.expert_count ringctx reads (`_gguf_experts`): Mixtral, Qwen3-MoE."""
+"""Architectures whose {arch}.expert_count `_gguf_experts` reads: Mixtral, Qwen3-MoE (gpt-oss's:
+`_gpt_oss_gguf`)."""
 
 GGUF_REFUSED = {
     "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
     "gemma2": "general.architecture='gemma2' (ringctx runs Gemma 3: gemma3)",
     "llama4": "llama4.expert_count (Llama 4's mixture of experts, query temperature and L2 q/k norms)",
-    "gpt-oss": "gpt-oss.expert_count (gpt-oss's mixture of experts)",
 }
 """Architectures refused with the key that makes them unsupported ("... is not supported yet")."""
 
@@ -129,7 +130,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
       keys as values where a layer has no attn_v, the sliding layers' RoPE base
       rope.freq_base_swa and the full layers' proportional RoPE from rope_freqs.weight.
     Keys that disagree with each other or with how llama.cpp runs the architecture, and kinds
-    still unsupported (mixtures of experts, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
+    still unsupported (mixtures of experts other than gpt-oss's, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
     are one-line ValueErrors naming the key or tensor.
     """
     import gguf
@@ -157,10 +158,10 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     tensors = {t.name: t for t in reader.tensors}
     if arch == "gemma4":
         _gemma4_refusals(arch, get, tensors, source)
-    if get(f"{arch}.expert_count", None) and arch not in GGUF_EXPERT_ARCHITECTURES:
+    if get(f"{arch}.expert_count", None) and arch not in GGUF_EXPERT_ARCHITECTURES + ("gpt-oss",):
         raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts) is not "
                          f"supported yet on architecture {arch}; ringctx reads the experts of "
-                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES)} files (Mixtral, Qwen3-MoE)")
+                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES + ('gpt-oss',))} files (Mixtral, Qwen3-MoE, gpt-oss)")
     gemma = arch in ("gemma3", "gemma4")
     for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
         if get(f"{arch}.{key}", None):
@@ -242,6 +243,8 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
                                                for i in range(n_layers)),
         layer_experts=_gguf_experts(arch, get, n_layers, source) if arch in GGUF_EXPERT_ARCHITECTURES else (),
     )
+    if arch == "gpt-oss":
+        cfg = _gpt_oss_gguf(cfg, arch, get, source)
     if "rope_freqs.weight" in tensors and rope_scaling is None and arch != "gemma4":
         table = _gguf_table(tensors["rope_freqs.weight"])
         hint = get(f"{arch}.rope.scaling.original_context_length", None)
@@ -382,6 +385,12 @@ def _gguf_windows(arch: str, get, n_layers: int, source: str) -> list[int]:
                              f"layers (every {GEMMA3_PATTERN}th full, as llama.cpp runs every gemma3 file); "
                              "remove the key")
         sliding = gemma
+    if arch == "gpt-oss":  # llama.cpp's gpt-oss: set_swa_pattern(2), the even layers slide (GptOssConfig's too)
+        alternating = [i % 2 == 0 for i in range(n_layers)]
+        if pattern is not None and sliding != alternating:
+            raise ValueError(f"{source}: gpt-oss.attention.sliding_window_pattern={pattern} disagrees with gpt-oss's "
+                             "layers (the even ones sliding, as llama.cpp runs every gpt-oss file); remove the key")
+        sliding = alternating
     return [window if s else 0 for s in sliding]
 
 
@@ -501,3 +510,36 @@ def _gemma4_proportion(table: list[float], full_dim: int, source: str) -> float:
         raise ValueError(f"{source}: rope_freqs.weight turns {turning} of {full_dim // 2} pairs, a share ringctx's "
                          "proportional RoPE cannot state exactly")
     return proportion
+
+
+GPT_OSS_SWIGLU = (1.702, 7.0)
+"""gpt-oss's clamped SwiGLU (alpha, limit): GptOssConfig's swiglu_alpha and swiglu_limit, the
+published checkpoints' values. llama.cpp's converter writes no key for them; a file with the
+`{arch}.swiglu_clamp_exp` key (one limit per layer, the gguf package's) gives its own limit."""
+
+
+def _gpt_oss_gguf(cfg: ModelConfig, arch: str, get, source: str) -> ModelConfig:
+    """A gpt-oss file's config as transformers' GptOssForCausalLM computes the checkpoint it came
+    from (llama.cpp's converter): a sink logit per head on every layer (blk.N.attn_sinks), YaRN
+    without truncation (GptOssConfig's truncate false; llama.cpp's ggml rounds the ramp's ends, a
+    difference at a few frequencies), and on every layer expert_count experts of
+    expert_feed_forward_length units, top expert_used_count, with the biased top-k-then-softmax
+    router and biased clamped-SwiGLU experts (`GPT_OSS_SWIGLU`; the limit from swiglu_clamp_exp when
+    the file has it)."""
+    n_experts, per_token = get(f"{arch}.expert_count"), get(f"{arch}.expert_used_count")
+    width = get(f"{arch}.expert_feed_forward_length", cfg.ffn_dim)
+    limit = float(_one_value(arch, "swiglu_clamp_exp", get(f"{arch}.swiglu_clamp_exp", GPT_OSS_SWIGLU[1]), source))
+    try:
+        experts = Experts(n_experts=int(n_experts), experts_per_token=int(per_token), expert_ffn_dim=int(width),
+                          router="topk-softmax", renormalize=False, weights_in_model_dtype=True,
+                          activation="clamped-swiglu", bias=True, router_bias=True,
+                          swiglu_alpha=GPT_OSS_SWIGLU[0], swiglu_limit=limit)
+    except ValueError as e:
+        raise ValueError(f"{source}: {arch}.expert_count={n_experts}, {arch}.expert_used_count={per_token}, "
+                         f"{arch}.expert_feed_forward_length={width}: {str(e).removeprefix('Experts: ')}") from None
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.rope_type == "yarn":
+        scaling = dataclasses.replace(scaling, truncate=False)
+    layers = tuple(dataclasses.replace(cfg.attention(i), sinks=True) for i in range(cfg.n_layers))
+    return dataclasses.replace(cfg, rope_scaling=scaling, layer_attention=layers,
+                               layer_experts=(experts,) * cfg.n_layers)

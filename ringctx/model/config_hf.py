@@ -20,7 +20,8 @@ def _as_id_list(value: Any) -> list[int]:
 
 
 HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
-                  "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4", "mixtral", "qwen3_moe")
+                  "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4", "mixtral", "qwen3_moe",
+                  "gpt_oss")
 """Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3, gemma4 and llama4: their
 text model only, see WRAPPERS)."""
 
@@ -75,10 +76,32 @@ MOE_DEFAULTS = {
     "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                   "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
                   "max_position_embeddings": 32768},
+    "gpt_oss": {"num_local_experts": 128, "num_experts_per_tok": 4, "rms_norm_eps": 1e-5, "rope_theta": 150_000.0,
+                "max_position_embeddings": 131072, "head_dim": 64, "sliding_window": 128, "attention_bias": True,
+                "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
 }
 """The mixture-of-experts model_types ringctx reads (`read_experts`), with their config classes'
-defaults for the keys a config.json may leave out (MixtralConfig, Qwen3MoeConfig, transformers 5.25;
-both store the expert count as num_local_experts, num_experts being an alias of it)."""
+defaults for the keys a config.json may leave out (MixtralConfig, Qwen3MoeConfig, GptOssConfig,
+transformers 5.25; all store the expert count as num_local_experts, num_experts being an alias of
+it). gpt_oss's default layer_types and YaRN are filled in by `_gpt_oss_defaults`."""
+
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+"""GptOssConfig's RoPE scaling when a config.json gives none (transformers 5.25)."""
+
+
+def _gpt_oss_defaults(d: Mapping[str, Any]) -> dict:
+    """A gpt_oss config with GptOssConfig's derived defaults: layer_types alternating sliding / full
+    from layer 0 (sliding where (i + 1) % 2), and its YaRN when neither rope_parameters nor the
+    transformers 4 spelling rope_scaling (openai's published config.json) carries a rope_type."""
+    d = dict(d)
+    if not d.get("layer_types"):
+        d["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                            for i in range(int(d["num_hidden_layers"]))]
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not rope.get("rope_type", rope.get("type")):
+        d["rope_parameters"] = {**GPT_OSS_ROPE, "rope_theta": rope.get("rope_theta", d["rope_theta"])}
+    return d
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok")
 """Config keys that declare a mixture-of-experts feed-forward (qwen3_moe, mixtral, gpt_oss, llama4...):
@@ -293,6 +316,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         if d.get("num_local_experts") is None and d.get("num_experts") is not None:  # the alias, as transformers
             d = {**d, "num_local_experts": d["num_experts"]}
         d = {**MOE_DEFAULTS[model_type], **d}
+    if model_type == "gpt_oss":
+        d = _gpt_oss_defaults(d)
     if model_type in GEMMA4_TYPES:
         d = {**GEMMA4_DEFAULTS, **d}
     elif model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
@@ -322,6 +347,9 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         layers = _llama4_layers(d, unsupported, invalid)
     else:
         layers = read_layer_attention(d, model_type, unsupported, invalid)
+    if model_type == "gpt_oss":  # a learned sink logit per head on every layer (GptOssAttention.sinks)
+        layers = tuple(dataclasses.replace(layer, sinks=True) for layer in layers or (LayerAttention(),) * int(
+            d["num_hidden_layers"]))
     if d.get("dual_chunk_attention_config"):
         layers = _dual_chunk_layers(d, model_type, layers, rope_scaling, unsupported, invalid)
     if gemma:
@@ -342,7 +370,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         # Qwen2 always has q/k/v biases; Llama, Qwen3 and Gemma 3's attention_bias puts one on o_proj too.
         qkv_bias = model_type == "qwen2" or attention_bias
         attn_out_bias = model_type in ("llama", "qwen3", "qwen3_moe", "gemma3_text", "gemma4_text",
-                                       "llama4_text") and attention_bias
+                                       "llama4_text", "gpt_oss") and attention_bias
     eos = _as_id_list(d.get("eos_token_id"))
     eos += [i for i in extra_eos if i not in eos]
     return ModelConfig(
@@ -387,19 +415,28 @@ def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Expert
       the k weights always renormalised and kept in float32 (MixtralTopKRouter);
     - qwen3_moe: layer i is sparse unless it is in mlp_only_layers, when num_experts > 0 and
       (i + 1) % decoder_sparse_step == 0; experts of moe_intermediate_size, top num_experts_per_tok,
-      renormalised iff norm_topk_prob, the weights rounded to the model dtype (Qwen3MoeTopKRouter).
+      renormalised iff norm_topk_prob, the weights rounded to the model dtype (Qwen3MoeTopKRouter);
+    - gpt_oss: every layer, num_local_experts experts of intermediate_size with biases and the
+      clamped SwiGLU (swiglu_alpha, swiglu_limit), the router's bias added to its logits, the top
+      num_experts_per_tok logits softmaxed over those k, in the model dtype (GptOssTopKRouter).
     The expert count is num_local_experts (read_hf_config renames the alias num_experts to it).
     invalid(text) -> the ValueError for a value no model can have."""
     n_layers = int(d["num_hidden_layers"])
     key = "num_local_experts"
     n_experts, per_token = d.get(key), d.get("num_experts_per_tok")
-    width_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
+    width_key = "intermediate_size" if model_type in ("mixtral", "gpt_oss") else "moe_intermediate_size"
     for name, value in ((key, n_experts), ("num_experts_per_tok", per_token), (width_key, d.get(width_key))):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise invalid(f"{name}={value!r} (a count of experts or units)")
+    gpt_oss = {}
     if model_type == "mixtral":
         sparse = [True] * n_layers
         renormalize, rounded = True, False
+    elif model_type == "gpt_oss":  # GptOssMLP on every layer: router bias, top-k then softmax, biased experts
+        sparse = [True] * n_layers
+        renormalize, rounded = False, True
+        gpt_oss = dict(router="topk-softmax", router_bias=True, bias=True, activation="clamped-swiglu",
+                       swiglu_alpha=float(d["swiglu_alpha"]), swiglu_limit=float(d["swiglu_limit"]))
     else:
         step, dense = d.get("decoder_sparse_step"), d.get("mlp_only_layers") or []
         if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
@@ -412,7 +449,7 @@ def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Expert
         return ()
     try:
         experts = Experts(n_experts=n_experts, experts_per_token=per_token, expert_ffn_dim=int(d[width_key]),
-                          renormalize=renormalize, weights_in_model_dtype=rounded)
+                          renormalize=renormalize, weights_in_model_dtype=rounded, **gpt_oss)
     except ValueError as e:  # Experts names the field; the config's keys say which entry to fix
         raise invalid(f"{key}={n_experts}, num_experts_per_tok={per_token}, {width_key}={d[width_key]}: "
                       f"{str(e).removeprefix('Experts: ')}") from None

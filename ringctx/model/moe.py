@@ -1,6 +1,6 @@
-"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE, Llama 4, Gemma 4
-26B-A4B), described by its `Experts` (model/config.py); `Block` builds it in place of the dense MLP
-where the layer has one (beside it for Gemma 4: `Experts.beside_dense`).
+"""The mixture-of-experts feed-forward of a decoder layer (Mixtral, Qwen3-MoE, Llama 4, gpt-oss,
+Gemma 4 26B-A4B), described by its `Experts` (model/config.py); `Block` builds it in place of the
+dense MLP where the layer has one (beside it for Gemma 4: `Experts.beside_dense`).
 
 For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
 
@@ -17,6 +17,10 @@ For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
 Gemma 4's router ("gemma4") reads rms_norm(x) * router_scale * dim**-0.5 instead of x (its own
 input, `router_input`: the residual, where the experts read their pre-norm's output), and
 multiplies each kept weight by the chosen expert's per_expert_scale after renormalising.
+
+gpt-oss (`Experts.router` "topk-softmax", `bias`, `router_bias`, `activation` "clamped-swiglu"):
+the router's logits get a bias, its k largest logits are kept and softmaxed over those k (`route`);
+each expert's gate/up and down products get their biases, and clamped_swiglu replaces silu(gate) * up.
 
 So a decode step (one row) reads the router and its k experts only. The pairs of one token reach
 its accumulator row in the order of their experts whatever else is in the call (the products
@@ -43,10 +47,12 @@ the shared expert being a SwiGLU MLP every token goes through (`Experts.shared_f
 runs every expert on every token with a score of 0 for the experts not chosen (sigmoid(-inf)):
 an expert of a zero input outputs exactly 0, so skipping them changes no bit.
 
-Tensors: `router.weight` [E, dim] (replicated under TP); `w13` [E, 2F, dim], each expert's gate rows
-then its up rows (the dense MLP's w13 layout, per expert); `w2` [E, dim, F]; with a shared expert
-`shared_w13` [2S, dim] and `shared_w2` [dim, S] (the dense MLP's layout). Under tensor parallelism
-F and S are this rank's share of every expert's hidden units (model/tensor_parallel.py).
+Tensors: `router.weight` [E, dim] (and `router.bias` [E]; replicated under TP); `w13` [E, 2F, dim],
+each expert's gate rows then its up rows (the dense MLP's w13 layout, per expert; gpt-oss's
+checkpoints interleave them, weights_hf.py separates them at load); `w2` [E, dim, F]; with biases
+`b13` [E, 2F] (gate then up) and `b2` [E, dim]; with a shared expert `shared_w13` [2S, dim] and
+`shared_w2` [dim, S] (the dense MLP's layout). Under tensor parallelism F and S are this rank's
+share of every expert's hidden units (model/tensor_parallel.py).
 
 torch._grouped_mm (torch 2.13 has a CPU kernel) was measured against this loop, this module's
 forward either way (one thread, a 2-core Xeon shared with other jobs, so +-30%; ms per call):
@@ -75,31 +81,36 @@ from ..kernels import cpu
 from .config import Experts, ModelConfig
 from .tensor_parallel import NO_TP, TensorParallel
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""linear(x [n, in], weight [out, in]) -> [n, out] in x's dtype (transformer.linear)."""
+Linear = Callable[..., torch.Tensor]
+"""linear(x [n, in], weight [out, in], bias [out] or None) -> [n, out] in x's dtype (transformer.linear)."""
 
 
 def route(logits: torch.Tensor, experts: Experts,
           per_expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's choice for T tokens: logits [T, E] (any float dtype) -> (weights [T, k] float32,
-    chosen [T, k] long), each token's k most probable experts in descending probability.
+    """The router's choice for T tokens: logits [T, E] (any float dtype; the router's bias already
+    added) -> (weights [T, k] float32, chosen [T, k] long), each token's k best experts in descending
+    order of their logits.
 
-    Softmax over all E experts in float32, as transformers' MixtralTopKRouter / Qwen3MoeTopKRouter.
+    "softmax-topk": softmax over all E experts in float32, as transformers' MixtralTopKRouter /
+    Qwen3MoeTopKRouter; with `renormalize` the k weights are divided by their sum in float32.
+    "topk-softmax" (GptOssTopKRouter): the k largest logits as they are (in the model dtype), then a
+    softmax over those k in float32 (transformers' softmax(dtype=bf16) computes in float32 and rounds
+    once; `weights_in_model_dtype` rounds the same way).
     Ties are broken by expert index, the lower first (a stable sort: torch.topk, which transformers
     calls, leaves the order of equal values unspecified, and on the CPU picked experts 1 and 3 of four
-    equal ones). With `renormalize` the k weights are divided by their sum in float32. Router
-    "gemma4": then each times per_expert_scale [E] (any dtype) of its expert, in float32
-    (Gemma4TextRouter's `top_k_weights * per_expert_scale[top_k_index]`).
+    equal ones). Router "gemma4": softmax-topk, then each weight times per_expert_scale [E] (any
+    dtype) of its expert, in float32 (Gemma4TextRouter's `top_k_weights * per_expert_scale[top_k_index]`).
 
     Router "sigmoid-topk" (Llama 4): the k largest logits, ranked as they are (in the logits'
     dtype, ties likewise), and their sigmoid in float32 as the weights (Llama4Router)."""
-    if experts.router == "sigmoid-topk":
+    k = experts.experts_per_token
+    if experts.router in ("topk-softmax", "sigmoid-topk"):
         ranked, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-        k = experts.experts_per_token
-        return torch.sigmoid(ranked[:, :k].float()), order[:, :k]
+        kept = ranked[:, :k].float()
+        return (torch.sigmoid(kept) if experts.router == "sigmoid-topk" else torch.softmax(kept, dim=-1)), order[:, :k]
     probs = torch.softmax(logits.float(), dim=-1)
     ranked, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, chosen = ranked[:, :experts.experts_per_token], order[:, :experts.experts_per_token]
+    weights, chosen = ranked[:, :k], order[:, :k]
     if experts.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if experts.router == "gemma4":
@@ -123,6 +134,16 @@ def geglu_(gate_up: torch.Tensor, ffn: int) -> torch.Tensor:
     return gate.copy_(F.gelu(gate, approximate="tanh")).mul_(gate_up[:, ffn:])
 
 
+def clamped_swiglu(gate_up: torch.Tensor, ffn: int, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over gate_up [n, 2 ffn] (gate half, then up half) -> [n, ffn]:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit). The ops of
+    transformers' GptOssExperts._apply_gate in the same order, each in gate_up's dtype (so bf16
+    rounds where it does)."""
+    gate = gate_up[:, :ffn].clamp(max=limit)
+    up = gate_up[:, ffn:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class MixtureOfExperts(nn.Module):
     """A layer's mixture of experts (see the module docstring): forward(x [T, dim]) -> [T, dim].
 
@@ -134,7 +155,7 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         self.experts, self.linear, self.tp = experts, linear, tp
         E, ffn = experts.n_experts, experts.expert_ffn_dim
-        self.router = nn.Linear(config.dim, E, bias=False)
+        self.router = nn.Linear(config.dim, E, bias=experts.router_bias)
         self.w13 = nn.Parameter(torch.empty(E, 2 * ffn, config.dim))
         self.w2 = nn.Parameter(torch.empty(E, config.dim, ffn))
         self.activation = swiglu_ if config.mlp_activation == "silu" else geglu_
@@ -146,6 +167,10 @@ class MixtureOfExperts(nn.Module):
         if experts.shared_ffn_dim:  # the shared expert: the dense MLP's layout, its own width
             self.shared_w13 = nn.Parameter(torch.empty(2 * experts.shared_ffn_dim, config.dim))
             self.shared_w2 = nn.Parameter(torch.empty(config.dim, experts.shared_ffn_dim))
+        # Experts.bias (gpt-oss): b13 [E, 2F] this rank's gate then up units (split as w13's rows),
+        # b2 [E, dim] whole on every rank but added by rank 0 only (see forward).
+        self.b13 = nn.Parameter(torch.empty(E, 2 * ffn)) if experts.bias else None
+        self.b2 = nn.Parameter(torch.empty(E, config.dim)) if experts.bias else None
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's scores [T, E] (x's dtype) of its input x [T, dim]: x W_router^T; Gemma 4's
@@ -154,7 +179,7 @@ class MixtureOfExperts(nn.Module):
         if self.gemma4:
             normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.norm_eps).to(x.dtype)
             x = normed.mul_(self.router_scale).mul_(self.root)
-        return self.linear(x, self.router.weight)
+        return self.linear(x, self.router.weight, self.router.bias)
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, dim] -> [T, dim] in x's dtype (summed over the TP ranks); the router reads
@@ -164,7 +189,7 @@ class MixtureOfExperts(nn.Module):
         weights, chosen = route(logits, experts, self.per_expert_scale if self.gemma4 else None)
         if experts.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        k, ffn = experts.experts_per_token, experts.expert_ffn_dim
+        k = experts.experts_per_token
         # Pairs sorted by expert; the stable sort keeps each expert's pairs in token order.
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -178,10 +203,10 @@ class MixtureOfExperts(nn.Module):
             rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
             start += n
             if experts.scales_inputs:  # Llama 4: the weight scales the input (in the model dtype), y added as is
-                y = self.linear(self.activation(self.linear(x[rows] * w, self.w13[e]), ffn), self.w2[e])
+                y = self.linear(self._hidden(x[rows] * w, e), self.w2[e], self._down_bias(e))
                 out.index_add_(0, rows, y.float())
                 continue
-            y = self.linear(self.activation(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
+            y = self.linear(self._hidden(x[rows], e), self.w2[e], self._down_bias(e))
             # float32 weights: the product in float32; model-dtype weights: rounded there first. A token
             # picks k different experts, so one call adds to each row at most once: even with atomics
             # (CUDA) every row's sum runs in expert order, the same every time.
@@ -191,3 +216,19 @@ class MixtureOfExperts(nn.Module):
                                  self.shared_w2)
             return self.tp.all_reduce(shared.add_(out.to(x.dtype)))
         return self.tp.all_reduce(out.to(x.dtype))
+
+    def _hidden(self, rows: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's hidden units [n, F] of rows [n, dim]: its gate and up products (and biases),
+        joined by the layer's activation."""
+        experts, ffn = self.experts, self.experts.expert_ffn_dim
+        gate_up = self.linear(rows, self.w13[e], None if self.b13 is None else self.b13[e])
+        if experts.activation == "clamped-swiglu":
+            return clamped_swiglu(gate_up, ffn, experts.swiglu_alpha, experts.swiglu_limit)
+        return self.activation(gate_up, ffn)
+
+    def _down_bias(self, e: int) -> torch.Tensor | None:
+        """Expert e's down bias [dim] for this rank's product, or None. Under TP each rank's product
+        is a partial sum over its hidden units; the bias belongs to the whole sum once, so rank 0
+        adds it to its partial, before the weighting and the all-reduce: sum over ranks of
+        w * (y_r + [r = 0] b) = w * (y + b), transformers' (y + b) * w, exact up to rounding order."""
+        return None if self.b2 is None or self.tp.rank != 0 else self.b2[e]

@@ -220,6 +220,26 @@ _PUBLISHED = {
         "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1, "rope_theta": 500000.0,
         "rope_scaling": None, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008]},
+    # gpt-oss, from openai/gpt-oss-20b's and gpt-oss-120b's config.json values (as recalled here: no
+    # hub on this machine), which agree with transformers 5.25's GptOssConfig defaults (those are the
+    # 120b's: 36 layers, 128 experts; hidden and expert width 2880, 64 query heads of 64 dims, 8 KV
+    # heads, vocabulary 201,088, windows of 128 on the even layers, YaRN x32 over 4,096 with truncate
+    # false, theta 150,000, 131,072 positions). The 20b has 24 layers and 32 experts, top 4 both.
+    # Sinks, attention and expert biases and the router bias come with model_type gpt_oss
+    # (config_hf.py). eos: config.json's <|return|> (its generation_config.json adds <|call|> and
+    # <|endoftext|>). Parameters 20.91B and 116.83B, the model card's; of those 4.19B and 5.71B reach
+    # a token (`active_params`; the card's 3.61B and 5.13B leave out the 0.58B embedding table).
+    **{name: {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": layers, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "sliding_window": 128,
+        "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
+        "rope_theta": 150000.0, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False,
+                                                 "original_max_position_embeddings": 4096},
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": True, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999}
+       for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
 }
 PRESETS.update({name: read_hf_config(d, name=name) for name, d in _PUBLISHED.items()})
 """Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""

@@ -62,7 +62,8 @@ class WeightPiece(NamedTuple):
 def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | None = None) -> Take | None:
     """Which slice of a checkpoint tensor of `kind` TP rank `tp.rank` holds (None: all of it).
 
-    kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns),
+    kind: "q", "k", "v" (projection weights and biases, by heads), "o" (its input columns), "sinks" (by
+    query heads),
     "gate", "up" (rows), "down" (input columns), "expert_gate", "expert_up", "expert_down" (one
     expert's, likewise, of layer `layer`'s expert width), "shared_gate", "shared_up", "shared_down"
     (its shared expert's, likewise), "vocab" (embedding or head rows), or
@@ -78,6 +79,9 @@ def tp_take(config: ModelConfig, tp: TensorParallel, kind: str, layer: int | Non
     if kind in ("k", "v"):
         a, b = tp.kv_heads(config, layer)
         return Take(0, a * D, b * D, (config.n_kv_heads if layer is None else config.kv_heads_of(layer)) * D)
+    if kind == "sinks":  # one logit per query head [Hq]
+        a, b = tp.q_heads(config)
+        return Take(0, a, b, config.n_heads)
     if kind == "o":
         a, b = tp.q_heads(config)
         return Take(1, a * D, b * D, config.n_heads * D)
@@ -270,6 +274,9 @@ def _full_rows(model: Transformer, name: str,
     shape = list(param.shape)
     kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    if name.endswith("attention.sinks"):  # [Hq]: this rank's query heads
+        t = tp_take(full, tp, "sinks")
+        return (t.full,), torch.arange(t.start, t.stop), None
     if name.endswith(("feed_forward.shared_w13", "feed_forward.shared_w2")):  # the shared expert: as the MLP's
         t = tp_take(full, tp, "shared_down", layer)
         if name.endswith("w2"):
@@ -277,7 +284,8 @@ def _full_rows(model: Transformer, name: str,
             return tuple(shape), torch.arange(shape[0]), slice(t.start, t.stop)
         shape[0] = 2 * t.full
         return tuple(shape), torch.cat([torch.arange(first + t.start, first + t.stop) for first in (0, t.full)]), None
-    if name.endswith(("feed_forward.w13", "feed_forward.w2")):  # experts [E, 2F, dim] / [E, dim, F]: every expert
+    # experts [E, 2F, dim] / [E, dim, F] (and the gate/up biases [E, 2F]): every expert
+    if name.endswith(("feed_forward.w13", "feed_forward.w2", "feed_forward.b13")):
         t = tp_take(full, tp, "expert_down", layer)
         if name.endswith("w2"):
             shape[2] = t.full

@@ -109,7 +109,8 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
         blk, ours = f"blk.{i}", f"layers.{i}"
         add(f"{blk}.attn_norm.weight", f"{ours}.attention_norm.weight")
         # the MLP's norm: post_attention_layernorm (Seed-OSS's keeps that name), Gemma's pre_feedforward_layernorm
-        add(f"{blk}.{'post_attention_norm' if arch == 'seed_oss' else 'ffn_norm'}.weight", f"{ours}.ffn_norm.weight")
+        add(f"{blk}.{'post_attention_norm' if arch in ('seed_oss', 'gpt-oss') else 'ffn_norm'}.weight",
+            f"{ours}.ffn_norm.weight")
         if config.post_norms:
             add(f"{blk}.post_attention_norm.weight", f"{ours}.post_attention_norm.weight")
             add(f"{blk}.post_ffw_norm.weight", f"{ours}.post_ffn_norm.weight")
@@ -134,15 +135,10 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{blk}.layer_output_scale.weight", f"{ours}.layer_scalar")
-        experts = config.experts(i)
-        if experts is not None:  # the router replicated; one part per expert of each 3-D tensor (TP: its share)
-            add(f"{blk}.ffn_gate_inp.weight", f"{ours}.feed_forward.router.weight")
-            for e in range(experts.n_experts):
-                for which, stored in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
-                    rows = None if which == "down" else mlp_rows(local, which, i)
-                    param = f"{ours}.feed_forward.{'w2' if which == 'down' else 'w13'}"
-                    pieces.setdefault(f"{blk}.{stored}.weight", []).append(GGUFPart(WeightPiece(
-                        param, rows, f"{blk}.{stored}.weight", tp_take(config, tp, f"expert_{which}", i), e), None))
+        if config.attention(i).sinks:  # gpt-oss: [Hq], by query heads under TP
+            add(f"{blk}.attn_sinks.weight", f"{ours}.attention.sinks", kind="sinks")
+        if config.experts(i) is not None:  # the router replicated; one part per expert of each 3-D tensor
+            pieces.update(expert_gguf_parts(config, tp, i))
             continue
         if fused:
             for which, first in (("gate", 0), ("up", config.ffn_dim)):
@@ -153,6 +149,36 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
             add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
         add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
+
+
+EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+"""llama.cpp's stacked expert tensors -> the part of each expert they hold: weights [E, F, dim]
+(gate, up) and [E, dim, F] (down), biases [E, F] and [E, dim] (gpt-oss)."""
+
+
+def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> dict[str, list[GGUFPart]]:
+    """A mixture-of-experts layer's GGUF tensors -> their parts: the router ffn_gate_inp (weight
+    [E, dim], and its bias), replicated; each stacked expert tensor (`EXPERT_STACKS`) as E parts,
+    part e (`WeightPiece.expert`) filling expert e's slab, cut to this TP rank's share of its units
+    (the down bias whole: rank 0 adds it, model/moe.py)."""
+    experts, local = config.experts(layer), tp.shard_config(config)
+    blk, ff = f"blk.{layer}", f"layers.{layer}.feed_forward"
+    parts = {f"{blk}.ffn_gate_inp.weight": [GGUFPart(WeightPiece(f"{ff}.router.weight", None,
+                                                                 f"{blk}.ffn_gate_inp.weight"), None)]}
+    if experts.router_bias:
+        parts[f"{blk}.ffn_gate_inp.bias"] = [GGUFPart(WeightPiece(f"{ff}.router.bias", None,
+                                                                  f"{blk}.ffn_gate_inp.bias"), None)]
+    for stack, which in EXPERT_STACKS.items():
+        down = which == "down"
+        for kind in ("weight", "bias") if experts.bias else ("weight",):
+            name = f"{blk}.{stack}.{kind}"
+            param = f"{ff}.{'w2' if down else 'w13'}" if kind == "weight" else f"{ff}.{'b2' if down else 'b13'}"
+            rows = None if down else mlp_rows(local, which, layer)
+            take_kind = "" if down and kind == "bias" else f"expert_{which}"
+            take = tp_take(config, tp, take_kind, layer)
+            parts[name] = [GGUFPart(WeightPiece(param, rows, name, take, e), None)
+                           for e in range(experts.n_experts)]
+    return parts
 
 
 # Tensors a GGUF file may carry that are not parameters: Llama-3.1 RoPE factors are read into

@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .config_hf import GEMMA4_TYPES, LLAMA4_TYPES, WRAPPERS, read_hf_config
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
+from .weights_gptoss import GptOssExperts
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -42,10 +43,13 @@ class ExpertNames(NamedTuple):
 
 EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "gate", "w1", "w3", "w2"),
                 "qwen3_moe": ExpertNames("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-                "llama4_text": ExpertNames("feed_forward", "router", "gate_proj", "up_proj", "down_proj")}
+                "llama4_text": ExpertNames("feed_forward", "router", "gate_proj", "up_proj", "down_proj"),
+                "gpt_oss": ExpertNames("mlp", "router", "gate", "up", "down")}
 """model_type -> its expert tensors' names, as the published checkpoints have them and as
 transformers 5.25's save_pretrained writes them by default (it converts its fused in-memory
-tensors back to these per-expert ones; `fused_expert_parts` reads the fused ones too)."""
+tensors back to these per-expert ones; `fused_expert_parts` reads the fused ones too). gpt-oss's
+checkpoints hold fused tensors only (`GPT_OSS_EXPERTS`); its per-expert names are ringctx's own,
+the parts `gpt_oss_expert_parts` cuts those into, with `.bias` parts for the experts' biases."""
 
 _FUSED_EXPERTS = re.compile(r"(model\.layers\.(\d+))\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
 
@@ -136,17 +140,24 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
             add(f"{hf}.self_attn.o_proj.bias", f"{ours}.attention.wo.bias")
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{hf}.layer_scalar", f"{ours}.layer_scalar")
+        if config.attention(i).sinks:  # [Hq]: by query heads under TP
+            add(f"{hf}.self_attn.sinks", f"{ours}.attention.sinks", kind="sinks")
         if config.experts(i) is not None and config.experts(i).beside_dense:  # Gemma 4 26B-A4B
             pieces.update(gemma4_moe_pieces(config, tp, i))
             continue
         if config.experts(i) is not None:  # the router replicated, each expert's rows / columns split under TP
             moe, ff = f"{hf}.{experts.block}", f"{ours}.feed_forward"
             add(f"{moe}.{experts.router}.weight", f"{ff}.router.weight")
+            if config.experts(i).router_bias:
+                add(f"{moe}.{experts.router}.bias", f"{ff}.router.bias")
+            biases = ("weight", "bias") if config.experts(i).bias else ("weight",)
             for e in range(config.experts(i).n_experts):
-                for which, name in (("gate", experts.gate), ("up", experts.up)):
-                    add(f"{moe}.experts.{e}.{name}.weight", f"{ff}.w13", mlp_rows(local, which, i), f"expert_{which}",
-                        i, e)
-                add(f"{moe}.experts.{e}.{experts.down}.weight", f"{ff}.w2", None, "expert_down", i, e)
+                for kind in biases:  # biases: gate and up units split as their rows; the down bias whole
+                    for which, name in (("gate", experts.gate), ("up", experts.up)):
+                        add(f"{moe}.experts.{e}.{name}.{kind}", f"{ff}.{'w13' if kind == 'weight' else 'b13'}",
+                            mlp_rows(local, which, i), f"expert_{which}", i, e)
+                    add(f"{moe}.experts.{e}.{experts.down}.{kind}", f"{ff}.{'w2' if kind == 'weight' else 'b2'}",
+                        None, "expert_down" if kind == "weight" else "", i, e)
             shared = config.experts(i).shared_ffn_dim and local.experts(i).shared_ffn_dim
             for which in ("gate", "up") if shared else ():  # the shared expert: the dense MLP's layout
                 add(f"{moe}.{experts.shared}.{which}_proj.weight", f"{ff}.shared_w13",
@@ -335,6 +346,7 @@ def load_hf_weights(model, directory: str) -> None:
     llama4 = text.get("model_type") in LLAMA4_TYPES
     as_values = keys_as_values(text, config)
     expert_names = EXPERT_NAMES.get(text.get("model_type"), EXPERT_NAMES["qwen3_moe"])
+    gpt_oss = GptOssExperts(config, directory) if text.get("model_type") == "gpt_oss" else None
     filler = WeightFiller(model, directory, expected_hf_tensors(
         config, model.tp, mlp="feed_forward" if llama4 else "mlp", experts=expert_names))
     for path in safetensors_files(directory):
@@ -351,6 +363,8 @@ def load_hf_weights(model, directory: str) -> None:
                 if name == "lm_head.weight" and config.tie_embeddings:
                     continue  # some saves write the tied head too; it equals the embedding
                 shape = tuple(handle.get_slice(file_name).get_shape())
+                if gpt_oss is not None and gpt_oss.take(handle, path, file_name, shape, filler):
+                    continue
                 fused = None if name in filler.expected else (
                     llama4_expert_parts(name, config) if llama4 else
                     fused_expert_parts(name, config, expert_names) or gemma4_expert_parts(name, config, directory))
@@ -377,6 +391,8 @@ def load_hf_weights(model, directory: str) -> None:
                     if part in as_values:  # the same rows, TP slice included (k's and v's are both by KV heads)
                         filler.put(filler.piece(as_values[part]), value)
                     del value
+    if gpt_oss is not None:
+        gpt_oss.finish()
     filler.finish()
 
 
@@ -457,3 +473,4 @@ def checkpoint_dtype(directory: str) -> torch.dtype:
     name = d.get("torch_dtype") or d.get("dtype") or "float32"
     dtype = getattr(torch, str(name).replace("torch.", ""), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+

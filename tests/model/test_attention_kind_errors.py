@@ -45,8 +45,6 @@ MINISTRAL = {**SHAPE, "model_type": "ministral", "head_dim": 16, "sliding_window
      r"per-layer inputs \(hidden_size_per_layer_input=256, Gemma 3n's\) is not supported yet"),
     ({**SHAPE, "model_type": "qwen2_moe", "num_experts": 128},
      r"model_type='qwen2_moe' \(a mixture of experts: num_experts=128, not supported yet"),
-    ({**SHAPE, "model_type": "gpt_oss", "num_local_experts": 32},
-     r"model_type='gpt_oss' \(a mixture of experts: num_local_experts=32, not supported yet"),
     ({"model_type": "llama4", "text_config": {**SHAPE, "model_type": "llama4_text", "moe_layers": [0, 2]}},
      r"moe_layers=\[0, 2\] names layers outside 0\.\.1 \(model_type llama4_text\)"),
     ({**SHAPE, "model_type": "llama", "num_experts": 8},

@@ -196,7 +196,6 @@ BASE = {"model_type": "llama", **SHAPE}
     ({"model_type": "ministral", "layer_types": ["chunked_attention", "full_attention"]},
      r"attention_chunk_size=None \(a positive size\)"),
     ({"model_type": "qwen2_moe", "num_experts": 8}, r"unsupported architecture model_type='qwen2_moe'"),
-    ({"model_type": "gpt_oss", "num_local_experts": 8}, r"unsupported architecture model_type='gpt_oss'"),
     ({"num_experts": 8}, r"mixture-of-experts layers \(num_experts=8\)"),
     ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5"),
     ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30.0"),

@@ -360,8 +360,8 @@ MOE = {**{k: v for k, v in SHAPE.items() if k != "max_position_embeddings"}, "in
      r"experts_per_token=0 must be a positive count"),
     ({**MOE, "model_type": "mixtral", "hidden_act": "gelu"}, r"hidden_act='gelu' \(only silu\)"),
     # the other mixtures of experts stay refused
-    ({**MOE, "model_type": "gpt_oss", "num_local_experts": 32},
-     r"model_type='gpt_oss' \(a mixture of experts: num_local_experts=32, not supported yet"),
+    ({**MOE, "model_type": "qwen2_moe", "num_experts": 32},
+     r"model_type='qwen2_moe' \(a mixture of experts: num_experts=32, not supported yet"),
     ({**MOE, "model_type": "qwen3", "num_experts": 8}, r"mixture-of-experts layers \(num_experts=8\) is not supported"),
 ])
 def test_bad_expert_configs_in_one_line(config, message, tmp_path):
