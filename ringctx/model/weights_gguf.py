@@ -135,23 +135,35 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{blk}.layer_output_scale.weight", f"{ours}.layer_scalar")
         experts = config.experts(i)
+        mlp = "feed_forward"
         if experts is not None:  # the router replicated; one part per expert of each 3-D tensor (TP: its share)
             add(f"{blk}.ffn_gate_inp.weight", f"{ours}.feed_forward.router.weight")
+            stored = (("gate", "ffn_gate_exps", 0), ("up", "ffn_up_exps", 0), ("down", "ffn_down_exps", 0))
+            if experts.beside_dense:  # Gemma 4: gate and up fused per expert; the router's scales, 3 more norms
+                stored = (("gate", "ffn_gate_up_exps", 0), ("up", "ffn_gate_up_exps", experts.expert_ffn_dim),
+                          ("down", "ffn_down_exps", 0))
+                add(f"{blk}.ffn_gate_inp.scale", f"{ours}.feed_forward.router_scale")
+                add(f"{blk}.ffn_down_exps.scale", f"{ours}.feed_forward.per_expert_scale")
+                for stored_norm, norm in (("post_ffw_norm_1", "post_dense_norm"), ("pre_ffw_norm_2", "pre_experts_norm"),
+                                          ("post_ffw_norm_2", "post_experts_norm")):
+                    add(f"{blk}.{stored_norm}.weight", f"{ours}.{norm}.weight")
+                mlp = "dense_mlp"
             for e in range(experts.n_experts):
-                for which, stored in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
+                for which, name, first in stored:
                     rows = None if which == "down" else mlp_rows(local, which, i)
                     param = f"{ours}.feed_forward.{'w2' if which == 'down' else 'w13'}"
-                    pieces.setdefault(f"{blk}.{stored}.weight", []).append(GGUFPart(WeightPiece(
-                        param, rows, f"{blk}.{stored}.weight", tp_take(config, tp, f"expert_{which}", i), e), None))
-            continue
+                    pieces.setdefault(f"{blk}.{name}.weight", []).append(GGUFPart(WeightPiece(
+                        param, rows, f"{blk}.{name}.weight", tp_take(config, tp, f"expert_{which}", i), e), None, first))
+            if not experts.beside_dense:
+                continue
         if fused:
             for which, first in (("gate", 0), ("up", config.ffn_dim)):
                 add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, which), kind=which,
                     part=which, first_row=first)
         else:
-            add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), kind="gate")
-            add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
-        add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight", kind="down")
+            add(f"{blk}.ffn_gate.weight", f"{ours}.{mlp}.w13.weight", mlp_rows(local, "gate"), kind="gate")
+            add(f"{blk}.ffn_up.weight", f"{ours}.{mlp}.w13.weight", mlp_rows(local, "up"), kind="up")
+        add(f"{blk}.ffn_down.weight", f"{ours}.{mlp}.w2.weight", kind="down")
     return pieces
 
 
@@ -255,7 +267,7 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
     expected = expected_gguf_tensors(model.full_config, arch, model.tp)
     filler = WeightFiller(model, path, {part.piece.source_name + ("" if part.piece.expert is None else
-                                                                  f"[{part.piece.expert}]"): part.piece
+                                                                  f"[{part.piece.expert}]+{part.first_row}"): part.piece
                                         for parts in expected.values() for part in parts})
     as_values = gguf_keys_as_values(arch, {t.name for t in tensors}, model.full_config.n_layers)
     for tensor in tensors:
@@ -264,7 +276,7 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
         parts = expected.get(tensor.name) or [GGUFPart(filler.piece(tensor.name), None)]  # unknown: raises
         shape = gguf_tensor_shape(tensor)
         if parts[0].piece.expert is not None:  # a layer's experts [E, ...]: one slab each
-            _fill_gguf_experts(tensor, shape, [part.piece for part in parts], filler, path)
+            _fill_gguf_experts(tensor, shape, parts, filler, path)
             continue
         if len(parts) > 1:  # a fused tensor: its parts' rows, stacked
             rows = [filler.expected_shape(part.piece)[0] for part in parts]
@@ -293,22 +305,29 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     filler.finish()
 
 
-def _fill_gguf_experts(tensor, shape: tuple[int, ...], pieces: list[WeightPiece], filler: WeightFiller,
+def _fill_gguf_experts(tensor, shape: tuple[int, ...], parts: list[GGUFPart], filler: WeightFiller,
                        path: str) -> None:
-    """Fill every expert's slab of a 3-D parameter from a GGUF expert tensor of `shape` (pieces:
-    one per expert, in expert order): each expert's [F, dim] or [dim, F] rows are read alone
-    (dequantized one expert at a time) and cut to the TP rank's share (`WeightPiece.take`)."""
-    want = (len(pieces), *filler.expected_shape(pieces[0]))
+    """Fill every expert's slab of a 3-D parameter from a GGUF expert tensor of `shape` (parts: each
+    expert's, in expert order; Gemma 4's ffn_gate_up_exps has two per expert, its gate rows then
+    its up rows from `first_row`): each expert's matrix is read alone (dequantized one expert at
+    a time), its parts' rows cut out and cut to the TP rank's share (`WeightPiece.take`)."""
+    n_experts = parts[-1].piece.expert + 1
+    per_expert = [part for part in parts if part.piece.expert == 0]
+    whole = [filler.expected_shape(part.piece) for part in per_expert]  # each part's rows before TP
+    want = (n_experts, sum(rows for rows, *_ in whole), *whole[0][1:])
     if shape != want:
         raise ValueError(f"{path}: tensor {tensor.name!r} has shape {shape}, but the model config needs {want} "
                          "(experts, then each expert's matrix); the expert count or widths in the header do not "
                          "match the tensors")
-    for piece in pieces:
+    for e in range(n_experts):
         try:
-            value = dequantize_tensor(tensor, Take(0, piece.expert, piece.expert + 1, len(pieces)))[0]
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        filler.put(piece, value if piece.take is None else value[piece.take.index()])
+            value = dequantize_tensor(tensor, Take(0, e, e + 1, n_experts))[0]
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+        for part, (rows, *_) in zip(parts[e * len(per_expert):(e + 1) * len(per_expert)], whole):
+            piece = part.piece
+            mine = value[part.first_row:part.first_row + rows]
+            filler.put(piece, mine if piece.take is None else mine[piece.take.index()])
         del value
 
 
