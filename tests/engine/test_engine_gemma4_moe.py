@@ -49,3 +49,21 @@ def test_tensor_parallel_prefill_and_answer_match_transformers(saved):
         answer = engine.generate(doc, [7, 11, 13], max_new_tokens=8, stop_token_ids=[])
         "".join(answer)
         assert answer.result.token_ids == hf_greedy(hf, ids.tolist() + [7, 11, 13])
+
+
+def test_bad_experts_are_one_line_before_any_rank_computes(saved, tmp_path):
+    """An expert count the tensors disagree with: the ranks' load fails, the Engine raises that
+    one line (no prefill ran)."""
+    import json
+    import shutil
+
+    directory, _ = saved
+    bad = tmp_path / "bad"
+    shutil.copytree(directory, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_experts": 4}))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d\.[\w.]+' has shape \(5.*\), but the model "
+                                         r"config needs \(4.*\)") as info:
+        with Engine(str(bad), nproc=2, dtype="float32"):
+            pass
+    assert "\n" not in str(info.value)
