@@ -14,7 +14,9 @@ ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`). 
 attn_v (Gemma 4's attention_k_eq_v full layers) takes its keys as values (`gguf_keys_as_values`).
 Mixtures of experts (llama's Mixtral, qwen3moe) hold each layer's experts as 3-D tensors,
 ffn_gate_exps / ffn_up_exps [E, F, dim] and ffn_down_exps [E, dim, F] (PyTorch order), beside the
-router ffn_gate_inp [E, dim]; each expert's slab is read alone and cut to the TP rank's share
+router ffn_gate_inp [E, dim]; Gemma 4 26B-A4B's (gemma4) fuse gate and up as ffn_gate_up_exps
+[E, 2F, dim] and add the router's scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale [E]
+(llama.cpp's converter's names). Each expert's slab is read alone and cut to the TP rank's share
 (`_fill_gguf_experts`).
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
@@ -37,6 +39,9 @@ from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_ONE_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
+"""llama.cpp's first Mixtral files: one tensor per expert (blk.N.ffn_gate.E.weight), before the 3-D
+ffn_*_exps tensors; the gguf package no longer names them."""
 
 
 def open_gguf(path: str | os.PathLike):
@@ -144,7 +149,8 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
                           ("down", "ffn_down_exps", 0))
                 add(f"{blk}.ffn_gate_inp.scale", f"{ours}.feed_forward.router_scale")
                 add(f"{blk}.ffn_down_exps.scale", f"{ours}.feed_forward.per_expert_scale")
-                for stored_norm, norm in (("post_ffw_norm_1", "post_dense_norm"), ("pre_ffw_norm_2", "pre_experts_norm"),
+                for stored_norm, norm in (("post_ffw_norm_1", "post_dense_norm"),
+                                          ("pre_ffw_norm_2", "pre_experts_norm"),
                                           ("post_ffw_norm_2", "post_experts_norm")):
                     add(f"{blk}.{stored_norm}.weight", f"{ours}.{norm}.weight")
                 mlp = "dense_mlp"
@@ -152,8 +158,9 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
                 for which, name, first in stored:
                     rows = None if which == "down" else mlp_rows(local, which, i)
                     param = f"{ours}.feed_forward.{'w2' if which == 'down' else 'w13'}"
-                    pieces.setdefault(f"{blk}.{name}.weight", []).append(GGUFPart(WeightPiece(
-                        param, rows, f"{blk}.{name}.weight", tp_take(config, tp, f"expert_{which}", i), e), None, first))
+                    take = tp_take(config, tp, f"expert_{which}", i)
+                    pieces.setdefault(f"{blk}.{name}.weight", []).append(
+                        GGUFPart(WeightPiece(param, rows, f"{blk}.{name}.weight", take, e), None, first))
             if not experts.beside_dense:
                 continue
         if fused:
@@ -273,6 +280,10 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     for tensor in tensors:
         if tensor.name in _NOT_PARAMETERS:
             continue
+        if tensor.name not in expected and _ONE_EXPERT.match(tensor.name):
+            raise ValueError(f"{path}: tensor {tensor.name!r} is one expert's matrix, the layout of llama.cpp's first "
+                             "Mixtral files; ringctx reads the experts stacked as ffn_{gate,up,down}_exps (the gguf "
+                             "package's names): re-convert the model with a current llama.cpp")
         parts = expected.get(tensor.name) or [GGUFPart(filler.piece(tensor.name), None)]  # unknown: raises
         shape = gguf_tensor_shape(tensor)
         if parts[0].piece.expert is not None:  # a layer's experts [E, ...]: one slab each

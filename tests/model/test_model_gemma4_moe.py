@@ -254,8 +254,9 @@ def test_missing_expert_tensors_are_named(saved, tmp_path):
     tensors, config = saved
     tensors = {k: v for k, v in tensors.items() if k not in ("model.layers.1.experts.down_proj",
                                                              "model.layers.3.router.per_expert_scale")}
-    _load_error(_write(tmp_path, tensors, config), r"2 weight tensor\(s\) missing: model\.layers\.1\.experts\.down_proj, "
-                                                   r"model\.layers\.3\.router\.per_expert_scale; the checkpoint is")
+    _load_error(_write(tmp_path, tensors, config), r"2 weight tensor\(s\) missing: model\.layers\.1\.experts\."
+                                                   r"down_proj, model\.layers\.3\.router\.per_expert_scale; the "
+                                                   r"checkpoint is")
 
 
 def test_experts_in_the_file_but_not_in_the_config(saved, tmp_path):

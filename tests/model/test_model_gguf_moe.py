@@ -244,7 +244,8 @@ def test_a_router_of_another_width(mixtral, tmp_path):
     tensors = moe_gguf_tensors(mixtral, "llama")
     tensors["blk.1.ffn_gate_inp.weight"] = np.zeros((4, 63), dtype=np.float32)
     path = write_moe_gguf(tmp_path / "m.gguf", mixtral, "llama", tensors=tensors)
-    _load_error(path, r"tensor 'blk\.1\.ffn_gate_inp\.weight' has shape \(4, 63\), but the model config needs \(4, 64\)")
+    _load_error(path, r"tensor 'blk\.1\.ffn_gate_inp\.weight' has shape \(4, 63\), but the model config needs "
+                      r"\(4, 64\)")
 
 
 def test_missing_expert_tensors_are_named(mixtral, tmp_path):
@@ -383,3 +384,13 @@ def test_gemma4_gguf_bad_expert_input(tmp_path):
     writer.add_expert_feed_forward_length(hf.config.moe_intermediate_size)
     write_tensors(writer, tensors)
     _load_error(tmp_path / "d.gguf", r"1 weight tensor\(s\) missing: blk\.2\.ffn_down_exps\.scale; the checkpoint")
+
+
+def test_per_expert_tensors_of_the_first_mixtral_files(mixtral, tmp_path):
+    """llama.cpp's first Mixtral files stored blk.N.ffn_gate.E.weight per expert: named, with the fix."""
+    tensors = moe_gguf_tensors(mixtral, "llama")
+    gate = tensors.pop("blk.0.ffn_gate_exps.weight")
+    tensors.update({f"blk.0.ffn_gate.{e}.weight": gate[e] for e in range(gate.shape[0])})
+    path = write_moe_gguf(tmp_path / "m.gguf", mixtral, "llama", tensors=tensors)
+    _load_error(path, r"tensor 'blk\.0\.ffn_gate\.\d\.weight' is one expert's matrix, the layout of llama\.cpp's "
+                      r"first Mixtral files; .* re-convert the model with a current llama\.cpp")
