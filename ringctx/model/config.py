@@ -630,6 +630,9 @@ class ModelConfig:
         if experts and len(experts) != self.n_layers:
             raise ValueError(f"ModelConfig {self.name!r}: layer_experts describes {len(experts)} layers but the "
                              f"model has n_layers={self.n_layers}: give one Experts or None per layer")
+        if any(e is not None and e.beside_dense for e in experts) and not self.post_norms:
+            raise ValueError(f"ModelConfig {self.name!r}: experts beside the dense MLP (Gemma 4's) are computed in "
+                             "Gemma's block: set post_norms")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
                              f"(one of {', '.join(MLP_ACTIVATIONS)})")

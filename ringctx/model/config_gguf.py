@@ -37,9 +37,9 @@ Gemma 4's dense text models, the 31B's own head shape on its full layers include
 Qwen3-MoE, 2507 and Qwen3-Coder included; gpt-oss its mixture of experts, sinks and biases:
 `_gpt_oss_gguf`)."""
 
-GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe")
-"""Architectures whose {arch}.expert_count `_gguf_experts` reads: Mixtral, Qwen3-MoE (gpt-oss's:
-`_gpt_oss_gguf`)."""
+GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe", "gemma4")
+"""Architectures whose {arch}.expert_count `_gguf_experts` reads: Mixtral, Qwen3-MoE, Gemma 4
+26B-A4B (gpt-oss's: `_gpt_oss_gguf`)."""
 
 GGUF_REFUSED = {
     "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
@@ -129,8 +129,10 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
       per-layer head shapes (attention.key_length / _swa, a per-layer attention.head_count_kv),
       keys as values where a layer has no attn_v, the sliding layers' RoPE base
       rope.freq_base_swa and the full layers' proportional RoPE from rope_freqs.weight.
+    - Mixtures of experts (`_gguf_experts`): llama (Mixtral), qwen3moe and gemma4 (26B-A4B)
+      files' expert_count, expert_used_count, expert width and 3-D expert tensors.
     Keys that disagree with each other or with how llama.cpp runs the architecture, and kinds
-    still unsupported (mixtures of experts other than gpt-oss's, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
+    still unsupported (other mixtures of experts, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
     are one-line ValueErrors naming the key or tensor.
     """
     import gguf
@@ -161,7 +163,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     if get(f"{arch}.expert_count", None) and arch not in GGUF_EXPERT_ARCHITECTURES + ("gpt-oss",):
         raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts) is not "
                          f"supported yet on architecture {arch}; ringctx reads the experts of "
-                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES + ('gpt-oss',))} files (Mixtral, Qwen3-MoE, gpt-oss)")
+                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES + ('gpt-oss',))} files (Mixtral, Qwen3-MoE, Gemma 4 26B-A4B, gpt-oss)")
     gemma = arch in ("gemma3", "gemma4")
     for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
         if get(f"{arch}.{key}", None):
@@ -253,19 +255,22 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
 
 
 def _gguf_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts | None, ...]:
-    """Every layer's mixture of experts from llama.cpp's header keys, as its llama (Mixtral) and
-    qwen3moe graphs run them (none when {arch}.expert_count is absent or 0: a dense model):
+    """Every layer's mixture of experts from llama.cpp's header keys, as its llama (Mixtral),
+    qwen3moe and gemma4 graphs run them (none when {arch}.expert_count is absent or 0: a dense model):
     expert_count experts, top expert_used_count, each of expert_feed_forward_length units (llama:
     feed_forward_length, Mixtral's expert width); softmax gating, the k weights renormalised
     unless {arch}.expert_weights_norm is false (llama.cpp's default for both: true, Mixtral's and
     Qwen3-MoE's norm_topk_prob as released), rounded to the model dtype on qwen3moe as
-    transformers' Qwen3MoeTopKRouter does (read_hf_config reads the same `Experts`). The tensors
-    (ffn_gate_inp, ffn_{gate,up,down}_exps) are checked against these counts when loaded."""
+    transformers' Qwen3MoeTopKRouter does (read_hf_config reads the same `Experts`); gemma4: Gemma 4
+    26B-A4B's experts beside the dense MLP, routed as Gemma4TextRouter ("gemma4": the router's
+    scale is ffn_gate_inp.scale, per_expert_scale ffn_down_exps.scale, as llama.cpp's converter
+    writes them; the gguf package names neither). The tensors (ffn_gate_inp, ffn_{gate,up,down}_exps,
+    gemma4's ffn_gate_up_exps) are checked against these counts when loaded."""
     count = get(f"{arch}.expert_count", None)
     if not count:
         return ()
     used = get(f"{arch}.expert_used_count", None)
-    width_key = "expert_feed_forward_length" if arch == "qwen3moe" else "feed_forward_length"
+    width_key = "feed_forward_length" if arch == "llama" else "expert_feed_forward_length"
     width = _one_value(arch, width_key, get(f"{arch}.{width_key}", None), source)
     for key, value in (("expert_count", count), ("expert_used_count", used), (width_key, width)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -275,10 +280,11 @@ def _gguf_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts |
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ValueError(f"{source}: {arch}.expert_gating_func={gating} is not supported (ringctx's {arch} experts "
                          "are gated by a softmax: 1)")
+    gemma4 = {"router": "gemma4", "beside_dense": True} if arch == "gemma4" else {}
     try:
         experts = Experts(n_experts=count, experts_per_token=used, expert_ffn_dim=width,
                           renormalize=bool(get(f"{arch}.expert_weights_norm", True)),
-                          weights_in_model_dtype=arch == "qwen3moe")
+                          weights_in_model_dtype=arch == "qwen3moe", **gemma4)
     except ValueError as e:  # Experts names the field; the header's keys say which entry to fix
         raise ValueError(f"{source}: {arch}.expert_count={count}, {arch}.expert_used_count={used}: "
                          f"{str(e).removeprefix('Experts: ')}; fix the keys or re-convert the model") from None
@@ -417,30 +423,27 @@ def _gemma3_layers(arch: str, get, windows: list[int], dim: int, n_heads: int, h
                  for w in windows)
 
 
-GEMMA4_UNSUPPORTED = "Gemma 4's per-layer inputs (E2B, E4B)", "KV sharing across layers", \
-    "Gemma 4's mixture-of-experts blocks (26B-A4B)"
-"""What llama.cpp's gemma4 carries that ringctx does not compute (`_gemma4_refusals`)."""
+GEMMA4_UNSUPPORTED = "Gemma 4's per-layer inputs (E2B, E4B)", "KV sharing across layers"
+"""What llama.cpp's gemma4 carries that ringctx does not compute (`_gemma4_refusals`; its experts
+are read: `_gguf_experts`)."""
 
 
 def _gemma4_refusals(arch: str, get, tensors: Mapping[str, Any], source: str) -> None:
     """Refuse, naming the key or tensor, what llama.cpp's gemma4 runs and ringctx does not compute:
-    per-layer inputs (embedding_length_per_layer_input > 0, per_layer_token_embd), KV sharing
-    (attention.shared_kv_layers > 0) and experts (expert_count, ffn_gate_inp / *_exps tensors).
-    llama.cpp's converter writes the first two keys as 0 for the dense models."""
-    inputs, sharing, experts = GEMMA4_UNSUPPORTED
+    per-layer inputs (embedding_length_per_layer_input > 0, per_layer_token_embd) and KV sharing
+    (attention.shared_kv_layers > 0). llama.cpp's converter writes both keys as 0 for the 31B and
+    the 26B-A4B."""
+    inputs, sharing = GEMMA4_UNSUPPORTED
     found = []
-    for key, what in (("embedding_length_per_layer_input", inputs), ("attention.shared_kv_layers", sharing),
-                      ("expert_count", experts)):
+    for key, what in (("embedding_length_per_layer_input", inputs), ("attention.shared_kv_layers", sharing)):
         if get(f"{arch}.{key}", None):
             found.append(f"{arch}.{key}={get(f'{arch}.{key}')} ({what})")
     for name in tensors:
         if name.startswith("per_layer_") or ".inp_gate." in name:
             found.append(f"tensor {name} ({inputs})")
-        elif ".ffn_gate_inp." in name or "_exps." in name:
-            found.append(f"tensor {name} ({experts})")
     if found:
-        raise ValueError(f"{source}: {found[0]} is not supported yet; ringctx runs Gemma 4's dense text models "
-                         "(the 31B's layout)")
+        raise ValueError(f"{source}: {found[0]} is not supported yet; ringctx runs Gemma 4's 31B and 26B-A4B text "
+                         "models")
 
 
 def _gemma4_layers(arch: str, get, tensors: Mapping[str, Any], windows: list[int], kv_counts: list[int],

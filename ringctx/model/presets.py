@@ -131,11 +131,12 @@ _PUBLISHED = {
         "hidden_size_per_layer_input": 0, "sliding_window": 1024, "max_position_embeddings": 262144,
         "rms_norm_eps": 1e-6, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True, "bos_token_id": 2, "eos_token_id": [1, 106]},
-    # Gemma 4 26B-A4B's text model (google/gemma-4-26B-A4B-it's text_config, as copies of its
-    # config.json in public repositories agree; no hub here): 30 layers of 2,816, 5 sliding (1,024)
-    # : 1 full, the full layers' 512-dim heads with 2 KV heads whose keys are their values, and on
-    # every layer a dense GeGLU MLP of 2,112 beside 128 experts of 704, top 8 (Gemma4TextRouter).
-    # Keys left out take Gemma4TextConfig's defaults (RoPE bases 10,000 and 1,000,000, partial 0.25).
+    # Gemma 4 26B-A4B's text model (google/gemma-4-26B-A4B-it's text_config as several public
+    # repositories copy it; no hub here): 30 layers of 2,816, 5 sliding (1,024) : 1 full, the full
+    # layers' 512-dim heads with 2 KV heads whose keys are their values, and on every layer a dense
+    # GeGLU MLP of 2,112 beside 128 experts of 704, top 8 (Gemma4TextRouter); 262,144 positions
+    # (256K, the issue's). Keys left out take Gemma4TextConfig's defaults (RoPE bases 10,000 and
+    # 1,000,000, partial 0.25). 25.2B parameters, 3.8B a token, as Google's model card counts them.
     "gemma4-26b": {
         "model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 2816, "intermediate_size": 2112,
         "num_hidden_layers": 30, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
@@ -179,9 +180,10 @@ _PUBLISHED = {
         "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1_000_000.0,
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "use_sliding_window": False,
         "sliding_window": None, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645},
-    # Qwen/Qwen3-235B-A22B-Instruct-2507's config.json (the 2507 release: 262,144 positions, RoPE base
-    # 5,000,000; not read from the hub here, so the values are the issue's and the published model
-    # card's): 235.1B parameters of which 22.2B reach a token.
+    # Qwen/Qwen3-235B-A22B-Instruct-2507 (no hub here): widths, layers, heads, experts, vocabulary
+    # and 262,144 positions as issue 51 states them; intermediate_size 12,288 (unused: every layer
+    # sparse), RoPE base 5,000,000, norm_topk_prob and the token ids as the published config.json
+    # has them, not checked here. The counts agree with the name: 235.1B parameters, 22.2B a token.
     "qwen3-235b-a22b": {
         "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
         "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,

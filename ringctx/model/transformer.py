@@ -359,10 +359,12 @@ class Block(nn.Module):
         experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
         self.feed_forward = (FeedForward(config, tp) if experts is None
                              else MixtureOfExperts(config, experts, linear, tp))
-        beside = experts is not None and experts.beside_dense  # Gemma 4: the dense MLP stays, with 3 more norms
+        # Gemma 4 26B-A4B: the dense MLP stays beside the experts, with its output norm and the experts' two
+        beside = experts is not None and experts.beside_dense
         self.dense_mlp = FeedForward(config, tp) if beside else None
-        self.post_dense_norm, self.pre_experts_norm, self.post_experts_norm = (
-            (RMSNorm(config.dim, config.norm_eps, plus_one) for _ in range(3)) if beside else (None, None, None))
+        self.post_dense_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if beside else None
+        self.pre_experts_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if beside else None
+        self.post_experts_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if beside else None
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None

@@ -14,7 +14,9 @@ ffn_up (gate, then up); each part is read from its rows (`GGUFPart.first_row`). 
 attn_v (Gemma 4's attention_k_eq_v full layers) takes its keys as values (`gguf_keys_as_values`).
 Mixtures of experts (llama's Mixtral, qwen3moe) hold each layer's experts as 3-D tensors,
 ffn_gate_exps / ffn_up_exps [E, F, dim] and ffn_down_exps [E, dim, F] (PyTorch order), beside the
-router ffn_gate_inp [E, dim]; each expert's slab is read alone and cut to the TP rank's share
+router ffn_gate_inp [E, dim]; Gemma 4 26B-A4B's (gemma4) fuse gate and up as ffn_gate_up_exps
+[E, 2F, dim] and add the router's scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale [E]
+(llama.cpp's converter's names). Each expert's slab is read alone and cut to the TP rank's share
 (`_fill_gguf_experts`).
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
@@ -37,6 +39,9 @@ from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_ONE_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
+"""llama.cpp's first Mixtral files: one tensor per expert (blk.N.ffn_gate.E.weight), before the 3-D
+ffn_*_exps tensors; the gguf package no longer names them."""
 
 
 def open_gguf(path: str | os.PathLike):
@@ -137,47 +142,65 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
             add(f"{blk}.layer_output_scale.weight", f"{ours}.layer_scalar")
         if config.attention(i).sinks:  # gpt-oss: [Hq], by query heads under TP
             add(f"{blk}.attn_sinks.weight", f"{ours}.attention.sinks", kind="sinks")
-        if config.experts(i) is not None:  # the router replicated; one part per expert of each 3-D tensor
+        experts = config.experts(i)
+        mlp = "feed_forward"
+        if experts is not None:  # the router replicated; one part per expert of each 3-D tensor (TP: its share)
             pieces.update(expert_gguf_parts(config, tp, i))
-            continue
+            if not experts.beside_dense:
+                continue
+            # Gemma 4 26B-A4B keeps its dense MLP beside the experts, with three more norms
+            for stored_norm, norm in (("post_ffw_norm_1", "post_dense_norm"), ("pre_ffw_norm_2", "pre_experts_norm"),
+                                      ("post_ffw_norm_2", "post_experts_norm")):
+                add(f"{blk}.{stored_norm}.weight", f"{ours}.{norm}.weight")
+            mlp = "dense_mlp"
         if fused:
             for which, first in (("gate", 0), ("up", config.ffn_dim)):
                 add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, which), kind=which,
                     part=which, first_row=first)
         else:
-            add(f"{blk}.ffn_gate.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), kind="gate")
-            add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
-        add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight", kind="down")
+            add(f"{blk}.ffn_gate.weight", f"{ours}.{mlp}.w13.weight", mlp_rows(local, "gate"), kind="gate")
+            add(f"{blk}.ffn_up.weight", f"{ours}.{mlp}.w13.weight", mlp_rows(local, "up"), kind="up")
+        add(f"{blk}.ffn_down.weight", f"{ours}.{mlp}.w2.weight", kind="down")
     return pieces
 
 
 EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 """llama.cpp's stacked expert tensors -> the part of each expert they hold: weights [E, F, dim]
-(gate, up) and [E, dim, F] (down), biases [E, F] and [E, dim] (gpt-oss)."""
+(gate, up) and [E, dim, F] (down), biases [E, F] and [E, dim] (gpt-oss). Gemma 4's files fuse
+each expert's gate and up rows in ffn_gate_up_exps [E, 2F, dim] instead."""
 
 
 def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> dict[str, list[GGUFPart]]:
     """A mixture-of-experts layer's GGUF tensors -> their parts: the router ffn_gate_inp (weight
-    [E, dim], and its bias), replicated; each stacked expert tensor (`EXPERT_STACKS`) as E parts,
-    part e (`WeightPiece.expert`) filling expert e's slab, cut to this TP rank's share of its units
-    (the down bias whole: rank 0 adds it, model/moe.py)."""
+    [E, dim], and its bias; Gemma 4's two scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale
+    [E]), replicated; each stacked expert tensor (`EXPERT_STACKS`) as E parts (Gemma 4's fused
+    gate/up: 2 E, an expert's gate rows then its up rows from `first_row` F), part e
+    (`WeightPiece.expert`) filling expert e's slab, cut to this TP rank's share of its units (the
+    down bias whole: rank 0 adds it, model/moe.py)."""
     experts, local = config.experts(layer), tp.shard_config(config)
     blk, ff = f"blk.{layer}", f"layers.{layer}.feed_forward"
-    parts = {f"{blk}.ffn_gate_inp.weight": [GGUFPart(WeightPiece(f"{ff}.router.weight", None,
-                                                                 f"{blk}.ffn_gate_inp.weight"), None)]}
+
+    def whole(name: str, param: str) -> list[GGUFPart]:
+        return [GGUFPart(WeightPiece(param, None, name), None)]
+
+    parts = {f"{blk}.ffn_gate_inp.weight": whole(f"{blk}.ffn_gate_inp.weight", f"{ff}.router.weight")}
     if experts.router_bias:
-        parts[f"{blk}.ffn_gate_inp.bias"] = [GGUFPart(WeightPiece(f"{ff}.router.bias", None,
-                                                                  f"{blk}.ffn_gate_inp.bias"), None)]
-    for stack, which in EXPERT_STACKS.items():
-        down = which == "down"
-        for kind in ("weight", "bias") if experts.bias else ("weight",):
-            name = f"{blk}.{stack}.{kind}"
-            param = f"{ff}.{'w2' if down else 'w13'}" if kind == "weight" else f"{ff}.{'b2' if down else 'b13'}"
-            rows = None if down else mlp_rows(local, which, layer)
-            take_kind = "" if down and kind == "bias" else f"expert_{which}"
-            take = tp_take(config, tp, take_kind, layer)
-            parts[name] = [GGUFPart(WeightPiece(param, rows, name, take, e), None)
-                           for e in range(experts.n_experts)]
+        parts[f"{blk}.ffn_gate_inp.bias"] = whole(f"{blk}.ffn_gate_inp.bias", f"{ff}.router.bias")
+    stacks = [(stack, which, 0) for stack, which in EXPERT_STACKS.items()]
+    if experts.beside_dense:  # Gemma 4: gate and up fused per expert; the router's scales (llama.cpp's names)
+        parts[f"{blk}.ffn_gate_inp.scale"] = whole(f"{blk}.ffn_gate_inp.scale", f"{ff}.router_scale")
+        parts[f"{blk}.ffn_down_exps.scale"] = whole(f"{blk}.ffn_down_exps.scale", f"{ff}.per_expert_scale")
+        stacks = [("ffn_gate_up_exps", "gate", 0), ("ffn_gate_up_exps", "up", experts.expert_ffn_dim),
+                  ("ffn_down_exps", "down", 0)]
+    for kind in ("weight", "bias") if experts.bias else ("weight",):
+        for e in range(experts.n_experts):  # expert by expert: a fused stack's parts in expert order
+            for stack, which, first in stacks:
+                down = which == "down"
+                name = f"{blk}.{stack}.{kind}"
+                param = f"{ff}.{'w2' if down else 'w13'}" if kind == "weight" else f"{ff}.{'b2' if down else 'b13'}"
+                rows = None if down else mlp_rows(local, which, layer)
+                take = tp_take(config, tp, "" if down and kind == "bias" else f"expert_{which}", layer)
+                parts.setdefault(name, []).append(GGUFPart(WeightPiece(param, rows, name, take, e), None, first))
     return parts
 
 
@@ -281,16 +304,20 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
     expected = expected_gguf_tensors(model.full_config, arch, model.tp)
     filler = WeightFiller(model, path, {part.piece.source_name + ("" if part.piece.expert is None else
-                                                                  f"[{part.piece.expert}]"): part.piece
+                                                                  f"[{part.piece.expert}]+{part.first_row}"): part.piece
                                         for parts in expected.values() for part in parts})
     as_values = gguf_keys_as_values(arch, {t.name for t in tensors}, model.full_config.n_layers)
     for tensor in tensors:
         if tensor.name in _NOT_PARAMETERS:
             continue
+        if tensor.name not in expected and _ONE_EXPERT.match(tensor.name):
+            raise ValueError(f"{path}: tensor {tensor.name!r} is one expert's matrix, the layout of llama.cpp's first "
+                             "Mixtral files; ringctx reads the experts stacked as ffn_{gate,up,down}_exps (the gguf "
+                             "package's names): re-convert the model with a current llama.cpp")
         parts = expected.get(tensor.name) or [GGUFPart(filler.piece(tensor.name), None)]  # unknown: raises
         shape = gguf_tensor_shape(tensor)
         if parts[0].piece.expert is not None:  # a layer's experts [E, ...]: one slab each
-            _fill_gguf_experts(tensor, shape, [part.piece for part in parts], filler, path)
+            _fill_gguf_experts(tensor, shape, parts, filler, path)
             continue
         if len(parts) > 1:  # a fused tensor: its parts' rows, stacked
             rows = [filler.expected_shape(part.piece)[0] for part in parts]
@@ -319,22 +346,29 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     filler.finish()
 
 
-def _fill_gguf_experts(tensor, shape: tuple[int, ...], pieces: list[WeightPiece], filler: WeightFiller,
+def _fill_gguf_experts(tensor, shape: tuple[int, ...], parts: list[GGUFPart], filler: WeightFiller,
                        path: str) -> None:
-    """Fill every expert's slab of a 3-D parameter from a GGUF expert tensor of `shape` (pieces:
-    one per expert, in expert order): each expert's [F, dim] or [dim, F] rows are read alone
-    (dequantized one expert at a time) and cut to the TP rank's share (`WeightPiece.take`)."""
-    want = (len(pieces), *filler.expected_shape(pieces[0]))
+    """Fill every expert's slab of a 3-D parameter from a GGUF expert tensor of `shape` (parts: each
+    expert's, in expert order; Gemma 4's ffn_gate_up_exps has two per expert, its gate rows then
+    its up rows from `first_row`): each expert's matrix is read alone (dequantized one expert at
+    a time), its parts' rows cut out and cut to the TP rank's share (`WeightPiece.take`)."""
+    n_experts = parts[-1].piece.expert + 1
+    per_expert = [part for part in parts if part.piece.expert == 0]
+    whole = [filler.expected_shape(part.piece) for part in per_expert]  # each part's rows before TP
+    want = (n_experts, sum(rows for rows, *_ in whole), *whole[0][1:])
     if shape != want:
         raise ValueError(f"{path}: tensor {tensor.name!r} has shape {shape}, but the model config needs {want} "
                          "(experts, then each expert's matrix); the expert count or widths in the header do not "
                          "match the tensors")
-    for piece in pieces:
+    for e in range(n_experts):
         try:
-            value = dequantize_tensor(tensor, Take(0, piece.expert, piece.expert + 1, len(pieces)))[0]
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        filler.put(piece, value if piece.take is None else value[piece.take.index()])
+            value = dequantize_tensor(tensor, Take(0, e, e + 1, n_experts))[0]
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+        for part, (rows, *_) in zip(parts[e * len(per_expert):(e + 1) * len(per_expert)], whole):
+            piece = part.piece
+            mine = value[part.first_row:part.first_row + rows]
+            filler.put(piece, mine if piece.take is None else mine[piece.take.index()])
         del value
 
 

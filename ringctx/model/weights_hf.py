@@ -208,7 +208,8 @@ def gemma4_moe_pieces(config: ModelConfig, tp: TensorParallel, i: int) -> dict[s
 _GEMMA4_EXPERTS = re.compile(r"model\.layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
 
 
-def gemma4_expert_parts(name: str, config: ModelConfig, source: str) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
+def gemma4_expert_parts(name: str, config: ModelConfig, source: str
+                        ) -> tuple[tuple[int, ...], list[tuple[str, tuple]]] | None:
     """For a Gemma 4 checkpoint's fused experts.gate_up_proj [E, 2F, dim] (each expert's gate rows,
     then its up rows) or experts.down_proj [E, dim, F]: (the shape the config needs, [(the piece
     `gemma4_moe_pieces` names, its index in the fused tensor)]), as `fused_expert_parts`; None for
@@ -219,9 +220,9 @@ def gemma4_expert_parts(name: str, config: ModelConfig, source: str) -> tuple[tu
     layer = int(match.group(1))
     experts = config.experts(layer) if layer < config.n_layers else None
     if experts is None or not experts.beside_dense:
-        raise ValueError(f"{source}: tensor {name!r} holds experts of layer {layer}, but the config gives that layer none "
-                         "(enable_moe_block is not true, or the layer count differs); the weights do not match "
-                         "the config")
+        raise ValueError(f"{source}: tensor {name!r} holds experts of layer {layer}, but the config gives that "
+                         "layer none (enable_moe_block is not true, or the layer count differs); the weights do not "
+                         "match the config")
     E, F = experts.n_experts, experts.expert_ffn_dim
     if match.group(2) == "down_proj":
         return (E, config.dim, F), [(f"{name}[{e}]", (e,)) for e in range(E)]

@@ -254,8 +254,9 @@ def test_missing_expert_tensors_are_named(saved, tmp_path):
     tensors, config = saved
     tensors = {k: v for k, v in tensors.items() if k not in ("model.layers.1.experts.down_proj",
                                                              "model.layers.3.router.per_expert_scale")}
-    _load_error(_write(tmp_path, tensors, config), r"2 weight tensor\(s\) missing: model\.layers\.1\.experts\.down_proj, "
-                                                   r"model\.layers\.3\.router\.per_expert_scale; the checkpoint is")
+    _load_error(_write(tmp_path, tensors, config), r"2 weight tensor\(s\) missing: model\.layers\.1\.experts\."
+                                                   r"down_proj, model\.layers\.3\.router\.per_expert_scale; the "
+                                                   r"checkpoint is")
 
 
 def test_experts_in_the_file_but_not_in_the_config(saved, tmp_path):
@@ -276,3 +277,22 @@ def test_bad_expert_configs_in_one_line(saved, changes, message, tmp_path):
     with pytest.raises(ValueError, match=message) as info:
         read_hf_config(tmp_path)
     assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_fingerprints_and_round_trip():
+    """The new Experts fields leave the other mixtures' fingerprints as they were stored (the
+    field at its default is left out); a Gemma 4 MoE config round-trips through its dict and
+    differs from the dense one; experts beside a dense MLP outside Gemma's block are refused."""
+    import dataclasses
+
+    from ringctx.model.config import Experts, ModelConfig
+    from ringctx.model.presets import get_preset
+
+    assert get_preset("qwen3-30b-a3b").fingerprint() == "0c6b47c3ec5e5971"  # as before Gemma 4's experts
+    assert get_preset("mixtral-8x7b").fingerprint() == "9d22ecba2ec035ca"
+    c = get_preset("gemma4-26b")
+    assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert c.fingerprint() != dataclasses.replace(c, layer_experts=()).fingerprint()
+    with pytest.raises(ValueError, match=r"experts beside the dense MLP \(Gemma 4's\) are computed in Gemma's block"):
+        ModelConfig(name="x", vocab_size=8, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8,
+                    layer_experts=(Experts(4, 2, 8, router="gemma4", beside_dense=True),))

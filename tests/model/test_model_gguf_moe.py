@@ -244,7 +244,8 @@ def test_a_router_of_another_width(mixtral, tmp_path):
     tensors = moe_gguf_tensors(mixtral, "llama")
     tensors["blk.1.ffn_gate_inp.weight"] = np.zeros((4, 63), dtype=np.float32)
     path = write_moe_gguf(tmp_path / "m.gguf", mixtral, "llama", tensors=tensors)
-    _load_error(path, r"tensor 'blk\.1\.ffn_gate_inp\.weight' has shape \(4, 63\), but the model config needs \(4, 64\)")
+    _load_error(path, r"tensor 'blk\.1\.ffn_gate_inp\.weight' has shape \(4, 63\), but the model config needs "
+                      r"\(4, 64\)")
 
 
 def test_missing_expert_tensors_are_named(mixtral, tmp_path):
@@ -294,3 +295,102 @@ def test_preset_qwen3_235b_a22b():
     assert round(c.n_params / 1e9, 1) == 235.1 and round(c.active_params / 1e9, 1) == 22.2
     assert c.feed_forward_summary() == "94 layers of 128 experts, top 8" and c.max_seq_len == 262144
     assert (c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size) == (4096, 64, 4, 128, 151936)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gemma 4 26B-A4B (gemma4 with expert_count): the gguf package's names for the experts
+# (ffn_gate_inp, ffn_gate_up_exps, ffn_down_exps, pre_ffw_norm_2, post_ffw_norm_1/2) and llama.cpp's
+# converter's for the router's two scales, which the package does not name: router.scale as
+# ffn_gate_inp.scale [dim], router.per_expert_scale as ffn_down_exps.scale [E].
+
+_GEMMA4_EXPERTS = re.compile(r"model\.layers\.(\d+)\.(router\.scale|router\.per_expert_scale|experts\.gate_up_proj|"
+                             r"experts\.down_proj)$")
+_GEMMA4_STORED = {"router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+                  "experts.gate_up_proj": "ffn_gate_up_exps.weight", "experts.down_proj": "ffn_down_exps.weight"}
+
+
+def gemma4_moe_gguf(path, hf, keys=None) -> str:
+    """hf's Gemma 4 26B-A4B-shaped model as llama.cpp's gemma4 GGUF file (test_model_gguf_gemma4.py's
+    writer for the rest)."""
+    from types import SimpleNamespace
+
+    from tests.model.test_model_gguf_gemma4 import add_gemma4_keys, gemma4_tensors
+
+    state = hf.state_dict()
+    experts = {n: v for n, v in state.items() if _GEMMA4_EXPERTS.match(n)}
+    tensors = gemma4_tensors(SimpleNamespace(config=hf.config, state_dict=lambda: {
+        n: v for n, v in state.items() if n not in experts}))
+    for name, value in experts.items():
+        match = _GEMMA4_EXPERTS.match(name)
+        tensors[f"blk.{match.group(1)}.{_GEMMA4_STORED[match.group(2)]}"] = value.float().numpy()
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    add_gemma4_keys(writer, hf.config)
+    writer.add_expert_count(hf.config.num_experts)
+    writer.add_expert_used_count(hf.config.top_k_experts)
+    writer.add_expert_feed_forward_length(hf.config.moe_intermediate_size)
+    if keys is not None:
+        keys(writer)
+    write_tensors(writer, tensors)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["gemma4-moe", "gemma4-moe-keqv"])
+def gemma4_trio(request, tmp_path_factory):
+    from tests.model.test_model_gemma4_moe import random_hf_model as random_gemma4
+
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = random_gemma4(request.param)
+    hf.save_pretrained(directory)
+    path = gemma4_moe_gguf(directory / "g.gguf", hf)
+    return (request.param, load_model(path, dtype=torch.float32, device="cpu"),
+            load_model(str(directory), dtype=torch.float32, device="cpu"), hf, path, directory)
+
+
+def test_gemma4_gguf_logits_match_transformers_and_the_hf_directory(gemma4_trio):
+    test_gguf_logits_match_transformers_and_the_hf_directory(gemma4_trio)
+
+
+def test_gemma4_gguf_greedy_tokens_equal_transformers(gemma4_trio):
+    test_gguf_greedy_tokens_equal_transformers(gemma4_trio)
+
+
+def test_gemma4_gguf_config_and_tp_shards_equal_the_hf_ones(gemma4_trio):
+    name, from_gguf, from_hf, _, _, _ = gemma4_trio
+    assert from_gguf.config.experts(0) == from_hf.config.experts(0)
+    assert from_gguf.config.fingerprint() == from_hf.config.fingerprint()
+    test_tensor_parallel_shards_equal_the_hf_ones(gemma4_trio)
+
+
+def test_gemma4_gguf_bad_expert_input(tmp_path):
+    """An expert count the tensors disagree with, a missing scale, top k above the count: one line each."""
+    from tests.model.test_model_gemma4_moe import random_hf_model as random_gemma4
+
+    hf = random_gemma4("gemma4-moe")
+    _load_error(gemma4_moe_gguf(tmp_path / "a.gguf", hf, keys=lambda w: w.add_expert_count(5)),
+                r"tensor 'blk\.0\.[\w.]+' has shape \(6.*\), but the model config needs \(5.*\)")
+    _load_error(gemma4_moe_gguf(tmp_path / "b.gguf", hf, keys=lambda w: w.add_expert_used_count(7)),
+                r"gemma4\.expert_count=6, gemma4\.expert_used_count=7: experts_per_token=7 is more than")
+    path = tmp_path / "c.gguf"
+    gemma4_moe_gguf(path, hf)
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: np.array(t.data).reshape(tuple(reversed(t.shape.tolist()))) for t in reader.tensors}
+    del tensors["blk.2.ffn_down_exps.scale"]
+    writer = gguf.GGUFWriter(str(tmp_path / "d.gguf"), "gemma4")
+    from tests.model.test_model_gguf_gemma4 import add_gemma4_keys
+
+    add_gemma4_keys(writer, hf.config)
+    writer.add_expert_count(6)
+    writer.add_expert_used_count(2)
+    writer.add_expert_feed_forward_length(hf.config.moe_intermediate_size)
+    write_tensors(writer, tensors)
+    _load_error(tmp_path / "d.gguf", r"1 weight tensor\(s\) missing: blk\.2\.ffn_down_exps\.scale; the checkpoint")
+
+
+def test_per_expert_tensors_of_the_first_mixtral_files(mixtral, tmp_path):
+    """llama.cpp's first Mixtral files stored blk.N.ffn_gate.E.weight per expert: named, with the fix."""
+    tensors = moe_gguf_tensors(mixtral, "llama")
+    gate = tensors.pop("blk.0.ffn_gate_exps.weight")
+    tensors.update({f"blk.0.ffn_gate.{e}.weight": gate[e] for e in range(gate.shape[0])})
+    path = write_moe_gguf(tmp_path / "m.gguf", mixtral, "llama", tensors=tensors)
+    _load_error(path, r"tensor 'blk\.0\.ffn_gate\.\d\.weight' is one expert's matrix, the layout of llama\.cpp's "
+                      r"first Mixtral files; .* re-convert the model with a current llama\.cpp")
