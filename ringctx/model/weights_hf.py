@@ -49,7 +49,8 @@ EXPERT_NAMES = {"mixtral": ExpertNames("block_sparse_moe", "gate", "w1", "w3", "
 transformers 5.25's save_pretrained writes them by default (it converts its fused in-memory
 tensors back to these per-expert ones; `fused_expert_parts` reads the fused ones too). gpt-oss's
 checkpoints hold fused tensors only (`GPT_OSS_EXPERTS`); its per-expert names are ringctx's own,
-the parts `gpt_oss_expert_parts` cuts those into, with `.bias` parts for the experts' biases."""
+the parts weights_gptoss.py's `GptOssExperts` cuts those into, with `.bias` parts for the
+experts' biases."""
 
 _FUSED_EXPERTS = re.compile(r"(model\.layers\.(\d+))\.mlp\.(experts\.gate_up_proj|experts\.down_proj|gate\.weight)$")
 
@@ -474,4 +475,3 @@ def checkpoint_dtype(directory: str) -> torch.dtype:
     name = d.get("torch_dtype") or d.get("dtype") or "float32"
     dtype = getattr(torch, str(name).replace("torch.", ""), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
