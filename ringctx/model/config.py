@@ -444,7 +444,8 @@ class Experts:
     router: str = "softmax-topk"
     """How the experts are picked: one of ROUTERS."""
     renormalize: bool = True
-    """The k kept probabilities are divided by their sum (Mixtral: always; Qwen3-MoE: norm_topk_prob)."""
+    """The k kept probabilities are divided by their sum (Mixtral: always; Qwen3-MoE: norm_topk_prob).
+    Read by "softmax-topk" only ("topk-softmax" weights sum to 1 already)."""
     weights_in_model_dtype: bool = False
     """The routing weights are rounded to the activations' dtype before they multiply the experts'
     outputs (Qwen3-MoE: `.to(router_logits.dtype)`); False: they stay float32 (Mixtral). Only a

@@ -461,3 +461,17 @@ def test_gguf_mxfp4_experts_are_dequantized(pair, tmp_path):
     assert torch.equal(model.layers[1].feed_forward.w13[:, 32:], torch.from_numpy(stored))
     assert not torch.equal(model.layers[1].feed_forward.w13, ours.layers[1].feed_forward.w13)  # 4 bits: not exact
     assert rel_err(model.logits(prompt(20)), ours.logits(prompt(20))) < 0.2
+
+
+def test_bad_gpt_oss_experts_in_one_line(tmp_path):
+    """A limit of 0, or an activation ringctx does not compute: one line naming the value."""
+    config = {"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "swiglu_limit": 0.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"clamped-swiglu with swiglu_alpha=1.702, swiglu_limit=0.0: both must be "
+                                         r"positive \(model_type gpt_oss\)") as info:
+        read_hf_config(tmp_path)
+    assert "\n" not in str(info.value) and str(tmp_path) in str(info.value)
+    with pytest.raises(ValueError, match=r"activation='gelu' is not computed; ringctx has swiglu, clamped-swiglu"):
+        Experts(n_experts=4, experts_per_token=2, expert_ffn_dim=8, activation="gelu")
