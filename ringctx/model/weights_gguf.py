@@ -85,7 +85,7 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
     """GGUF tensor name -> its parts (one for a plain tensor; q, k, v or gate, up for a fused one),
     for TP rank `tp.rank` (`config` is the whole model's; heads to un-permute are those of the
     rank's slice)."""
-    unpermute = arch == "llama"
+    unpermute = arch in ("llama", "llama4")  # llama4: its checkpoints' interleaved rows, kept by the converter
     fused = arch in FUSED_ARCHITECTURES
     local = tp.shard_config(config)
     pieces: dict[str, list[GGUFPart]] = {}
@@ -130,6 +130,9 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
             add(f"{blk}.attn_output.bias", f"{ours}.attention.wo.bias")
         if config.layer_scalars:  # Gemma 4: [1], replicated
             add(f"{blk}.layer_output_scale.weight", f"{ours}.layer_scalar")
+        if config.experts(i) is not None:
+            _add_gguf_experts(pieces, config, local, tp, i)
+            continue
         if fused:
             for which, first in (("gate", 0), ("up", config.ffn_dim)):
                 add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, which), kind=which,
@@ -139,6 +142,31 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
             add(f"{blk}.ffn_up.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), kind="up")
         add(f"{blk}.ffn_down.weight", f"{ours}.feed_forward.w2.weight", kind="down")
     return pieces
+
+
+def _add_gguf_experts(pieces: dict[str, list[GGUFPart]], config: ModelConfig, local: ModelConfig,
+                      tp: TensorParallel, layer: int) -> None:
+    """Layer `layer`'s mixture of experts as llama.cpp's converter writes it (Llama 4): the router
+    blk.N.ffn_gate_inp [E, dim]; the experts blk.N.ffn_gate_exps / ffn_up_exps [E, F, dim] and
+    ffn_down_exps [E, dim, F], one part per expert (`GGUFPart.piece.expert`), each cut to the TP
+    rank's hidden units; the shared expert ffn_{gate,up,down}_shexp, the dense MLP's layout."""
+    blk, ff = f"blk.{layer}", f"layers.{layer}.feed_forward"
+
+    def add(gguf_name: str, param: str, rows=None, kind: str = "", expert=None):
+        source = gguf_name if expert is None else f"{gguf_name}:{expert}"
+        pieces.setdefault(gguf_name, []).append(
+            GGUFPart(WeightPiece(param, rows, source, tp_take(config, tp, kind, layer), expert), None))
+
+    add(f"{blk}.ffn_gate_inp.weight", f"{ff}.router.weight")
+    for e in range(config.experts(layer).n_experts):
+        add(f"{blk}.ffn_gate_exps.weight", f"{ff}.w13", mlp_rows(local, "gate", layer), "expert_gate", e)
+        add(f"{blk}.ffn_up_exps.weight", f"{ff}.w13", mlp_rows(local, "up", layer), "expert_up", e)
+        add(f"{blk}.ffn_down_exps.weight", f"{ff}.w2", None, "expert_down", e)
+    shared = local.experts(layer).shared_ffn_dim
+    if shared:
+        add(f"{blk}.ffn_gate_shexp.weight", f"{ff}.shared_w13", (0, shared), "shared_gate")
+        add(f"{blk}.ffn_up_shexp.weight", f"{ff}.shared_w13", (shared, 2 * shared), "shared_up")
+        add(f"{blk}.ffn_down_shexp.weight", f"{ff}.shared_w2", None, "shared_down")
 
 
 # Tensors a GGUF file may carry that are not parameters: Llama-3.1 RoPE factors are read into
@@ -248,6 +276,9 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
             continue
         parts = expected.get(tensor.name) or [GGUFPart(filler.piece(tensor.name), None)]  # unknown: raises
         shape = gguf_tensor_shape(tensor)
+        if parts[0].piece.expert is not None:  # a layer's experts [E, ...]: one part per expert
+            _fill_gguf_experts(filler, path, tensor, shape, parts)
+            continue
         if len(parts) > 1:  # a fused tensor: its parts' rows, stacked
             rows = [filler.expected_shape(part.piece)[0] for part in parts]
             want = (sum(rows), *filler.expected_shape(parts[0].piece)[1:])
@@ -273,6 +304,24 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
                 filler.put(filler.piece(as_values[tensor.name]), value)
             del value  # one dequantized tensor alive at a time
     filler.finish()
+
+
+def _fill_gguf_experts(filler: WeightFiller, path: str, tensor, shape: tuple[int, ...], parts: list[GGUFPart]) -> None:
+    """Fill every expert's slab from one 3-D GGUF expert tensor (`_add_gguf_experts`): its shape
+    checked against [E, the config's per-expert shape], dequantized whole (one layer's experts of
+    one kind), each expert's matrix cut to the TP rank's share."""
+    want = (len(parts), *filler.expected_shape(parts[0].piece))
+    if shape != want:
+        raise ValueError(f"{path}: tensor {tensor.name!r} has shape {shape}, but the model config needs {want} "
+                         "(experts, their width, the model width); the weights do not match the config")
+    try:
+        value = dequantize_tensor(tensor)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    for part in parts:
+        piece = part.piece
+        filler.put(piece, value[piece.expert] if piece.take is None else value[piece.expert][piece.take.index()])
+    del value
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None,
