@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ringctx.model import load_model
-from ringctx.model.config import Experts
+from ringctx.model.config import Experts, ModelConfig
 from ringctx.model.config_hf import read_hf_config
 from ringctx.model.moe import route
 from tests.helpers import (SavedHFModels, assert_greedy_matches, assert_logits_match, hf_logits,
@@ -121,6 +121,7 @@ def test_config_is_read_as_written(pair):
     unread = sum((e.n_experts - e.experts_per_token) * 3 * c.dim * e.expert_ffn_dim
                  for e in c.layer_experts if e is not None)
     assert c.active_params == c.n_params - unread < c.n_params  # the shared expert is read by every token
+    assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c  # a KV file's manifest keeps the experts
 
 
 def test_bf16_moe_block_equals_transformers_bit_for_bit(pair):
