@@ -468,8 +468,9 @@ class Experts:
         return self.n_experts * dim + experts * 3 * dim * self.expert_ffn_dim + 3 * dim * self.shared_ffn_dim
 
     def describe(self) -> str:
-        """A few words for tables: '8 experts, top 2' (', + shared' with a shared expert)."""
-        return f"{self.n_experts} experts, top {self.experts_per_token}" + (" + shared" if self.shared_ffn_dim else "")
+        """A few words for tables: '8 experts, top 2' ('16 experts, top 1 and a shared expert')."""
+        shared = " and a shared expert" if self.shared_ffn_dim else ""
+        return f"{self.n_experts} experts, top {self.experts_per_token}{shared}"
 
 
 def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model_head_dim: int,

@@ -326,7 +326,7 @@ def test_a_decode_step_of_tiny_llama4_reads_the_router_its_expert_and_the_shared
     every = sum(p.numel() for p in model.parameters()) * 4 - config.vocab_size * config.dim * 4  # one embedding row
     unread = 2 * 3 * 3 * config.dim * 128 * 4  # two layers, 3 of 4 experts' gate, up and down
     assert decode_bytes_per_token(model, 0) == every - unread
-    assert config.feed_forward_summary() == "2 dense + 2 layers of 4 experts, top 1 + shared"
+    assert config.feed_forward_summary() == "2 dense + 2 layers of 4 experts, top 1 and a shared expert"
 
 
 def test_a_10m_token_scout_plan_counts_the_global_layers_kv_and_every_expert():
