@@ -509,10 +509,11 @@ class Experts:
         return router + experts * (3 * dim * self.expert_ffn_dim + biases) + 3 * dim * self.shared_ffn_dim
 
     def describe(self) -> str:
-        """A few words for tables: '8 experts, top 2' (', + shared' with a shared expert; Gemma 4's:
-        ', beside a dense MLP')."""
-        return f"{self.n_experts} experts, top {self.experts_per_token}" + (
-            " + shared" if self.shared_ffn_dim else "") + (", beside a dense MLP" if self.beside_dense else "")
+        """A few words for tables: '8 experts, top 2' ('16 experts, top 1 and a shared expert'; Gemma
+        4's: '..., beside a dense MLP')."""
+        shared = " and a shared expert" if self.shared_ffn_dim else ""
+        beside = ", beside a dense MLP" if self.beside_dense else ""
+        return f"{self.n_experts} experts, top {self.experts_per_token}{shared}{beside}"
 
 
 def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model_head_dim: int,

@@ -30,21 +30,21 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4", "qwen3moe", "gpt-oss")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4", "qwen3moe", "gpt-oss",
+                      "llama4")
 """GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
 text model, Llama 3 and Mixtral files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model; gemma4
-Gemma 4's dense text models, the 31B's own head shape on its full layers included; qwen3moe
-Qwen3-MoE, 2507 and Qwen3-Coder included; gpt-oss its mixture of experts, sinks and biases:
-`_gpt_oss_gguf`)."""
+Gemma 4's text models, the 31B's own head shape on its full layers and the 26B-A4B's experts
+included; qwen3moe Qwen3-MoE, 2507 and Qwen3-Coder included; gpt-oss its mixture of experts, sinks
+and biases: `_gpt_oss_gguf`; llama4 Llama 4 Scout and Maverick's text models, experts included)."""
 
 GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe", "gemma4")
 """Architectures whose {arch}.expert_count `_gguf_experts` reads: Mixtral, Qwen3-MoE, Gemma 4
-26B-A4B (gpt-oss's: `_gpt_oss_gguf`)."""
+26B-A4B (gpt-oss's: `_gpt_oss_gguf`; Llama 4's: `_gguf_llama4_experts`)."""
 
 GGUF_REFUSED = {
     "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
     "gemma2": "general.architecture='gemma2' (ringctx runs Gemma 3: gemma3)",
-    "llama4": "llama4.expert_count (Llama 4's mixture of experts, query temperature and L2 q/k norms)",
 }
 """Architectures refused with the key that makes them unsupported ("... is not supported yet")."""
 
@@ -97,7 +97,7 @@ def _fit_llama3_rope(cfg: ModelConfig, table: list[float], hint: int | None, sou
     contexts = [hint] if hint else []
     contexts += [c for c in (8192, 4096, 2048, 16384, 32768, 65536, 131072) if c not in contexts]
     for original in contexts:
-        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0)):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (1.0, 1.0)):  # 1, 1: Llama 4 Scout
             candidate = RopeScaling(factor, low, high, int(original))
             divisors = candidate.frequency_divisors(plain)
             if all(abs(a - b) <= 1e-4 * b for a, b in zip(divisors, table)):
@@ -130,7 +130,10 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
       keys as values where a layer has no attn_v, the sliding layers' RoPE base
       rope.freq_base_swa and the full layers' proportional RoPE from rope_freqs.weight.
     - Mixtures of experts (`_gguf_experts`): llama (Mixtral), qwen3moe and gemma4 (26B-A4B)
-      files' expert_count, expert_used_count, expert width and 3-D expert tensors.
+      files' expert_count, expert_used_count, expert width and 3-D expert tensors; gpt-oss's
+      (`_gpt_oss_gguf`).
+    - Llama 4 (llama4): the layers llama.cpp fixes (`_gguf_llama4_layers`) and the experts its
+      header describes (`_gguf_llama4_experts`); q/k rows interleaved as in the checkpoint.
     Keys that disagree with each other or with how llama.cpp runs the architecture, and kinds
     still unsupported (other mixtures of experts, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
     are one-line ValueErrors naming the key or tensor.
@@ -160,10 +163,11 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     tensors = {t.name: t for t in reader.tensors}
     if arch == "gemma4":
         _gemma4_refusals(arch, get, tensors, source)
-    if get(f"{arch}.expert_count", None) and arch not in GGUF_EXPERT_ARCHITECTURES + ("gpt-oss",):
+    if get(f"{arch}.expert_count", None) and arch not in GGUF_EXPERT_ARCHITECTURES + ("gpt-oss", "llama4"):
         raise ValueError(f"{source}: {arch}.expert_count={get(f'{arch}.expert_count')} (a mixture of experts) is not "
                          f"supported yet on architecture {arch}; ringctx reads the experts of "
-                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES + ('gpt-oss',))} files (Mixtral, Qwen3-MoE, Gemma 4 26B-A4B, gpt-oss)")
+                         f"{', '.join(GGUF_EXPERT_ARCHITECTURES + ('gpt-oss', 'llama4'))} files (Mixtral, Qwen3-MoE, "
+                         "Gemma 4 26B-A4B, gpt-oss, Llama 4)")
     gemma = arch in ("gemma3", "gemma4")
     for key in ("attn_logit_softcapping",) + (() if gemma else ("final_logit_softcapping",)):
         if get(f"{arch}.{key}", None):
@@ -205,8 +209,10 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     if get(f"{arch}.rope.scaling.type", None) == "longrope" or any(
             name in tensors for name in ("rope_factors_long.weight", "rope_factors_short.weight")):
         rope_scaling = _gguf_longrope(arch, get, tensors, rope_scaling, rotary_dim, max_seq_len, source)
-    windows = _gguf_windows(arch, get, n_layers, source)
-    if arch == "gemma4":
+    windows = [] if arch == "llama4" else _gguf_windows(arch, get, n_layers, source)
+    if arch == "llama4":
+        layers = _gguf_llama4_layers(arch, get, n_layers, source)
+    elif arch == "gemma4":
         layers, head_dim, n_kv, rope_scaling = _gemma4_layers(arch, get, tensors, windows, kv_counts, head_dim,
                                                               rope_scaling, max_seq_len, source)
     elif gemma:
@@ -243,7 +249,8 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         # a block scalar where the file has one (llama.cpp's gemma4: optional, none means 1)
         layer_scalars=arch == "gemma4" and any(f"blk.{i}.layer_output_scale.weight" in tensors
                                                for i in range(n_layers)),
-        layer_experts=_gguf_experts(arch, get, n_layers, source) if arch in GGUF_EXPERT_ARCHITECTURES else (),
+        layer_experts=(_gguf_llama4_experts(arch, get, n_layers, source) if arch == "llama4" else
+                       _gguf_experts(arch, get, n_layers, source) if arch in GGUF_EXPERT_ARCHITECTURES else ()),
     )
     if arch == "gpt-oss":
         cfg = _gpt_oss_gguf(cfg, arch, get, source)
@@ -289,6 +296,50 @@ def _gguf_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts |
         raise ValueError(f"{source}: {arch}.expert_count={count}, {arch}.expert_used_count={used}: "
                          f"{str(e).removeprefix('Experts: ')}; fix the keys or re-convert the model") from None
     return (experts,) * n_layers
+
+
+def _gguf_llama4_layers(arch: str, get, n_layers: int, source: str) -> tuple[LayerAttention, ...]:
+    """Llama 4's layers as llama.cpp's llama4 loader fixes them whatever else the header says (its
+    hparams: chunks of 8,192, every 4th layer NoPE with the query temperature of floor 8,192 and
+    scale 0.1, L2 q/k norms except on the 128-expert model, Maverick, whose config has
+    use_qk_norm false): Llama4TextConfig's defaults (config_hf.LLAMA4_DEFAULTS), read by the Hugging
+    Face reader's `_llama4_layers`. A sliding_window of 0 (llama.cpp's every-layer-RoPE variant
+    for MobileLLM-R1) is refused."""
+    from .config_hf import LLAMA4_DEFAULTS, _llama4_layers
+
+    if get(f"{arch}.attention.sliding_window", None) == 0:
+        raise ValueError(f"{source}: {arch}.attention.sliding_window=0 (llama.cpp's Llama 4 without chunks or "
+                         "NoPE layers, MobileLLM-R1) is not supported yet; ringctx reads Llama 4 Scout and Maverick")
+
+    def refused(what: str, yet: bool = False) -> ValueError:
+        return ValueError(f"{source}: {what}")
+
+    use_qk_norm = int(get(f"{arch}.expert_count", 0) or 0) != 128
+    return _llama4_layers({**LLAMA4_DEFAULTS, "num_hidden_layers": n_layers, "use_qk_norm": use_qk_norm},
+                          refused, refused)
+
+
+def _gguf_llama4_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts | None, ...]:
+    """Llama 4's mixtures of experts from a llama4 header, as llama.cpp's converter writes them and
+    its graph runs them: expert_count experts of expert_feed_forward_length units, top
+    expert_used_count by the sigmoid router scaling the inputs, a shared expert as wide, on layer i
+    when (i + 1) % interleave_moe_layer_step == 0 (transformers' moe_layers of the same step); no
+    expert_count: every layer dense (feed_forward_length)."""
+    n_experts = get(f"{arch}.expert_count", None)
+    if not n_experts:
+        return ()
+    step, per_token = get(f"{arch}.interleave_moe_layer_step", 1), get(f"{arch}.expert_used_count", 1)
+    width = get(f"{arch}.expert_feed_forward_length")
+    keys = (f"{arch}.expert_count={n_experts}, {arch}.expert_used_count={per_token}, "
+            f"{arch}.expert_feed_forward_length={width}, {arch}.interleave_moe_layer_step={step}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n_experts, per_token, width, step)):
+        raise ValueError(f"{source}: {keys}: each must be a positive count; fix the header or re-convert the model")
+    try:
+        experts = Experts(n_experts=n_experts, experts_per_token=per_token, expert_ffn_dim=width,
+                          router="sigmoid-topk", renormalize=False, weights_in_model_dtype=True, shared_ffn_dim=width)
+    except ValueError as e:  # Experts names the field; the header's keys say which entry to fix
+        raise ValueError(f"{source}: {keys}: {str(e).removeprefix('Experts: ')}") from None
+    return tuple(experts if (i + 1) % step == 0 else None for i in range(n_layers))
 
 
 def _one_value(arch: str, key: str, value: Any, source: str) -> Any:

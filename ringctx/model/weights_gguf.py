@@ -94,7 +94,7 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
     """GGUF tensor name -> its parts (one for a plain tensor; q, k, v or gate, up for a fused one),
     for TP rank `tp.rank` (`config` is the whole model's; heads to un-permute are those of the
     rank's slice)."""
-    unpermute = arch == "llama"
+    unpermute = arch in ("llama", "llama4")  # llama4: its checkpoints' interleaved rows, kept by the converter
     fused = arch in FUSED_ARCHITECTURES
     local = tp.shard_config(config)
     pieces: dict[str, list[GGUFPart]] = {}
@@ -173,7 +173,8 @@ each expert's gate and up rows in ffn_gate_up_exps [E, 2F, dim] instead."""
 def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> dict[str, list[GGUFPart]]:
     """A mixture-of-experts layer's GGUF tensors -> their parts: the router ffn_gate_inp (weight
     [E, dim], and its bias; Gemma 4's two scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale
-    [E]), replicated; each stacked expert tensor (`EXPERT_STACKS`) as E parts (Gemma 4's fused
+    [E]), replicated; Llama 4's shared expert ffn_{gate,up,down}_shexp (the dense MLP's layout, its
+    TP share); each stacked expert tensor (`EXPERT_STACKS`) as E parts (Gemma 4's fused
     gate/up: 2 E, an expert's gate rows then its up rows from `first_row` F), part e
     (`WeightPiece.expert`) filling expert e's slab, cut to this TP rank's share of its units (the
     down bias whole: rank 0 adds it, model/moe.py)."""
@@ -201,6 +202,11 @@ def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> di
                 rows = None if down else mlp_rows(local, which, layer)
                 take = tp_take(config, tp, "" if down and kind == "bias" else f"expert_{which}", layer)
                 parts.setdefault(name, []).append(GGUFPart(WeightPiece(param, rows, name, take, e), None, first))
+    shared = local.experts(layer).shared_ffn_dim
+    for which, rows in (("gate", (0, shared)), ("up", (shared, 2 * shared)), ("down", None)) if shared else ():
+        name = f"{blk}.ffn_{which}_shexp.weight"  # Llama 4's shared expert: the dense MLP's layout
+        parts[name] = [GGUFPart(WeightPiece(f"{ff}.shared_{'w2' if which == 'down' else 'w13'}", rows, name,
+                                            tp_take(config, tp, f"shared_{which}", layer)), None)]
     return parts
 
 

@@ -365,7 +365,9 @@ _FACTORS = {"rope_factors_long.weight": np.full(8, 2.0), "rope_factors_short.wei
     ("qwen3moe", {"expert_count": 128}, None, r"qwen3moe\.expert_used_count=None \(a positive count of experts"),
     ("gemma3n", {}, None,
      r"gemma3n\.embedding_length_per_layer_input \(Gemma 3n's per-layer inputs.*not supported yet"),
-    ("llama4", {}, None, r"llama4\.expert_count .* is not supported yet"),
+    ("llama4", {"expert_count": 4, "expert_used_count": 5, "expert_feed_forward_length": 8}, None,
+     r"llama4\.expert_count=4, llama4\.expert_used_count=5, .*experts_per_token=5 is more than the layer's n_experts=4"),
+    ("llama4", {"attention.sliding_window": 0}, None, r"llama4\.attention\.sliding_window=0 .* is not supported yet"),
 ])  # gemma4's refusals: test_model_gguf_gemma4.py
 def test_bad_gguf_headers_are_one_line_errors(arch, keys, tensors, message, tmp_path):
     path = tmp_path / "bad.gguf"

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from ringctx.model import load_model
-from ringctx.model.config import Experts
+from ringctx.model.config import Experts, ModelConfig
 from ringctx.model.config_hf import read_hf_config
 from ringctx.model.moe import route
 from tests.helpers import (SavedHFModels, assert_greedy_matches, assert_logits_match, hf_logits,
@@ -120,6 +121,7 @@ def test_config_is_read_as_written(pair):
     unread = sum((e.n_experts - e.experts_per_token) * 3 * c.dim * e.expert_ffn_dim
                  for e in c.layer_experts if e is not None)
     assert c.active_params == c.n_params - unread < c.n_params  # the shared expert is read by every token
+    assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c  # a KV file's manifest keeps the experts
 
 
 def test_bf16_moe_block_equals_transformers_bit_for_bit(pair):
@@ -324,7 +326,7 @@ def test_a_decode_step_of_tiny_llama4_reads_the_router_its_expert_and_the_shared
     every = sum(p.numel() for p in model.parameters()) * 4 - config.vocab_size * config.dim * 4  # one embedding row
     unread = 2 * 3 * 3 * config.dim * 128 * 4  # two layers, 3 of 4 experts' gate, up and down
     assert decode_bytes_per_token(model, 0) == every - unread
-    assert config.feed_forward_summary() == "2 dense + 2 layers of 4 experts, top 1 + shared"
+    assert config.feed_forward_summary() == "2 dense + 2 layers of 4 experts, top 1 and a shared expert"
 
 
 def test_a_10m_token_scout_plan_counts_the_global_layers_kv_and_every_expert():
@@ -340,3 +342,134 @@ def test_a_10m_token_scout_plan_counts_the_global_layers_kv_and_every_expert():
     share = dec["kv_slice_bytes"] / dec["kv_slice_all_rows_bytes"]
     assert 0.25 <= share < 0.251, share
     assert dec["fits"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+# GGUF (llama.cpp's llama4)
+
+
+GGUF_TEXT = {**MOE, "num_experts_per_tok": 2, "attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
+             "no_rope_layers": None,
+             "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}}
+"""MOE with top 2, Scout's RoPE scaling (llama3, factor 16, low = high frequency factor 1 over
+8,192: the 3 slowest of the 8 frequencies divided by 16), and the layers llama.cpp's llama4
+loader fixes whatever the header says (chunks of 8,192, every 4th layer NoPE, floor 8,192 and
+scale 0.1), so that the file and the Hugging Face directory describe one model."""
+
+
+def llama4_gguf_tensors(hf) -> dict[str, np.ndarray]:
+    """hf's tensors as llama.cpp's Llama4Model converter writes them: the names of gguf's llama4
+    tensor map; experts.gate_up_proj [E, dim, 2F] transposed and split into ffn_gate_exps and
+    ffn_up_exps [E, F, dim], experts.down_proj [E, F, dim] transposed into ffn_down_exps [E, dim, F];
+    q/k rows as stored (undo_permute False: the checkpoint's interleaved pairs)."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA4, hf.config.num_hidden_layers)
+    out = {}
+    for hf_name, value in hf.state_dict().items():
+        w = value.float().numpy()
+        if hf_name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(w.transpose(0, 2, 1), 2, axis=1)
+            stem = hf_name.removesuffix("gate_up_proj")
+            out[f"{names.get_name(stem + 'gate_proj')}.weight"] = gate
+            out[f"{names.get_name(stem + 'up_proj')}.weight"] = up
+        elif hf_name.endswith("experts.down_proj"):
+            out[f"{names.get_name(hf_name)}.weight"] = w.transpose(0, 2, 1)
+        else:
+            base, suffix = hf_name.rsplit(".", 1)
+            out[f"{names.get_name(base)}.{suffix}"] = w
+    if hf.config.rope_parameters.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors' table
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        c = hf.config
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")
+        plain = 1.0 / c.rope_parameters["rope_theta"] ** (torch.arange(0, c.head_dim, 2) / c.head_dim)
+        out["rope_freqs.weight"] = (plain / scaled).float().numpy()
+    return out
+
+
+def write_llama4_gguf(path, hf, tensors: dict[str, np.ndarray] | None = None) -> None:
+    """hf's model as a llama4 GGUF file with the keys llama.cpp's converter writes (feed_forward_length:
+    the dense layers' intermediate_size_mlp; expert_feed_forward_length: intermediate_size)."""
+    import gguf
+
+    from tests.model.test_model_gguf_families import write_tensors
+
+    c = hf.config
+    writer = gguf.GGUFWriter(str(path), "llama4")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size_mlp)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_bos_token_id(c.bos_token_id)
+    writer.add_eos_token_id(c.eos_token_id)
+    writer.add_expert_count(c.num_local_experts)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_interleave_moe_layer_step(c.interleave_moe_layer_step)
+    write_tensors(writer, llama4_gguf_tensors(hf) if tensors is None else tensors)
+
+
+@pytest.fixture(scope="module")
+def gguf_trio(tmp_path_factory):
+    """(ringctx from the GGUF file, ringctx from the HF directory, transformers, the file), one set of weights."""
+    import transformers
+
+    directory = tmp_path_factory.mktemp("llama4-gguf")
+    hf = random_hf_model_of(transformers.Llama4TextConfig(**GGUF_TEXT), seed=3)
+    hf.save_pretrained(directory)
+    path = directory / "llama4.gguf"
+    write_llama4_gguf(path, hf)
+    return (load_model(str(path), dtype=torch.float32, device="cpu"),
+            load_model(str(directory), dtype=torch.float32, device="cpu"), hf, path)
+
+
+def test_gguf_logits_equal_the_hf_directory_and_transformers(gguf_trio):
+    from_gguf, from_hf, hf, _ = gguf_trio
+    assert from_gguf.config.fingerprint() == from_hf.config.fingerprint()
+    assert from_gguf.config.rope_scaling.factor == 16.0 and from_gguf.config.rope_scaling.high_freq_factor == 1.0
+    for ids in (prompt(SHORT), prompt(LONG)):
+        ref = hf_logits(hf, ids)
+        got = from_gguf.logits(ids)
+        MEASURED["llama4-moe-gguf"] = max(MEASURED.get("llama4-moe-gguf", 0.0), rel_err(got, ref))
+        assert rel_err(got, ref) < 1e-4 and rel_err(got, from_hf.logits(ids)) < 1e-5
+
+
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_gguf_tensor_parallel_shards_equal_the_hf_directory_shards(gguf_trio, tp_size):
+    """A TP rank reads its share of every 3-D expert tensor and of the shared expert from the file."""
+    from ringctx.model.tensor_parallel import TensorParallel
+
+    _, _, _, path = gguf_trio
+    for rank in range(tp_size):
+        tp = TensorParallel(tp_size, rank)
+        from_gguf = load_model(str(path), dtype=torch.float32, device="cpu", tp=tp)
+        from_hf = load_model(str(path.parent), dtype=torch.float32, device="cpu", tp=tp)
+        hf_params = dict(from_hf.named_parameters())
+        for name, param in from_gguf.named_parameters():
+            assert torch.equal(param, hf_params[name]), (rank, name)
+
+
+def test_gguf_expert_tensors_that_disagree_with_the_header_are_one_line(gguf_trio, tmp_path):
+    """Three experts' tensors under a header of four; an expert tensor missing."""
+    _, _, hf, _ = gguf_trio
+    tensors = llama4_gguf_tensors(hf)
+    short = {**tensors, "blk.1.ffn_up_exps.weight": tensors["blk.1.ffn_up_exps.weight"][:3]}
+    write_llama4_gguf(tmp_path / "short.gguf", hf, short)
+    with pytest.raises(ValueError, match=r"'blk\.1\.ffn_up_exps\.weight' has shape \(3, 32, 64\), but the model "
+                                         r"config needs \(4, 32, 64\)") as info:
+        load_model(str(tmp_path / "short.gguf"), dtype=torch.float32, device="cpu")
+    assert "\n" not in str(info.value)
+    missing = {k: v for k, v in tensors.items() if k != "blk.3.ffn_down_exps.weight"}
+    write_llama4_gguf(tmp_path / "missing.gguf", hf, missing)
+    with pytest.raises(ValueError, match=r"weight tensor\(s\) missing: blk\.3\.ffn_down_exps\.weight;"):
+        load_model(str(tmp_path / "missing.gguf"), dtype=torch.float32, device="cpu")
