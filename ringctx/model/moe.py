@@ -53,6 +53,7 @@ from torch import nn
 
 from ..kernels import cpu
 from .config import Experts, ModelConfig
+from .expert_parallel import NO_EP, ExpertParallel, run_experts
 from .tensor_parallel import NO_TP, TensorParallel
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -88,15 +89,18 @@ class MixtureOfExperts(nn.Module):
     """A layer's mixture of experts (see the module docstring): forward(x [T, dim]) -> [T, dim].
 
     `linear` is the block's product (transformer.linear, handed in by Block: this module is
-    imported by transformer.py, so it does not import it)."""
+    imported by transformer.py, so it does not import it). Under expert parallelism (`ep`,
+    model/expert_parallel.py) w13 and w2 hold this rank's experts only: [n_experts / ep.size, ...]."""
 
-    def __init__(self, config: ModelConfig, experts: Experts, linear: Linear, tp: TensorParallel = NO_TP):
+    def __init__(self, config: ModelConfig, experts: Experts, linear: Linear, tp: TensorParallel = NO_TP,
+                 ep: ExpertParallel = NO_EP):
         super().__init__()
-        self.experts, self.linear, self.tp = experts, linear, tp
+        self.experts, self.linear, self.tp, self.ep = experts, linear, tp, ep
         E, ffn = experts.n_experts, experts.expert_ffn_dim
+        held = E // ep.size  # this rank's experts (all of them without EP)
         self.router = nn.Linear(config.dim, E, bias=False)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * ffn, config.dim))
-        self.w2 = nn.Parameter(torch.empty(E, config.dim, ffn))
+        self.w13 = nn.Parameter(torch.empty(held, 2 * ffn, config.dim))
+        self.w2 = nn.Parameter(torch.empty(held, config.dim, ffn))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim] in x's dtype (summed over the TP ranks)."""
@@ -104,6 +108,8 @@ class MixtureOfExperts(nn.Module):
         weights, chosen = route(self.linear(x, self.router.weight), experts)
         if experts.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        if self.ep.size > 1:  # the experts are spread over ranks (model/expert_parallel.py)
+            return self.tp.all_reduce(self._across_ranks(x, weights, chosen))
         k, ffn = experts.experts_per_token, experts.expert_ffn_dim
         # Pairs sorted by expert; the stable sort keeps each expert's pairs in token order.
         flat = chosen.reshape(-1)
@@ -123,3 +129,40 @@ class MixtureOfExperts(nn.Module):
             # (CUDA) every row's sum runs in expert order, the same every time.
             out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
         return self.tp.all_reduce(out.to(x.dtype))
+
+    def _expert(self, j: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's j-th expert (w13[j], w2[j]) on rows [n, dim] -> [n, dim], in rows' dtype."""
+        return self.linear(swiglu_(self.linear(rows, self.w13[j]), self.experts.expert_ffn_dim), self.w2[j])
+
+    def _across_ranks(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """forward's sum under expert parallelism, before the TP all-reduce: x [T, dim] routed to
+        (weights, chosen) [T, k] -> [T, dim] in x's dtype.
+
+        Different rows on every rank (a prefill): every pair goes to the rank of its expert and
+        back (`run_experts`), then the outputs are weighted and added expert by expert as in
+        forward, so each token's sum runs in EP 1's order. The same rows on every rank (a decode
+        step, `ep.same_rows`): each rank adds its own experts' share and one float32 all-reduce
+        sums the ranks' (model/expert_parallel.py says why)."""
+        experts, ep = self.experts, self.ep
+        k, E = experts.experts_per_token, experts.n_experts
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # as forward: pairs by expert, tokens in order within one
+        tokens, pair_weights = order // k, weights.reshape(-1)[order]
+        counts = torch.bincount(flat, minlength=E).tolist()
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)  # expert e's pairs: starts[e] .. starts[e + 1] - 1
+        first, last = ep.experts(E)
+        if ep.same_rows:  # this rank's experts only, on its own copy of the rows
+            outputs = {e: self._expert(e - first, x[tokens[starts[e]:starts[e + 1]]])
+                       for e in range(first, last) if counts[e]}
+        else:  # every pair through its expert, on whichever rank holds it
+            y = run_experts(x[tokens], counts, self._expert, ep)
+            outputs = {e: y[starts[e]:starts[e + 1]] for e in range(E) if counts[e]}
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, y in outputs.items():  # in expert order, as forward
+            rows, w = tokens[starts[e]:starts[e + 1]], pair_weights[starts[e]:starts[e + 1], None]
+            out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
+        if ep.same_rows:
+            ep.all_reduce(out)
+        return out.to(x.dtype)

@@ -36,6 +36,7 @@ from .config import ModelConfig
 from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
+from .expert_parallel import NO_EP, ExpertParallel
 from .moe import MixtureOfExperts
 from .tensor_parallel import NO_TP, TensorParallel
 
@@ -337,7 +338,7 @@ class Block(nn.Module):
     (Gemma) x + post_attention_norm(attn(norm(x))), then h + post_ffn_norm(mlp(norm(h))), times
     the block's layer_scalar with config.layer_scalars (Gemma 4)."""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0, ep: ExpertParallel = NO_EP):
         super().__init__()
         self.layer = layer
         self.kind = kind = config.attention(layer)
@@ -354,7 +355,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
         self.feed_forward = (FeedForward(config, tp) if experts is None
-                             else MixtureOfExperts(config, experts, linear, tp))
+                             else MixtureOfExperts(config, experts, linear, tp, ep))
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
@@ -428,6 +429,7 @@ class Transformer(nn.Module):
             rank's shard: its heads and MLP width, see ringctx.model.tensor_parallel).
         full_config: the whole model's ModelConfig (the same object as `config` without TP).
         tp: the TensorParallel this model is a shard of (size 1: none).
+        ep: the ExpertParallel whose share of every MoE layer's experts this model holds (size 1: all).
         tok_embeddings: weight [vocab, dim] (under TP: this rank's ids, [V/T, dim]).
         layers: ModuleList of `Block`.
         norm: final RMSNorm.
@@ -441,13 +443,13 @@ class Transformer(nn.Module):
     meta device to plan without memory).
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, ep: ExpertParallel = NO_EP):
         super().__init__()
-        self.full_config, self.tp = config, tp
+        self.full_config, self.tp, self.ep = config, tp, ep
         self.config = config = tp.shard_config(config)
         vocab = tp.vocab(config)
         self.tok_embeddings = nn.Embedding(vocab[1] - vocab[0], config.dim)
-        self.layers = nn.ModuleList(Block(config, tp, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, tp, i, ep) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_plus_one)
         self.output = nn.Linear(config.dim, vocab[1] - vocab[0], bias=False)
         self.tie_weights()
