@@ -401,7 +401,11 @@ class Block(nn.Module):
         # results overwrite the attention output they were computed from: one [T, dim] buffer less.
         reusable = out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
         result = out if reusable else torch.empty_like(x)
-        for start, stop in slices:
+        # Experts spread over ranks (model/expert_parallel.py): every rank of the EP group must make
+        # the same all-to-all calls per layer whatever its rows (another rank may have more slices, or
+        # none: T = 0), so the rest of the block runs over all rows at once
+        experts_across_ranks = getattr(self.feed_forward, "ep", None) is not None and self.feed_forward.ep.size > 1
+        for start, stop in [(0, T)] if experts_across_ranks else slices:
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
 
