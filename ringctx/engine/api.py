@@ -8,6 +8,8 @@ Three ways to run, one API:
     Engine(model, nproc=N, tp=T) the same ranks as a (N/T CP) x (T TP) mesh: each group of T
                                 consecutive ranks holds one copy of the weights split Megatron-style
                                 (ringctx.model.tensor_parallel), and the ring runs across the groups
+    Engine(model, nproc=N, ep=E) a mixture of experts' experts spread over E consecutive CP ranks
+                                (ringctx.model.expert_parallel); with tp too, per TP index
     under torchrun              every launched process builds an Engine, which joins the group
                                 from the environment; every rank makes the same calls (SPMD)
 
