@@ -88,3 +88,40 @@ def test_bad_ep_is_one_line_naming_what_to_use():
         assert "\n" not in problem
     assert ExpertParallel(size=3, rank=1).experts(6) == (2, 4)
     assert ExpertParallel(size=3, rank=1).local_expert(6, 3) == 1 and ExpertParallel(size=3, rank=1).local_expert(6, 4) is None
+
+
+def test_an_ep_rank_loads_only_its_experts(tmp_path):
+    """Each EP rank's expert slabs are the same slabs of the whole model's, from transformers' per-expert
+    and fused (save_original_format=False) checkpoints and from a preset's random weights; the other
+    weights whole. (Loading is local: no process group.)"""
+    import dataclasses
+
+    from ringctx.model import load_model
+    from ringctx.model.config import Experts
+    from ringctx.model.weights import empty_model, init_random
+    from tests.model.test_model_moe import random_hf_model
+
+    hf = random_hf_model("qwen3-moe-norm")  # 6 experts on layers 0 and 2
+    for fused in (False, True):
+        directory = tmp_path / f"fused{fused}"
+        hf.save_pretrained(directory, **({"save_original_format": False} if fused else {}))
+        whole = load_model(str(directory), dtype="float32", device="cpu")
+        for size in (2, 3):
+            for rank in range(size):
+                ep = ExpertParallel(size=size, rank=rank)
+                part = load_model(str(directory), dtype="float32", device="cpu", ep=ep)
+                first, last = ep.experts(6)
+                for layer in (0, 2):
+                    mine, all_of = part.layers[layer].feed_forward, whole.layers[layer].feed_forward
+                    assert mine.w13.shape[0] == mine.w2.shape[0] == 6 // size
+                    assert torch.equal(mine.w13, all_of.w13[first:last]) and torch.equal(mine.w2, all_of.w2[first:last])
+                    assert torch.equal(mine.router.weight, all_of.router.weight)
+                assert torch.equal(part.layers[1].feed_forward.w13.weight, whole.layers[1].feed_forward.w13.weight)
+    config = dataclasses.replace(get_preset("tiny"), layer_experts=(Experts(4, 2, 16),) * 2)
+    whole = empty_model(config, dtype=torch.float32, device="cpu")
+    init_random(whole, seed=3)
+    ep = ExpertParallel(size=2, rank=1)
+    part = empty_model(config, dtype=torch.float32, device="cpu", ep=ep)
+    init_random(part, seed=3)
+    assert torch.equal(part.layers[0].feed_forward.w13, whole.layers[0].feed_forward.w13[2:4])
+    assert torch.equal(part.layers[1].feed_forward.w2, whole.layers[1].feed_forward.w2[2:4])
