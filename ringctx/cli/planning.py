@@ -178,10 +178,11 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
     experts = None
     if result is not None and config.has_experts:  # EP against TP for this model, policy in planning/expert_plan.py
         m = result.memory
-        experts = compare_expert_parallelism(config, hw, max(ep_size, tp, 2), dtype=result.dtype,
+        ranks = max(ep_size, tp, 2)
+        experts = compare_expert_parallelism(config, hw, ranks, dtype=result.dtype,
                                              weight_dtype=result.weight_dtype, weights=weights,
                                              other_bytes=m.total_bytes - m.weights_bytes,
-                                             cp_size=max(result.cp_size, ep_size))
+                                             cp_size=max(result.cp_size, ranks))
     if as_json:
         data = {} if result is None else result.to_dict()
         if experts is not None:
@@ -199,11 +200,11 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
             render_mesh(proposal)
         if not problem:
             render_plan(result, as_run.notes)
-            if experts is not None:
-                render_experts(experts)
-            if context_warning:  # after the tables (a plan that does not fit ends with its own one line)
-                err_console.print(f"ringctx plan: warning: {context_warning}", markup=False, highlight=False,
-                                  soft_wrap=True)
+        if experts is not None:  # also when the plan does not fit: EP or TP may be the way out
+            render_experts(experts)
+        if not problem and context_warning:  # after the tables (a plan that does not fit ends with its own one line)
+            err_console.print(f"ringctx plan: warning: {context_warning}", markup=False, highlight=False,
+                              soft_wrap=True)
     if problem:
         raise DoesNotFit(problem)
 

@@ -122,7 +122,8 @@ def compare_expert_parallelism(model: ModelConfig, hw: HardwareProfile, ranks: i
     best = min(candidates, key=lambda o: (o.bytes_per_token, o.weights_bytes))
     other = tp if best is ep else ep
     why_other = (other.problem if other.problem else "does not fit" if not other.fits
-                 else f"sends {_kb(other.bytes_per_token)} per token")
+                 else f"sends {_kb(other.bytes_per_token)} per token" if other.bytes_per_token != best.bytes_per_token
+                 else f"sends as much and holds {_gb(other.weights_bytes)} per rank")
     return ExpertChoice(ranks, options, best,
                         f"{best.name}: {_gb(best.weights_bytes)} of weights per rank fit and it sends "
                         f"{_kb(best.bytes_per_token)} per token; {other.name} {why_other} (the experts are "
