@@ -38,6 +38,9 @@ leaves what it measured; a section that fails is recorded and the next one runs)
   allreduce   the TP all-reduce on every GPU here (one: a one-rank group, fixed costs only):
               symmetric-memory one-shot and two-shot against NCCL, 4 KiB - 16 MiB of bf16, each
               result against the float64 sum and the same bits on every rank
+  ep          expert parallelism's dispatch and combine (model/expert_parallel.py's two-shot
+              all-to-all over NCCL, every GPU here): 1 - 8192 tokens a rank at Qwen3-30B-A3B's
+              width and top-8, microseconds and GB/s, each result checked bit for bit
   prefill     chunked prefill (64K-token chunks) of SmolLM2-135M shapes, random weights, on one
               GPU at 128K and 1M tokens with the fastest backend that passed: tokens/s, time to
               first token, MFU, and time against what the attention FLOPs at the kernel rate
@@ -993,6 +996,73 @@ def allreduce_section(ck: Check) -> dict:
     return result
 
 
+EP_TOKENS = [1, 64, 1024, 8192]
+"""Tokens per rank of the ep section: a decode row, a batch, a CPU chunk's share, a GPU chunk's share."""
+
+
+def _ep_job(rank: int, world: int, dry: bool) -> dict:
+    """On every rank: expert parallelism's two-shot all-to-all (ringctx/model/expert_parallel.py
+    run_experts: counts, rows to their experts' ranks, outputs back) with Qwen3-30B-A3B's shapes
+    (dim 2048, top-8 of 8 x world experts, bf16; dry: dim 64, float32), every expert a row-wise map
+    so the result is checked bit for bit against the same rows through their experts on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from ringctx.model.expert_parallel import ExpertParallel, run_experts
+
+    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    dim, k, dtype = (64, 8, torch.float32) if dry else (2048, 8, torch.bfloat16)
+    n_experts = 8 * world
+    ep = ExpertParallel(size=world, rank=rank, group=None)
+    first, _ = ep.experts(n_experts)
+    out = {"world": world, "dim": dim, "experts_per_token": k, "n_experts": n_experts, "rows": []}
+    for tokens in (EP_TOKENS[:2] if dry else EP_TOKENS):
+        g = torch.Generator().manual_seed(rank * 100 + tokens)
+        chosen = torch.randint(n_experts, (tokens * k,), generator=g).sort().values
+        counts = torch.bincount(chosen, minlength=n_experts).tolist()
+        rows = torch.randn(tokens * k, dim, generator=g).to(device, dtype)
+        want = rows * (chosen.to(device)[:, None] + 2).to(dtype)
+        got = run_experts(rows, counts, lambda j, r: r * (first + j + 2), ep)
+
+        def exchange():
+            run_experts(rows, counts, lambda j, r: r, ep)
+
+        for _ in range(3):
+            exchange()
+        times = []
+        for _ in range(5 if dry else 20):
+            dist.barrier()
+            times.append(time_once(exchange, dry))
+        seconds = statistics.median(times)
+        moved = 2 * rows.numel() * rows.element_size()  # every row out and back (the ones kept local too)
+        out["rows"].append({"tokens": tokens, "exact": bool(torch.equal(got, want)), "us": 1e6 * seconds,
+                            "GB/s": moved / seconds / 1e9})
+    return out
+
+
+def ep_section(ck: Check) -> dict:
+    """Expert parallelism's dispatch and combine (the two-shot all-to-all of
+    ringctx/model/expert_parallel.py) on every GPU of this machine over NCCL: 1 - 8192 tokens a rank,
+    Qwen3-30B-A3B's width and top-8, medians of CUDA event times and the bytes a rank moves per
+    second; each result checked bit for bit. With one GPU the group has one rank: the times are the
+    counts' all-to-all and the local copies only. --dry-run: two CPU ranks over gloo."""
+    import torch
+
+    from ringctx.parallel.launch import RankPool
+
+    world = 2 if ck.dry else max(1, torch.cuda.device_count())
+    with RankPool(world, backend="gloo" if ck.dry else "nccl", timeout=120) as pool:
+        results = pool.run(_ep_job, ck.dry)
+    for r, result in enumerate(results):
+        for row in result["rows"]:
+            if not row["exact"]:
+                ck.fail(f"ep dispatch: rank {r}, {row['tokens']} tokens: rows came back wrong")
+    for row in results[0]["rows"]:
+        print(f"  {row['tokens']:>6} tokens/rank x top-{results[0]['experts_per_token']}  {row['us']:10.1f} us  "
+              f"{row['GB/s']:7.2f} GB/s out and back  ({'exact' if row['exact'] else 'WRONG'})", flush=True)
+    return results[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json")
@@ -1010,7 +1080,7 @@ def main() -> int:
         return 2
     ck = Check(args.out, args.budget_s, args.dry_run)
     sections = [("env", env_section), ("correctness", correctness_section), ("band", band_section),
-                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("allreduce", allreduce_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("allreduce", allreduce_section), ("ep", ep_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
     if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
         start_build(ck)
     for name, fn in sections:

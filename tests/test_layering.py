@@ -169,7 +169,8 @@ def test_the_circle_check_finds_one(tmp_path):
     assert import_circles(root) == [["ringctx.model.config", "ringctx.model.reader"]]
 
 
-BETWEEN_RANKS = {"parallel", "runtime", "engine", "ringctx.model.tensor_parallel", "ringctx.planning.calibrate"}
+BETWEEN_RANKS = {"parallel", "runtime", "engine", "ringctx.model.tensor_parallel", "ringctx.model.expert_parallel",
+                 "ringctx.planning.calibrate"}
 """Where torch.distributed may be imported: the packages that run between ranks (communication,
 what every rank runs, the engine that starts and drives the ranks), the tensor-parallel model's
 collectives, and calibration's measurement jobs. Anything else asks one of these."""

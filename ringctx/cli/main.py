@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..planning.hardware import MEASURED, shown_source
-from .options import (COMMAND_LINE, DECODE_RANKS_OPTION, TIMEOUT_OPTION, TP_OPTION, _AgreedBadParameter,
+from .options import (COMMAND_LINE, DECODE_RANKS_OPTION, EP_OPTION, TIMEOUT_OPTION, TP_OPTION, _AgreedBadParameter,
                       ALLOW_LONG_CONTEXT_OPTION, _AgreedError, _rank_error, build_engine,
                       engine_options, nproc_option, rope_scaling_option, warnings_as_lines)
 from .progress import prefill_progress, work_bar
@@ -54,9 +54,10 @@ def main() -> None:
 
 def _mesh_words(engine) -> str:
     """"2 rank(s)" or "4 ranks (CP 2 x TP 2)"."""
+    ep = f", experts over EP {engine.ep_size}" if engine.ep_size > 1 else ""
     if engine.tp_size == 1:
-        return f"{engine.world_size} rank(s)"
-    return f"{engine.world_size} ranks (CP {engine.cp_size} x TP {engine.tp_size})"
+        return f"{engine.world_size} rank(s){ep}"
+    return f"{engine.world_size} ranks (CP {engine.cp_size} x TP {engine.tp_size}{ep})"
 
 
 def _is_printing_rank() -> bool:
@@ -137,6 +138,8 @@ def stats_tables(stats, title: str, follow_up=None, efficiency=None, hardware=No
         ("bytes sent per rank", ", ".join(fmt_bytes(b) for b in stats.bytes_sent_per_rank)),
         *([("  of which TP all-reduces per rank", ", ".join(fmt_bytes(b) for b in stats.tp_bytes_per_rank))]
           if stats.tp_size > 1 else []),
+        *([("  of which EP all-to-alls per rank", ", ".join(fmt_bytes(b) for b in stats.ep_bytes_per_rank))]
+          if any(stats.ep_bytes_per_rank) else []),
         ("KV shard per rank", ", ".join(fmt_bytes(b) for b in stats.kv_shard_bytes_per_rank)
          + ("" if stats.kv_dtype == "model" else f" ({stats.kv_dtype})")),
         ("decode ranks: KV tokens each", ", ".join(f"{n:,}" for n in stats.decode_slice_rows_per_rank if n)
@@ -227,7 +230,7 @@ def prefill(tokens, follow_up, decode_tokens, seed, json_path, trace_path, logit
     if decode_tokens < 0:
         raise _AgreedBadParameter(f"must be >= 0, got {decode_tokens}", param_hint="--decode")
     if config.nproc == "auto":
-        config = config.replace(nproc=auto_nproc(config.device, config.tp))
+        config = config.replace(nproc=auto_nproc(config.device, config.tp * config.ep))  # EP: ep CP ranks at least
     world = int(os.environ.get("WORLD_SIZE", config.nproc))
     if world > tokens:
         raise _AgreedBadParameter(f"{world} ranks for {tokens} tokens: use at most as many ranks as tokens",
@@ -368,7 +371,7 @@ def ingest(file, save_path, no_chat, config):
 
     from ..engine import serving_layout
 
-    nproc, layout_note = serving_layout(config.nproc, config.device, config.tp)  # the note goes with the closing lines
+    nproc, layout_note = serving_layout(config.nproc, config.device, config.tp * config.ep)  # the note goes with the closing lines
     engine = build_engine(config.replace(nproc=nproc))
     printing = _is_printing_rank()
     try:
@@ -405,6 +408,7 @@ def _ingest_with_progress(engine, text, chat):
 @click.option("--dtype", default=None, help="Default: the document's dtype.")
 @nproc_option("auto", serving=True)
 @TP_OPTION
+@EP_OPTION
 @DECODE_RANKS_OPTION
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
@@ -414,7 +418,7 @@ def _ingest_with_progress(engine, text, chat):
 @TIMEOUT_OPTION
 @rope_scaling_option(" [default: what the document was made with]")
 @ALLOW_LONG_CONTEXT_OPTION
-def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
+def ask(kv_file, questions, model, dtype, nproc, tp, ep, decode_ranks, max_new_tokens, temperature, top_p, top_k, seed,
         timeout_s, rope_scaling, allow_long_context):
     """Answer questions about a document saved by `ringctx ingest`: one question streams its answer;
     several are answered together (one decode step for all, the document read once per step for
@@ -424,7 +428,7 @@ def ask(kv_file, questions, model, dtype, nproc, tp, decode_ranks, max_new_token
             which = "the question" if len(questions) == 1 else f"the question {i + 1}"
             raise _AgreedBadParameter(f"{which} is empty: ask something about the document",
                                       param_hint="QUESTIONS")
-    context = dict(rope_scaling=rope_scaling, allow_long_context=allow_long_context)
+    context = dict(rope_scaling=rope_scaling, allow_long_context=allow_long_context, ep=ep)
     if len(questions) > 1:
         return _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout_s, context,
                          dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -461,13 +465,14 @@ def _document_engine(kv_file, model, dtype, nproc, tp, decode_ranks, timeout_s, 
     engine = None
     try:
         meta = describe_document(kv_file)
-        nproc, layout_note = serving_layout(nproc, None, tp)
+        nproc, layout_note = serving_layout(nproc, None, tp * context.get("ep", 1))  # EP: ep CP ranks at least
         rope_scaling = context["rope_scaling"]
         if rope_scaling is None:
             rope_scaling = (meta["engine_config"] or {}).get("rope_scaling")
         engine = Engine(model, dtype=dtype or meta["dtype"], nproc=nproc, decode_ranks=decode_ranks,
                         kv_dtype=meta["kv_dtype"], timeout_s=timeout_s, tp=tp, weights=meta["weights"],
-                        rope_scaling=rope_scaling, allow_long_context=context["allow_long_context"])
+                        rope_scaling=rope_scaling, allow_long_context=context["allow_long_context"],
+                        ep=context.get("ep", 1))
         yield engine, engine.load_document(kv_file), layout_note
     except (ValueError, OSError, RankFailure) as exc:
         raise _rank_error(exc) from None

@@ -108,6 +108,7 @@ TIMEOUT_OPTION = click.option("--timeout", "timeout_s", default=COMMAND_LINE.tim
                               help=_help("timeout_s"))
 TP_OPTION = click.option("--tp", "tp", default=COMMAND_LINE.tp, show_default=True, type=int,
                          help=_help("tp") + " Under torchrun launch tp x (CP ranks per host) per node.")
+EP_OPTION = click.option("--ep", "ep", default=COMMAND_LINE.ep, show_default=True, type=int, help=_help("ep"))
 WEIGHTS_OPTION = click.option(
     "--weights", type=click.Choice(WEIGHT_CHOICES), default=COMMAND_LINE.weights, show_default=True,
     help=_help("weights") + " bf16 or float32 models; the prefill keeps reading the same values in bf16, so the "
@@ -120,7 +121,7 @@ ALLOW_LONG_CONTEXT_OPTION = click.option("--allow-long-context", "allow_long_con
 ROPE_SCALING_OPTION = rope_scaling_option()
 MODEL_OPTION = click.option("--model", default=COMMAND_LINE.model, show_default=True, help=_help("model"))
 
-ENGINE_OPTIONS = ("model", "nproc", "tp", "chunk_tokens", "strategy", "hardware", "rule", "dtype", "device",
+ENGINE_OPTIONS = ("model", "nproc", "tp", "ep", "chunk_tokens", "strategy", "hardware", "rule", "dtype", "device",
                   "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights", "rope_scaling",
                   "allow_long_context")
 """The EngineConfig fields a command of `engine_options` takes from its command line."""
@@ -135,6 +136,7 @@ def engine_options(f=None, *, serving: bool = False):
         MODEL_OPTION,
         nproc_option(COMMAND_LINE.nproc, serving=serving),
         TP_OPTION,
+        EP_OPTION,
         click.option("--chunk-tokens", type=int, default=COMMAND_LINE.chunk_tokens, help=_help("chunk_tokens")),
         click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default=COMMAND_LINE.strategy,
                      show_default=True, help=_help("strategy")),

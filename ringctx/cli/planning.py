@@ -18,9 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..model.int8_weights import WEIGHT_CHOICES
+from ..model.expert_parallel import ep_problem
 from ..model.loader import DEFAULT_MODEL
 from ..parallel.ring import PASS_KV, PASS_Q
 from ..planning.engine_config import COMMAND_LINE
+from ..planning.expert_plan import compare_expert_parallelism
 from ..planning.hardware import AUTO, MEASURED, calibrated_profile_path, measured_profile_path, resolve_hardware, shown_source
 from ..planning.strategy import RULES
 from ..units import fmt_duration, fmt_gb
@@ -101,9 +103,13 @@ def _ms(x: float) -> str:
                    "float16, float32, fp8 or int8 (1 byte per element + a float32 scale per token and KV head). "
                    "Ring messages stay in --dtype.")
 @rope_scaling_option()
+@click.option("--ep", "ep_size", type=int, default=COMMAND_LINE.ep, show_default=True,
+              help="Expert-parallel ranks (a mixture of experts' experts spread over that many CP ranks: weights "
+                   "per rank fall by the experts' (ep-1)/ep). A model with experts also gets EP against TP on "
+                   "max(ep, tp, 2) ranks: weights per rank, bytes sent per token, and which one plan picks, why.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of tables.")
 def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached, chunk_tokens, rule, dtype,
-         weight_dtype, weights, no_handoff, decode_ranks, kv_dtype, rope_scaling, as_json):
+         weight_dtype, weights, no_handoff, decode_ranks, kv_dtype, rope_scaling, ep_size, as_json):
     """Plan a prefill and the decode after it: strategy per chunk and why, predicted times, TTFT,
     memory per prefill rank and per decode device. With --hosts, first propose the mesh (cp, tp).
     Options left out take what `ringctx prefill` would run with (ranks, chunks, dtype, this
@@ -153,18 +159,34 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
     common = dict(cached=cached, chunk_tokens=as_run.chunk_tokens, dtype=as_run.dtype, rule=rule,
                   weight_dtype=weight_dtype, handoff=not no_handoff, decode_ranks=decode_ranks, kv_dtype=kv_dtype,
                   weights=weights)
+    if ep_size != 1:
+        if hosts is not None:
+            raise click.UsageError("--ep plans a given mesh: give --cp (and --tp) instead of --hosts")
+        problem = ep_problem(config, ep_size, as_run.cp_size, 0, decode_ranks)
+        if problem:
+            raise _fail(ValueError(problem))
     try:
         if hosts is None:
             proposal = None
-            result = plan_prefill(config, as_run.cp_size, hw, tokens, tp_size=tp, **common)
+            result = plan_prefill(config, as_run.cp_size, hw, tokens, tp_size=tp, ep_size=ep_size, **common)
         else:
             proposal = propose_mesh(config, hosts, gpus, hw, tokens, tp_size=tp_size, **common)
             result = proposal.chosen.plan if proposal.chosen is not None else None
     except (ValueError, FileNotFoundError, OSError) as err:
         raise _fail(err) from None
     problem = proposal.problem() if result is None else decode_problem(result)
+    experts = None
+    if result is not None and config.has_experts:  # EP against TP for this model, policy in planning/expert_plan.py
+        m = result.memory
+        ranks = max(ep_size, tp, 2)
+        experts = compare_expert_parallelism(config, hw, ranks, dtype=result.dtype,
+                                             weight_dtype=result.weight_dtype, weights=weights,
+                                             other_bytes=m.total_bytes - m.weights_bytes,
+                                             cp_size=max(result.cp_size, ranks))
     if as_json:
         data = {} if result is None else result.to_dict()
+        if experts is not None:
+            data["experts"] = experts.to_dict()
         data["as_run"] = as_run.notes
         if context_warning:
             data["context_warning"] = context_warning
@@ -178,9 +200,11 @@ def plan(model, hosts, gpus_per_host, cp_size, tp_size, hardware, tokens, cached
             render_mesh(proposal)
         if not problem:
             render_plan(result, as_run.notes)
-            if context_warning:  # after the tables (a plan that does not fit ends with its own one line)
-                err_console.print(f"ringctx plan: warning: {context_warning}", markup=False, highlight=False,
-                                  soft_wrap=True)
+        if experts is not None:  # also when the plan does not fit: EP or TP may be the way out
+            render_experts(experts)
+        if not problem and context_warning:  # after the tables (a plan that does not fit ends with its own one line)
+            err_console.print(f"ringctx plan: warning: {context_warning}", markup=False, highlight=False,
+                              soft_wrap=True)
     if problem:
         raise DoesNotFit(problem)
 
@@ -323,7 +347,8 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     for what, note in (as_run or {}).items():
         if what != "hardware" and not note.endswith("as given"):
             head.add_row(f"default {what}", note)
-    head.add_row("ranks", f"CP {result.cp_size} x TP {result.tp_size}")
+    head.add_row("ranks", f"CP {result.cp_size} x TP {result.tp_size}"
+                          + (f", experts over EP {result.ep_size}" if result.ep_size > 1 else ""))
     weights = f", weights {result.weight_dtype}" if result.weight_dtype != result.dtype else ""
     weights += ", int8 weights" if result.weights == "int8" else ""
     head.add_row("dtype", result.dtype + weights + (f", KV cache {result.kv_dtype}" if result.kv_dtype != "model" else ""))
@@ -395,6 +420,20 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     console.print(mem)
     render_decode(result)
     console.print(f"[bold]fits:[/bold] {_yes_no(result.fits)} (prefill ranks and decode devices)")
+
+
+def render_experts(choice) -> None:
+    """EP against TP for the model's experts (planning/expert_plan.py): per option its weights and
+    memory per rank, whether they fit, the bytes it sends per token, and the pick with its reason."""
+    table = Table(title=f"experts on {choice.ranks} ranks: EP against TP", show_header=True)
+    for column in ("option", "weights / rank", "total / rank", "fits", "sent / token", "note"):
+        table.add_column(column, justify="left" if column in ("option", "note") else "right")
+    for o in choice.options:
+        picked = choice.chosen is not None and o.name == choice.chosen.name
+        table.add_row(("* " if picked else "") + o.name, _table_gb(o.weights_bytes), _table_gb(o.total_bytes),
+                      _yes_no(o.fits), f"{o.bytes_per_token / 1024:,.0f} KiB", o.problem or "")
+    console.print(table)
+    console.print(f"[bold]experts:[/bold] {'picks ' if choice.chosen else ''}{choice.reason}", highlight=False)
 
 
 def render_decode(result) -> None:

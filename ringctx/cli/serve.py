@@ -8,7 +8,7 @@ import click
 
 from ..attention.quant import KV_DTYPES
 from ..planning.engine_config import SERVING, field_help
-from .options import (DECODE_RANKS_OPTION, MODEL_OPTION, ROPE_SCALING_OPTION, TIMEOUT_OPTION,
+from .options import (DECODE_RANKS_OPTION, EP_OPTION, MODEL_OPTION, ROPE_SCALING_OPTION, TIMEOUT_OPTION,
                       TP_OPTION, WEIGHTS_OPTION, _rank_error, nproc_option)
 
 
@@ -36,6 +36,7 @@ def _log(line: str) -> None:
 @MODEL_OPTION
 @nproc_option("auto", serving=True)
 @TP_OPTION
+@EP_OPTION
 @DECODE_RANKS_OPTION
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="model", show_default=True,
               help="KV cache storage of the documents (fp8/int8: 8 bits per value, half the memory of bf16).")
@@ -94,7 +95,7 @@ def _log(line: str) -> None:
 @click.option("--allow-long-context", "allow_long_context", is_flag=True, default=SERVING.allow_long_context,
               help=field_help()["allow_long_context"] + " Without it a request past the trained context (its prompt "
                    "and max_tokens, as vLLM counts them) gets 400 with code context_length_exceeded.")
-def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, api_key, store_dir, kv_budget, max_queue,
+def serve(model, nproc, tp, ep, decode_ranks, kv_dtype, dtype, weights, host, port, api_key, store_dir, kv_budget, max_queue,
           max_body_bytes, max_tokens_limit, max_document_tokens, chunk_tokens, max_batch, max_step_tokens, ingest_share,
           join_share, prefix_cache, prefix_cache_min_tokens, prefix_cache_share, prefix_cache_disk, drain_s, timeout_s,
           rope_scaling, allow_long_context):
@@ -108,7 +109,7 @@ def serve(model, nproc, tp, decode_ranks, kv_dtype, dtype, weights, host, port, 
     try:
         status = serve_forever(host=host, port=port, api_key=api_key, drain_s=drain_s, log=_log,
                                limits=Limits(max_body_bytes=max_body_bytes, max_tokens=max_tokens_limit),
-                               config=SERVING.replace(model=model, nproc=nproc, tp=tp, decode_ranks=decode_ranks,
+                               config=SERVING.replace(model=model, nproc=nproc, tp=tp, ep=ep, decode_ranks=decode_ranks,
                                                       kv_dtype=kv_dtype, dtype=dtype, weights=weights,
                                                       timeout_s=timeout_s, chunk_tokens=chunk_tokens,
                                                       prefix_cache=prefix_cache,

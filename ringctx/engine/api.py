@@ -8,6 +8,8 @@ Three ways to run, one API:
     Engine(model, nproc=N, tp=T) the same ranks as a (N/T CP) x (T TP) mesh: each group of T
                                 consecutive ranks holds one copy of the weights split Megatron-style
                                 (ringctx.model.tensor_parallel), and the ring runs across the groups
+    Engine(model, nproc=N, ep=E) a mixture of experts' experts spread over E consecutive CP ranks
+                                (ringctx.model.expert_parallel); with tp too, per TP index
     under torchrun              every launched process builds an Engine, which joins the group
                                 from the environment; every rank makes the same calls (SPMD)
 
@@ -33,6 +35,7 @@ from ..model import KVCache, Sampler, check_token_ids
 from ..model.context import ContextGuard
 from ..model.generate import Generation, GenerationResult
 from ..model.int8_weights import check_int8_model
+from ..model.expert_parallel import ep_problem
 from ..model.tensor_parallel import tp_problem
 from ..parallel.launch import default_backend
 from ..parallel.mesh import mesh_problem
@@ -129,15 +132,21 @@ class Engine:
                        or (check_int8_model(model_config, tp) if config.weights == "int8" else None))
             if problem:
                 raise ValueError(problem)
+        decode_ranks = resolve_decode_ranks(config.decode_ranks, decode_rank, world // tp, per_host // tp)
+        if config.ep != 1:  # likewise for experts that cannot be spread over ep ranks
+            problem = ep_problem(peek_config(self.model_name, dtype, config.rope_scaling), config.ep, world // tp,
+                                 decode_rank, decode_ranks)
+            if problem:
+                raise ValueError(problem)
         hardware, measure = load_hardware(config.hardware, device)
         self.settings = settings = EngineSettings(
             model_name=self.model_name, dtype=dtype, strategy=config.strategy, rule=config.rule,
             hardware=hardware, chunk_tokens=config.chunk_tokens, decode_rank=decode_rank,
-            decode_ranks=resolve_decode_ranks(config.decode_ranks, decode_rank, world // tp, per_host // tp),
+            decode_ranks=decode_ranks,
             kv_dtype=config.kv_dtype, weights=config.weights, timeout_s=float(timeout_s),
             startup_timeout_s=float(config.startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
             attn_backend=config.attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp,
-            config=config.to_dict(), rope_scaling=config.rope_scaling)
+            config=config.to_dict(), rope_scaling=config.rope_scaling, ep_size=config.ep)
         try:
             if torchrun:
                 self.mode = "torchrun"
@@ -198,6 +207,7 @@ class Engine:
     decode_rank = property(lambda self: self.settings.decode_rank)
     decode_ranks = property(lambda self: self.settings.decode_ranks)
     tp_size = property(lambda self: self.settings.tp_size)
+    ep_size = property(lambda self: self.settings.ep_size, doc="Expert-parallel ranks (1: every rank holds every expert).")
     cp_size = property(lambda self: self.settings.cp_size)
     ranks_per_host = property(lambda self: self.settings.ranks_per_host)
 

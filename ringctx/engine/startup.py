@@ -11,10 +11,11 @@ import torch
 
 from ..model import load_model
 from ..model.kvfile import share_weights_digest, weights_digest
+from ..model.expert_parallel import NO_EP, ExpertParallel
 from ..model.tensor_parallel import NO_TP, TensorParallel
 from ..parallel.allreduce import make_all_reduce
 from ..parallel.comm import agree_across_ranks
-from ..parallel.mesh import Mesh, build_mesh, decode_groups
+from ..parallel.mesh import Mesh, build_mesh, decode_groups, expert_group
 from ..planning.prefill_plan import default_chunk_tokens
 from ..runtime.rank_state import EngineSettings, RankState
 
@@ -28,12 +29,24 @@ def tensor_parallel(mesh: Mesh, device, timeout_s: float = 300.0) -> TensorParal
                           reducer=make_all_reduce(mesh.tp_group, device, timeout_s))
 
 
+def expert_parallel(mesh: Mesh, ep_size: int, device, timeout_s: float = 300.0) -> ExpertParallel:
+    """The model's ExpertParallel over this rank's EP group (ep_size consecutive CP ranks of its TP
+    index; NO_EP for ep 1), with the all-reduce of its same-row (decode) steps chosen as TP's
+    (parallel/allreduce.py; a collective of the EP group)."""
+    if ep_size == 1:
+        return NO_EP
+    group = expert_group(mesh, ep_size)
+    return ExpertParallel(size=ep_size, rank=mesh.cp_rank % ep_size, group=group,
+                          reducer=make_all_reduce(group, device, timeout_s))
+
+
 def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
     """Load this rank's model, check it against every other rank's and make the decode groups."""
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
     model = load_model(settings.model_name, dtype=settings.dtype, device=device,
                        tp=tensor_parallel(mesh, device, settings.timeout_s),
-                       weights=settings.weights, rope_scaling=settings.rope_scaling)
+                       weights=settings.weights, rope_scaling=settings.rope_scaling,
+                       ep=expert_parallel(mesh, settings.ep_size, device, settings.timeout_s))
     state = RankState(settings=settings, mode=mode, rank=rank, world_size=world, mesh=mesh, model=model,
                       chunk_tokens=settings.chunk_tokens or default_chunk_tokens(model, world))
     if world > 1:

@@ -13,6 +13,7 @@ from .context import parse_rope_scaling, stretch_config
 from .int8_weights import check_weights, quantize_model
 from .presets import PRESETS, get_preset
 from ..hub import local_model_path
+from .expert_parallel import NO_EP, ExpertParallel
 from .tensor_parallel import NO_TP, TensorParallel
 from .tokenizer import load_tokenizer
 from .transformer import Transformer
@@ -50,6 +51,7 @@ def load_model(
     tp: TensorParallel = NO_TP,
     weights: str = "model",
     rope_scaling: str | None = None,
+    ep: ExpertParallel = NO_EP,
 ) -> Transformer:
     """Load a Llama-family model ready for `.logits`, `.generate` and the prefill engine.
 
@@ -72,6 +74,8 @@ def load_model(
         rope_scaling: "yarn:FACTOR" or "linear:FACTOR" stretches the model's RoPE as it is built
             (ringctx.model.context.stretch_config: the trained context becomes FACTOR x the
             checkpoint's max_position_embeddings); None or "none": the checkpoint's own.
+        ep: under expert parallelism, this rank's place in its EP group: every mixture-of-experts
+            layer then holds (and reads from the file) this rank's experts only (ringctx.model.expert_parallel).
 
     Returns:
         a `Transformer` with `.config`, `.tokenizer` (loaded lazily; None for random presets),
@@ -93,19 +97,20 @@ def load_model(
     if key == DEFAULT_MODEL:
         path = embedded_gguf_path()
         _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, name=DEFAULT_MODEL, tp=tp,
-                             adjust_config=adjust)
+                             adjust_config=adjust, ep=ep)
         tokenizer_path = path
     elif key in PRESETS:
         config = get_preset(key)
-        model = empty_model(adjust(config) if adjust else config, dtype=dtype or torch.bfloat16, device=device, tp=tp)
+        model = empty_model(adjust(config) if adjust else config, dtype=dtype or torch.bfloat16, device=device, tp=tp,
+                            ep=ep)
         if device.type != "meta":
             init_random(model, seed)
     else:
         kind, path = _classify_path(key)
         if kind == "gguf":
-            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, tp=tp, adjust_config=adjust)
+            _, model = load_gguf(path, dtype=dtype or torch.float32, device=device, tp=tp, adjust_config=adjust, ep=ep)
         else:
-            _, model = load_hf(path, dtype=dtype, device=device, tp=tp, adjust_config=adjust)
+            _, model = load_hf(path, dtype=dtype, device=device, tp=tp, adjust_config=adjust, ep=ep)
         tokenizer_path = path
     model.source = tokenizer_path or key
     if weights == "int8" and device.type != "meta":

@@ -79,6 +79,7 @@ from torch import nn
 
 from ..kernels import cpu
 from .config import Experts, ModelConfig
+from .expert_parallel import NO_EP, ExpertParallel, run_experts
 from .tensor_parallel import NO_TP, TensorParallel
 
 Linear = Callable[..., torch.Tensor]
@@ -149,28 +150,32 @@ class MixtureOfExperts(nn.Module):
 
     `linear` is the block's product (transformer.linear, handed in by Block: this module is
     imported by transformer.py, so it does not import it). Router "gemma4" adds router_scale
-    [dim] and per_expert_scale [E] (replicated under TP, as the router)."""
+    [dim] and per_expert_scale [E] (replicated under TP, as the router). Under expert parallelism
+    (`ep`, model/expert_parallel.py) w13, w2, b13 and b2 hold this rank's experts only:
+    [n_experts / ep.size, ...]."""
 
-    def __init__(self, config: ModelConfig, experts: Experts, linear: Linear, tp: TensorParallel = NO_TP):
+    def __init__(self, config: ModelConfig, experts: Experts, linear: Linear, tp: TensorParallel = NO_TP,
+                 ep: ExpertParallel = NO_EP):
         super().__init__()
-        self.experts, self.linear, self.tp = experts, linear, tp
+        self.experts, self.linear, self.tp, self.ep = experts, linear, tp, ep
         E, ffn = experts.n_experts, experts.expert_ffn_dim
+        held = E // ep.size  # this rank's experts (all of them without EP)
         self.router = nn.Linear(config.dim, E, bias=experts.router_bias)
-        self.w13 = nn.Parameter(torch.empty(E, 2 * ffn, config.dim))
-        self.w2 = nn.Parameter(torch.empty(E, config.dim, ffn))
+        self.w13 = nn.Parameter(torch.empty(held, 2 * ffn, config.dim))
+        self.w2 = nn.Parameter(torch.empty(held, config.dim, ffn))
         self.activation = swiglu_ if config.mlp_activation == "silu" else geglu_
         self.gemma4 = experts.router == "gemma4"
         if self.gemma4:
             self.router_scale = nn.Parameter(torch.ones(config.dim))
             self.per_expert_scale = nn.Parameter(torch.ones(E))
             self.norm_eps, self.root = config.norm_eps, config.dim ** -0.5
-        if experts.shared_ffn_dim:  # the shared expert: the dense MLP's layout, its own width
+        if experts.shared_ffn_dim:  # the shared expert: the dense MLP's layout, its own width (on every EP rank)
             self.shared_w13 = nn.Parameter(torch.empty(2 * experts.shared_ffn_dim, config.dim))
             self.shared_w2 = nn.Parameter(torch.empty(config.dim, experts.shared_ffn_dim))
-        # Experts.bias (gpt-oss): b13 [E, 2F] this rank's gate then up units (split as w13's rows),
-        # b2 [E, dim] whole on every rank but added by rank 0 only (see forward).
-        self.b13 = nn.Parameter(torch.empty(E, 2 * ffn)) if experts.bias else None
-        self.b2 = nn.Parameter(torch.empty(E, config.dim)) if experts.bias else None
+        # Experts.bias (gpt-oss): b13 [held, 2F] this rank's gate then up units (split as w13's rows),
+        # b2 [held, dim] whole on every TP rank but added by TP rank 0 only (see _down_bias).
+        self.b13 = nn.Parameter(torch.empty(held, 2 * ffn)) if experts.bias else None
+        self.b2 = nn.Parameter(torch.empty(held, config.dim)) if experts.bias else None
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's scores [T, E] (x's dtype) of its input x [T, dim]: x W_router^T; Gemma 4's
@@ -189,46 +194,72 @@ class MixtureOfExperts(nn.Module):
         weights, chosen = route(logits, experts, self.per_expert_scale if self.gemma4 else None)
         if experts.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        k = experts.experts_per_token
+        k, E = experts.experts_per_token, experts.n_experts
         # Pairs sorted by expert; the stable sort keeps each expert's pairs in token order.
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tokens, pair_weights = order // k, weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=experts.n_experts).tolist()  # one host sync for all experts
+        counts = torch.bincount(flat, minlength=E).tolist()  # one host sync for all experts
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)  # expert e's pairs: starts[e] .. starts[e + 1] - 1
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue  # an expert no token chose: its weights are not read
-            rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
-            start += n
-            if experts.scales_inputs:  # Llama 4: the weight scales the input (in the model dtype), y added as is
-                y = self.linear(self._hidden(x[rows] * w, e), self.w2[e], self._down_bias(e))
+        for e, y in self._outputs(x, tokens, pair_weights, counts, starts):  # in expert order, whatever ran them
+            rows, w = tokens[starts[e]:starts[e + 1]], pair_weights[starts[e]:starts[e + 1], None]
+            if experts.scales_inputs:  # Llama 4: the weight scaled the input; y is added as it is
                 out.index_add_(0, rows, y.float())
                 continue
-            y = self.linear(self._hidden(x[rows], e), self.w2[e], self._down_bias(e))
             # float32 weights: the product in float32; model-dtype weights: rounded there first. A token
             # picks k different experts, so one call adds to each row at most once: even with atomics
             # (CUDA) every row's sum runs in expert order, the same every time.
             out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
+        if self.ep.size > 1 and self.ep.same_rows:
+            self.ep.all_reduce(out)  # each rank added its own experts' share of the same rows
+        out = out.to(x.dtype)
         if experts.shared_ffn_dim:  # transformers' order: the shared output (rounded) plus the routed sum (rounded)
             shared = self.linear(self.activation(self.linear(x, self.shared_w13), experts.shared_ffn_dim),
                                  self.shared_w2)
-            return self.tp.all_reduce(shared.add_(out.to(x.dtype)))
-        return self.tp.all_reduce(out.to(x.dtype))
+            out = shared.add_(out)
+        return self.tp.all_reduce(out)
 
-    def _hidden(self, rows: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert e's hidden units [n, F] of rows [n, dim]: its gate and up products (and biases),
-        joined by the layer's activation."""
+    def _outputs(self, x: torch.Tensor, tokens: torch.Tensor, pair_weights: torch.Tensor, counts: list[int],
+                 starts: list[int]):
+        """(e, y [counts[e], dim]) for each expert e that has pairs, in expert order: expert e's output
+        of its pairs' rows (scaled first by their weights where the router scales inputs).
+
+        Without EP every expert runs here. Under EP (model/expert_parallel.py), with different rows
+        on every rank (a prefill) every pair goes to the rank of its expert and back (`run_experts`,
+        the two-shot all-to-all); with the same rows on every rank (a decode step, `ep.same_rows`)
+        this rank runs its own experts only, and forward's all-reduce adds the others'."""
+        experts, ep = self.experts, self.ep
+
+        def inputs(a: int, b: int) -> torch.Tensor:
+            rows = x[tokens[a:b]]
+            return rows * pair_weights[a:b, None] if experts.scales_inputs else rows
+
+        if ep.size > 1 and not ep.same_rows:
+            y = run_experts(inputs(0, len(tokens)), counts, self._expert, ep)
+            yield from ((e, y[starts[e]:starts[e + 1]]) for e, n in enumerate(counts) if n)
+            return
+        first, last = ep.experts(experts.n_experts)
+        for e in range(first, last):
+            if counts[e]:  # an expert no token chose: its weights are not read
+                yield e, self._expert(e - first, inputs(starts[e], starts[e + 1]))
+
+    def _expert(self, j: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's j-th expert on rows [n, dim] -> [n, dim] in rows' dtype: its gate and up
+        products (and biases), joined by the layer's activation, then its down product (and bias)."""
         experts, ffn = self.experts, self.experts.expert_ffn_dim
-        gate_up = self.linear(rows, self.w13[e], None if self.b13 is None else self.b13[e])
+        gate_up = self.linear(rows, self.w13[j], None if self.b13 is None else self.b13[j])
         if experts.activation == "clamped-swiglu":
-            return clamped_swiglu(gate_up, ffn, experts.swiglu_alpha, experts.swiglu_limit)
-        return self.activation(gate_up, ffn)
+            hidden = clamped_swiglu(gate_up, ffn, experts.swiglu_alpha, experts.swiglu_limit)
+        else:
+            hidden = self.activation(gate_up, ffn)
+        return self.linear(hidden, self.w2[j], self._down_bias(j))
 
-    def _down_bias(self, e: int) -> torch.Tensor | None:
-        """Expert e's down bias [dim] for this rank's product, or None. Under TP each rank's product
-        is a partial sum over its hidden units; the bias belongs to the whole sum once, so rank 0
-        adds it to its partial, before the weighting and the all-reduce: sum over ranks of
-        w * (y_r + [r = 0] b) = w * (y + b), transformers' (y + b) * w, exact up to rounding order."""
-        return None if self.b2 is None or self.tp.rank != 0 else self.b2[e]
+    def _down_bias(self, j: int) -> torch.Tensor | None:
+        """This rank's j-th expert's down bias [dim] for this rank's product, or None. Under TP each
+        rank's product is a partial sum over its hidden units; the bias belongs to the whole sum once,
+        so TP rank 0 adds it to its partial, before the weighting and the all-reduce: sum over ranks
+        of w * (y_r + [r = 0] b) = w * (y + b), transformers' (y + b) * w, exact up to rounding order."""
+        return None if self.b2 is None or self.tp.rank != 0 else self.b2[j]

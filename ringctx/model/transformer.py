@@ -36,6 +36,7 @@ from .config import ModelConfig
 from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
+from .expert_parallel import NO_EP, ExpertParallel
 from .moe import MixtureOfExperts
 from .tensor_parallel import NO_TP, TensorParallel
 
@@ -341,7 +342,7 @@ class Block(nn.Module):
         h + post_ffn_norm(post_dense_norm(dense_mlp(ffn_norm(h)))
                           + post_experts_norm(experts(pre_experts_norm(h), router reading h)))"""
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, layer: int = 0, ep: ExpertParallel = NO_EP):
         super().__init__()
         self.layer = layer
         self.kind = kind = config.attention(layer)
@@ -358,7 +359,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
         self.feed_forward = (FeedForward(config, tp) if experts is None
-                             else MixtureOfExperts(config, experts, linear, tp))
+                             else MixtureOfExperts(config, experts, linear, tp, ep))
         # Gemma 4 26B-A4B: the dense MLP stays beside the experts, with its output norm and the experts' two
         beside = experts is not None and experts.beside_dense
         self.dense_mlp = FeedForward(config, tp) if beside else None
@@ -410,7 +411,11 @@ class Block(nn.Module):
         # results overwrite the attention output they were computed from: one [T, dim] buffer less.
         reusable = out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
         result = out if reusable else torch.empty_like(x)
-        for start, stop in slices:
+        # Experts spread over ranks (model/expert_parallel.py): every rank of the EP group must make
+        # the same all-to-all calls per layer whatever its rows (another rank may have more slices, or
+        # none: T = 0), so the rest of the block runs over all rows at once
+        experts_across_ranks = getattr(self.feed_forward, "ep", None) is not None and self.feed_forward.ep.size > 1
+        for start, stop in [(0, T)] if experts_across_ranks else slices:
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
 
@@ -443,6 +448,7 @@ class Transformer(nn.Module):
             rank's shard: its heads and MLP width, see ringctx.model.tensor_parallel).
         full_config: the whole model's ModelConfig (the same object as `config` without TP).
         tp: the TensorParallel this model is a shard of (size 1: none).
+        ep: the ExpertParallel whose share of every MoE layer's experts this model holds (size 1: all).
         tok_embeddings: weight [vocab, dim] (under TP: this rank's ids, [V/T, dim]).
         layers: ModuleList of `Block`.
         norm: final RMSNorm.
@@ -456,13 +462,13 @@ class Transformer(nn.Module):
     meta device to plan without memory).
     """
 
-    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = NO_TP, ep: ExpertParallel = NO_EP):
         super().__init__()
-        self.full_config, self.tp = config, tp
+        self.full_config, self.tp, self.ep = config, tp, ep
         self.config = config = tp.shard_config(config)
         vocab = tp.vocab(config)
         self.tok_embeddings = nn.Embedding(vocab[1] - vocab[0], config.dim)
-        self.layers = nn.ModuleList(Block(config, tp, i) for i in range(config.n_layers))
+        self.layers = nn.ModuleList(Block(config, tp, i, ep) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_plus_one)
         self.output = nn.Linear(config.dim, vocab[1] - vocab[0], bias=False)
         self.tie_weights()

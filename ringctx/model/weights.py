@@ -25,6 +25,7 @@ from torch import nn
 
 from .config import ModelConfig
 from ..host_memory import place_in_host_arena
+from .expert_parallel import NO_EP, ExpertParallel
 from .tensor_parallel import NO_TP, TensorParallel
 from .transformer import Transformer
 
@@ -147,11 +148,11 @@ def _no_parameter_init():
 
 
 def empty_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str,
-                tp: TensorParallel = NO_TP) -> Transformer:
-    """A Transformer (this TP rank's shard of it under `tp`) with uninitialised parameters in
-    `dtype` on `device` (no memory on 'meta')."""
+                tp: TensorParallel = NO_TP, ep: ExpertParallel = NO_EP) -> Transformer:
+    """A Transformer (this TP rank's shard of it under `tp`, holding its EP rank's experts under
+    `ep`) with uninitialised parameters in `dtype` on `device` (no memory on 'meta')."""
     with torch.device("meta"), _no_parameter_init():
-        model = Transformer(config, tp)
+        model = Transformer(config, tp, ep)
     model = model.to(dtype=dtype)
     if torch.device(device).type == "cpu":  # a decode step reads every weight: faster from 2 MiB pages
         place_in_host_arena(model)
@@ -200,12 +201,28 @@ class WeightFiller:
             raise ValueError(f"{self.source}: tensor {piece.source_name!r} has shape {tuple(shape)}, but the "
                              f"model config needs {want}; the weights do not match the config")
 
+    def holds(self, piece: WeightPiece) -> bool:
+        """Whether this rank keeps `piece`: False for an expert another EP rank holds (the reader
+        then skips reading it and calls `skip`), so an EP rank loads only its experts."""
+        return piece.expert is None or self._local_expert(piece) is not None
+
+    def skip(self, piece: WeightPiece) -> None:
+        """Account for a piece this rank does not hold (`holds` False): it arrived, for `finish`."""
+        self.seen.add(piece.source_name)
+
+    def _local_expert(self, piece: WeightPiece) -> int | None:
+        """The slab of `piece.expert` in this rank's expert parameter (model/expert_parallel.py)."""
+        layer = int(piece.param.split(".")[1])
+        return self.model.ep.local_expert(self.model.full_config.experts(layer).n_experts, piece.expert)
+
     def put(self, piece: WeightPiece, tensor: torch.Tensor) -> None:
         """Copy `tensor` (any dtype, any device; already cut to `piece.take`) into its place,
-        converting to the model's dtype."""
+        converting to the model's dtype (an expert another EP rank holds: nothing)."""
         param = self.params[piece.param]
         if piece.expert is not None:
-            param = param[piece.expert]
+            if not self.holds(piece):
+                return self.skip(piece)
+            param = param[self._local_expert(piece)]
         target = param if piece.rows is None else param[piece.rows[0]:piece.rows[1]]
         with torch.no_grad():
             target.copy_(tensor)
@@ -241,6 +258,10 @@ def init_random(model: Transformer, seed: int = 0) -> None:
                 param.fill_(1.0)
                 continue
             full_shape, rows, cols = _full_rows(model, name, param)
+            if model.ep.size > 1 and name.endswith(("feed_forward.w13", "feed_forward.w2")):
+                # this EP rank's experts: their slabs of the whole [E, ...] parameter
+                first, last = model.ep.experts(model.full_config.experts(int(name.split(".")[1])).n_experts)
+                full_shape, rows = (full_shape[0] * model.ep.size, *full_shape[1:]), torch.arange(first, last)
             row_numel = math.prod(full_shape[1:])
             block = max(1, (1 << 20) // max(row_numel, 1))
             for first in range(0, full_shape[0], block):

@@ -35,6 +35,7 @@ import torch
 from .config import ModelConfig
 from .config_gguf import read_gguf_config, read_gguf_field
 from ..telemetry import release_free_memory
+from .expert_parallel import NO_EP, ExpertParallel
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 
@@ -379,7 +380,7 @@ def _fill_gguf_experts(tensor, shape: tuple[int, ...], parts: list[GGUFPart], fi
 
 
 def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str | None = None,
-              tp: TensorParallel = NO_TP, adjust_config=None):
+              tp: TensorParallel = NO_TP, adjust_config=None, ep: ExpertParallel = NO_EP):
     """Config and model (this TP rank's shard under `tp`) from a GGUF file: (ModelConfig,
     Transformer with the file's weights). adjust_config(config) -> the config the model is built
     with (loader.py's --rope-scaling), or None."""
@@ -398,7 +399,7 @@ def load_gguf(path: str | os.PathLike, *, dtype: torch.dtype, device, name: str 
     del reader
     gc.collect()
     release_free_memory()  # hand the freed objects' pages back to the OS (malloc_trim)
-    model = empty_model(config, dtype=dtype, device=device, tp=tp)
+    model = empty_model(config, dtype=dtype, device=device, tp=tp, ep=ep)
     if not meta:
         load_gguf_weights(model, path, tensors, arch)
     return config, model

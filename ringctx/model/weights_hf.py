@@ -17,6 +17,7 @@ import torch
 
 from .config import ModelConfig
 from .config_hf import GEMMA4_TYPES, LLAMA4_TYPES, WRAPPERS, read_hf_config
+from .expert_parallel import NO_EP, ExpertParallel
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 from .weights_gptoss import GptOssExperts
@@ -382,6 +383,9 @@ def load_hf_weights(model, directory: str) -> None:
                         _check_expert_count(part, config, directory)
                     piece = filler.piece(part)
                     filler.check_shape(piece, shape if stop is None else (stop - start, *shape[1:]))
+                    if not filler.holds(piece):  # an expert another EP rank holds: not read
+                        filler.skip(piece)
+                        continue
                     try:  # a TP rank reads only its slice of the memory-mapped file
                         value = _read(handle, file_name, piece, start, stop)
                     except Exception as e:
@@ -426,6 +430,9 @@ def _fill_fused_experts(handle, path: str, name: str, shape: tuple[int, ...], ne
                          "(experts, their width, the model width); the weights do not match the config")
     for part, index in parts:
         piece = filler.piece(part)
+        if not filler.holds(piece):  # an expert another EP rank holds: not read
+            filler.skip(piece)
+            continue
         try:
             value = handle.get_slice(name)[index] if index else handle.get_tensor(name)
         except Exception as e:
@@ -449,7 +456,7 @@ def _read(handle, name: str, piece: WeightPiece, start: int, stop: int | None) -
 
 
 def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, name: str | None = None,
-            tp: TensorParallel = NO_TP, adjust_config=None):
+            tp: TensorParallel = NO_TP, adjust_config=None, ep: ExpertParallel = NO_EP):
     """Config and model (this TP rank's shard under `tp`) from a Hugging Face directory:
     (ModelConfig, Transformer with its weights). adjust_config(config) -> the config the model is
     built with (loader.py's --rope-scaling), or None.
@@ -462,7 +469,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: torch.dtype | None, device, 
         config = adjust_config(config)
     if dtype is None:
         dtype = checkpoint_dtype(directory)
-    model = empty_model(config, dtype=dtype, device=device, tp=tp)
+    model = empty_model(config, dtype=dtype, device=device, tp=tp, ep=ep)
     if torch.device(device).type != "meta":
         load_hf_weights(model, directory)
     return config, model

@@ -98,6 +98,23 @@ def decode_groups(mesh: Mesh, decode_rank: int, decode_ranks: int):
     return mine, control
 
 
+def expert_group(mesh: Mesh, ep_size: int):
+    """This rank's expert-parallel group: the `ep_size` consecutive CP ranks of its block (CP ranks
+    b*ep .. (b+1)*ep - 1, b = cp_rank // ep) at its TP index (ringctx.model.expert_parallel says why
+    those); every rank calls it (it makes every block's group, in the same order). None when it is
+    the whole world, "local" for ep 1."""
+    world = mesh.cp_size * mesh.tp_size
+    mine = "local"
+    if ep_size == 1:
+        return mine
+    for t in range(mesh.tp_size):
+        for first in range(0, mesh.cp_size, ep_size):
+            group = _group([mesh.global_rank(c, t) for c in range(first, first + ep_size)], world)
+            if t == mesh.tp_rank and first <= mesh.cp_rank < first + ep_size:
+                mine = group
+    return mine
+
+
 def _group(ranks: list[int], world: int):
     """A group of `ranks`: None when it is the world, "local" for one rank, else a new group
     (every rank of the job calls it, members or not)."""

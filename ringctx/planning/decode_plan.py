@@ -164,8 +164,9 @@ def plan_decode(model: "ModelConfig | str", hardware: "HardwareProfile | str", c
 
 
 def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, setting: DecodeSetting,
-                   tp_size: int, dtype: str, weight_dtype: str, weights: str = "model") -> DecodeMemory:
-    """DecodeMemory of already validated inputs."""
+                   tp_size: int, dtype: str, weight_dtype: str, weights: str = "model",
+                   ep_size: int = 1) -> DecodeMemory:
+    """DecodeMemory of already validated inputs (ep_size: the experts spread over that many decode ranks)."""
     slice_tokens = decode_slice_tokens(context_tokens, setting.decode_ranks)
     capacity = rank_memory_bytes(hw, setting.decode_ranks)  # host RAM profiles share it among the ranks
     all_rows = kv_cache_bytes_per_rank(model, slice_tokens, tp_size, dtype, setting.kv_dtype)
@@ -175,7 +176,7 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
     return DecodeMemory(
         decode_ranks=setting.decode_ranks, max_decode_ranks=max_decode_ranks(hw, tp_size),
         kv_dtype=setting.kv_dtype, context_tokens=context_tokens, slice_tokens=slice_tokens,
-        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw),
+        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw, ep_size),
         kv_slice_bytes=kept, kv_slice_all_rows_bytes=all_rows,
         **decode_workspace_bytes(model, tp_size, slice_tokens, dtype, setting.kv_dtype),
         capacity_bytes=capacity, usable_bytes=capacity * MEMORY_USABLE_FRACTION,
@@ -184,7 +185,7 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
 
 def smallest_decode_setting(model: ModelConfig, hw: HardwareProfile, context_tokens: int, kv_dtype: str,
                             tp_size: int, dtype: str, weight_dtype: str,
-                            weights: str = "model") -> DecodeSetting | None:
+                            weights: str = "model", ep_size: int = 1) -> DecodeSetting | None:
     """The fewest decode ranks that fit with `kv_dtype`, else with fp8; None when nothing on one host fits.
 
     Fewest ranks first because each extra rank holds another copy of the weights; fp8 only after
@@ -192,9 +193,9 @@ def smallest_decode_setting(model: ModelConfig, hw: HardwareProfile, context_tok
     """
     kv_dtypes = (kv_dtype,) if is_quantized(kv_dtype) else (kv_dtype, FALLBACK_KV_DTYPE)
     for kv in kv_dtypes:
-        for ranks in range(1, max_decode_ranks(hw, tp_size) + 1):
+        for ranks in range(ep_size, max_decode_ranks(hw, tp_size) + 1, ep_size):  # whole EP groups
             setting = DecodeSetting(ranks, kv)
-            if decode_memory(model, hw, context_tokens, setting, tp_size, dtype, weight_dtype, weights).fits:
+            if decode_memory(model, hw, context_tokens, setting, tp_size, dtype, weight_dtype, weights, ep_size).fits:
                 return setting
     return None
 

@@ -99,6 +99,11 @@ class EngineConfig:
     allow_long_context: bool = False
     """Run a prompt past the model's trained context (its tokens, cached ones and max_new_tokens) with a
     one-time warning instead of refusing it; answers past that length are unreliable."""
+    ep: int = 1
+    """Expert-parallel ranks: every mixture-of-experts layer's experts spread over ep consecutive CP ranks
+    of one TP index (n_experts / ep each, loaded only there; tokens reach them by a two-shot all-to-all).
+    ep must divide the experts, the CP ranks, the decode ranks and the first decode rank; 1: every rank
+    holds every expert."""
 
     # ------------------------------------------------------------------ building and checking
     def replace(self, **changes) -> "EngineConfig":
@@ -123,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"nproc must be a positive integer or 'auto', got {self.nproc!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"ep must be a positive integer, got {self.ep!r}")
         if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if not self.timeout_s or self.timeout_s <= 0:

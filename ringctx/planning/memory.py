@@ -33,15 +33,24 @@ output."""
 
 
 def weight_bytes_per_rank(model: ModelConfig, tp_size: int, weight_dtype: str, weights: str = "model",
-                          hw: HardwareProfile | None = None) -> int:
+                          hw: HardwareProfile | None = None, ep_size: int = 1) -> int:
     """Weights on one GPU: n_params * e_w / TP (every CP rank holds a full TP shard of the model;
-    embeddings and LM head are taken as vocab-parallel, so they split too). With int8 weights on a
-    CPU profile (`cpu_host`) and bf16 weights, plus the codes the decode kernels read beside them
-    (ringctx.model.int8_weights.code_bytes); on GPUs the int8 values are the weights alone."""
-    total = -(-model.n_params * element_bytes(weight_dtype) // tp_size)
+    embeddings and LM head are taken as vocab-parallel, so they split too), less (EP-1)/EP of the
+    experts' weights under expert parallelism (`expert_params`: each EP rank holds 1/EP of them).
+    With int8 weights on a CPU profile (`cpu_host`) and bf16 weights, plus the codes the decode
+    kernels read beside them (ringctx.model.int8_weights.code_bytes); on GPUs the int8 values are
+    the weights alone."""
+    params = model.n_params - expert_params(model) * (ep_size - 1) // ep_size
+    total = -(-params * element_bytes(weight_dtype) // tp_size)
     if weights == "int8" and weight_dtype == "bfloat16" and hw is not None and hw.cpu_host:
         total += code_bytes(model, tp_size)
     return total
+
+
+def expert_params(model: ModelConfig) -> int:
+    """Parameters of every MoE layer's routed experts (3 * dim * F each: gate, up, down), what
+    expert parallelism spreads over its ranks; the routers and shared experts stay on every rank."""
+    return sum(3 * model.dim * e.expert_ffn_dim * e.n_experts for e in model.layer_experts if e is not None)
 
 
 def kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: str = "model") -> int:

@@ -139,6 +139,8 @@ class Plan:
     """Moving KV between the ranks and the decode rank: scattering the `cached` tokens over the
     ranks first, gathering the new tokens' KV to the decode rank after the chunks (ringctx's
     engine does both; the paper's deployment keeps KV on the CP ranks). 0 with one rank."""
+    ep_size: int = 1
+    """Expert-parallel ranks: each prefill and decode rank holds 1/ep_size of the experts (weights)."""
 
     @property
     def ttft_ms(self) -> float:
@@ -228,7 +230,8 @@ def split_chunks(tokens: int, chunk_tokens: int) -> list[int]:
 def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwareProfile | str", tokens: int,
                  cached: int = 0, chunk_tokens: int | None = None, tp_size: int = 1, dtype: str = "bfloat16",
                  rule: str = "alg5", *, weight_dtype: str | None = None, handoff: bool = True,
-                 decode_ranks: int | None = None, kv_dtype: str = "model", weights: str = "model") -> Plan:
+                 decode_ranks: int | None = None, kv_dtype: str = "model", weights: str = "model",
+                 ep_size: int = 1) -> Plan:
     """Plan the prefill of `tokens` new tokens after `cached` cached ones on `cp_size` ranks.
 
     `chunk_tokens` None (or >= tokens) plans a single (partial) prefill; otherwise the prompt runs
@@ -237,7 +240,8 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
     engine's KV scatter/gather to the decode rank in the time to first token. `decode_ranks`
     (default_decode_ranks when None) devices of one host hold the cache afterwards, stored, like
     the prefill shards, in `kv_dtype` (see plan_decode). `weights` "int8": int8 weights (their codes
-    counted in memory on CPU profiles, weight_bytes_per_rank).
+    counted in memory on CPU profiles, weight_bytes_per_rank). `ep_size`: the experts spread over that
+    many CP ranks (and decode ranks), their weights divided among them (planning/expert_plan.py).
     """
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, chunk_tokens,
                                                tp_size, dtype, rule, weight_dtype, kv_dtype, weights)
@@ -255,7 +259,7 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
         entries.append(ChunkPlan(index, new, seen, rows, choice, costs, activation))
         seen, rows = seen + new, rows + tokens_per_rank(new, cp_size)
     memory = MemoryEstimate(
-        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw),
+        weights_bytes=weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw, ep_size),
         # a CPU rank's shard drops what later chunks no longer see (a GPU's keeps every row until the hand-off)
         kv_cache_bytes=prefill_kv_bytes_per_rank(model, cached, split_chunks(tokens, chunk), cp_size, tp_size, dtype,
                                                  kv_dtype, drop_unseen=hw.cpu_host),
@@ -267,14 +271,14 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
     handoff = kv_handoff_seconds(model, hw, cp_size, tp_size, dtype, rows - cached_rows, cached_rows,
                                  decode_ranks=decode_ranks, kv_dtype=kv_dtype) if handoff else 0.0
     decode = decode_memory(model, hw, cached + tokens, DecodeSetting(decode_ranks, kv_dtype), tp_size, dtype,
-                            weight_dtype, weights)
+                            weight_dtype, weights, ep_size)
     suggestion = None if decode.fits else smallest_decode_setting(model, hw, cached + tokens, kv_dtype, tp_size,
-                                                                  dtype, weight_dtype, weights)
+                                                                  dtype, weight_dtype, weights, ep_size)
     return Plan(model=model, hardware=hw, cp_size=cp_size, tp_size=tp_size, dtype=dtype, weight_dtype=weight_dtype,
                 weights=weights,
                 kv_dtype=kv_dtype, rule=rule, tokens=tokens, cached=cached, chunk_tokens=chunk,
                 entries=tuple(entries), lm_head_ms=lm_head_seconds(model, hw, tp_size, weight_dtype, cp_size) * 1e3,
-                memory=memory, decode=decode, decode_suggestion=suggestion, handoff_ms=handoff * 1e3)
+                memory=memory, decode=decode, decode_suggestion=suggestion, handoff_ms=handoff * 1e3, ep_size=ep_size)
 
 
 def decode_problem(plan: Plan) -> str | None:
@@ -292,7 +296,7 @@ def decode_problem(plan: Plan) -> str | None:
     # nothing fits: say what the most spread-out, smallest cache would still need
     kv = d.kv_dtype if is_quantized(d.kv_dtype) else FALLBACK_KV_DTYPE
     best = decode_memory(plan.model, plan.hardware, d.context_tokens, DecodeSetting(d.max_decode_ranks, kv),
-                          plan.tp_size, plan.dtype, plan.weight_dtype, plan.weights)
+                          plan.tp_size, plan.dtype, plan.weight_dtype, plan.weights, plan.ep_size)
     eight_bit = "8-bit weights (--weight-dtype float8), " if element_bytes(plan.weight_dtype) > 1 else ""
     return line + (f"no setting on {host} fits: even --decode-ranks {best.decode_ranks} --kv-dtype {kv} needs "
                    f"{fmt_gb(best.total_bytes)} per device of {fmt_gb(best.usable_bytes)} usable (devices of "

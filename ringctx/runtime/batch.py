@@ -245,8 +245,9 @@ class BatchDecoder:
                 x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
                 at = torch.tensor(positions, dtype=torch.long, device=model.device)
                 rope = model.rope(at, sequence_end=at + 1)  # each sequence's own step (LongRoPE)
-                for index, block in enumerate(model.layers):
-                    x = block.forward(x, rope, attend, index)
+                with model.ep.replicated_rows():  # every decode rank runs the same rows (model/expert_parallel.py)
+                    for index, block in enumerate(model.layers):
+                        x = block.forward(x, rope, attend, index)
             logits = step_logits(model, x) if self.rank == 0 else None
         for s, owner, row in zip(seqs, owners, writes):
             if row is not None:

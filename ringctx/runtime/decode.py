@@ -201,8 +201,9 @@ class ShardedDecoder:
 
         x = model.embed(torch.tensor([token], device=model.device))
         rope = model.rope(torch.tensor([self.length], device=model.device))
-        for i, block in enumerate(model.layers):
-            x = block.forward(x, rope, attend, i)
+        with model.ep.replicated_rows():  # every decode rank runs the same token (model/expert_parallel.py)
+            for i, block in enumerate(model.layers):
+                x = block.forward(x, rope, attend, i)
         return step_logits(model, x) if self.rank == 0 else None
 
     def _fused_step(self) -> FusedStep | None:

@@ -53,6 +53,8 @@ RING_KINDS = ("ring-kv", "ring-q", "all2all")
 """CommStats kinds of the ring attention's messages."""
 TP_KINDS = ("all-reduce", "tp-embed", "tp-logits")
 """CommStats kinds of the tensor-parallel collectives (ringctx.model.tensor_parallel)."""
+EP_KINDS = ("ep-counts", "ep-dispatch", "ep-combine", "ep-all-reduce")
+"""CommStats kinds of the expert-parallel collectives (ringctx.model.expert_parallel)."""
 TRIM_FROM_TOKENS = 2048
 """Prefills of at least this many tokens hand freed heap memory back to the OS at their start and
 before the hand-off (telemetry.release_free_memory), so that each phase's peak memory is its own;
@@ -156,6 +158,9 @@ class PrefillStats:
     decode_kv_bytes_per_rank: list[int] = field(default_factory=list)
     """Bytes of those rows each rank keeps over all layers: fewer than rows x bytes per token when a
     document's windowed and chunked layers dropped what later tokens cannot see."""
+    ep_bytes_per_rank: list[int] = field(default_factory=list)
+    """Part of bytes_sent_per_rank that expert parallelism sent (the counts, the rows to the experts'
+    ranks and their outputs back: ringctx.model.expert_parallel)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -491,13 +496,15 @@ class PrefillRun:
         kept_bytes = out_cache.stored_bytes if out_cache is not None else 0
         ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
         tp = sum(comm.bytes_sent(kind) for kind in TP_KINDS)
+        ep = sum(comm.bytes_sent(kind) for kind in EP_KINDS)
         per_rank = all_gather_ints([comm.bytes_sent(), ring, tp, prefill_peak_rss, window_peak_rss_bytes(),
-                                    shard_bytes, moved["sent"], moved["cross_host"], slice_rows, kept_bytes], group,
+                                    shard_bytes, moved["sent"], moved["cross_host"], slice_rows, kept_bytes, ep], group,
                                    world)
         (stats.bytes_sent_per_rank, stats.ring_bytes_per_rank, stats.tp_bytes_per_rank, stats.peak_rss_bytes_per_rank,
          stats.handoff_peak_rss_bytes_per_rank,
          stats.kv_shard_bytes_per_rank, stats.handoff_bytes_per_rank, stats.handoff_cross_host_bytes_per_rank,
-         stats.decode_slice_rows_per_rank, stats.decode_kv_bytes_per_rank) = (list(column) for column in zip(*per_rank))
+         stats.decode_slice_rows_per_rank, stats.decode_kv_bytes_per_rank,
+         stats.ep_bytes_per_rank) = (list(column) for column in zip(*per_rank))
         all_ids = self.token_ids.cpu()
         if self.cache_token_ids is not None:
             all_ids = torch.cat([self.cache_token_ids.cpu(), all_ids])
@@ -702,15 +709,15 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
 
 @contextlib.contextmanager
 def _counting_tp(model, comm: CommStats):
-    """Count the TP collectives' bytes in `comm` while the prefill runs (nothing without TP)."""
-    if model.tp.size == 1:
-        yield
-        return
-    model.tp.stats = comm
+    """Count the TP (and EP) collectives' bytes in `comm` while the prefill runs (nothing without them)."""
+    counted = [p for p in (model.tp, model.ep) if p.size > 1]  # never NO_TP / NO_EP, which every model shares
+    for p in counted:
+        p.stats = comm
     try:
         yield
     finally:
-        model.tp.stats = None
+        for p in counted:
+            p.stats = None
 
 
 def _gather_trace(tracer, group, world: int) -> list[list[dict]]:

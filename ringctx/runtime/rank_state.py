@@ -54,6 +54,9 @@ class EngineSettings:
     """The EngineConfig as it runs ("auto" resolved; `EngineConfig.to_dict`), recorded in saved documents."""
     rope_scaling: str | None = None
     """The RoPE stretch every rank loads the model with ("yarn:4", ...; None: the checkpoint's own)."""
+    ep_size: int = 1
+    """Expert-parallel ranks: consecutive CP ranks of one TP index over which every MoE layer's experts
+    are spread (ringctx.model.expert_parallel)."""
 
 
 @dataclass

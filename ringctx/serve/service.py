@@ -96,7 +96,7 @@ class EngineBackend:
 
         self.log = log or (lambda line: None)
         config = config.replace(**settings)
-        nproc, note = serving_layout(config.nproc, config.device, config.tp)
+        nproc, note = serving_layout(config.nproc, config.device, config.tp * config.ep)  # EP: ep CP ranks at least
         config = config.replace(nproc=nproc)
         model, chunk_tokens = config.model, config.chunk_tokens
         if note:
