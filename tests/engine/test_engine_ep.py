@@ -67,6 +67,29 @@ def test_ep2_prefills_and_answers_equal_ep1(saved, case, n_experts):
     assert_ep_equals_ep1(ep, one, hf, n_experts, 2)
 
 
+FAMILIES = {"gpt-oss": "tests.model.test_model_gptoss", "llama4-moe": "tests.model.test_model_llama4_moe",
+            "gemma4-moe": "tests.model.test_model_gemma4_moe"}
+"""The other routers under EP: gpt-oss's biased top-k softmax with biased clamped-SwiGLU experts (the
+down bias added by one rank), Llama 4's sigmoid router scaling the inputs plus a shared expert,
+Gemma 4's scaled router with experts beside a dense MLP."""
+
+
+@pytest.mark.parametrize("case", list(FAMILIES))
+def test_ep2_on_the_other_families_equals_transformers(case, tmp_path_factory):
+    import importlib
+
+    make = importlib.import_module(FAMILIES[case]).random_hf_model
+    directory, hf = SavedHFModels(make, tmp_path_factory)[case]
+    ep = run_engine(directory, nproc=2, decode_ranks=2, ep=2)
+    config = getattr(hf.config, "text_config", hf.config)
+    assert ep["held"] == (getattr(config, "num_local_experts", None) or config.num_experts) // 2
+    for (n, strategy), logits in ep["logits"].items():
+        assert rel_err(logits, hf_logits(hf, random_prompt(n))[-1:]) < 1e-4, (case, n, strategy)
+    assert all(b > 0 for b in ep["ep_bytes"])
+    assert ep["answers"][0] == hf_greedy(hf, DOC + QUESTIONS[0])
+    assert ep["answers"][1:] == [hf_greedy(hf, DOC + q) for q in QUESTIONS]
+
+
 def test_ep2_with_tp2_equals_ep1(saved):
     """World 4 = CP 2 x TP 2: the EP groups are {0, 2} and {1, 3} (each TP index's CP ranks)."""
     directory, hf = saved["qwen3-moe-norm"]
