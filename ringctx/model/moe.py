@@ -142,7 +142,8 @@ class MixtureOfExperts(nn.Module):
             rows, w = tokens[start:start + n], pair_weights[start:start + n, None]
             start += n
             if experts.scales_inputs:  # Llama 4: the weight scales the input (in the model dtype), y added as is
-                y = self.linear(swiglu_(self.linear(x[rows] * w, self.w13[e]), ffn), self.w2[e])
+                scaled = (x[rows] * w).to(x.dtype)  # float32 weights: the product rounded once
+                y = self.linear(swiglu_(self.linear(scaled, self.w13[e]), ffn), self.w2[e])
                 out.index_add_(0, rows, y.float())
                 continue
             y = self.linear(swiglu_(self.linear(x[rows], self.w13[e]), ffn), self.w2[e])
