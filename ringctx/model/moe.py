@@ -234,8 +234,8 @@ class MixtureOfExperts(nn.Module):
         experts, ep = self.experts, self.ep
 
         def inputs(a: int, b: int) -> torch.Tensor:
-            rows = x[tokens[a:b]]
-            return rows * pair_weights[a:b, None] if experts.scales_inputs else rows
+            rows = x[tokens[a:b]]  # float32 weights scale in float32, the product rounded once
+            return (rows * pair_weights[a:b, None]).to(x.dtype) if experts.scales_inputs else rows
 
         if ep.size > 1 and not ep.same_rows:
             y = run_experts(inputs(0, len(tokens)), counts, self._expert, ep)
