@@ -74,6 +74,26 @@ def linear_kernel(rows: int, on_cpu: bool, half_in_float32: bool) -> str | None:
     return None
 
 
+PADDED_GEMM_STEP_BITS = 3
+"""A half-precision PyTorch GEMM on the CPU runs at a multiple of 2^-3 of the power of two below
+its rows (`padded_gemm_rows`): 8 row counts an octave."""
+
+
+def padded_gemm_rows(rows: int) -> int:
+    """The rows a half-precision PyTorch GEMM on the CPU runs at (the extra rows zeros, dropped from
+    its output): `rows` rounded up to a multiple of 2^(floor(log2 rows) - 3), so at most 1/8 more
+    and about 8 sizes an octave.
+
+    Why: PyTorch's bf16 matmul on the CPU (oneDNN) builds and caches a kernel for every row count
+    it meets, about 8 ms and 0.6 MiB each (2 threads, AMD EPYC Zen 4, 2026-12-07: 1,500 products of
+    17..1,516 rows by a [256, 128] weight grew a process from 223 to 1,038 MiB; 300 new row counts
+    took 2.4 s). A dense model meets a few row counts (its chunk and the last one); a mixture of
+    experts a new one for nearly every expert of every chunk, its rows being the tokens routed
+    there. Padded, the sizes repeat: a 4,096-token chunk's experts meet at most ~100 of them."""
+    step = 1 << max(0, rows.bit_length() - 1 - PADDED_GEMM_STEP_BITS)  # 2^(floor(log2 rows) - 3)
+    return -(-rows // step) * step
+
+
 def small_linear_applies(x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     """Whether `small_linear` takes these inputs (the library aside): inference on the CPU with
     1 <= T <= max_rows rows, weight contiguous, no gradient wanted, and x and weight both bf16 or

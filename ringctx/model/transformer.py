@@ -84,6 +84,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return y
     if half_in_float32:  # what the kernels did not take (float16, no kernels, many rows)
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    rows = x.shape[0]
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 \
+            and (padded := selection.padded_gemm_rows(rows)) != rows:
+        # Row counts that repeat: oneDNN builds and keeps a kernel per row count (selection.py says
+        # what that cost); the zero rows' outputs are dropped.
+        return F.linear(torch.cat([x, x.new_zeros(padded - rows, x.shape[1])]), weight, bias)[:rows]
     return F.linear(x, weight, bias)
 
 
