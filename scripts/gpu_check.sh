@@ -16,7 +16,8 @@
 #    block; the split-K decode kernel's K/V read bandwidth at B = 1..16 query tokens
 #    against a 32K and a 256K-key cache), continuous batching (8 questions on one 8K-token document
 #    together against each alone: answers and tokens/s), the TP all-reduce (symmetric-memory one-shot
-#    and two-shot against NCCL, 4 KiB - 16 MiB), the csrc build (in the background), and a
+#    and two-shot against NCCL, 4 KiB - 16 MiB), grouped experts (torch._grouped_mm against moe.py's
+#    per-expert loop at Qwen3-30B-A3B's expert shape, bf16, 512-16K tokens), the csrc build (in the background), and a
 #    single-GPU chunked prefill of
 #    the SmolLM2-135M shapes at 128K and 1M tokens. Writes OUT_DIR/gpu_check.json.
 #

@@ -14,7 +14,10 @@ call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; 
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
 too, and so does each layer's attention kind, given to the kernel as data per layer (its window
 or chunk, softmax scale, soft-cap, sink logits, and its RoPE table, rotary dims or none: see
-`_shape_and_layers`). Everywhere else it is `forward_with_cache` on one token.
+`_shape_and_layers`), and a mixture of experts (Mixtral's and Qwen3-MoE's routing, `_fused_experts`:
+the router's product, each row's top k, then each chosen expert's weights read once for the batch
+rows that chose it, `layer_experts` in the C file). Everywhere else it is `forward_with_cache` on
+one token.
 
 There is one fused kernel, for B sequences at once (`FusedBatchStep`, what runtime/batch.py runs);
 a lone sequence (`FusedStep`) is a batch of one. Its cache's first `shared_rows` rows are its

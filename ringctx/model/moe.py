@@ -39,8 +39,12 @@ forward either way (one thread, a 2-core Xeon shared with other jobs, so +-30%; 
 
 (loop vs grouped_mm). At a real expert width (Qwen3-30B-A3B's 2048 x 768) the loop is faster in
 bf16, the dtype CPU prefills run in, and grouped_mm in float32 (1.3-1.7x); the loop's products go
-through ringctx's `linear` (its decode-sized and AMX kernels). The loop stays; a per-dtype choice
-would be a rule of kernels/selection.py.
+through ringctx's `linear` (its decode-sized and AMX kernels). On a 2-core Zen 4 with bf16 units
+(2026-12-07) it went the other way: the two tied within 0.9-1.3x at one thread in both dtypes, and
+on two threads of a loaded machine grouped_mm took 0.46-0.84x the loop's time in bf16 from 512
+tokens (fewer parallel ops to wait on). So the choice is kernels/selection.py's rule
+`grouped_experts`: bf16 CPU calls of at least GROUPED_EXPERTS_MIN_ROWS pairs per expert run
+`_grouped`, everything else (decode steps, float32, GPUs until measured) the loop.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import cpu, selection
 from .config import Experts, ModelConfig
 from .tensor_parallel import NO_TP, TensorParallel
 
@@ -110,6 +114,8 @@ class MixtureOfExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         tokens, pair_weights = order // k, weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=experts.n_experts).tolist()  # one host sync for all experts
+        if selection.grouped_experts(x.device.type, x.dtype, flat.numel(), experts.n_experts):
+            return self.tp.all_reduce(self._grouped(x, tokens, pair_weights, counts).to(x.dtype))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for e, n in enumerate(counts):
@@ -123,3 +129,18 @@ class MixtureOfExperts(nn.Module):
             # (CUDA) every row's sum runs in expert order, the same every time.
             out.index_add_(0, rows, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
         return self.tp.all_reduce(out.to(x.dtype))
+
+    def _grouped(self, x: torch.Tensor, tokens: torch.Tensor, pair_weights: torch.Tensor,
+                 counts: list[int]) -> torch.Tensor:
+        """forward's experts as two torch._grouped_mm calls over all the pairs (sorted by expert:
+        tokens [P], pair_weights [P], counts [E] per expert) where kernels/selection.py's
+        `grouped_experts` says so: float32 [T, dim], the weighted outputs summed as the loop sums
+        them (one index_add_ over the pairs in expert order: on the CPU it adds them in that order,
+        so each row's sum runs in its experts' order)."""
+        ffn = self.experts.expert_ffn_dim
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)  # each expert's end
+        gate_up = torch._grouped_mm(x[tokens], self.w13.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(swiglu_(gate_up, ffn).contiguous(), self.w2.transpose(1, 2), offs=offsets)
+        w = pair_weights[:, None]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, tokens, y.float().mul_(w) if w.dtype == torch.float32 else y.mul_(w).float())
