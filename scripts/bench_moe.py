@@ -13,6 +13,9 @@ In one process, alternating the two models each repeat (a shared machine drifts)
     attention) / seconds / this machine's GEMM peak (`gemm_peak`: the best of ringctx's and
     PyTorch's products over a dense layer's four matrices at 2048 rows, measured here). Target: the MoE model's
     share at least 0.7x the dense model's (paired by repeat, median).
+  - a batched step of --batch sequences over that document (FusedBatchStep): ms, against the
+    lone step and a floor that adds the experts the other rows reach (uniform routing: a layer
+    reads E (1 - (1 - k/E)^B) experts, 21 of 32 for 8 rows);
   - decode steps after it (DecodeStep: the fused C step where it applies, else the layer path; the
     MoE model both ways): ms per step (median of --decode-steps) against the memory floor, the
     bytes a step reads once (`machine_speed.decode_bytes_per_token`: attention, router, the 4
@@ -34,7 +37,7 @@ import torch
 
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.config import Experts
-from ringctx.model.decode_step import DecodeStep
+from ringctx.model.decode_step import AttentionSource, DecodeStep, FusedBatchStep
 from ringctx.model.presets import get_preset
 from ringctx.model.weights import empty_model
 from ringctx.model.transformer import linear
@@ -105,6 +108,28 @@ def decode_ms(model, cache, steps, fused):
     return 1e3 * statistics.median(times[2:]), step.is_fused
 
 
+def batch_ms(model, cache, rows, steps):
+    """Median ms of `steps` fused batch steps of `rows` sequences over the cache as their shared
+    document (each with its own one-row cache after it), after two warm-ups."""
+    step = FusedBatchStep.build(model)
+    own = [KVCache.for_model(model.config, 4, dtype=model.dtype) for _ in range(rows)]
+    documents = [AttentionSource(cache, list(range(rows)), cache.length)]
+    sources = [AttentionSource(c, [i], 1, write_row=0) for i, c in enumerate(own)]
+    times = []
+    with torch.inference_mode():
+        for i in range(steps + 2):
+            t0 = time.perf_counter()
+            step([(7 + i + 3 * r) % model.config.vocab_size for r in range(rows)], [cache.length] * rows, documents,
+                 sources)
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[2:])
+
+
+def experts_read(experts: Experts, rows: int) -> float:
+    """Experts a layer reads for `rows` rows routed uniformly at random: E (1 - (1 - k/E)^rows)."""
+    return experts.n_experts * (1 - (1 - experts.experts_per_token / experts.n_experts) ** rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -113,6 +138,7 @@ def main() -> int:
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8, help="rows of the batched decode step (0: none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -124,6 +150,11 @@ def main() -> int:
     flops = {name: sum(chunk_flops(min(args.chunk, args.tokens - s), s, m.config)
                        for s in range(0, args.tokens, args.chunk)) for name, m in models.items()}
     floor_ms = {name: 1e3 * decode_bytes_per_token(m, args.tokens) / bandwidth for name, m in models.items()}
+    # a batch step: the lone step's bytes, plus the experts its other rows add (uniform routing)
+    experts = MOE.layer_experts[0]
+    expert_bytes = MOE.n_layers * 3 * MOE.dim * experts.expert_ffn_dim * torch.finfo(dtype).bits // 8
+    extra = (experts_read(experts, args.batch) - experts.experts_per_token) * expert_bytes if args.batch else 0
+    batch_floor_ms = {"dense": floor_ms["dense"], "moe": floor_ms["moe"] + 1e3 * extra / bandwidth}
     for m in models.values():  # warm-up: kernels built, pages touched
         prefill(m, ids[:256], 256)
     runs = []
@@ -135,6 +166,8 @@ def main() -> int:
             run[name]["decode_ms"], run[name]["fused"] = decode_ms(model, cache, args.decode_steps, True)
             if name == "moe":
                 run[name]["layer_path_decode_ms"], _ = decode_ms(model, cache, args.decode_steps, False)
+            if args.batch:
+                run[name]["batch_decode_ms"] = batch_ms(model, cache, args.batch, args.decode_steps)
             del cache
         runs.append(run)
         print(f"repeat {repeat}: " + ", ".join(f"{n} prefill {r['prefill_s']:.1f} s decode {r['decode_ms']:.1f} ms"
@@ -157,10 +190,15 @@ def main() -> int:
     print(f"MoE / dense GEMM share (paired median): {share_ratio:.2f} (target >= 0.70); MoE decode "
           f"{median('moe', 'decode_ms') / floor_ms['moe']:.2f}x its floor (target <= 1.30); fused vs layer "
           f"path {median('moe', 'layer_path_decode_ms') / median('moe', 'decode_ms'):.2f}x faster")
+    if args.batch:
+        print(f"batch of {args.batch} over the document: " + "; ".join(
+            f"{name} {median(name, 'batch_decode_ms'):.1f} ms ({median(name, 'batch_decode_ms') / median(name, 'decode_ms'):.2f}x"
+            f" its lone step; floor {batch_floor_ms[name]:.1f} ms)" for name in models)
+            + f"; MoE layers read {experts_read(experts, args.batch):.1f} experts (uniform routing)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "read_bandwidth_gb_s": bandwidth / 1e9, "gemm_peak_flops_per_s": peak,
-                       "flops": flops, "decode_floor_ms": floor_ms, "share_ratio": share_ratio, "runs": runs,
+                       "flops": flops, "decode_floor_ms": floor_ms, "batch_floor_ms": batch_floor_ms, "share_ratio": share_ratio, "runs": runs,
                        "cpu": _cpu_model()}, f, indent=1)
     return 0
 
