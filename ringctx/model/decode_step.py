@@ -387,7 +387,7 @@ class FusedPrefill:
         (building one took ~3 ms, once per question)."""
         if not selection.fused_prefill_applies(model.dtype, computes_in_float32(model.layers[0].attention_norm.weight),
                                                model.config.head_dim) or model.config.has_experts:
-            return None  # (experts: `_layers_fit`'s refusal, asked before the weights' addresses, which differ)
+            return None  # experts: the layer path's products (grouped, or PyTorch's for an expert's many rows) differ
         lib = build.library()
         if lib is None:
             return None
