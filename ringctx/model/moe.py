@@ -12,7 +12,9 @@ For T tokens x [T, dim] (E experts, k per token, F each expert's hidden width):
         out[token] += weight * y                               float32 accumulator, index_add
     out rounded once to the activations' dtype; under TP summed over the ranks (the MLP's all-reduce)
 
-So a decode step (one row) reads the router and its k experts only. The pairs of one token reach
+So a decode step (one row) reads the router and its k experts only; on CPUs the fused decode step
+computes the same in C (model/decode_step.py, csrc/cpu_decode.c's layer_experts), a batch of rows
+reading the union of their experts once. The pairs of one token reach
 its accumulator row in the order of their experts whatever else is in the call (the products
 themselves take the kernel `linear` picks for the rows an expert got, as every matmul does).
 
