@@ -26,6 +26,13 @@
  *   g, u = round(round(norm(h)) W13^T)                    gate and up halves
  *   x'   = round(h + round(round(round(silu(g)) u) W2^T))
  *
+ * A layer with a mixture of experts (Mixtral, Qwen3-MoE: ringctx/model/moe.py) replaces the last
+ * two lines (layer_experts below): the router's logits round(norm(h) Wr^T), their float32 softmax,
+ * each row's k most probable experts (ties: the lower index), renormalised and rounded as the
+ * shape says; then each expert that some row chose, in expert order, reads its weights once for
+ * all of its rows, and x' = round(h + round(sum over the row's experts of y_e w_e)), the sum in
+ * float32 in expert order (index_add's).
+ *
  * Sums run in another order than PyTorch's, so results agree to float32 rounding (a bf16 value
  * may land one step away), not bit for bit.
  */
@@ -40,6 +47,11 @@ typedef struct {
     int64_t dim, n_heads, n_kv_heads, head_dim, ffn_dim;
     float norm_eps, softmax_scale;
     int32_t bf16;  /* 1: weights and activations are bf16 (and caches in the model dtype); 0: float32 */
+    /* The mixture of experts of the layers that have a router (one for every such layer): E experts
+     * of hidden width F, k per row; 0 experts: every layer dense. */
+    int64_t n_experts, experts_per_token, expert_ffn_dim;
+    int32_t renormalize;             /* the k weights are divided by their sum (float32) */
+    int32_t weights_in_model_dtype;  /* the weights are rounded to the model dtype before they multiply */
 } ringctx_decoder_shape;
 
 typedef struct {
@@ -64,6 +76,9 @@ typedef struct {
     float scale;          /* multiplies q.k (the decode step's; the prefill takes the shape's) */
     float softcap;        /* > 0: scores become softcap tanh(s / softcap); 0: none */
     int32_t rope;         /* which cos/sin table rotates this layer's q and k; -1: none (NoPE) */
+    /* A mixture of experts in place of the dense MLP: the router [E, dim], and then w13 is
+     * [E, 2F, dim] and w2 [E, dim, F] (each expert's matrices one after the other); NULL: dense. */
+    const void *router;
 } ringctx_decoder_layer;
 
 /* A step over several ranks: called once per layer (its index the argument), after this rank's
@@ -75,7 +90,8 @@ typedef void (*ringctx_merge_fn)(int64_t layer);
  * (see linear_rows). */
 static int64_t widest_input(const ringctx_decoder_shape *s) {
     const int64_t attn = s->n_heads * s->head_dim, wide = s->dim > s->ffn_dim ? s->dim : s->ffn_dim;
-    return wide > attn ? wide : attn;
+    const int64_t widest = wide > attn ? wide : attn;
+    return s->expert_ffn_dim > widest ? s->expert_ffn_dim : widest;
 }
 
 /* exp(x) by the kernels' vector exp, so that every exponential of a step is computed alike. */
@@ -191,6 +207,21 @@ typedef struct {
  * row, 1.00x with 2, 1.11x with 4, 1.20x with 8, so more rows read the values (the same sums). */
 #define INT8_MAX_ROWS 1
 
+/* Most experts a layer has, and most a row goes through (each thread routes every row of a batch
+ * into arrays of these sizes on its stack; Qwen3-235B has 128 experts, top 8). */
+#define MAX_EXPERTS 512
+#define MAX_EXPERTS_PER_TOKEN 16
+
+/* Layers with a router need the shape's experts within the limits; a model with none, no router. */
+static int experts_fit(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layers, int64_t n_layers) {
+    int routed = 0;
+    for (int64_t i = 0; i < n_layers; ++i) routed |= layers[i].router != NULL;
+    if (!routed) return 1;
+    return s->n_experts >= 1 && s->n_experts <= MAX_EXPERTS && s->experts_per_token >= 1 &&
+           s->experts_per_token <= s->n_experts && s->experts_per_token <= MAX_EXPERTS_PER_TOKEN &&
+           s->expert_ffn_dim >= 1;
+}
+
 /* Own rows of at least this many keys are split over the threads like a document's; shorter ones
  * take one thread each (a split's barriers and merge would cost more than it saves). */
 #define OWN_SPLIT_KEYS 1024
@@ -209,7 +240,8 @@ static int64_t rows_per_pass(const ringctx_decoder_shape *s, int64_t b) {
 
 /* Where each [B, .] array of the batch work buffer starts, in floats. */
 typedef struct {
-    int64_t resid, xn, qkv, attn, part_out, part_lse, gate_up, act, split, queries, threads, per_thread, total;
+    int64_t resid, xn, qkv, attn, part_out, part_lse, gate_up, act, split, queries, logits, moe_sum, moe_x,
+        moe_gate_up, moe_act, moe_y, threads, per_thread, total;
 } batch_layout;
 
 static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b, int threads) {
@@ -226,7 +258,15 @@ static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b, int 
     l.act = l.gate_up + b * 2 * s->ffn_dim;
     l.split = l.act + b * s->ffn_dim;
     l.queries = l.split + b * widest_input(s);
-    l.threads = l.queries + rows * d;
+    /* a mixture of experts (none: empty): router logits [b, E], the float32 sum [b, dim], an
+     * expert's rows gathered [b, dim], their gate/up [b, 2F], activations [b, F] and outputs [b, dim] */
+    l.logits = l.queries + rows * d;
+    l.moe_sum = l.logits + b * s->n_experts;
+    l.moe_x = l.moe_sum + (s->n_experts ? b * s->dim : 0);
+    l.moe_gate_up = l.moe_x + (s->n_experts ? b * s->dim : 0);
+    l.moe_act = l.moe_gate_up + b * 2 * s->expert_ffn_dim;
+    l.moe_y = l.moe_act + b * s->expert_ffn_dim;
+    l.threads = l.moe_y + (s->n_experts ? b * s->dim : 0);
     /* per thread: attention's m, l, acc and attend_range's buffer; at other times the rows it splits */
     const int64_t attend = 2 * rows + rows * d + attend_range_floats(s->n_kv_heads, r, d);
     const int64_t splits = b <= SPLIT_BY_EACH_THREAD_ROWS ? b * widest_input(s) : 0;
@@ -492,6 +532,7 @@ static void finish_attention(const batch_attention *a, const ringctx_decoder_lay
 typedef struct {
     float *resid, *xn, *qkv, *attn, *gate_up, *act, *split, *threads;
     int64_t per_thread;
+    float *logits, *moe_sum, *moe_x, *moe_gate_up, *moe_act, *moe_y; /* a mixture of experts' (layout_batch) */
 } batch_rows;
 
 static float *thread_slot(const batch_rows *w) { return w->threads + omp_get_thread_num() * w->per_thread; }
@@ -542,6 +583,94 @@ static void layer_qkv(const ringctx_decoder_shape *s, const ringctx_decoder_laye
     }
 }
 
+/* Each of b rows' k experts from the router's logits [b, E] (ringctx/model/moe.py's `route`):
+ * float32 softmax, the k largest (a tie goes to the lower index, as a stable sort), renormalised
+ * and rounded as the shape says. Out: the b k (row, weight) pairs in expert order, rows ascending
+ * within an expert (a counting sort), expert e's pairs at [start[e], start[e + 1]). */
+static void route_rows(const ringctx_decoder_shape *s, const float *logits, int64_t b, int64_t *start,
+                       int64_t *pair_row, float *pair_weight) {
+    const int64_t E = s->n_experts, k = s->experts_per_token;
+    int64_t chosen[MAX_BATCH * MAX_EXPERTS_PER_TOKEN];
+    float weight[MAX_BATCH * MAX_EXPERTS_PER_TOKEN], probs[MAX_EXPERTS];
+    for (int64_t e = 0; e <= E; ++e) start[e] = 0;
+    for (int64_t r = 0; r < b; ++r) {
+        const float *z = logits + r * E;
+        float top = -INFINITY, total = 0.0f, kept = 0.0f;
+        for (int64_t e = 0; e < E; ++e) top = z[e] > top ? z[e] : top;
+        for (int64_t e = 0; e < E; ++e) total += probs[e] = expf(z[e] - top);
+        for (int64_t e = 0; e < E; ++e) probs[e] /= total;
+        unsigned char taken[MAX_EXPERTS] = {0};
+        for (int64_t j = 0; j < k; ++j) {  /* the j-th largest: first index of the largest not yet taken */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+            chosen[r * k + j] = best, weight[r * k + j] = probs[best], kept += probs[best];
+            taken[best] = 1;
+            ++start[best + 1];
+        }
+        for (int64_t j = 0; j < k; ++j) {
+            float v = s->renormalize ? weight[r * k + j] / kept : weight[r * k + j];
+            weight[r * k + j] = s->weights_in_model_dtype ? round_to(v, s->bf16) : v;
+        }
+    }
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    int64_t next[MAX_EXPERTS];
+    memcpy(next, start, (size_t)E * sizeof(int64_t));
+    for (int64_t r = 0; r < b; ++r)  /* rows ascending: each expert's pairs in row order */
+        for (int64_t j = 0; j < k; ++j) {
+            const int64_t at = next[chosen[r * k + j]]++;
+            pair_row[at] = r, pair_weight[at] = weight[r * k + j];
+        }
+}
+
+/* A mixture of experts' feed-forward over the b normalised rows in xn, added to resid (every
+ * thread of the region calls it): the router's product, the routing (each thread routes every row
+ * alike, on its own stack: a few hundred floats, no barrier), then each chosen expert in expert
+ * order, its weights read once for the rows that chose it (a batch reads the union of its rows'
+ * experts, each once), its outputs times their weights summed in float32 per row. */
+static void layer_experts(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, const batch_rows *w,
+                          int64_t b) {
+    const int bf16 = s->bf16, esize = bf16 ? 2 : 4;
+    const int64_t dim = s->dim, E = s->n_experts, F = s->expert_ffn_dim;
+    linear_rows(w->xn, b, dim, layer->router, NULL, NULL, NULL, E, bf16, w->logits, NULL, w->split, thread_slot(w));
+    int64_t start[MAX_EXPERTS + 1], pair_row[MAX_BATCH * MAX_EXPERTS_PER_TOKEN];
+    float pair_weight[MAX_BATCH * MAX_EXPERTS_PER_TOKEN];
+    route_rows(s, w->logits, b, start, pair_row, pair_weight);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < b * dim; ++i) w->moe_sum[i] = 0.0f;
+    const int64_t pieces = (F + 63) / 64;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t first = start[e], n = start[e + 1] - first;
+        if (n == 0) continue;  /* no row chose it: its weights are not read */
+        const float *x = w->xn;
+        if (n < b) {  /* its rows gathered (every row of the batch: xn itself) */
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n; ++i)
+                memcpy(w->moe_x + i * dim, w->xn + pair_row[first + i] * dim, (size_t)dim * sizeof(float));
+            x = w->moe_x;
+        }
+        linear_rows(x, n, dim, (const char *)layer->w13 + e * 2 * F * dim * esize, NULL, NULL, NULL, 2 * F, bf16,
+                    w->moe_gate_up, NULL, w->split, thread_slot(w));
+#pragma omp for schedule(static)
+        for (int64_t rp = 0; rp < n * pieces; ++rp) {
+            const int64_t r = rp / pieces, i0 = rp % pieces * 64;
+            token_swiglu(w->moe_gate_up + r * 2 * F + i0, w->moe_gate_up + r * 2 * F + F + i0, 0, bf16,
+                         F - i0 < 64 ? F - i0 : 64, w->moe_act + r * F + i0, 0);
+        }
+        linear_rows(w->moe_act, n, F, (const char *)layer->w2 + e * dim * F * esize, NULL, NULL, NULL, dim, bf16,
+                    w->moe_y, NULL, w->split, thread_slot(w));
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < dim; ++c)  /* columns over the threads: each row gets one add per expert */
+            for (int64_t i = 0; i < n; ++i) {
+                const float y = w->moe_y[i * dim + c], weight = pair_weight[first + i];
+                w->moe_sum[pair_row[first + i] * dim + c] += s->weights_in_model_dtype ? round_to(y * weight, bf16)
+                                                                                       : y * weight;
+            }
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < b * dim; ++i) w->resid[i] = round_to(w->resid[i] + round_to(w->moe_sum[i], bf16), bf16);
+}
+
 /* The rest of a layer, from the rounded attention output in attn: output projection and residual,
  * norm, SwiGLU feed-forward and residual (every thread of the region calls it). */
 static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, const batch_rows *w,
@@ -553,6 +682,10 @@ static void layer_output(const ringctx_decoder_shape *s, const ringctx_decoder_l
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < b; ++r)
         token_rms_norm(w->resid + r * dim, 0, layer->ffn_norm, bf16, dim, s->norm_eps, w->xn + r * dim, 0);
+    if (layer->router) {
+        layer_experts(s, layer, w, b);
+        return;
+    }
     linear_rows(w->xn, b, dim, layer->w13, layer->w13_codes, layer->w13_exps, NULL, 2 * ffn, bf16, w->gate_up, NULL, w->split,
                 thread_slot(w));
     const int64_t pieces = (ffn + 63) / 64;  /* runs of 64 of every row over the threads (a lone row too) */
@@ -584,7 +717,7 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (b < 1 || b > MAX_BATCH || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
         s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || n_shared < 0 || n_shared > n_sources ||
-        !int8_weights_fit(s, layers, n_layers))
+        !int8_weights_fit(s, layers, n_layers) || !experts_fit(s, layers, n_layers))
         return -2;
     for (int64_t i = 0; i < n_sources; ++i) {
         const ringctx_attention_source *src = sources + i;
@@ -625,7 +758,8 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
     const int64_t hq = s->n_heads, d = s->head_dim;
     const batch_layout l = layout_batch(s, b, threads);
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
-                          work + l.split, work + l.threads, l.per_thread};
+                          work + l.split, work + l.threads, l.per_thread, work + l.logits, work + l.moe_sum,
+                          work + l.moe_x, work + l.moe_gate_up, work + l.moe_act, work + l.moe_y};
     const batch_attention a = {s, b, (hq + 2 * s->n_kv_heads) * d, w.qkv, work + l.part_out, work + l.part_lse,
                                work + l.queries, work + l.threads, l.per_thread, positions};
     for (int64_t i = 0; i < b * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
@@ -717,7 +851,8 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
                          int64_t cached, float *work, int threads) {
     if (!ringctx_cpu_kernels_supported()) return -1;
     if (t < 1 || t > MAX_BATCH || cached < 0 || s->head_dim % 16 || s->head_dim > MAX_D || s->n_kv_heads < 1 ||
-        s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || !int8_weights_fit(s, layers, n_layers))
+        s->n_heads % s->n_kv_heads || s->n_heads / s->n_kv_heads > MAX_R || !int8_weights_fit(s, layers, n_layers) ||
+        !experts_fit(s, layers, n_layers))
         return -2;
     for (int64_t li = 0; li < n_layers; ++li)  /* plain causal layers with the model's RoPE only */
         if (layers[li].window || layers[li].chunk || layers[li].softcap != 0.0f || layers[li].sinks ||
@@ -729,7 +864,8 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     const int64_t hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim, width = (hq + 2 * hkv) * d;
     const batch_layout l = layout_batch(s, t, threads);
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
-                          work + l.split, work + l.threads, l.per_thread};
+                          work + l.split, work + l.threads, l.per_thread, work + l.logits, work + l.moe_sum,
+                          work + l.moe_x, work + l.moe_gate_up, work + l.moe_act, work + l.moe_y};
     const batch_attention a = {s, t, width, w.qkv, work + l.part_out, work + l.part_lse,
                                work + l.queries, work + l.threads, l.per_thread, NULL}; /* attention: flash blocks */
     float *block_out = work + l.total, *block_lse = block_out + t * hq * d;
@@ -794,6 +930,11 @@ static const ringctx_abi_field abi_fields[] = {
     ABI_FIELD(ringctx_decoder_shape, norm_eps),
     ABI_FIELD(ringctx_decoder_shape, softmax_scale),
     ABI_FIELD(ringctx_decoder_shape, bf16),
+    ABI_FIELD(ringctx_decoder_shape, n_experts),
+    ABI_FIELD(ringctx_decoder_shape, experts_per_token),
+    ABI_FIELD(ringctx_decoder_shape, expert_ffn_dim),
+    ABI_FIELD(ringctx_decoder_shape, renormalize),
+    ABI_FIELD(ringctx_decoder_shape, weights_in_model_dtype),
     ABI_STRUCT(ringctx_decoder_layer),
     ABI_FIELD(ringctx_decoder_layer, attention_norm),
     ABI_FIELD(ringctx_decoder_layer, wqkv),
@@ -820,6 +961,7 @@ static const ringctx_abi_field abi_fields[] = {
     ABI_FIELD(ringctx_decoder_layer, scale),
     ABI_FIELD(ringctx_decoder_layer, softcap),
     ABI_FIELD(ringctx_decoder_layer, rope),
+    ABI_FIELD(ringctx_decoder_layer, router),
     ABI_STRUCT(ringctx_attention_source),
     ABI_FIELD(ringctx_attention_source, k),
     ABI_FIELD(ringctx_attention_source, v),
@@ -840,6 +982,7 @@ static const ringctx_abi_field abi_fields[] = {
 static const ringctx_abi_limit abi_limits[] = {
     {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"INT8_MAX_ROWS", INT8_MAX_ROWS},
     {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8}, {"FLASH_ARGS", FLASH_ARGS},
+    {"MAX_EXPERTS", MAX_EXPERTS}, {"MAX_EXPERTS_PER_TOKEN", MAX_EXPERTS_PER_TOKEN},
 };
 
 /* The struct and field table above; *count receives its length. Plain data: safe to call before

@@ -41,6 +41,9 @@ leaves what it measured; a section that fails is recorded and the next one runs)
   ep          expert parallelism's dispatch and combine (model/expert_parallel.py's two-shot
               all-to-all over NCCL, every GPU here): 1 - 8192 tokens a rank at Qwen3-30B-A3B's
               width and top-8, microseconds and GB/s, each result checked bit for bit
+  experts     grouped experts at Qwen3-30B-A3B's expert shape (128 x top 8, 2048 x 768, bf16):
+              torch._grouped_mm against moe.py's per-expert loop at 512-16K tokens, both against
+              float32 products, ms and TFLOP/s (the GPU answer for selection.grouped_experts)
   prefill     chunked prefill (64K-token chunks) of SmolLM2-135M shapes, random weights, on one
               GPU at 128K and 1M tokens with the fastest backend that passed: tokens/s, time to
               first token, MFU, and time against what the attention FLOPs at the kernel rate
@@ -972,6 +975,82 @@ def _allreduce_job(rank: int, world: int, dry: bool) -> dict:
     return out
 
 
+def _expert_pairs(T: int, E: int, k: int, device, seed: int = 0):
+    """T tokens' k distinct experts each (uniform, as a random router spreads them): the (token,
+    expert) pairs sorted by expert (token order within one), as moe.py sorts them: (tokens [T k],
+    counts [E] list)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.rand(T, E, generator=g).argsort(dim=-1)[:, :k]
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return (order // k).to(device), torch.bincount(flat, minlength=E).tolist()
+
+
+def experts_section(ck: Check) -> dict:
+    """Grouped experts at Qwen3-30B-A3B's expert shape (128 experts, top 8, dim 2048, width 768;
+    bf16): torch._grouped_mm (one call for every expert's rows) against moe.py's loop (one GEMM
+    pair per expert that got rows), T = 512 .. 16384 tokens, both against a float32 computation of
+    the same products (relative error, bf16 rounding), TFLOP/s of the active experts' products
+    (2 T k 3 dim F). The answer is the rule kernels/selection.py's `grouped_experts` would take on
+    GPUs. --dry-run: 8 experts of 64 x 32 on the CPU."""
+    import torch
+
+    E, k, dim, F = (8, 2, 64, 32) if ck.dry else (128, 8, 2048, 768)
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * F, dim, generator=g) * dim ** -0.5).to(ck.device, dtype)
+    w2 = (torch.randn(E, dim, F, generator=g) * F ** -0.5).to(ck.device, dtype)
+
+    def loop(x, tokens, counts):
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = torch.nn.functional.linear(x[tokens[start:start + n]], w13[e]).chunk(2, dim=-1)
+                ys.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e]))
+            start += n
+        return torch.cat(ys)
+
+    def grouped(x, tokens, offsets):
+        gate, up = torch._grouped_mm(x[tokens], w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        return torch._grouped_mm((torch.nn.functional.silu(gate) * up).contiguous(), w2.transpose(1, 2), offs=offsets)
+
+    def exact(x, tokens, counts):  # float32 products of the same bf16 inputs
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = (x[tokens[start:start + n]].float() @ w13[e].float().T).chunk(2, dim=-1)
+                ys.append((torch.nn.functional.silu(gate) * up) @ w2[e].float().T)
+            start += n
+        return torch.cat(ys)
+
+    rows = []
+    for T in ((16, 64) if ck.dry else (512, 2048, 8192, 16384)):
+        if ck.left() < 30:
+            break
+        x = torch.randn(T, dim, generator=g).to(ck.device, dtype)
+        tokens, counts = _expert_pairs(T, E, k, ck.device)
+        offsets = torch.tensor(counts, device=ck.device).cumsum(0).to(torch.int32)
+        flops = 2 * T * k * 3 * dim * F
+        truth = exact(x, tokens, counts)
+        row = {"tokens": T, "experts": E, "top_k": k, "dim": dim, "width": F}
+        for name, fn in (("loop", lambda: loop(x, tokens, counts)), ("grouped_mm", lambda: grouped(x, tokens, offsets))):
+            try:
+                err = ((fn().float() - truth).abs().max() / truth.abs().max()).item()
+                sec = timed(ck, fn, min_reps=3, max_reps=20)
+                row[name] = {"ms": round(sec * 1e3, 3), "tflops": round(flops / sec / 1e12, 1), "rel_err": err}
+                if err > 2e-2:
+                    ck.fail(f"experts: {name} at {T} tokens is {err:.1e} from float32")
+            except (RuntimeError, NotImplementedError) as e:  # grouped_mm's CUDA kernel: sm90+ and bf16
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        if "ms" in row["loop"] and "ms" in row.get("grouped_mm", {}):
+            row["grouped_over_loop_time"] = round(row["grouped_mm"]["ms"] / row["loop"]["ms"], 3)
+        rows.append(row)
+        print("  " + json.dumps(row), flush=True)
+    return {"rows": rows}
+
+
 def allreduce_section(ck: Check) -> dict:
     """The TP all-reduce (ringctx/parallel/allreduce.py) on every GPU of this machine: PyTorch's
     symmetric-memory one-shot and two-shot against NCCL at 4 KiB - 16 MiB of bf16, medians of CUDA
@@ -1080,7 +1159,7 @@ def main() -> int:
         return 2
     ck = Check(args.out, args.budget_s, args.dry_run)
     sections = [("env", env_section), ("correctness", correctness_section), ("band", band_section),
-                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("allreduce", allreduce_section), ("ep", ep_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
+                ("attention", attention_section), ("window", window_section), ("decode", decode_section), ("kv8", kv8_section), ("batch", batch_section), ("allreduce", allreduce_section), ("ep", ep_section), ("experts", experts_section), ("build", build_section), ("merge", merge_section), ("prefill", prefill_section)]
     if not args.dry_run and (not args.only or "build" in args.only or "merge" in args.only):
         start_build(ck)
     for name, fn in sections:

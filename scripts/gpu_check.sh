@@ -18,7 +18,8 @@
 #    together against each alone: answers and tokens/s), the TP all-reduce (symmetric-memory one-shot
 #    and two-shot against NCCL, 4 KiB - 16 MiB), the EP dispatch (the two-shot all-to-all of
 #    model/expert_parallel.py over NCCL, 1 - 8192 tokens a rank, checked bit for bit and timed),
-#    the csrc build (in the background), and a
+#    grouped experts (torch._grouped_mm against moe.py's per-expert loop at Qwen3-30B-A3B's expert
+#    shape, bf16, 512-16K tokens), the csrc build (in the background), and a
 #    single-GPU chunked prefill of
 #    the SmolLM2-135M shapes at 128K and 1M tokens. Writes OUT_DIR/gpu_check.json.
 #

@@ -28,6 +28,13 @@ Triton decode kernel (attention/triton_attn.py) takes the same rows on GPUs."""
 MAX_HEAD_DIM = 256
 """Widest head the attention kernels, RoPE and the fused steps take (MAX_D of csrc/cpu_kernels.h)."""
 
+MAX_EXPERTS = 512
+"""Most experts of a layer the fused decode step routes among (MAX_EXPERTS of csrc/cpu_decode.c)."""
+
+MAX_EXPERTS_PER_TOKEN = 16
+"""Most experts a row goes through in the fused decode step (MAX_EXPERTS_PER_TOKEN of
+csrc/cpu_decode.c)."""
+
 INT8_MAX_ROWS = 1
 """Most activation rows `small_linear_int8` (and the fused batch step, INT8_MAX_ROWS of
 csrc/cpu_decode.c) read int8 codes for: each row widens the codes again, dearer than widening
@@ -55,7 +62,11 @@ class DecoderShape(ctypes.Structure):
 
     _fields_ = [("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("ffn_dim", ctypes.c_int64), ("norm_eps", ctypes.c_float),
-                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
+                ("softmax_scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("n_experts", ctypes.c_int64),
+                ("experts_per_token", ctypes.c_int64), ("expert_ffn_dim", ctypes.c_int64),
+                ("renormalize", ctypes.c_int32), ("weights_in_model_dtype", ctypes.c_int32)]
+    """n_experts .. weights_in_model_dtype: the `Experts` of every layer that has a router (0
+    experts: none has)."""
 
 
 class DecoderLayer(ctypes.Structure):
@@ -66,11 +77,14 @@ class DecoderLayer(ctypes.Structure):
         "attention_norm", "wqkv", "bqkv", "wo", "bo", "ffn_norm", "w13", "w2", "q_norm", "k_norm", "wqkv_codes",
         "wo_codes", "w13_codes", "w2_codes", "wqkv_exps", "wo_exps", "w13_exps", "w2_exps", "sinks")] + [
         ("window", ctypes.c_int64), ("chunk", ctypes.c_int64), ("rotary_dim", ctypes.c_int64),
-        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("rope", ctypes.c_int32)]
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("rope", ctypes.c_int32),
+        ("router", ctypes.c_void_p)]
     """The *_codes and *_exps fields: int8 weights' codes and exponents beside their bf16 values in
     w* (ringctx/model/int8_weights.py), or NULL. sinks: [Hq] float32 sink logits or NULL; window,
     chunk: the layer's span (0: none); rotary_dim: dims that rotate; scale, softcap: its softmax
-    settings; rope: which of the step's cos/sin tables rotates it (-1: a NoPE layer)."""
+    settings; rope: which of the step's cos/sin tables rotates it (-1: a NoPE layer); router: a
+    mixture of experts' router [E, dim] (w13, w2 then point to the [E, 2F, dim] and [E, dim, F]
+    experts), or NULL: the dense MLP."""
 
 
 class AttentionSource(ctypes.Structure):
@@ -102,6 +116,8 @@ LIMITS: dict[str, int] = {
     "Q8_INT8": Q8_KINDS[torch.int8],
     "Q8_FP8": Q8_KINDS[torch.float8_e4m3fn],
     "FLASH_ARGS": FLASH_ARGS,
+    "MAX_EXPERTS": MAX_EXPERTS,
+    "MAX_EXPERTS_PER_TOKEN": MAX_EXPERTS_PER_TOKEN,
 }
 """Each C macro Python copies, by its C name, and the copy."""
 

@@ -138,6 +138,28 @@ def amx_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
+GROUPED_EXPERTS_MIN_ROWS = 16
+"""Fewest (token, expert) pairs per expert, on average, for which a mixture of experts' products
+run as two torch._grouped_mm calls over every pair (model/moe.py's `_grouped`) rather than a GEMM
+pair per expert (its loop): on the CPU in bf16 only. Measured on a 2-core AMD EPYC (Zen 4,
+avx512_bf16) shared with other jobs, 2026-12-07, grouped time over the loop's, best of 4-7
+(docs/BENCHMARKS.md): bf16, 32 experts top 4 of 576 x 384, 64 / 512 / 2048 tokens: 0.92 / 0.89 /
+0.97 at 1 thread, 1.14 / 0.84 / 0.61 at 2 (a loaded machine: every parallel op waits for a
+preempted thread, and the loop makes ~6 per expert); 128 experts top 8 of 2048 x 768 at 64 / 256
+tokens: 1.22 / 0.92 and 1.03 / 0.46. float32: 0.93-1.33 at 1 thread, so it keeps the loop. On
+the CPU grouped_mm computes each group's product as the loop's PyTorch GEMM does (the same bits
+where the loop's rows are past small_linear's); GPUs keep the loop until scripts/gpu_check.py's
+"experts" section has measured grouped_mm there."""
+
+
+def grouped_experts(device_type: str, dtype: torch.dtype, pairs: int, n_experts: int) -> bool:
+    """Whether a mixture of experts runs its `pairs` (token, expert) pairs over `n_experts`
+    experts as grouped GEMMs (see GROUPED_EXPERTS_MIN_ROWS): a bf16 CPU call with at least that
+    many pairs per expert on average (a decode step's few rows never), where torch has the op."""
+    return (device_type == "cpu" and dtype == torch.bfloat16 and pairs >= GROUPED_EXPERTS_MIN_ROWS * n_experts
+            and hasattr(torch, "_grouped_mm"))
+
+
 # -- attention -------------------------------------------------------------------------------
 
 SMALL_QUERY_ROWS = 8

@@ -14,7 +14,10 @@ call of csrc/cpu_decode.c, with the same math and roundings as `Block.forward`; 
 and the output head stay in PyTorch (two calls); Qwen3's per-head q/k norms run in the kernel
 too, and so does each layer's attention kind, given to the kernel as data per layer (its window
 or chunk, softmax scale, soft-cap, sink logits, and its RoPE table, rotary dims or none: see
-`_shape_and_layers`). Everywhere else it is `forward_with_cache` on one token.
+`_shape_and_layers`), and a mixture of experts (Mixtral's and Qwen3-MoE's routing, `_fused_experts`:
+the router's product, each row's top k, then each chosen expert's weights read once for the batch
+rows that chose it, `layer_experts` in the C file). Everywhere else it is `forward_with_cache` on
+one token.
 
 There is one fused kernel, for B sequences at once (`FusedBatchStep`, what runtime/batch.py runs);
 a lone sequence (`FusedStep`) is a batch of one. Its cache's first `shared_rows` rows are its
@@ -49,6 +52,7 @@ import torch
 
 from ..kernels import abi, build, selection
 from ..kernels.cpu_features import computes_in_float32
+from .config import Experts
 from .int8_weights import int8_of
 from .kvcache import KVCache, forward_with_cache
 
@@ -383,7 +387,7 @@ class FusedPrefill:
         (building one took ~3 ms, once per question)."""
         if not selection.fused_prefill_applies(model.dtype, computes_in_float32(model.layers[0].attention_norm.weight),
                                                model.config.head_dim) or model.config.has_experts:
-            return None  # (experts: `_layers_fit`'s refusal, asked before the weights' addresses, which differ)
+            return None  # experts: the layer path's products (grouped, or PyTorch's for an expert's many rows) differ
         lib = build.library()
         if lib is None:
             return None
@@ -461,16 +465,17 @@ def _layers_fit(model) -> bool:
     """Whether csrc/cpu_decode.c's layer code takes this model: one CPU rank (no TP), float32 or
     bf16, Llama's block (`ModelConfig.is_llama_block`; spans, scale, soft-cap, sinks and per-layer
     RoPE are per-layer data; not Llama 4's q/k norm after RoPE or query temperature, nor dual chunk
-    attention, nor a mixture of experts: every feed-forward dense), heads it takes (one shape for
+    attention; a mixture of experts only as `_fused_experts` says), heads it takes (one shape for
     every layer, `selection.fused_step_shape_fits`: head_dim a multiple of 16 up to 256, at most 64
     query heads per KV head), every layer's weights contiguous on the CPU in the model dtype."""
     config = model.config
-    if model.tp.size > 1 or model.device.type != "cpu" or model.dtype not in (torch.float32, torch.bfloat16):
-        return False
+    if model.tp.size > 1 or model.ep.size > 1 or model.device.type != "cpu" or \
+            model.dtype not in (torch.float32, torch.bfloat16):
+        return False  # (under EP a rank holds some of the experts: the layer path sums the ranks')
     if not config.is_llama_block:  # nor other norms, activations, embedding scales or logit caps
         return False
-    if config.has_experts:  # the C layer runs the dense MLP: a mixture of experts takes the layer path
-        return False
+    if config.has_experts and _fused_experts(config) is None:
+        return False  # experts the C layer does not compute (or not one `Experts` for every sparse layer)
     kinds = [config.attention(i) for i in range(config.n_layers)]
     if any(a.qk_norm_after_rope or a.temperature_floor or a.dual_chunk is not None for a in kinds):
         return False  # Llama 4's q/k norm after RoPE and query temperature, dual chunk attention: not in C
@@ -481,6 +486,23 @@ def _layers_fit(model) -> bool:
     return all(t.is_contiguous() and t.device.type == "cpu" and t.dtype == model.dtype for t in weights)
 
 
+def _fused_experts(config):
+    """The one `Experts` of every sparse layer of `config` when csrc/cpu_decode.c's layer_experts
+    computes it (a softmax top-k router, nothing else non-default: a field another family adds,
+    such as shared experts, makes the layer path take it), else None; None too for a model with no
+    experts. The kernel's routing arrays bound E and k (abi.MAX_EXPERTS, MAX_EXPERTS_PER_TOKEN)."""
+    kinds = {e for e in config.layer_experts if e is not None}
+    if len(kinds) != 1:
+        return None
+    (experts,) = kinds
+    computed = Experts(experts.n_experts, experts.experts_per_token, experts.expert_ffn_dim,
+                       renormalize=experts.renormalize, weights_in_model_dtype=experts.weights_in_model_dtype)
+    if experts != computed or experts.n_experts > abi.MAX_EXPERTS or \
+            experts.experts_per_token > abi.MAX_EXPERTS_PER_TOKEN:
+        return None
+    return experts
+
+
 def _shape_and_layers(model):
     """The kernel's DecoderShape and DecoderLayer array for `model` (its caches come per step, as
     attention sources), and the float32 sink logits the layers point to (kept alive with them)."""
@@ -489,6 +511,11 @@ def _shape_and_layers(model):
         dim=config.dim, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         ffn_dim=config.ffn_dim, norm_eps=model.layers[0].attention_norm.eps,
         softmax_scale=config.head_dim ** -0.5, bf16=int(model.dtype == torch.bfloat16))
+    experts = _fused_experts(config)
+    if experts is not None:  # the routing every sparse layer shares (DecoderLayer.router marks those)
+        shape.n_experts, shape.experts_per_token = experts.n_experts, experts.experts_per_token
+        shape.expert_ffn_dim, shape.renormalize = experts.expert_ffn_dim, int(experts.renormalize)
+        shape.weights_in_model_dtype = int(experts.weights_in_model_dtype)
     layers = (abi.DecoderLayer * config.n_layers)()
     probe = model.rope(torch.zeros(1, dtype=torch.long))  # which of a step's RoPE tables each layer takes
     rope_of = probe.of_layer if _per_layer(probe) else [0] * config.n_layers
@@ -502,15 +529,16 @@ def _shape_and_layers(model):
             attention_norm=block.attention_norm.weight.data_ptr(),
             wqkv=attention.wqkv.weight.data_ptr(), bqkv=_pointer(attention.wqkv.bias),
             wo=attention.wo.weight.data_ptr(), bo=_pointer(attention.wo.bias),
-            ffn_norm=block.ffn_norm.weight.data_ptr(), w13=mlp.w13.weight.data_ptr(),
-            w2=mlp.w2.weight.data_ptr(),
+            ffn_norm=block.ffn_norm.weight.data_ptr(), w13=_ffn_weight(mlp.w13).data_ptr(),
+            w2=_ffn_weight(mlp.w2).data_ptr(), router=_pointer(mlp.router.weight if _is_moe(mlp) else None),
             q_norm=_pointer(attention.q_norm.weight if attention.q_norm is not None else None),
             k_norm=_pointer(attention.k_norm.weight if attention.k_norm is not None else None),
             sinks=_pointer(sinks[-1] if softmax.sinks is not None else None), window=softmax.span.window,
             chunk=softmax.span.chunk, rotary_dim=config.rope_of(i)[2], scale=softmax.scale, softcap=softmax.softcap,
             rope=rope_of[i])
         if model.dtype == torch.bfloat16 and selection.reads_int8_weights():  # int8 weights: their codes
-            for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo), ("w13", mlp.w13), ("w2", mlp.w2)):
+            ffn = () if _is_moe(mlp) else (("w13", mlp.w13), ("w2", mlp.w2))  # (experts: no int8 codes)
+            for name, linear in (("wqkv", attention.wqkv), ("wo", attention.wo)) + ffn:
                 codes = int8_of(linear.weight)
                 if codes is not None:
                     setattr(layers[i], name + "_codes", codes.codes.data_ptr())
@@ -537,10 +565,21 @@ def _pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _is_moe(mlp) -> bool:
+    """Whether a block's feed-forward is a MixtureOfExperts (asked by attribute, as `_per_layer`)."""
+    return hasattr(mlp, "router")
+
+
+def _ffn_weight(weight) -> torch.Tensor:
+    """A feed-forward's w13 or w2 tensor: the dense MLP's Linear's weight, the experts' Parameter
+    ([E, 2F, dim] or [E, dim, F]) itself."""
+    return weight if isinstance(weight, torch.Tensor) else weight.weight
+
+
 def _block_tensors(block) -> list[torch.Tensor]:
     attention, mlp = block.attention, block.feed_forward
     tensors = [block.attention_norm.weight, attention.wqkv.weight, attention.wo.weight, block.ffn_norm.weight,
-               mlp.w13.weight, mlp.w2.weight]
+               _ffn_weight(mlp.w13), _ffn_weight(mlp.w2)] + ([mlp.router.weight] if _is_moe(mlp) else [])
     optional = (attention.wqkv.bias, attention.wo.bias, attention.q_norm and attention.q_norm.weight,
                 attention.k_norm and attention.k_norm.weight)
     return tensors + [t for t in optional if t is not None]

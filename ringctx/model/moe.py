@@ -22,7 +22,9 @@ gpt-oss (`Experts.router` "topk-softmax", `bias`, `router_bias`, `activation` "c
 the router's logits get a bias, its k largest logits are kept and softmaxed over those k (`route`);
 each expert's gate/up and down products get their biases, and clamped_swiglu replaces silu(gate) * up.
 
-So a decode step (one row) reads the router and its k experts only. The pairs of one token reach
+So a decode step (one row) reads the router and its k experts only; on CPUs the fused decode step
+computes the same in C (model/decode_step.py, csrc/cpu_decode.c's layer_experts), a batch of rows
+reading the union of their experts once. The pairs of one token reach
 its accumulator row in the order of their experts whatever else is in the call (the products
 themselves take the kernel `linear` picks for the rows an expert got, as every matmul does).
 
@@ -65,8 +67,12 @@ forward either way (one thread, a 2-core Xeon shared with other jobs, so +-30%; 
 
 (loop vs grouped_mm). At a real expert width (Qwen3-30B-A3B's 2048 x 768) the loop is faster in
 bf16, the dtype CPU prefills run in, and grouped_mm in float32 (1.3-1.7x); the loop's products go
-through ringctx's `linear` (its decode-sized and AMX kernels). The loop stays; a per-dtype choice
-would be a rule of kernels/selection.py.
+through ringctx's `linear` (its decode-sized and AMX kernels). On a 2-core Zen 4 with bf16 units
+(2026-12-07) it went the other way: the two tied within 0.9-1.3x at one thread in both dtypes, and
+on two threads of a loaded machine grouped_mm took 0.46-0.84x the loop's time in bf16 from 512
+tokens (fewer parallel ops to wait on). So the choice is kernels/selection.py's rule
+`grouped_experts`: bf16 CPU calls of at least GROUPED_EXPERTS_MIN_ROWS pairs per expert run
+`_grouped`, everything else (decode steps, float32, GPUs until measured) the loop.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu
+from ..kernels import cpu, selection
 from .config import Experts, ModelConfig
 from .expert_parallel import NO_EP, ExpertParallel, run_experts
 from .tensor_parallel import NO_TP, TensorParallel
@@ -230,7 +236,9 @@ class MixtureOfExperts(nn.Module):
         Without EP every expert runs here. Under EP (model/expert_parallel.py), with different rows
         on every rank (a prefill) every pair goes to the rank of its expert and back (`run_experts`,
         the two-shot all-to-all); with the same rows on every rank (a decode step, `ep.same_rows`)
-        this rank runs its own experts only, and forward's all-reduce adds the others'."""
+        this rank runs its own experts only, and forward's all-reduce adds the others'. Where
+        kernels/selection.py's `grouped_experts` says so (bf16 on the CPU, many pairs an expert),
+        experts without biases run as two grouped GEMMs (`_grouped`) instead of a pair per expert."""
         experts, ep = self.experts, self.ep
 
         def inputs(a: int, b: int) -> torch.Tensor:
@@ -239,6 +247,11 @@ class MixtureOfExperts(nn.Module):
 
         if ep.size > 1 and not ep.same_rows:
             y = run_experts(inputs(0, len(tokens)), counts, self._expert, ep)
+            yield from ((e, y[starts[e]:starts[e + 1]]) for e, n in enumerate(counts) if n)
+            return
+        if ep.size == 1 and self.b13 is None and experts.activation != "clamped-swiglu" and \
+                selection.grouped_experts(x.device.type, x.dtype, len(tokens), experts.n_experts):
+            y = self._grouped(inputs(0, len(tokens)), counts)  # every expert in two grouped GEMMs
             yield from ((e, y[starts[e]:starts[e + 1]]) for e, n in enumerate(counts) if n)
             return
         first, last = ep.experts(experts.n_experts)
@@ -263,3 +276,13 @@ class MixtureOfExperts(nn.Module):
         so TP rank 0 adds it to its partial, before the weighting and the all-reduce: sum over ranks
         of w * (y_r + [r = 0] b) = w * (y + b), transformers' (y + b) * w, exact up to rounding order."""
         return None if self.b2 is None or self.tp.rank != 0 else self.b2[j]
+
+    def _grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert's rows at once: rows [P, dim] sorted by expert, counts [E] per expert -> the
+        experts' outputs [P, dim] in rows' dtype, by two torch._grouped_mm calls (on the CPU each
+        group's product is the loop's PyTorch GEMM: the same bits where the loop's rows are past
+        small_linear's)."""
+        ffn = self.experts.expert_ffn_dim
+        offsets = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)  # each expert's end
+        gate_up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(self.activation(gate_up, ffn).contiguous(), self.w2.transpose(1, 2), offs=offsets)
