@@ -241,7 +241,7 @@ static int64_t rows_per_pass(const ringctx_decoder_shape *s, int64_t b) {
 /* Where each [B, .] array of the batch work buffer starts, in floats. */
 typedef struct {
     int64_t resid, xn, qkv, attn, part_out, part_lse, gate_up, act, split, queries, logits, moe_sum, moe_x,
-        moe_gate_up, moe_act, moe_y, threads, per_thread, total;
+        moe_gate_up, moe_act, moe_y, moe_split, threads, per_thread, total;
 } batch_layout;
 
 static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b, int threads) {
@@ -258,15 +258,18 @@ static batch_layout layout_batch(const ringctx_decoder_shape *s, int64_t b, int 
     l.act = l.gate_up + b * 2 * s->ffn_dim;
     l.split = l.act + b * s->ffn_dim;
     l.queries = l.split + b * widest_input(s);
-    /* a mixture of experts (none: empty): router logits [b, E], the float32 sum [b, dim], an
-     * expert's rows gathered [b, dim], their gate/up [b, 2F], activations [b, F] and outputs [b, dim] */
+    /* a mixture of experts (none: empty): router logits [b, E], the float32 sum [b, dim], and for
+     * its P = b k (row, expert) pairs, sorted by expert: their rows gathered [P, dim], gate/up
+     * [P, 2F], activations [P, F], outputs [P, dim], and a product's input split [P, max(dim, F)] */
+    const int64_t pairs = s->n_experts ? b * s->experts_per_token : 0, F = s->expert_ffn_dim;
     l.logits = l.queries + rows * d;
     l.moe_sum = l.logits + b * s->n_experts;
     l.moe_x = l.moe_sum + (s->n_experts ? b * s->dim : 0);
-    l.moe_gate_up = l.moe_x + (s->n_experts ? b * s->dim : 0);
-    l.moe_act = l.moe_gate_up + b * 2 * s->expert_ffn_dim;
-    l.moe_y = l.moe_act + b * s->expert_ffn_dim;
-    l.threads = l.moe_y + (s->n_experts ? b * s->dim : 0);
+    l.moe_gate_up = l.moe_x + pairs * s->dim;
+    l.moe_act = l.moe_gate_up + pairs * 2 * F;
+    l.moe_y = l.moe_act + pairs * F;
+    l.moe_split = l.moe_y + pairs * s->dim;
+    l.threads = l.moe_split + pairs * (s->dim > F ? s->dim : F);
     /* per thread: attention's m, l, acc and attend_range's buffer; at other times the rows it splits */
     const int64_t attend = 2 * rows + rows * d + attend_range_floats(s->n_kv_heads, r, d);
     const int64_t splits = b <= SPLIT_BY_EACH_THREAD_ROWS ? b * widest_input(s) : 0;
@@ -532,7 +535,7 @@ static void finish_attention(const batch_attention *a, const ringctx_decoder_lay
 typedef struct {
     float *resid, *xn, *qkv, *attn, *gate_up, *act, *split, *threads;
     int64_t per_thread;
-    float *logits, *moe_sum, *moe_x, *moe_gate_up, *moe_act, *moe_y; /* a mixture of experts' (layout_batch) */
+    float *logits, *moe_sum, *moe_x, *moe_gate_up, *moe_act, *moe_y, *moe_split; /* a mixture of experts' (layout_batch) */
 } batch_rows;
 
 static float *thread_slot(const batch_rows *w) { return w->threads + omp_get_thread_num() * w->per_thread; }
@@ -625,9 +628,13 @@ static void route_rows(const ringctx_decoder_shape *s, const float *logits, int6
 
 /* A mixture of experts' feed-forward over the b normalised rows in xn, added to resid (every
  * thread of the region calls it): the router's product, the routing (each thread routes every row
- * alike, on its own stack: a few hundred floats, no barrier), then each chosen expert in expert
- * order, its weights read once for the rows that chose it (a batch reads the union of its rows'
- * experts, each once), its outputs times their weights summed in float32 per row. */
+ * alike, on its own stack: a few hundred floats, no barrier), then the chosen experts, each one's
+ * weights read once for the rows that chose it (a batch reads the union of its rows' experts, each
+ * once), its outputs times their weights summed in float32 per row in expert order. The (row,
+ * expert) pairs, sorted by expert, run together: one parallel loop per step (gather, gate/up,
+ * SwiGLU, down, weighted sum) over every chosen expert, so a layer waits at the same few barriers
+ * whatever k is (one loop per expert per step made ~20 for k = 4, ~5 ms of a 26 ms step of a
+ * 30-layer model on 2 threads: docs/BENCHMARKS.md). */
 static void layer_experts(const ringctx_decoder_shape *s, const ringctx_decoder_layer *layer, const batch_rows *w,
                           int64_t b) {
     const int bf16 = s->bf16, esize = bf16 ? 2 : 4;
@@ -636,37 +643,56 @@ static void layer_experts(const ringctx_decoder_shape *s, const ringctx_decoder_
     int64_t start[MAX_EXPERTS + 1], pair_row[MAX_BATCH * MAX_EXPERTS_PER_TOKEN];
     float pair_weight[MAX_BATCH * MAX_EXPERTS_PER_TOKEN];
     route_rows(s, w->logits, b, start, pair_row, pair_weight);
+    const int64_t P = start[E];
+    int64_t active[MAX_EXPERTS], n_active = 0;  /* the experts some row chose, ascending */
+    for (int64_t e = 0; e < E; ++e)
+        if (start[e + 1] > start[e]) active[n_active++] = e;
+    /* Each product runs over every chosen expert in one parallel loop (tasks: an expert's block of
+     * outputs), so the layer waits at 6 barriers whatever k is, not ~5 per expert; each expert's
+     * weights are still read once, for all the rows that chose it, and every value is computed as
+     * linear_rows computes it (the same split of the input, blocks and rounding). */
+    const int up_pairs = widen_in_pairs(bf16, dim), down_pairs = widen_in_pairs(bf16, F);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; ++p) {  /* each pair's row, gathered in expert order (and split) */
+        memcpy(w->moe_x + p * dim, w->xn + pair_row[p] * dim, (size_t)dim * sizeof(float));
+        if (up_pairs) split_pairs(w->moe_x + p * dim, 1, dim, w->moe_split + p * dim);
+    }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < b * dim; ++i) w->moe_sum[i] = 0.0f;
-    const int64_t pieces = (F + 63) / 64;
-    for (int64_t e = 0; e < E; ++e) {
-        const int64_t first = start[e], n = start[e + 1] - first;
-        if (n == 0) continue;  /* no row chose it: its weights are not read */
-        const float *x = w->xn;
-        if (n < b) {  /* its rows gathered (every row of the batch: xn itself) */
+    const int64_t up_blocks = (2 * F + GEMV_BLOCK - 1) / GEMV_BLOCK, down_blocks = (dim + GEMV_BLOCK - 1) / GEMV_BLOCK;
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < n; ++i)
-                memcpy(w->moe_x + i * dim, w->xn + pair_row[first + i] * dim, (size_t)dim * sizeof(float));
-            x = w->moe_x;
-        }
-        linear_rows(x, n, dim, (const char *)layer->w13 + e * 2 * F * dim * esize, NULL, NULL, NULL, 2 * F, bf16,
-                    w->moe_gate_up, NULL, w->split, thread_slot(w));
-#pragma omp for schedule(static)
-        for (int64_t rp = 0; rp < n * pieces; ++rp) {
-            const int64_t r = rp / pieces, i0 = rp % pieces * 64;
-            token_swiglu(w->moe_gate_up + r * 2 * F + i0, w->moe_gate_up + r * 2 * F + F + i0, 0, bf16,
-                         F - i0 < 64 ? F - i0 : 64, w->moe_act + r * F + i0, 0);
-        }
-        linear_rows(w->moe_act, n, F, (const char *)layer->w2 + e * dim * F * esize, NULL, NULL, NULL, dim, bf16,
-                    w->moe_y, NULL, w->split, thread_slot(w));
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < dim; ++c)  /* columns over the threads: each row gets one add per expert */
-            for (int64_t i = 0; i < n; ++i) {
-                const float y = w->moe_y[i * dim + c], weight = pair_weight[first + i];
-                w->moe_sum[pair_row[first + i] * dim + c] += s->weights_in_model_dtype ? round_to(y * weight, bf16)
-                                                                                       : y * weight;
-            }
+    for (int64_t t = 0; t < n_active * up_blocks; ++t) {  /* gate and up: y [P, 2F] */
+        const int64_t e = active[t / up_blocks], first = start[e], n = start[e + 1] - first;
+        const int64_t o = t % up_blocks * GEMV_BLOCK, m = 2 * F - o < GEMV_BLOCK ? 2 * F - o : GEMV_BLOCK;
+        const void *we = (const char *)layer->w13 + e * 2 * F * dim * esize;
+        float *y = w->moe_gate_up + first * 2 * F;
+        if (up_pairs) gemv_block_pairs(w->moe_split + first * dim, n, dim, (const uint16_t *)we, 2 * F, y, o, m);
+        else gemv_block(w->moe_x + first * dim, n, dim, we, bf16, 2 * F, y, o, m);
+        for (int64_t r = 0; r < n; ++r)
+            for (int64_t i = o; i < o + m; ++i) y[r * 2 * F + i] = round_to(y[r * 2 * F + i], bf16);
     }
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < P; ++p) {  /* SwiGLU of each pair (and the split of its activations) */
+        token_swiglu(w->moe_gate_up + p * 2 * F, w->moe_gate_up + p * 2 * F + F, 0, bf16, F, w->moe_act + p * F, 0);
+        if (down_pairs) split_pairs(w->moe_act + p * F, 1, F, w->moe_split + p * F);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_active * down_blocks; ++t) {  /* down: y [P, dim] */
+        const int64_t e = active[t / down_blocks], first = start[e], n = start[e + 1] - first;
+        const int64_t o = t % down_blocks * GEMV_BLOCK, m = dim - o < GEMV_BLOCK ? dim - o : GEMV_BLOCK;
+        const void *we = (const char *)layer->w2 + e * dim * F * esize;
+        float *y = w->moe_y + first * dim;
+        if (down_pairs) gemv_block_pairs(w->moe_split + first * F, n, F, (const uint16_t *)we, dim, y, o, m);
+        else gemv_block(w->moe_act + first * F, n, F, we, bf16, dim, y, o, m);
+        for (int64_t r = 0; r < n; ++r)
+            for (int64_t i = o; i < o + m; ++i) y[r * dim + i] = round_to(y[r * dim + i], bf16);
+    }
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < dim; ++c)  /* columns over the threads: each row's pairs added in expert order */
+        for (int64_t p = 0; p < P; ++p) {
+            const float y = w->moe_y[p * dim + c], weight = pair_weight[p];
+            w->moe_sum[pair_row[p] * dim + c] += s->weights_in_model_dtype ? round_to(y * weight, bf16) : y * weight;
+        }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < b * dim; ++i) w->resid[i] = round_to(w->resid[i] + round_to(w->moe_sum[i], bf16), bf16);
 }
@@ -759,7 +785,8 @@ int ringctx_decode_step_batch(const ringctx_decoder_shape *s, const ringctx_deco
     const batch_layout l = layout_batch(s, b, threads);
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
                           work + l.split, work + l.threads, l.per_thread, work + l.logits, work + l.moe_sum,
-                          work + l.moe_x, work + l.moe_gate_up, work + l.moe_act, work + l.moe_y};
+                          work + l.moe_x, work + l.moe_gate_up, work + l.moe_act, work + l.moe_y,
+                          work + l.moe_split};
     const batch_attention a = {s, b, (hq + 2 * s->n_kv_heads) * d, w.qkv, work + l.part_out, work + l.part_lse,
                                work + l.queries, work + l.threads, l.per_thread, positions};
     for (int64_t i = 0; i < b * s->dim; ++i) w.resid[i] = load_one(x, bf16, i);
@@ -865,7 +892,8 @@ int ringctx_prefill_rows(const ringctx_decoder_shape *s, const ringctx_decoder_l
     const batch_layout l = layout_batch(s, t, threads);
     const batch_rows w = {work + l.resid, work + l.xn, work + l.qkv, work + l.attn, work + l.gate_up, work + l.act,
                           work + l.split, work + l.threads, l.per_thread, work + l.logits, work + l.moe_sum,
-                          work + l.moe_x, work + l.moe_gate_up, work + l.moe_act, work + l.moe_y};
+                          work + l.moe_x, work + l.moe_gate_up, work + l.moe_act, work + l.moe_y,
+                          work + l.moe_split};
     const batch_attention a = {s, t, width, w.qkv, work + l.part_out, work + l.part_lse,
                                work + l.queries, work + l.threads, l.per_thread, NULL}; /* attention: flash blocks */
     float *block_out = work + l.total, *block_lse = block_out + t * hq * d;
