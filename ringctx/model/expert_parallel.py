@@ -115,7 +115,11 @@ class ExpertParallel:
 
     @contextlib.contextmanager
     def replicated_rows(self):
-        """Within this block every rank of the group runs the layers on the same rows (decode steps)."""
+        """Within this block every rank of the group runs the layers on the same rows (decode steps).
+        Without EP nothing changes (NO_EP, which every such model shares, is never written)."""
+        if self.size == 1:
+            yield
+            return
         before, self.same_rows = self.same_rows, True
         try:
             yield

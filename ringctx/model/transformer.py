@@ -372,6 +372,10 @@ class Block(nn.Module):
         self.post_dense_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if beside else None
         self.pre_experts_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if beside else None
         self.post_experts_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if beside else None
+        # Experts spread over ranks (model/expert_parallel.py): every rank of the EP group must make
+        # the same all-to-all calls per layer whatever its rows (another rank may have more row
+        # slices, or none: T = 0), so forward runs the rest of the block over all rows at once
+        self.experts_across_ranks = experts is not None and ep.size > 1
         # Gemma's norms of the attention and MLP outputs (under TP after the all-reduce: whole rows)
         self.post_attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
         self.post_ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one) if config.post_norms else None
@@ -417,11 +421,7 @@ class Block(nn.Module):
         # results overwrite the attention output they were computed from: one [T, dim] buffer less.
         reusable = out.dtype == x.dtype and out.shape == x.shape and out.is_contiguous()
         result = out if reusable else torch.empty_like(x)
-        # Experts spread over ranks (model/expert_parallel.py): every rank of the EP group must make
-        # the same all-to-all calls per layer whatever its rows (another rank may have more slices, or
-        # none: T = 0), so the rest of the block runs over all rows at once
-        experts_across_ranks = getattr(self.feed_forward, "ep", None) is not None and self.feed_forward.ep.size > 1
-        for start, stop in [(0, T)] if experts_across_ranks else slices:
+        for start, stop in [(0, T)] if self.experts_across_ranks else slices:  # (see __init__)
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
 

@@ -15,8 +15,10 @@ from ringctx.engine import Engine
 from tests.helpers import SavedHFModels, hf_greedy, hf_logits, random_prompt, rel_err
 from tests.model.test_model_moe import random_hf_model
 
-PREFILLS = ((1, 8), (5, 64), (97, 37))
-"""(prompt tokens, chunk tokens): one token on two ranks, a short prompt, several uneven chunks."""
+PREFILLS = ((1, 8), (5, 64), (97, 37), (2049, 2049))
+"""(prompt tokens, chunk tokens): one token on two ranks, a short prompt, several uneven chunks, and
+1,025 / 1,024 rows on the two ranks, which the block would cut into 2 and 1 row slices without EP
+(past the tiny models' 512 trained positions: allow_long_context)."""
 DOC, QUESTIONS = random_prompt(130, seed=3).tolist(), [[7, 11, 13], [5, 9], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
 
 
@@ -30,7 +32,7 @@ def run_engine(directory: str, **settings) -> dict:
     last one, the first sparse layer's expert count on rank 0, and the document's greedy answers
     (the first question alone, then all of them batched)."""
     out = {"logits": {}, "answers": []}
-    with Engine(directory, dtype="float32", chunk_tokens=32, **settings) as engine:
+    with Engine(directory, dtype="float32", chunk_tokens=32, allow_long_context=True, **settings) as engine:
         for n, chunk in PREFILLS:
             for strategy in ("pass-kv", "pass-q"):
                 result = engine.prefill(random_prompt(n), chunk_tokens=chunk, strategy=strategy)
