@@ -218,29 +218,3 @@ def _huge_page_bytes(nbytes: int, advise: bool = True) -> torch.Tensor:
         pass
     return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes)
 
-
-HEAP_MMAP_THRESHOLD = 1 << 20
-"""Allocations of this many bytes and more are mapped on their own and unmapped when freed
-(`bound_heap_growth`)."""
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def bound_heap_growth(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold at `threshold` bytes for this process (mallopt M_MMAP_THRESHOLD);
-    False where there is no glibc.
-
-    Why: glibc raises the threshold each time a mapped block is freed (up to 32 MiB), so later
-    blocks of that size come from the heaps of the threads that ask for them, and are kept there
-    when freed. PyTorch's bf16 GEMMs take megabyte-sized scratch buffers on every OpenMP thread,
-    sized by the rows of the call; a mixture of experts multiplies a different number of rows for
-    every expert and chunk, so those heaps fragment and grow: 2 threads, 300 bf16 products of 1-2,100
-    rows by a [1536, 2048] weight grew a process from 244 to 1,193 MiB (malloc_trim gave back 760
-    of them), and 394 MiB with the threshold fixed at 1 MiB (4 MiB: 657), at the same speed within
-    the machine's noise. A fixed threshold also stops glibc's adjustment, so every block of a MiB
-    or more goes back to the OS when freed."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
-    except (OSError, AttributeError):  # not glibc
-        return False

@@ -9,7 +9,6 @@ import re
 
 import torch
 
-from ..host_memory import bound_heap_growth
 from ..model import load_model
 from ..model.kvfile import share_weights_digest, weights_digest
 from ..model.expert_parallel import NO_EP, ExpertParallel
@@ -43,7 +42,6 @@ def expert_parallel(mesh: Mesh, ep_size: int, device, timeout_s: float = 300.0) 
 
 def build_rank_state(rank: int, world: int, settings: EngineSettings, device, mode: str = "worker") -> RankState:
     """Load this rank's model, check it against every other rank's and make the decode groups."""
-    bound_heap_growth()  # varying GEMM shapes (experts' rows) must not grow the heaps (host_memory.py)
     mesh = build_mesh(world, rank, settings.tp_size, torch.device(device).type)
     model = load_model(settings.model_name, dtype=settings.dtype, device=device,
                        tp=tensor_parallel(mesh, device, settings.timeout_s),
