@@ -165,3 +165,21 @@ def random_hf_model_of(config, seed: int = 0):
         for param_name, p in model.named_parameters():
             p.copy_(torch.rand_like(p) + 0.5 if "norm" in param_name else torch.randn_like(p) * 0.05)
     return model
+
+
+def assert_tp_shards_are_slices(path, tp_size: int, whole: dict | None = None, what=()) -> None:
+    """Each of `tp_size` TP ranks' float32 models loaded from `path` (a directory or GGUF file)
+    holds exactly the slices of the whole model's parameters (`whole`: name -> tensor, loaded
+    without TP when None) that weights.py's `_full_rows` names; `what` labels a failure."""
+    from ringctx.model import load_model
+    from ringctx.model.tensor_parallel import TensorParallel
+    from ringctx.model.weights import _full_rows, keep_index
+
+    if whole is None:
+        whole = dict(load_model(str(path), dtype=torch.float32, device="cpu").named_parameters())
+    for rank in range(tp_size):
+        shard = load_model(str(path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
+        for name, param in shard.named_parameters():
+            _, rows, cols = _full_rows(shard, name, param)
+            expected = whole[name][rows] if cols is None else whole[name][rows][keep_index(cols)]
+            assert torch.equal(param, expected), (*what, tp_size, rank, name)

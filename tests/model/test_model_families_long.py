@@ -18,7 +18,8 @@ import torch
 
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
-from tests.helpers import (assert_greedy_matches, assert_logits_match, one_thread_for_module, rel_err,
+from tests.helpers import (assert_tp_shards_are_slices,
+                           assert_greedy_matches, assert_logits_match, one_thread_for_module, rel_err,
                            saved_hf_pair)
 from tests.model.test_model_families import prompt
 
@@ -213,17 +214,8 @@ def test_longrope_switches_at_the_original_length_like_transformers(name, tmp_pa
 def test_phi3_fused_tensors_split_for_tensor_parallel_ranks(tp_size, tmp_path):
     """Each TP rank reads its heads' rows of qkv_proj and its hidden units' rows of gate_up_proj:
     every parameter of its shard equals the same slice of the whole model's."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows
-
     random_hf_model("phi3-longrope").save_pretrained(tmp_path)
-    whole = dict(load_model(str(tmp_path), dtype=torch.float32, device="cpu").named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(tmp_path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, name, param)
-            expected = whole[name][rows] if cols is None else whole[name][rows][:, cols]
-            assert torch.equal(param, expected), (rank, name)
+    assert_tp_shards_are_slices(tmp_path, tp_size)
 
 
 def test_longrope_decode_across_the_original_length_keeps_the_short_keys(tmp_path):

@@ -21,7 +21,8 @@ import torch
 
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
-from tests.helpers import (assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
+from tests.helpers import (assert_tp_shards_are_slices,
+                           assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
                            rel_err, saved_hf_pair)
 from tests.model.test_model_families import prompt
 
@@ -172,17 +173,8 @@ def test_each_gemma4_ingredient_moves_the_logits(tmp_path):
 def test_keys_as_values_split_for_tensor_parallel_ranks(tp_size, tmp_path):
     """Each TP rank copies its own KV heads' k rows into its v rows: its shard equals the same slice
     of the whole model's."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows
-
     random_hf_model("gemma4-keqv-bias").save_pretrained(tmp_path)
-    whole = dict(load_model(str(tmp_path), dtype=torch.float32, device="cpu").named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(tmp_path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, name, param)
-            expected = whole[name][rows] if cols is None else whole[name][rows][:, cols]
-            assert torch.equal(param, expected), (rank, name)
+    assert_tp_shards_are_slices(tmp_path, tp_size)
 
 
 GEMMA4_31B = {"model_type": "gemma4_text", "vocab_size": 262144, "hidden_size": 5376, "intermediate_size": 21504,

@@ -20,7 +20,8 @@ import torch
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
 from ringctx.model.moe import route
-from tests.helpers import (assert_greedy_matches, assert_logits_match, one_thread_for_module, rel_err,
+from tests.helpers import (assert_tp_shards_are_slices,
+                           assert_greedy_matches, assert_logits_match, one_thread_for_module, rel_err,
                            saved_hf_pair)
 from tests.model.test_model_families import prompt
 
@@ -168,17 +169,8 @@ def test_tensor_parallel_shards_are_slices_of_the_whole_model(plain, tp_size):
     """Each TP rank reads its share of the dense MLP and of every expert's hidden units out of
     the fused tensors (gate and up rows, down columns); the router and its scales whole.
     init_random's index (`_full_rows`) names the same slices."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows, keep_index
-
     _, ours, _, directory = plain
-    whole = dict(ours.named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(directory), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for param_name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, param_name, param)
-            expected = whole[param_name][rows] if cols is None else whole[param_name][rows][keep_index(cols)]
-            assert torch.equal(param, expected), (rank, param_name)
+    assert_tp_shards_are_slices(directory, tp_size, dict(ours.named_parameters()))
 
 
 def test_bf16_within_twice_transformers_bf16_error(plain):

@@ -22,7 +22,7 @@ import torch
 
 from ringctx.model import load_model
 from ringctx.model.config_gguf import read_gguf_config
-from tests.helpers import one_thread_for_module, rel_err
+from tests.helpers import assert_tp_shards_are_slices, one_thread_for_module, rel_err
 from tests.model.test_model_families import prompt
 from tests.model.test_model_families_long import LONG, ORIGINAL, SHAPE, SHORT, TRANSFORMERS_VERSION, WINDOW, _phi3_rope
 from tests.model.test_model_gguf import llama_cpp_permute
@@ -263,18 +263,9 @@ def test_phi3_fused_gguf_tensors_split_for_tensor_parallel_ranks(tp_size, matric
     """Each TP rank reads its heads' rows of attn_qkv and its hidden units' rows of the fused
     ffn_up (whole quantized rows, Q8_0 too): every parameter of its shard equals the same slice
     of the whole model's."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows
-
     path = tmp_path / "phi3.gguf"
     write_model_gguf(path, random_hf_model("phi3-longrope"), "phi3", matrices=gguf.GGMLQuantizationType[matrices])
-    whole = dict(load_model(str(path), dtype=torch.float32, device="cpu").named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, name, param)
-            want = whole[name][rows] if cols is None else whole[name][rows][:, cols]
-            assert torch.equal(param, want), (tp_size, rank, name)
+    assert_tp_shards_are_slices(path, tp_size)
 
 
 def test_gemma3_query_scale_as_llama_cpp_derives_it(tmp_path):

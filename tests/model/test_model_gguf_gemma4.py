@@ -38,7 +38,7 @@ import torch
 from ringctx.model import load_model
 from ringctx.model.config_gguf import read_gguf_config
 from ringctx.model.config_hf import read_hf_config
-from tests.helpers import one_thread_for_module, rel_err
+from tests.helpers import assert_tp_shards_are_slices, one_thread_for_module, rel_err
 from tests.model.test_model_families import prompt
 from tests.model.test_model_gemma4 import GEMMA4_31B, LONG, SHORT, random_hf_model
 from tests.model.test_model_gguf_families import _rounded, write_header, write_tensors
@@ -203,18 +203,9 @@ def test_tensor_parallel_ranks_read_their_slices(case, tp_size, matrices, tmp_pa
     """Each TP rank reads its heads' rows at each layer's own head shape (keys copied into its
     values where the file has no attn_v, whole quantized rows too): every parameter of its shard
     equals the same slice of the whole model's."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows
-
     path = tmp_path / f"{case}.gguf"
     write_gemma4_gguf(path, random_hf_model(case), matrices=gguf.GGMLQuantizationType[matrices])
-    whole = dict(load_model(str(path), dtype=torch.float32, device="cpu").named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, name, param)
-            want = whole[name][rows] if cols is None else whole[name][rows][:, cols]
-            assert torch.equal(param, want), (case, rank, name)
+    assert_tp_shards_are_slices(path, tp_size, what=(case,))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from ringctx.model.config import Experts
 from ringctx.model.config_hf import read_hf_config
 from ringctx.model.moe import route
 from ringctx.model.weights_gptoss import dequantize_mxfp4, quantize_mxfp4
-from tests.helpers import (assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
+from tests.helpers import (assert_tp_shards_are_slices,
+                           assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
                            random_hf_model_of, rel_err, saved_hf_pair)
 from tests.model.test_model_families import prompt
 
@@ -197,17 +198,8 @@ def test_tensor_parallel_shards_are_slices_of_the_whole_model(pair, tp_size):
     """Each TP rank holds its share of every expert's hidden units (w13 rows and their biases b13,
     w2 columns), its query heads' sinks, the router and the down biases whole; init_random's index
     (`_full_rows`) names the same slices."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows, keep_index
-
     _, ours, _, directory = pair
-    whole = dict(ours.named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(directory), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, name, param)
-            expected = whole[name][rows] if cols is None else whole[name][rows][keep_index(cols)]
-            assert torch.equal(param, expected), (rank, name)
+    assert_tp_shards_are_slices(directory, tp_size, dict(ours.named_parameters()))
 
 
 def test_tensor_parallel_partial_outputs_sum_to_the_whole_layer(pair):

@@ -19,7 +19,8 @@ import torch
 
 from ringctx.model import load_model
 from ringctx.model.config_hf import read_hf_config
-from tests.helpers import (assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
+from tests.helpers import (assert_tp_shards_are_slices,
+                           assert_greedy_matches, assert_logits_match, hf_logits, one_thread_for_module,
                            random_hf_model_of, rel_err, saved_hf_pair)
 from tests.model.test_model_families import prompt
 
@@ -171,17 +172,8 @@ def test_query_temperature_is_transformers_formula():
 def test_permuted_rows_split_for_tensor_parallel_ranks(tp_size, tmp_path):
     """Each TP rank permutes its own heads' rows: every parameter of its shard equals the same slice
     of the whole model's (the permutation stays inside each head)."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows
-
     random_hf_model("llama4-text-scaled-bias").save_pretrained(tmp_path)
-    whole = dict(load_model(str(tmp_path), dtype=torch.float32, device="cpu").named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(tmp_path), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, name, param)
-            expected = whole[name][rows] if cols is None else whole[name][rows][:, cols]
-            assert torch.equal(param, expected), (rank, name)
+    assert_tp_shards_are_slices(tmp_path, tp_size)
 
 
 def test_bf16_logits_stay_close_to_float32_transformers(tmp_path):

@@ -19,7 +19,8 @@ from ringctx.model import load_model
 from ringctx.model.config import Experts, ModelConfig
 from ringctx.model.config_hf import read_hf_config
 from ringctx.model.moe import route
-from tests.helpers import (assert_greedy_matches, assert_logits_match, one_thread_for_module,
+from tests.helpers import (assert_tp_shards_are_slices,
+                           assert_greedy_matches, assert_logits_match, one_thread_for_module,
                            random_hf_model_of, rel_err, saved_hf_pair)
 from tests.model.test_model_families import prompt
 
@@ -210,17 +211,8 @@ def test_no_rows(pair):
 def test_tensor_parallel_shards_are_slices_of_the_whole_model(pair, tp_size):
     """Each TP rank reads its share of every expert's hidden units (w13 gate and up rows, w2
     columns), the router whole; init_random's index (`_full_rows`) names the same slices."""
-    from ringctx.model.tensor_parallel import TensorParallel
-    from ringctx.model.weights import _full_rows, keep_index
-
     name, ours, _, directory = pair
-    whole = dict(ours.named_parameters())
-    for rank in range(tp_size):
-        shard = load_model(str(directory), dtype=torch.float32, device="cpu", tp=TensorParallel(tp_size, rank))
-        for param_name, param in shard.named_parameters():
-            _, rows, cols = _full_rows(shard, param_name, param)
-            expected = whole[param_name][rows] if cols is None else whole[param_name][rows][keep_index(cols)]
-            assert torch.equal(param, expected), (rank, param_name)
+    assert_tp_shards_are_slices(directory, tp_size, dict(ours.named_parameters()), (name,))
 
 
 def test_random_weights_under_tensor_parallelism_are_slices_of_the_whole_model(pair):
