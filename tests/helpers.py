@@ -183,3 +183,19 @@ def assert_tp_shards_are_slices(path, tp_size: int, whole: dict | None = None, w
             _, rows, cols = _full_rows(shard, name, param)
             expected = whole[name][rows] if cols is None else whole[name][rows][keep_index(cols)]
             assert torch.equal(param, expected), (*what, tp_size, rank, name)
+
+
+def assert_tp2_prefill_and_answer_equal_transformers(directory, hf, what: str = "") -> None:
+    """An engine of 2 ranks with TP 2 on the checkpoint in `directory`: a 97-token prefill in chunks
+    of 37 within 1e-4 of transformers' last logits, and an answer on it as a document equal to
+    transformers' 8 greedy tokens."""
+    from ringctx.engine import Engine
+
+    ids = random_prompt(97)
+    ref = hf_logits(hf, ids)[-1:]
+    with Engine(str(directory), nproc=2, tp=2, dtype="float32") as engine:
+        assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4, what
+        doc = engine.ingest(ids.tolist())
+        answer = engine.generate(doc, [7, 11, 13], max_new_tokens=8, stop_token_ids=[])
+        "".join(answer)
+        assert answer.result.token_ids == hf_greedy(hf, ids.tolist() + [7, 11, 13]), what

@@ -7,11 +7,10 @@ answering greedily as transformers' generate does, alone and batched; tensor par
 dense MLP's and every expert's width split, the router and its scales whole)."""
 
 import pytest
-import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match, hf_greedy, random_prompt,
-                           rel_err)
+from tests.helpers import (assert_engine_answers_match, assert_engine_prefills_match,
+                           assert_tp2_prefill_and_answer_equal_transformers, random_prompt)
 from tests.model.test_model_gemma4_moe import random_hf_model
 
 
@@ -40,15 +39,7 @@ def test_answers_on_split_decode_ranks_and_batched_equal_transformers(saved):
 
 def test_tensor_parallel_prefill_and_answer_match_transformers(saved):
     directory, hf = saved
-    ids = random_prompt(97)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0, -1:]
-    with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
-        assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4
-        doc = engine.ingest(ids.tolist())
-        answer = engine.generate(doc, [7, 11, 13], max_new_tokens=8, stop_token_ids=[])
-        "".join(answer)
-        assert answer.result.token_ids == hf_greedy(hf, ids.tolist() + [7, 11, 13])
+    assert_tp2_prefill_and_answer_equal_transformers(directory, hf)
 
 
 def test_bad_experts_are_one_line_before_any_rank_computes(saved, tmp_path):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (assert_engine_prefills_match, assert_two_documents_answer_as_transformers, hf_greedy,
-                           random_hf_model_of, random_prompt, rel_err)
+from tests.helpers import (assert_engine_prefills_match, assert_tp2_prefill_and_answer_equal_transformers,
+                           assert_two_documents_answer_as_transformers, hf_greedy, random_hf_model_of, random_prompt)
 from tests.model.test_model_gptoss import hf_config
 
 HARMONY = ("<|start|>system<|message|>Reasoning: low<|end|>"
@@ -88,12 +88,4 @@ def test_tensor_parallel_prefill_and_answer_match_transformers(saved):
     """TP 2: each rank holds half of every expert's units (and of their gate/up biases) and of the
     heads (and their sinks); rank 0 adds the down biases before the all-reduce."""
     directory, hf = saved
-    ids = random_prompt(97)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0, -1:]
-    with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
-        assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4
-        doc = engine.ingest(ids.tolist())
-        answer = engine.generate(doc, [7, 11, 13], max_new_tokens=8, stop_token_ids=[])
-        "".join(answer)
-        assert answer.result.token_ids == hf_greedy(hf, ids.tolist() + [7, 11, 13])
+    assert_tp2_prefill_and_answer_equal_transformers(directory, hf)

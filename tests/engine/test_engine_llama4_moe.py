@@ -8,11 +8,11 @@ parallelism 2 (every expert's and the shared expert's width split, the router wh
 CPU decode and prefill steps decline expert layers, so these run the layer path."""
 
 import pytest
-import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (SavedHFModels, assert_engine_prefills_match, assert_two_documents_answer_as_transformers,
-                           hf_greedy, random_prompt, rel_err)
+from tests.helpers import (SavedHFModels, assert_engine_prefills_match,
+                           assert_tp2_prefill_and_answer_equal_transformers,
+                           assert_two_documents_answer_as_transformers, random_prompt)
 from tests.model.test_model_llama4_moe import random_hf_model
 
 
@@ -45,12 +45,4 @@ def test_tensor_parallel_prefill_and_answer_match_transformers(saved):
     """TP 2 splits every expert's 32 hidden units and the shared expert's 16 / 16, the dense layers'
     MLP 48 / 48; the shared and routed partial outputs join one all-reduce."""
     directory, hf = saved["llama4-moe-top2"]
-    ids = random_prompt(97)
-    with torch.no_grad():
-        ref = hf(ids[None]).logits[0, -1:]
-    with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
-        assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4
-        doc = engine.ingest(ids.tolist())
-        answer = engine.generate(doc, [7, 11, 13], max_new_tokens=8, stop_token_ids=[])
-        "".join(answer)
-        assert answer.result.token_ids == hf_greedy(hf, ids.tolist() + [7, 11, 13])
+    assert_tp2_prefill_and_answer_equal_transformers(directory, hf)

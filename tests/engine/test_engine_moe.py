@@ -6,11 +6,11 @@ routed to different experts); tensor parallelism 2 (every expert's width split, 
 The fused CPU decode and prefill steps decline expert layers, so these run the layer path."""
 
 import pytest
-import torch
 
 from ringctx.engine import Engine
-from tests.helpers import (SavedHFModels, assert_engine_prefills_match, assert_two_documents_answer_as_transformers,
-                           hf_greedy, random_prompt, rel_err)
+from tests.helpers import (SavedHFModels, assert_engine_prefills_match,
+                           assert_tp2_prefill_and_answer_equal_transformers,
+                           assert_two_documents_answer_as_transformers, hf_greedy, random_prompt)
 from tests.model.test_model_moe import random_hf_model
 
 
@@ -51,12 +51,4 @@ def test_tensor_parallel_prefill_and_answer_match_transformers(saved):
     a rank) and the dense layers' MLP; the experts' partial outputs join the MLP's all-reduce."""
     for case in ("qwen3-moe-step", "mixtral"):
         directory, hf = saved[case]
-        ids = random_prompt(97)
-        with torch.no_grad():
-            ref = hf(ids[None]).logits[0, -1:]
-        with Engine(directory, nproc=2, tp=2, dtype="float32") as engine:
-            assert rel_err(engine.prefill(ids, chunk_tokens=37).logits, ref) < 1e-4, case
-            doc = engine.ingest(ids.tolist())
-            answer = engine.generate(doc, [7, 11, 13], max_new_tokens=8, stop_token_ids=[])
-            "".join(answer)
-            assert answer.result.token_ids == hf_greedy(hf, ids.tolist() + [7, 11, 13]), case
+        assert_tp2_prefill_and_answer_equal_transformers(directory, hf, case)
