@@ -454,6 +454,10 @@ class Experts:
     """Hidden width of a shared expert every token also goes through, a SwiGLU MLP of its own weights
     whose output is added to the routed experts' sum (Llama 4's shared_expert: intermediate_size;
     under tensor parallelism this rank's share of it); 0: none."""
+    shared_gate: bool = False
+    """The shared expert's output is multiplied by sigmoid(x w_gate) (a weight [dim] -> one scalar
+    per token, in the model's dtype) before it is added: Qwen3-Next's and Qwen3.5-MoE's
+    shared_expert_gate."""
     beside_dense: bool = False
     """The layer keeps its dense gated MLP (ffn_dim) and adds the experts beside it, each branch
     with its own norms, their sum normed once more (Gemma 4's enable_moe_block); False: the experts
@@ -485,6 +489,9 @@ class Experts:
         if isinstance(self.shared_ffn_dim, bool) or self.shared_ffn_dim < 0:
             raise ValueError(f"Experts: shared_ffn_dim={self.shared_ffn_dim!r} must be a count of units (0: no "
                              "shared expert)")
+        if self.shared_gate and not self.shared_ffn_dim:
+            raise ValueError("Experts: shared_gate without a shared expert (shared_ffn_dim=0): give the shared "
+                             "expert's width, or drop shared_gate")
         if self.activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"Experts: activation={self.activation!r} is not computed; ringctx has "
                              f"{', '.join(EXPERT_ACTIVATIONS)}")
@@ -506,12 +513,14 @@ class Experts:
         router = self.n_experts * (dim + (1 if self.router_bias else 0))
         router += dim + self.n_experts if self.router == "gemma4" else 0  # router_scale, per_expert_scale
         biases = 2 * self.expert_ffn_dim + dim if self.bias else 0
-        return router + experts * (3 * dim * self.expert_ffn_dim + biases) + 3 * dim * self.shared_ffn_dim
+        shared = 3 * dim * self.shared_ffn_dim + (dim if self.shared_gate else 0)
+        return router + experts * (3 * dim * self.expert_ffn_dim + biases) + shared
 
     def describe(self) -> str:
         """A few words for tables: '8 experts, top 2' ('16 experts, top 1 and a shared expert'; Gemma
         4's: '..., beside a dense MLP')."""
-        shared = " and a shared expert" if self.shared_ffn_dim else ""
+        shared = (" and a gated shared expert" if self.shared_gate else " and a shared expert") \
+            if self.shared_ffn_dim else ""
         beside = ", beside a dense MLP" if self.beside_dense else ""
         return f"{self.n_experts} experts, top {self.experts_per_token}{shared}{beside}"
 
@@ -530,8 +539,64 @@ def with_head_shape(layer: LayerAttention, head_dim: int, n_kv_heads: int, model
 ATTENTION_KINDS = ("full causal", "sliding window", "aligned chunks", "NoPE layers",
                    "per-layer RoPE (base, scaling, partial rotary)", "soft-capped scores", "sink logits",
                    "per-layer softmax scale", "weightless q/k norm after RoPE", "query temperature by position",
-                   "dual chunk attention (dense)", "per-layer head shape (head dim, KV heads)")
+                   "dual chunk attention (dense)", "per-layer head shape (head dim, KV heads)",
+                   "gated output (sigmoid of a projection)", "Gated DeltaNet linear attention (hybrids)")
 """What a layer's attention may be in this build (LayerAttention's fields), for `ringctx info`."""
+
+@dataclass(frozen=True)
+class LinearShape:
+    """A linear-attention layer in place of attention (`ModelConfig.layer_linear`): a Gated DeltaNet
+    (Qwen3.5 / 3.6, Qwen3-Next; model/gated_deltanet.py computes it), whose widths these are
+    (Qwen3.5's linear_* config keys). It keeps no KV rows: a sequence's state is its recurrent
+    state [value_heads, key_dim, value_dim] (float32) and the convolution's last conv_width - 1
+    inputs [conv_width - 1, channels]."""
+
+    key_heads: int
+    """Hk: query/key heads (linear_num_key_heads)."""
+    value_heads: int
+    """Hv: value heads, a multiple of Hk (linear_num_value_heads); q and k serve Hv / Hk of them each."""
+    key_dim: int
+    """Dk: a query/key head's width (linear_key_head_dim)."""
+    value_dim: int
+    """Dv: a value head's width (linear_value_head_dim)."""
+    conv_width: int = 4
+    """K: the causal convolution's taps (linear_conv_kernel_dim)."""
+
+    def __post_init__(self) -> None:
+        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_width"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) <= 0:
+                raise ValueError(f"LinearShape: {name}={getattr(self, name)!r} must be a positive count")
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"LinearShape: value_heads={self.value_heads} is not a multiple of "
+                             f"key_heads={self.key_heads}: each key head serves a whole group of value heads")
+
+    @property
+    def channels(self) -> int:
+        """C: the convolution's channels (q | k | v)."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    @property
+    def recurrent_bytes(self) -> int:
+        """Bytes of one sequence's recurrent state (float32)."""
+        return 4 * self.value_heads * self.key_dim * self.value_dim
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one sequence's whole state: the recurrent state and the convolution's inputs
+        (in the model's dtype, `dtype_bytes` each)."""
+        return self.recurrent_bytes + (self.conv_width - 1) * self.channels * dtype_bytes
+
+    def params(self, dim: int) -> int:
+        """Weights of the layer for a residual width `dim`: in-projections (q|k|v, z, b, a), the
+        convolution, dt_bias and A_log, the output norm, the out-projection."""
+        v = self.value_heads * self.value_dim
+        return dim * (self.channels + v + 2 * self.value_heads) + self.channels * self.conv_width \
+            + 2 * self.value_heads + self.value_dim + v * dim
+
+    def describe(self) -> str:
+        """A few words for tables: 'Gated DeltaNet 16/48 heads x 128'."""
+        dims = f"{self.key_dim}" if self.key_dim == self.value_dim else f"{self.key_dim}/{self.value_dim}"
+        return f"Gated DeltaNet {self.key_heads}/{self.value_heads} heads x {dims}"
+
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 """Gate activations of the gated MLP (`ModelConfig.mlp_activation`)."""
@@ -606,6 +671,14 @@ class ModelConfig:
     """Per layer, its mixture-of-experts feed-forward, or None where the layer has the dense gated
     MLP of `ffn_dim` (Qwen3-MoE's mlp_only_layers / decoder_sparse_step); empty: every layer dense
     (see `experts`)."""
+    layer_linear: tuple[LinearShape | None, ...] = ()
+    """Per layer, the linear attention (a Gated DeltaNet) that replaces its attention, or None for an
+    attention layer (Qwen3.5: three of every four layers linear); empty: every layer attends (see
+    `linear`). A linear layer keeps no KV rows (`kv_shapes` gives it 0 heads) but a state."""
+    attn_output_gate: bool = False
+    """The attention layers' output is multiplied by sigmoid(x W_gate^T) per head dim before the
+    output projection (Qwen3.5 / Qwen3-Next: q_proj gives each head's query and gate side by side;
+    transformers computes it in the model's dtype)."""
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -635,6 +708,16 @@ class ModelConfig:
         if any(e is not None and e.beside_dense for e in experts) and not self.post_norms:
             raise ValueError(f"ModelConfig {self.name!r}: experts beside the dense MLP (Gemma 4's) are computed in "
                              "Gemma's block: set post_norms")
+        linear = tuple(LinearShape(**x) if isinstance(x, Mapping) else x for x in self.layer_linear)
+        if all(x is None for x in linear):
+            linear = ()  # one spelling of "every layer attends"
+        object.__setattr__(self, "layer_linear", linear)
+        if linear and len(linear) != self.n_layers:
+            raise ValueError(f"ModelConfig {self.name!r}: layer_linear describes {len(linear)} layers but the model "
+                             f"has n_layers={self.n_layers}: give one LinearShape or None per layer")
+        if linear and all(x is not None for x in linear):
+            raise ValueError(f"ModelConfig {self.name!r}: every layer is linear attention; a hybrid keeps some "
+                             "attention layers (ringctx splits those layers' KV over the ranks)")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ModelConfig {self.name!r}: mlp_activation={self.mlp_activation!r} "
                              f"(one of {', '.join(MLP_ACTIVATIONS)})")
@@ -676,6 +759,31 @@ class ModelConfig:
             return 3 * self.dim * self.ffn_dim + experts.params(self.dim, active) + 3 * self.dim
         return 3 * self.dim * self.ffn_dim if experts is None else experts.params(self.dim, active)
 
+    def linear(self, layer: int) -> LinearShape | None:
+        """Layer `layer`'s linear attention, or None: it is an attention layer."""
+        return self.layer_linear[layer] if self.layer_linear else None
+
+    @property
+    def has_linear(self) -> bool:
+        """True when some layer is linear attention (a hybrid: Qwen3.5, Qwen3-Next)."""
+        return bool(self.layer_linear)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that attend (keep KV rows), in order: every layer but the linear ones."""
+        return [i for i in range(self.n_layers) if self.linear(i) is None]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The linear-attention layers, in order."""
+        return [i for i in range(self.n_layers) if self.linear(i) is not None]
+
+    def linear_state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one sequence's linear-attention states over all layers (recurrent states in
+        float32, convolution inputs in the model's dtype of `dtype_bytes`): what a document or a
+        question holds besides its KV rows, whatever its length."""
+        return sum(self.linear(i).state_bytes(dtype_bytes) for i in self.linear_layers)
+
     def head_dim_of(self, layer: int) -> int:
         """Layer `layer`'s head width (its q, k and v heads): its own, else the model's head_dim."""
         return self.attention(layer).head_dim or self.head_dim
@@ -687,8 +795,9 @@ class ModelConfig:
     @property
     def kv_shapes(self) -> list[tuple[int, int]]:
         """Per layer, (KV heads, head width) of its K and V rows: the cache's, the ring's and the
-        document files' row shape of that layer."""
-        return [(self.kv_heads_of(i), self.head_dim_of(i)) for i in range(self.n_layers)]
+        document files' row shape of that layer (a linear-attention layer's: 0 heads, no bytes)."""
+        return [(0 if self.linear(i) is not None else self.kv_heads_of(i), self.head_dim_of(i))
+                for i in range(self.n_layers)]
 
     @property
     def widest_head_dim(self) -> int:
@@ -698,7 +807,7 @@ class ModelConfig:
     @property
     def uniform_heads(self) -> bool:
         """True when every layer has the model's head shape (one KV row shape for the whole cache)."""
-        return all(not (layer.head_dim or layer.n_kv_heads) for layer in self.layer_attention)
+        return not self.layer_linear and all(not (layer.head_dim or layer.n_kv_heads) for layer in self.layer_attention)
 
     @property
     def layer_spans(self) -> list[Span]:
@@ -709,7 +818,7 @@ class ModelConfig:
         """KV rows a cache of `tokens` tokens keeps over all layers once its windowed and chunked
         layers dropped what later tokens cannot see (`KVCache.drop_unseen`): `tokens` per full
         layer, at most W (or the current chunk) per other layer."""
-        return sum(span.kept_tokens(tokens) for span in self.layer_spans)
+        return sum(span.kept_tokens(tokens) for i, span in enumerate(self.layer_spans) if self.linear(i) is None)
 
     def kv_elements_kept(self, tokens: int) -> int:
         """K or V elements (heads x head width per row) those kept rows hold over all layers: what
@@ -720,13 +829,14 @@ class ModelConfig:
     def decode_kv_rows(self, context: int) -> int:
         """K/V rows a decode step at position `context` reads over all layers: every earlier row in
         a full layer, the window's or the current chunk's in the others (and its own)."""
-        return self.kv_rows_kept(context) + self.n_layers
+        return self.kv_rows_kept(context) + len(self.attention_layers)
 
     def attention_summary(self) -> str:
         """The layers' attention kinds in a few words: "30 full", or "25 window 1024 + 5 full"."""
         counts: dict[str, int] = {}
         for i in range(self.n_layers):
-            text = self.attention(i).describe()
+            linear = self.linear(i)
+            text = self.attention(i).describe() if linear is None else linear.describe()
             counts[text] = counts.get(text, 0) + 1
         return " + ".join(f"{n} {text}" for text, n in counts.items())
 
@@ -753,11 +863,12 @@ class ModelConfig:
     @property
     def is_llama_block(self) -> bool:
         """True when the blocks, embedding and head are Llama's (SwiGLU, weight-multiplied norms, two
-        norms a block, unscaled embeddings, no logit soft-cap, no v norm or block scalars): what the
+        norms a block, unscaled embeddings, no logit soft-cap, no v norm or block scalars, no gated
+        attention output, no linear-attention layers): what the
         fused CPU kernels compute."""
         return (self.mlp_activation == "silu" and not self.norm_plus_one and not self.post_norms
                 and self.embed_scale == 1.0 and not self.final_softcap and not self.v_norm
-                and not self.layer_scalars)
+                and not self.layer_scalars and not self.has_linear and not self.attn_output_gate)
 
     @property
     def gqa_group(self) -> int:
@@ -778,7 +889,13 @@ class ModelConfig:
     def _params(self, active: bool) -> int:
         layers = 0
         for i, (hkv, d) in enumerate(self.kv_shapes):
+            mlp = self.ffn_params(i, active)
+            if self.linear(i) is not None:
+                layers += self.linear(i).params(self.dim) + mlp + 2 * self.dim
+                continue
             attn = self.dim * (self.n_heads + 2 * hkv) * d + self.n_heads * d * self.dim
+            if self.attn_output_gate:  # the gate's rows beside q's
+                attn += self.dim * self.n_heads * d
             if self.qkv_bias:
                 attn += (self.n_heads + 2 * hkv) * d
             if self.attn_out_bias:
@@ -787,7 +904,6 @@ class ModelConfig:
                 attn += self.n_heads
             if self.qk_norm:
                 attn += 2 * d
-            mlp = self.ffn_params(i, active)
             layers += attn + mlp + (4 if self.post_norms else 2) * self.dim + (1 if self.layer_scalars else 0)
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return layers + self.vocab_size * self.dim + head + self.dim
@@ -807,6 +923,7 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["layer_attention"] = tuple(LayerAttention.from_dict(x) for x in d.get("layer_attention") or ())
         d["layer_experts"] = tuple(None if x is None else Experts(**x) for x in d.get("layer_experts") or ())
+        d["layer_linear"] = tuple(None if x is None else LinearShape(**x) for x in d.get("layer_linear") or ())
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -908,11 +1025,11 @@ _MISSING = object()
 
 _LATER_FIELDS = {"qk_norm": False, "layer_attention": (), "mlp_activation": "silu", "norm_plus_one": False,
                  "post_norms": False, "embed_scale": 1.0, "final_softcap": 0.0, "v_norm": False,
-                 "layer_scalars": False, "layer_experts": ()}
+                 "layer_scalars": False, "layer_experts": (), "layer_linear": (), "attn_output_gate": False}
 """ModelConfig fields added after fingerprints were first stored, with their defaults."""
 _LATER_ROPE_FIELDS = {"rope_type": "llama3", "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                       "attention_factor": 1.0, "long_factor": (), "short_factor": (), "proportion": 1.0}
 """RopeScaling fields added after fingerprints were first stored, with their defaults."""
 _LATER_EXPERT_FIELDS = {"beside_dense": False, "activation": "swiglu", "bias": False, "router_bias": False,
-                        "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+                        "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "shared_gate": False}
 """Experts fields added after MoE fingerprints were first stored (Gemma 4's, gpt-oss's), with their defaults."""

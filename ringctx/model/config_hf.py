@@ -9,7 +9,7 @@ import os
 from typing import Any, Mapping
 
 from ..attention.dual_chunk import DualChunk
-from .config import Experts, LayerAttention, ModelConfig, RopeScaling, with_head_shape
+from .config import Experts, LayerAttention, LinearShape, ModelConfig, RopeScaling, with_head_shape
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -21,12 +21,12 @@ def _as_id_list(value: Any) -> list[int]:
 
 HF_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3_text",
                   "gemma4_text", "llama4_text", "mistral3", "gemma3", "gemma4", "llama4", "mixtral", "qwen3_moe",
-                  "gpt_oss")
+                  "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 """Hugging Face `model_type`s ringctx's decoder runs (mistral3, gemma3, gemma4 and llama4: their
 text model only, see WRAPPERS)."""
 
 WRAPPERS = {"mistral3": ("mistral",), "gemma3": ("gemma3_text",), "gemma4": ("gemma4_text",),
-            "llama4": ("llama4_text",)}
+            "llama4": ("llama4_text",), "qwen3_5": ("qwen3_5_text",), "qwen3_5_moe": ("qwen3_5_moe_text",)}
 """Image-text models whose `text_config` ringctx runs, with the text model_types it accepts there:
 Mistral-Small 3.x / Magistral (Mistral3ForConditionalGeneration), Gemma 3 4B-27B
 (Gemma3ForConditionalGeneration) and Llama 4 (Llama4ForConditionalGeneration). Their vision tower
@@ -58,7 +58,18 @@ GEMMA4_DEFAULTS = {"head_dim": 256, "sliding_window": 512, "max_position_embeddi
                    "num_key_value_heads": 4, "tie_word_embeddings": True}
 """Gemma4TextConfig's defaults for the keys a config.json may leave out (transformers 5.25)."""
 
-PARTIAL_ROTARY_TYPES = ("phi3",)
+HYBRID_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""Linear-attention hybrids (`read_hybrid_layers`): Gated DeltaNet layers ("linear_attention" in
+layer_types, default three of every four) between gated full-attention layers with partial
+rotary, (1 + w) q/k norms and block norms (Qwen3.5 / 3.6 dense and MoE, Qwen3-Next)."""
+
+HYBRID_DEFAULTS = {"head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "partial_rotary_factor": 0.25,
+                   "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4}
+"""Qwen3_5TextConfig's (and Qwen3NextConfig's) defaults for the keys a config.json may leave out
+(transformers 5.25)."""
+
+PARTIAL_ROTARY_TYPES = ("phi3", *HYBRID_TYPES)
 """model_types whose partial_rotary_factor ringctx reads (transformers rotates the first dims only)."""
 
 REFUSED_TYPES = {
@@ -79,11 +90,17 @@ MOE_DEFAULTS = {
     "gpt_oss": {"num_local_experts": 128, "num_experts_per_tok": 4, "rms_norm_eps": 1e-5, "rope_theta": 150_000.0,
                 "max_position_embeddings": 131072, "head_dim": 64, "sliding_window": 128, "attention_bias": True,
                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+    "qwen3_5_moe_text": {"num_local_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+                         "shared_expert_intermediate_size": 512},
+    "qwen3_next": {"num_local_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                   "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                   "mlp_only_layers": []},
 }
 """The mixture-of-experts model_types ringctx reads (`read_experts`), with their config classes'
 defaults for the keys a config.json may leave out (MixtralConfig, Qwen3MoeConfig, GptOssConfig,
 transformers 5.25; all store the expert count as num_local_experts, num_experts being an alias of
-it). gpt_oss's default layer_types and YaRN are filled in by `_gpt_oss_defaults`."""
+it). gpt_oss's default layer_types and YaRN are filled in by `_gpt_oss_defaults`. Qwen3.5-MoE and
+Qwen3-Next add a gated shared expert (shared_expert_intermediate_size, `Experts.shared_gate`).""" 
 
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -306,6 +323,9 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         return ValueError(f"{source}: {what} (model_type {model_type})")
 
     _refuse_unsupported_features(d, model_type, unsupported)
+    if model_type == "qwen3_5_moe_text" and d.get("intermediate_size") is None:
+        # every layer's feed-forward is experts: no dense width (ffn_dim must still be a count)
+        d["intermediate_size"] = d.get("moe_intermediate_size") or MOE_DEFAULTS[model_type]["moe_intermediate_size"]
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     absent = [key for key in required if d.get(key) is None]
     if absent:
@@ -318,6 +338,8 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         d = {**MOE_DEFAULTS[model_type], **d}
     if model_type == "gpt_oss":
         d = _gpt_oss_defaults(d)
+    if model_type in HYBRID_TYPES:
+        d = {**HYBRID_DEFAULTS, **{k: v for k, v in d.items() if v is not None}}
     if model_type in GEMMA4_TYPES:
         d = {**GEMMA4_DEFAULTS, **d}
     elif model_type in GEMMA_TYPES:  # Gemma3TextConfig's defaults for the keys a config.json may leave out
@@ -343,8 +365,11 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
             rope["rope_type"] = "longrope"  # Phi3Config's renaming of its older spellings
         original = d.get("original_max_position_embeddings") if model_type == "phi3" else None
         rope_scaling = RopeScaling.from_hf(rope, max_position, unsupported, original)
+    linear: tuple = ()
     if model_type in LLAMA4_TYPES:
         layers = _llama4_layers(d, unsupported, invalid)
+    elif model_type in HYBRID_TYPES:
+        layers, linear = (), read_hybrid_layers(d, invalid)
     else:
         layers = read_layer_attention(d, model_type, unsupported, invalid)
     if model_type == "gpt_oss":  # a learned sink logit per head on every layer (GptOssAttention.sinks)
@@ -356,7 +381,7 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         layers = _gemma_layers(d, layers, head_dim, local, gemma4=model_type in GEMMA4_TYPES)
         if model_type in GEMMA4_TYPES:
             layers = _gemma4_head_shapes(d, layers, invalid)
-    elif model_type == "phi3" and partial != 1.0:
+    elif model_type in PARTIAL_ROTARY_TYPES and partial != 1.0:
         rotary_dim = int(head_dim * partial)  # transformers: int(head_dim * partial_rotary_factor)
         if rotary_dim % 2 or rotary_dim <= 0:
             raise unsupported(f"partial_rotary_factor={partial} (rotates {rotary_dim} of {head_dim} dims: not a "
@@ -389,13 +414,13 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         qkv_bias=qkv_bias,
         attn_out_bias=attn_out_bias,
         tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),  # Gemma 3's configs tie by default
-        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "gemma4_text", *HYBRID_TYPES),
         max_seq_len=max_position,
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos),
         layer_attention=layers,
         mlp_activation="gelu_tanh" if gemma else "silu",
-        norm_plus_one=model_type == "gemma3_text",
+        norm_plus_one=model_type in ("gemma3_text", *HYBRID_TYPES),  # Qwen3.5's zero-centred norms too
         post_norms=gemma,
         embed_scale=float(int(d["hidden_size"]) ** 0.5) if gemma else 1.0,
         final_softcap=float(d.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
@@ -404,7 +429,34 @@ def read_hf_config(config: "Mapping[str, Any] | str | os.PathLike", *, name: str
         layer_experts=(read_experts(d, model_type, invalid) if model_type in MOE_DEFAULTS
                        else read_llama4_experts(d, invalid) if model_type in LLAMA4_TYPES
                        else read_gemma4_experts(d, invalid) if model_type in GEMMA4_TYPES else ()),
+        layer_linear=linear,
+        attn_output_gate=model_type in HYBRID_TYPES,
     )
+
+
+def read_hybrid_layers(d: Mapping[str, Any], invalid) -> tuple[LinearShape | None, ...]:
+    """Each layer's Gated DeltaNet shape (None: a full-attention layer) of a Qwen3.5 / Qwen3-Next
+    config (HYBRID_DEFAULTS filled in): layer_types' "linear_attention" entries, or, without
+    layer_types, every layer but each full_attention_interval-th (Qwen3_5TextConfig's rule).
+    invalid(text) -> the ValueError for a value no model can have."""
+    n_layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        interval = d.get("full_attention_interval")
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise invalid(f"full_attention_interval={interval!r} (a positive layer count: every n-th layer attends)")
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise invalid(f"layer_types={types!r}: give one of 'linear_attention' / 'full_attention' per layer "
+                      f"({n_layers})")
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    try:
+        shape = LinearShape(*(int(d[k]) for k in keys))
+    except (TypeError, ValueError) as e:
+        raise invalid(", ".join(f"{k}={d.get(k)!r}" for k in keys) + f": {str(e).removeprefix('LinearShape: ')}") \
+            from None
+    return tuple(shape if t == "linear_attention" else None for t in types)
 
 
 def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Experts | None, ...]:
@@ -416,6 +468,9 @@ def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Expert
     - qwen3_moe: layer i is sparse unless it is in mlp_only_layers, when num_experts > 0 and
       (i + 1) % decoder_sparse_step == 0; experts of moe_intermediate_size, top num_experts_per_tok,
       renormalised iff norm_topk_prob, the weights rounded to the model dtype (Qwen3MoeTopKRouter);
+    - qwen3_5_moe_text: every layer, as qwen3_moe with the weights always renormalised, and a shared
+      expert of shared_expert_intermediate_size gated by sigmoid(x w) (Qwen3_5MoeSparseMoeBlock);
+      qwen3_next: qwen3_moe's rule and the same gated shared expert (Qwen3NextSparseMoeBlock);
     - gpt_oss: every layer, num_local_experts experts of intermediate_size with biases and the
       clamped SwiGLU (swiglu_alpha, swiglu_limit), the router's bias added to its logits, the top
       num_experts_per_tok logits softmaxed over those k, in the model dtype (GptOssTopKRouter).
@@ -429,9 +484,17 @@ def read_experts(d: Mapping[str, Any], model_type: str, invalid) -> tuple[Expert
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise invalid(f"{name}={value!r} (a count of experts or units)")
     gpt_oss = {}
+    if model_type in ("qwen3_5_moe_text", "qwen3_next"):  # a gated shared expert beside the routed ones
+        shared = d.get("shared_expert_intermediate_size")
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise invalid(f"shared_expert_intermediate_size={shared!r} (a count of units)")
+        gpt_oss = dict(shared_ffn_dim=shared, shared_gate=shared > 0)
     if model_type == "mixtral":
         sparse = [True] * n_layers
         renormalize, rounded = True, False
+    elif model_type == "qwen3_5_moe_text":  # Qwen3_5MoeSparseMoeBlock on every layer, always renormalised
+        sparse = [True] * n_layers
+        renormalize, rounded = True, True
     elif model_type == "gpt_oss":  # GptOssMLP on every layer: router bias, top-k then softmax, biased experts
         sparse = [True] * n_layers
         renormalize, rounded = False, True

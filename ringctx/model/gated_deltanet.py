@@ -30,39 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.gated_delta import ChunkForm, recurrent
-
-
-@dataclass(frozen=True)
-class LinearShape:
-    """A Gated DeltaNet layer's widths (Qwen3.5's linear_* config keys)."""
-
-    key_heads: int
-    """Hk: query/key heads (linear_num_key_heads)."""
-    value_heads: int
-    """Hv: value heads, a multiple of Hk (linear_num_value_heads); q and k serve Hv / Hk of them each."""
-    key_dim: int
-    """Dk: a query/key head's width (linear_key_head_dim)."""
-    value_dim: int
-    """Dv: a value head's width (linear_value_head_dim)."""
-    conv_width: int = 4
-    """K: the causal convolution's taps (linear_conv_kernel_dim)."""
-
-    def __post_init__(self) -> None:
-        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_width"):
-            if isinstance(getattr(self, name), bool) or getattr(self, name) <= 0:
-                raise ValueError(f"LinearShape: {name}={getattr(self, name)!r} must be a positive count")
-        if self.value_heads % self.key_heads:
-            raise ValueError(f"LinearShape: value_heads={self.value_heads} is not a multiple of "
-                             f"key_heads={self.key_heads}: each key head serves a whole group of value heads")
-
-    @property
-    def channels(self) -> int:
-        """C: the convolution's channels (q | k | v)."""
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-
-    def state_bytes(self, dtype_bytes: int) -> int:
-        """Bytes of one sequence's state: the recurrent state (float32) and the convolution inputs."""
-        return 4 * self.value_heads * self.key_dim * self.value_dim + (self.conv_width - 1) * self.channels * dtype_bytes
+from .config import LinearShape
 
 
 @dataclass
@@ -74,17 +42,37 @@ class LinearState:
     recurrent: torch.Tensor
     """[Hv, Dk, Dv] float32."""
 
+    @classmethod
+    def zeros(cls, shape: LinearShape, dtype: torch.dtype, device=None) -> "LinearState":
+        """The state before a sequence's first token (conv inputs in `dtype`, the model's)."""
+        return cls(torch.zeros(shape.conv_width - 1, shape.channels, dtype=dtype, device=device),
+                   torch.zeros(shape.value_heads, shape.key_dim, shape.value_dim, device=device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * 4
+
+    def zero_(self) -> "LinearState":
+        self.conv.zero_()
+        self.recurrent.zero_()
+        return self
+
     def clone(self) -> "LinearState":
         return LinearState(self.conv.clone(), self.recurrent.clone())
 
 
 class GatedDeltaNet(nn.Module):
     """forward(x [T, dim], state or None) -> (y [T, dim], the state after x). Parameter names are
-    transformers' (linear_attn.*), so checkpoints map one to one."""
+    transformers' (linear_attn.*), but for conv_weight [C, K] (checkpoints: conv1d.weight [C, 1, K])
+    and norm_weight [Dv] (checkpoints: norm.weight).
 
-    def __init__(self, dim: int, shape: LinearShape, norm_eps: float):
+    Under tensor parallelism `shape` is this rank's shard (its key heads and their value heads, see
+    model/tensor_parallel.py) and the out-projection's partial outputs are summed over `tp`.
+    `linear` is the model's matmul (transformer.linear: ringctx's CPU kernels where they apply)."""
+
+    def __init__(self, dim: int, shape: LinearShape, norm_eps: float, linear=F.linear, tp=None):
         super().__init__()
-        self.shape, self.norm_eps = shape, norm_eps
+        self.shape, self.norm_eps, self.linear, self.tp = shape, norm_eps, linear, tp
         s = shape
         self.in_proj_qkv = nn.Linear(dim, s.channels, bias=False)
         self.in_proj_z = nn.Linear(dim, s.value_heads * s.value_dim, bias=False)
@@ -106,7 +94,7 @@ class GatedDeltaNet(nn.Module):
     # -- the steps, in order (context parallelism runs them with exchanges between) -------------------
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> the convolution's inputs [T, C] (they depend on these tokens alone)."""
-        return self.in_proj_qkv(x)
+        return self.linear(x, self.in_proj_qkv.weight)
 
     def convolve(self, mixed: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The causal convolution of mixed [T, C] after its previous inputs before [K-1, C], SiLU, the
@@ -125,22 +113,25 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g [T, Hv] float32 log decay, beta [T, Hv] in the model's dtype) of x [T, dim]."""
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        beta = torch.sigmoid(self.linear(x, self.in_proj_b.weight))
+        g = -self.A_log.float().exp() * F.softplus(self.linear(x, self.in_proj_a.weight).float() + self.dt_bias)
         return g, beta
 
     def finish(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The gated norm and the out-projection: o [T, Hv, Dv] float32, x [T, dim] -> y [T, dim]."""
         T, dtype = x.shape[0], x.dtype
-        z = self.in_proj_z(x).reshape(T, self.shape.value_heads, self.shape.value_dim)
+        z = self.linear(x, self.in_proj_z.weight).reshape(T, self.shape.value_heads, self.shape.value_dim)
         o = o.to(dtype).float()  # transformers hands the rule's output over in the model's dtype
         normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(dtype)
         gated = (self.norm_weight * normed) * F.silu(z.float())
-        return self.out_proj(gated.to(dtype).reshape(T, -1))
+        y = self.linear(gated.to(dtype).reshape(T, -1), self.out_proj.weight)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     def forward(self, x: torch.Tensor, state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
         s = self.shape
         state = state if state is not None else self.empty_state(x.device, x.dtype)
+        if x.shape[0] == 0:
+            return x.new_zeros(0, x.shape[1]), state
         mixed = self.project(x)
         q, k, v = self.convolve(mixed, state.conv)
         g, beta = self.gates(x)

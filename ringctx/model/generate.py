@@ -397,8 +397,21 @@ def sequence_logits(model, token_ids) -> torch.Tensor:
         raise ValueError("logits of an empty sequence: give at least one token")
     with torch.inference_mode():
         positions = torch.arange(ids.numel(), device=model.device)
-        return model(ids, positions, lambda layer, q, k, v: causal_attention(q, k, v, model.layer_softmax(layer)),
-                     logits="all")
+        return model(ids, positions, OneSequence(model), logits="all")
+
+
+class OneSequence:
+    """The `attend` of one whole sequence from position 0 with no cache: causal attention as each
+    layer says, and a linear-attention layer from its zero state."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v, self.model.layer_softmax(layer))
+
+    def mix_linear(self, layer: int, module, x: torch.Tensor) -> torch.Tensor:
+        return module.forward(x)[0]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax: LayerSoftmax) -> torch.Tensor:

@@ -36,7 +36,8 @@ from ..attention import PartialAccumulator, attention_block, attention_with_cach
 from ..attention import quant
 from ..attention.spans import KeyRows, LayerSoftmax, Run, Span, is_plain, query_heads, runs_of, span_attention
 from ..attention.quant import check_kv_dtype, dequantize_rows, is_quantized, quantize_rows, storage_dtype
-from .config import ModelConfig
+from .config import LinearShape, ModelConfig
+from .gated_deltanet import LinearState
 from ..host_memory import collapse_steps, host_tensors, release_pages
 
 
@@ -68,13 +69,16 @@ class KVCache:
         small_pages: bool = False,
         kept: Sequence[int] | None = None,
         shapes: Sequence[tuple[int, int]] | None = None,
+        linear: Sequence[LinearShape | None] | None = None,
     ):
         """dtype: what reads return and writes take (the model's dtype); kv_dtype: how rows are
         stored (see the class docstring); sliced: keep a `positions` index (rows in any order);
         small_pages: on a CPU, in ordinary pages, not 2 MiB ones (a prefill's cache, written chunk by
         chunk: see ringctx.host_memory); kept: per layer, the first row it stores (default 0: all);
         shapes: per layer, (KV heads, head width) of its rows when layers differ (Gemma 4 31B's
-        full layers; `ModelConfig.kv_shapes`), default (n_kv_heads, head_dim) for every layer."""
+        full layers; `ModelConfig.kv_shapes`), default (n_kv_heads, head_dim) for every layer;
+        linear: per layer, its linear-attention shape or None (`ModelConfig.layer_linear`: those
+        layers keep a `LinearState`, zero to start, instead of rows; their shapes give 0 heads)."""
         if max_tokens <= 0:
             raise ValueError(f"KVCache: max_tokens must be positive, got {max_tokens}")
         kept = [0] * n_layers if kept is None else [int(r) for r in kept]
@@ -110,6 +114,13 @@ class KVCache:
         self.max_tokens = max_tokens
         self.kept = kept
         self.spans: list[Span] | None = None  # set by drop_unseen: what each layer's rows are kept for
+        self.linear_states: list[LinearState | None] | None = None
+        self.linear_shapes: list[LinearShape | None] | None = list(linear) if linear else None
+        """Per layer, the linear-attention shape of the layers that keep a state (None for the
+        others); None for a cache of attention layers only."""
+        if linear:
+            self.linear_states = [None if shape is None else LinearState.zeros(shape, dtype, device)
+                                  for shape in linear]
 
     def kept_from(self, layer: int) -> int:
         """The first row this layer still stores: rows below it were dropped (a windowed or chunked
@@ -126,14 +137,15 @@ class KVCache:
         """An empty cache with this model's layer count and each layer's KV heads and head width."""
         return cls(config.n_layers, max_tokens, config.n_kv_heads, config.head_dim, dtype=dtype, device=device,
                    kv_dtype=kv_dtype, sliced=sliced, small_pages=small_pages, kept=kept,
-                   shapes=None if config.uniform_heads else config.kv_shapes)
+                   shapes=None if config.uniform_heads else config.kv_shapes, linear=config.layer_linear)
 
     def empty_like(self, max_tokens: int, *, sliced: bool, kept: Sequence[int] | None = None,
                    small_pages: bool = False) -> "KVCache":
-        """An empty cache with this one's layers, row shapes, dtypes and device, room for `max_tokens`."""
+        """An empty cache with this one's layers, row shapes, dtypes and device, room for `max_tokens`
+        (linear layers' states zero)."""
         return KVCache(self.n_layers, max_tokens, *self.shapes[0], dtype=self.dtype, device=self.device,
                        kv_dtype=self.kv_dtype, sliced=sliced, small_pages=small_pages, kept=kept,
-                       shapes=self.shapes)
+                       shapes=self.shapes, linear=self.linear_shapes)
 
     @classmethod
     def from_tensors(
@@ -171,6 +183,7 @@ class KVCache:
         cache.k_scale = cache.v_scale = cache.positions = None
         cache.small_pages = False
         cache.kept, cache.spans = [0] * len(k), None
+        cache.linear_states = cache.linear_shapes = None  # a hybrid's: the caller sets both
         cache.max_tokens = shape[0] if max_tokens is None else max_tokens
         if max_tokens is None:
             cache.k, cache.v = list(k), list(v)
@@ -189,6 +202,17 @@ class KVCache:
     @property
     def n_layers(self) -> int:
         return len(self.k)
+
+    def state_bytes(self) -> int:
+        """Bytes of the linear layers' states (0 without them)."""
+        return sum(st.nbytes for st in self.linear_states or () if st is not None)
+
+    def _check_rewind(self, length: int, what: str) -> None:
+        """A linear layer's state stands after the cache's last token and cannot go back."""
+        if self.linear_states is not None and length != self.length:
+            raise ValueError(f"{what}: this cache's linear-attention layers keep a state after its {self.length} tokens, "
+                             f"not a row per token, so it cannot stand at {length} tokens; prefill those tokens into "
+                             "a new cache instead")
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -228,8 +252,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all buffers (capacity, not just the valid prefix), scales included."""
-        return sum(t.numel() * t.element_size() for t in self.storage_tensors())
+        """Bytes held by all buffers (capacity, not just the valid prefix), scales and linear states included."""
+        return sum(t.numel() * t.element_size() for t in self.storage_tensors()) + self.state_bytes()
 
     def huge_page_steps(self):
         """A small-pages cache's memory moved into 2 MiB pages, one page per step (a generator, see
@@ -396,6 +420,9 @@ class KVCache:
                               kept=self.kept)
         out.spans = self.spans
         copy_rows(out, 0, self, 0, self.length)
+        if self.linear_states is not None:
+            out.linear_states = [None if st is None else st.clone() for st in self.linear_states]
+            out.linear_shapes = list(self.linear_shapes)
         if self.positions is not None:
             out.positions[:self.length] = self.positions[:self.length]
         out.length = self.length
@@ -407,11 +434,15 @@ class KVCache:
             raise ValueError("a cache whose windowed or chunked layers dropped rows has shorter buffers for them: "
                              "make a new cache (KVCache.for_model) instead of resetting this one")
         self.length = 0
+        for st in self.linear_states or ():
+            if st is not None:
+                st.zero_()
 
     def truncate(self, length: int) -> None:
         """Keep only the first `length` tokens (e.g. to reuse a shared prompt prefix)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"KVCache.truncate: length {length} outside [0, {self.length}]")
+        self._check_rewind(length, "KVCache.truncate")
         if length < max(self.kept):
             raise ValueError(f"KVCache.truncate: a windowed or chunked layer dropped rows below "
                              f"{max(self.kept)}, so the cache cannot be cut back to {length} rows")
@@ -462,6 +493,9 @@ class KVCache:
             raise ValueError("a view of a cache needs its rows in position order (sorted_by_position)")
         if not self.serves_prefix(tokens):
             raise ValueError(f"a view below {tokens} tokens needs rows a windowed or chunked layer dropped")
+        if self.linear_states is not None:
+            raise ValueError("a view of a cache with linear-attention layers: their states stand after the whole "
+                             "cache, not at a prefix; copy the cache instead")
         positions = self.row_positions()
         rows = int(torch.searchsorted(positions, torch.tensor(int(tokens))))
         out = KVCache.__new__(KVCache)
@@ -587,6 +621,16 @@ class CachedAttend:
     """
 
     __slots__ = ("cache", "start", "backend", "softmax_of")
+
+    def mix_linear(self, layer: int, module, x: torch.Tensor) -> torch.Tensor:
+        """A linear-attention layer's output [T, dim] for the new tokens' normed rows x [T, dim], from
+        the cache's state of that layer (after the `start` cached tokens), which it then replaces."""
+        states = self.cache.linear_states
+        if states is None or states[layer] is None:
+            raise ValueError(f"layer {layer} is a linear-attention layer and this KV cache keeps no state for it: "
+                             "make the cache with KVCache.for_model(model.config, ...)")
+        y, states[layer] = module.forward(x, states[layer])
+        return y
 
     def __init__(self, cache: KVCache, start: int, backend: str = "auto", softmax_of=None):
         self.cache, self.start, self.backend, self.softmax_of = cache, start, backend, softmax_of

@@ -53,7 +53,8 @@ Tensors: `router.weight` [E, dim] (and `router.bias` [E]; replicated under TP); 
 each expert's gate rows then its up rows (the dense MLP's w13 layout, per expert; gpt-oss's
 checkpoints interleave them, weights_hf.py separates them at load); `w2` [E, dim, F]; with biases
 `b13` [E, 2F] (gate then up) and `b2` [E, dim]; with a shared expert `shared_w13` [2S, dim] and
-`shared_w2` [dim, S] (the dense MLP's layout). Under tensor parallelism F and S are this rank's
+`shared_w2` [dim, S] (the dense MLP's layout), and its gate `shared_gate` [1, dim] (Qwen3-Next,
+Qwen3.5-MoE: the shared output times sigmoid(x shared_gate^T)). Under tensor parallelism F and S are this rank's
 share of every expert's hidden units (model/tensor_parallel.py).
 
 torch._grouped_mm (torch 2.13 has a CPU kernel) was measured against this loop, this module's
@@ -178,6 +179,9 @@ class MixtureOfExperts(nn.Module):
         if experts.shared_ffn_dim:  # the shared expert: the dense MLP's layout, its own width (on every EP rank)
             self.shared_w13 = nn.Parameter(torch.empty(2 * experts.shared_ffn_dim, config.dim))
             self.shared_w2 = nn.Parameter(torch.empty(config.dim, experts.shared_ffn_dim))
+        # Qwen3-Next / Qwen3.5-MoE: the shared expert's output times sigmoid(x w) [1, dim], replicated
+        # under TP (a per-token scalar times this rank's partial sum is that rank's share of the product)
+        self.shared_gate = nn.Parameter(torch.empty(1, config.dim)) if experts.shared_gate else None
         # Experts.bias (gpt-oss): b13 [held, 2F] this rank's gate then up units (split as w13's rows),
         # b2 [held, dim] whole on every TP rank but added by TP rank 0 only (see _down_bias).
         self.b13 = nn.Parameter(torch.empty(held, 2 * ffn)) if experts.bias else None
@@ -225,6 +229,8 @@ class MixtureOfExperts(nn.Module):
         if experts.shared_ffn_dim:  # transformers' order: the shared output (rounded) plus the routed sum (rounded)
             shared = self.linear(self.activation(self.linear(x, self.shared_w13), experts.shared_ffn_dim),
                                  self.shared_w2)
+            if self.shared_gate is not None:  # transformers: sigmoid(x w^T) * shared, in the model dtype
+                shared = torch.sigmoid(self.linear(x, self.shared_gate)) * shared
             out = shared.add_(out)
         return self.tp.all_reduce(out)
 

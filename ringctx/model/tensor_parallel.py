@@ -36,12 +36,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
+from .config import LinearShape, ModelConfig
 
 
 def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -55,7 +56,7 @@ def tp_problem(config: ModelConfig, tp_size: int) -> str | None:
         return f"tp must be a positive integer, got {tp_size!r}"
     if tp_size == 1:
         return None
-    hq, kv_counts = config.n_heads, sorted({h for h, _ in config.kv_shapes})  # a layer may have its own
+    hq, kv_counts = config.n_heads, sorted({h for h, _ in config.kv_shapes if h})  # a layer may have its own
     divisors = [t for t in range(1, hq + 1)
                 if hq % t == 0 and all(hkv % t == 0 or t % hkv == 0 for hkv in kv_counts)]
     if hq % tp_size:
@@ -70,6 +71,11 @@ def tp_problem(config: ModelConfig, tp_size: int) -> str | None:
         return f"tp={tp_size} is larger than the MLP width or vocabulary of {config.name}"
     if any(e is not None and e.expert_ffn_dim < tp_size for e in config.layer_experts):
         return f"tp={tp_size} is larger than the expert width of {config.name}"
+    for shape in {s for s in config.layer_linear if s is not None}:
+        if shape.key_heads % tp_size:
+            return (f"tp={tp_size} does not divide the {shape.key_heads} key heads of {config.name}'s linear-attention "
+                    f"layers (each TP rank holds whole key heads and their value heads); use one of "
+                    f"{', '.join(str(t) for t in divisors if shape.key_heads % t == 0)}")
     if any(e is not None and 0 < e.shared_ffn_dim < tp_size for e in config.layer_experts):
         return f"tp={tp_size} is larger than the shared expert's width of {config.name}"
     return None
@@ -137,9 +143,11 @@ class TensorParallel:
         experts = tuple(None if e is None else dataclasses.replace(
             e, expert_ffn_dim=-operator.sub(*self.expert_ffn(config, i)),
             shared_ffn_dim=-operator.sub(*self.shared_ffn(config, i))) for i, e in enumerate(config.layer_experts))
+        linear = tuple(None if s is None else dataclasses.replace(  # whole key heads and their value heads
+            s, key_heads=s.key_heads // self.size, value_heads=s.value_heads // self.size) for s in config.layer_linear)
         return dataclasses.replace(config, name=f"{config.name} [TP {self.rank}/{self.size}]", n_heads=q1 - q0,
                                    n_kv_heads=k1 - k0, ffn_dim=f1 - f0, head_dim=config.head_dim,
-                                   layer_attention=layers, layer_experts=experts)
+                                   layer_attention=layers, layer_experts=experts, layer_linear=linear)
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, what: str = "all-reduce") -> torch.Tensor:
@@ -222,3 +230,35 @@ def gather_kv_heads(cache, model):
     if out is not None:
         out.length = n
     return out
+
+
+LINEAR_PARAMS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv_weight", "dt_bias", "A_log",
+                 "norm_weight", "out_proj")
+"""A Gated DeltaNet's parameters (model/gated_deltanet.py), `.weight` after the nn.Linear ones."""
+
+
+def linear_rows(shape: LinearShape, tp: "TensorParallel", param: str) -> tuple[int, torch.Tensor | None]:
+    """(dimension, indices) of the whole layer's parameter `param` that TP rank `tp.rank` holds
+    (None: all of it): key heads [a, b) of Hk and their value heads [a G, b G)."""
+    if tp.size == 1 or param == "norm_weight":
+        return 0, None
+    a, b = split_range(shape.key_heads, tp.size, tp.rank)
+    group = shape.value_heads // shape.key_heads
+    keys = torch.arange(a * shape.key_dim, b * shape.key_dim)
+    values = torch.arange(a * group * shape.value_dim, b * group * shape.value_dim)
+    heads = torch.arange(a * group, b * group)
+    if param in ("in_proj_qkv", "conv_weight"):  # the channels: q | k | v
+        k_dim = shape.key_heads * shape.key_dim
+        return 0, torch.cat([keys, keys + k_dim, values + 2 * k_dim])
+    if param == "in_proj_z":
+        return 0, values
+    if param == "out_proj":
+        return 1, values
+    return 0, heads  # in_proj_b, in_proj_a, dt_bias, A_log: one per value head
+
+
+def linear_param(name: str) -> str | None:
+    """The Gated DeltaNet parameter a model parameter name is of ('layers.3.linear_attn.in_proj_z.weight'
+    -> 'in_proj_z'), or None."""
+    match = re.match(r"layers\.\d+\.linear_attn\.(\w+?)(?:\.weight)?$", name)
+    return match.group(1) if match else None

@@ -37,6 +37,7 @@ from ..kernels import cpu, selection
 from ..kernels.cpu_features import computes_in_float32
 from .int8_weights import int8_of
 from .expert_parallel import NO_EP, ExpertParallel
+from .gated_deltanet import GatedDeltaNet
 from .moe import MixtureOfExperts
 from .tensor_parallel import NO_TP, TensorParallel
 
@@ -49,7 +50,13 @@ gets q [T, 3 * Hq, D], its three rotations side by side (intra heads [0, Hq), su
 (`span_attention` and the ring read the layer's `LayerSoftmax.span`). They may be non-contiguous
 views of one fused projection; an implementation that keeps them beyond the call must copy them.
 The returned tensor belongs to the caller (a block may overwrite it), so it must not be one the
-implementation keeps or a view of its inputs."""
+implementation keeps or a view of its inputs.
+
+A model with linear-attention layers (`ModelConfig.layer_linear`: Qwen3.5's Gated DeltaNet) needs
+an attend that also has a method `mix_linear(layer_idx, layer: GatedDeltaNet, x [T, dim]) -> y
+[T, dim]`: x is the layer's normed input, y its output before the residual add. The sequence's
+state lives with whoever implements it (a cache's `LinearState`s, the ranks' exchanges of
+runtime/linear_layers.py); T == 0 is allowed (a rank without tokens still joins collectives)."""
 
 LogitsSpec = Union[str, torch.Tensor]
 """Which rows to compute logits for: "last", "all", "none" or a LongTensor of row indices."""
@@ -249,6 +256,9 @@ class Attention(nn.Module):
         self.norm_after_rope_eps: float | None = None
         # Weightless RMS norm of v (Gemma 4), with this eps; None: none.
         self.v_norm_eps: float | None = config.norm_eps if config.v_norm else None
+        # The output gate (Qwen3.5, Qwen3-Next): rows [Hq * D, dim], sigmoid(x W^T) per query head dim
+        self.wgate = nn.Linear(config.dim, self.n_heads * self.head_dim, bias=False) if config.attn_output_gate \
+            else None
 
     def project(self, x: torch.Tensor, rope: "RopeAngles | DualChunkAngles | None",
                 temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,8 +285,12 @@ class Attention(nn.Module):
             v.copy_(F.rms_norm(v.float(), (self.head_dim,), None, self.v_norm_eps))
         return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """Attention output [T, Hq * D] projected back to [T, dim] (summed over the TP ranks' heads)."""
+    def output(self, out: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output [T, Hq * D] projected back to [T, dim] (summed over the TP ranks' heads).
+        With an output gate, normed [T, dim] is the block's normed input the gate reads: out is
+        multiplied by sigmoid(normed W_gate^T) in the model's dtype first, as transformers does."""
+        if self.wgate is not None:
+            out = out * torch.sigmoid(linear(normed, self.wgate.weight))
         if self.tp.size == 1:
             return linear(out, self.wo.weight, self.wo.bias)
         y = self.tp.all_reduce(linear(out, self.wo.weight))
@@ -354,13 +368,16 @@ class Block(nn.Module):
         self.kind = kind = config.attention(layer)
         plus_one = config.norm_plus_one
         self.attention_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
-        self.attention = Attention(config, tp, layer)
-        if plus_one and config.qk_norm:  # Gemma 3's per-head q/k norms multiply by (1 + w) too
+        shape = config.linear(layer)  # a linear-attention layer (Qwen3.5's Gated DeltaNet) in place of attention
+        self.linear_attn = None if shape is None else GatedDeltaNet(config.dim, shape, config.norm_eps, linear,
+                                                                     None if tp.size == 1 else tp)
+        self.attention = Attention(config, tp, layer) if shape is None else None
+        if shape is None and plus_one and config.qk_norm:  # Gemma 3's (and Qwen3.5's) q/k norms multiply by (1 + w) too
             self.attention.q_norm = RMSNorm(self.attention.head_dim, config.norm_eps, plus_one)
             self.attention.k_norm = RMSNorm(self.attention.head_dim, config.norm_eps, plus_one)
-        if kind.sinks:
+        if kind.sinks and shape is None:
             self.attention.sinks = nn.Parameter(torch.zeros(config.n_heads, dtype=torch.float32))
-        if kind.qk_norm_after_rope:
+        if kind.qk_norm_after_rope and shape is None:
             self.attention.norm_after_rope_eps = config.norm_eps
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps, plus_one)
         experts = config.experts(layer)  # a mixture of experts in place of the dense MLP (model/moe.py)
@@ -382,12 +399,13 @@ class Block(nn.Module):
         # Gemma 4: the block's output times a stored scalar [1] (transformers' layer_scalar)
         self.layer_scalar = nn.Parameter(torch.ones(1)) if config.layer_scalars else None
         self.span = kind.span
-        self.scale = kind.scale or self.attention.head_dim ** -0.5
+        self.scale = kind.scale or config.head_dim_of(layer) ** -0.5
 
     def softmax(self) -> LayerSoftmax:
         """This layer's softmax settings (scale, soft-cap, span, sinks) for whoever computes its
-        attention (`attend` implementations ask `Transformer.layer_softmax`)."""
-        sinks = self.attention.sinks
+        attention (`attend` implementations ask `Transformer.layer_softmax`; a linear layer's are
+        plain and unused)."""
+        sinks = None if self.attention is None else self.attention.sinks
         return LayerSoftmax(self.scale, self.kind.softcap, self.span, None if sinks is None else sinks.detach())
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, attend: Attend, layer_idx: int) -> torch.Tensor:
@@ -399,6 +417,8 @@ class Block(nn.Module):
         # .forward directly: nn.Module.__call__'s hook machinery costs microseconds per call, and a
         # decode step makes ~150 such calls for a 30-layer model. (Module hooks are not supported.)
         T = x.shape[0]
+        if self.linear_attn is not None:
+            return self._linear_forward(x, attend, layer_idx)
         attention = self.attention
         temperature = rope.query_temperature(layer_idx)
         rope = rope.for_layer(layer_idx)
@@ -425,6 +445,28 @@ class Block(nn.Module):
             result[start:stop] = self._after_attention(x[start:stop], out[start:stop])
         return result
 
+    def _linear_forward(self, x: torch.Tensor, attend: Attend, layer_idx: int) -> torch.Tensor:
+        """A linear-attention layer: h = x + mix_linear(norm(x)) over all rows at once (the layer's
+        state runs through them in order), then the feed-forward in row slices."""
+        mix = getattr(attend, "mix_linear", None)
+        if mix is None:
+            raise ValueError(f"layer {layer_idx} is a linear-attention layer (Gated DeltaNet), and this attend "
+                             f"({type(attend).__name__}) computes attention only: the path does not run hybrid "
+                             "models yet")
+        h = x + mix(layer_idx, self.linear_attn, self.attention_norm.forward(x))
+        if self.experts_across_ranks:
+            return self._feed_forward(h)
+        result = torch.empty_like(h)
+        for start, stop in row_slices(h.shape[0], h.dtype):
+            result[start:stop] = self._feed_forward(h[start:stop])
+        return result
+
+    def _feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Rows h [n, dim] after the sequence mixing -> h + mlp(norm(h)) (a linear layer's block has
+        no post-norms: Qwen3.5's)."""
+        h = h + self.feed_forward.forward(self.ffn_norm.forward(h))
+        return h if self.layer_scalar is None else h.mul_(self.layer_scalar)
+
     def _qkv(self, x: torch.Tensor, rope: RopeAngles | None,
              temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows x [n, dim] (and their query temperatures [n] or None) -> q, k (after RoPE), v of those rows."""
@@ -433,7 +475,8 @@ class Block(nn.Module):
     def _after_attention(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Rows x [n, dim] and their attention output [n, Hq * D] -> the block's output rows."""
         if self.post_attention_norm is None:
-            h = x + self.attention.output(out)
+            gate_input = self.attention_norm.forward(x) if self.attention.wgate is not None else None
+            h = x + self.attention.output(out, gate_input)
             h = h + self.feed_forward.forward(self.ffn_norm.forward(h))
         elif self.dense_mlp is None:
             h = x + self.post_attention_norm.forward(self.attention.output(out))

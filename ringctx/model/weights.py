@@ -26,7 +26,7 @@ from torch import nn
 from .config import ModelConfig
 from ..host_memory import place_in_host_arena
 from .expert_parallel import NO_EP, ExpertParallel
-from .tensor_parallel import NO_TP, TensorParallel
+from .tensor_parallel import NO_TP, TensorParallel, linear_param, linear_rows
 from .transformer import Transformer
 
 
@@ -295,6 +295,17 @@ def _full_rows(model: Transformer, name: str,
     shape = list(param.shape)
     kind = name.rsplit(".", 2)[-2] if "layers." in name else name.split(".")[0]
     layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    param = linear_param(name)
+    if param is not None:  # a Gated DeltaNet's: whole key heads and their value heads (weights_hybrid.py)
+        dim, index = linear_rows(full.linear(layer), tp, param)
+        if index is None:
+            return tuple(shape), torch.arange(shape[0]), None
+        shape[dim] *= tp.size
+        return (tuple(shape), index, None) if dim == 0 else (tuple(shape), torch.arange(shape[0]), index)
+    if name.endswith("attention.wgate.weight"):  # the output gate: rows by query heads, as q's
+        t = tp_take(full, tp, "q", layer)
+        shape[0] = t.full
+        return tuple(shape), torch.arange(t.start, t.stop), None
     if name.endswith("attention.sinks"):  # [Hq]: this rank's query heads
         t = tp_take(full, tp, "sinks")
         return (t.full,), torch.arange(t.start, t.stop), None

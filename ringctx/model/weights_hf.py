@@ -21,6 +21,7 @@ from .expert_parallel import NO_EP, ExpertParallel
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import WeightFiller, WeightPiece, empty_model, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
 from .weights_gptoss import GptOssExperts
+from .weights_hybrid import HybridTensors, hybrid_pieces
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -124,6 +125,8 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
     for i in range(config.n_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
         add(f"{hf}.input_layernorm.weight", f"{ours}.attention_norm.weight")
+        if config.has_linear or config.attn_output_gate:  # Qwen3.5 / Qwen3-Next (weights_hybrid.py)
+            pieces.update(hybrid_pieces(config, local, i, hf, ours))
         if config.post_norms:  # Gemma: post_attention_layernorm norms the attention output
             add(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_attention_norm.weight")
             add(f"{hf}.pre_feedforward_layernorm.weight", f"{ours}.ffn_norm.weight")
@@ -131,11 +134,12 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
         else:
             add(f"{hf}.post_attention_layernorm.weight", f"{ours}.ffn_norm.weight")
         for kind in ("weight", "bias") if config.qkv_bias else ("weight",):
-            for which in "qkv":
+            for which in () if config.linear(i) is not None else "kv" if config.attn_output_gate else "qkv":
                 add(f"{hf}.self_attn.{which}_proj.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which, i),
                     which, i)
-        add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight", kind="o", layer=i)
-        if config.qk_norm:  # [head_dim], shared by all heads: every TP rank reads it whole
+        if config.linear(i) is None:
+            add(f"{hf}.self_attn.o_proj.weight", f"{ours}.attention.wo.weight", kind="o", layer=i)
+        if config.qk_norm and config.linear(i) is None:  # [head_dim], shared by all heads: every TP rank reads it whole
             add(f"{hf}.self_attn.q_norm.weight", f"{ours}.attention.q_norm.weight")
             add(f"{hf}.self_attn.k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
@@ -166,6 +170,8 @@ def expected_hf_tensors(config: ModelConfig, tp: TensorParallel = NO_TP,
                     (0, shared) if which == "gate" else (shared, 2 * shared), f"shared_{which}", i)
             if shared:
                 add(f"{moe}.{experts.shared}.down_proj.weight", f"{ff}.shared_w2", None, "shared_down", i)
+            if config.experts(i).shared_gate:  # [1, dim], replicated
+                add(f"{moe}.{experts.shared}_gate.weight", f"{ff}.shared_gate")
             continue
         add(f"{hf}.{mlp}.gate_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "gate"), "gate")
         add(f"{hf}.{mlp}.up_proj.weight", f"{ours}.feed_forward.w13.weight", mlp_rows(local, "up"), "up")
@@ -352,6 +358,7 @@ def load_hf_weights(model, directory: str) -> None:
     gpt_oss = GptOssExperts(config, directory) if text.get("model_type") == "gpt_oss" else None
     filler = WeightFiller(model, directory, expected_hf_tensors(
         config, model.tp, mlp="feed_forward" if llama4 else "mlp", experts=expert_names))
+    hybrid = HybridTensors(config, model.tp, filler) if config.has_linear or config.attn_output_gate else None
     for path in safetensors_files(directory):
         try:
             handle = safe_open(path, framework="pt", device="cpu")
@@ -367,6 +374,8 @@ def load_hf_weights(model, directory: str) -> None:
                     continue  # some saves write the tied head too; it equals the embedding
                 shape = tuple(handle.get_slice(file_name).get_shape())
                 if gpt_oss is not None and gpt_oss.take(handle, path, file_name, shape, filler):
+                    continue
+                if hybrid is not None and hybrid.take(handle, path, name, shape, file_name):
                     continue
                 fused = None if name in filler.expected else (
                     llama4_expert_parts(name, config) if llama4 else
