@@ -58,6 +58,17 @@ an attend that also has a method `mix_linear(layer_idx, layer: GatedDeltaNet, x 
 state lives with whoever implements it (a cache's `LinearState`s, the ranks' exchanges of
 runtime/linear_layers.py); T == 0 is allowed (a rank without tokens still joins collectives)."""
 
+class HybridAttend(NamedTuple):
+    """An `attend` for a model with linear-attention layers: attention layers call `attend`, linear
+    ones `mix_linear(layer_idx, layer, x) -> y` (see Attend)."""
+
+    attend: Attend
+    mix_linear: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attend(layer, q, k, v)
+
+
 LogitsSpec = Union[str, torch.Tensor]
 """Which rows to compute logits for: "last", "all", "none" or a LongTensor of row indices."""
 

@@ -252,8 +252,10 @@ published before it as language_model.model.* (+ language_model.lm_head.*)."""
 
 _NOT_TEXT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.",
                       "model.vision_model.", "vision_model.", "model.embed_vision.", "model.audio_tower.",
-                      "model.embed_audio.")
-"""Tensors of an image-text checkpoint's vision side: ringctx runs the text model only, these are skipped."""
+                      "model.embed_audio.", "model.visual.", "visual.", "mtp.")
+"""Tensors of an image-text checkpoint's vision side (Qwen3.5's: model.visual.*), and Qwen3.5 /
+Qwen3-Next's multi-token-prediction head (mtp.*, a speculative-decoding extra): ringctx runs the
+text model only, these are skipped."""
 
 
 def text_tensor_name(name: str) -> str | None:

@@ -213,6 +213,14 @@ class ShardLayout:
         return max(self.num_new(r) + self.num_cached(r) for r in range(self.world_size))
 
     # ------------------------------------------------------------------ placement
+    def piece_lengths(self, rank: int) -> tuple[int, int]:
+        """New tokens of this rank's two pieces (chunk r, then chunk 2N-1-r) of a one-sequence layout:
+        its local rows are those of the first, then those of the second."""
+        if self.num_seqs != 1:
+            raise ValueError(f"piece_lengths is for a layout of one sequence; this one has {self.num_seqs}")
+        piece = self._pieces(rank)[0]
+        return piece.a[1] - piece.a[0], piece.b[1] - piece.b[0]
+
     def _pieces(self, rank: int) -> tuple[_SeqPiece, ...]:
         return self._cached(("pieces", rank), lambda: self._compute_pieces(rank))
 

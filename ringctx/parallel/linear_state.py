@@ -52,8 +52,8 @@ def _all_gather_flat(mine: torch.Tensor, group, world: int) -> list[torch.Tensor
     return gathered
 
 
-def exchange_conv_inputs(tails: list[torch.Tensor], lengths: list[int], conv_before: torch.Tensor, group=None
-                         ) -> tuple[list[torch.Tensor], torch.Tensor]:
+def exchange_conv_inputs(tails: list[torch.Tensor], lengths: list[int], conv_before: torch.Tensor, group=None,
+                         stats=None, layer: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The convolution's previous inputs of this rank's two pieces [K-1, C] each, and after the
     chunk's last token (the next chunk's, equal on every rank).
 
@@ -61,11 +61,13 @@ def exchange_conv_inputs(tails: list[torch.Tensor], lengths: list[int], conv_bef
     lengths: the pieces' token counts; conv_before [K-1, C]: before the chunk (equal on every rank).
     A collective of `group` (one all-gather of (K-1) C + 1 values a piece). The inputs are the
     in-projection's rows, which depend on the piece alone: this exchange comes first, the state's
-    after the convolution (`exchange_states`)."""
+    after the convolution (`exchange_states`). stats: a CommStats that records this rank's bytes
+    sent ("linear-conv", for `layer`), or None."""
     rank, world = rank_and_world(group)
     width, C = conv_before.shape
     mine = torch.cat([torch.cat([t.float().reshape(-1), torch.tensor([float(n)])]) for t, n in zip(tails, lengths)])
     gathered = _all_gather_flat(mine, group, world)
+    _record(stats, "linear-conv", layer, mine, world)
     per_piece = width * C + 1
     starts: list[torch.Tensor | None] = [None, None]
     inputs = conv_before
@@ -79,18 +81,19 @@ def exchange_conv_inputs(tails: list[torch.Tensor], lengths: list[int], conv_bef
     return starts, inputs
 
 
-def exchange_states(summaries: list[PieceSummary], state: torch.Tensor, group=None
+def exchange_states(summaries: list[PieceSummary], state: torch.Tensor, group=None, stats=None, layer: int = 0
                     ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The recurrent state before each of this rank's two pieces [H, Dk, Dv] (float32), and after
     the chunk's last token (the next chunk's, the same bits on every rank).
 
     summaries: this rank's two pieces' PieceSummary from a zero state (`empty_summary` for a piece
     without tokens); state: before the chunk (equal on every rank). A collective of `group` (one
-    all-gather of H Dk (Dk + Dv) floats a piece)."""
+    all-gather of H Dk (Dk + Dv) floats a piece; stats: as `exchange_conv_inputs`', "linear-state")."""
     rank, world = rank_and_world(group)
     H, Dk, Dv = state.shape
     mine = torch.cat([torch.cat([s.transition.reshape(-1), s.contribution.reshape(-1)]) for s in summaries])
     gathered = _all_gather_flat(mine, group, world)
+    _record(stats, "linear-state", layer, mine, world)
     per_piece = H * Dk * (Dk + Dv)
     starts: list[torch.Tensor | None] = [None, None]
     current = state.float()
@@ -101,6 +104,16 @@ def exchange_states(summaries: list[PieceSummary], state: torch.Tensor, group=No
         summary = PieceSummary(piece[:H * Dk * Dk].view(H, Dk, Dk), piece[H * Dk * Dk:].view(H, Dk, Dv))
         current = summary.apply(current)
     return starts, current
+
+
+LINEAR_KINDS = ("linear-conv", "linear-state")
+"""CommStats kinds of the two exchanges."""
+
+
+def _record(stats, kind: str, layer: int, mine: torch.Tensor, world: int) -> None:
+    """An all-gather sends this rank's message to each of the other W-1 ranks (a ring: W-1 hops)."""
+    if stats is not None and world > 1:
+        stats.record(kind, layer, (world - 1) * mine.numel() * mine.element_size())
 
 
 def empty_summary(H: int, Dk: int, Dv: int, device=None) -> PieceSummary:

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from ..attention import PartialAccumulator
 from ..model import KVCache
 from ..model.decode_step import FusedStep, step_logits
+from ..model.transformer import HybridAttend
 from ..parallel.comm import all_gather_ints, rank_and_world
 from .failures import maybe_die
 from .prefill import PrefillConfig, cp_prefill
@@ -199,11 +200,17 @@ class ShardedDecoder:
             return softmax.finish(*merge_across_ranks(out, lse, self.world, self.group, self._shm, with_lse=True)
                                   ).to(q.dtype)
 
+        def mix_linear(layer: int, module, x):
+            # the state is replicated on every decode rank, each advancing it alike by the same token
+            y, cache.linear_states[layer] = module.forward(x, cache.linear_states[layer])
+            return y
+
         x = model.embed(torch.tensor([token], device=model.device))
         rope = model.rope(torch.tensor([self.length], device=model.device))
+        layers_attend = HybridAttend(attend, mix_linear) if model.config.has_linear else attend
         with model.ep.replicated_rows():  # every decode rank runs the same token (model/expert_parallel.py)
             for i, block in enumerate(model.layers):
-                x = block.forward(x, rope, attend, i)
+                x = block.forward(x, rope, layers_attend, i)
         return step_logits(model, x) if self.rank == 0 else None
 
     def _fused_step(self) -> FusedStep | None:

@@ -191,6 +191,9 @@ def _unpack(block: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]
     out, offset = [], 0
     for t in like:
         width = math.prod(t.shape[1:]) * t.element_size()
+        if width == 0:  # a layer without rows (a linear-attention layer's): nothing to reinterpret
+            out.append(t.new_empty((block.shape[0], *t.shape[1:])))
+            continue
         out.append(block[:, offset:offset + width].contiguous().view(t.dtype).reshape(block.shape[0], *t.shape[1:]))
         offset += width
     return out

@@ -24,18 +24,19 @@ from ..parallel.linear_state import empty_summary, exchange_conv_inputs, exchang
 
 
 def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tuple[int, int], state: LinearState,
-                            group=None) -> tuple[torch.Tensor, LinearState]:
+                            group=None, stats=None, layer_index: int = 0) -> tuple[torch.Tensor, LinearState]:
     """This rank's outputs and the chunk's end state.
 
     x [lengths[0] + lengths[1], dim]: this rank's two pieces' rows, chunk r then chunk 2N-1-r (the
     layout's local order); state: before the chunk, equal on every rank. A collective of `group`
     (the CP ranks): every rank calls it for every linear layer of every chunk, with 0-length
-    pieces where it has no tokens. Returns (y [rows, dim] in x's dtype, the state after the chunk)."""
+    pieces where it has no tokens. Returns (y [rows, dim] in x's dtype, the state after the chunk).
+    stats: a CommStats recording the exchanges' bytes (as layer `layer_index`), or None."""
     s = layer.shape
     pieces = list(x.split(list(lengths)))
     mixed = [layer.project(p) for p in pieces]
     befores, conv_end = exchange_conv_inputs([piece_tail(m, s.conv_width - 1) for m in mixed], list(lengths),
-                                             state.conv, group)
+                                             state.conv, group, stats, layer_index)
     forms, summaries, gates = [], [], []
     for p, m, before in zip(pieces, mixed, befores):
         if p.shape[0] == 0:
@@ -47,7 +48,7 @@ def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tupl
         form = ChunkForm.build(q, k, v, g, beta)
         forms.append(form)
         summaries.append(PieceSummary.of(form))
-    starts, end = exchange_states(summaries, state.recurrent, group)
+    starts, end = exchange_states(summaries, state.recurrent, group, stats, layer_index)
     outs = [layer.finish(form.scan(start)[0], p) if form is not None else p.new_zeros(0, p.shape[1])
             for form, start, p in zip(forms, starts, pieces)]
     return torch.cat(outs), LinearState(conv_end, end)

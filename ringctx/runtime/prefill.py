@@ -39,13 +39,14 @@ from ..attention.spans import runs_of
 from ..model import KVCache
 from ..model.decode_step import FusedPrefill
 from ..model.tensor_parallel import split_range
-from ..model.transformer import rope_position_problem
+from ..model.transformer import HybridAttend, rope_position_problem
 from ..parallel import STRATEGIES, CommStats, ShardLayout, ring_attention
 from ..parallel.ring import PASS_KV
 from ..parallel.comm import (
     agree_across_ranks, all_gather_bytes, all_gather_ints, collective_device, nbytes, rank_and_world,
 )
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
+from .linear_layers import linear_layer_over_ranks
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 from ..planning.engine_config import STRATEGY_CHOICES
 
@@ -415,6 +416,15 @@ class PrefillRun:
         strategy, reason, short_reason, formula = _decide(e - s, self.cached_len + s, model, self.world, config)
         rows_before = layout.num_cached(rank)
 
+        lengths = layout.piece_lengths(rank)
+
+        def mix_linear(layer: int, module, x):
+            # a linear-attention layer: the state crosses the ranks in two small exchanges, not a KV
+            # ring (runtime/linear_layers.py); every rank's shard holds the same state after it
+            y, shard.linear_states[layer] = linear_layer_over_ranks(module, x, lengths, shard.linear_states[layer],
+                                                                    group, self.comm, layer)
+            return y
+
         def attend(layer: int, q, k, v):
             cached = {}
             if rows_before:  # views of the shard; a dequantized copy of it for 8-bit caches
@@ -434,8 +444,8 @@ class PrefillRun:
         positions = layout.positions(rank).to(model.device)
         rope = model.rope(positions, sequence_end=self.cached_len + self.T)  # the whole prompt's (LongRoPE)
         record = ChunkStats(index, e - s, self.cached_len + s, strategy, reason, 0.0, short_reason, formula)
-        return _ChunkInProgress(index, layout, record, attend, x, positions, rope, rows_before,
-                                self._fused_prefill(e - s, rows_before))
+        return _ChunkInProgress(index, layout, record, HybridAttend(attend, mix_linear) if model.config.has_linear
+                                else attend, x, positions, rope, rows_before, self._fused_prefill(e - s, rows_before))
 
     def _fused_prefill(self, rows: int, rows_before: int) -> FusedPrefill | None:
         """The fused prefill for a chunk of `rows` tokens after `rows_before` rows of this rank's shard
@@ -651,6 +661,17 @@ def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, co
                 comm.record("scatter", layer, (world - 1) * nbytes(recv))
             dist.scatter(recv.view(torch.uint8), pieces, src=src, group=group)
             target[:hi - lo] = recv[:hi - lo]
+    for layer, state in enumerate(shard.linear_states or ()):  # a hybrid's states: the same on every rank
+        if state is None:
+            continue
+        for j, target in enumerate((state.conv, state.recurrent)):
+            if rank == decode_rank:
+                source = cache.linear_states[layer]
+                target.copy_(source.conv if j == 0 else source.recurrent)
+            if world > 1:
+                dist.broadcast(target, src=src, group=group)
+                if rank == decode_rank:
+                    comm.record("scatter", layer, (world - 1) * nbytes(target))
     if shard.positions is not None:
         shard.positions[:hi - lo] = torch.arange(lo, hi)
     shard.length = hi - lo
@@ -702,6 +723,8 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
                            comm)
     if out is not None:
         out.length = cached_len + T
+        if shard.linear_states is not None:  # the chunks' end state, the same on every rank: the decode rank's own
+            out.linear_states = [None if st is None else st.clone() for st in shard.linear_states]
     per_host = config.ranks_per_host or world
     cross = sent if rank // per_host != decode // per_host else 0
     return out, {"sent": sent, "cross_host": cross}
