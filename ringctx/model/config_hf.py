@@ -78,8 +78,22 @@ REFUSED_TYPES = {
     "gemma2": "Gemma 2 is not supported (ringctx runs Gemma 3)",
     "ministral3": "model_type 'ministral3' (Ministral 3: rope_parameters.llama_4_scaling_beta scales each query "
                   "by its position) is not supported",
+    **{t: f"model_type {t!r} ({what}) is not supported yet: of the linear-attention hybrids ringctx computes "
+          "Gated DeltaNet ones (Qwen3.5 / 3.6, Qwen3-Next)"
+       for t, what in (("kimi_linear", "Kimi-Linear: Kimi Delta Attention layers"),
+                       ("minimax", "MiniMax-01: lightning attention layers"),
+                       ("mamba", "Mamba: selective state-space layers"), ("mamba2", "Mamba-2 state-space layers"),
+                       ("falcon_mamba", "Falcon-Mamba state-space layers"), ("jamba", "Jamba: Mamba layers"),
+                       ("bamba", "Bamba: Mamba-2 layers"), ("zamba", "Zamba: Mamba layers"),
+                       ("zamba2", "Zamba2: Mamba-2 layers"), ("falcon_h1", "Falcon-H1: Mamba-2 layers"),
+                       ("nemotron_h", "Nemotron-H: Mamba-2 layers"),
+                       ("granitemoehybrid", "Granite 4 hybrid: Mamba-2 layers"),
+                       ("lfm2", "LFM2: short convolution layers"), ("lfm2_moe", "LFM2-MoE: short convolution layers"),
+                       ("recurrent_gemma", "RecurrentGemma: RG-LRU layers"), ("rwkv", "RWKV: its recurrence"),
+                       ("xlstm", "xLSTM: its recurrence"))},
 }
-"""model_types refused with their own one-line reason (the decoder would compute them wrongly)."""
+"""model_types refused with their own one-line reason (the decoder would compute them wrongly): other
+recurrences than the gated delta rule get one naming theirs."""
 
 MOE_DEFAULTS = {
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,

@@ -127,6 +127,23 @@ class GatedDeltaNet(nn.Module):
         y = self.linear(gated.to(dtype).reshape(T, -1), self.out_proj.weight)
         return y if self.tp is None else self.tp.all_reduce(y)
 
+    def step_many(self, x: torch.Tensor, states: list[LinearState]) -> tuple[torch.Tensor, list[LinearState]]:
+        """One token each of B sequences: x [B, dim] (row i sequence i's), states[i] its state ->
+        (y [B, dim], the B states after). The projections and the recurrence run for all B at once
+        (the recurrence over B x Hv heads); each row's result is its lone step's (`forward` of
+        x[i:i+1] on states[i]) up to the matmuls' summation order."""
+        s, B = self.shape, x.shape[0]
+        mixed = self.project(x)
+        qkv = [self.convolve(mixed[i:i + 1], st.conv) for i, st in enumerate(states)]
+        q, k, v = (torch.cat([t[j] for t in qkv]).reshape(1, B * s.value_heads, -1) for j in range(3))
+        g, beta = self.gates(x)
+        stacked = torch.stack([st.recurrent for st in states]).reshape(B * s.value_heads, s.key_dim, s.value_dim)
+        o, rec = recurrent(q, k, v.float(), g.reshape(1, -1), beta.float().reshape(1, -1), stacked)
+        rec = rec.reshape(B, s.value_heads, s.key_dim, s.value_dim)
+        after = [LinearState(torch.cat([st.conv, mixed[i:i + 1].to(st.conv.dtype)])[1:], rec[i])
+                 for i, st in enumerate(states)]
+        return self.finish(o.reshape(B, s.value_heads, s.value_dim), x), after
+
     def forward(self, x: torch.Tensor, state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
         s = self.shape
         state = state if state is not None else self.empty_state(x.device, x.dtype)

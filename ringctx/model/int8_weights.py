@@ -95,8 +95,15 @@ def int8_of(weight: torch.Tensor) -> Int8Weight | None:
 def quantized_matrices(model) -> list[nn.Linear]:
     """The linear layers `quantize_model` quantizes: the blocks' matrices whose input width is
     whole groups."""
-    linears = [m for block in model.layers for m in (block.attention.wqkv, block.attention.wo,
-                                                     block.feed_forward.w13, block.feed_forward.w2)]
+    linears = []
+    for block in model.layers:
+        if block.attention is not None:
+            linears += [block.attention.wqkv, block.attention.wo] + (
+                [block.attention.wgate] if block.attention.wgate is not None else [])
+        else:  # a linear-attention layer's big matrices (b and a are a few rows: left as they are)
+            mixer = block.linear_attn
+            linears += [mixer.in_proj_qkv, mixer.in_proj_z, mixer.out_proj]
+        linears += [block.feed_forward.w13, block.feed_forward.w2]
     return [m for m in linears if m.weight.shape[1] % GROUP == 0]
 
 

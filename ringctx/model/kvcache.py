@@ -438,11 +438,18 @@ class KVCache:
             if st is not None:
                 st.zero_()
 
-    def truncate(self, length: int) -> None:
-        """Keep only the first `length` tokens (e.g. to reuse a shared prompt prefix)."""
+    def truncate(self, length: int, linear_states: "list[LinearState | None] | None" = None) -> None:
+        """Keep only the first `length` tokens (e.g. to reuse a shared prompt prefix). A cache with
+        linear-attention layers needs their states at `length` (`linear_states`, taken as they are):
+        they cannot be recovered from the rows; without them only its own length is allowed."""
         if not 0 <= length <= self.length:
             raise ValueError(f"KVCache.truncate: length {length} outside [0, {self.length}]")
-        self._check_rewind(length, "KVCache.truncate")
+        if self.linear_states is not None and linear_states is not None:
+            if len(linear_states) != self.n_layers:
+                raise ValueError(f"KVCache.truncate: {len(linear_states)} linear states for {self.n_layers} layers")
+            self.linear_states = list(linear_states)
+        else:
+            self._check_rewind(length, "KVCache.truncate")
         if length < max(self.kept):
             raise ValueError(f"KVCache.truncate: a windowed or chunked layer dropped rows below "
                              f"{max(self.kept)}, so the cache cannot be cut back to {length} rows")

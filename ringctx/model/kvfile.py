@@ -34,7 +34,12 @@ def weights_digest(model) -> str:
             raise RuntimeError("a tensor-parallel shard's weights digest needs share_weights_digest(model) on "
                                "every TP rank first")
         return digest
-    return _digest(model.tok_embeddings.weight, model.layers[-1].attention.wo.weight, model.norm.weight)
+    return _digest(model.tok_embeddings.weight, last_attention(model).wo.weight, model.norm.weight)
+
+
+def last_attention(model):
+    """The last attention layer's Attention (a hybrid's last layer may be a linear one)."""
+    return next(block.attention for block in reversed(model.layers) if block.attention is not None)
 
 
 def _digest(embedding: torch.Tensor, wo: torch.Tensor, norm: torch.Tensor) -> str:
@@ -50,7 +55,7 @@ def share_weights_digest(model) -> str:
     the last wo by columns."""
     tp = model.tp
     embedding = _gather_over_tp(model.tok_embeddings.weight, tp, dim=0)
-    wo = _gather_over_tp(model.layers[-1].attention.wo.weight, tp, dim=1)
+    wo = _gather_over_tp(last_attention(model).wo.weight, tp, dim=1)
     model.full_weights_digest = _digest(embedding, wo, model.norm.weight)
     return model.full_weights_digest
 
@@ -65,8 +70,8 @@ def _gather_over_tp(weight: torch.Tensor, tp, dim: int) -> torch.Tensor:
     padded[:mine.shape[0]] = mine
     pieces = tp.all_gather(padded)
     counts = tp.all_gather(torch.tensor([mine.shape[0]], device=weight.device))
-    if dim == 1:
-        return torch.cat(pieces, dim=1)
+    if dim == 1:  # every rank has the same rows (a weight with fewer than `rows`: all of them, no padding)
+        return torch.cat(pieces, dim=1)[:mine.shape[0]]
     return torch.cat([p[:int(c)] for p, c in zip(pieces, counts)])[:rows]
 
 

@@ -45,6 +45,7 @@ from ..attention.spans import query_heads
 from ..model import KVCache
 from ..model.kvcache import copy_rows
 from ..model.decode_step import AttentionSource, FusedBatchStep, step_logits
+from ..model.transformer import HybridAttend
 from ..parallel.comm import rank_and_world
 from .decode import merge_across_ranks, step_owner
 from .document import Document
@@ -122,12 +123,13 @@ class BatchDecoder:
         config = replace(config, decode_room=0, kv_dtype=base.kv_dtype)
         result = cp_prefill(model, token_ids, config, group=self.group, shard=base)
         cache = result.cache
-        if document is not None:  # the question's rows leave the document's cache at once
+        if document is not None:  # the question's rows (and a hybrid's states) leave the document's cache at once
             own = split_off(cache, start, room=ANSWER_ROOM_ROWS)
             if lent is not None:
                 lent.give_back()
                 document.borrowed = cache is base  # a grown cache is its own copy
             document.cache = cache
+            document.rewind()
         else:
             own = cache.grown(cache.length + ANSWER_ROOM_ROWS)
         length = (document.length if document is not None else 0) + int(token_ids.numel())
@@ -170,6 +172,7 @@ class BatchDecoder:
             cache = append_rows(base, s.own, room)
             document.cache, document.rows = cache, cache.length
             document.token_ids = torch.cat([document.token_ids, token_ids.to(document.token_ids.dtype)])
+            document.keep_states()
             return document
         cache = joined_rows(base, s.own, room)
         tokens = token_ids if document is None else torch.cat([document.token_ids, token_ids])
@@ -231,6 +234,13 @@ class BatchDecoder:
             merged = merge_across_ranks(out, lse, self.world, self.group, self._shm, with_lse=True)
             return softmax.finish(*merged).to(q.dtype)
 
+        def mix_linear(layer: int, module, x: torch.Tensor) -> torch.Tensor:
+            # each sequence's own state (in its own rows' cache), replicated on every decode rank
+            y, after = module.step_many(x, [s.own.linear_states[layer] for s in seqs])
+            for s, state in zip(seqs, after):
+                s.own.linear_states[layer] = state
+            return y
+
         positions = [s.length for s in seqs]
         for s, row in zip(seqs, writes):
             if row is not None and s.own.positions is not None:  # first: windowed layers read rows by position
@@ -245,9 +255,10 @@ class BatchDecoder:
                 x = model.embed(torch.tensor(tokens, dtype=torch.long, device=model.device))
                 at = torch.tensor(positions, dtype=torch.long, device=model.device)
                 rope = model.rope(at, sequence_end=at + 1)  # each sequence's own step (LongRoPE)
+                layers_attend = HybridAttend(attend, mix_linear) if model.config.has_linear else attend
                 with model.ep.replicated_rows():  # every decode rank runs the same rows (model/expert_parallel.py)
                     for index, block in enumerate(model.layers):
-                        x = block.forward(x, rope, attend, index)
+                        x = block.forward(x, rope, layers_attend, index)
             logits = step_logits(model, x) if self.rank == 0 else None
         for s, owner, row in zip(seqs, owners, writes):
             if row is not None:
@@ -329,6 +340,8 @@ def append_rows(cache: KVCache, rows: KVCache, room: int) -> KVCache:
     if cache.positions is not None:
         cache.positions[start:start + n] = rows.row_positions()
     cache.length = start + n
+    if rows.linear_states is not None:  # a hybrid's states stand after the appended rows: theirs
+        cache.linear_states = [None if st is None else st.clone() for st in rows.linear_states]
     return cache
 
 
@@ -354,6 +367,10 @@ def prefix_rows(cache: KVCache, tokens: int, room: int) -> KVCache:
         raise ValueError(f"the document's windowed or chunked layers keep only the rows its next tokens see, "
                          f"not those of its first {tokens} tokens: ingest it again with drop_unseen=False "
                          "to take prefixes of it")
+    if cache.linear_states is not None and tokens < cache.length:
+        raise ValueError(f"a prefix of {tokens} tokens of a hybrid model's document: its linear-attention layers "
+                         "keep their state at the document's end only, not at each token; ingest those tokens as "
+                         "a document of their own")
     positions = cache.row_positions()
     keep = torch.nonzero(positions < tokens).flatten()
     n = int(keep.numel())
@@ -381,5 +398,10 @@ def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
     copy_rows(own, 0, cache, start, n)
     own.positions[:n] = cache.row_positions()[start:start + n]
     own.length = n
-    cache.truncate(start)
+    if cache.linear_states is not None:  # a hybrid's states are the moved rows' (after them): they go along
+        own.linear_states, cache.linear_states = cache.linear_states, [
+            None if st is None else st.clone() for st in cache.linear_states]
+        cache.truncate(start, cache.linear_states)  # the caller puts the states at `start` back (Document.rewind)
+    else:
+        cache.truncate(start)
     return own

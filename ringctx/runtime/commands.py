@@ -152,6 +152,7 @@ def extend(state: RankState, document_id: int, ids: bytes, decode_room: int, *, 
                         on_chunk=on_chunk)
     document.cache, document.rows = result.cache, result.cache.length
     document.token_ids = torch.cat([document.token_ids, token_ids])
+    document.keep_states()
     return result.stats
 
 
@@ -332,6 +333,7 @@ def _start_save(state: RankState, document_id: int, path: str, document: Documen
     # a TP rank writes unless an earlier one holds the same heads of every layer (replicated heads)
     mine = layer_heads(full, tp)
     writes = all(layer_heads(full, TensorParallel(tp.size, r)) != mine for r in range(tp.rank))
+    writes = writes or full.has_linear  # each TP rank holds its own linear layers' heads of the states
     extra = {**document.frame, ENGINE_CONFIG_KEY: s.config}  # what made it, for whoever reads the manifest
     if document.dropped_unseen:
         extra[DROPPED_UNSEEN_KEY] = True

@@ -39,9 +39,21 @@ class Document:
     """Its cache's storage past `rows` is another document's (a view of a longer document's first
     tokens, KVCache.view_below): a question's prefill that writes there puts the rows back after."""
 
+    linear_states: list | None = None
+    """A hybrid's linear-attention states at the document's end (copies, never written: a question's
+    prefill advances the cache's own states, `rewind` puts these back); None: no linear layers."""
+
     def __post_init__(self):
         if self.rows < 0:
             self.rows = self.cache.length
+        if self.linear_states is None and self.cache.linear_states is not None:
+            self.keep_states()
+
+    def keep_states(self) -> None:
+        """Take the cache's linear-attention states as the document's (after its rows grew: an
+        extension, a kept answer)."""
+        states = self.cache.linear_states
+        self.linear_states = None if states is None else [None if st is None else st.clone() for st in states]
 
     def check_prefix(self, tokens: int, what: str = "a prefix") -> None:
         """Raise a ValueError when the document cannot give its first `tokens` tokens (`what`)."""
@@ -55,8 +67,11 @@ class Document:
         return int(self.token_ids.numel())
 
     def rewind(self) -> KVCache:
-        """The cache cut back to the document (questions do not see each other)."""
-        self.cache.truncate(self.rows)
+        """The cache cut back to the document (questions do not see each other), a hybrid's linear
+        states back at the document's end."""
+        states = None if self.linear_states is None else [None if st is None else st.clone()
+                                                          for st in self.linear_states]
+        self.cache.truncate(self.rows, states)
         return self.cache
 
     @property

@@ -13,6 +13,10 @@ A document is a directory (no pickle anywhere):
         ...                        [rows, Hkv]) and positions [rows] int64; a windowed or
                                    chunked layer that dropped rows holds only its last
                                    rows - kept[layer] (the manifest's slice lists `kept`)
+                                   a hybrid's linear-attention states at the document's end
+                                   in decode rank 0's slice: linear_conv.{layer} [K-1, C],
+                                   linear_state.{layer} [Hv, Dk, Dv] float32 (under TP each part
+                                   its TP rank's heads, the part's "linear_tp" says which)
         slice-00000-kv-002-004.safetensors   under tensor parallelism: a decode rank's rows for KV
                                    heads 2..3, written by the TP rank that holds them (the manifest
                                    lists a slice's "parts" and their heads; "layer_heads" per
@@ -73,10 +77,15 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _slice_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
-    """A decode rank's rows as a slice file holds them: each layer's stored rows (from kept_from)."""
+def _slice_tensors(cache: KVCache, states: bool = False) -> dict[str, torch.Tensor]:
+    """A decode rank's rows as a slice file holds them: each layer's stored rows (from kept_from);
+    with `states`, a hybrid's linear-attention states too (copies: a question may advance them)."""
     n = cache.length
     tensors = {"positions": cache.row_positions().cpu().contiguous()}
+    for layer, state in enumerate(cache.linear_states or () if states else ()):
+        if state is not None:
+            tensors[f"linear_conv.{layer}"] = state.conv.cpu().clone()
+            tensors[f"linear_state.{layer}"] = state.recurrent.cpu().clone()
     names = ["k", "v"] + (["k_scale", "v_scale"] if cache.quantized else [])
     for layer in range(cache.n_layers):
         for name, rows in zip(names, cache.stored_rows(layer, min(cache.kept_from(layer), n), n)):
@@ -96,7 +105,8 @@ def part_name(index: int, heads: tuple[int, int] | None, tp_rank: int | None = N
 def layer_heads(config, tp) -> list[tuple[int, int]]:
     """Per layer, the KV heads [a, b) TP rank `tp` holds of the whole model `config` (all of them
     without TP): what a document part it writes holds of each layer."""
-    return [tp.kv_heads(config, layer) for layer in range(config.n_layers)]
+    return [(0, 0) if config.linear(layer) is not None else tp.kv_heads(config, layer)
+            for layer in range(config.n_layers)]  # a linear-attention layer keeps no rows
 
 
 def save_document_slices(path: str, cache: KVCache, token_ids: torch.Tensor, model, extra: dict, *, group,
@@ -135,15 +145,18 @@ class PendingSave:
         self.layer_heads = None if full.uniform_heads else layer_heads(full, model.tp)
         self.tp_rank = None if full.uniform_heads else model.tp.rank
         self.group, self.rank, self.world = group, rank, world
-        self.record, self.problem = "", None
+        self.record, self.problem, self.linear_tp = "", None, None
         self.kept = list(cache.kept)
         self._written = threading.Event()
         self._thread: threading.Thread | None = None
         if index is None:
             self._written.set()
             return
-        # The rows are taken here (views): rows a question appends later are not the document's.
-        self._thread = threading.Thread(target=self._write, args=(_slice_tensors(cache), cache.length, index, heads),
+        # The rows are taken here (views): rows a question appends later are not the document's. A
+        # hybrid's states are the same on every decode rank: decode rank 0's parts carry them.
+        self.linear_tp = [model.tp.size, model.tp.rank] if index == 0 and cache.linear_states is not None else None
+        self._thread = threading.Thread(target=self._write, args=(_slice_tensors(cache, self.linear_tp is not None),
+                                                                  cache.length, index, heads),
                                         name="ringctx-save", daemon=True)
         self._thread.start()
 
@@ -162,8 +175,10 @@ class PendingSave:
             file = os.path.join(self.partial, name)
             save_file(tensors, file, metadata={"format": FORMAT, "slice": str(index)})
             by_layer = {} if self.layer_heads is None else {"layer_heads": [list(h) for h in self.layer_heads]}
+            linear = {} if self.linear_tp is None else {"linear_tp": self.linear_tp}
             self.record = json.dumps({"index": index, "file": name, "heads": list(heads or (0, self.n_kv_heads)),
-                                      **by_layer, "rows": rows, "kept": self.kept, "sha256": file_sha256(file)})
+                                      **by_layer, **linear, "rows": rows, "kept": self.kept,
+                                      "sha256": file_sha256(file)})
         except Exception as exc:  # disk full, permissions: every rank must hear of it
             self.problem = f"rank {self.rank} could not write its slice: {exc}"
         finally:
@@ -235,11 +250,14 @@ def _slices(records: list[dict]) -> list[dict]:
         parts = sorted((r for r in records if r["index"] == index), key=lambda r: r["heads"][0])
         kept = {"kept": parts[0]["kept"]} if any(parts[0].get("kept") or ()) else {}
         if len(parts) == 1:
-            slices.append({"file": parts[0]["file"], "rows": parts[0]["rows"], "sha256": parts[0]["sha256"], **kept})
+            linear = {"linear_tp": parts[0]["linear_tp"]} if "linear_tp" in parts[0] else {}
+            slices.append({"file": parts[0]["file"], "rows": parts[0]["rows"], "sha256": parts[0]["sha256"], **kept,
+                           **linear})
         else:
             slices.append({"rows": parts[0]["rows"], **kept,
                            "parts": [{"file": r["file"], "heads": r["heads"], "sha256": r["sha256"],
-                                      **({"layer_heads": r["layer_heads"]} if "layer_heads" in r else {})}
+                                      **({"layer_heads": r["layer_heads"]} if "layer_heads" in r else {}),
+                                      **({"linear_tp": r["linear_tp"]} if "linear_tp" in r else {})}
                                      for r in parts]})
     return slices
 
@@ -248,8 +266,9 @@ def slice_parts(entry: dict, config) -> list[dict]:
     """A manifest slice's files with the KV heads each holds (a single file holds all of them, of
     every layer: `config`'s, the whole model's)."""
     whole = {} if config.uniform_heads else {"layer_heads": [[0, h] for h, _ in config.kv_shapes]}
+    linear = {"linear_tp": entry["linear_tp"]} if "linear_tp" in entry else {}
     return entry.get("parts") or [{"file": entry["file"], "heads": [0, config.n_kv_heads], "sha256": entry["sha256"],
-                                   **whole}]
+                                   **whole, **linear}]
 
 
 def _swap_in(partial: str, path: str) -> None:
@@ -402,6 +421,8 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     for s, a, b, _ in pieces:  # the share's rows of each slice, a block of rows at a time
         with HeadReader(path, slice_parts(s, full), heads) as f:
             for layer in range(cache.n_layers):
+                if cache.shapes[layer][0] == 0:  # a linear-attention layer: no rows (its state comes below)
+                    continue
                 first = (s.get("kept") or [0] * n_layers)[layer]  # the slice's rows in the file start here
                 for r0 in range(max(a, first), b, LOAD_BLOCK_ROWS):
                     r1 = min(b, r0 + LOAD_BLOCK_ROWS)
@@ -420,9 +441,52 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     if world > 1:
         cache.positions[:hi - lo] = file_positions[order]
     cache.length = hi - lo
+    if cache.linear_states is not None:
+        problem = None
+        try:
+            read_linear_states(path, slice_parts(slices[0], full), model, cache)
+        except (OSError, ValueError, KeyError) as exc:
+            problem = f"document {path!r}: its linear-attention states do not match the model ({exc}); save it again"
+        _agree("load", problem, group, world)
     with safe_open(os.path.join(path, TOKENS), framework="pt") as f:
         token_ids = f.get_tensor("token_ids")
     return cache, token_ids, dict(manifest.get("extra") or {})
+
+
+def read_linear_states(path: str, parts: list[dict], model, cache: KVCache) -> None:
+    """A hybrid's linear-attention states from decode rank 0's parts into `cache` (this TP rank's
+    heads of them, whatever TP size saved them): each part holds its TP rank's key heads and their
+    value heads (model/tensor_parallel.py's `linear_rows`), put back together, then cut again."""
+    from ..model.tensor_parallel import TensorParallel, linear_rows
+
+    full = model.full_config
+    saved = [p for p in parts if "linear_tp" in p]
+    if not saved:
+        raise ValueError("no part of decode rank 0's slice holds the states")
+    for layer in full.linear_layers:
+        shape = full.linear(layer)
+        conv = torch.zeros(shape.conv_width - 1, shape.channels, dtype=cache.dtype)
+        recurrent = torch.zeros(shape.value_heads, shape.key_dim, shape.value_dim)
+        for part in saved:
+            size, rank = part["linear_tp"]
+            tp = TensorParallel(size, rank)
+            with SliceReader(os.path.join(path, part["file"])) as f:
+                conv_rows, state_rows = (f.header[f"{n}.{layer}"]["shape"][0] for n in ("linear_conv", "linear_state"))
+                part_conv = f.rows(f"linear_conv.{layer}", 0, conv_rows)
+                part_state = f.rows(f"linear_state.{layer}", 0, state_rows)
+            channels, heads = linear_rows(shape, tp, "conv_weight")[1], linear_rows(shape, tp, "dt_bias")[1]
+            if channels is None:
+                channels, heads = torch.arange(shape.channels), torch.arange(shape.value_heads)
+            if tuple(part_conv.shape) != (shape.conv_width - 1, channels.numel()) or \
+                    tuple(part_state.shape) != (heads.numel(), shape.key_dim, shape.value_dim):
+                raise ValueError(f"layer {layer}'s saved states have shapes {tuple(part_conv.shape)} and "
+                                 f"{tuple(part_state.shape)}")
+            conv[:, channels] = part_conv.to(conv.dtype)
+            recurrent[heads] = part_state.float()
+        channels, heads = linear_rows(shape, model.tp, "conv_weight")[1], linear_rows(shape, model.tp, "dt_bias")[1]
+        state = cache.linear_states[layer]
+        state.conv.copy_(conv if channels is None else conv[:, channels])
+        state.recurrent.copy_(recurrent if heads is None else recurrent[heads])
 
 
 class SliceReader:
