@@ -27,6 +27,9 @@ match ends at the exact token where the prompt and the entry part. Then:
                                           tokenizes otherwise than it was sampled
     nothing, or fewer than min_tokens     a miss: the prompt is prefilled, then kept
 
+A hybrid model (linear-attention layers: their state stands at an entry's end, not at each token)
+takes the first case only: an entry serves a prompt it begins whole, or the prompt is a miss.
+
 When an answer completes, its sequence's rows (question and answer) are kept too (Batch: keep), so
 the next turn of a conversation finds all of it: a leaf entry (one no other question reads, asked
 whole) grows in place; on any other entry (or a view of it) the turn's own rows alone are kept, a
@@ -210,6 +213,10 @@ class PrefixCache:
         self.by_document: dict[int, Entry] = {}  # id(Document) -> its entry
         self.views: dict[int, tuple[Entry, Document]] = {}  # id(a view open) -> (its entry, the view)
         self.counts = PrefixCacheStats()
+        # a hybrid model's linear layers keep their state at an entry's end only: an entry serves a
+        # prompt it begins whole, never a view of its first tokens (nor a cut back into an answer)
+        model = getattr(engine, "model", None)
+        self.whole_entries_only = bool(getattr(getattr(model, "config", None), "has_linear", False))
         self.directory = self._open_directory(directory)
         self._disk_bytes: dict[str, int] = {}
         if self.directory is not None:
@@ -245,6 +252,8 @@ class PrefixCache:
                     match = PrefixMatch(entry.parent, min(tokens, entry.parent_tokens))
                 else:
                     match = PrefixMatch(entry, tokens)
+                if self.whole_entries_only and not match.whole:
+                    continue
                 if best is None or _rank(match) > _rank(best):
                     best = match
             if best is not None:

@@ -367,7 +367,7 @@ def prefix_rows(cache: KVCache, tokens: int, room: int) -> KVCache:
         raise ValueError(f"the document's windowed or chunked layers keep only the rows its next tokens see, "
                          f"not those of its first {tokens} tokens: ingest it again with drop_unseen=False "
                          "to take prefixes of it")
-    if cache.linear_states is not None and tokens < cache.length:
+    if cache.linear_states is not None and cache.length and int(cache.row_positions().max()) >= tokens:
         raise ValueError(f"a prefix of {tokens} tokens of a hybrid model's document: its linear-attention layers "
                          "keep their state at the document's end only, not at each token; ingest those tokens as "
                          "a document of their own")

@@ -57,6 +57,10 @@ class Document:
 
     def check_prefix(self, tokens: int, what: str = "a prefix") -> None:
         """Raise a ValueError when the document cannot give its first `tokens` tokens (`what`)."""
+        if self.linear_states is not None and tokens < self.length:
+            raise ValueError(f"{what} of {tokens} tokens of a {self.length}-token document of a hybrid model: its "
+                             "linear-attention layers keep their state at the document's end only, not at each "
+                             "token; ingest those tokens as a document of their own")
         if self.dropped_unseen and tokens < self.length:
             raise ValueError(f"{what} of {tokens} tokens of a {self.length}-token document whose windowed and "
                              "chunked layers keep only the rows its next tokens see: ingest it with "

@@ -20,6 +20,7 @@ import torch
 
 from ..attention.gated_delta import ChunkForm, PieceSummary
 from ..model.gated_deltanet import GatedDeltaNet, LinearState
+from ..parallel.comm import rank_and_world
 from ..parallel.linear_state import empty_summary, exchange_conv_inputs, exchange_states, piece_tail
 
 
@@ -33,6 +34,8 @@ def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tupl
     pieces where it has no tokens. Returns (y [rows, dim] in x's dtype, the state after the chunk).
     stats: a CommStats recording the exchanges' bytes (as layer `layer_index`), or None."""
     s = layer.shape
+    if rank_and_world(group)[1] == 1:  # pieces 0 and 1 of one rank are the chunk in order: no summaries
+        return layer.forward(x, state)
     pieces = list(x.split(list(lengths)))
     mixed = [layer.project(p) for p in pieces]
     befores, conv_end = exchange_conv_inputs([piece_tail(m, s.conv_width - 1) for m in mixed], list(lengths),

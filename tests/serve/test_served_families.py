@@ -1,4 +1,6 @@
-"""`ringctx serve` on the tiny random mixture-of-experts families, over HTTP, against transformers.
+"""`ringctx serve` on tiny random families, over HTTP, against transformers: a mixture of experts
+(Qwen3-MoE) and a linear-attention hybrid (Qwen3.5: Gated DeltaNet layers whose state the served
+document keeps, each question starting from a copy of it).
 
 The live-server tests run the embedded SmolLM2; these serve a family the way its users get it: a
 Hugging Face directory with its weights (tests/model/test_model_moe.py's random configs, saved by
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from tests.helpers import SavedHFModels
-from tests.model.test_model_moe import random_hf_model
+from tests.model.test_model_moe import random_hf_model as random_moe_model
+from tests.model.test_model_qwen3_5 import random_hf_model as random_hybrid_model
 
 from .test_live_server import Server
 
@@ -57,12 +60,23 @@ def save_word_tokenizer(directory: str, vocab_size: int) -> None:
     tokenizer.save_pretrained(directory)
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    """(directory, transformers model, tokenizer) of a Qwen3-MoE with a dense layer among sparse ones."""
+def random_hf_model(name: str):
+    """A Qwen3-MoE with a dense layer among sparse ones, or a Qwen3.5 hybrid (with the special ids
+    the word-level tokenizer gives: pad 0, bos 1, end of turn 2)."""
+    if name != "qwen3.5":
+        return random_moe_model(name)
+    hf = random_hybrid_model(name)
+    for config in (hf.config, hf.generation_config):
+        config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
+    return hf
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe-norm", "qwen3.5"])
+def family(request, tmp_path_factory):
+    """(directory, transformers model, tokenizer) of the family."""
     from transformers import AutoTokenizer
 
-    directory, hf = SavedHFModels(random_hf_model, tmp_path_factory)["qwen3-moe-norm"]
+    directory, hf = SavedHFModels(random_hf_model, tmp_path_factory)[request.param]
     save_word_tokenizer(directory, hf.config.vocab_size)
     return directory, hf, AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
