@@ -34,13 +34,14 @@ returns it in float32 whatever the inputs' dtype. Inputs may be bf16 on the GPU 
 then round to bf16 as its own long sequences do); M, C, the start state and their composition
 (`compose`) stay float32.
 
-Tested in float32 under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1; fla's own
-autotuning and one loop index need the shims of the test module there), and on a GPU by
-scripts/gpu_check.sh.
+Tested in float32 under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, inside
+`interpreter_shims`), and on a GPU by scripts/gpu_check.sh.
 """
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -59,6 +60,44 @@ def fla_available() -> bool:
     except Exception:  # ImportError, or a Triton build that fails at import
         return False
     return True
+
+
+@contextlib.contextmanager
+def untuned():
+    """fla's kernels with the first of their configs, not autotuned: in Triton's interpreter (it has
+    no driver to time configs with) and for tests on a GPU (tuning every test shape would take
+    minutes; the timings of scripts/bench_gated_delta_gpu.py tune). Undone on exit."""
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+    try:
+        yield
+    finally:
+        Autotuner.prune_configs = prune
+
+
+@contextlib.contextmanager
+def interpreter_shims():
+    """What fla-core 0.6's kernels need to run in Triton's interpreter on CPU tensors (tests and
+    scripts' --dry-run only; TRITON_INTERPRET=1 set before fla is imported): `untuned`, and a
+    `range` for fla's state kernel (fla/ops/common/chunk_delta_h.py), which calls `.to(tl.int64)`
+    on its loop index: compiled Triton makes that index a tensor, the interpreter leaves it a
+    Python int, so the module's `range` yields interpreter scalars instead. Undone on exit."""
+    import fla.ops.common.chunk_delta_h as state_kernel
+    from triton.runtime.interpreter import interpreter_semantic
+
+    def scalar_range(*bounds):
+        ints = [int(b.handle.data.item()) if hasattr(b, "handle") else int(b) for b in bounds]
+        for i in builtins.range(*ints):
+            yield interpreter_semantic.to_tensor(i, False)
+
+    state_kernel.range = scalar_range
+    try:
+        with untuned():
+            yield
+    finally:
+        del state_kernel.range
 
 
 def piece_backend(device: torch.device, backend: str = "auto") -> str:

@@ -6,21 +6,16 @@ call from an initial state.
 
 Without a GPU fla's Triton kernels run in Triton's interpreter (TRITON_INTERPRET=1, set below
 before fla is first imported: triton.jit decides at decoration) in float32 on CPU tensors; bf16 is
-broken there, so the bf16 test runs on a GPU only. Two shims make fla-core 0.6's kernels run in
-the interpreter, both scoped to this module's fla tests on CPU:
-
-- autotuning: the interpreter has no driver to time configs with, so the first config runs;
-- fla's state kernel (fla/ops/common/chunk_delta_h.py) calls `.to(tl.int64)` on its loop index,
-  which compiled Triton makes a tensor and the interpreter leaves a Python int: that module gets a
-  `range` yielding interpreter scalars, as compiled Triton's are.
+broken there, so the bf16 test runs on a GPU only. fla-core 0.6's kernels need two shims there
+(`interpreter_shims`: autotuning and a loop index), scoped to this module's fla tests on CPU.
 
 On a GPU (scripts/gpu_check.sh) the same tests run on CUDA, float32 matmuls in IEEE (no TF32) so
-the float32 tolerances hold. The tests that need fla skip when it is not installed (the README's
+the float32 tolerances hold, each kernel with its first config (`untuned`: autotuning every test
+shape would take minutes). The tests that need fla skip when it is not installed (the README's
 test command installs it: the [test] extra)."""
 
 from __future__ import annotations
 
-import builtins
 import os
 
 import pytest
@@ -32,12 +27,17 @@ else:
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 from ringctx.attention.gated_delta import ChunkForm, PieceSummary, compose, recurrent  # noqa: E402
-from ringctx.attention.gated_delta_gpu import FlaPiece, build_piece, fla_available, piece_backend  # noqa: E402
+from ringctx.attention.gated_delta_gpu import (FlaPiece, build_piece, fla_available,  # noqa: E402
+                                              interpreter_shims, piece_backend, untuned)
 from tests.attention.test_gated_delta import random_inputs  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = 2e-5  # float32 against float64, as tests/attention/test_gated_delta.py
+# float32 against float64: as tests/attention/test_gated_delta.py in the interpreter; on a GPU fla's
+# in-block triangular solve multiplies in TF32 whatever the inputs' dtype (fla/ops/gated_delta_rule/
+# chunk_fwd.py: SOLVE_TRIL_DOT_PRECISION on Ampere and newer), a 2^-11 rounding.
+TOL = 2e-5 if DEVICE == "cpu" else 5e-3
+SAME = 1e-5 if DEVICE == "cpu" else 1e-4  # fla against fla: the same kernels on other widths or head maps
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +46,12 @@ def fla():
     if not fla_available():
         pytest.skip("flash-linear-attention (fla-core) is not installed: pip install 'ringctx[fla]'")
     if DEVICE == "cuda":
-        yield
+        with untuned():
+            yield
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.fail("no GPU and TRITON_INTERPRET is not 1: fla's kernels cannot run")
-    import fla.ops.common.chunk_delta_h as state_kernel
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.interpreter import interpreter_semantic
-
-    def scalar_range(*bounds):
-        ints = [int(b.handle.data.item()) if hasattr(b, "handle") else int(b) for b in bounds]
-        for i in builtins.range(*ints):
-            yield interpreter_semantic.to_tensor(i, False)
-
-    prune = Autotuner.prune_configs
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Autotuner, "prune_configs", lambda self, kwargs: prune(self, kwargs)[:1])
-        patch.setattr(state_kernel, "range", scalar_range, raising=False)
+    with interpreter_shims():
         yield
 
 
@@ -127,7 +116,7 @@ def test_grouped_key_heads_equal_repeated_ones(fla):
     grouped = FlaPiece.build(q[:, :1], k[:, :1], v, g, beta).scan(start)
     repeated = FlaPiece.build(q[:, :1].expand(-1, 3, -1), k[:, :1].expand(-1, 3, -1), v, g, beta).scan(start)
     for a, b in zip(grouped, repeated):
-        assert rel_err(a, b) < 1e-6
+        assert rel_err(a, b) < SAME
 
 
 def test_equals_flas_own_call_from_an_initial_state(fla):
@@ -139,16 +128,17 @@ def test_equals_flas_own_call_from_an_initial_state(fla):
     o, end = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                                     initial_state=start[None].clone(), output_final_state=True)
     out, piece_end = FlaPiece.build(q, k, v, g, beta).scan(start)
-    assert rel_err(out, o[0]) < 1e-5 and rel_err(piece_end, end[0]) < 1e-5
+    assert rel_err(out, o[0]) < SAME and rel_err(piece_end, end[0]) < SAME
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 needs a GPU: Triton's interpreter computes bf16 wrongly")
 def test_bf16_inputs_keep_float32_states(fla):
     """bf16 q, k, v at the real head size: the states and their composition stay float32; the error
-    is bf16 rounding of the inputs and of fla's in-block matmuls, not a drift over pieces."""
-    ref, _ = inputs(2048, H=4, Dk=128, Dv=128, seed=5)
+    is bf16 rounding of the inputs (2e-3 alone, through ringctx's float32 ChunkForm) and of fla's
+    in-block matmuls, not a drift over pieces."""
+    ref, _ = inputs(2048, H=3, Dk=128, Dv=128, seed=5)
     q, k, v, g, beta = (x.to(DEVICE) for x in ref)
-    start = torch.randn(4, 128, 128, dtype=torch.float64)
+    start = torch.randn(3, 128, 128, dtype=torch.float64)
     ref_out, ref_end = recurrent(*ref, start)
     cuts = [0, 700, 1400, 2048]
     pieces = [FlaPiece.build(q[a:b].bfloat16(), k[a:b].bfloat16(), v[a:b].bfloat16(), g[a:b], beta[a:b])
