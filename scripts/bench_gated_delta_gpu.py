@@ -3,7 +3,7 @@ scripts/gpu_check.sh (and --dry-run on a CPU, in Triton's interpreter).
 
     python scripts/bench_gated_delta_gpu.py --out DIR [--budget-s 60] [--dry-run]
 
-For Hv = 32 and 48 value heads over Hk = 16 key heads (Qwen3-Next-80B; Qwen3.5/3.6-27B),
+For Hv = 48 and 32 value heads over Hk = 16 key heads (Qwen3.5/3.6-27B; Qwen3-Next-80B),
 Dk = Dv = 128, T = 8K, 16K, 32K, 64K tokens, bf16 q, k, v and a float32 start state, times:
 
     fla     fla's chunk_gated_delta_rule from the start state, final state out: the kernel alone
@@ -11,7 +11,7 @@ Dk = Dv = 128, T = 8K, 16K, 32K, 64K tokens, bf16 q, k, v and a float32 start st
             outputs, transition and contribution (one call with the values widened to Dv + Dk)
             and its outputs from the start state
 
-and, at 8K and Hv = 32, ringctx's own ChunkForm (build, PieceSummary.of, scan from the start) on the
+and, at 8K and Hv = 48, ringctx's own ChunkForm (build, PieceSummary.of, scan from the start) on the
 same GPU. Each size also checks the piece's outputs and end state against fla's plain call (both
 bf16: their difference is rounding). Times are CUDA-event medians after one warm-up call (the
 first call's seconds, Triton's compile and fla's autotuning, are reported apart). Writes
@@ -125,7 +125,7 @@ def measure(T: int, Hk: int, Hv: int, D: int, dry: bool, with_torch: bool) -> di
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--budget-s", type=float, default=60.0, help="start no size after this many seconds")
+    p.add_argument("--budget-s", type=float, default=50.0, help="start no size after this many seconds")
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
     args = p.parse_args()
     if args.dry_run:
@@ -150,7 +150,7 @@ def main() -> int:
         sizes = [(128, 2, 4, 16)]
     else:
         result["gpu"] = torch.cuda.get_device_name(0)
-        sizes = [(T, 16, Hv, 128) for Hv in (32, 48) for T in (8192, 16384, 32768, 65536)]
+        sizes = [(T, 16, Hv, 128) for Hv in (48, 32) for T in (8192, 16384, 32768, 65536)]
     deadline = time.monotonic() + args.budget_s
     ok = True
     with interpreter_shims() if args.dry_run else contextlib.nullcontext():

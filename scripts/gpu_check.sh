@@ -12,9 +12,10 @@
 # 3. Linear attention through flash-linear-attention (optional, as flash-attn is; fla-core imported,
 #    or installed offline from a wheel in $FLA_WHEELS, default .gpu_wheels/, which `pip download
 #    --no-deps fla-core==0.6.0 -d .gpu_wheels` fills on a machine with the registry): the tests of
-#    tests/attention/test_gated_delta_gpu.py on the GPU (45 s cap), then
+#    tests/attention/test_gated_delta_gpu.py on the GPU (60 s cap: Triton compiles fla's kernels for
+#    each test shape), then
 #    scripts/bench_gated_delta_gpu.py (fla's chunked kernel from an initial state and a CP piece at
-#    Hv = 32, 48, Dk = Dv = 128, T = 8K-64K, bf16 inputs, float32 state; 60 s budget, 90 s cap).
+#    Hv = 48, 32, Dk = Dv = 128, T = 8K-64K, bf16 inputs, float32 state; 50 s budget, 80 s cap).
 #    Writes OUT_DIR/gated_delta_gpu.json and OUT_DIR/pytest_fla.log; skipped, with a line, without fla.
 # 4. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
 #    attention backend and both CUDA kernels against the float64 reference (sliding-window and
@@ -70,7 +71,7 @@ START=$(date +%s)
   timeout 100 "$PY" scripts/serve_check.py --out "$OUT" --budget-s 90 "${DRY[@]}"
   serve_rc=$?
 
-  # 3. Linear attention through fla, capped (150 s at most together).
+  # 3. Linear attention through fla, capped (140 s at most together).
   echo "== linear attention: flash-linear-attention"
   fla_rc=0
   has_fla() { "$PY" -c "import fla.ops.gated_delta_rule" >/dev/null 2>&1; }
@@ -82,10 +83,13 @@ START=$(date +%s)
     fi
   fi
   if has_fla; then
-    timeout 45 "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_gated_delta_gpu.py 2>&1 | tee "$OUT/pytest_fla.log"
+    timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_gated_delta_gpu.py 2>&1 | tee "$OUT/pytest_fla.log"
     fla_rc=${PIPESTATUS[0]}
-    [ "$fla_rc" -eq 124 ] && echo "the fla tests hit their 45 s cap"
-    timeout 90 "$PY" scripts/bench_gated_delta_gpu.py --out "$OUT" --budget-s 60 "${DRY[@]}" || fla_rc=1
+    [ "$fla_rc" -eq 124 ] && echo "the fla tests hit their 60 s cap"
+    timeout 80 "$PY" scripts/bench_gated_delta_gpu.py --out "$OUT" --budget-s 50 "${DRY[@]}"
+    bench_rc=$?
+    if [ "$bench_rc" -eq 124 ]; then echo "the fla timings hit their 80 s cap (what was measured is in the JSON)"
+    elif [ "$bench_rc" -ne 0 ]; then fla_rc=1; fi
   else
     echo "flash-linear-attention (fla-core) not installed: step skipped (pip install 'ringctx[fla]', or a wheel in .gpu_wheels/)"
   fi

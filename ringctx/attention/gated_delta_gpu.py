@@ -22,17 +22,24 @@ and the outputs from any start state follow without another pass over the piece:
     o_t(S_0) = o_t(0) + (P_t S_0)^T q_t = o_t(0) + S_0^T r_t      (a [T, Dk] x [Dk, Dv] matmul a head)
 
 (`FlaPiece.build`; tests/attention/test_gated_delta_gpu.py checks M against the product of the
-A_t in float64.) What the costly part of the kernel does (the intra-block triangular solve, the
-keys' WY form) depends on q, k, g, beta only and is done once; the widened columns cost the state
-scan and the output kernel, which are parallel over value columns.
+A_t in float64.) The costly part of the kernel (the intra-block triangular solve, the keys' WY
+form) depends on k, g, beta only and is done once; the widened columns cost the state scan and the
+output kernel, which are parallel over value columns. ringctx's `ChunkForm` instead builds once and
+scans three times (from zero, from I, from S_0).
+
+Which backend: `piece_backend(device)` is "fla" on CUDA when fla imports, else "torch" (ChunkForm,
+every device); `build_piece` prepares a piece with it, and either kind answers
+`PieceSummary.of(piece)` and `piece.scan(start)` alike, so the two compose with each other.
+`chunked_from` is one rank's whole chunk from a known state (no summary needed): fla's plain call.
 
 fla's conventions, as ringctx calls it: layout [B, T, H, D] (B = 1 here); q and k arrive
 L2-normalised and q scaled by Dk^-0.5 (attention/gated_delta.py), so use_qk_l2norm_in_kernel is
 False and scale = 1.0 (fla multiplies q.k and q.S by `scale`, default Dk^-0.5); g is the log
 decay, beta after its sigmoid; the state is [H, Dk, Dv] (state_v_first False) and fla keeps and
 returns it in float32 whatever the inputs' dtype. Inputs may be bf16 on the GPU (fla's matmuls
-then round to bf16 as its own long sequences do); M, C, the start state and their composition
-(`compose`) stay float32.
+then round to bf16 as its own long sequences do; with float32 inputs its triangular solve still
+multiplies in TF32 on Ampere and newer); M, C, the start state and their composition (`compose`)
+stay float32.
 
 Tested in float32 under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, inside
 `interpreter_shims`), and on a GPU by scripts/gpu_check.sh.
@@ -47,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gated_delta import ChunkForm, PieceSummary
+from .gated_delta import ChunkForm, PieceSummary, chunked
 
 PIECE_BACKENDS = ("auto", "torch", "fla")
 
@@ -122,6 +129,22 @@ def build_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     if piece_backend(q.device, backend) == "fla":
         return FlaPiece.build(q, k, v, g, beta)
     return ChunkForm.build(q, k, v, g, beta)
+
+
+def chunked_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over T tokens from `state` [H, Dk, Dv] (None: zeros) when no other piece
+    needs this one's summary (one rank's prefill): with the "fla" backend fla's plain call from the
+    state (Dv value columns, no M), else attention/gated_delta.chunked. Shapes as `build_piece`;
+    returns (o [T, H, Dv] float32, the end state [H, Dk, Dv] float32); `state` is not written."""
+    if piece_backend(q.device, backend) != "fla":
+        return chunked(q, k, v, g, beta, state)
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    start = None if state is None else state.float()[None].contiguous()
+    o, end = chunk_gated_delta_rule(q[None], k[None], v[None], g.float()[None], beta.float()[None], scale=1.0,
+                                    initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=False)
+    return o[0].float(), end[0]
 
 
 @dataclass

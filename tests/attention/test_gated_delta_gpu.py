@@ -27,7 +27,7 @@ else:
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 from ringctx.attention.gated_delta import ChunkForm, PieceSummary, compose, recurrent  # noqa: E402
-from ringctx.attention.gated_delta_gpu import (FlaPiece, build_piece, fla_available,  # noqa: E402
+from ringctx.attention.gated_delta_gpu import (FlaPiece, build_piece, chunked_from, fla_available,  # noqa: E402
                                               interpreter_shims, piece_backend, untuned)
 from tests.attention.test_gated_delta import random_inputs  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
@@ -77,7 +77,7 @@ def test_the_transition_is_the_product_of_the_steps(fla):
     """M from the kernel's identity columns equals A_T ... A_1, A_t = exp(g_t) (I - beta_t k_t k_t^T),
     in float64; C equals the recurrence's end state from zero; and the outputs' start-state part
     is linear in it (values=False), as ChunkForm's."""
-    (q, k, v, g, beta), dev = inputs(70, Dv=12, seed=1)
+    (q, k, v, g, beta), dev = inputs(70, seed=1)
     eye = torch.eye(16, dtype=torch.float64)
     product = eye.expand(3, 16, 16)
     for t in range(70):
@@ -129,6 +129,22 @@ def test_equals_flas_own_call_from_an_initial_state(fla):
                                     initial_state=start[None].clone(), output_final_state=True)
     out, piece_end = FlaPiece.build(q, k, v, g, beta).scan(start)
     assert rel_err(out, o[0]) < SAME and rel_err(piece_end, end[0]) < SAME
+
+
+def test_one_ranks_chunk_from_a_state_equals_the_recurrence(fla):
+    """chunked_from: fla's plain call from the state (no summary needed), and ringctx's chunked
+    form on the "torch" backend, both equal to the float64 recurrence."""
+    ref, dev = inputs(150, seed=6)
+    start = torch.randn(3, 16, 16, dtype=torch.float64)
+    ref_out, ref_end = recurrent(*ref, start)
+    kept = start.float().to(DEVICE)
+    for backend in ("fla", "torch"):
+        out, end = chunked_from(*dev, kept, backend=backend)
+        assert torch.equal(kept.cpu(), start.float()), "the caller's state was written"
+        assert out.dtype == end.dtype == torch.float32
+        assert rel_err(out.cpu(), ref_out) < TOL and rel_err(end.cpu(), ref_end) < TOL, backend
+    out, end = chunked_from(*dev, backend="fla")
+    assert rel_err(out.cpu(), recurrent(*ref)[0]) < TOL
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 needs a GPU: Triton's interpreter computes bf16 wrongly")
