@@ -7,9 +7,10 @@ For Hv = 48 and 32 value heads over Hk = 16 key heads (Qwen3.5/3.6-27B; Qwen3-Ne
 Dk = Dv = 128, T = 8K, 16K, 32K, 64K tokens, bf16 q, k, v and a float32 start state, times:
 
     fla     fla's chunk_gated_delta_rule from the start state, final state out: the kernel alone
-    piece   attention/gated_delta_gpu.FlaPiece.build + scan(start): a context-parallel piece's
-            outputs, transition and contribution (one call with the values widened to Dv + Dk)
-            and its outputs from the start state
+    build   attention/gated_delta_gpu.FlaPiece.build: a context-parallel piece's outputs from
+            zero, transition and contribution (one call with the values widened to Dv + Dk)
+    piece   build + scan(start): and its outputs from the start state (a matmul); against
+            build + fla, the other way to have them
 
 and, at 8K and Hv = 48, ringctx's own ChunkForm (build, PieceSummary.of, scan from the start) on the
 same GPU. Each size also checks the piece's outputs and end state against fla's plain call (both
@@ -92,11 +93,14 @@ def measure(T: int, Hk: int, Hv: int, D: int, dry: bool, with_torch: bool) -> di
         return chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                                       initial_state=start[None], output_final_state=True)
 
+    def build():
+        return FlaPiece.build(q, k, v, g, beta)
+
     def piece():
-        return FlaPiece.build(q, k, v, g, beta).scan(start)
+        return build().scan(start)
 
     row: dict = {"T": T, "Hk": Hk, "Hv": Hv, "D": D, "dtype": str(q.dtype).removeprefix("torch.")}
-    for name, fn in (("fla", fla_call), ("piece", piece)):
+    for name, fn in (("fla", fla_call), ("build", build), ("piece", piece)):
         first, median = timed(fn, dry)
         row[f"{name}_first_s"] = round(first, 3)
         row[f"{name}_ms"] = round(median * 1e3, 3)
@@ -165,11 +169,11 @@ def main() -> int:
             path.write_text(json.dumps(result, indent=1))
     result["ok"] = ok
     path.write_text(json.dumps(result, indent=1))
-    print(f"{'T':>6} {'Hv':>3} {'fla ms':>9} {'piece ms':>9} {'fla Mtok/s':>10} {'piece Mtok/s':>12} "
-          f"{'rel err':>8} {'first s':>8}")
+    print(f"{'T':>6} {'Hv':>3} {'fla ms':>9} {'build ms':>9} {'piece ms':>9} {'fla Mtok/s':>10} "
+          f"{'piece Mtok/s':>12} {'rel err':>8} {'first s':>8}")
     for r in result["rows"]:
-        print(f"{r['T']:>6} {r['Hv']:>3} {r['fla_ms']:>9} {r['piece_ms']:>9} {r['fla_mtok_s']:>10} "
-              f"{r['piece_mtok_s']:>12} {r['piece_vs_fla_rel_err']:>8.1e} {r['fla_first_s']:>8}"
+        print(f"{r['T']:>6} {r['Hv']:>3} {r['fla_ms']:>9} {r['build_ms']:>9} {r['piece_ms']:>9} {r['fla_mtok_s']:>10} "
+              f"{r['piece_mtok_s']:>12} {r['piece_vs_fla_rel_err']:>8.1e} {r['fla_first_s'] + r['build_first_s']:>8.1f}"
               + (f"   ChunkForm {r['chunkform_ms']} ms" if "chunkform_ms" in r else ""))
     if result["skipped"]:
         print("skipped (budget):", ", ".join(f"T={s['T']} Hv={s['Hv']}" for s in result["skipped"]))
