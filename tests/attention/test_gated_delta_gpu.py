@@ -83,14 +83,14 @@ def test_the_transition_is_the_product_of_the_steps(fla):
     for t in range(70):
         step = g[t].exp()[:, None, None] * (eye - beta[t][:, None, None] * k[t][:, :, None] * k[t][:, None, :])
         product = step @ product
-    summary = PieceSummary.of(FlaPiece.build(*dev))
+    piece = FlaPiece.build(*dev)
+    summary = PieceSummary.of(piece)
     assert summary.transition.dtype == summary.contribution.dtype == torch.float32
     assert rel_err(summary.transition.cpu(), product) < TOL
     assert rel_err(summary.contribution.cpu(), recurrent(q, k, v, g, beta)[1]) < TOL
-    form = ChunkForm.build(*dev)
     start = torch.randn(3, 16, 7, device=DEVICE)  # a width other than Dv: the linear part alone
-    fla_lin, fla_end = FlaPiece.build(*dev).scan(start, values=False)
-    lin, end = form.scan(start, values=False)
+    fla_lin, fla_end = piece.scan(start, values=False)
+    lin, end = ChunkForm.build(*dev).scan(start, values=False)
     assert rel_err(fla_lin, lin) < TOL and rel_err(fla_end, end) < TOL
 
 
