@@ -9,7 +9,15 @@
 #    ingested over POST /v1/documents, one streamed question, then a plain client's prompt of the
 #    same length twice (a miss, then a prefix-cache hit: cached tokens and time to first token);
 #    capped at 90 s. Writes OUT_DIR/serve_check.json.
-# 3. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
+# 3. Linear attention through flash-linear-attention (optional, as flash-attn is; fla-core imported,
+#    or installed offline from a wheel in $FLA_WHEELS, default .gpu_wheels/, which `pip download
+#    --no-deps fla-core==0.6.0 -d .gpu_wheels` fills on a machine with the registry): the tests of
+#    tests/attention/test_gated_delta_gpu.py on the GPU (60 s cap: Triton compiles fla's kernels for
+#    each test shape), then
+#    scripts/bench_gated_delta_gpu.py (fla's chunked kernel from an initial state and a CP piece at
+#    Hv = 48, 32, Dk = Dv = 128, T = 8K-64K, bf16 inputs, float32 state; 50 s budget, 80 s cap).
+#    Writes OUT_DIR/gated_delta_gpu.json and OUT_DIR/pytest_fla.log; skipped, with a line, without fla.
+# 4. scripts/gpu_check.py with the rest of the 8 minutes: environment and measured peaks, every
 #    attention backend and both CUDA kernels against the float64 reference (sliding-window and
 #    soft-capped blocks too: Triton, flash-attn's band path, the PyTorch band fallback; sink logits), kernel
 #    timings (TFLOP/s, GB/s; a 32K windowed block, W = 1024 and 4096, against the full causal
@@ -26,7 +34,7 @@
 # Everything printed also goes to OUT_DIR/gpu_check.log; pytest's output to OUT_DIR/pytest.log.
 # Exit status: non-zero when a correctness check or a test failed (speed targets are reported in
 # the JSON under "targets", never turned into failures). Needs python3 with a CUDA build of
-# torch, triton, ninja and nvcc (for the extension); flash-attn is used when installed.
+# torch, triton, ninja and nvcc (for the extension); flash-attn and fla-core are used when installed.
 # --dry-run: the same steps on a CPU machine with tiny shapes (Triton interpreter, torch
 # fallbacks), to check the script itself; its numbers mean nothing.
 set -uo pipefail
@@ -63,12 +71,35 @@ START=$(date +%s)
   timeout 100 "$PY" scripts/serve_check.py --out "$OUT" --budget-s 90 "${DRY[@]}"
   serve_rc=$?
 
-  # 3. Checks, timings and the prefill, with the time left (the script skips what cannot fit).
+  # 3. Linear attention through fla, capped (140 s at most together).
+  echo "== linear attention: flash-linear-attention"
+  fla_rc=0
+  has_fla() { "$PY" -c "import fla.ops.gated_delta_rule" >/dev/null 2>&1; }
+  if ! has_fla; then
+    wheel=$(ls "${FLA_WHEELS:-.gpu_wheels}"/fla_core-*.whl 2>/dev/null | tail -n 1)
+    if [ -n "$wheel" ]; then
+      fla_dir=$(mktemp -d)
+      "$PY" -m pip install -q --no-deps --no-index --target "$fla_dir" "$wheel" && export PYTHONPATH="$PYTHONPATH:$fla_dir"
+    fi
+  fi
+  if has_fla; then
+    timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_gated_delta_gpu.py 2>&1 | tee "$OUT/pytest_fla.log"
+    fla_rc=${PIPESTATUS[0]}
+    [ "$fla_rc" -eq 124 ] && echo "the fla tests hit their 60 s cap"
+    timeout 80 "$PY" scripts/bench_gated_delta_gpu.py --out "$OUT" --budget-s 50 "${DRY[@]}"
+    bench_rc=$?
+    if [ "$bench_rc" -eq 124 ]; then echo "the fla timings hit their 80 s cap (what was measured is in the JSON)"
+    elif [ "$bench_rc" -ne 0 ]; then fla_rc=1; fi
+  else
+    echo "flash-linear-attention (fla-core) not installed: step skipped (pip install 'ringctx[fla]', or a wheel in .gpu_wheels/)"
+  fi
+
+  # 4. Checks, timings and the prefill, with the time left (the script skips what cannot fit).
   budget=$(( TOTAL_S - ($(date +%s) - START) - 15 ))
   timeout $(( budget + 10 )) "$PY" scripts/gpu_check.py --out "$OUT" --budget-s "$budget" "${DRY[@]}"
   check_rc=$?
   [ "$check_rc" -eq 124 ] && echo "gpu_check.py hit its timeout (partial results are in the JSON)"
-  echo "== done in $(( $(date +%s) - START )) s: gpu_check.py rc=$check_rc, pytest rc=$test_rc, serve rc=$serve_rc"
-  [ "$check_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$serve_rc" -eq 0 ]
+  echo "== done in $(( $(date +%s) - START )) s: gpu_check.py rc=$check_rc, pytest rc=$test_rc, serve rc=$serve_rc, fla rc=$fla_rc"
+  [ "$check_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$serve_rc" -eq 0 ] && [ "$fla_rc" -eq 0 ]
 } 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -149,7 +149,10 @@ class PieceSummary:
 
     @classmethod
     def of(cls, form: ChunkForm) -> "PieceSummary":
-        """The summary of a prepared piece: two scans without outputs, from zero and from I."""
+        """The summary of a prepared piece: two scans without outputs, from zero and from I (a piece
+        from another backend, attention/gated_delta_gpu.FlaPiece, has it already)."""
+        if not isinstance(form, ChunkForm):
+            return form.summary()
         H, _, _, Dv = form.u.shape
         Dk = form.w.shape[-1]
         _, contribution = form.scan(None, outputs=False)

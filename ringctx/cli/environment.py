@@ -50,7 +50,8 @@ def environment_report() -> dict:
     return {
         "ringctx": _version("ringctx"),
         "python": platform.python_version(),
-        "versions": {p: _version(p) for p in ("torch", "transformers", "gguf", "safetensors", "triton", "flash-attn")},
+        "versions": {p: _version(p) for p in ("torch", "transformers", "gguf", "safetensors", "triton", "flash-attn",
+                                              "fla-core")},
         "cpu": f"{cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
                f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}, big bf16 matmuls "
                + ("native (bf16 units)" if cpu_has_fast_bf16() else "in float32 (no bf16 units PyTorch may use)"),
