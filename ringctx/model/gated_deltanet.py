@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.gated_delta import ChunkForm, recurrent
+from ..attention.gated_delta import recurrent
+from ..attention.gated_delta_gpu import chunked_from
 from .config import LinearShape
 
 
@@ -163,6 +164,6 @@ class GatedDeltaNet(nn.Module):
         if x.shape[0] == 1:  # decode: the recurrence, as transformers' single-token step
             o, rec = recurrent(q, k, v.float(), g, beta.float(), state.recurrent)
         else:
-            o, rec = ChunkForm.build(q, k, v, g, beta).scan(state.recurrent)
+            o, rec = chunked_from(q, k, v, g, beta, state.recurrent)  # fla's kernel on CUDA, ChunkForm elsewhere
         conv = torch.cat([state.conv, mixed.to(state.conv.dtype)])[-(s.conv_width - 1):]
         return self.finish(o, x), LinearState(conv, rec)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.gated_delta import ChunkForm, PieceSummary
+from ..attention.gated_delta import PieceSummary
+from ..attention.gated_delta_gpu import build_piece
 from ..model.gated_deltanet import GatedDeltaNet, LinearState
 from ..parallel.comm import rank_and_world
 from ..parallel.linear_state import empty_summary, exchange_conv_inputs, exchange_states, piece_tail
@@ -48,7 +49,7 @@ def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tupl
             continue
         q, k, v = layer.convolve(m, before)
         g, beta = layer.gates(p)
-        form = ChunkForm.build(q, k, v, g, beta)
+        form = build_piece(q, k, v, g, beta)  # fla's chunked kernel on CUDA, ChunkForm elsewhere
         forms.append(form)
         summaries.append(PieceSummary.of(form))
     starts, end = exchange_states(summaries, state.recurrent, group, stats, layer_index)
