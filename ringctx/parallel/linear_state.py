@@ -65,7 +65,8 @@ def exchange_conv_inputs(tails: list[torch.Tensor], lengths: list[int], conv_bef
     sent ("linear-conv", for `layer`), or None."""
     rank, world = rank_and_world(group)
     width, C = conv_before.shape
-    mine = torch.cat([torch.cat([t.float().reshape(-1), torch.tensor([float(n)])]) for t, n in zip(tails, lengths)])
+    mine = torch.cat([torch.cat([t.float().reshape(-1), torch.tensor([float(n)], device=t.device)])
+                      for t, n in zip(tails, lengths)])  # on the tails' device: NCCL moves GPU tensors only
     gathered = _all_gather_flat(mine, group, world)
     _record(stats, "linear-conv", layer, mine, world)
     per_piece = width * C + 1
