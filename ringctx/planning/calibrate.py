@@ -242,7 +242,11 @@ def _one_block_model(model: ModelConfig, dtype: str):
     """A 1-layer Transformer of `model`'s shapes with random weights (small vocabulary)."""
     from ringctx.model.weights import empty_model, init_random
 
-    config = dataclasses.replace(model, n_layers=1, vocab_size=min(model.vocab_size, 1024), name=f"{model.name}-1layer")
+    # its first attention layer as it is (a hybrid's linear layers are costed from their formula)
+    i = model.attention_layers[0]
+    config = dataclasses.replace(model, n_layers=1, vocab_size=min(model.vocab_size, 1024), name=f"{model.name}-1layer",
+                                 layer_attention=model.layer_attention[i:i + 1], layer_experts=model.layer_experts[i:i + 1],
+                                 layer_linear=())
     net = empty_model(config, dtype=getattr(torch, dtype), device="cpu")
     init_random(net, 0)
     return net.eval()
