@@ -16,7 +16,8 @@ Mixtures of experts (llama's Mixtral, qwen3moe) hold each layer's experts as 3-D
 ffn_gate_exps / ffn_up_exps [E, F, dim] and ffn_down_exps [E, dim, F] (PyTorch order), beside the
 router ffn_gate_inp [E, dim]; Gemma 4 26B-A4B's (gemma4) fuse gate and up as ffn_gate_up_exps
 [E, 2F, dim] and add the router's scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale [E]
-(llama.cpp's converter's names). Each expert's slab is read alone and cut to the TP rank's share
+(llama.cpp's converter's names); a file converted with --fuse-gate-up-exps holds ffn_gate_up_exps
+on any architecture. Each expert's slab is read alone and cut to the TP rank's share
 (`_fill_gguf_experts`).
 
 The linear-attention hybrids (qwen35, qwen35moe, qwen3next) are stored as llama.cpp's converter
@@ -97,11 +98,12 @@ FUSED_ARCHITECTURES = ("phi3",)
 """GGUF architectures whose files hold attn_qkv and a gate+up ffn_up (llama.cpp's Phi-3)."""
 
 
-def expected_gguf_tensors(config: ModelConfig, arch: str,
-                          tp: TensorParallel = NO_TP) -> dict[str, list[GGUFPart]]:
+def expected_gguf_tensors(config: ModelConfig, arch: str, tp: TensorParallel = NO_TP,
+                          fused_experts: bool = False) -> dict[str, list[GGUFPart]]:
     """GGUF tensor name -> its parts (one for a plain tensor; q, k, v or gate, up for a fused one),
     for TP rank `tp.rank` (`config` is the whole model's; heads to un-permute are those of the
-    rank's slice)."""
+    rank's slice). fused_experts: the file holds each layer's expert gate and up rows together
+    (ffn_gate_up_exps, llama.cpp's converter's --fuse-gate-up-exps)."""
     unpermute = arch in ("llama", "llama4")  # llama4: its checkpoints' interleaved rows, kept by the converter
     fused = arch in FUSED_ARCHITECTURES
     local = tp.shard_config(config)
@@ -157,7 +159,7 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
         experts = config.experts(i)
         mlp = "feed_forward"
         if experts is not None:  # the router replicated; one part per expert of each 3-D tensor (TP: its share)
-            pieces.update(expert_gguf_parts(config, tp, i))
+            pieces.update(expert_gguf_parts(config, tp, i, fused_experts))
             if not experts.beside_dense:
                 continue
             # Gemma 4 26B-A4B keeps its dense MLP beside the experts, with three more norms
@@ -215,13 +217,15 @@ EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": 
 each expert's gate and up rows in ffn_gate_up_exps [E, 2F, dim] instead."""
 
 
-def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> dict[str, list[GGUFPart]]:
+def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int,
+                      fused: bool = False) -> dict[str, list[GGUFPart]]:
     """A mixture-of-experts layer's GGUF tensors -> their parts: the router ffn_gate_inp (weight
     [E, dim], and its bias; Gemma 4's two scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale
     [E]), replicated; the shared expert ffn_{gate,up,down}_shexp of Llama 4, Qwen3.5-MoE and
     Qwen3-Next (the dense MLP's layout, its TP share) and the latter two's gate ffn_gate_inp_shexp
-    [1, dim] (replicated); each stacked expert tensor (`EXPERT_STACKS`) as E parts (Gemma 4's fused
-    gate/up: 2 E, an expert's gate rows then its up rows from `first_row` F), part e
+    [1, dim] (replicated); each stacked expert tensor (`EXPERT_STACKS`) as E parts (fused gate/up,
+    Gemma 4's or any file's written `fused`: 2 E, an expert's gate rows then its up rows from
+    `first_row` F), part e
     (`WeightPiece.expert`) filling expert e's slab, cut to this TP rank's share of its units (the
     down bias whole: rank 0 adds it, model/moe.py)."""
     experts, local = config.experts(layer), tp.shard_config(config)
@@ -234,9 +238,10 @@ def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> di
     if experts.router_bias:
         parts[f"{blk}.ffn_gate_inp.bias"] = whole(f"{blk}.ffn_gate_inp.bias", f"{ff}.router.bias")
     stacks = [(stack, which, 0) for stack, which in EXPERT_STACKS.items()]
-    if experts.beside_dense:  # Gemma 4: gate and up fused per expert; the router's scales (llama.cpp's names)
+    if experts.beside_dense:  # Gemma 4: the router's scales (llama.cpp's names)
         parts[f"{blk}.ffn_gate_inp.scale"] = whole(f"{blk}.ffn_gate_inp.scale", f"{ff}.router_scale")
         parts[f"{blk}.ffn_down_exps.scale"] = whole(f"{blk}.ffn_down_exps.scale", f"{ff}.per_expert_scale")
+    if experts.beside_dense or fused:  # gate and up fused per expert: [E, 2F, dim], gate rows first
         stacks = [("ffn_gate_up_exps", "gate", 0), ("ffn_gate_up_exps", "up", experts.expert_ffn_dim),
                   ("ffn_down_exps", "down", 0)]
     for kind in ("weight", "bias") if experts.bias else ("weight",):
@@ -356,7 +361,8 @@ def _tensor_bytes(tensor) -> int:
 def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     """Fill `model` (built from this file's config; a TP rank's shard reads only its slices) with
     the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
-    expected = expected_gguf_tensors(model.full_config, arch, model.tp)
+    fused = any(t.name.endswith(".ffn_gate_up_exps.weight") for t in tensors)
+    expected = expected_gguf_tensors(model.full_config, arch, model.tp, fused)
     filler = WeightFiller(model, path, {part.piece.source_name + ("" if part.piece.expert is None else
                                                                   f"[{part.piece.expert}]+{part.first_row}"): part.piece
                                         for parts in expected.values() for part in parts})
