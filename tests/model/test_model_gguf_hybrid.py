@@ -2,7 +2,7 @@
 transformers 5.25 and against the same weights loaded from their Hugging Face directory.
 
 Each case is a tiny transformers model with random weights (its own config class: Qwen3.5 dense,
-Qwen3.5-MoE, Qwen3-Next), saved with `save_pretrained`, and written as GGUF the way llama.cpp's
+with YaRN too, Qwen3.5-MoE, Qwen3-Next), saved with `save_pretrained`, and written as GGUF the way llama.cpp's
 convert_hf_to_gguf.py writes it (`converted_tensors`, `converter_keys`, following its
 Qwen3NextModel and _LinearAttentionVReorderBase classes step by step): the gguf package's names,
 A_log stored as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the convolution squeezed to [C, K],
@@ -10,8 +10,11 @@ every norm but the Gated DeltaNet's stored as 1 + w, Qwen3-Next's in_proj_qkvz r
 attn_qkv (q | k | v) and attn_gate (z), Qwen3.5's value heads moved into llama.cpp's tiled order,
 experts stacked by kind, and the header's ssm.* keys, full_attention_interval and partial
 rope.dimension_count. ringctx loads both; logits must match transformers within 1e-5 (float32)
-and the configs must be equal (fingerprints too). Other recurrences' files (Mamba, RWKV, Kimi
-Linear) and bad hybrid headers are one-line errors.
+and the directory's within 1e-6, greedy tokens transformers', the configs must be equal
+(fingerprints too) and the parameters the directory's. Also: TP shards, Q8_0 matrices, experts
+fused as ffn_gate_up_exps, an older Qwen3-Next file's ssm_in, a multi-token-prediction block past
+the trunk. Other recurrences' files (Mamba, RWKV, Kimi Linear) and bad hybrid headers are
+one-line errors.
 """
 
 from __future__ import annotations
@@ -56,13 +59,18 @@ def hf_config(name: str):
         # Qwen3-Next: grouped projections in_proj_qkvz / in_proj_ba, Hv = 2 Hk
         "qwen3next": lambda: transformers.Qwen3NextConfig(**SHAPE, **MOE, intermediate_size=96,
                                                           linear_num_key_heads=2, linear_num_value_heads=4),
+        # Qwen3.5 past its trained context (its 1M): YaRN over the rotated half of each head
+        "qwen35-yarn": lambda: transformers.Qwen3_5TextConfig(
+            **SHAPE, intermediate_size=96, linear_num_key_heads=2, linear_num_value_heads=4,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                             "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5}),
     }[name]()
 
 
 CASES = {"qwen35": "qwen35", "qwen35moe": "qwen35moe", "qwen3next": "qwen3next",
-         "qwen3next-ssm_in": "qwen3next"}
-"""Case -> (its model's) GGUF architecture; qwen3next-ssm_in: an older converter's file, the
-checkpoint's grouped in_proj_qkvz stored whole as ssm_in."""
+         "qwen3next-ssm_in": "qwen3next", "qwen35-yarn": "qwen35"}
+"""Case -> its GGUF architecture (its model: `hf_config(case)`, but qwen3next-ssm_in: qwen3next's
+model in an older converter's file, the checkpoint's grouped in_proj_qkvz stored whole as ssm_in)."""
 
 
 def random_hf_model(name: str, seed: int = 0):
@@ -70,10 +78,12 @@ def random_hf_model(name: str, seed: int = 0):
 
     assert transformers.__version__ == TRANSFORMERS_VERSION
     model = random_hf_model_of(hf_config(name), seed)
-    with torch.no_grad():  # decays of several speeds: A_log, dt_bias ~ N(0, 0.5)
+    with torch.no_grad():
         for param_name, p in model.named_parameters():
-            if param_name.endswith(("A_log", "dt_bias")):
+            if param_name.endswith(("A_log", "dt_bias")):  # decays of several speeds
                 p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" in param_name and "linear_attn" not in param_name:  # zero-centred: gains 1 + w around 1
+                p.copy_(torch.rand_like(p) - 0.5)
     return model
 
 
@@ -159,6 +169,10 @@ def converter_keys(hf, arch: str):
         writer.add_head_count(c.num_attention_heads)
         writer.add_head_count_kv(c.num_key_value_heads)
         writer.add_rope_freq_base(rope["rope_theta"])
+        if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(rope["factor"])
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         writer.add_layer_norm_rms_eps(c.rms_norm_eps)
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
@@ -206,8 +220,7 @@ def trio(request, tmp_path_factory):
     """(case, ringctx from GGUF, ringctx from the HF directory, transformers)."""
     name = request.param
     directory = tmp_path_factory.mktemp(name)
-    model_name = name.split("-")[0]
-    hf = random_hf_model(model_name)
+    hf = random_hf_model(name.removesuffix("-ssm_in"))
     hf.save_pretrained(directory)
     path = write_hybrid_gguf(directory / f"{name}.gguf", hf, CASES[name], legacy_ssm_in=name.endswith("ssm_in"))
     return (name, load_model(path, dtype=torch.float32, device="cpu"),
