@@ -121,17 +121,17 @@ class HybridTensors:
                 return False
             self.query_and_gate(name, layer, read())
             return True
-        blk = f"blk.{layer}"
-        if rest == "ssm_ba.weight":
+        blk, grouped = f"blk.{layer}", arch == "qwen3next"
+        if rest == "ssm_ba.weight" and grouped:
             self.grouped(name, layer, "ba", read(), lambda param: f"{blk}.ssm_ba.weight:{param[-1]}")
-        elif rest == "ssm_in.weight":
+        elif rest == "ssm_in.weight" and grouped:
             names = {"in_proj_qkv": f"{blk}.attn_qkv.weight", "in_proj_z": f"{blk}.attn_gate.weight"}
             self.grouped(name, layer, "qkvz", read(), names.__getitem__)
         elif rest in HYBRID_GGUF_TENSORS:
             param, value = HYBRID_GGUF_TENSORS[rest], read()
             if param == "A_log":
                 value = torch.log(-value.double()).float()
-            if arch != "qwen3next":
+            if not grouped:
                 value = untile_value_heads(value, shape, param)
             self.put(name, layer, param, value)
         else:

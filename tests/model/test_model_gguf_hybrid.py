@@ -416,3 +416,23 @@ def test_text_rope_sections_covering_the_rotated_dims_are_plain_rope(tmp_path):
     write_header(path, "qwen35", _SSM)
     assert with_sections == read_gguf_config(str(path))
     assert with_sections.attention(3).rotary_dim == 4
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t.pop("blk.0.ssm_a"), r"1 weight tensor\(s\) missing: blk\.0\.ssm_a; the checkpoint is incomplete"),
+    (lambda t: t.update({"blk.1.attn_qkv.weight": t["blk.1.attn_qkv.weight"][:-16]}),
+     r"tensor 'blk\.1\.attn_qkv\.weight' has shape \(112, 64\), but the model config needs \(128, 64\)"),
+    (lambda t: t.update({"blk.3.attn_q.weight": t["blk.3.attn_q.weight"][:32]}),
+     r"tensor 'blk\.3\.attn_q\.weight' has shape \(32, 64\), but the model config needs \(128, 64\) \(each query "
+     r"head's rows, then its output gate's\)"),
+    (lambda t: t.update({"blk.0.ssm_in.weight": np.zeros((192, 64), np.float32)}),  # qwen3next's, not qwen35's
+     r"unexpected tensor 'blk\.0\.ssm_in\.weight': ringctx's Llama-family decoder has no place for it"),
+])
+def test_bad_hybrid_tensors_are_one_line_errors(change, message, tmp_path):
+    hf = random_hf_model("qwen35")
+    tensors = converted_tensors(hf, "qwen35")
+    change(tensors)
+    path = write_hybrid_gguf(tmp_path / "bad.gguf", hf, "qwen35", tensors=tensors)
+    with pytest.raises(ValueError, match=message) as info:
+        load_model(path, dtype=torch.float32, device="cpu")
+    assert "\n" not in str(info.value) and "bad.gguf" in str(info.value)
