@@ -8,7 +8,8 @@ import math
 import os
 from typing import Any, Mapping
 
-from .config import _MISSING, Experts, LayerAttention, ModelConfig, RopeScaling, with_head_shape, yarn_attention_factor
+from .config import (_MISSING, Experts, LayerAttention, LinearShape, ModelConfig, RopeScaling, with_head_shape,
+                     yarn_attention_factor)
 
 
 def read_gguf_field(field: Any) -> Any:
@@ -30,17 +31,34 @@ def read_gguf_field(field: Any) -> Any:
     return scalar(field.parts[field.data[0]], field.types[0])
 
 
+GGUF_HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+"""Linear-attention hybrids (`_gguf_linear_layers`): Qwen3.5 / 3.6 dense (qwen35) and mixture of
+experts (qwen35moe), Qwen3-Next (qwen3next); weights_gguf.py undoes their converter's transforms."""
+
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "seed_oss", "phi3", "gemma3", "gemma4", "qwen3moe", "gpt-oss",
-                      "llama4")
+                      "llama4", *GGUF_HYBRID_ARCHITECTURES)
 """GGUF `general.architecture`s ringctx's decoder runs (llama also holds Mistral, Mistral-Small's
 text model, Llama 3 and Mixtral files; phi3 Phi-3/3.5/4-mini; gemma3 Gemma 3's text model; gemma4
 Gemma 4's text models, the 31B's own head shape on its full layers and the 26B-A4B's experts
 included; qwen3moe Qwen3-MoE, 2507 and Qwen3-Coder included; gpt-oss its mixture of experts, sinks
-and biases: `_gpt_oss_gguf`; llama4 Llama 4 Scout and Maverick's text models, experts included)."""
+and biases: `_gpt_oss_gguf`; llama4 Llama 4 Scout and Maverick's text models, experts included;
+the hybrids GGUF_HYBRID_ARCHITECTURES)."""
 
-GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe", "gemma4")
+GGUF_EXPERT_ARCHITECTURES = ("llama", "qwen3moe", "gemma4", "qwen35moe", "qwen3next")
 """Architectures whose {arch}.expert_count `_gguf_experts` reads: Mixtral, Qwen3-MoE, Gemma 4
-26B-A4B (gpt-oss's: `_gpt_oss_gguf`; Llama 4's: `_gguf_llama4_experts`)."""
+26B-A4B, Qwen3.5-MoE and Qwen3-Next (gpt-oss's: `_gpt_oss_gguf`; Llama 4's: `_gguf_llama4_experts`)."""
+
+GGUF_RECURRENT = {
+    "mamba": "Mamba's selective state space", "mamba2": "Mamba-2's state space",
+    "jamba": "Jamba's Mamba layers", "falcon-h1": "Falcon-H1's Mamba-2 layers",
+    "granitehybrid": "Granite 4's Mamba-2 layers", "nemotron_h": "Nemotron-H's Mamba-2 layers",
+    "nemotron_h_moe": "Nemotron-H's Mamba-2 layers", "plamo2": "PLaMo 2's Mamba layers",
+    "rwkv6": "RWKV-6's time mixing", "rwkv6qwen2": "RWKV-6's time mixing", "rwkv7": "RWKV-7's time mixing",
+    "arwkv7": "RWKV-7's time mixing", "kimi-linear": "Kimi Linear's delta attention (KDA)",
+    "lfm2": "LFM2's short convolutions", "lfm2moe": "LFM2's short convolutions",
+}
+"""Architectures whose layers carry a recurrence ringctx does not compute (it computes Qwen3.5's
+and Qwen3-Next's Gated DeltaNet), refused naming it."""
 
 GGUF_REFUSED = {
     "gemma3n": "gemma3n.embedding_length_per_layer_input (Gemma 3n's per-layer inputs, AltUp, LAuReL)",
@@ -134,6 +152,14 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
       (`_gpt_oss_gguf`).
     - Llama 4 (llama4): the layers llama.cpp fixes (`_gguf_llama4_layers`) and the experts its
       header describes (`_gguf_llama4_experts`); q/k rows interleaved as in the checkpoint.
+    - The linear-attention hybrids qwen35, qwen35moe, qwen3next (GGUF_HYBRID_ARCHITECTURES): their
+      Gated DeltaNet layers (`_gguf_linear_layers`), gated attention layers with partial rotary
+      (rope.dimension_count; Qwen3.5's multimodal sections checked: `_text_rope_sections`) and
+      q/k norms, zero-centred norms (stored 1 + w; the loader subtracts the 1, so the config is
+      config.json's), the experts and gated shared expert of qwen35moe / qwen3next
+      (`_gguf_experts`); multi-token-prediction blocks past the trunk left out (`_nextn_layers`).
+    Architectures of other recurrences (Mamba, RWKV, Kimi Linear...: GGUF_RECURRENT) are refused
+    naming the recurrence.
     Keys that disagree with each other or with how llama.cpp runs the architecture, and kinds
     still unsupported (other mixtures of experts, Gemma 3n, Gemma 4's per-layer inputs and KV sharing),
     are one-line ValueErrors naming the key or tensor.
@@ -152,6 +178,11 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         return default
 
     arch = get("general.architecture")
+    if arch in GGUF_RECURRENT:
+        raise ValueError(f"{source}: general.architecture={arch!r} computes {GGUF_RECURRENT[arch]}, a recurrence "
+                         f"ringctx does not compute; it runs the Gated DeltaNet hybrids "
+                         f"{', '.join(GGUF_HYBRID_ARCHITECTURES)} and attention decoders (GGUF architecture "
+                         f"{', '.join(a for a in GGUF_ARCHITECTURES if a not in GGUF_HYBRID_ARCHITECTURES)})")
     if arch in GGUF_REFUSED:
         raise ValueError(f"{source}: {GGUF_REFUSED[arch]} is not supported yet; ringctx runs GGUF architecture "
                          f"{', '.join(GGUF_ARCHITECTURES)}")
@@ -174,8 +205,11 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
             raise ValueError(f"{source}: {arch}.{key}={get(f'{arch}.{key}')} is not supported (ringctx reads "
                              "gemma3's and gemma4's final_logit_softcapping only; Gemma 3 and 4 have no attention "
                              "soft-cap, llama.cpp and transformers ignore one); remove the key")
+    hybrid = arch in GGUF_HYBRID_ARCHITECTURES
     dim = int(get(f"{arch}.embedding_length"))
     n_layers = int(get(f"{arch}.block_count"))
+    if hybrid:  # llama.cpp's qwen35 / qwen35moe: multi-token-prediction blocks follow the trunk's (not run)
+        n_layers -= _nextn_layers(arch, get, n_layers, source)
     n_heads = int(_one_value(arch, "attention.head_count", get(f"{arch}.attention.head_count"), source))
     n_kv = get(f"{arch}.attention.head_count_kv", n_heads)
     kv_counts = [int(n) for n in n_kv] if isinstance(n_kv, list) else [int(n_kv)] * n_layers
@@ -191,12 +225,15 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
                          f"{value_dim}: ringctx needs one head width for keys and values (the file may be an MLA "
                          "model, which is not supported)")
     rotary_dim = int(get(f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim and arch != "phi3":
+    if rotary_dim != head_dim and arch != "phi3" and not hybrid:
         raise ValueError(f"{source}: partial rotary embeddings ({arch}.rope.dimension_count={rotary_dim} < head "
-                         f"dim {head_dim}) are not supported for architecture {arch} (phi3 only)")
+                         f"dim {head_dim}) are not supported for architecture {arch} (phi3, "
+                         f"{', '.join(GGUF_HYBRID_ARCHITECTURES)} only)")
     if rotary_dim > head_dim or rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"{source}: {arch}.rope.dimension_count={rotary_dim} for a head of {head_dim}: the rotated "
                          "dims must be a positive even count up to the head width; fix the key")
+    if hybrid:
+        _text_rope_sections(arch, get, rotary_dim, source)
     rope_scaling = _gguf_rope_scaling(arch, get, source)
     rope_theta = float(get(f"{arch}.rope.freq_base", 10000.0))
     vocab = get(f"{arch}.vocab_size", None)
@@ -220,6 +257,9 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
     else:
         layers = tuple(LayerAttention(window=w, rotary_dim=0 if rotary_dim == head_dim else rotary_dim)
                        for w in windows)
+    # Qwen3.5-MoE's configs have no dense width: its converter writes none, config_hf takes the experts'
+    ffn_key = "expert_feed_forward_length" if arch == "qwen35moe" and f"{arch}.feed_forward_length" not in fields \
+        else "feed_forward_length"
     cfg = ModelConfig(
         name=name or os.path.basename(source),
         vocab_size=int(vocab),
@@ -227,7 +267,7 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
-        ffn_dim=int(_one_value(arch, "feed_forward_length", get(f"{arch}.feed_forward_length"), source)),
+        ffn_dim=int(_one_value(arch, ffn_key, get(f"{arch}.{ffn_key}"), source)),
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -235,13 +275,16 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
         qkv_bias="blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
         attn_out_bias="blk.0.attn_output.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3moe"),  # llama.cpp's always have attn_q_norm / attn_k_norm
+        # llama.cpp's always have attn_q_norm / attn_k_norm (the hybrids' on their attention layers)
+        qk_norm=arch in ("qwen3", "gemma3", "gemma4", "qwen3moe", *GGUF_HYBRID_ARCHITECTURES),
         max_seq_len=max_seq_len,
         bos_token_id=get("tokenizer.ggml.bos_token_id", None),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         layer_attention=layers,
         mlp_activation="gelu_tanh" if gemma else "silu",
-        norm_plus_one=False,  # Gemma 3's (1 + w) gains are stored with the 1 added (see the docstring)
+        # Gemma 3's (1 + w) gains are stored with the 1 added (see the docstring); the hybrids' too, but
+        # their loader subtracts it again (weights_gguf.gguf_norm_shift), giving config.json's config
+        norm_plus_one=hybrid,
         post_norms=gemma,
         embed_scale=float(dim ** 0.5) if gemma else 1.0,
         final_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0) if gemma else 0.0,
@@ -251,6 +294,8 @@ def read_gguf_config(gguf_file: "str | os.PathLike | Any", *, name: str | None =
                                                for i in range(n_layers)),
         layer_experts=(_gguf_llama4_experts(arch, get, n_layers, source) if arch == "llama4" else
                        _gguf_experts(arch, get, n_layers, source) if arch in GGUF_EXPERT_ARCHITECTURES else ()),
+        layer_linear=_gguf_linear_layers(arch, get, n_layers, source) if hybrid else (),
+        attn_output_gate=hybrid,  # the hybrids' attn_q: each head's query rows, then its gate rows
     )
     if arch == "gpt-oss":
         cfg = _gpt_oss_gguf(cfg, arch, get, source)
@@ -267,8 +312,10 @@ def _gguf_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts |
     expert_count experts, top expert_used_count, each of expert_feed_forward_length units (llama:
     feed_forward_length, Mixtral's expert width); softmax gating, the k weights renormalised
     unless {arch}.expert_weights_norm is false (llama.cpp's default for both: true, Mixtral's and
-    Qwen3-MoE's norm_topk_prob as released), rounded to the model dtype on qwen3moe as
-    transformers' Qwen3MoeTopKRouter does (read_hf_config reads the same `Experts`); gemma4: Gemma 4
+    Qwen3-MoE's norm_topk_prob as released), rounded to the model dtype on qwen3moe, qwen35moe and
+    qwen3next as transformers' routers do (read_hf_config reads the same `Experts`); the latter two
+    add a shared expert of expert_shared_feed_forward_length units gated by sigmoid(x
+    ffn_gate_inp_shexp) (llama.cpp's qwen3next graph), on every layer as llama.cpp requires; gemma4: Gemma 4
     26B-A4B's experts beside the dense MLP, routed as Gemma4TextRouter ("gemma4": the router's
     scale is ffn_gate_inp.scale, per_expert_scale ffn_down_exps.scale, as llama.cpp's converter
     writes them; the gguf package names neither). The tensors (ffn_gate_inp, ffn_{gate,up,down}_exps,
@@ -287,15 +334,85 @@ def _gguf_experts(arch: str, get, n_layers: int, source: str) -> tuple[Experts |
     if gating not in (None, 1):  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ValueError(f"{source}: {arch}.expert_gating_func={gating} is not supported (ringctx's {arch} experts "
                          "are gated by a softmax: 1)")
-    gemma4 = {"router": "gemma4", "beside_dense": True} if arch == "gemma4" else {}
+    kind = {"router": "gemma4", "beside_dense": True} if arch == "gemma4" else {}
+    if arch in GGUF_HYBRID_ARCHITECTURES:  # Qwen3.5-MoE's and Qwen3-Next's gated shared expert
+        shared = _one_value(arch, "expert_shared_feed_forward_length",
+                            get(f"{arch}.expert_shared_feed_forward_length", 0), source)
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"{source}: {arch}.expert_shared_feed_forward_length={shared!r} (a count of units); "
+                             "fix the key or re-convert the model")
+        kind = {"shared_ffn_dim": shared, "shared_gate": shared > 0}
     try:
         experts = Experts(n_experts=count, experts_per_token=used, expert_ffn_dim=width,
                           renormalize=bool(get(f"{arch}.expert_weights_norm", True)),
-                          weights_in_model_dtype=arch == "qwen3moe", **gemma4)
+                          weights_in_model_dtype=arch in ("qwen3moe", "qwen35moe", "qwen3next"), **kind)
     except ValueError as e:  # Experts names the field; the header's keys say which entry to fix
         raise ValueError(f"{source}: {arch}.expert_count={count}, {arch}.expert_used_count={used}: "
                          f"{str(e).removeprefix('Experts: ')}; fix the keys or re-convert the model") from None
     return (experts,) * n_layers
+
+
+def _nextn_layers(arch: str, get, block_count: int, source: str) -> int:
+    """How many of block_count blocks are multi-token-prediction blocks ({arch}.nextn_predict_layers;
+    llama.cpp's qwen35 stores them after the trunk's and runs them only to draft tokens): the
+    trunk is the rest. Their tensors (blk.N for N past the trunk) are not read."""
+    nextn = get(f"{arch}.nextn_predict_layers", 0)
+    if not isinstance(nextn, int) or isinstance(nextn, bool) or not 0 <= nextn < block_count:
+        raise ValueError(f"{source}: {arch}.nextn_predict_layers={nextn!r} with {arch}.block_count={block_count}: "
+                         "a count of prediction blocks below the block count; fix the key or re-convert the model")
+    return nextn
+
+
+def _text_rope_sections(arch: str, get, rotary_dim: int, source: str) -> None:
+    """Check Qwen3.5's multimodal RoPE sections ({arch}.rope.dimension_sections: pairs turned by
+    the time, height and width positions, llama.cpp's converter's mrope_section). A text token
+    has one position in all three, so the sections turn as plain RoPE when they cover the
+    rotated pairs, as transformers' Qwen3.5 computes text; other sections are refused."""
+    sections = get(f"{arch}.rope.dimension_sections", None)
+    if sections is None:
+        return
+    pairs = sum(int(s) for s in (sections if isinstance(sections, list) else [sections]))
+    if 2 * pairs != rotary_dim:
+        raise ValueError(f"{source}: {arch}.rope.dimension_sections={sections} turn {2 * pairs} dims, but "
+                         f"{arch}.rope.dimension_count={rotary_dim}: the multimodal RoPE sections must cover the "
+                         "rotated dims (ringctx runs text positions); fix the keys or re-convert the model")
+
+
+def _gguf_linear_layers(arch: str, get, n_layers: int, source: str) -> tuple[LinearShape | None, ...]:
+    """Each layer's Gated DeltaNet (None: attention) of a hybrid's header, as llama.cpp's qwen35 /
+    qwen35moe / qwen3next loaders read it:
+
+    - the layer kinds: {arch}.attention.recurrent_layers (true: a linear layer, one per block) or
+      else every layer but each full_attention_interval-th (default 4), Qwen3.5's layer_types;
+    - its widths (llama.cpp's converter's ssm keys): ssm.group_count key heads (linear_num_key_heads)
+      of ssm.state_size dims, ssm.time_step_rank value heads (linear_num_value_heads) of
+      ssm.inner_size / time_step_rank dims, ssm.conv_kernel taps."""
+    names = ("group_count", "time_step_rank", "state_size", "inner_size", "conv_kernel")
+    values = {name: get(f"{arch}.ssm.{name}") for name in names}
+    keys = ", ".join(f"{arch}.ssm.{name}={value!r}" for name, value in values.items())
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values.values()) \
+            or values["inner_size"] % values["time_step_rank"]:
+        raise ValueError(f"{source}: {keys}: each must be a positive count, inner_size a multiple of time_step_rank "
+                         "(the value heads); fix the header or re-convert the model")
+    try:
+        shape = LinearShape(values["group_count"], values["time_step_rank"], values["state_size"],
+                            values["inner_size"] // values["time_step_rank"], values["conv_kernel"])
+    except ValueError as e:
+        raise ValueError(f"{source}: {keys}: {str(e).removeprefix('LinearShape: ')}") from None
+    recurrent = get(f"{arch}.attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = get(f"{arch}.full_attention_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise ValueError(f"{source}: {arch}.full_attention_interval={interval!r}: a positive layer count (every "
+                             "n-th layer attends); fix the key")
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    elif not isinstance(recurrent, list) or len(recurrent) < n_layers:
+        raise ValueError(f"{source}: {arch}.attention.recurrent_layers={recurrent!r}: give one bool per block "
+                         f"({n_layers}; true: a linear-attention layer)")
+    if all(recurrent[:n_layers]):
+        raise ValueError(f"{source}: every layer of the file is linear attention ({arch}.attention.recurrent_layers / "
+                         "full_attention_interval); ringctx runs hybrids that keep some attention layers")
+    return tuple(shape if r else None for r in recurrent[:n_layers])
 
 
 def _gguf_llama4_layers(arch: str, get, n_layers: int, source: str) -> tuple[LayerAttention, ...]:

@@ -16,8 +16,15 @@ Mixtures of experts (llama's Mixtral, qwen3moe) hold each layer's experts as 3-D
 ffn_gate_exps / ffn_up_exps [E, F, dim] and ffn_down_exps [E, dim, F] (PyTorch order), beside the
 router ffn_gate_inp [E, dim]; Gemma 4 26B-A4B's (gemma4) fuse gate and up as ffn_gate_up_exps
 [E, 2F, dim] and add the router's scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale [E]
-(llama.cpp's converter's names). Each expert's slab is read alone and cut to the TP rank's share
+(llama.cpp's converter's names); a file converted with --fuse-gate-up-exps holds ffn_gate_up_exps
+on any architecture. Each expert's slab is read alone and cut to the TP rank's share
 (`_fill_gguf_experts`).
+
+The linear-attention hybrids (qwen35, qwen35moe, qwen3next) are stored as llama.cpp's converter
+transforms their checkpoints: each norm but the Gated DeltaNet's as 1 + w (`gguf_norm_shift`), the
+gated attention's attn_q with each head's query and gate rows, and the linear layers' tensors
+(`hybrid_gguf_parts`), which weights_hybrid.HybridTensors.take_gguf reads back into the
+checkpoint's layout; blocks past the trunk (multi-token prediction) are not read.
 
 Split files (model-00001-of-00003.gguf, from gguf-split) are read shard by shard.
 """
@@ -33,11 +40,12 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .config_gguf import read_gguf_config, read_gguf_field
+from .config_gguf import GGUF_HYBRID_ARCHITECTURES as HYBRIDS, read_gguf_config, read_gguf_field
 from ..telemetry import release_free_memory
 from .expert_parallel import NO_EP, ExpertParallel
 from .tensor_parallel import NO_TP, TensorParallel
 from .weights import Take, WeightFiller, WeightPiece, mlp_rows, qkv_rows, tp_take, unpermute_rotary_rows
+from .weights_hybrid import HYBRID_GGUF_TENSORS, HybridTensors
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _ONE_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
@@ -90,11 +98,12 @@ FUSED_ARCHITECTURES = ("phi3",)
 """GGUF architectures whose files hold attn_qkv and a gate+up ffn_up (llama.cpp's Phi-3)."""
 
 
-def expected_gguf_tensors(config: ModelConfig, arch: str,
-                          tp: TensorParallel = NO_TP) -> dict[str, list[GGUFPart]]:
+def expected_gguf_tensors(config: ModelConfig, arch: str, tp: TensorParallel = NO_TP,
+                          fused_experts: bool = False) -> dict[str, list[GGUFPart]]:
     """GGUF tensor name -> its parts (one for a plain tensor; q, k, v or gate, up for a fused one),
     for TP rank `tp.rank` (`config` is the whole model's; heads to un-permute are those of the
-    rank's slice)."""
+    rank's slice). fused_experts: the file holds each layer's expert gate and up rows together
+    (ffn_gate_up_exps, llama.cpp's converter's --fuse-gate-up-exps)."""
     unpermute = arch in ("llama", "llama4")  # llama4: its checkpoints' interleaved rows, kept by the converter
     fused = arch in FUSED_ARCHITECTURES
     local = tp.shard_config(config)
@@ -115,26 +124,30 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
         blk, ours = f"blk.{i}", f"layers.{i}"
         add(f"{blk}.attn_norm.weight", f"{ours}.attention_norm.weight")
         # the MLP's norm: post_attention_layernorm (Seed-OSS's keeps that name), Gemma's pre_feedforward_layernorm
-        add(f"{blk}.{'post_attention_norm' if arch in ('seed_oss', 'gpt-oss') else 'ffn_norm'}.weight",
+        add(f"{blk}.{'post_attention_norm' if arch in ('seed_oss', 'gpt-oss', *HYBRIDS) else 'ffn_norm'}.weight",
             f"{ours}.ffn_norm.weight")
         if config.post_norms:
             add(f"{blk}.post_attention_norm.weight", f"{ours}.post_attention_norm.weight")
             add(f"{blk}.post_ffw_norm.weight", f"{ours}.post_ffn_norm.weight")
+        if arch in HYBRIDS:  # a Gated DeltaNet or a gated attention layer (`hybrid_gguf_parts`)
+            pieces.update(hybrid_gguf_parts(config, local, arch, i))
         kinds = ("weight", "bias") if config.qkv_bias else ("weight",)
-        for kind in kinds:
+        for kind in kinds if config.linear(i) is None else ():
             if fused:
                 starts = {"q": 0, "k": config.n_heads * D, "v": (config.n_heads + config.n_kv_heads) * D}
                 for which in "qkv":
                     add(f"{blk}.attn_qkv.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, which),
                         kind=which, part=which, first_row=starts[which])
                 continue
-            add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "q", i),
-                local.n_heads if unpermute else None, "q", layer=i)
+            if not config.attn_output_gate:  # the gated attention's attn_q: `hybrid_gguf_parts`
+                add(f"{blk}.attn_q.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "q", i),
+                    local.n_heads if unpermute else None, "q", layer=i)
             add(f"{blk}.attn_k.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "k", i),
                 local.kv_heads_of(i) if unpermute else None, "k", layer=i)
             add(f"{blk}.attn_v.{kind}", f"{ours}.attention.wqkv.{kind}", qkv_rows(local, "v", i), kind="v", layer=i)
-        add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o", layer=i)
-        if config.qk_norm:  # Qwen3, Gemma 3 and 4: [the layer's head_dim], replicated under TP
+        if config.linear(i) is None:
+            add(f"{blk}.attn_output.weight", f"{ours}.attention.wo.weight", kind="o", layer=i)
+        if config.qk_norm and config.linear(i) is None:  # Qwen3, Gemma 3 and 4: [the layer's head_dim], replicated
             add(f"{blk}.attn_q_norm.weight", f"{ours}.attention.q_norm.weight")
             add(f"{blk}.attn_k_norm.weight", f"{ours}.attention.k_norm.weight")
         if config.attn_out_bias:
@@ -146,7 +159,7 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
         experts = config.experts(i)
         mlp = "feed_forward"
         if experts is not None:  # the router replicated; one part per expert of each 3-D tensor (TP: its share)
-            pieces.update(expert_gguf_parts(config, tp, i))
+            pieces.update(expert_gguf_parts(config, tp, i, fused_experts))
             if not experts.beside_dense:
                 continue
             # Gemma 4 26B-A4B keeps its dense MLP beside the experts, with three more norms
@@ -165,18 +178,54 @@ def expected_gguf_tensors(config: ModelConfig, arch: str,
     return pieces
 
 
+def hybrid_gguf_parts(config: ModelConfig, local: ModelConfig, arch: str, layer: int) -> dict[str, list[GGUFPart]]:
+    """Layer `layer`'s tensors that `HybridTensors.take_gguf` fills (`local`: this TP rank's shard config;
+    the TP cut is HybridTensors'): a linear layer's (`HYBRID_GGUF_TENSORS`; qwen3next's ssm_ba as
+    its parts 'b' and 'a'), or a gated attention layer's attn_q (its query rows of wqkv; the gate
+    rows go to wgate)."""
+    blk, ours = f"blk.{layer}", f"layers.{layer}"
+    parts: dict[str, list[GGUFPart]] = {}
+
+    def add(gguf_name: str, param: str, rows=None, source: str | None = None) -> None:
+        parts.setdefault(gguf_name, []).append(GGUFPart(WeightPiece(param, rows, source or gguf_name), None))
+
+    if config.linear(layer) is None:
+        add(f"{blk}.attn_q.weight", f"{ours}.attention.wqkv.weight", qkv_rows(local, "q", layer))
+        return parts
+    for name, param in HYBRID_GGUF_TENSORS.items():
+        param = f"{ours}.linear_attn.{param}" + (".weight" if param.startswith(("in_proj", "out_proj")) else "")
+        if arch == "qwen3next" and name in ("ssm_beta.weight", "ssm_alpha.weight"):  # ssm_ba's parts b and a
+            add(f"{blk}.ssm_ba.weight", param, source=f"{blk}.ssm_ba.weight:{'b' if 'beta' in name else 'a'}")
+        else:
+            add(f"{blk}.{name}", param)
+    return parts
+
+
+def gguf_norm_shift(arch: str, name: str) -> bool:
+    """Whether GGUF tensor `name` holds 1 + w for a zero-centred norm's w (its config multiplies by
+    1 + w): llama.cpp's converter adds 1 to every norm weight of the hybrids but the Gated
+    DeltaNet's output norm (ssm_norm), and its graphs multiply by the stored value. The loader
+    subtracts the 1 again, exactly for stored values from 0.5 up (Sterbenz; the float32 1 + w kept
+    fewer of w's bits), so the gain 1 + w the model computes in float32 is the stored value, as
+    transformers' (1 + w) of the checkpoint is."""
+    return arch in HYBRIDS and name.endswith("norm.weight") and not name.endswith(".ssm_norm.weight")
+
+
 EXPERT_STACKS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 """llama.cpp's stacked expert tensors -> the part of each expert they hold: weights [E, F, dim]
 (gate, up) and [E, dim, F] (down), biases [E, F] and [E, dim] (gpt-oss). Gemma 4's files fuse
 each expert's gate and up rows in ffn_gate_up_exps [E, 2F, dim] instead."""
 
 
-def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> dict[str, list[GGUFPart]]:
+def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int,
+                      fused: bool = False) -> dict[str, list[GGUFPart]]:
     """A mixture-of-experts layer's GGUF tensors -> their parts: the router ffn_gate_inp (weight
     [E, dim], and its bias; Gemma 4's two scales ffn_gate_inp.scale [dim] and ffn_down_exps.scale
-    [E]), replicated; Llama 4's shared expert ffn_{gate,up,down}_shexp (the dense MLP's layout, its
-    TP share); each stacked expert tensor (`EXPERT_STACKS`) as E parts (Gemma 4's fused
-    gate/up: 2 E, an expert's gate rows then its up rows from `first_row` F), part e
+    [E]), replicated; the shared expert ffn_{gate,up,down}_shexp of Llama 4, Qwen3.5-MoE and
+    Qwen3-Next (the dense MLP's layout, its TP share) and the latter two's gate ffn_gate_inp_shexp
+    [1, dim] (replicated); each stacked expert tensor (`EXPERT_STACKS`) as E parts (fused gate/up,
+    Gemma 4's or any file's written `fused`: 2 E, an expert's gate rows then its up rows from
+    `first_row` F), part e
     (`WeightPiece.expert`) filling expert e's slab, cut to this TP rank's share of its units (the
     down bias whole: rank 0 adds it, model/moe.py)."""
     experts, local = config.experts(layer), tp.shard_config(config)
@@ -189,9 +238,10 @@ def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> di
     if experts.router_bias:
         parts[f"{blk}.ffn_gate_inp.bias"] = whole(f"{blk}.ffn_gate_inp.bias", f"{ff}.router.bias")
     stacks = [(stack, which, 0) for stack, which in EXPERT_STACKS.items()]
-    if experts.beside_dense:  # Gemma 4: gate and up fused per expert; the router's scales (llama.cpp's names)
+    if experts.beside_dense:  # Gemma 4: the router's scales (llama.cpp's names)
         parts[f"{blk}.ffn_gate_inp.scale"] = whole(f"{blk}.ffn_gate_inp.scale", f"{ff}.router_scale")
         parts[f"{blk}.ffn_down_exps.scale"] = whole(f"{blk}.ffn_down_exps.scale", f"{ff}.per_expert_scale")
+    if experts.beside_dense or fused:  # gate and up fused per expert: [E, 2F, dim], gate rows first
         stacks = [("ffn_gate_up_exps", "gate", 0), ("ffn_gate_up_exps", "up", experts.expert_ffn_dim),
                   ("ffn_down_exps", "down", 0)]
     for kind in ("weight", "bias") if experts.bias else ("weight",):
@@ -208,6 +258,8 @@ def expert_gguf_parts(config: ModelConfig, tp: TensorParallel, layer: int) -> di
         name = f"{blk}.ffn_{which}_shexp.weight"  # Llama 4's shared expert: the dense MLP's layout
         parts[name] = [GGUFPart(WeightPiece(f"{ff}.shared_{'w2' if which == 'down' else 'w13'}", rows, name,
                                             tp_take(config, tp, f"shared_{which}", layer)), None)]
+    if experts.shared_gate:  # Qwen3.5-MoE's / Qwen3-Next's [1, dim] gate of the shared expert, replicated
+        parts[f"{blk}.ffn_gate_inp_shexp.weight"] = whole(f"{blk}.ffn_gate_inp_shexp.weight", f"{ff}.shared_gate")
     return parts
 
 
@@ -309,13 +361,17 @@ def _tensor_bytes(tensor) -> int:
 def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
     """Fill `model` (built from this file's config; a TP rank's shard reads only its slices) with
     the file's dequantized tensors (`tensors`: the readers' tensor entries, every shard's)."""
-    expected = expected_gguf_tensors(model.full_config, arch, model.tp)
+    fused = any(t.name.endswith(".ffn_gate_up_exps.weight") for t in tensors)
+    expected = expected_gguf_tensors(model.full_config, arch, model.tp, fused)
     filler = WeightFiller(model, path, {part.piece.source_name + ("" if part.piece.expert is None else
                                                                   f"[{part.piece.expert}]+{part.first_row}"): part.piece
                                         for parts in expected.values() for part in parts})
     as_values = gguf_keys_as_values(arch, {t.name for t in tensors}, model.full_config.n_layers)
+    hybrid = HybridTensors(model.full_config, model.tp, filler) if arch in HYBRIDS else None
     for tensor in tensors:
-        if tensor.name in _NOT_PARAMETERS:
+        if tensor.name in _NOT_PARAMETERS or hybrid is not None and _past_trunk(tensor.name, model.full_config):
+            continue  # the hybrids' multi-token-prediction blocks follow the trunk's (config_gguf._nextn_layers)
+        if hybrid is not None and hybrid.take_gguf(tensor.name, arch, lambda: _dequantized(tensor, path)):
             continue
         if tensor.name not in expected and _ONE_EXPERT.match(tensor.name):
             raise ValueError(f"{path}: tensor {tensor.name!r} is one expert's matrix, the layout of llama.cpp's first "
@@ -346,11 +402,27 @@ def load_gguf_weights(model, path: str, tensors: list, arch: str) -> None:
                 raise ValueError(f"{path}: {e}") from None
             if part.heads is not None:
                 value = unpermute_rotary_rows(value, part.heads)
+            if gguf_norm_shift(arch, tensor.name):
+                value = value.float() - 1
             filler.put(piece, value)
             if tensor.name in as_values:  # the same rows, TP slice included (k's and v's are both by KV heads)
                 filler.put(filler.piece(as_values[tensor.name]), value)
             del value  # one dequantized tensor alive at a time
     filler.finish()
+
+
+def _dequantized(tensor, path: str) -> torch.Tensor:
+    """A whole GGUF tensor in float32, errors naming the file."""
+    try:
+        return dequantize_tensor(tensor).float()
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _past_trunk(name: str, config: ModelConfig) -> bool:
+    """Whether tensor `name` is of a block past the config's layers (blk.N, N >= n_layers)."""
+    match = re.match(r"blk\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= config.n_layers
 
 
 def _fill_gguf_experts(tensor, shape: tuple[int, ...], parts: list[GGUFPart], filler: WeightFiller,
