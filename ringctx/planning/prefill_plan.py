@@ -33,7 +33,7 @@ from ringctx.planning.decode_plan import (
     smallest_decode_setting,
 )
 from ringctx.planning.hardware import DTYPE_BYTES, HardwareProfile, canonical_dtype, element_bytes
-from ringctx.planning.linear_attention import state_bytes_per_rank
+from ringctx.planning.linear_attention import linear_layer_shapes, state_bytes_per_rank, working_bytes
 from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, MemoryEstimate, activation_bytes_per_rank, as_model_config, check_integers,
     kv_row_bytes, prefill_kv_bytes_per_rank, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
@@ -306,7 +306,8 @@ def decode_problem(plan: Plan) -> str | None:
     line = (f"the decode does not fit: {d.context_tokens:,} tokens of {plan.model.name} (KV cache "
             f"{_kv_label(d.kv_dtype, plan.dtype)}) over {_ranks(d.decode_ranks)} of {host} need "
             f"{fmt_gb(d.total_bytes)} per device (weights {fmt_gb(d.weights_bytes)} + KV slice {fmt_gb(d.kv_slice_bytes)} "
-            f"+ workspace {fmt_gb(d.workspace_bytes)}) of {fmt_gb(d.usable_bytes)} usable; ")
+            + (f"+ linear-attention states {fmt_gb(d.state_bytes)} " if d.state_bytes else "")
+            + f"+ workspace {fmt_gb(d.workspace_bytes)}) of {fmt_gb(d.usable_bytes)} usable; ")
     if plan.decode_suggestion is not None:
         return line + f"the smallest setting that fits is {plan.decode_suggestion.flags}"
     # nothing fits: say what the most spread-out, smallest cache would still need
@@ -430,15 +431,19 @@ def chunk_tokens_for(shard_config, world: int, dtype, *, on_gpu: bool) -> int:
     """The engine's default chunk for one rank's model shard (`shard_config`, a ModelConfig) in
     `dtype` (a torch dtype or its name) on `world` ranks: large enough to keep attention efficient,
     small enough that activations stay small next to the weights and KV shard (the per-rank
-    activation peak is ~ chunk/N tokens of the MLP's 3*ffn_dim plus the logits of one token).
-    `ringctx plan` asks the same function, so it plans the chunks a run would take.
+    activation peak is ~ chunk/N tokens of the MLP's 3*ffn_dim, or of a hybrid's linear-attention
+    working set where that is larger (`linear_attention.working_bytes`: its float32 chunked form),
+    plus the logits of one token). `ringctx plan` asks the same function, so it plans the chunks a
+    run would take.
 
     On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
     chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
     get up to 64K tokens within a 1 GiB activation budget per rank.
     """
     bits = torch.finfo(dtype).bits if isinstance(dtype, torch.dtype) else 8 * DTYPE_BYTES[canonical_dtype(dtype)]
-    per_token = (3 * shard_config.ffn_dim + 4 * shard_config.dim) * bits // 8
+    e = bits // 8
+    widest = max([3 * shard_config.ffn_dim * e] + [working_bytes(shape, 1, e) for shape in linear_layer_shapes(shard_config)])
+    per_token = widest + 4 * shard_config.dim * e
     budget = 1 << 30  # 1 GiB of chunk activations per rank
     by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
     return by_memory if on_gpu else min(by_memory, 4096)
