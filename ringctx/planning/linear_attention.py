@@ -5,7 +5,8 @@ A linear layer keeps no KV rows: no ring, no KV bytes, no pass-KV / pass-Q choic
 T tokens on one device (attention/gated_delta.py's `ChunkForm`, blocks of B = 64 tokens, H = Hv
 value heads, q and k repeated to them; 2 FLOPs a multiply-add, matmuls only):
 
-    build, per block and head   k_beta k^T 2 B^2 Dk, the two unit-triangular solves B^2 Dv + B^2 Dk,
+    build, per block and head   k_beta k^T 2 B^2 Dk, the two unit-triangular solves B^2 Dv + B^2 Dk
+                                (B^2 a right-hand column, a dense bound),
                                 q k^T 2 B^2 Dk                      -> B (5 Dk + Dv) a token
     scan with outputs           w S 2 B Dk Dv, q_decayed S 2 B Dk Dv, intra v_new 2 B^2 Dv,
                                 k_to_end^T v_new 2 B Dk Dv          -> 6 Dk Dv + 2 B Dv a token
@@ -26,7 +27,8 @@ parallel/linear_state.py runs), after which every rank composes them in sequence
 ring relay of the true state itself: rank r holds pieces r and 2W-1-r, so the sequence runs out
 along the ranks' first pieces and back along their second ones, 2(W-1) hops of one state
 [H, Dk, Dv] each after one `PieceSummary.apply` (every rank knows the chunk's start state, so a
-state suffices; the relay ends on rank 0, whose first piece starts the next chunk). Its path
+state suffices; the relay ends on rank 0, whose first piece starts the next chunk, and the
+decode ranks take the last chunk's end state once, at the hand-off). Its path
 carries 2(W-1) states where a rank of the all-gather receives 2(W-1) summaries, Dv / (Dk + Dv) of
 the bytes, but pays 2(W-1) latencies one after another: it wins where bandwidth dominates (large
 states), the all-gather where latency does. With one message per peer both grow as W-1 and the

@@ -271,3 +271,17 @@ def test_the_default_chunk_counts_a_linear_layers_working_set():
     assert projections + rule > 3 * 17408 * 2
     per_token = projections + rule + 4 * 5120 * 2
     assert chunk_tokens_for(get_preset(Q27), 8, "bfloat16", on_gpu=True) == (1 << 30) // per_token * 8
+
+
+def test_the_memory_check_before_a_prefill_counts_the_states():
+    from ringctx.runtime.memory_check import prefill_memory_need
+
+    config = get_preset(TINY)
+    need = prefill_memory_need(config, "float32", 2, 8192, 0, 4096, decode_room=256, local_ranks=2,
+                               decode_here=True, decode_ranks=1)
+    row = 2 * (2 * 1 * 16 * 4)  # 2 attention layers' K and V of one token, float32
+    states = config.linear_state_bytes(4)
+    assert need["shard"] == 2 * tokens_per_rank(4096, 2) * row
+    assert need["per_rank"] == need["shard"] + states + need["activations"] + 16 * 8192
+    assert need["decode_cache"] == row * (8192 + 256) + states
+    assert need["total"] == 2 * need["per_rank"] + need["decode_cache"]
