@@ -146,7 +146,8 @@ def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: s
     # the layer with the widest q, k and v sets the peak (layers may differ in head shape; the
     # output gate's rows beside q's), or a linear-attention layer's working set where it is larger
     gate = heads * DH if model.attn_output_gate else 0
-    qkv = rows * max(q + 2 * kv + gate for q, kv in (layer_widths(model, tp_size, i) for i in model.attention_layers)) * e
+    widths = (layer_widths(model, tp_size, i) for i in model.attention_layers)
+    qkv = rows * max(q + 2 * kv + gate for q, kv in widths) * e
     qkv = max([qkv] + [working_bytes(shape, rows, e) for shape in linear_layer_shapes(model, tp_size)])
     # the widest feed-forward sets the peak: a dense MLP's ffn_dim or an expert's width (an expert
     # takes at most every row; a shared expert every row), plus a mixture of experts' float32 sum of its

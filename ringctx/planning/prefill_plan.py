@@ -442,7 +442,8 @@ def chunk_tokens_for(shard_config, world: int, dtype, *, on_gpu: bool) -> int:
     """
     bits = torch.finfo(dtype).bits if isinstance(dtype, torch.dtype) else 8 * DTYPE_BYTES[canonical_dtype(dtype)]
     e = bits // 8
-    widest = max([3 * shard_config.ffn_dim * e] + [working_bytes(shape, 1, e) for shape in linear_layer_shapes(shard_config)])
+    widest = max([3 * shard_config.ffn_dim * e]
+                 + [working_bytes(shape, 1, e) for shape in linear_layer_shapes(shard_config)])
     per_token = widest + 4 * shard_config.dim * e
     budget = 1 << 30  # 1 GiB of chunk activations per rank
     by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))

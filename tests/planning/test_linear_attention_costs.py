@@ -226,7 +226,8 @@ def test_the_cost_model_prices_linear_layers_outside_the_ring():
     one = predict_strategy_cost("pass-kv", T, P, config, 1, hw, dtype="float32")
     rate1 = hw.linear_flops("float32") * hw.ring(1).compute_scale
     solo = T * delta_rule_flops_per_token(config.linear(0), over_ranks=False) / rate1
-    assert one.linear_attention_s == pytest.approx(6 * (solo + linear_flops(T, config, 1) / rate1 + hw.layer_overhead_s))
+    rest1 = linear_flops(T, config, 1) / rate1 + hw.layer_overhead_s
+    assert one.linear_attention_s == pytest.approx(6 * (solo + rest1))
 
 
 # ----------------------------------------------------------------------------- plan
