@@ -25,7 +25,7 @@ from ..planning.engine_config import COMMAND_LINE
 from ..planning.expert_plan import compare_expert_parallelism
 from ..planning.hardware import AUTO, MEASURED, calibrated_profile_path, measured_profile_path, resolve_hardware, shown_source
 from ..planning.strategy import RULES
-from ..units import fmt_duration, fmt_gb
+from ..units import fmt_bytes, fmt_duration, fmt_gb
 from .options import rope_scaling_option
 
 console = Console()
@@ -338,8 +338,12 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     cal = "calibrated" if hw.calibrated else "UNCALIBRATED (run `ringctx calibrate`)"
     head.add_row("model", f"{result.model.name}: {result.model.n_layers} layers, {result.model.n_heads} q / "
                           f"{result.model.n_kv_heads} kv heads x {result.model.head_dim}")
-    if not result.model.has_plain_attention:
+    if not result.model.has_plain_attention or result.model.has_linear:
         head.add_row("attention", result.model.attention_summary())
+    if result.model.has_linear:  # what the strategy rule sees of a hybrid
+        head.add_row("linear layers", f"{len(result.model.linear_layers)} keep no KV rows and take no ring (a state of "
+                                      f"{fmt_bytes(result.memory.state_bytes)} a sequence per rank); the rule "
+                                      f"sees the {len(result.model.attention_layers)} attention layers' heads")
     if result.model.has_experts:  # memory holds every expert, time counts those a token reaches
         head.add_row("feed-forward", f"{result.model.feed_forward_summary()}; {result.model.n_params / 1e9:.1f}B "
                                      f"parameters, {result.model.active_params / 1e9:.1f}B reach a token")
@@ -400,12 +404,19 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
         times.add_row("  of which TP all-reduces", _ms(result.tp_allreduce_ms))
     if result.layer_overhead_ms:
         times.add_row("  of which fixed per-layer costs", _ms(result.layer_overhead_ms))
+    if result.model.has_linear:
+        times.add_row("  of which linear-attention layers", _ms(result.linear_attention_ms))
+        if result.cp_size > 1:
+            times.add_row("    of which their state exchanges", _ms(result.state_exchange_ms))
     times.add_row("LM head", _ms(result.lm_head_ms))
     times.add_row("KV hand-off to the decode ranks", _ms(result.handoff_ms))
     times.add_row("[bold]TTFT[/bold]", f"[bold]{_ms(result.ttft_ms)}[/bold]")
     if result.best_ttft_ms < result.ttft_ms * 0.999:
         times.add_row("TTFT with the faster strategy everywhere", _ms(result.best_ttft_ms))
     console.print(times)
+    last = result.entries[-1].costs[result.entries[-1].strategy].state_exchange
+    if last is not None and result.cp_size > 1:  # the summaries' way, its arithmetic (the last chunk's)
+        console.print(f"[bold]state summaries:[/bold] {last.reason}", highlight=False)
 
     m = result.memory
     mem = Table(title="prefill memory per rank", show_header=False)
@@ -413,6 +424,8 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     mem.add_column("bytes", justify="right")
     mem.add_row("weights", _table_gb(m.weights_bytes))
     mem.add_row("KV-cache shard", _table_gb(m.kv_cache_bytes))
+    if m.state_bytes:
+        mem.add_row("linear-attention states", _table_gb(m.state_bytes))
     mem.add_row("activations (one layer)", _table_gb(m.activation_bytes))
     mem.add_row("total", _table_gb(m.total_bytes))
     mem.add_row("usable of capacity", f"{_table_gb(m.usable_bytes)} of {_table_gb(m.capacity_bytes)}")
@@ -453,6 +466,8 @@ def render_decode(result) -> None:
         mem.add_row("  every row of every layer", _table_gb(d.kv_slice_all_rows_bytes))
     else:
         mem.add_row(f"KV slice ({d.slice_tokens:,} tokens)", _table_gb(d.kv_slice_bytes))
+    if d.state_bytes:
+        mem.add_row("linear-attention states", _table_gb(d.state_bytes))
     mem.add_row("workspace (one decode step)", _table_gb(d.workspace_bytes))
     mem.add_row("total", _table_gb(d.total_bytes))
     mem.add_row("usable of capacity", f"{_table_gb(d.usable_bytes)} of {_table_gb(d.capacity_bytes)}")

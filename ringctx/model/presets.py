@@ -103,6 +103,19 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
+TINY_QWEN35 = "tiny-qwen3.5"
+TINY_QWEN35_CONFIG = {
+    "model_type": "qwen3_5_text", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2}
+"""tiny-qwen3.5 (random weights): Qwen3.5's layer pattern (3 Gated DeltaNet : 1 gated full attention,
+8 layers), its norms, gates and partial rotary at small widths, 1,048,576 positions; sized so that a
+1M-token prefill runs the whole hybrid path on a 2-core CPU (see its planned time in docs)."""
+
 # The dense long-context families, read by read_hf_config from their published config.json values
 # (google/gemma-3-27b-it's text_config, mistralai/Mistral-Small-3.1-24B-Instruct-2503's text_config,
 # microsoft/Phi-3-mini-128k-instruct, ByteDance-Seed/Seed-OSS-36B-Instruct,
@@ -242,6 +255,47 @@ _PUBLISHED = {
         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": True, "swiglu_limit": 7.0,
         "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999}
        for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
+    # The linear-attention hybrids: three Gated DeltaNet layers to one gated full-attention layer
+    # (partial rotary 0.25, RoPE base 10,000,000, 262,144 positions). Qwen3.6-27B's text model
+    # as Qwen3.5-27B's text_config (copies in public repositories agree; no hub here): 64 layers
+    # of 5,120, 24 query heads of 256, 4 KV heads, linear heads 16 key / 48 value of 128, a dense
+    # MLP of 17,408, 248,320 tokens; eos: the top-level <|im_end|> 248046 and the text_config's
+    # 248044. Qwen3.6-35B-A3B: Qwen3_5MoeTextConfig's defaults (40 layers of 2,048, 16 heads of 256,
+    # 2 KV heads, linear 16 / 32, 256 experts of 512 top 8 and a gated shared expert of 512).
+    # Qwen3-Next-80B-A3B: Qwen3NextConfig's defaults (48 layers of 2,048, 512 experts of 512 top
+    # 10, 151,936 tokens), its RoPE base and context as recalled. The interleaved M-RoPE of the
+    # Qwen3.5 checkpoints rotates text positions as plain RoPE does (its three sections carry one
+    # position), so it is left out. Parameters: 26.9B (the text model; the checkpoint adds a vision
+    # tower), 34.7B of which 3.5B reach a token, 79.7B of which 3.9B.
+    "qwen3.6-27b": {
+        "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 5120, "intermediate_size": 17408,
+        "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "eos_token_id": [248046, 248044]},
+    "qwen3.6-35b-a3b": {
+        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "eos_token_id": [248046, 248044]},
+    "qwen3-next-80b-a3b": {
+        "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5120,
+        "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151645},
+    TINY_QWEN35: TINY_QWEN35_CONFIG,
 }
 PRESETS.update({name: read_hf_config(d, name=name) for name, d in _PUBLISHED.items()})
 """Model shapes by preset name. `smollm2-135m` is also the embedded default model (real weights)."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from ringctx.attention.quant import is_quantized
 from ringctx.model.config import ModelConfig
-from ringctx.planning.hardware import HardwareProfile
+from ringctx.planning.hardware import HardwareProfile, element_bytes
+from ringctx.planning.linear_attention import state_bytes_per_rank
 from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, check_integers, document_kv_bytes, kv_cache_bytes_per_rank, layer_activation_bytes,
     layer_kv_row_bytes, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
@@ -127,6 +128,9 @@ class DecodeMemory:
     """Memory of one decode device in the hardware profile."""
     usable_bytes: float
     """capacity * MEMORY_USABLE_FRACTION: what the decode may fill."""
+    state_bytes: int = 0
+    """A hybrid's linear-attention states of the sequence, on every decode device (its TP share of
+    the heads; `state_bytes_per_rank`): fixed, whatever the context. 0 for other models."""
 
     @property
     def workspace_bytes(self) -> int:
@@ -135,8 +139,8 @@ class DecodeMemory:
 
     @property
     def total_bytes(self) -> int:
-        """weights + KV slice + workspace."""
-        return self.weights_bytes + self.kv_slice_bytes + self.workspace_bytes
+        """weights + KV slice + linear states + workspace."""
+        return self.weights_bytes + self.kv_slice_bytes + self.state_bytes + self.workspace_bytes
 
     @property
     def fits(self) -> bool:
@@ -180,6 +184,7 @@ def decode_memory(model: ModelConfig, hw: HardwareProfile, context_tokens: int, 
         kv_slice_bytes=kept, kv_slice_all_rows_bytes=all_rows,
         **decode_workspace_bytes(model, tp_size, slice_tokens, dtype, setting.kv_dtype),
         capacity_bytes=capacity, usable_bytes=capacity * MEMORY_USABLE_FRACTION,
+        state_bytes=state_bytes_per_rank(model, tp_size, element_bytes(dtype)),
     )
 
 

@@ -42,6 +42,7 @@ import torch
 
 from ..host_memory import host_tensors, huge_pages_enabled
 from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
+from .linear_attention import decode_state_bytes
 
 BF16_MARGIN = 0.9
 """bfloat16 is chosen when its median step takes less than this fraction of float32's."""
@@ -108,8 +109,9 @@ def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | No
     read; a tied table is read whole as the output head, and counted once; int8 weights as their
     codes and exponents, which the decode reads instead; of a mixture of experts the router and the
     experts_per_token experts a token goes through), plus K and V of `context` cached tokens
-    in every layer (`kv_bytes_per_token` each; default: in the weights' dtype, every layer and KV
-    head)."""
+    in every attention layer (`kv_bytes_per_token` each, the sum over the layers; default: in the
+    weights' dtype, every layer's KV heads), plus, with a context, a hybrid's linear-attention
+    states read and written (`linear_attention.decode_state_bytes`, in the weights' dtype)."""
     from ..kernels.selection import reads_int8_weights
     from ..model.int8_weights import int8_of
 
@@ -128,12 +130,14 @@ def decode_bytes_per_token(model, context: float, kv_bytes_per_token: float | No
             weights -= unread * sum(read(p) for p in (block.feed_forward.w13, block.feed_forward.w2))
     if not config.tie_embeddings:
         weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    element = model.tok_embeddings.weight.element_size()
     if kv_bytes_per_token is None:
-        kv_bytes_per_token = (2 * config.n_layers * config.n_kv_heads * config.head_dim
-                              * model.tok_embeddings.weight.element_size())
+        kv_bytes_per_token = 2 * sum(h * d for h, d in config.kv_shapes) * element
     # windowed and chunked layers read only the rows they see: a share of the full layers' rows
-    seen = config.decode_kv_rows(int(context)) / config.n_layers if context else 0.0
-    return weights + seen * kv_bytes_per_token
+    # (the mean over the attention layers: a linear layer keeps none, its state is read instead)
+    seen = config.decode_kv_rows(int(context)) / len(config.attention_layers) if context else 0.0
+    states = decode_state_bytes(config, element) if context else 0
+    return weights + seen * kv_bytes_per_token + states
 
 
 def _seconds(fn) -> float:

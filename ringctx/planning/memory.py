@@ -17,6 +17,7 @@ from ringctx.model.config import ModelConfig
 from ringctx.model.int8_weights import check_int8_model, check_weights, code_bytes
 from ringctx.model.presets import get_preset
 from ringctx.planning.hardware import HardwareProfile, canonical_dtype, element_bytes, load_profile
+from ringctx.planning.linear_attention import exchange_buffer_bytes, linear_layer_shapes, working_bytes
 from ringctx.planning.strategy import (
     LSE_BYTES, PASS_KV, PASS_Q, STRATEGIES, all2all_bytes_per_rank, cached_rows_per_rank, layer_widths, local_heads,
     tokens_per_rank, widest_kv_width,
@@ -66,13 +67,14 @@ def layer_kv_row_bytes(model: ModelConfig, tp_size: int, dtype: str, kv_dtype: s
     e_kv = kv_element_bytes(kv_dtype, DH, e(dtype)): e(dtype) for "model", the float's own size, or
     1 + 4/DH for fp8/int8 (one byte per element and a float32 scale per token and KV head), so one
     head's row is DH * e or DH + 4 bytes, always a whole number. NKV_local: the layer's KV heads
-    split over tp_size, one replicated head when tp_size exceeds them.
+    split over tp_size, one replicated head when tp_size exceeds them. A linear-attention layer
+    keeps no rows: 0 (its state is `state_bytes_per_rank`, whatever the length).
     """
     local_heads(model, tp_size)  # a clear error for a TP size that cannot split the heads
     rows = []
     for kv_heads, head_dim in model.kv_shapes:
         head_row = round(head_dim * kv_element_bytes(kv_dtype, head_dim, element_bytes(dtype)))
-        rows.append(2 * max(1, kv_heads // tp_size) * head_row)
+        rows.append(2 * max(1, kv_heads // tp_size) * head_row if kv_heads else 0)
     return rows
 
 
@@ -111,21 +113,24 @@ def prefill_kv_bytes_per_rank(model: ModelConfig, cached: int, chunks: list[int]
     return peak
 
 
-def document_kv_bytes(config, layer_row_bytes: list[int], tokens: int) -> int:
+def document_kv_bytes(config, layer_row_bytes: list[int], tokens: int, state_bytes: int = 0) -> int:
     """KV bytes a document of `tokens` tokens keeps (`layer_row_bytes`: one row's bytes in each
     layer, `layer_kv_row_bytes` or a cache's `KVCache.layer_row_bytes`): every row of a full layer,
     what later tokens see of a windowed or chunked one (documents drop the rest:
-    KVCache.drop_unseen)."""
-    return sum(span.kept_tokens(tokens) * row for span, row in zip(config.layer_spans, layer_row_bytes))
+    KVCache.drop_unseen), none of a linear-attention layer (its row bytes are 0); plus
+    `state_bytes`, what a hybrid's linear layers keep whatever the length
+    (`ModelConfig.linear_state_bytes`, 0 for other models)."""
+    return state_bytes + sum(span.kept_tokens(tokens) * row for span, row in zip(config.layer_spans, layer_row_bytes))
 
 
-def document_tokens_within(config, layer_row_bytes: list[int], budget_bytes: int) -> int:
-    """The most tokens a document may have for `document_kv_bytes` to stay within `budget_bytes`
-    (a windowed layer's rows stop growing past its window: the full layers set the limit)."""
+def document_tokens_within(config, layer_row_bytes: list[int], budget_bytes: int, state_bytes: int = 0) -> int:
+    """The most tokens a document may have for `document_kv_bytes` (its states included) to stay
+    within `budget_bytes` (a windowed layer's rows stop growing past its window: the full layers
+    set the limit)."""
     lo, hi = 0, 1 << 40  # document_kv_bytes only grows with the tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if document_kv_bytes(config, layer_row_bytes, mid) <= budget_bytes:
+        if document_kv_bytes(config, layer_row_bytes, mid, state_bytes) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
@@ -138,8 +143,12 @@ def layer_activation_bytes(model: ModelConfig, tp_size: int, rows: int, dtype: s
     heads, _ = local_heads(model, tp_size)
     e, DH = element_bytes(dtype), model.widest_head_dim
     hidden = HIDDEN_BUFFERS * rows * model.dim * e
-    # the layer with the widest q, k and v sets the peak (layers may differ in head shape)
-    qkv = rows * max(q + 2 * kv for q, kv in (layer_widths(model, tp_size, i) for i in range(model.n_layers))) * e
+    # the layer with the widest q, k and v sets the peak (layers may differ in head shape; the
+    # output gate's rows beside q's), or a linear-attention layer's working set where it is larger
+    gate = heads * DH if model.attn_output_gate else 0
+    widths = (layer_widths(model, tp_size, i) for i in model.attention_layers)
+    qkv = rows * max(q + 2 * kv + gate for q, kv in widths) * e
+    qkv = max([qkv] + [working_bytes(shape, rows, e) for shape in linear_layer_shapes(model, tp_size)])
     # the widest feed-forward sets the peak: a dense MLP's ffn_dim or an expert's width (an expert
     # takes at most every row; a shared expert every row), plus a mixture of experts' float32 sum of its
     # rows (model/moe.py)
@@ -158,14 +167,17 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
     (about chunk/N) and e = bytes per element:
 
       hidden      4 * t * dim * e                      (HIDDEN_BUFFERS residual-sized buffers)
-      qkv         t * (NH + 2*NKV)_local * DH * e
+      qkv         t * (NH + 2*NKV)_local * DH * e      (+ t * NH_local * DH * e of an output gate; a
+                                                        linear-attention layer's `working_bytes` where larger)
       mlp         3 * t * ffn/TP * e                   (gate, up, their product; ffn the widest layer's:
                                                         dense ffn_dim or an expert's width, + t * dim * 4
                                                         for a mixture of experts' float32 sum)
       accumulator t * NH_local * (DH + 1) * 4           (float32 output and LSE of the merge)
       ring        pass-KV: 2 * (max_i P_i + t) * 2 * NKV_local * DH * e   (send and receive buffer)
                   pass-Q : 2 * t * NH_local * DH * e  +  2 * All2All bytes  (Q in flight, partials
-                           held for and received from the N-1 other ranks); 0 when N = 1
+                           held for and received from the N-1 other ranks); 0 when N = 1; a
+                           linear-attention layer's gathered conv tails and summaries
+                           (`exchange_buffer_bytes`) where larger
       logits      vocab * 4                            (float32, last token only)
     """
     heads, _ = local_heads(model, tp_size)
@@ -179,6 +191,7 @@ def activation_bytes_per_rank(model: ModelConfig, cp_size: int, tp_size: int, ch
         ring = 2 * t * heads * DH * e + 2 * all2all_bytes_per_rank(chunk_tokens, cp_size, heads, DH, e)
     else:
         raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+    ring = max([ring] + [exchange_buffer_bytes(shape, cp_size) for shape in linear_layer_shapes(model, tp_size)])
     return layer_activation_bytes(model, tp_size, t, dtype) + ring + model.vocab_size * 4
 
 
@@ -197,11 +210,14 @@ class MemoryEstimate:
     """Memory of one rank in the hardware profile."""
     usable_bytes: float
     """capacity * MEMORY_USABLE_FRACTION: what the plan may fill."""
+    state_bytes: int = 0
+    """A hybrid's linear-attention states on this rank (`state_bytes_per_rank`: every CP rank holds
+    them whole, its TP share of the heads); 0 for other models."""
 
     @property
     def total_bytes(self) -> int:
-        """weights + KV cache + activations."""
-        return self.weights_bytes + self.kv_cache_bytes + self.activation_bytes
+        """weights + KV cache + linear states + activations."""
+        return self.weights_bytes + self.kv_cache_bytes + self.state_bytes + self.activation_bytes
 
     @property
     def fits(self) -> bool:

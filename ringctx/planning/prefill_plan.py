@@ -33,6 +33,7 @@ from ringctx.planning.decode_plan import (
     smallest_decode_setting,
 )
 from ringctx.planning.hardware import DTYPE_BYTES, HardwareProfile, canonical_dtype, element_bytes
+from ringctx.planning.linear_attention import linear_layer_shapes, state_bytes_per_rank, working_bytes
 from ringctx.planning.memory import (
     MEMORY_USABLE_FRACTION, MemoryEstimate, activation_bytes_per_rank, as_model_config, check_integers,
     kv_row_bytes, prefill_kv_bytes_per_rank, rank_memory_bytes, validate_setting, weight_bytes_per_rank,
@@ -155,12 +156,25 @@ class Plan:
     @property
     def tp_allreduce_ms(self) -> float:
         """The part of the chunks' time spent in TP all-reduces (0 at TP 1), over all layers."""
-        return sum(e.costs[e.strategy].tp_allreduce_s * e.costs[e.strategy].n_layers for e in self.entries) * 1e3
+        return sum(e.costs[e.strategy].tp_allreduce_s * e.costs[e.strategy].all_layers for e in self.entries) * 1e3
 
     @property
     def layer_overhead_ms(self) -> float:
         """The part of the chunks' time that is the profile's fixed cost per layer, over all layers."""
-        return sum(e.costs[e.strategy].layer_overhead_s * e.costs[e.strategy].n_layers for e in self.entries) * 1e3
+        return sum(e.costs[e.strategy].layer_overhead_s * e.costs[e.strategy].all_layers for e in self.entries) * 1e3
+
+    @property
+    def linear_attention_ms(self) -> float:
+        """The part of the chunks' time in a hybrid's linear-attention layers (their rule, exchanges,
+        matmuls and fixed costs), over all of them; 0 for other models."""
+        return sum(e.costs[e.strategy].linear_attention_s for e in self.entries) * 1e3
+
+    @property
+    def state_exchange_ms(self) -> float:
+        """The part of linear_attention_ms spent in the layers' two exchanges (conv tails and state
+        summaries, the cheaper way), over all linear layers and chunks; 0 with one rank."""
+        return sum(e.costs[e.strategy].state_exchange.seconds * e.costs[e.strategy].linear_attention_layers
+                   for e in self.entries if e.costs[e.strategy].state_exchange is not None) * 1e3
 
     @property
     def fits(self) -> bool:
@@ -178,6 +192,7 @@ class Plan:
             "chunk_tokens": self.chunk_tokens, "entries": [e.to_dict() for e in self.entries],
             "lm_head_ms": self.lm_head_ms, "handoff_ms": self.handoff_ms, "ttft_ms": self.ttft_ms, "best_ttft_ms": self.best_ttft_ms,
             "tp_allreduce_ms": self.tp_allreduce_ms, "layer_overhead_ms": self.layer_overhead_ms,
+            "linear_attention_ms": self.linear_attention_ms, "state_exchange_ms": self.state_exchange_ms,
             "memory": self.memory.to_dict(),
             "decode": {**self.decode.to_dict(),
                        "smallest_fitting": self.decode_suggestion.to_dict() if self.decode_suggestion else None},
@@ -266,6 +281,7 @@ def plan_prefill(model: "ModelConfig | str", cp_size: int, hardware: "HardwarePr
         activation_bytes=max(e.activation_bytes for e in entries),
         capacity_bytes=rank_memory_bytes(hw, cp_size),
         usable_bytes=rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION,
+        state_bytes=state_bytes_per_rank(model, tp_size, element_bytes(dtype)),
     )
     cached_rows = cached_rows_per_rank(cached, cp_size)
     handoff = kv_handoff_seconds(model, hw, cp_size, tp_size, dtype, rows - cached_rows, cached_rows,
@@ -290,7 +306,8 @@ def decode_problem(plan: Plan) -> str | None:
     line = (f"the decode does not fit: {d.context_tokens:,} tokens of {plan.model.name} (KV cache "
             f"{_kv_label(d.kv_dtype, plan.dtype)}) over {_ranks(d.decode_ranks)} of {host} need "
             f"{fmt_gb(d.total_bytes)} per device (weights {fmt_gb(d.weights_bytes)} + KV slice {fmt_gb(d.kv_slice_bytes)} "
-            f"+ workspace {fmt_gb(d.workspace_bytes)}) of {fmt_gb(d.usable_bytes)} usable; ")
+            + (f"+ linear-attention states {fmt_gb(d.state_bytes)} " if d.state_bytes else "")
+            + f"+ workspace {fmt_gb(d.workspace_bytes)}) of {fmt_gb(d.usable_bytes)} usable; ")
     if plan.decode_suggestion is not None:
         return line + f"the smallest setting that fits is {plan.decode_suggestion.flags}"
     # nothing fits: say what the most spread-out, smallest cache would still need
@@ -330,18 +347,20 @@ def kv_handoff_seconds(model: ModelConfig, hardware: HardwareProfile, cp_size: i
     then gather the new rows (`new_rows_per_rank`, the fullest rank's, from each of N-1 ranks).
     D > 1 decode ranks keep their shards; the N - D others send theirs, the D receiving at once, so
     a receiver takes ceil((N - D) / D) shards. Each layer costs latency + bytes / BW with the ring
-    numbers of `hardware.ring(N)`."""
+    numbers of `hardware.ring(N)`. A hybrid's linear-attention layers move nothing: they keep no
+    rows, and their end states are on every rank already (parallel/linear_state.py)."""
     if cp_size == 1 or decode_ranks >= cp_size:
         return 0.0
     ring = hardware.ring(cp_size)
-    row = kv_row_bytes(model, tp_size, dtype, kv_dtype) // model.n_layers
+    layers = len(model.attention_layers)
+    row = kv_row_bytes(model, tp_size, dtype, kv_dtype) // layers
     if decode_ranks > 1:
         shards = -(-(cp_size - decode_ranks) // decode_ranks)
         rows = cached_rows_per_rank + new_rows_per_rank
-        return model.n_layers * (ring.latency_s + shards * rows * row / ring.bandwidth_bytes_per_s)
+        return layers * (ring.latency_s + shards * rows * row / ring.bandwidth_bytes_per_s)
     total = 0.0
     for rows in [r for r in (cached_rows_per_rank, new_rows_per_rank) if r]:
-        total += model.n_layers * (ring.latency_s + (cp_size - 1) * rows * row / ring.bandwidth_bytes_per_s)
+        total += layers * (ring.latency_s + (cp_size - 1) * rows * row / ring.bandwidth_bytes_per_s)
     return total
 
 
@@ -376,7 +395,8 @@ def fitting_chunk_tokens(model: "ModelConfig | str", cp_size: int, hardware: "Ha
     model, hw, dtype, weight_dtype = _validate(model, cp_size, hardware, tokens, cached, None, tp_size, dtype,
                                                "alg5", weight_dtype, kv_dtype, weights)
     rows = cached_rows_per_rank(cached, cp_size) + tokens_per_rank(tokens, cp_size)
-    weights_bytes = weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw)
+    weights_bytes = weight_bytes_per_rank(model, tp_size, weight_dtype, weights, hw) \
+        + state_bytes_per_rank(model, tp_size, element_bytes(dtype))  # both whatever the chunk
     usable = rank_memory_bytes(hw, cp_size) * MEMORY_USABLE_FRACTION
 
     def fits(chunk: int) -> bool:
@@ -411,15 +431,20 @@ def chunk_tokens_for(shard_config, world: int, dtype, *, on_gpu: bool) -> int:
     """The engine's default chunk for one rank's model shard (`shard_config`, a ModelConfig) in
     `dtype` (a torch dtype or its name) on `world` ranks: large enough to keep attention efficient,
     small enough that activations stay small next to the weights and KV shard (the per-rank
-    activation peak is ~ chunk/N tokens of the MLP's 3*ffn_dim plus the logits of one token).
-    `ringctx plan` asks the same function, so it plans the chunks a run would take.
+    activation peak is ~ chunk/N tokens of the MLP's 3*ffn_dim, or of a hybrid's linear-attention
+    working set where that is larger (`linear_attention.working_bytes`: its float32 chunked form),
+    plus the logits of one token). `ringctx plan` asks the same function, so it plans the chunks a
+    run would take.
 
     On CPUs 4096 tokens already saturate the attention kernel (measured: a 16K prefill of SmolLM2 in
     chunks of 4K took 74 s, in one chunk 85 s) and give the progress bar something to count; GPUs
     get up to 64K tokens within a 1 GiB activation budget per rank.
     """
     bits = torch.finfo(dtype).bits if isinstance(dtype, torch.dtype) else 8 * DTYPE_BYTES[canonical_dtype(dtype)]
-    per_token = (3 * shard_config.ffn_dim + 4 * shard_config.dim) * bits // 8
+    e = bits // 8
+    widest = max([3 * shard_config.ffn_dim * e]
+                 + [working_bytes(shape, 1, e) for shape in linear_layer_shapes(shard_config)])
+    per_token = widest + 4 * shard_config.dim * e
     budget = 1 << 30  # 1 GiB of chunk activations per rank
     by_memory = int(max(1024, min(65536, budget // max(per_token, 1) * world)))
     return by_memory if on_gpu else min(by_memory, 4096)

@@ -39,11 +39,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringctx.attention.spans import Span
-from ringctx.model.config import ModelConfig
+from ringctx.model.config import LinearShape, ModelConfig
 from ringctx.model.presets import get_preset
 from ringctx.parallel.ring import PASS_KV, PASS_Q, STRATEGIES
 from ringctx.planning.hardware import (
     EmpiricalRuleCoefficients, HardwareProfile, canonical_dtype, element_bytes, load_profile,
+)
+from ringctx.planning.linear_attention import (
+    SummaryExchange, delta_rule_flops_per_token, linear_layer_shapes, projection_params, summary_exchange,
 )
 
 RULES = ("alg1", "alg5", "empirical", "cost")
@@ -397,10 +400,11 @@ def ring_heads(model: ModelConfig, tp_size: int) -> tuple[int, int]:
     and chunked layers exchange a few rows): the NH and NKV of Eq. 1-3 and Algorithm 5. The model's
     (`local_heads`) unless those layers have their own KV heads (Gemma 4 31B's full layers: 4 where
     the model's are 16), then theirs (the most common count among them). Head widths cancel in
-    every ratio: a layer's q and K/V heads share one."""
+    every ratio: a layer's q and K/V heads share one. A hybrid's linear-attention layers take no
+    ring and are left out (Qwen3.5: the NKV of its 1-in-4 full layers)."""
     NH, NKV = local_heads(model, tp_size)
     counts: dict[int, int] = {}
-    for layer in range(model.n_layers):
+    for layer in model.attention_layers:  # a hybrid's linear layers take no ring
         if model.attention(layer).span.sees_everything:
             kv = model.kv_heads_of(layer)
             counts[kv] = counts.get(kv, 0) + 1
@@ -483,19 +487,25 @@ def span_attention_flops(new_tokens: int, cached_tokens: int, attn_dim: int, spa
 
 
 def linear_params_per_layer(model: ModelConfig) -> int:
-    """Weights of one block's matmuls that a token goes through: Q,K,V,O projections and the SwiGLU
-    MLP (gate, up, down), or of a mixture of experts the router and the experts_per_token experts a
-    token reaches (`ModelConfig.ffn_params(active=True)`: time follows the active weights, memory
-    all of them); the mean over the layers when layers differ (n_layers times it is their sum)."""
-    attention = sum(model.dim * (model.n_heads + 2 * h) * d + model.n_heads * d * model.dim
-                    for h, d in model.kv_shapes)
+    """Weights of one block's matmuls that a token goes through: Q,K,V,O projections (and the
+    output gate's, Qwen3.5's) or a linear-attention layer's projections (`projection_params`), and
+    the SwiGLU MLP (gate, up, down), or of a mixture of experts the router and the experts_per_token
+    experts a token reaches (`ModelConfig.ffn_params(active=True)`: time follows the active weights,
+    memory all of them); the mean over the layers when layers differ (n_layers times it is their sum)."""
+    gate = 1 if model.attn_output_gate else 0
+    attention = sum(projection_params(model.linear(i), model.dim) if model.linear(i) is not None
+                    else model.dim * ((1 + gate) * model.n_heads + 2 * h) * d + model.n_heads * d * model.dim
+                    for i, (h, d) in enumerate(model.kv_shapes))
     ffn = sum(model.ffn_params(i, active=True) for i in range(model.n_layers))
     return (attention + ffn) // model.n_layers
 
 
 def layer_widths(model: ModelConfig, tp_size: int, layer: int) -> tuple[int, int]:
     """(NH_local * DH, NKV_local * DH) of layer `layer` on one GPU: the width its attention FLOPs
-    and its K/V messages scale with (a layer may have its own head shape)."""
+    and its K/V messages scale with (a layer may have its own head shape); (0, 0) for a
+    linear-attention layer, which has no attention heads (`linear_attention.py` prices it)."""
+    if model.linear(layer) is not None:
+        return 0, 0
     heads, _ = local_heads(model, tp_size)
     kv_heads, head_dim = model.kv_shapes[layer]
     return heads * head_dim, max(1, kv_heads // tp_size) * head_dim
@@ -642,6 +652,15 @@ class StrategyCost:
     no ring, so the strategy does not change them. n_layers counts the other, full layers."""
     span_layers: int = 0
     """How many layers span_layers_s covers."""
+    linear_attention_s: float = 0.0
+    """All linear-attention (Gated DeltaNet) layers together (`linear_attention_seconds` each: the
+    gated delta rule over this rank's tokens, its two exchanges, its matmuls and fixed costs); they
+    take no ring, so the strategy does not change them. n_layers leaves them out too."""
+    linear_attention_layers: int = 0
+    """How many layers linear_attention_s covers."""
+    state_exchange: SummaryExchange | None = None
+    """One linear layer's exchanges for this chunk and how its summaries travel (the first linear
+    layer's shape); None without linear layers."""
 
     @property
     def layer_s(self) -> float:
@@ -649,9 +668,14 @@ class StrategyCost:
         return self.attention_s + self.linear_s + self.tp_allreduce_s + self.layer_overhead_s
 
     @property
+    def all_layers(self) -> int:
+        """Every layer of the model: full, windowed or chunked, and linear-attention ones."""
+        return self.n_layers + self.span_layers + self.linear_attention_layers
+
+    @property
     def total_s(self) -> float:
-        """The whole prefill (chunk) over all layers: n_layers * layer_s + span_layers_s."""
-        return self.n_layers * self.layer_s + self.span_layers_s
+        """The whole prefill (chunk) over all layers: n_layers * layer_s + span_layers_s + linear_attention_s."""
+        return self.n_layers * self.layer_s + self.span_layers_s + self.linear_attention_s
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "layer_s": self.layer_s, "total_s": self.total_s}
@@ -675,6 +699,9 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
       linear   = 2*n*params_per_layer/TP / C_linear
       TP       = 2 all-reduces of n*dim*e bytes: 2 * (tp_latency + 2*(TP-1)/TP*n*dim*e/tp_BW)
       fixed    = layer_overhead_s of the profile
+    A hybrid's linear-attention layers take no ring and the strategy does not change them: each
+    costs its gated delta rule and exchanges (`linear_attention_seconds`) + linear + TP + fixed,
+    summed in linear_attention_s; windowed and chunked layers likewise in span_layers_s.
     Balanced sharding makes the steps' work about equal, so every step costs the same here.
     `max_cached_per_rank` (max_i P_i) defaults to ceil(P/N), the even split of a cache.
     Calibrated CPU profiles scale compute for N ranks sharing the host's cores (`hardware.ring`)
@@ -709,7 +736,7 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
     # Layers with their own head shape count at their widths: the windowed ones each, the full ones
     # at their mean (compute and bytes grow linearly with the width, so the sum stays right).
     kinds: dict[tuple[Span, int, int], int] = {}
-    for layer in range(model.n_layers):
+    for layer in model.attention_layers:  # linear-attention layers are priced below
         key = (model.attention(layer).span, *layer_widths(model, tp_size, layer))
         kinds[key] = kinds.get(key, 0) + 1
     full = {key: n for key, n in kinds.items() if key[0].sees_everything}
@@ -730,6 +757,13 @@ def predict_strategy_cost(strategy: str, new_tokens: int, cached_tokens: int, mo
                  span_layers_s=sum(count * (span_layer_seconds(new_tokens, cached_tokens, N, attn, kv, span, hw, dtype,
                                                                ring) + per_layer_rest)
                                    for (span, attn, kv), count in spans.items()))
+    exchange, linear_attention = None, 0.0
+    for shape, count in linear_layer_shapes(model, tp_size).items():
+        seconds, layer_exchange = linear_attention_seconds(new_tokens, N, shape, hw, dtype, ring)
+        linear_attention += count * (seconds + per_layer_rest)
+        exchange = exchange or layer_exchange
+    fixed.update(linear_attention_layers=len(model.linear_layers), linear_attention_s=linear_attention,
+                 state_exchange=exchange)
     if N == 1:  # no ring: nothing is sent
         return StrategyCost(strategy=strategy, sendrecv_bytes=0, sendrecv_s=0.0, compute_s=compute, all2all_bytes=0,
                             all2all_s=0.0, attention_s=compute, exposed_comm_s=0.0, linear_s=linear,
@@ -769,6 +803,20 @@ def span_layer_seconds(new_tokens: int, cached_tokens: int, cp_size: int, attn_d
     message = 2 * min(reach, new_tokens + cached_tokens) * 2 * kv_dim * element_bytes(dtype)
     comm = transfer_seconds(message, ring.bandwidth_bytes_per_s, ring.latency_s, messages=2)
     return overlapped_seconds(compute, comm, ring.comm_overlap)
+
+
+def linear_attention_seconds(new_tokens: int, cp_size: int, shape: LinearShape, hw: HardwareProfile, dtype: str,
+                             ring) -> tuple[float, SummaryExchange]:
+    """One linear-attention layer (`shape`: one TP rank's share) on the fullest rank, its matmuls
+    left out (they are in `linear_flops`): the gated delta rule over n = tokens_per_rank(T, N)
+    tokens, n * delta_rule_flops_per_token (with the pieces' summaries when N > 1) at the float32
+    FLOP/s of the profile's matmuls (the rule runs in float32 whatever the dtype), then its two
+    exchanges (`summary_exchange`: conv tails, summaries the cheaper way), which the scan waits
+    for. Returns (seconds, the exchange)."""
+    rate = hw.linear_flops("float32" if "float32" in hw.peak_flops else dtype) * ring.compute_scale
+    n = tokens_per_rank(new_tokens, cp_size)
+    exchange = summary_exchange(shape, cp_size, ring, rate)
+    return n * delta_rule_flops_per_token(shape, over_ranks=cp_size > 1) / rate + exchange.seconds, exchange
 
 
 def predict_costs(new_tokens: int, cached_tokens: int, model: ModelConfig, cp_size: int,

@@ -12,17 +12,22 @@ progress bar and the server's ingest ETA both use it.
 from __future__ import annotations
 
 from ..model.config import ModelConfig
+from .linear_attention import delta_rule_flops_per_token
 from .strategy import linear_flops, span_attention_flops
 
 
 def chunk_flops(new_tokens: int, cached_tokens: int, model: ModelConfig) -> float:
     """FLOPs of one prefill chunk of T new tokens on P cached ones, all layers, all ranks together:
-    n_layers * linear_flops(T) + each layer's span_attention_flops(T, P, NH*DH, its own DH) (full layers: all
-    earlier keys; windows and chunks: the keys they see). Chunk k of a prompt attends to all k
-    chunks before it, so its cost grows with k: the work a progress bar and an ETA count."""
+    n_layers * linear_flops(T) + each attention layer's span_attention_flops(T, P, NH*DH, its own
+    DH) (full layers: all earlier keys; windows and chunks: the keys they see) + each linear-attention
+    layer's T * delta_rule_flops_per_token (as one device computes it: the same for every chunk).
+    Chunk k of a prompt attends to all k chunks before it, so its cost grows with k: the work a
+    progress bar and an ETA count."""
     attention = sum(span_attention_flops(new_tokens, cached_tokens, model.n_heads * model.head_dim_of(layer),
-                                         model.attention(layer).span) for layer in range(model.n_layers))
-    return float(model.n_layers * linear_flops(new_tokens, model, 1) + attention)
+                                         model.attention(layer).span) for layer in model.attention_layers)
+    recurrence = sum(new_tokens * delta_rule_flops_per_token(model.linear(layer), over_ranks=False)
+                     for layer in model.linear_layers)
+    return float(model.n_layers * linear_flops(new_tokens, model, 1) + attention + recurrence)
 
 
 def prefill_chunk_flops(lengths: "list[int]", chunk_tokens: int, model: ModelConfig,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.cpu_features import compute_dtype
+from ..planning.linear_attention import decode_state_bytes
 from ..planning.machine_speed import decode_bytes_per_token, matmul_flops_per_s, read_bandwidth
 from ..planning.work import chunk_flops
 
@@ -116,8 +117,10 @@ def measure_efficiency(engine, stats, decode=None, before: dict | None = None) -
     if decode is not None and decode.token_times_s:
         context = stats.cached + stats.tokens + decode.prompt_tokens + len(decode.token_times_s) / 2
         weights = decode_bytes_per_token(model, 0) * engine.decode_ranks * engine.tp_size
-        rows = config.decode_kv_rows(int(context)) / config.n_layers  # windowed layers: W rows each
-        floor_ms = 1e3 * (weights + rows * kv_bytes_per_token(engine)) / bandwidth
+        # windowed layers: W rows each; a hybrid's linear layers keep none, their states are read and written
+        rows = config.decode_kv_rows(int(context)) / len(config.attention_layers)
+        states = decode_state_bytes(config, model.tok_embeddings.weight.element_size())
+        floor_ms = 1e3 * (weights + rows * kv_bytes_per_token(engine) + states) / bandwidth
         result.decode_ms_per_token = decode.decode_ms_per_token
         result.decode_floor_ms = floor_ms
         result.decode_share_of_floor = floor_ms / decode.decode_ms_per_token
@@ -132,6 +135,13 @@ def _threads() -> int:
 def kv_bytes_per_token(engine) -> int:
     """KV bytes one token takes over all decode ranks (every KV head and layer, in the cache's kv_dtype)."""
     return sum(kv_layer_row_bytes(engine))
+
+
+def document_state_bytes(engine) -> int:
+    """Bytes a document's linear-attention states take over all decode ranks (a hybrid's: each
+    decode rank runs every layer of a token, so each keeps the states whole; 0 for other models)."""
+    element = torch.empty((), dtype=engine.model.dtype).element_size()
+    return engine.model.full_config.linear_state_bytes(element) * engine.decode_ranks
 
 
 def kv_layer_row_bytes(engine) -> list[int]:

@@ -15,6 +15,7 @@ import torch
 
 from ..parallel.ring import STRATEGIES
 from ..planning.hardware import element_bytes
+from ..planning.linear_attention import state_bytes_per_rank
 from ..planning.memory import (
     MEMORY_USABLE_FRACTION, activation_bytes_per_rank, document_kv_bytes, kv_row_bytes, layer_kv_row_bytes,
     prefill_kv_bytes_per_rank,
@@ -66,8 +67,10 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
     sees), the one-layer working set of a chunk (activation_bytes_per_rank, the larger of pass-KV
     and pass-Q), and what the hand-off adds on the decode host: with one decode rank the whole
     decode KV cache (a document's rows with drop_unseen: document_kv_bytes), with several the rows
-    the other ranks send them plus each decode rank's room. Weights are already loaded and not
-    counted again. `cfg` is this rank's (its tensor-parallel share of the heads).
+    the other ranks send them plus each decode rank's room. A hybrid's linear-attention states
+    (`state_bytes_per_rank`) are held whole by every rank and again by each decode rank's cache.
+    Weights are already loaded and not counted again. `cfg` is this rank's (its tensor-parallel
+    share of the heads).
     """
     chunk = max(1, min(chunk, tokens))
     full, rest = divmod(tokens, chunk)
@@ -76,6 +79,7 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
     shard = prefill_kv_bytes_per_rank(cfg, cached, chunks, world, 1, dtype_name, kv_dtype, drop_unseen)
     activations = max(activation_bytes_per_rank(cfg, world, 1, chunk, rows, s, dtype_name) for s in STRATEGIES)
     per_token = kv_row_bytes(cfg, 1, dtype_name, kv_dtype)
+    states = state_bytes_per_rank(cfg, 1, element_bytes(dtype_name))
     if decode_ranks == 1 and drop_unseen:
         decode_cache = document_kv_bytes(cfg, layer_kv_row_bytes(cfg, 1, dtype_name, kv_dtype), cached + tokens) \
             + per_token * decode_room
@@ -84,7 +88,8 @@ def prefill_memory_need(cfg, dtype_name: str, world: int, tokens: int, cached: i
     else:  # decode ranks keep their shards: only the other ranks' rows arrive, and the room
         moved = (cached + tokens) * max(0, world - decode_ranks) // world
         decode_cache = per_token * (moved + decode_room * decode_ranks)
-    per_rank = shard + activations + 16 * tokens  # + the token ids
+    decode_cache += states * decode_ranks
+    per_rank = shard + states + activations + 16 * tokens  # + the token ids
     total = per_rank * local_ranks + (decode_cache if decode_here else 0)
     return {"shard": shard, "activations": activations, "decode_cache": decode_cache if decode_here else 0,
             "per_rank": per_rank, "total": total, "local_ranks": local_ranks}

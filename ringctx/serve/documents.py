@@ -27,7 +27,7 @@ from ..engine.scheduler import SchedulerStopped
 from ..engine.work_items import DropDocument, FinishSave
 from ..planning.work import WorkProgress, prefill_chunk_flops
 from ..planning.memory import document_kv_bytes
-from ..runtime.efficiency import kv_layer_row_bytes
+from ..runtime.efficiency import document_state_bytes, kv_layer_row_bytes
 from ..units import fmt_bytes
 from .backend import DocumentInfo
 from .store import DocumentStore
@@ -53,6 +53,7 @@ class ServedDocuments:
         self.store, self.engine, self.scheduler = store, engine, scheduler
         self.bytes_per_token, self.kv_budget_bytes = bytes_per_token, kv_budget_bytes
         self.layer_row_bytes = kv_layer_row_bytes(engine)  # a layer's own head shape counts at its width
+        self.state_bytes = document_state_bytes(engine)  # a hybrid's linear-attention states, whatever the length
         self.log = log or (lambda line: None)
         self.lock = threading.Lock()  # everything below (the scheduler's thread writes too)
         self._records: dict[str, DocumentInfo] = {}
@@ -259,8 +260,8 @@ class ServedDocuments:
     # ------------------------------------------------------------------ memory
     def kv_bytes(self, tokens: int) -> int:
         """KV bytes a document of `tokens` tokens keeps (its windowed and chunked layers only what
-        later tokens see: documents are ingested with drop_unseen)."""
-        return document_kv_bytes(self.engine.model.full_config, self.layer_row_bytes, tokens)
+        later tokens see: documents are ingested with drop_unseen), its linear-attention states included."""
+        return document_kv_bytes(self.engine.model.full_config, self.layer_row_bytes, tokens, self.state_bytes)
 
     def rank_bytes(self, tokens: int) -> list[int]:
         """KV bytes each decode rank holds for a document of `tokens` tokens (balanced slices)."""

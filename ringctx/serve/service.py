@@ -40,7 +40,7 @@ from ..planning.engine_config import SERVING, EngineConfig
 from ..units import fmt_bytes
 from . import backend as api
 from ..planning.memory import document_tokens_within
-from ..runtime.efficiency import kv_bytes_per_token, kv_layer_row_bytes
+from ..runtime.efficiency import document_state_bytes, kv_bytes_per_token, kv_layer_row_bytes
 from ..runtime.memory_check import auto_kv_budget
 from .documents import QUESTION_ROOM_TOKENS, ServedDocuments, StoredDocument
 from .prompts import PromptRenderer, text_sha256
@@ -136,9 +136,9 @@ class EngineBackend:
                              "Hugging Face directory")
         self.bytes_per_token = kv_bytes_per_token(engine)
         self.kv_budget_bytes = int(kv_budget_bytes if kv_budget_bytes is not None else auto_kv_budget(engine))
-        self.max_document_tokens = int(max_document_tokens or
-                                       max(1, document_tokens_within(engine.model.full_config, kv_layer_row_bytes(engine),
-                                                                     self.kv_budget_bytes) - QUESTION_ROOM_TOKENS))
+        within = document_tokens_within(engine.model.full_config, kv_layer_row_bytes(engine), self.kv_budget_bytes,
+                                        document_state_bytes(engine))  # a hybrid's states take their share
+        self.max_document_tokens = int(max_document_tokens or max(1, within - QUESTION_ROOM_TOKENS))
         self._lock = threading.Lock()  # the counters below (the scheduler's thread writes too)
         self._problem: str | None = None
         self._draining = False

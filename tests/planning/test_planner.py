@@ -218,7 +218,8 @@ def test_plan_json_schema():
     assert entry["cached_tokens"] == 2148 and entry["reason"].startswith("alg5: ")
     assert set(entry["costs"]) == set(STRATEGIES) and "sendrecv_bytes" in entry["costs"]["pass-kv"]
     assert set(d["memory"]) == {"weights_bytes", "kv_cache_bytes", "activation_bytes", "capacity_bytes",
-                                "usable_bytes", "total_bytes", "fits"}
+                                "usable_bytes", "total_bytes", "fits", "state_bytes"}
+    assert d["memory"]["state_bytes"] == 0  # no linear-attention layers
     assert d["ttft_ms"] == pytest.approx(plan.ttft_ms)
 
 
@@ -500,7 +501,7 @@ def test_decode_json_fields():
         "decode_ranks", "max_decode_ranks", "kv_dtype", "context_tokens", "slice_tokens", "weights_bytes",
         "kv_slice_bytes", "kv_slice_all_rows_bytes", "token_activation_bytes", "scores_bytes", "logits_bytes",
         "dequant_bytes", "capacity_bytes", "usable_bytes", "workspace_bytes", "total_bytes", "fits",
-        "smallest_fitting"}
+        "smallest_fitting", "state_bytes"}
     assert d["decode"]["kv_slice_bytes"] == d["decode"]["kv_slice_all_rows_bytes"]  # every layer full
     dec = d["decode"]
     assert dec["decode_ranks"] == 4 and dec["slice_tokens"] == 25_064 and dec["kv_slice_bytes"] == 25_064 * 67_584
