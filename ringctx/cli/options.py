@@ -15,7 +15,7 @@ import click
 
 from ..attention.quant import KV_DTYPES
 from ..model.int8_weights import WEIGHT_CHOICES
-from ..planning.engine_config import ATTN_BACKENDS, COMMAND_LINE, STRATEGY_CHOICES, field_help
+from ..planning.engine_config import ATTN_BACKENDS, COMMAND_LINE, LINEAR_EXCHANGES, STRATEGY_CHOICES, field_help
 from ..planning.strategy import RULES
 
 
@@ -121,8 +121,8 @@ ALLOW_LONG_CONTEXT_OPTION = click.option("--allow-long-context", "allow_long_con
 ROPE_SCALING_OPTION = rope_scaling_option()
 MODEL_OPTION = click.option("--model", default=COMMAND_LINE.model, show_default=True, help=_help("model"))
 
-ENGINE_OPTIONS = ("model", "nproc", "tp", "ep", "chunk_tokens", "strategy", "hardware", "rule", "dtype", "device",
-                  "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights", "rope_scaling",
+ENGINE_OPTIONS = ("model", "nproc", "tp", "ep", "chunk_tokens", "strategy", "hardware", "rule", "linear_exchange",
+                  "dtype", "device", "attn_backend", "timeout_s", "decode_ranks", "kv_dtype", "weights", "rope_scaling",
                   "allow_long_context")
 """The EngineConfig fields a command of `engine_options` takes from its command line."""
 
@@ -143,6 +143,8 @@ def engine_options(f=None, *, serving: bool = False):
         click.option("--hardware", default=COMMAND_LINE.hardware, help=_help("hardware")),
         click.option("--rule", type=click.Choice(RULES), default=COMMAND_LINE.rule, show_default=True,
                      help=_help("rule")),
+        click.option("--linear-exchange", type=click.Choice(LINEAR_EXCHANGES), default=COMMAND_LINE.linear_exchange,
+                     show_default=True, help=_help("linear_exchange")),
         click.option("--dtype", default=COMMAND_LINE.dtype, show_default=True, help=_help("dtype")),
         click.option("--device", default=COMMAND_LINE.device, help=_help("device")),
         click.option("--attn-backend", type=click.Choice(ATTN_BACKENDS), default=COMMAND_LINE.attn_backend,

@@ -146,7 +146,8 @@ class Engine:
             kv_dtype=config.kv_dtype, weights=config.weights, timeout_s=float(timeout_s),
             startup_timeout_s=float(config.startup_timeout_s or max(timeout_s, DEFAULT_STARTUP_TIMEOUT_S)),
             attn_backend=config.attn_backend, ranks_per_host=per_host, tp_size=tp, cp_size=world // tp,
-            config=config.to_dict(), rope_scaling=config.rope_scaling, ep_size=config.ep)
+            config=config.to_dict(), rope_scaling=config.rope_scaling, ep_size=config.ep,
+            linear_exchange=config.linear_exchange)
         try:
             if torchrun:
                 self.mode = "torchrun"

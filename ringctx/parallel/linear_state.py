@@ -9,7 +9,9 @@ delta layer (attention/gated_delta.py) needs, for each piece, two things that co
 
 Sent piece to piece, either would serialise the ranks. Instead two all-gathers per layer and
 chunk, each composed by every rank in sequence order (and to the chunk's end, the next chunk's
-start, which every rank so holds alike):
+start, which every rank so holds alike); or, where planning/linear_attention.py finds it cheaper
+(large states, many ranks), the second as a relay of the true state out along the ranks and back
+(`relay_states`: only rank 0 ends with the chunk's end state, which only it needs next):
 
     exchange_conv_inputs   each piece's last K-1 in-projected inputs (they depend on the piece
                            alone): (K-1) C values a piece; then every rank runs the convolution
@@ -107,14 +109,63 @@ def exchange_states(summaries: list[PieceSummary], state: torch.Tensor, group=No
     return starts, current
 
 
+def relay_states(summaries: list[PieceSummary], state: torch.Tensor, group=None, stats=None, layer: int = 0
+                 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`exchange_states` as a relay of the true state instead of an all-gather of summaries: the
+    sequence runs out along the ranks' first pieces (0, 1, ..., N-1) and back along their second
+    ones (N-1, ..., 0), each rank applying its piece's summary to the state it receives and sending
+    the result on: 2(N-1) hops of one state [H, Dk, Dv] float32, one after another (planning/
+    linear_attention.py says when that beats the all-gather). Returns (the start states of this
+    rank's two pieces, the chunk's end state on rank 0 of `group`, whose first piece starts the next
+    chunk, None elsewhere). `state` (before the chunk) is read on rank 0 only. Each state is the
+    same `PieceSummary.apply` of the same tensors as the all-gather's composition: the same bits."""
+    rank, world = rank_and_world(group)
+    first, second = summaries
+    if world == 1:
+        middle = first.apply(state)
+        return [state.float(), middle], second.apply(middle)
+
+    def peer(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    H, Dk, Dv = state.shape
+    if rank == 0:
+        start_a = state.float()
+    else:
+        start_a = torch.empty(H, Dk, Dv, device=state.device)
+        dist.recv(start_a, src=peer(rank - 1), group=group)
+    end_a = first.apply(start_a)
+    if rank < world - 1:
+        dist.send(end_a, dst=peer(rank + 1), group=group)
+        start_b = torch.empty_like(end_a)
+        dist.recv(start_b, src=peer(rank + 1), group=group)
+        _record_message(stats, layer, end_a)
+    else:
+        start_b = end_a
+    end_b = second.apply(start_b)
+    if rank > 0:
+        dist.send(end_b, dst=peer(rank - 1), group=group)
+        _record_message(stats, layer, end_b)
+    return [start_a, start_b], end_b if rank == 0 else None
+
+
 LINEAR_KINDS = ("linear-conv", "linear-state")
 """CommStats kinds of the two exchanges."""
+ALL_GATHER, RING = "all-gather", "ring"
+"""How the state summaries travel (`exchange_states`, `relay_states`; planning/linear_attention.py
+prices both and picks with the same names)."""
 
 
 def _record(stats, kind: str, layer: int, mine: torch.Tensor, world: int) -> None:
     """An all-gather sends this rank's message to each of the other W-1 ranks (a ring: W-1 hops)."""
     if stats is not None and world > 1:
         stats.record(kind, layer, (world - 1) * mine.numel() * mine.element_size())
+
+
+def _record_message(stats, layer: int, state: torch.Tensor) -> None:
+    """One relay hop: this rank sent one state."""
+    if stats is not None:
+        stats.record("linear-state", layer, state.numel() * state.element_size())
 
 
 def empty_summary(H: int, Dk: int, Dv: int, device=None) -> PieceSummary:

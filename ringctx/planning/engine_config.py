@@ -29,6 +29,8 @@ from .strategy import RULES
 
 STRATEGY_CHOICES = ("auto", *STRATEGIES)
 """What `strategy` accepts: the per-chunk rule, or one strategy for every chunk."""
+LINEAR_EXCHANGES = ("auto", "all-gather", "ring")
+"""What `linear_exchange` accepts (parallel/linear_state.py's two ways, or the planner's pick)."""
 
 ATTN_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 """The `attn_backend`s the command line offers; the Python API takes any of attention.kernels.BACKENDS."""
@@ -63,6 +65,10 @@ class EngineConfig:
     on CPUs, else h200); unset: the calibrated profile, else the built-in "cpu" (or "h200" with CUDA)."""
     rule: str = "alg5"
     """Decision rule of "auto": paper Algorithm 1 or 5, the fitted h(T,P), or the cost model."""
+    linear_exchange: str = "auto"
+    """How a hybrid's linear-attention layers send their state summaries between the CP ranks:
+    "auto" (the cheaper for the hardware profile: `ringctx plan` shows both), "all-gather" or
+    "ring" (the state relayed out along the ranks and back)."""
     decode_rank: int = 0
     """The first decode CP rank: it receives the logits, samples and streams the text."""
     decode_ranks: int | None = None
@@ -122,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
         if self.rule not in RULES:
             raise ValueError(f"unknown rule {self.rule!r}; use one of {', '.join(RULES)}")
+        if self.linear_exchange not in LINEAR_EXCHANGES:
+            raise ValueError(f"unknown linear_exchange {self.linear_exchange!r}; use one of {', '.join(LINEAR_EXCHANGES)}")
         if self.attn_backend not in BACKENDS:
             raise ValueError(f"unknown attn_backend {self.attn_backend!r}; use one of {', '.join(BACKENDS)}")
         if self.nproc != "auto" and (not isinstance(self.nproc, int) or isinstance(self.nproc, bool) or self.nproc < 1):

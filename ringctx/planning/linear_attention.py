@@ -43,14 +43,11 @@ from dataclasses import dataclass
 
 from ..attention.gated_delta import BLOCK
 from ..model.config import LinearShape, ModelConfig
+from ..parallel.linear_state import ALL_GATHER, RING  # how the summaries travel: the runtime's names
 
 STATE_BYTES = 4
 """Bytes of one recurrent-state, summary or conv-tail value on the wire and in the scan: float32
 (parallel/linear_state.py; a bf16 state drifts over many pieces)."""
-
-ALL_GATHER, RING = "all-gather", "ring"
-"""How the state summaries travel (`summary_exchange`)."""
-
 
 def delta_rule_flops_per_token(shape: LinearShape, over_ranks: bool, block: int = BLOCK) -> int:
     """FLOPs of one token through the gated delta rule and the convolution (not the projections):

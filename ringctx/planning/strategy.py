@@ -819,6 +819,17 @@ def linear_attention_seconds(new_tokens: int, cp_size: int, shape: LinearShape, 
     return n * delta_rule_flops_per_token(shape, over_ranks=cp_size > 1) / rate + exchange.seconds, exchange
 
 
+def choose_linear_exchange(model: ModelConfig, cp_size: int, hardware: "HardwareProfile | str", dtype: str = "bfloat16",
+                           tp_size: int = 1) -> SummaryExchange:
+    """How a prefill over `cp_size` ranks sends its linear layers' state summaries (all-gather or
+    ring relay, `summary_exchange`), decided once for the prefill from the widest linear layer's
+    shape (one TP rank's share) and the `hardware` profile; the same on every rank."""
+    hw = load_profile(hardware)
+    ring = hw.ring(cp_size)
+    shape = max(linear_layer_shapes(model, tp_size), key=lambda s: s.recurrent_bytes)
+    return linear_attention_seconds(1, cp_size, shape, hw, dtype, ring)[1]
+
+
 def predict_costs(new_tokens: int, cached_tokens: int, model: ModelConfig, cp_size: int,
                   hardware: "HardwareProfile | str", **kwargs) -> dict[str, StrategyCost]:
     """`predict_strategy_cost` for both strategies: {"pass-kv": ..., "pass-q": ...}."""

@@ -22,18 +22,23 @@ from ..attention.gated_delta import PieceSummary
 from ..attention.gated_delta_gpu import build_piece
 from ..model.gated_deltanet import GatedDeltaNet, LinearState
 from ..parallel.comm import rank_and_world
-from ..parallel.linear_state import empty_summary, exchange_conv_inputs, exchange_states, piece_tail
+from ..parallel.linear_state import (ALL_GATHER, RING, empty_summary, exchange_conv_inputs, exchange_states,
+                                     piece_tail, relay_states)
 
 
 def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tuple[int, int], state: LinearState,
-                            group=None, stats=None, layer_index: int = 0) -> tuple[torch.Tensor, LinearState]:
+                            group=None, stats=None, layer_index: int = 0, exchange: str = ALL_GATHER
+                            ) -> tuple[torch.Tensor, LinearState]:
     """This rank's outputs and the chunk's end state.
 
     x [lengths[0] + lengths[1], dim]: this rank's two pieces' rows, chunk r then chunk 2N-1-r (the
     layout's local order); state: before the chunk, equal on every rank. A collective of `group`
     (the CP ranks): every rank calls it for every linear layer of every chunk, with 0-length
     pieces where it has no tokens. Returns (y [rows, dim] in x's dtype, the state after the chunk).
-    stats: a CommStats recording the exchanges' bytes (as layer `layer_index`), or None."""
+    stats: a CommStats recording the exchanges' bytes (as layer `layer_index`), or None.
+    exchange: how the state travels, ALL_GATHER (every rank ends with the chunk's end state) or
+    RING (`relay_states`: only rank 0 of `group` does, and only its `state.recurrent` is read;
+    the other ranks' returned recurrent state is theirs unchanged, not the chunk's end)."""
     s = layer.shape
     if rank_and_world(group)[1] == 1:  # pieces 0 and 1 of one rank are the chunk in order: no summaries
         return layer.forward(x, state)
@@ -52,7 +57,11 @@ def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tupl
         form = build_piece(q, k, v, g, beta)  # fla's chunked kernel on CUDA, ChunkForm elsewhere
         forms.append(form)
         summaries.append(PieceSummary.of(form))
-    starts, end = exchange_states(summaries, state.recurrent, group, stats, layer_index)
+    if exchange == RING:
+        starts, end = relay_states(summaries, state.recurrent, group, stats, layer_index)
+        end = state.recurrent if end is None else end
+    else:
+        starts, end = exchange_states(summaries, state.recurrent, group, stats, layer_index)
     outs = [layer.finish(form.scan(start)[0], p) if form is not None else p.new_zeros(0, p.shape[1])
             for form, start, p in zip(forms, starts, pieces)]
     return torch.cat(outs), LinearState(conv_end, end)

@@ -47,6 +47,7 @@ from ..parallel.comm import (
 )
 from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from .linear_layers import linear_layer_over_ranks
+from ..parallel.linear_state import ALL_GATHER, RING
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
 from ..planning.engine_config import STRATEGY_CHOICES
 
@@ -89,6 +90,9 @@ class PrefillConfig:
     """Backend of the local attention blocks (see ringctx.attention)."""
     trace: bool = False
     """Record a Chrome trace of compute and communication on every rank."""
+    linear_exchange: str = "auto"
+    """How a hybrid's linear layers send their state summaries between the ranks: "auto" (the
+    cheaper by planning/linear_attention.py with `hardware`), "all-gather" or "ring" (a relay)."""
 
 
 @dataclass
@@ -337,6 +341,7 @@ class PrefillRun:
             if cached_len:
                 _scatter_cache(cache, shard, cached_len, rank, world, config.decode_rank, group, comm)
         self.shard = shard
+        self.linear_exchange = _linear_exchange(model, world, config)
         self.stats = PrefillStats(tokens=T, cached=cached_len, world_size=world * model.tp.size, chunk_tokens=chunk,
                                   decode_ranks=config.decode_ranks, kv_dtype=config.kv_dtype, cp_size=world,
                                   tp_size=model.tp.size)
@@ -422,7 +427,7 @@ class PrefillRun:
             # a linear-attention layer: the state crosses the ranks in two small exchanges, not a KV
             # ring (runtime/linear_layers.py); every rank's shard holds the same state after it
             y, shard.linear_states[layer] = linear_layer_over_ranks(module, x, lengths, shard.linear_states[layer],
-                                                                    group, self.comm, layer)
+                                                                    group, self.comm, layer, self.linear_exchange)
             return y
 
         def attend(layer: int, q, k, v):
@@ -493,6 +498,8 @@ class PrefillRun:
                 release_free_memory()                       # decode ranks fill their caches
             reset_peak_rss()
             t_handoff = time.perf_counter()
+            if self.linear_exchange == RING and world > 1:  # the relay left the end states on rank 0 only
+                _share_linear_states(shard, group, comm)
             with span("hand-off", "comm"):
                 out_cache, moved = _hand_off(model, self.cache, shard, self.layouts, self.plan, self.first_new_row,
                                              self.cached_len, self.T, config, rank, world, group, comm,
@@ -621,6 +628,30 @@ def _decide(new_tokens: int, cached_tokens: int, model, world: int,
     choice = choose_strategy(new_tokens, cached_tokens, model.full_config, world, config.hardware, config.rule,
                              dtype=dtype, tp_size=model.tp.size)
     return choice.strategy, choice.reason, choice.short_reason, choice.formula
+
+
+def _linear_exchange(model, world: int, config: PrefillConfig) -> str:
+    """How this prefill's linear layers send their state summaries (ALL_GATHER without any)."""
+    if not model.config.has_linear or world == 1:
+        return ALL_GATHER
+    if config.linear_exchange not in ("auto", ALL_GATHER, RING):
+        raise ValueError(f"linear_exchange={config.linear_exchange!r}: choose 'auto', {ALL_GATHER!r} or {RING!r}")
+    if config.linear_exchange != "auto":
+        return config.linear_exchange
+    from ..planning.strategy import choose_linear_exchange
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    return choose_linear_exchange(model.full_config, world, config.hardware, dtype, model.tp.size).strategy
+
+
+def _share_linear_states(shard, group, comm) -> None:
+    """Every rank takes rank 0's linear-layer recurrent states (the chunks' end, which a relay
+    leaves there alone), so that whichever ranks decode start from them."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for layer, state in enumerate(shard.linear_states or ()):
+        if state is not None:
+            dist.broadcast(state.recurrent, src=src, group=group)
+            comm.record("linear-state", layer, nbytes(state.recurrent))
 
 
 def _last_token_logits(model, x, layout, rank, world, group, logits):

@@ -54,6 +54,8 @@ class EngineSettings:
     """The EngineConfig as it runs ("auto" resolved; `EngineConfig.to_dict`), recorded in saved documents."""
     rope_scaling: str | None = None
     """The RoPE stretch every rank loads the model with ("yarn:4", ...; None: the checkpoint's own)."""
+    linear_exchange: str = "auto"
+    """How linear-attention layers send their state summaries ("auto", "all-gather", "ring")."""
     ep_size: int = 1
     """Expert-parallel ranks: consecutive CP ranks of one TP index over which every MoE layer's experts
     are spread (ringctx.model.expert_parallel)."""
@@ -127,7 +129,7 @@ class RankState:
                                hardware=s.hardware, rule=s.rule, decode_rank=s.decode_rank,
                                decode_ranks=s.decode_ranks, decode_room=decode_room, kv_dtype=s.kv_dtype,
                                ranks_per_host=s.ranks_per_host // s.tp_size,  # CP ranks per host
-                               attn_backend=s.attn_backend, trace=trace)
+                               attn_backend=s.attn_backend, trace=trace, linear_exchange=s.linear_exchange)
         if config.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {config.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}")
         return config
@@ -137,4 +139,4 @@ class RankState:
         s = self.settings
         return PrefillConfig(chunk_tokens=self.chunk_tokens, strategy=s.strategy, hardware=s.hardware, rule=s.rule,
                              decode_rank=0, decode_ranks=s.decode_ranks, decode_room=decode_room, kv_dtype=kv_dtype,
-                             attn_backend=s.attn_backend)
+                             attn_backend=s.attn_backend, linear_exchange=s.linear_exchange)

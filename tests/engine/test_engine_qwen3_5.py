@@ -117,3 +117,16 @@ def test_other_recurrences_are_refused_in_one_line(tmp_path, model_type):
         with Engine(str(tmp_path), nproc=1, dtype="float32"):
             pass
     assert "\n" not in str(info.value)
+
+
+def test_the_ring_relay_of_states_answers_as_the_all_gather(saved):
+    """linear_exchange="ring" (what `plan` picks for large states on many ranks): the prefill's
+    logits and a document's answer equal transformers' as the all-gather's do."""
+    directory, hf = saved("qwen3-next")
+    document = random_prompt(97, seed=5).tolist()
+    with Engine(directory, nproc=3, dtype="float32", decode_ranks=2, chunk_tokens=37,
+                linear_exchange="ring") as engine:
+        assert_engine_prefills_match(engine, hf, CASES[:2], "ring")
+        answer = engine.generate(engine.ingest(document), QUESTIONS[0], max_new_tokens=8, stop_token_ids=[])
+        "".join(answer)
+        assert answer.result.token_ids == hf_greedy(hf, document + QUESTIONS[0])

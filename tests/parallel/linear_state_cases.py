@@ -66,9 +66,9 @@ def random_layer(dtype=torch.float32):
     return layer.to(dtype), state
 
 
-def layer_case(rank: int, world: int, cases: list[tuple[int, int, str]]):
+def layer_case(rank: int, world: int, cases: list[tuple[int, int, str]], exchange: str = "all-gather"):
     """For each (T, seed, dtype): this rank's outputs of its two balanced pieces (with their bounds)
-    from runtime/linear_layers.py, and the chunk's end state."""
+    from runtime/linear_layers.py, and the chunk's end state (`exchange`: how the state travels)."""
     from ringctx.runtime.linear_layers import linear_layer_over_ranks
 
     out = []
@@ -79,6 +79,6 @@ def layer_case(rank: int, world: int, cases: list[tuple[int, int, str]]):
         mine = [bounds[rank], bounds[2 * world - 1 - rank]]
         with torch.no_grad():
             y, end = linear_layer_over_ranks(layer, torch.cat([x[a:b] for a, b in mine]),
-                                             tuple(b - a for a, b in mine), state)
+                                             tuple(b - a for a, b in mine), state, exchange=exchange)
         out.append((mine, y, end))
     return out

@@ -56,3 +56,21 @@ def test_a_gated_deltanet_layer_over_ranks_equals_the_layer_on_one(rank_pool, wo
             # (the in-projection of a piece rounds as a GEMM of other rows may: equal to the float32 rounding)
             assert rel_err(end.conv, ref_end.conv) < tol and rel_err(end.recurrent, ref_end.recurrent) < tol
             assert torch.equal(end.recurrent, results[0][i][2].recurrent)  # every rank composed it alike
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ring_relay_gives_the_all_gathers_bits(rank_pool, world):
+    """The state relayed out along the ranks and back (parallel/linear_state.py's relay_states, what
+    `plan` picks for large states) gives every rank the all-gather's outputs bit for bit, and rank 0
+    the chunk's end state (the others keep the state they were given)."""
+    from .linear_state_cases import layer_case, random_layer
+
+    gathered = rank_pool(world).run(layer_case, LAYER_CASES)
+    relayed = rank_pool(world).run(layer_case, LAYER_CASES, "ring")
+    for i, (T, seed, dtype) in enumerate(LAYER_CASES):
+        _, before = random_layer(getattr(torch, dtype))
+        for r in range(world):
+            (mine, y, end), (mine_ring, y_ring, end_ring) = gathered[r][i], relayed[r][i]
+            assert mine == mine_ring and torch.equal(y, y_ring), (T, world, r)
+            assert torch.equal(end.conv, end_ring.conv)
+            assert torch.equal(end_ring.recurrent, end.recurrent if r == 0 else before.recurrent), (T, world, r)
