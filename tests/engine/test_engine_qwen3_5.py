@@ -8,7 +8,8 @@ alike, documents carry it.
   chunk boundaries inside pieces (97 tokens in chunks of 37), one chunk;
 - a document over 3 ranks split over 2 decode ranks, answering as transformers' greedy generate
   does, alone and batched (each question from a copy of the document's state);
-- tensor parallelism 2 (key heads and their value heads split);
+- tensor parallelism 2 (key heads and their value heads split); the MoE's experts over 2 EP ranks;
+- the state relayed over the ring instead of all-gathered (`linear_exchange="ring"`);
 - a document saved by 2 decode ranks and by TP 2, loaded on 1 and 2 decode ranks and at TP 2;
 - bad input: a document of another model's states, a recurrence ringctx does not compute."""
 
@@ -41,11 +42,12 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,world", [("qwen3.5", 1), ("qwen3.5", 4), ("qwen3.5-moe", 2), ("qwen3-next", 3)],
-                         ids=lambda v: str(v))
-def test_prefill_matches_transformers(saved, name, world):
+@pytest.mark.parametrize("name,world,ep", [("qwen3.5", 1, 1), ("qwen3.5", 4, 1), ("qwen3.5-moe", 2, 2),
+                                           ("qwen3-next", 3, 1)], ids=lambda v: str(v))
+def test_prefill_matches_transformers(saved, name, world, ep):
+    """(The MoE's experts spread over its 2 ranks: --ep 2.)"""
     directory, hf = saved(name)
-    with Engine(directory, nproc=world, dtype="float32", decode_ranks=1) as engine:
+    with Engine(directory, nproc=world, dtype="float32", decode_ranks=ep, ep=ep) as engine:
         assert_engine_prefills_match(engine, hf, CASES, (name, world))
 
 
