@@ -336,6 +336,23 @@ def swiglu_applies(gate_up: torch.Tensor, ffn: int) -> bool:
     return gate_up.dim() == 2 and gate_up.shape[1] == 2 * ffn and _rows_apply(gate_up)
 
 
+def gated_delta_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor) -> bool:
+    """Whether `gated_delta_` takes these inputs (the library aside): q, k [B, T, H, Dk], v [B, T, H,
+    Dv], g, beta [B, T, H], state [B, H, Dk, Dv] contiguous (it is updated in place), every one
+    float32 on the CPU, no gradient wanted."""
+    if q.dim() != 4 or k.shape != q.shape:
+        return False
+    B, T, H, Dk = q.shape
+    if (v.dim() != 4 or v.shape[:3] != (B, T, H) or g.shape != (B, T, H) or beta.shape != g.shape
+            or state.shape != (B, H, Dk, v.shape[3]) or not state.is_contiguous() or min(q.shape + v.shape) < 1):
+        return False
+    tensors = (q, k, v, g, beta, state)
+    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def sum_buffers_applies(sources: list[torch.Tensor], out: torch.Tensor) -> bool:
     """Whether `sum_buffers` takes these inputs (the library aside): 1 or more bf16 sources [n] and
     out [n], contiguous, on the CPU, no gradient wanted. Not float32 (the kernel computes it, but
