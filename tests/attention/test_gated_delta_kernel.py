@@ -41,7 +41,7 @@ def reference(q, k, v, g, beta, state):
 
 SIZES = [  # B, T, H, Dk, Dv: odd and vector-sized heads, one token to past two blocks of 64
     (1, 1, 1, 5, 5), (3, 1, 2, 24, 128), (2, 7, 3, 128, 24), (1, 7, 1, 5, 128), (2, 7, 2, 128, 5),
-    (1, 130, 3, 128, 128), (3, 130, 1, 24, 24), (1, 130, 2, 5, 24), (2, 1, 3, 128, 128), (1, 7, 2, 33, 70),
+    (1, 130, 3, 128, 128), (3, 130, 1, 24, 24), (1, 130, 2, 5, 24), (2, 1, 3, 128, 128), (1, 7, 2, 33, 70), (2, 1, 1, 7, 300),
 ]
 
 
@@ -116,6 +116,21 @@ def test_a_sequence_gets_the_same_bits_alone_as_in_a_batch():
         assert torch.equal(cpu.gated_delta_(q[b:b + 1], k[b:b + 1], v[b:b + 1], g[b:b + 1], beta[b:b + 1], alone),
                            out[b:b + 1])
         assert torch.equal(alone, together[b:b + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("Dk,Dv", [(5, 5), (33, 70), (128, 128), (24, 300)])
+def test_a_piece_and_its_tokens_as_decode_steps_give_the_same_bits(Dk, Dv):
+    """The kernel's two loop orders (a decode step's whole rows, a piece's strips of columns; Dv 300:
+    past a row panel of 256) do the same operations on each column: T steps of B sequences equal
+    one call over the T tokens, bit for bit."""
+    q, k, v, g, beta, start = (x.float() for x in random_inputs(2, 5, 2, Dk, Dv, seed=Dk + Dv))
+    piece = start.clone()
+    out = cpu.gated_delta_(q, k, v, g, beta, piece)
+    steps = start.clone()
+    for t in range(5):
+        assert torch.equal(recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], steps), out[:, t]), t
+    assert torch.equal(steps, piece)
 
 
 def test_the_kernel_declines_what_it_does_not_cover():
