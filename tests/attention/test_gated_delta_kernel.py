@@ -10,7 +10,7 @@ float32 roundings; measured ~2e-7 at T 130, Dk = Dv = 128)."""
 import pytest
 import torch
 
-from ringctx.attention.gated_delta import chunked, recurrent, recurrent_step
+from ringctx.attention.gated_delta import ChunkForm, PieceSummary, chunked, recurrent, recurrent_step
 from ringctx.kernels import build, cpu
 from tests.helpers import rel_err
 from tests.kernels.test_cpu_kernels import BUILDABLE, needs_kernels
@@ -104,6 +104,25 @@ def test_float32_recurrent_runs_the_kernel_and_agrees_with_the_chunked_form():
     assert torch.equal(end, state[0])
     chunk_out, chunk_end = chunked(q, k, v, g, beta, start)
     assert rel_err(out, chunk_out) < 2e-5 and rel_err(end, chunk_end) < 2e-5
+
+
+def test_the_recurrence_gives_a_pieces_summary():
+    """What context parallelism exchanges (PieceSummary: S_end = transition S_0 + contribution) from
+    the token recurrence alone, without the chunked form: the contribution is the end state from
+    zero, the transition the end state from I [H, Dk, Dk] with v = 0 (the piece's writes dropped,
+    as ChunkForm.scan's values=False). On the CPU these are kernel calls (scripts/bench_gated_delta.py
+    times them against building the chunked form)."""
+    q, k, v, g, beta, _ = (x[0].float() for x in random_inputs(1, 100, 2, 24, 16, seed=4))
+    g, beta = g * 0.002, beta * 0.2  # mild decay and writes: a transition far from 0 after 100 tokens
+    summary = PieceSummary.of(ChunkForm.build(q, k, v, g, beta))
+    _, contribution = recurrent(q, k, v, g, beta)
+    eye = torch.eye(24).expand(2, 24, 24)
+    _, transition = recurrent(q, k, torch.zeros(100, 2, 24), g, beta, eye)
+    assert summary.transition.abs().max() > 0.1
+    assert rel_err(contribution, summary.contribution) < 2e-5 and rel_err(transition, summary.transition) < 2e-5
+    ref_c = recurrent(*(x.double() for x in (q, k, v, g, beta)))[1]
+    ref_t = recurrent(*(x.double() for x in (q, k, torch.zeros(100, 2, 24), g, beta, eye)))[1]
+    assert rel_err(contribution, ref_c) < TOLERANCE and rel_err(transition, ref_t) < TOLERANCE
 
 
 @needs_kernels
