@@ -43,8 +43,9 @@
 
 #include "cpu_kernels.h"
 
-/* Vectors of columns in a strip: 4 for each of read, the correction and the output in registers
- * (12 of the 16 vector registers AVX2 and x86-64's portable build have). */
+/* Vectors of columns in a strip: the strip's sums (read and the output, two sets each, and the
+ * correction) stay in registers, its Dk x STRIP floats in L1 (16 KiB at Dk 128 on AVX2, 32 KiB on
+ * AVX-512, 8 KiB portable). */
 #define STRIP_VECS 4
 #define STRIP (STRIP_VECS * VW)
 

@@ -57,7 +57,8 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     Returns (o [T, H, Dv], the state after the last token [H, Dk, Dv])."""
     T, H, Dk = k.shape
     dtype = q.dtype
-    S = torch.zeros(H, Dk, v.shape[-1], dtype=dtype, device=q.device) if state is None else state.to(dtype).clone()
+    S = (torch.zeros(H, Dk, v.shape[-1], dtype=dtype, device=q.device) if state is None
+         else state.to(dtype).clone(memory_format=torch.contiguous_format))  # contiguous: the kernel's layout
     if dtype == torch.float32 and q.device.type == "cpu":
         out = cpu_kernels.gated_delta_(*(x.to(dtype)[None] for x in (q, k, v, g, beta)), S[None])
         if out is not None:

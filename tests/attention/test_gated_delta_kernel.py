@@ -102,6 +102,8 @@ def test_float32_recurrent_runs_the_kernel_and_agrees_with_the_chunked_form():
     state = start[None].clone()
     assert torch.equal(out, cpu.gated_delta_(q[None], k[None], v[None], g[None], beta[None], state)[0])
     assert torch.equal(end, state[0])
+    strided = start.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, not contiguous
+    assert all(torch.equal(a, b) for a, b in zip(recurrent(q, k, v, g, beta, strided), (out, end)))
     chunk_out, chunk_end = chunked(q, k, v, g, beta, start)
     assert rel_err(out, chunk_out) < 2e-5 and rel_err(end, chunk_end) < 2e-5
 
