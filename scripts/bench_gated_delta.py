@@ -12,12 +12,15 @@ layers' states in turn, as a model's step visits them, so that each call finds i
 not in a cache (B x layers x 3 MiB, past the L3). With the kernel, and with PyTorch
 (RINGCTX_CPU_KERNELS=0: its token step over [B, H, ...]), alternating within each round. Per B:
 
-    kernel_ms, torch_ms   median time of one layer's step
+    kernel_ms, torch_ms   median time of one layer's step (MiB: the layer's states, B H Dk Dv 4 bytes)
     torch/kernel          torch's time over the kernel's, paired within each round, median
     floor_ms              the states read and written once (2 B H Dk Dv 4 bytes) over the read
                           bandwidth measured here before and after (the better reading;
                           ringctx.planning.machine_speed.read_bandwidth)
     kernel/floor          kernel_ms / floor_ms
+    mul_ ms, k/mul_       an in-place pass over the same states (PyTorch's S.mul_: each byte read and
+                          written once, as by the kernel, alternating with it) and the kernel's time
+                          over it, paired: the floor as this machine's memory meets a read-and-write
     GB/s                  the states' bytes read and written per second by the kernel
 
 pieces: one sequence's piece of T tokens from a start state (B = 1): `recurrent` through the kernel,
@@ -89,21 +92,25 @@ def bench_decode(args) -> list[dict]:
         q, k, v, g, beta = (x[:, 0] for x in inputs(B, 1, H, Dk, Dv))
         states = [torch.randn(B, H, Dk, Dv) * 0.1 for _ in range(args.layers)]
 
-        def step() -> float:
+        def step(way: str) -> float:
             """One layer's step, averaged over a pass over every layer's states."""
             t0 = time.perf_counter()
             for s in states:
-                recurrent_step(q, k, v, g, beta, s)
+                if way == "in_place_pass":
+                    s.mul_(0.9999)
+                else:
+                    recurrent_step(q, k, v, g, beta, s)
             return (time.perf_counter() - t0) / len(states)
 
-        times = {"kernel": [], "torch": []}
+        ways = ("kernel", "torch", "in_place_pass")
+        times = {way: [] for way in ways}
         for r in range(args.rounds + 1):  # round 0 warms up
-            for way in ("kernel", "torch") if r % 2 else ("torch", "kernel"):
+            for way in ways[r % 3:] + ways[:r % 3]:
                 if way == "torch":
                     with KernelsOff():
-                        t = step()
+                        t = step(way)
                 else:
-                    t = step()
+                    t = step(way)
                 if r:
                     times[way].append(t)
         nbytes = 2 * B * H * Dk * Dv * 4
@@ -113,6 +120,9 @@ def bench_decode(args) -> list[dict]:
         rows.append({"batch": B, "heads": H, "dk": Dk, "dv": Dv, "layers": args.layers,
                      "kernel_ms": 1e3 * kernel, "torch_ms": 1e3 * statistics.median(times["torch"]),
                      "torch_over_kernel": statistics.median(t / c for t, c in zip(times["torch"], times["kernel"])),
+                     "in_place_pass_ms": 1e3 * statistics.median(times["in_place_pass"]),
+                     "kernel_over_in_place_pass": statistics.median(
+                         c / p for c, p in zip(times["kernel"], times["in_place_pass"])),
                      "state_bytes_read_and_written": nbytes, "kernel_gb_per_s": nbytes / kernel / 1e9,
                      "kernel_ms_rounds": [1e3 * t for t in times["kernel"]],
                      "torch_ms_rounds": [1e3 * t for t in times["torch"]]})
@@ -183,12 +193,13 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (the better of {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)})")
     print(f"\ndecode step of one layer: {args.heads} heads of {args.dk} x {args.dv}, {args.layers} layers' states "
           f"in turn, medians of {args.rounds}")
-    print(f"{'B':>3} {'state MiB':>10} {'kernel ms':>10} {'torch ms':>9} {'torch/kernel':>13} {'floor ms':>9} "
-          f"{'kernel/floor':>13} {'GB/s':>6}")
+    print(f"{'B':>2} {'MiB':>5} {'kernel ms':>9} {'torch ms':>8} {'torch/k':>7} {'floor ms':>8} {'k/floor':>7} "
+          f"{'mul_ ms':>7} {'k/mul_':>6} {'GB/s':>5}")
     for r in decode:
-        print(f"{r['batch']:>3} {r['state_bytes_read_and_written'] / 2 / 2**20:>10.1f} {r['kernel_ms']:>10.3f} "
-              f"{r['torch_ms']:>9.3f} {r['torch_over_kernel']:>13.2f} {r['floor_ms']:>9.3f} "
-              f"{r['kernel_over_floor']:>13.2f} {r['kernel_gb_per_s']:>6.1f}")
+        print(f"{r['batch']:>2} {r['state_bytes_read_and_written'] / 2 / 2**20:>5.1f} {r['kernel_ms']:>9.3f} "
+              f"{r['torch_ms']:>8.3f} {r['torch_over_kernel']:>7.2f} {r['floor_ms']:>8.3f} "
+              f"{r['kernel_over_floor']:>7.2f} {r['in_place_pass_ms']:>7.3f} {r['kernel_over_in_place_pass']:>6.2f} "
+              f"{r['kernel_gb_per_s']:>5.1f}")
     pieces = bench_pieces(args) if args.pieces else []
     if pieces:
         print(f"\none sequence's piece of T tokens from a start state, ms (x the kernel's, paired medians)")

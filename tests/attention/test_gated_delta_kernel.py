@@ -142,9 +142,8 @@ def test_a_sequence_gets_the_same_bits_alone_as_in_a_batch():
 @needs_kernels
 @pytest.mark.parametrize("Dk,Dv", [(5, 5), (33, 70), (128, 128), (24, 300)])
 def test_a_piece_and_its_tokens_as_decode_steps_give_the_same_bits(Dk, Dv):
-    """The kernel's two loop orders (a decode step's whole rows, a piece's strips of columns; Dv 300:
-    past a row panel of 256) do the same operations on each column: T steps of B sequences equal
-    one call over the T tokens, bit for bit."""
+    """A column's operations do not depend on T (nor on the decode step's prefetch): T steps of B
+    sequences equal one call over the T tokens, bit for bit."""
     q, k, v, g, beta, start = (x.float() for x in random_inputs(2, 5, 2, Dk, Dv, seed=Dk + Dv))
     piece = start.clone()
     out = cpu.gated_delta_(q, k, v, g, beta, piece)
