@@ -60,7 +60,8 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     S = (torch.zeros(H, Dk, v.shape[-1], dtype=dtype, device=q.device) if state is None
          else state.to(dtype).clone(memory_format=torch.contiguous_format))  # contiguous: the kernel's layout
     if dtype == torch.float32 and q.device.type == "cpu":
-        out = cpu_kernels.gated_delta_(*(x.to(dtype)[None] for x in (q, k, v, g, beta)), S[None])
+        out = cpu_kernels.gated_delta_(*((x if x.dtype == dtype else x.to(dtype)).unsqueeze(0)
+                                         for x in (q, k, v, g, beta)), S.unsqueeze(0))
         if out is not None:
             return out[0], S
     out = torch.empty(T, H, v.shape[-1], dtype=dtype, device=q.device)
@@ -77,11 +78,9 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; states [B, H, Dk, Dv] (contiguous for the kernel).
     Returns o [B, H, Dv] in the states' dtype."""
     dtype = states.dtype
-    if dtype == torch.float32 and states.device.type == "cpu":
-        out = cpu_kernels.gated_delta_(*(x.to(dtype)[:, None] for x in (q, k, v, g, beta)), states)
-        if out is not None:
-            return out[:, 0]
-    return _token_(states, q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
+    q, k, v, g, beta = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, g, beta))
+    out = cpu_kernels.gated_delta_(q, k, v, g, beta, states) if states.device.type == "cpu" else None
+    return _token_(states, q, k, v, g, beta) if out is None else out
 
 
 def _token_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -295,20 +295,21 @@ def gated_delta_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  state: torch.Tensor) -> torch.Tensor | None:
     """The gated delta rule over T tokens of B sequences, float32 (csrc/cpu_gated_delta.c): q, k
     [B, T, H, Dk] (normalised and scaled as attention/gated_delta.py says), v [B, T, H, Dv], g, beta
-    [B, T, H]; state [B, H, Dk, Dv] contiguous, updated in place to the state after token T - 1.
-    Returns o [B, T, H, Dv] float32, or None (state untouched) where the kernel does not apply
+    [B, T, H], or for one token (a decode step) the same without the T dim; state [B, H, Dk, Dv]
+    contiguous, updated in place to the state after the last token. Returns o [B, T, H, Dv] ([B, H,
+    Dv] for one token) float32, or None (state untouched) where the kernel does not apply
     (selection.gated_delta_applies)."""
     if not selection.gated_delta_applies(q, k, v, g, beta, state):
         return None
     lib = build.library()
     if lib is None:
         return None
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    B, T, H, Dk = q.shape
-    out = torch.empty(B, T, H, v.shape[3])
+    q, k, v, g, beta = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v, g, beta))
+    B, H, Dk, Dv = state.shape
+    out = torch.empty(q.shape[:-1] + (Dv,))
     status = lib.ringctx_gated_delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                                     state.data_ptr(), out.data_ptr(), B, T, H, Dk, v.shape[3],
-                                     torch.get_num_threads())
+                                     state.data_ptr(), out.data_ptr(), B, q.shape[1] if q.dim() == 4 else 1, H, Dk,
+                                     Dv, torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -338,19 +338,19 @@ def swiglu_applies(gate_up: torch.Tensor, ffn: int) -> bool:
 
 def gated_delta_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state: torch.Tensor) -> bool:
-    """Whether `gated_delta_` takes these inputs (the library aside): q, k [B, T, H, Dk], v [B, T, H,
-    Dv], g, beta [B, T, H], state [B, H, Dk, Dv] contiguous (it is updated in place), every one
-    float32 on the CPU, no gradient wanted."""
-    if q.dim() != 4 or k.shape != q.shape:
-        return False
-    B, T, H, Dk = q.shape
-    if (v.dim() != 4 or v.shape[:3] != (B, T, H) or g.shape != (B, T, H) or beta.shape != g.shape
-            or state.shape != (B, H, Dk, v.shape[3]) or not state.is_contiguous() or min(q.shape + v.shape) < 1):
-        return False
+    """Whether `gated_delta_` takes these inputs (the library aside): q, k [B, T, H, Dk] (or one
+    token: [B, H, Dk]), v [B, T, H, Dv] ([B, H, Dv]), g, beta [B, T, H] ([B, H]), state [B, H, Dk, Dv]
+    contiguous (it is updated in place), every one float32 on the CPU, no gradient wanted. Asked at
+    every decode step of every linear layer: the cheap tests first."""
     tensors = (q, k, v, g, beta, state)
-    if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+    if not all(t.dtype == torch.float32 and t.is_cpu for t in tensors):
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    lead = q.shape[:-1]  # [B, T, H] or [B, H]
+    return (q.dim() in (3, 4) and k.shape == q.shape and v.shape[:-1] == lead and g.shape == lead
+            and beta.shape == lead and state.shape == (q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1])
+            and state.is_contiguous() and state.numel() > 0 and q.numel() > 0)
 
 
 def sum_buffers_applies(sources: list[torch.Tensor], out: torch.Tensor) -> bool:
