@@ -1011,6 +1011,7 @@ static const ringctx_abi_limit abi_limits[] = {
     {"MAX_BATCH", MAX_BATCH}, {"MAX_R", MAX_R}, {"MAX_D", MAX_D}, {"INT8_MAX_ROWS", INT8_MAX_ROWS},
     {"Q8_INT8", Q8_INT8}, {"Q8_FP8", Q8_FP8}, {"FLASH_ARGS", FLASH_ARGS},
     {"MAX_EXPERTS", MAX_EXPERTS}, {"MAX_EXPERTS_PER_TOKEN", MAX_EXPERTS_PER_TOKEN},
+    {"GATED_DELTA_ARGS", GATED_DELTA_ARGS},
 };
 
 /* The struct and field table above; *count receives its length. Plain data: safe to call before

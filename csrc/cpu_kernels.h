@@ -247,4 +247,12 @@ int ringctx_flash_attention_bf16(const uint16_t *q, int64_t q_rs, int64_t q_hs, 
                                  float scale, float softcap, float *out, int64_t o_rs, int64_t o_hs, float *lse,
                                  int threads);
 
+/* The gated delta rule over T tokens of B sequences, float32 (cpu_gated_delta.c): q, k [B, T, H, Dk],
+ * v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dk, Dv] updated in place, out [B, T, H, Dv].
+ * Its argument count is reported to the loader (kernels/abi.py) as FLASH_ARGS is. */
+#define GATED_DELTA_ARGS 13
+int ringctx_gated_delta(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                        float *state, float *out, int64_t B, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
+                        int threads);
+
 #endif

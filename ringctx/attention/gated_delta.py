@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import cpu as cpu_kernels
+
 BLOCK = 64
 """Tokens per block of the chunked form (transformers' and flash-linear-attention's chunk_size)."""
 
@@ -49,20 +51,47 @@ BLOCK = 64
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrence token by token, in q's dtype (the decode step; float64 as the reference).
+    Float32 on the CPU runs ringctx's kernel (kernels/cpu.py's gated_delta_) where it is built.
 
     q, k [T, H, Dk]; v [T, H, Dv]; g, beta [T, H]; state [H, Dk, Dv] or None (zeros).
     Returns (o [T, H, Dv], the state after the last token [H, Dk, Dv])."""
     T, H, Dk = k.shape
     dtype = q.dtype
-    S = torch.zeros(H, Dk, v.shape[-1], dtype=dtype, device=q.device) if state is None else state.to(dtype).clone()
+    S = (torch.zeros(H, Dk, v.shape[-1], dtype=dtype, device=q.device) if state is None
+         else state.to(dtype).clone(memory_format=torch.contiguous_format))  # contiguous: the kernel's layout
+    if dtype == torch.float32 and q.device.type == "cpu":
+        out = cpu_kernels.gated_delta_(*((x if x.dtype == dtype else x.to(dtype)).unsqueeze(0)
+                                         for x in (q, k, v, g, beta)), S.unsqueeze(0))
+        if out is not None:
+            return out[0], S
     out = torch.empty(T, H, v.shape[-1], dtype=dtype, device=q.device)
     for t in range(T):
-        S.mul_(g[t].to(dtype).exp()[:, None, None])
-        read = torch.einsum("hk,hkv->hv", k[t].to(dtype), S)
-        delta = (v[t].to(dtype) - read) * beta[t].to(dtype)[:, None]
-        S.add_(k[t].to(dtype)[:, :, None] * delta[:, None, :])
-        out[t] = torch.einsum("hk,hkv->hv", q[t].to(dtype), S)
+        out[t] = _token_(S, q[t].to(dtype), k[t].to(dtype), v[t].to(dtype), g[t].to(dtype), beta[t].to(dtype))
     return out, S
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   states: torch.Tensor) -> torch.Tensor:
+    """One decode step of B sequences at once, the states updated in place (float32 CPU tensors run
+    ringctx's kernel, anything else PyTorch in the states' dtype).
+
+    q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]; states [B, H, Dk, Dv] (contiguous for the kernel).
+    Returns o [B, H, Dv] in the states' dtype."""
+    dtype = states.dtype
+    q, k, v, g, beta = (x if x.dtype == dtype else x.to(dtype) for x in (q, k, v, g, beta))
+    out = cpu_kernels.gated_delta_(q, k, v, g, beta, states) if states.device.type == "cpu" else None
+    return _token_(states, q, k, v, g, beta) if out is None else out
+
+
+def _token_(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor) -> torch.Tensor:
+    """One token of the rule in PyTorch over any leading dims (...: heads, or sequences and heads):
+    S [..., Dk, Dv] updated in place; q, k [..., Dk]; v [..., Dv]; g, beta [...]. Returns o [..., Dv]."""
+    S.mul_(g.exp()[..., None, None])
+    read = torch.einsum("...k,...kv->...v", k, S)
+    delta = (v - read) * beta[..., None]
+    S.add_(k[..., :, None] * delta[..., None, :])
+    return torch.einsum("...k,...kv->...v", q, S)
 
 
 @dataclass

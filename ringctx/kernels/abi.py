@@ -48,6 +48,10 @@ strides, T, S, Hq, Hkv, D, causal, q_offset, window, scale, softcap, out by poin
 lse, threads. build.py declares that many argtypes; the library reports its count, so a library of
 another signature (21 arguments before the mask's q_offset, window and softcap) is not used."""
 
+GATED_DELTA_ARGS = 13
+"""Arguments of `ringctx_gated_delta` (csrc/cpu_gated_delta.c; GATED_DELTA_ARGS of csrc/cpu_kernels.h):
+q, k, v, g, beta, state, out by pointer, B, T, H, Dk, Dv, threads. Checked like FLASH_ARGS."""
+
 Q8_KINDS = {torch.int8: 0, torch.float8_e4m3fn: 1}
 """The 8-bit cache formats the q8 decode kernels read (ringctx/attention/quant.py), and their `kind`
 code in csrc/cpu_kernels.h (Q8_INT8, Q8_FP8)."""
@@ -118,6 +122,7 @@ LIMITS: dict[str, int] = {
     "FLASH_ARGS": FLASH_ARGS,
     "MAX_EXPERTS": MAX_EXPERTS,
     "MAX_EXPERTS_PER_TOKEN": MAX_EXPERTS_PER_TOKEN,
+    "GATED_DELTA_ARGS": GATED_DELTA_ARGS,
 }
 """Each C macro Python copies, by its C name, and the copy."""
 

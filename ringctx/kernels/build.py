@@ -42,7 +42,7 @@ from . import abi, cpu_features
 from .abi import AttentionSource, DecoderLayer, DecoderShape, MERGE_FN
 from .paths import csrc_dir
 
-_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c", "cpu_flash.c")
+_SOURCES = ("cpu_kernels.c", "cpu_token_ops.c", "cpu_decode.c", "cpu_flash.c", "cpu_gated_delta.c")
 _AMX_SOURCE = "cpu_attention_amx.c"
 _DETECT_SOURCE = "cpu_detect.c"
 _HEADERS = ("cpu_kernels.h", "cpu_simd.h")
@@ -228,6 +228,10 @@ def _bind(lib: ctypes.CDLL, variant: Variant) -> None:
     assert len(flash) == abi.FLASH_ARGS  # the count the library reports (checked by abi.check_layout)
     for name in ("ringctx_flash_attention", "ringctx_flash_attention_bf16"):
         getattr(lib, name).argtypes = flash
+    # q, k, v, g, beta, state, out (pointers), B, T, H, Dk, Dv, threads
+    gated_delta = [ptr] * 7 + [i64] * 5 + [i32]
+    assert len(gated_delta) == abi.GATED_DELTA_ARGS
+    lib.ringctx_gated_delta.argtypes = gated_delta
     if variant.amx:
         lib.ringctx_amx_attention.argtypes = flash
         lib.ringctx_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32, i32]

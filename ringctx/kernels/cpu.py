@@ -50,6 +50,10 @@ CPU falls short of that (measured, docs/BENCHMARKS.md):
                            Both take a ring block's mask (causal at a q_offset, a sliding window:
                            a band whose outside key tiles are skipped) and logit soft-capping,
                            which PyTorch's fused CPU op has no argument for.
+    gated_delta_           the gated delta rule (Gated DeltaNet layers, attention/gated_delta.py) token
+                           by token for B sequences (csrc/cpu_gated_delta.c): each state read and
+                           written once per call, in strips of columns that stay in L1 across the
+                           tokens; PyTorch's token loop makes four passes over the state per token.
     amx_linear             x [9 <= T <= 48, in] @ W^T in bf16 on AMX (a question's prefill): the
                            weights read in place, once for all rows; 0.73-0.85x the time of
                            PyTorch's bf16 matmul at 9-16 rows.
@@ -285,6 +289,28 @@ def merge_rows(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     return lib.ringctx_merge_rows(acc_out.data_ptr(), acc_out.stride(0), acc_lse.data_ptr(), acc_lse.stride(0),
                                   out.data_ptr(), int(out.dtype == torch.bfloat16), out.stride(0), out.stride(1),
                                   lse.data_ptr(), lse.stride(0), n, H, D) == 0
+
+
+def gated_delta_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor) -> torch.Tensor | None:
+    """The gated delta rule over T tokens of B sequences, float32 (csrc/cpu_gated_delta.c): q, k
+    [B, T, H, Dk] (normalised and scaled as attention/gated_delta.py says), v [B, T, H, Dv], g, beta
+    [B, T, H], or for one token (a decode step) the same without the T dim; state [B, H, Dk, Dv]
+    contiguous, updated in place to the state after the last token. Returns o [B, T, H, Dv] ([B, H,
+    Dv] for one token) float32, or None (state untouched) where the kernel does not apply
+    (selection.gated_delta_applies)."""
+    if not selection.gated_delta_applies(q, k, v, g, beta, state):
+        return None
+    lib = build.library()
+    if lib is None:
+        return None
+    q, k, v, g, beta = (x if x.is_contiguous() else x.contiguous() for x in (q, k, v, g, beta))
+    B, H, Dk, Dv = state.shape
+    out = torch.empty(q.shape[:-1] + (Dv,))
+    status = lib.ringctx_gated_delta(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                     state.data_ptr(), out.data_ptr(), B, q.shape[1] if q.dim() == 4 else 1, H, Dk,
+                                     Dv, torch.get_num_threads())
+    return out if status == 0 else None
 
 
 def sum_buffers(sources: list[torch.Tensor], out: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ from . import build, cpu_features, selection
 
 KERNEL_NAMES = ("fused decode step", "fused short prefill", "GEMV", "int8 weights GEMV", "decode attention (model dtype)",
                 "decode attention (int8, fp8)", "RMSNorm/RoPE/SwiGLU rows", "float32 flash attention",
-                "AMX bf16 attention")
+                "AMX bf16 attention", "gated delta rule (float32)")
 """What `cpu_kernels_report` says of, one entry each."""
 
 

@@ -336,6 +336,23 @@ def swiglu_applies(gate_up: torch.Tensor, ffn: int) -> bool:
     return gate_up.dim() == 2 and gate_up.shape[1] == 2 * ffn and _rows_apply(gate_up)
 
 
+def gated_delta_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor) -> bool:
+    """Whether `gated_delta_` takes these inputs (the library aside): q, k [B, T, H, Dk] (or one
+    token: [B, H, Dk]), v [B, T, H, Dv] ([B, H, Dv]), g, beta [B, T, H] ([B, H]), state [B, H, Dk, Dv]
+    contiguous (it is updated in place), every one float32 on the CPU, no gradient wanted. Asked at
+    every decode step of every linear layer: the cheap tests first."""
+    tensors = (q, k, v, g, beta, state)
+    if not all(t.dtype == torch.float32 and t.is_cpu for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    lead = q.shape[:-1]  # [B, T, H] or [B, H]
+    return (q.dim() in (3, 4) and k.shape == q.shape and v.shape[:-1] == lead and g.shape == lead
+            and beta.shape == lead and state.shape == (q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1])
+            and state.is_contiguous() and state.numel() > 0 and q.numel() > 0)
+
+
 def sum_buffers_applies(sources: list[torch.Tensor], out: torch.Tensor) -> bool:
     """Whether `sum_buffers` takes these inputs (the library aside): 1 or more bf16 sources [n] and
     out [n], contiguous, on the CPU, no gradient wanted. Not float32 (the kernel computes it, but
