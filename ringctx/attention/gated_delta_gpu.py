@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gated_delta import ChunkForm, PieceSummary, chunked
+from .gated_delta import ChunkForm, PieceSummary, TokenPiece, chunked, local_piece
 
 PIECE_BACKENDS = ("auto", "torch", "fla")
 
@@ -122,13 +122,13 @@ def piece_backend(device: torch.device, backend: str = "auto") -> str:
 
 
 def build_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                backend: str = "auto") -> "ChunkForm | FlaPiece":
+                backend: str = "auto") -> "ChunkForm | TokenPiece | FlaPiece":
     """A piece prepared for context parallelism on q's device (`piece_backend`): either answers
     `PieceSummary.of(piece)` and `piece.scan(start)` alike. Shapes as `ChunkForm.build` (q, k with
     v's H heads; `FlaPiece.build` alone also takes them unrepeated)."""
     if piece_backend(q.device, backend) == "fla":
         return FlaPiece.build(q, k, v, g, beta)
-    return ChunkForm.build(q, k, v, g, beta)
+    return local_piece(q, k, v, g, beta)  # ringctx's CPU kernel token by token, or ChunkForm
 
 
 def chunked_from(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -291,6 +291,11 @@ def merge_rows(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
                                   lse.data_ptr(), lse.stride(0), n, H, D) == 0
 
 
+def available() -> bool:
+    """Whether ringctx's CPU kernels are built and loaded here (kernels/build.py says why not)."""
+    return build.library() is not None
+
+
 def gated_delta_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  state: torch.Tensor) -> torch.Tensor | None:
     """The gated delta rule over T tokens of B sequences, float32 (csrc/cpu_gated_delta.c): q, k

@@ -29,9 +29,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.gated_delta import recurrent
+from ..attention.gated_delta import recurrent, recurrent_step
 from ..attention.gated_delta_gpu import chunked_from
 from .config import LinearShape
+
+
+def step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          recurrent_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's recurrence (q, k [1, Hv, Dk], v [1, Hv, Dv], g, beta [1, Hv]) on a recurrent state
+    [Hv, Dk, Dv] float32: (o [1, Hv, Dv] float32, the state after). In place where it may be (the
+    state read and written once, a decode step's floor: ringctx's kernel); a copy for an inference
+    tensor outside inference mode, which cannot be written there."""
+    if recurrent_state.is_contiguous() and (torch.is_inference_mode_enabled() or not recurrent_state.is_inference()):
+        o = recurrent_step(q.float(), k.float(), v.float(), g.float(), beta.float(), recurrent_state[None])
+        return o, recurrent_state
+    return recurrent(q, k, v.float(), g, beta.float(), recurrent_state)
 
 
 @dataclass
@@ -138,20 +150,19 @@ class GatedDeltaNet(nn.Module):
 
     def step_many(self, x: torch.Tensor, states: list[LinearState]) -> tuple[torch.Tensor, list[LinearState]]:
         """One token each of B sequences: x [B, dim] (row i sequence i's), states[i] its state ->
-        (y [B, dim], the B states after). The projections and the recurrence run for all B at once
-        (the recurrence over B x Hv heads); each row's result is its lone step's (`forward` of
-        x[i:i+1] on states[i]) up to the matmuls' summation order."""
+        (y [B, dim], the B states after). The projections run for all B at once, the recurrence per
+        sequence on its own state in place (`step_`); each row's result is its lone step's (`forward`
+        of x[i:i+1] on states[i]) up to the matmuls' summation order."""
         s, B = self.shape, x.shape[0]
         mixed = self.project(x)
-        qkv = [self.convolve(mixed[i:i + 1], st.conv) for i, st in enumerate(states)]
-        q, k, v = (torch.cat([t[j] for t in qkv]).reshape(1, B * s.value_heads, -1) for j in range(3))
         g, beta = self.gates(x)
-        stacked = torch.stack([st.recurrent for st in states]).reshape(B * s.value_heads, s.key_dim, s.value_dim)
-        o, rec = recurrent(q, k, v.float(), g.reshape(1, -1), beta.float().reshape(1, -1), stacked)
-        rec = rec.reshape(B, s.value_heads, s.key_dim, s.value_dim)
-        after = [LinearState(torch.cat([st.conv, mixed[i:i + 1].to(st.conv.dtype)])[1:], rec[i])
-                 for i, st in enumerate(states)]
-        return self.finish(o.reshape(B, s.value_heads, s.value_dim), x), after
+        outs, after = [], []
+        for i, st in enumerate(states):
+            q, k, v = self.convolve(mixed[i:i + 1], st.conv)
+            o, rec = step_(q, k, v, g[i:i + 1], beta[i:i + 1], st.recurrent)
+            outs.append(o)
+            after.append(LinearState(torch.cat([st.conv, mixed[i:i + 1].to(st.conv.dtype)])[1:], rec))
+        return self.finish(torch.cat(outs), x), after
 
     def forward(self, x: torch.Tensor, state: LinearState | None = None) -> tuple[torch.Tensor, LinearState]:
         s = self.shape
@@ -162,7 +173,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self.convolve(mixed, state.conv)
         g, beta = self.gates(x)
         if x.shape[0] == 1:  # decode: the recurrence, as transformers' single-token step
-            o, rec = recurrent(q, k, v.float(), g, beta.float(), state.recurrent)
+            o, rec = step_(q, k, v, g, beta, state.recurrent)
         else:
             o, rec = chunked_from(q, k, v, g, beta, state.recurrent)  # fla's kernel on CUDA, ChunkForm elsewhere
         conv = torch.cat([state.conv, mixed.to(state.conv.dtype)])[-(s.conv_width - 1):]

@@ -179,6 +179,12 @@ def test_the_backend_is_fla_on_cuda_when_it_imports(monkeypatch):
     with pytest.raises(ValueError, match="unknown linear-attention backend 'triton'"):
         piece_backend(torch.device("cpu"), "triton")
     q, k, v, g, beta = (x.float() for x in random_inputs(10))
+    from ringctx.attention.gated_delta import TokenPiece
+    from ringctx.kernels import cpu
+
+    # on a CPU: ringctx's kernel token by token where it is built, else the chunked form
+    assert isinstance(build_piece(q, k, v, g, beta), TokenPiece if cpu.available() else ChunkForm)
+    monkeypatch.setattr(cpu, "available", lambda: False)
     assert isinstance(build_piece(q, k, v, g, beta), ChunkForm)
 
 
