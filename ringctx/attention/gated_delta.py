@@ -32,6 +32,11 @@ of small matmuls carries the state:
     v_new = u_b - w_b S          o_b = (q_b decayed) S + (intra_b) v_new
     S     = exp(G_b) S + (k_b decayed to the block's end)^T v_new
 
+On a CPU with ringctx's kernels the recurrence itself is the faster prefill (csrc/cpu_gated_delta.c
+keeps each state column in registers across a piece's tokens: 2.6-4.5x the chunked form in
+PyTorch): `TokenPiece`, which `local_piece` and `chunked` pick there; it summarises a piece in one
+recurrence of twice the state's width (its docstring).
+
 Every function is computed in float32 (inputs of another dtype are converted); the reference
 (`recurrent`) runs in the dtype it is given, float64 for tests.
 """
@@ -180,15 +185,25 @@ def local_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 @dataclass
 class TokenPiece:
-    """A piece of T tokens whose scans run the recurrence token by token (`recurrent`: ringctx's CPU
-    kernel, which reads and writes each state column once per call however many tokens): nothing is
-    prepared, each scan costs the piece's tokens again. float32 [T, H, D] inputs as `recurrent`'s."""
+    """A piece of T tokens computed by the recurrence token by token (`recurrent`: ringctx's CPU
+    kernel, which reads and writes each state column once per call however many tokens). float32
+    [T, H, D] inputs as `recurrent`'s.
+
+    For context parallelism (`summary`) one recurrence gives everything, as attention/
+    gated_delta_gpu.py's FlaPiece does with fla's kernel: the state's value columns never mix, so
+    run the values widened to [v | 0] (Dv + Dk columns) from the start state [0 | I]. The first Dv
+    columns end at the contribution C and output o_t(0); the last Dk end at the transition M and
+    output r_t = P_t^T q_t; the outputs from the true start S_0 are then o_t(0) + S_0^T r_t (a
+    [T, Dk] x [Dk, Dv] product a head) without another pass: a recurrence twice as wide instead
+    of three (from zero, from I, from S_0)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
+    opened: tuple[torch.Tensor, torch.Tensor] | None = None
+    """After `summary`: (o_t(0) [T, H, Dv], r_t [T, H, Dk]), what `scan` finishes from."""
 
     @classmethod
     def build(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
@@ -198,19 +213,29 @@ class TokenPiece:
     def scan(self, state: torch.Tensor | None, outputs: bool = True, values: bool = True
              ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """As `ChunkForm.scan`: from `state` [H, Dk, Dv'] (None: zeros of Dv' = Dv); values=False
-        runs with zero values (the map S_0 -> P S_0: from I, the transition)."""
+        runs with zero values (the map S_0 -> P S_0: from I, the transition). After `summary`,
+        the outputs from `state` [H, Dk, Dv] come from its results (the end state: M S_0 + C)."""
         T, H, Dk = self.k.shape
+        if self.opened is not None and values and state is not None:
+            o0, r = self.opened
+            transition, contribution = self._summary
+            return ((o0 + torch.einsum("thk,hkv->thv", r, state.float())) if outputs else None,
+                    transition @ state.float() + contribution)
         v = self.v if values else self.v.new_zeros(T, H, Dk if state is None else state.shape[-1])
         o, end = recurrent(self.q, self.k, v, self.g, self.beta, state)
         return (o if outputs else None), end
 
     def summary(self) -> "PieceSummary":
-        """(transition, contribution): the recurrence from zero, and from I with zero values."""
-        H, Dk = self.k.shape[1], self.k.shape[2]
-        _, contribution = self.scan(None, outputs=False)
-        eye = torch.eye(Dk, device=self.k.device).expand(H, Dk, Dk).contiguous()
-        _, transition = self.scan(eye, outputs=False, values=False)
-        return PieceSummary(transition, contribution)
+        """(transition, contribution) from one recurrence of [v | 0] from [0 | I] (the class
+        docstring), keeping o_t(0) and r_t for `scan`."""
+        T, H, Dk = self.k.shape
+        Dv = self.v.shape[-1]
+        widened = torch.cat([self.v, self.v.new_zeros(T, H, Dk)], dim=-1)
+        start = torch.cat([self.v.new_zeros(H, Dk, Dv), torch.eye(Dk, device=self.k.device).expand(H, Dk, Dk)], -1)
+        o, end = recurrent(self.q, self.k, widened, self.g, self.beta, start)
+        self.opened = (o[..., :Dv], o[..., Dv:])
+        self._summary = (end[..., Dv:].contiguous(), end[..., :Dv].contiguous())
+        return PieceSummary(*self._summary)
 
 
 @dataclass

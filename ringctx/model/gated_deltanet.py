@@ -14,8 +14,10 @@ convolution's width, C = 2 Hk Dk + Hv Dv its channels):
 
 as transformers 5.25's Qwen3_5GatedDeltaNet computes it (its torch fallbacks, the oracle): the
 convolution in the weights' dtype, the rule in float32, the norm in float32 then scaled by its
-weight in the model's dtype, the gate in float32. One token with a state takes the recurrence
-token by token (decode), more take the chunked form (prefill), as transformers does.
+weight in the model's dtype, the gate in float32 (the convolution as K float32 multiply-adds rounded
+once: F.conv1d's result up to summation order). One token takes the recurrence on its state in
+place (decode: ringctx's CPU kernel reads and writes the state once); more take `chunked_from`
+(prefill: fla's chunked kernel on CUDA, the CPU kernel token by token, else the chunked form).
 
 The state (`LinearState`): the convolution's last K-1 inputs [K-1, C] in the model's dtype and
 the recurrent state [Hv, Dk, Dv] in float32.
@@ -175,6 +177,6 @@ class GatedDeltaNet(nn.Module):
         if x.shape[0] == 1:  # decode: the recurrence, as transformers' single-token step
             o, rec = step_(q, k, v, g, beta, state.recurrent)
         else:
-            o, rec = chunked_from(q, k, v, g, beta, state.recurrent)  # fla's kernel on CUDA, ChunkForm elsewhere
+            o, rec = chunked_from(q, k, v, g, beta, state.recurrent)
         conv = torch.cat([state.conv, mixed.to(state.conv.dtype)])[-(s.conv_width - 1):]
         return self.finish(o, x), LinearState(conv, rec)

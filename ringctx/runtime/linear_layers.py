@@ -4,14 +4,19 @@ pieces of a chunk at once, the state crossing ranks in two small exchanges (para
     on every rank, for its pieces a (chunk r) and b (chunk 2N-1-r):
     1. mixed = the in-projection of each piece                       (the pieces' own tokens)
     2. exchange_conv_inputs: every piece's last K-1 inputs            -> the K-1 before each piece
-    3. the convolution, the norms, the gates; each piece's chunked form (the UT solve: the costly part)
-    4. each piece's summary from a zero state; exchange_states        -> the state before each piece
-    5. each piece's scan from its state, the gated norm, the out-projection
+    3. the convolution, the norms, the gates; each piece prepared (`build_piece`: fla's chunked
+       kernel on CUDA, ringctx's token kernel on CPUs, else the chunked form)
+    4. each piece's summary (transition, contribution); exchange_states (an all-gather) or
+       relay_states (the state out along the ranks and back)      -> the state before each piece
+    5. each piece's outputs from its state, the gated norm, the out-projection
 
-The chunk's end state (the next chunk's start; a document's, for decode) comes out of both
-exchanges on every rank alike. Compared with running the layer on one rank, a rank does the
-chunked form once and the scan three times (from zero, from I for the transition, from the true
-state) over a piece of 1/2N of the tokens.
+With the all-gather the chunk's end state (the next chunk's start; a document's, for decode) comes
+out of both exchanges on every rank alike; with the relay on rank 0 alone (the prefill shares it
+before the hand-off). Compared with running the layer on one rank, a rank's rule costs about two
+passes over its pieces instead of one (on CPUs and with fla one pass of twice the state's width
+gives outputs from zero, the transition and the outputs' dependence on the start state; the
+chunked form scans three times); the projections, most of a layer at real widths, are the same.
+One rank runs its chunk in order with no summary (`GatedDeltaNet.forward`).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tupl
     mixed = [layer.project(p) for p in pieces]
     befores, conv_end = exchange_conv_inputs([piece_tail(m, s.conv_width - 1) for m in mixed], list(lengths),
                                              state.conv, group, stats, layer_index)
-    forms, summaries, gates = [], [], []
+    forms, summaries = [], []
     for p, m, before in zip(pieces, mixed, befores):
         if p.shape[0] == 0:
             forms.append(None)
@@ -54,7 +59,7 @@ def linear_layer_over_ranks(layer: GatedDeltaNet, x: torch.Tensor, lengths: tupl
             continue
         q, k, v = layer.convolve(m, before)
         g, beta = layer.gates(p)
-        form = build_piece(q, k, v, g, beta)  # fla's chunked kernel on CUDA, ChunkForm elsewhere
+        form = build_piece(q, k, v, g, beta)
         forms.append(form)
         summaries.append(PieceSummary.of(form))
     if exchange == RING:
