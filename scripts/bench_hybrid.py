@@ -18,7 +18,8 @@ decode   a decode step of a random hybrid (dim 1024, 12 layers: 9 Gated DeltaNet
          on one rank (forward_with_cache: the recurrent form on the cache's states), median of
          --decode-steps; its floor reads every weight, the attention layers' KV and each linear
          layer's state twice (read, written back) at the read bandwidth measured here. Target:
-         within 1.3x.
+         within 1.3x. Beside it, alternating, its twin with every layer attention (the baseline:
+         what the layer path reaches for a plain model of these widths on this machine).
 
 Alternates nothing across parts; within a part the timed calls are repeated and the median kept.
 Prints an 80-column table; --json writes every number.
@@ -158,8 +159,12 @@ HYBRID = ModelConfig(
     layer_linear=tuple(None if (i + 1) % 4 == 0 else LinearShape(8, 16, 128, 128, 4) for i in range(12)))
 
 
-def bench_decode(context: int, steps: int, dtype: torch.dtype) -> dict:
-    model = empty_model(HYBRID, dtype=dtype, device="cpu")
+DENSE_TWIN = dataclasses.replace(HYBRID, name="bench-dense-1024", layer_linear=())
+"""The same model with every layer attention: what a plain model of these widths reaches here."""
+
+
+def bench_decode(context: int, steps: int, dtype: torch.dtype, config: ModelConfig = HYBRID) -> dict:
+    model = empty_model(config, dtype=dtype, device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -171,8 +176,8 @@ def bench_decode(context: int, steps: int, dtype: torch.dtype) -> dict:
                 p.zero_()
             else:
                 p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(dtype))
-    cache = KVCache.for_model(HYBRID, context + steps + 1, dtype=dtype)
-    prompt = torch.randint(0, HYBRID.vocab_size, (context,), generator=g)
+    cache = KVCache.for_model(config, context + steps + 1, dtype=dtype)
+    prompt = torch.randint(0, config.vocab_size, (context,), generator=g)
     times = []
     with torch.inference_mode():
         for start in range(0, context, 4096):
@@ -184,12 +189,12 @@ def bench_decode(context: int, steps: int, dtype: torch.dtype) -> dict:
             times.append(time.perf_counter() - t0)
     element = torch.empty(0, dtype=dtype).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = HYBRID.kv_bytes_per_token(element) * context
-    states = 2 * HYBRID.linear_state_bytes(element)
+    kv = config.kv_bytes_per_token(element) * context
+    states = 2 * config.linear_state_bytes(element)
     bandwidth = read_bandwidth()
     floor = (weights + kv + states) / bandwidth
     step = statistics.median(times)
-    return {"context": context, "step_ms": 1e3 * step, "floor_ms": 1e3 * floor, "ratio": step / floor,
+    return {"model": config.name, "context": context, "step_ms": 1e3 * step, "floor_ms": 1e3 * floor, "ratio": step / floor,
             "weights_bytes": weights, "kv_bytes": kv, "state_bytes_read_and_written": states,
             "read_bandwidth_gb_s": bandwidth / 1e9}
 
@@ -230,13 +235,18 @@ def main() -> None:
         print(f"{'1 rank s':>10} {'2 ranks s':>10} {'2 x W2 / W1':>12} {'conv B/rank':>12} {'state B/rank':>13}")
         print(f"{cp['one_rank_s']:>10.2f} {cp['two_ranks_s']:>10.2f} {cp['same_work_ratio']:>12.2f} "
               f"{cp['conv_exchange_bytes_per_rank']:>12,} {cp['state_exchange_bytes_per_rank']:>13,}")
-    if "decode" in parts:
-        d = bench_decode(args.context, args.decode_steps, dtype)
-        report["decode"] = d
-        print(f"\nDecode step of {HYBRID.name} after {d['context']:,} tokens ({HYBRID.attention_summary()})")
-        print(f"{'step ms':>10} {'floor ms':>10} {'ratio':>8} {'weights MB':>11} {'KV MB':>8} {'states MB':>10}")
-        print(f"{d['step_ms']:>10.2f} {d['floor_ms']:>10.2f} {d['ratio']:>8.2f} {d['weights_bytes'] / 1e6:>11.1f} "
-              f"{d['kv_bytes'] / 1e6:>8.1f} {d['state_bytes_read_and_written'] / 1e6:>10.2f}")
+    if "decode" in parts:  # the hybrid and its all-attention twin, alternating
+        rows = [bench_decode(args.context, args.decode_steps, dtype, config)
+                for _ in range(2) for config in (HYBRID, DENSE_TWIN)]
+        report["decode"] = rows
+        print(f"\nDecode step after {args.context:,} tokens: {HYBRID.name} ({HYBRID.attention_summary()}) and "
+              f"its twin of 12 attention layers")
+        print(f"{'model':<18} {'step ms':>8} {'floor ms':>9} {'ratio':>6} {'weights MB':>11} {'KV MB':>7} "
+              f"{'states MB':>10}")
+        for d in rows:
+            print(f"{d['model']:<18} {d['step_ms']:>8.2f} {d['floor_ms']:>9.2f} {d['ratio']:>6.2f} "
+                  f"{d['weights_bytes'] / 1e6:>11.1f} {d['kv_bytes'] / 1e6:>7.1f} "
+                  f"{d['state_bytes_read_and_written'] / 1e6:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
