@@ -139,9 +139,11 @@ def kv_bytes_per_token(engine) -> int:
 
 def document_state_bytes(engine) -> int:
     """Bytes a document's linear-attention states take over all decode ranks (a hybrid's: each
-    decode rank runs every layer of a token, so each keeps the states whole; 0 for other models)."""
+    decode rank runs every layer of a token, so each keeps the states whole, twice: the document's
+    copy that every question starts from and its cache's working one, runtime/document.py; 0 for
+    other models)."""
     element = torch.empty((), dtype=engine.model.dtype).element_size()
-    return engine.model.full_config.linear_state_bytes(element) * engine.decode_ranks
+    return 2 * engine.model.full_config.linear_state_bytes(element) * engine.decode_ranks
 
 
 def kv_layer_row_bytes(engine) -> list[int]:
