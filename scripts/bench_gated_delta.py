@@ -202,7 +202,7 @@ def main() -> None:
               f"{r['kernel_gb_per_s']:>5.1f}")
     pieces = bench_pieces(args) if args.pieces else []
     if pieces:
-        print(f"\none sequence's piece of T tokens from a start state, ms (x the kernel's, paired medians)")
+        print("\none sequence's piece of T tokens from a start state, ms (x the kernel's, paired medians)")
         print(f"{'T':>6} {'kernel':>9} {'torch loop':>18} {'torch chunked':>18} {'torch scan only':>18}")
         for r in pieces:
             cells = [f"{r[f'{n}_ms']:.1f} ({r[f'{n}_over_kernel']:.2f}x)" for n in ("torch_loop", "torch_chunked",

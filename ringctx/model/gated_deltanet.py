@@ -155,7 +155,6 @@ class GatedDeltaNet(nn.Module):
         (y [B, dim], the B states after). The projections run for all B at once, the recurrence per
         sequence on its own state in place (`step_`); each row's result is its lone step's (`forward`
         of x[i:i+1] on states[i]) up to the matmuls' summation order."""
-        s, B = self.shape, x.shape[0]
         mixed = self.project(x)
         g, beta = self.gates(x)
         outs, after = [], []

@@ -27,7 +27,7 @@ from ringctx.planning.linear_attention import (
 from ringctx.planning.memory import document_kv_bytes, document_tokens_within, kv_row_bytes, layer_kv_row_bytes
 from ringctx.planning.prefill_plan import kv_handoff_seconds, plan_prefill
 from ringctx.planning.strategy import (
-    attention_flops, choose_strategy, linear_flops, linear_params_per_layer, pass_kv_compute_threshold,
+    choose_strategy, linear_flops, linear_params_per_layer, pass_kv_compute_threshold,
     predict_strategy_cost, ring_heads, threshold_flops, tokens_per_rank,
 )
 from ringctx.planning.work import chunk_flops
