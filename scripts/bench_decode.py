@@ -27,13 +27,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+from ringctx.kernels.cpu_features import cpu_model
 
 MODEL = "smollm2-135m"
 QUESTION_TOKENS = 16
@@ -55,14 +56,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def document_path(docs: str, context: int) -> str:

@@ -52,27 +52,18 @@ def inputs(T: int, Hk: int, Hv: int, D: int, dtype, device, seed: int = 0):
 
 
 def timed(fn, dry: bool, reps: int = 5) -> tuple[float, float]:
-    """(seconds of the first call, median seconds of the next `reps`): CUDA events on a GPU."""
+    """(seconds of the first call, median seconds of the next `reps`): CUDA events on a GPU
+    (gpu_check.py's `time_once`)."""
     import torch
 
-    def once() -> float:
-        if dry:
-            t = time.perf_counter()
-            fn()
-            return time.perf_counter() - t
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3
+    from gpu_check import time_once  # scripts/ is this script's directory
 
     t = time.perf_counter()
     fn()
     if not dry:
         torch.cuda.synchronize()
     first = time.perf_counter() - t
-    return first, statistics.median(once() for _ in range(1 if dry else reps))
+    return first, statistics.median(time_once(fn, dry) for _ in range(1 if dry else reps))
 
 
 def rel_err(a, b) -> float:

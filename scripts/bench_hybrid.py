@@ -46,6 +46,7 @@ from ringctx.model.transformer import linear
 from ringctx.model.weights import empty_model
 from ringctx.parallel.comm import CommStats
 from ringctx.parallel.layout import ShardLayout
+from ringctx.planning.calibrate import median_seconds
 from ringctx.planning.machine_speed import read_bandwidth
 
 LAYER = LinearShape(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv_width=4)
@@ -69,15 +70,6 @@ def random_layer(dtype: torch.dtype, shape: LinearShape = LAYER, dim: int = DIM,
     return layer.to(dtype)
 
 
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 # -- linear: per token against length ---------------------------------------------------------------
 def bench_linear(lengths: list[int], chunk: int, dtype: torch.dtype, repeats: int) -> list[dict]:
     layer = random_layer(dtype)
@@ -92,7 +84,7 @@ def bench_linear(lengths: list[int], chunk: int, dtype: torch.dtype, repeats: in
                 for start in range(0, n, chunk):
                     _, state = layer.forward(x[start:start + chunk], state)
             run() if n <= chunk else None  # a warm-up at the first length's shapes
-            seconds = median_seconds(run, repeats)
+            seconds = median_seconds(run, repeats, warmup=0)
             rows.append({"tokens": n, "seconds": seconds, "us_per_token": 1e6 * seconds / n})
     return rows
 

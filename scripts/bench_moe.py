@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from ringctx.kernels.cpu_features import cpu_model
 from ringctx.model import KVCache, forward_with_cache
 from ringctx.model.config import Experts
 from ringctx.model.decode_step import AttentionSource, DecodeStep, FusedBatchStep
@@ -199,18 +200,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "read_bandwidth_gb_s": bandwidth / 1e9, "gemm_peak_flops_per_s": peak,
                        "flops": flops, "decode_floor_ms": floor_ms, "batch_floor_ms": batch_floor_ms, "share_ratio": share_ratio, "runs": runs,
-                       "cpu": _cpu_model()}, f, indent=1)
+                       "cpu": cpu_model()}, f, indent=1)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
