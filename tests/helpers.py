@@ -77,6 +77,22 @@ def assert_logits_match(pair, prompts, measured: dict | None = None, tol: float 
         assert err < tol, (name, ids.numel(), err)
 
 
+def assert_gguf_logits_match(name: str, from_gguf, from_hf, hf, lengths, measured: dict, tol: float = 1e-4,
+                              tol_directory: float = 1e-4) -> None:
+    """A GGUF load's logits of a prompt of each length (tests.model.test_model_families.prompt)
+    within `tol` of transformers' and within `tol_directory` of the same weights read from the
+    Hugging Face directory (`from_hf`); the largest error against transformers kept in `measured`."""
+    from tests.model.test_model_families import prompt
+
+    for n in lengths:
+        ids = prompt(n)
+        got = from_gguf.logits(ids)
+        err = rel_err(got, hf_logits(hf, ids))
+        measured[name] = max(measured.get(name, 0.0), err)
+        assert err < tol, (name, n, err)
+        assert rel_err(got, from_hf.logits(ids)) < tol_directory, (name, n)
+
+
 def assert_greedy_matches(pair, ids: torch.Tensor, n: int = 6) -> None:
     """ringctx's greedy decode picks transformers' generate's n tokens after ids."""
     name, ours, hf, _ = pair

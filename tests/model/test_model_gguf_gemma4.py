@@ -38,7 +38,7 @@ import torch
 from ringctx.model import load_model
 from ringctx.model.config_gguf import read_gguf_config
 from ringctx.model.config_hf import read_hf_config
-from tests.helpers import assert_tp_shards_are_slices, one_thread_for_module, rel_err
+from tests.helpers import assert_gguf_logits_match, assert_tp_shards_are_slices, one_thread_for_module
 from tests.model.test_model_families import prompt
 from tests.model.test_model_gemma4 import GEMMA4_31B, LONG, SHORT, random_hf_model
 from tests.model.test_model_gguf_families import _rounded, write_header, write_tensors
@@ -158,15 +158,7 @@ def test_the_file_is_written_as_llama_cpp_writes_it(trio):
 
 def test_gguf_logits_match_transformers_and_the_hf_directory(trio):
     name, from_gguf, from_hf, hf, _ = trio
-    for n in (SHORT, LONG):
-        ids = prompt(n)
-        with torch.no_grad():
-            ref = hf(input_ids=ids[None]).logits[0].float()
-        got = from_gguf.logits(ids)
-        err = rel_err(got, ref)
-        MEASURED[name] = max(MEASURED.get(name, 0.0), err)
-        assert err < 1e-4, (name, n, err)
-        assert rel_err(got, from_hf.logits(ids)) < 1e-4, (name, n)
+    assert_gguf_logits_match(name, from_gguf, from_hf, hf, (SHORT, LONG), MEASURED)
 
 
 def test_gguf_greedy_tokens_equal_transformers(trio):

@@ -28,7 +28,7 @@ import torch
 
 from ringctx.model import load_model
 from ringctx.model.config_gguf import read_gguf_config
-from tests.helpers import assert_tp_shards_are_slices, one_thread_for_module, random_hf_model_of, rel_err
+from tests.helpers import assert_gguf_logits_match, assert_tp_shards_are_slices, one_thread_for_module, random_hf_model_of, rel_err
 from tests.model.test_model_families import prompt
 from tests.model.test_model_gguf_families import _rounded, write_header, write_tensors
 
@@ -232,15 +232,8 @@ MEASURED: dict[str, float] = {}
 
 def test_gguf_logits_match_transformers_and_the_hf_directory(trio):
     name, from_gguf, from_hf, hf = trio
-    for n in (SHORT, LONG):
-        ids = prompt(n)
-        with torch.no_grad():
-            ref = hf(input_ids=ids[None]).logits[0].float()
-        got = from_gguf.logits(ids)
-        err = rel_err(got, ref)
-        MEASURED[name] = max(MEASURED.get(name, 0.0), err)
-        assert err < 1e-5, (name, n, err)
-        assert rel_err(got, from_hf.logits(ids)) < 1e-6, (name, n)  # the same weights but A_log's rounding
+    # against the HF directory: the same weights but A_log's rounding
+    assert_gguf_logits_match(name, from_gguf, from_hf, hf, (SHORT, LONG), MEASURED, tol=1e-5, tol_directory=1e-6)
 
 
 def test_gguf_greedy_tokens_equal_transformers(trio):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ringctx.model import load_model
-from tests.helpers import assert_greedy_matches, one_thread_for_module, random_hf_model_of, rel_err
+from tests.helpers import assert_gguf_logits_match, assert_greedy_matches, one_thread_for_module, random_hf_model_of
 from tests.model.test_model_families import prompt
 from tests.model.test_model_gguf import llama_cpp_permute
 from tests.model.test_model_gguf_families import _rounded, add_keys, write_tensors
@@ -138,15 +138,7 @@ MEASURED: dict[str, float] = {}
 
 def test_gguf_logits_match_transformers_and_the_hf_directory(trio):
     name, from_gguf, from_hf, hf, _, _ = trio
-    for n in (SHORT, LONG):
-        ids = prompt(n)
-        with torch.no_grad():
-            ref = hf(input_ids=ids[None]).logits[0].float()
-        got = from_gguf.logits(ids)
-        err = rel_err(got, ref)
-        MEASURED[name] = max(MEASURED.get(name, 0.0), err)
-        assert err < 1e-4, (name, n, err)
-        assert rel_err(got, from_hf.logits(ids)) < 1e-4, (name, n)
+    assert_gguf_logits_match(name, from_gguf, from_hf, hf, (SHORT, LONG), MEASURED)
 
 
 def test_gguf_greedy_tokens_equal_transformers(trio):
