@@ -124,12 +124,11 @@ class BatchDecoder:
         result = cp_prefill(model, token_ids, config, group=self.group, shard=base)
         cache = result.cache
         if document is not None:  # the question's rows (and a hybrid's states) leave the document's cache at once
-            own = split_off(cache, start, room=ANSWER_ROOM_ROWS)
+            own = split_off(cache, start, room=ANSWER_ROOM_ROWS, states=document.start_states())
             if lent is not None:
                 lent.give_back()
                 document.borrowed = cache is base  # a grown cache is its own copy
             document.cache = cache
-            document.rewind()
         else:
             own = cache.grown(cache.length + ANSWER_ROOM_ROWS)
         length = (document.length if document is not None else 0) + int(token_ids.numel())
@@ -388,9 +387,10 @@ def prefix_rows(cache: KVCache, tokens: int, room: int) -> KVCache:
     return out
 
 
-def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
+def split_off(cache: KVCache, start: int, room: int = 0, states: list | None = None) -> KVCache:
     """Move rows start..length-1 of `cache` into a new cache (positions kept, `room` rows free) and
-    cut `cache` back to `start` rows."""
+    cut `cache` back to `start` rows. A hybrid's linear states (after the moved rows) go with them;
+    `cache` then takes `states`, its linear states at `start` (`Document.start_states`)."""
     n = cache.length - start
     # small pages: a question's rows grow a token at a time, and a 2 MiB page's first touch stalled
     # the whole batch's step (ringctx.host_memory)
@@ -398,10 +398,7 @@ def split_off(cache: KVCache, start: int, room: int = 0) -> KVCache:
     copy_rows(own, 0, cache, start, n)
     own.positions[:n] = cache.row_positions()[start:start + n]
     own.length = n
-    if cache.linear_states is not None:  # a hybrid's states are the moved rows' (after them): they go along
-        own.linear_states, cache.linear_states = cache.linear_states, [
-            None if st is None else st.clone() for st in cache.linear_states]
-        cache.truncate(start, cache.linear_states)  # the caller puts the states at `start` back (Document.rewind)
-    else:
-        cache.truncate(start)
+    if cache.linear_states is not None:
+        own.linear_states = cache.linear_states
+    cache.truncate(start, states)
     return own

@@ -73,10 +73,14 @@ class Document:
     def rewind(self) -> KVCache:
         """The cache cut back to the document (questions do not see each other), a hybrid's linear
         states back at the document's end."""
-        states = None if self.linear_states is None else [None if st is None else st.clone()
-                                                          for st in self.linear_states]
-        self.cache.truncate(self.rows, states)
+        self.cache.truncate(self.rows, self.start_states())
         return self.cache
+
+    def start_states(self) -> list | None:
+        """Copies of the document's linear-attention states, for a question to start from (None
+        without linear layers)."""
+        return None if self.linear_states is None else [None if st is None else st.clone()
+                                                         for st in self.linear_states]
 
     @property
     def frame(self) -> dict:
