@@ -49,7 +49,7 @@ from .handoff import gather_in_order, received_rows, spread_plan, spread_shards
 from .linear_layers import linear_layer_over_ranks
 from ..parallel.linear_state import ALL_GATHER, RING
 from ..telemetry import Tracer, release_free_memory, reset_peak_rss, span, window_peak_rss_bytes
-from ..planning.engine_config import STRATEGY_CHOICES
+from ..planning.engine_config import LINEAR_EXCHANGES, STRATEGY_CHOICES
 
 RING_KINDS = ("ring-kv", "ring-q", "all2all")
 """CommStats kinds of the ring attention's messages."""
@@ -425,7 +425,8 @@ class PrefillRun:
 
         def mix_linear(layer: int, module, x):
             # a linear-attention layer: the state crosses the ranks in two small exchanges, not a KV
-            # ring (runtime/linear_layers.py); every rank's shard holds the same state after it
+            # ring (runtime/linear_layers.py); after an all-gather every rank's shard holds the
+            # chunk's end state, after a relay rank 0's (`_share_linear_states` before the hand-off)
             y, shard.linear_states[layer] = linear_layer_over_ranks(module, x, lengths, shard.linear_states[layer],
                                                                     group, self.comm, layer, self.linear_exchange)
             return y
@@ -583,6 +584,8 @@ def _local_problem(model, token_ids, config, world, rank, cache, shard) -> str |
         return f"chunk_tokens must be >= 1, got {config.chunk_tokens}"
     if config.strategy not in STRATEGY_CHOICES:
         return f"unknown strategy {config.strategy!r}; use one of {', '.join(STRATEGY_CHOICES)}"
+    if config.linear_exchange not in LINEAR_EXCHANGES:
+        return f"unknown linear_exchange {config.linear_exchange!r}; use one of {', '.join(LINEAR_EXCHANGES)}"
     if cache is not None and rank == config.decode_rank:
         return _cache_problem(model, cache, config)
     return None
@@ -634,8 +637,6 @@ def _linear_exchange(model, world: int, config: PrefillConfig) -> str:
     """How this prefill's linear layers send their state summaries (ALL_GATHER without any)."""
     if not model.config.has_linear or world == 1:
         return ALL_GATHER
-    if config.linear_exchange not in ("auto", ALL_GATHER, RING):
-        raise ValueError(f"linear_exchange={config.linear_exchange!r}: choose 'auto', {ALL_GATHER!r} or {RING!r}")
     if config.linear_exchange != "auto":
         return config.linear_exchange
     from ..planning.strategy import choose_linear_exchange
@@ -695,10 +696,11 @@ def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, co
     for layer, state in enumerate(shard.linear_states or ()):  # a hybrid's states: the same on every rank
         if state is None:
             continue
-        for j, target in enumerate((state.conv, state.recurrent)):
-            if rank == decode_rank:
-                source = cache.linear_states[layer]
-                target.copy_(source.conv if j == 0 else source.recurrent)
+        source = cache.linear_states[layer] if rank == decode_rank else None
+        for part in ("conv", "recurrent"):
+            target = getattr(state, part)
+            if source is not None:
+                target.copy_(getattr(source, part))
             if world > 1:
                 dist.broadcast(target, src=src, group=group)
                 if rank == decode_rank:
