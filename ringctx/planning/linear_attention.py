@@ -111,11 +111,6 @@ def summary_bytes(shape: LinearShape) -> int:
     return shape.value_heads * shape.key_dim * (shape.key_dim + shape.value_dim) * STATE_BYTES
 
 
-def recurrent_state_bytes(shape: LinearShape) -> int:
-    """One recurrent state, Hv Dk Dv float32 values: what the ring relay sends a hop."""
-    return shape.recurrent_bytes
-
-
 def apply_flops(shape: LinearShape) -> int:
     """FLOPs of one `PieceSummary.apply`: transition [Hv, Dk, Dk] times a state [Hv, Dk, Dv]."""
     return 2 * shape.value_heads * shape.key_dim * shape.key_dim * shape.value_dim
@@ -154,7 +149,7 @@ class SummaryExchange:
     summary_bytes: int
     """One piece's summary (`summary_bytes`)."""
     state_bytes: int
-    """One recurrent state (`recurrent_state_bytes`): the relay's message."""
+    """One recurrent state, Hv Dk Dv float32 (`LinearShape.recurrent_bytes`): the relay's message a hop."""
     conv_s: float
     """The conv tails' all-gather (always an all-gather: a few rows a piece)."""
     all_gather_s: float
@@ -180,7 +175,7 @@ def summary_exchange(shape: LinearShape, cp_size: int, ring, apply_flops_per_s: 
     ranks, priced with `ring` (`HardwareProfile.ring(W)`: latency, bandwidth, all2all numbers) and
     the FLOP/s of a summary's apply (float32 matmuls); the summaries' way is the cheaper one."""
     W = cp_size
-    conv, summary, state = conv_tail_bytes(shape), summary_bytes(shape), recurrent_state_bytes(shape)
+    conv, summary, state = conv_tail_bytes(shape), summary_bytes(shape), shape.recurrent_bytes
     apply_s = apply_flops(shape) / apply_flops_per_s
     if W == 1:
         return SummaryExchange(1, conv, summary, state, 0.0, 0.0, 0.0, ALL_GATHER, "one rank: nothing to exchange")
