@@ -354,9 +354,16 @@ def _write_json(path: str, data: dict) -> None:
 @click.option("--save", "save_path", required=True, type=click.Path(),
               help="Document to write (a directory: one KV slice per decode rank, a manifest, the tokens).")
 @click.option("--no-chat", is_flag=True, help="Prefill the raw text, without the model's chat template.")
+@click.option("--restart", is_flag=True,
+              help="Start over, discarding the checkpoint (SAVE.ingest) a stopped ingest of this document left.")
 @engine_options(serving=True)
-def ingest(file, save_path, no_chat, config):
-    """Prefill a document and save its KV cache, to `ask` questions about it later."""
+def ingest(file, save_path, no_chat, restart, config):
+    """Prefill a document and save its KV cache, to `ask` questions about it later.
+
+    The ingest keeps a checkpoint beside SAVE (SAVE.ingest: every chunk's rows as it completes);
+    run the same command again after a crash or a kill and it resumes after the last chunk every
+    rank wrote (on the same ranks: the same bits as an ingest that never stopped). It is removed
+    once the document is saved."""
     try:
         with open(file, "rb") as f:
             raw = f.read()
@@ -372,14 +379,18 @@ def ingest(file, save_path, no_chat, config):
     from ..engine import serving_layout
 
     nproc, layout_note = serving_layout(config.nproc, config.device, config.tp * config.ep)  # the note goes with the closing lines
+    from ..runtime.checkpoint import checkpoint_path, remove_checkpoint
+
     engine = build_engine(config.replace(nproc=nproc))
     printing = _is_printing_rank()
+    checkpoint = checkpoint_path(save_path)
     try:
         try:
-            document = engine.ingest(text, chat=not no_chat, on_chunk=None) if not printing else \
-                _ingest_with_progress(engine, text, chat=not no_chat)
+            document = _ingest_with_progress(engine, text, not no_chat, checkpoint, restart, printing)
             if document is not None:
                 engine.save_document(document, save_path)
+            if printing:  # the saved document holds every row now
+                remove_checkpoint(checkpoint)
         except (ValueError, RankFailure) as exc:
             raise _rank_error(exc) from None
     finally:
@@ -395,10 +406,19 @@ def ingest(file, save_path, no_chat, config):
         err_console.print(f"saved the KV cache to {save_path}; ask with: ringctx ask {save_path} \"your question\"")
 
 
-def _ingest_with_progress(engine, text, chat):
-    with prefill_progress(err_console) as progress:
-        return engine.ingest(text, chat=chat, on_chunk=work_bar(progress, engine.model.full_config,
-                                                                engine.chunk_tokens))
+def _ingest_with_progress(engine, text, chat: bool, checkpoint: str, restart: bool, printing: bool):
+    """The ingest with its checkpoint (a line when it resumes), and a progress bar on the printing rank."""
+    with prefill_progress(err_console) if printing else contextlib.nullcontext() as progress:
+        bar = work_bar(progress, engine.model.full_config, engine.chunk_tokens) if printing else None
+        job = engine.start_ingest(text, chat=chat, on_chunk=bar, checkpoint=checkpoint, restart=restart,
+                                  keep_checkpoint=True)
+        if printing and job.resume.mode != "fresh":
+            err_console.print(f"[dim]{job.resume.describe(job.run.T + job.run.cached_len)}[/dim]")
+            for i, record in enumerate(job.run.stats.chunks):  # the chunks it did before: the bar starts after them
+                bar(i + 1, job.total_chunks, record)
+        while not job.done:
+            job.step()
+        return job.finish().document
 
 
 @main.command()

@@ -24,6 +24,7 @@ Example (runs on a laptop CPU with the embedded SmolLM2-135M-Instruct):
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import weakref
 
@@ -415,7 +416,8 @@ class Engine:
     def prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
                 chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
                 trace: bool = False, on_chunk=None, as_document: bool = False,
-                drop_unseen: bool = False) -> PrefillResult:
+                drop_unseen: bool = False, checkpoint: str | None = None, restart: bool = False,
+                keep_checkpoint: bool = False, extra: dict | None = None) -> PrefillResult:
         """Prefill token ids (optionally on top of `cache`) over all ranks; leave the KV cache on the decode ranks.
 
         Args:
@@ -431,6 +433,15 @@ class Engine:
                 tokens after it see (the last W, the current chunk: KVCache.drop_unseen), so a
                 document of a 3:1 windowed:full model takes about a quarter of the memory; its
                 prefixes (document_prefix, cut_document) are then refused. `ingest` does so.
+            checkpoint: a directory (on a filesystem every rank sees) where every rank appends its
+                rows of each chunk as the chunk completes; when it already holds chunks of this
+                prefill (the same tokens, model, dtype and KV dtype), the prefill resumes after
+                them (runtime/checkpoint.py): on the same ranks and settings bit-identical to a
+                prefill that never stopped, on others exact to the usual tolerance. A checkpoint
+                of other tokens or another model is a ValueError (`restart=True` starts over).
+                Removed once the prefill finishes, unless `keep_checkpoint` (remove it with
+                `remove_checkpoint` once the document is saved). Not with `cache`.
+            extra: JSON-able fields the checkpoint keeps with the tokens (a document's chat frame).
 
         Returns:
             PrefillResult with .logits (float32 [vocab], last prompt token), .cache (this decode
@@ -450,7 +461,8 @@ class Engine:
         """
         job = self.start_prefill(token_ids, cache=cache, cache_token_ids=cache_token_ids, chunk_tokens=chunk_tokens,
                                  strategy=strategy, decode_room=decode_room, trace=trace, on_chunk=on_chunk,
-                                 as_document=as_document, drop_unseen=drop_unseen)
+                                 as_document=as_document, drop_unseen=drop_unseen, checkpoint=checkpoint,
+                                 restart=restart, keep_checkpoint=keep_checkpoint, extra=extra)
         while not job.done:
             job.step()
         return job.finish()
@@ -458,7 +470,8 @@ class Engine:
     def start_prefill(self, token_ids, *, cache: KVCache | None = None, cache_token_ids=None,
                       chunk_tokens: int | None = None, strategy: str | None = None, decode_room: int = 256,
                       trace: bool = False, on_chunk=None, as_document: bool = False,
-                      drop_unseen: bool = False) -> "PrefillJob":
+                      drop_unseen: bool = False, checkpoint: str | None = None, restart: bool = False,
+                      keep_checkpoint: bool = False, extra: dict | None = None) -> "PrefillJob":
         """`prefill`, a chunk at a time: returns a PrefillJob (call `step()` until `done`, then
         `finish()`); between two steps the engine may run other commands (another prefill's
         chunk, an answer's token). Arguments as `prefill`'s; raises the same errors, at start."""
@@ -478,7 +491,9 @@ class Engine:
         cached = cache.length if cache is not None and self.rank == state.leader else 0
         prefill_id, keep = self.new_id(), (self.new_id() if as_document else None)
         fields = (prefill_id, ids_to_bytes(token_ids), config.chunk_tokens, config.strategy, decode_room, bool(trace),
-                  cached, keep, bool(drop_unseen and as_document and self.model.has_spans))
+                  cached, keep, bool(drop_unseen and as_document and self.model.has_spans),
+                  os.path.abspath(os.fspath(checkpoint)) if checkpoint else "", bool(restart), bool(keep_checkpoint),
+                  json.dumps(extra or {}))
         run = self.run_command("prefill", commands.PREFILL_START, *fields, cache=cache, cache_token_ids=cache_token_ids,
                         on_chunk=on_chunk)
         return PrefillJob(self, prefill_id, run)
@@ -493,6 +508,10 @@ class Engine:
         With `chat` (and a tokenizer with a chat template) the document opens a user turn; each
         question completes that turn and the template's assistant header follows. Returns the
         Document on the decode ranks (each holds its part), None elsewhere.
+
+        checkpoint=DIR makes the ingest survive a crash: every chunk's rows are appended there as
+        it completes, and the same call run again resumes after the last chunk every rank wrote
+        (see `prefill`; `job.resume` of `start_ingest` says how it started).
         """
         job = self.start_ingest(text, chat=chat, **prefill_kwargs)
         while not job.done:
@@ -503,6 +522,7 @@ class Engine:
         """`ingest`, a chunk at a time (see `start_prefill`): `finish().document` is the Document."""
         ids, suffix, chat = self.document_token_ids(text, chat=chat)
         prefill_kwargs.setdefault("drop_unseen", True)
+        prefill_kwargs.setdefault("extra", {"question_suffix": suffix, "chat": chat})
         job = self.start_prefill(ids, as_document=True, **prefill_kwargs)
         job.frame = (suffix, {"chat": chat})
         return job

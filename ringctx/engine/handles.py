@@ -93,6 +93,13 @@ class PrefillJob:
         return self.run.done
 
     @property
+    def resume(self):
+        """How a checkpointed prefill started (runtime/checkpoint.py `ResumePlan`: "fresh", "exact"
+        or "reslice", with the chunks and tokens already done; `describe()` says it in a line),
+        None without a checkpoint."""
+        return getattr(self.run, "resume_plan", None)
+
+    @property
     def chunks_done(self) -> int:
         return self.run.next_chunk
 

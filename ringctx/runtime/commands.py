@@ -40,6 +40,7 @@ raised on every rank alike before any communication; the engine stays usable.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -60,7 +61,9 @@ from .failures import with_test_hook
 from .handoff import gather_in_order
 from .measure import measure_hardware
 from .memory_check import available_memory, memory_problem
+from .checkpoint import remove_checkpoint
 from .prefill import PrefillRun, cp_prefill
+from .resume import open_checkpointed_prefill
 from .rank_state import RankState
 
 
@@ -87,16 +90,35 @@ def ids_to_bytes(ids: torch.Tensor) -> bytes:
 
 # ------------------------------------------------------------------------------------------ prefill
 def prefill_start(state: RankState, prefill_id: int, ids: bytes, chunk_tokens: int, strategy: str, decode_room: int,
-                  trace: bool, cached: int, keep: int | None, drop_unseen: bool = False, *,
+                  trace: bool, cached: int, keep: int | None, drop_unseen: bool = False, checkpoint: str = "",
+                  restart: bool = False, keep_checkpoint: bool = False, extra: str = "{}", *,
                   cache: KVCache | None = None,
                   cache_token_ids=None, on_chunk=None) -> PrefillRun:
-    """Check the memory, agree on the inputs and plan the shards of a prefill over every CP rank."""
+    """Check the memory, agree on the inputs and plan the shards of a prefill over every CP rank.
+
+    checkpoint: a directory where every rank appends its rows of each chunk as it completes, and
+    from which the prefill resumes when it holds chunks of the same tokens (runtime/resume.py;
+    `restart`: start over whatever it holds). It goes when the prefill finishes unless
+    `keep_checkpoint` (the caller removes it once the document is saved). extra: JSON the
+    checkpoint records (a document's chat frame)."""
     token_ids = ids_from_bytes(ids)
     config = state.prefill_config(chunk_tokens, strategy, decode_room, trace)
     _check_memory(state, token_ids, cached, config, drop_unseen)
-    run = PrefillRun(state.model, token_ids, config, group=state.mesh.cp_group, cache=cache,
-                     cache_token_ids=cache_token_ids, on_chunk=with_test_hook(on_chunk, state.rank),
-                     drop_unseen=drop_unseen)
+    hook = with_test_hook(on_chunk, state.rank)
+    if checkpoint:
+        if cache is not None or cached:
+            raise ValueError("a checkpointed prefill starts from nothing (a document's ingest), not on top of a cache")
+        world_group = None if state.world_size > 1 else "local"
+        run, plan = open_checkpointed_prefill(
+            state.model, token_ids, config, directory=checkpoint, restart=restart, extra=json.loads(extra),
+            drop_unseen=drop_unseen, cp_group=state.mesh.cp_group, cp_rank=state.mesh.cp_rank,
+            cp_size=state.settings.cp_size, tp_rank=state.mesh.tp_rank, world_group=world_group,
+            global_rank=state.rank, world_size=state.world_size, on_chunk=hook)
+        run.resume_plan, run.checkpoint_dir, run.keep_checkpoint = plan, checkpoint, keep_checkpoint
+    else:
+        run = PrefillRun(state.model, token_ids, config, group=state.mesh.cp_group, cache=cache,
+                         cache_token_ids=cache_token_ids, on_chunk=hook, drop_unseen=drop_unseen)
+        run.resume_plan = None
     run.keep = keep  # the document id to register when it finishes (None: a plain prefill)
     state.prefills[prefill_id] = run
     return run
@@ -112,6 +134,8 @@ def prefill_finish(state: RankState, prefill_id: int):
     """Hand the prefill's KV cache off to the decode ranks; keep it as a document when asked (PrefillResult)."""
     run = state.prefills.pop(prefill_id)
     result = run.finish()
+    if run.resume_plan is not None and not run.keep_checkpoint and state.rank == 0:
+        remove_checkpoint(run.checkpoint_dir)  # every rank's writer closed before finish() returned
     if run.keep is not None and result.cache is not None:
         result.document = Document(cache=result.cache, token_ids=result.token_ids, stats=result.stats, id=run.keep,
                                    dropped_unseen=run.drop_unseen)
@@ -120,8 +144,11 @@ def prefill_finish(state: RankState, prefill_id: int):
 
 
 def prefill_cancel(state: RankState, prefill_id: int) -> None:
-    """Forget a prefill that will not finish (no message: every rank drops its part)."""
-    state.prefills.pop(prefill_id, None)
+    """Forget a prefill that will not finish (no message: every rank drops its part). Its
+    checkpoint stays as far as it got: a later run of the same ingest resumes from it."""
+    run = state.prefills.pop(prefill_id, None)
+    if run is not None and run.checkpoint is not None:
+        run.checkpoint.close()
 
 
 def _check_memory(state: RankState, token_ids, cached: int, config, drop_unseen: bool) -> None:

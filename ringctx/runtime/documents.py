@@ -77,6 +77,24 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def part_sha256(path: str, part: dict) -> str:
+    """SHA-256 of one part of a slice: its whole file, or its bytes [offset, offset + bytes) where
+    the part is one record of a file that holds several (an ingest checkpoint's)."""
+    file = os.path.join(path, part["file"])
+    if "offset" not in part:
+        return file_sha256(file)
+    h, left = hashlib.sha256(), int(part["bytes"])
+    with open(file, "rb") as f:
+        f.seek(int(part["offset"]))
+        while left > 0:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                raise OSError(f"{file} ends before its record does (truncated)")
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
 def _slice_tensors(cache: KVCache, states: bool = False) -> dict[str, torch.Tensor]:
     """A decode rank's rows as a slice file holds them: each layer's stored rows (from kept_from);
     with `states`, a hybrid's linear-attention states too (copies: a question may advance them)."""
@@ -325,7 +343,8 @@ def read_document(path: str, model, room: int = 0) -> tuple[KVCache, torch.Tenso
 
 
 def load_document_slices(path: str, model, *, group, rank: int, world: int, room: int,
-                         memory_check=None, kv_dtype: str | None = None) -> tuple[KVCache, torch.Tensor, dict]:
+                         memory_check=None, kv_dtype: str | None = None,
+                         manifest: dict | None = None) -> tuple[KVCache, torch.Tensor, dict]:
     """This decode rank's share of a saved document: (cache, token_ids, extra). Call on every
     decode rank; a problem on any rank is a ValueError on all of them, before anything is read.
 
@@ -333,12 +352,14 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     kv_dtype: store the loaded rows so (None: as saved); e.g. a bf16 document loaded as "fp8" is
     quantized row by row as it is read.
     A tensor-parallel shard (model.tp) keeps only its KV heads of every row it reads.
+    manifest: read these slices of `path` instead of its manifest file (an ingest checkpoint's
+    finished chunks, runtime/checkpoint.py, whose parts are records at offsets of the ranks' files).
     """
     from safetensors import safe_open
 
     path = os.fspath(path)
-    problem, manifest = None, None
-    if os.path.isfile(path):  # the single-file format of ringctx.model.kvfile
+    problem = None
+    if manifest is None and os.path.isfile(path):  # the single-file format of ringctx.model.kvfile
         if world > 1 or model.tp.size > 1:
             problem = (f"{path!r} is a single-file KV cache: load it with one decode rank (--decode-ranks 1) and "
                        "--tp 1, and save it again to load it on several")
@@ -346,7 +367,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
         cache, token_ids, extra = load_kv_cache(path, model, room=room)
         return cache, token_ids, extra
     try:
-        manifest = read_manifest(path)
+        manifest = manifest or read_manifest(path)
         check_made_with(f"document {path!r}", manifest, model)
     except ValueError as exc:
         problem = str(exc)
@@ -405,7 +426,7 @@ def load_document_slices(path: str, model, *, group, rank: int, world: int, room
     try:
         if problem is None:
             for i, part in enumerate(files):
-                if i % world == rank and file_sha256(os.path.join(path, part["file"])) != part["sha256"]:
+                if i % world == rank and part_sha256(path, part) != part["sha256"]:
                     problem = (f"document {path!r}: {part['file']} fails its checksum (altered or truncated); "
                                "save it again")
             if rank == 0 and problem is None and \
@@ -470,7 +491,7 @@ def read_linear_states(path: str, parts: list[dict], model, cache: KVCache) -> N
         for part in saved:
             size, rank = part["linear_tp"]
             tp = TensorParallel(size, rank)
-            with SliceReader(os.path.join(path, part["file"])) as f:
+            with SliceReader(os.path.join(path, part["file"]), part.get("offset", 0)) as f:
                 conv_rows, state_rows = (f.header[f"{n}.{layer}"]["shape"][0] for n in ("linear_conv", "linear_state"))
                 part_conv = f.rows(f"linear_conv.{layer}", 0, conv_rows)
                 part_state = f.rows(f"linear_state.{layer}", 0, state_rows)
@@ -503,11 +524,15 @@ class SliceReader:
                "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
                "F8_E4M3": torch.float8_e4m3fn}
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, offset: int = 0):
+        """offset: where the safetensors data starts in the file (an ingest checkpoint appends one
+        per chunk to a rank's file: runtime/checkpoint.py)."""
         self.file = open(path, "rb")
+        self.file.seek(offset)
         size = int.from_bytes(self.file.read(8), "little")
         self.header = json.loads(self.file.read(size))
-        self.data_start = 8 + size
+        self.header.pop("__metadata__", None)
+        self.data_start = offset + 8 + size
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of tensor `name` (a new tensor)."""
@@ -538,7 +563,8 @@ class HeadReader:
     def __init__(self, path: str, parts: list[dict], heads: list[tuple[int, int]] | None):
         self.heads = heads
         parts = sorted(parts, key=lambda p: p["heads"][0])
-        self.parts = [(p.get("layer_heads"), p["heads"], SliceReader(os.path.join(path, p["file"]))) for p in parts]
+        self.parts = [(p.get("layer_heads"), p["heads"], SliceReader(os.path.join(path, p["file"]), p.get("offset", 0)))
+                      for p in parts]
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of tensor `name` ("k.{layer}"...), of this reader's KV heads of that

@@ -262,11 +262,18 @@ class PrefillRun:
     def __init__(self, model, token_ids: torch.Tensor, config: PrefillConfig, *,
                  group: dist.ProcessGroup | str | None = None, cache: KVCache | None = None,
                  cache_token_ids: torch.Tensor | None = None, shard: KVCache | None = None,
-                 on_chunk: Callable[[int, int, ChunkStats], None] | None = None, drop_unseen: bool = False):
+                 on_chunk: Callable[[int, int, ChunkStats], None] | None = None, drop_unseen: bool = False,
+                 own_cached: bool = False, checkpoint=None):
         """drop_unseen: the decode ranks' caches of windowed and chunked layers keep only the rows
         tokens after the prompt see, once it is handed off (KVCache.drop_unseen: a document's);
-        each rank's shard drops what the next chunk no longer sees after every chunk too."""
+        each rank's shard drops what the next chunk no longer sees after every chunk too.
+        own_cached: `shard`'s rows (every rank's) are this prefill's own, the tokens
+        `cache_token_ids` that an earlier run of it prefilled (a resumed ingest,
+        runtime/checkpoint.py): they are handed off to the decode ranks with the new rows.
+        checkpoint: a `ChunkWriter`: each chunk's new rows on this rank are appended to it as the
+        chunk completes (CP rank 0's with the linear-attention states, and the last chunk's logits)."""
         rank, world = rank_and_world(group)
+        self.own_cached, self.checkpoint = own_cached, checkpoint
         self.drop_unseen = drop_unseen
         self.model, self.token_ids, self.config, self.group = model, token_ids, config, group
         self.rank, self.world, self.cache, self.cache_token_ids = rank, world, cache, cache_token_ids
@@ -279,7 +286,7 @@ class PrefillRun:
         self.comm = comm = CommStats()
 
         # --- agree on the inputs before any ring communication ------------------------------------
-        problem = _local_problem(model, token_ids, config, world, rank, cache, shard)
+        problem = _local_problem(model, token_ids, config, world, rank, cache, shard, own_cached)
         if shard is not None:
             held = all_gather_ints([shard.length if problem is None else 0], group, world)
             held = [h[0] for h in held]
@@ -302,11 +309,16 @@ class PrefillRun:
         self.chunks = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
 
         # --- the sharding plan: every rank computes every chunk's layout (they are tiny) ----------
-        self.first_new_row = held[rank]
+        # a resumed ingest hands off its restored rows too: from its first row on
+        self.first_new_row = 0 if own_cached else held[rank]
         self.layouts = []
         # Windowed and chunked layers see cached rows by position: every rank's runs of positions,
         # extended chunk by chunk (None: every layer sees all cached rows, positions not needed).
-        runs = self._cached_runs(shard, held, cached_len, group) if model.has_spans else None
+        base_runs = self._cached_runs(shard, held, cached_len, group) if model.has_spans or own_cached else None
+        runs = base_runs if model.has_spans else None
+        # every rank's own rows before the first chunk (positions), which the hand-off moves too
+        self.base_positions = [torch.cat([torch.arange(p, p + n) for p, n in r] or [torch.empty(0, dtype=torch.long)])
+                               for r in base_runs] if own_cached else [torch.empty(0, dtype=torch.long)] * world
         for s, e in self.chunks:
             layout = ShardLayout.balanced([e - s], world, cached_counts=[[h] for h in held],
                                           cached_runs=None if runs is None else [[r] for r in runs])
@@ -315,7 +327,7 @@ class PrefillRun:
             if runs is not None:
                 runs = [r + layout.new_runs(i) for i, r in enumerate(runs)]
         decoders = decode_rank_list(config)
-        spread = config.decode_ranks > 1 and shard is None and world > config.decode_ranks
+        spread = config.decode_ranks > 1 and (shard is None or own_cached) and world > config.decode_ranks
         self.plan = spread_plan(held, decoders) if spread else []
         rows = held[rank] + received_rows(self.plan, rank)
 
@@ -464,25 +476,109 @@ class PrefillRun:
                                                           self.config.attn_backend) else None
 
     def _end_chunk(self) -> ChunkStats:
-        """Account for the chunk whose last layer has run: the shard's new rows, its stats."""
+        """Account for the chunk whose last layer has run: the shard's new rows, its stats, its record
+        in the checkpoint."""
         chunk, shard = self._slice, self.shard
         self._slice = None
         n_new = chunk.layout.num_new(self.rank)
         if shard.positions is not None:
             shard.positions[chunk.rows_before:chunk.rows_before + n_new] = chunk.positions.cpu()
         shard.length = chunk.rows_before + n_new
-        if self.drop_unseen and self.model.has_spans and shard.in_position_order():
-            # what the next chunk's tokens no longer see leaves memory now, not at the hand-off: a
-            # windowed layer's shard stays about its window however long the prompt
-            chunk_end = self.chunks[chunk.index][1]
-            shard.drop_unseen(self.model.config.layer_spans, self.cached_len + chunk_end, in_place=True)
         record = chunk.record
         record.seconds = chunk.seconds
+        if self.checkpoint is not None:  # before the drop below: every new row is still stored
+            self._checkpoint_chunk(chunk, n_new)
+        self._drop_behind(chunk.index)
         self.stats.chunks.append(record)
         self.next_chunk += 1
         if self.on_chunk is not None:
             self.on_chunk(chunk.index + 1, len(self.chunks), record)
         return record
+
+    def _drop_behind(self, index: int) -> None:
+        """After chunk `index`: what the next chunk's tokens no longer see leaves memory now, not at
+        the hand-off (a windowed layer's shard stays about its window however long the prompt)."""
+        if self.drop_unseen and self.model.has_spans and self.shard.in_position_order():
+            chunk_end = self.chunks[index][1]
+            self.shard.drop_unseen(self.model.config.layer_spans, self.cached_len + chunk_end, in_place=True)
+
+    def _checkpoint_chunk(self, chunk: "_ChunkInProgress", n_new: int) -> None:
+        """Hand this rank's rows of the chunk (copies) to the checkpoint's writer: CP rank 0's with
+        the linear-attention states at the chunk's end, and the last chunk's with its logits."""
+        from .checkpoint import rows_record
+
+        lead = self.rank == 0
+        tensors = rows_record(self.shard, chunk.rows_before, chunk.rows_before + n_new, chunk.positions,
+                              states=lead and self.model.config.has_linear)
+        if lead and chunk.index == len(self.chunks) - 1:
+            tensors["logits"] = self.logits.detach().to("cpu", copy=True)
+        self.checkpoint.append({"kind": "chunk", "chunk": chunk.index, "rows": n_new,
+                                "stats": asdict(chunk.record)}, tensors)
+
+    def restore(self, chunks: list[dict], read: Callable[[dict], dict]) -> None:
+        """Put back the first `len(chunks)` chunks of this prefill as a run of it that stopped after
+        them left them (a resumed ingest: runtime/checkpoint.py), before any step: this rank's rows
+        of each (`read(record)` gives a record's tensors, as `_checkpoint_chunk` wrote them), its
+        stats, and from CP rank 0 the linear-attention states at the last one's end and, when every
+        chunk is back, the last token's logits. The same mesh, settings and tokens as that run
+        (the caller checked them) give the same layouts, so the shard is the one it held.
+        Collective; a record that does not fit (altered, or another layout) is a ValueError on every rank."""
+        if self.next_chunk or self._slice is not None:
+            raise RuntimeError("restore() comes before the first step")
+        from ..model.gated_deltanet import LinearState
+
+        shard, rank, problem, last = self.shard, self.rank, None, None
+        names = ["k", "v"] + (["k_scale", "v_scale"] if shard.quantized else [])
+        try:
+            for record in chunks:
+                index = self.next_chunk
+                layout = self.layouts[index]
+                rows_before, n_new = layout.num_cached(rank), layout.num_new(rank)
+                tensors = read(record)
+                if int(record["rows"]) != n_new or not torch.equal(tensors["positions"], layout.positions(rank)):
+                    raise ValueError(f"chunk {index}'s rows on rank {rank} are not the ones this prefill's layout "
+                                     "gives it")
+                for layer in range(shard.n_layers):
+                    if shard.shapes[layer][0] == 0:
+                        continue
+                    for target, name in zip(shard.stored_rows(layer, rows_before, rows_before + n_new), names):
+                        target.copy_(tensors[f"{name}.{layer}"])
+                if shard.positions is not None:
+                    shard.positions[rows_before:rows_before + n_new] = tensors["positions"]
+                shard.length = rows_before + n_new
+                self._drop_behind(index)
+                self.stats.chunks.append(ChunkStats(**record["stats"]))
+                self.next_chunk += 1
+                last = tensors
+        except (ValueError, OSError, KeyError, RuntimeError) as exc:
+            problem = f"the checkpoint does not resume: {exc}; rerun with --restart to start over"
+        if self.world > 1:
+            agree_across_ranks("resume", problem, "resume", self.group, self.comm)
+        elif problem:
+            raise ValueError(problem)
+        if last is None:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.world > 1 and self.group is not None else 0
+        for layer, state in enumerate(shard.linear_states or ()):
+            if state is None:
+                continue
+            if rank == 0:
+                state = shard.linear_states[layer] = LinearState(last[f"linear_conv.{layer}"].to(state.conv),
+                                                                 last[f"linear_state.{layer}"].to(state.recurrent))
+            if self.world > 1:
+                dist.broadcast(state.conv, src=src, group=self.group)
+                dist.broadcast(state.recurrent, src=src, group=self.group)
+        if self.done:
+            if rank == 0:
+                self.logits.copy_(last["logits"])
+            if self.world > 1:
+                dist.broadcast(self.logits, src=src, group=self.group)
+
+    def _row_positions(self) -> list[torch.Tensor]:
+        """Every rank's rows' positions in its shard's order: its restored rows' (a resumed ingest's),
+        then each chunk's."""
+        return [torch.cat([self.base_positions[r]] + [layout.positions(r) for layout in self.layouts])
+                for r in range(self.world)]
 
     def finish(self) -> PrefillResult:
         """Hand the KV cache off to the decode ranks and gather every rank's numbers (collective)."""
@@ -502,7 +598,8 @@ class PrefillRun:
             if self.linear_exchange == RING and world > 1:  # the relay left the end states on rank 0 only
                 _share_linear_states(shard, group, comm)
             with span("hand-off", "comm"):
-                out_cache, moved = _hand_off(model, self.cache, shard, self.layouts, self.plan, self.first_new_row,
+                out_cache, moved = _hand_off(model, self.cache, shard, self._row_positions(), self.plan,
+                                             self.first_new_row,
                                              self.cached_len, self.T, config, rank, world, group, comm,
                                              self.keeps_shard, self.drop_unseen)
             if self.drop_unseen and out_cache is not None:
@@ -510,6 +607,8 @@ class PrefillRun:
             stats.handoff_s = time.perf_counter() - t_handoff
         stats.ttft_s = time.perf_counter() - self.t_start
 
+        if self.checkpoint is not None:  # the last records on disk before any rank returns
+            self.checkpoint.close()
         slice_rows = out_cache.length if out_cache is not None else 0
         kept_bytes = out_cache.stored_bytes if out_cache is not None else 0
         ring = sum(comm.bytes_sent(kind) for kind in RING_KINDS)
@@ -551,7 +650,7 @@ class _ChunkInProgress:
     """Time this rank spent on the chunk's slices (not the time between them)."""
 
 
-def _local_problem(model, token_ids, config, world, rank, cache, shard) -> str | None:
+def _local_problem(model, token_ids, config, world, rank, cache, shard, own_cached=False) -> str | None:
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         return "token_ids must be a 1-D tensor of token ids"
     if token_ids.dtype not in (torch.long, torch.int32, torch.int64):
@@ -572,7 +671,7 @@ def _local_problem(model, token_ids, config, world, rank, cache, shard) -> str |
     except ValueError as exc:
         return str(exc)
     if shard is not None:
-        if config.decode_ranks != world:
+        if config.decode_ranks != world and not own_cached:
             return (f"a split cache is prefilled on its decode ranks only: the group has {world} ranks but "
                     f"decode_ranks={config.decode_ranks}")
         if cache is not None:
@@ -710,7 +809,7 @@ def _scatter_cache(cache, shard, cached_len, rank, world, decode_rank, group, co
     shard.length = hi - lo
 
 
-def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, config, rank, world, group, comm,
+def _hand_off(model, cache, shard, positions, plan, first_new_row, cached_len, T, config, rank, world, group, comm,
               keeps_shard, drop_unseen=False):
     """Leave the KV cache on the decode ranks: (this rank's decode cache or None, bytes moved).
 
@@ -730,7 +829,7 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
             shard.length += received_rows(plan, rank)
             for t in plan:  # every rank knows every row's position: none travel
                 if t.dst == rank:
-                    src_positions = torch.cat([layout.positions(t.src) for layout in layouts])
+                    src_positions = positions[t.src]  # (a resumed ingest's: its restored rows', then the chunks')
                     shard.positions[t.dst_start:t.dst_start + t.n] = src_positions[t.src_start:t.src_start + t.n]
             return shard, moved
         return None, moved
@@ -750,8 +849,6 @@ def _hand_off(model, cache, shard, layouts, plan, first_new_row, cached_len, T, 
         else:
             out = cache.grown(need)
             out.length = cached_len
-    # Global position of each rank's new rows (chunk by chunk, in shard order).
-    positions = [torch.cat([layout.positions(r) for layout in layouts]) for r in range(world)]
     sent = gather_in_order(shard, out, positions, first_new_row, rank, world, decode, group if world > 1 else None,
                            comm)
     if out is not None:
