@@ -279,10 +279,10 @@ class Scheduler:
         """Queue a question for the batch."""
         return self._submit(self.questions, QuestionTicket(question))
 
-    def submit_prefill(self, prefill: Prefill, on_chunk=None, on_done=None) -> PrefillTicket:
-        """Queue a prefill. `on_chunk(job, chunk_stats)` and `on_done(result)` are called on the
-        scheduler's thread (see PrefillTicket)."""
-        return self._submit(self.prefills, PrefillTicket(prefill, on_chunk, on_done))
+    def submit_prefill(self, prefill: Prefill, on_chunk=None, on_done=None, on_error=None) -> PrefillTicket:
+        """Queue a prefill. `on_chunk(job, chunk_stats)`, `on_done(result)` and `on_error(error)` are
+        called on the scheduler's thread (see PrefillTicket)."""
+        return self._submit(self.prefills, PrefillTicket(prefill, on_chunk, on_done, on_error))
 
     def submit_question_after(self, prefill: Prefill, question: Question,
                               ready: Callable[[Any], Any], on_chunk=None) -> QuestionTicket:
@@ -612,9 +612,11 @@ class Scheduler:
                                             chunk_tokens=work.chunk_tokens or self.engine.chunk_tokens,
                                             decode_room=work.decode_room)
         job = self.engine.start_prefill(work.token_ids, as_document=work.as_document, drop_unseen=work.drop_unseen,
-                                        decode_room=work.decode_room,
-                                        chunk_tokens=work.chunk_tokens)
+                                        decode_room=work.decode_room, chunk_tokens=work.chunk_tokens,
+                                        checkpoint=work.checkpoint, keep_checkpoint=True, extra=work.checkpoint_extra)
         job.frame = work.frame
+        if work.on_resume is not None and job.resume is not None and job.resume.mode != "fresh":
+            work.on_resume(job)
         return job
 
     def _engine_call(self, work: EngineCall):

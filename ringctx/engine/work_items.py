@@ -82,6 +82,13 @@ class Prefill:
     """Given: token_ids extend the Document it gives (called with the engine on the scheduler's
     thread; one no question reads) a chunk per step (Engine.start_extend), instead of a prefill
     over every rank: a long prompt after a cached prefix."""
+    checkpoint: str | None = None
+    """A directory where the prefill keeps its checkpoint and from which it resumes (Engine.prefill's
+    `checkpoint`); it stays after the prefill (the caller removes it once the document is saved)."""
+    checkpoint_extra: dict | None = None
+    """What the checkpoint keeps with the tokens (a document's chat frame), for whoever resumes it."""
+    on_resume: Callable[[Any], None] | None = None
+    """Called with the PrefillJob on the scheduler's thread when it started from its checkpoint's chunks."""
 
 
 @dataclass

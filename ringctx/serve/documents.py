@@ -8,7 +8,9 @@
 
 A document's life: `add` (the record, "ingesting") -> `chunk_done` per chunk -> `ingested` (the
 hand-off: it answers from memory at once, and its slices are written to the store in the
-background) -> `saved` (complete on disk: the store lists it "ready"). When the budget is spent the
+background) -> `saved` (complete on disk: the store lists it "ready"; its ingest's checkpoint
+goes). A server that stops before `saved` leaves the record "ingesting" with its checkpoint: the
+next server on the store resumes the ingest (`resumable_ingests`, `resumed`) from its last chunk. When the budget is spent the
 least recently used documents leave memory (`make_room`) and come back from the store when a
 question needs them (`resident`). Engine calls run on the scheduler's thread: those of `ingested`,
 `make_room` and `resident` are made there (they are called there), `saved` and `delete` hand theirs
@@ -63,8 +65,14 @@ class ServedDocuments:
         self._ingests: dict[str, object] = {}  # id -> PrefillTicket
         self._saving: dict[str, object] = {}  # id -> the Engine's SaveJob of a document not yet complete on disk
         self.implicit = None  # the prefix cache (engine/prefix_cache.py): its entries make room for documents
+        self._resumable: dict[str, dict] = {}  # id -> an ingest a stopped server left: its tokens and frame
         for record in self.store.open():
             self._records[record.id] = record
+            if record.status == "ingesting":
+                token_ids, extra = self.store.resumable(record.id)
+                self._tokens[record.id] = token_ids
+                self._resumable[record.id] = extra
+                record.chunk_strategies, record.chunk_seconds, record.chunk_tokens = [], [], []
         self._reload_tokens()
 
     # ------------------------------------------------------------------ reading
@@ -146,6 +154,57 @@ class ServedDocuments:
             self._progress[record.id] = {"started": started, "last": started,
                                          "work": _ingest_progress(self.engine, record.tokens, chunk_tokens)}
 
+    def resumable_ingests(self, chunk_tokens: int) -> list[tuple[DocumentInfo, torch.Tensor, dict]]:
+        """(record, token ids, the ingest's frame) of every ingest a stopped server left, oldest
+        first: the service submits them again at start-up (each resumes from its checkpoint)."""
+        with self.lock:
+            out = [(self._records[d], self._tokens[d], extra) for d, extra in self._resumable.items()]
+            self._resumable.clear()
+        for record, _, _ in out:
+            started = time.monotonic()
+            with self.lock:
+                self._progress[record.id] = {"started": started, "last": started,
+                                             "work": _ingest_progress(self.engine, record.tokens, chunk_tokens)}
+        return sorted(out, key=lambda item: (item[0].created, item[0].id))
+
+    def resumed(self, doc_id: str, job) -> None:
+        """Scheduler thread: a stopped ingest restarted from its checkpoint (`job.resume`): its
+        record counts the chunks it had done, its ETA the work left."""
+        done = list(job.run.stats.chunks)  # the chunks restored (a resliced one restores none)
+        with self.lock:
+            record = self._records.get(doc_id)
+            if record is None:
+                return
+            record.chunk_strategies = [c.strategy for c in done]
+            record.chunk_seconds = [round(c.seconds, 4) for c in done]
+            record.chunk_tokens = [c.tokens for c in done]
+            record.chunks_total = job.total_chunks
+            # the chunks of this run (a resliced one's start after the tokens done before it)
+            work = WorkProgress(prefill_chunk_flops([job.run.T], job.run.config.chunk_tokens,
+                                                    self.engine.model.full_config, job.run.cached_len))
+            for c in done:
+                work.chunk_done(c.seconds)
+            self._progress[doc_id]["work"] = work
+        self.log(f"ringctx serve: {doc_id}: {job.resume.describe(record.tokens)}")
+
+    def ingest_failed(self, doc_id: str, error: BaseException, resuming: bool) -> None:
+        """Scheduler thread: an ingest ended with `error` (not a stop). A fresh one is failed on disk
+        and its checkpoint goes; a resumed one (its checkpoint made by another model, say) is failed
+        for this server only: the record stays "ingesting" on disk with its checkpoint, which a
+        server with what made it resumes."""
+        with self.lock:
+            record = self._records.get(doc_id)
+            self._ingests.pop(doc_id, None)
+            self._progress.pop(doc_id, None)
+            if record is None:
+                return
+            record.status, record.error = "failed", str(error)
+        if resuming:
+            self.log(f"ringctx serve: {doc_id} does not resume: {error}")
+            return
+        self.store.write(record)
+        self.store.remove_checkpoint(doc_id)
+
     def ingesting(self, doc_id: str, ticket) -> None:
         """The scheduler's PrefillTicket of the document's ingest (a delete or a stop cancels it)."""
         self._ingests[doc_id] = ticket
@@ -214,6 +273,7 @@ class ServedDocuments:
                 self.store.delete(doc_id)
                 return
             self.store.write(record)
+            self.store.remove_checkpoint(doc_id)  # failed for good: its disk space back
             self.log(f"ringctx serve: {doc_id} could not be saved: {exc}")
             return
         with self.lock:
@@ -224,20 +284,22 @@ class ServedDocuments:
             self.store.delete(doc_id)
         else:
             self.store.write(record)
+            self.store.remove_checkpoint(doc_id)  # the saved KV cache holds every row now
 
     def unsaved(self) -> list[str]:
         """Documents that answer from memory but are not complete on disk yet."""
         return list(self._saving)
 
     def stop_ingests(self) -> None:
-        """The server stops: every ingest in flight is cancelled and its document failed, never half-kept."""
+        """The server stops: every ingest in flight is cancelled, never half-kept: its record stays
+        "ingesting" with its checkpoint, and the next server on this store resumes it."""
         for doc_id, ticket in list(self._ingests.items()):
             ticket.cancel()
             with self.lock:
                 record = self._records.get(doc_id)
-                if record is not None and record.status == "ingesting":
-                    record.status, record.error = "failed", "the server stopped during the ingest; add it again"
-                    self.store.write(record)
+            if record is not None and record.status == "ingesting":
+                self.log(f"ringctx serve: {doc_id} stopped after {len(record.chunk_strategies)} of "
+                         f"{record.chunks_total} chunks; it resumes when a server starts on this store")
 
     def delete(self, doc_id: str, drop: bool = True) -> None:
         """Forget a document: its ingest is cancelled, its KV cache dropped from memory (when `drop`:

@@ -161,6 +161,7 @@ class EngineBackend:
             self.docs.implicit = self.prefix_cache  # registered documents come first: entries make room for them
         answer_rows = max(1, int(self.kv_budget_bytes * ANSWER_ROWS_SHARE) // self.bytes_per_token)
         self.scheduler.max_rows = answer_rows  # nothing is submitted before this point
+        self._resume_ingests()
 
     # ------------------------------------------------------------------ documents
     def add_document(self, text: str, name: str = "") -> api.DocumentInfo:
@@ -186,16 +187,37 @@ class EngineBackend:
                                   text_chars=len(rendered), text_sha256=text_sha256(rendered))
         ids_tensor = torch.tensor(ids, dtype=torch.long)
         self.docs.add(record, ids_tensor, self.chunk_tokens)
-        ingest = Prefill(ids_tensor, as_document=True, drop_unseen=True, decode_room=QUESTION_ROOM_TOKENS,
-                         chunk_tokens=self.chunk_tokens,
-                         frame=(suffix, {"chat": True}))
         try:
-            self.docs.ingesting(record.id, self.scheduler.submit_prefill(
-                ingest, on_chunk=lambda job, stats: self._chunk_done(record.id, stats),
-                on_done=lambda result: self.docs.ingested(record.id, result)))
+            self._submit_ingest(record, ids_tensor, {"question_suffix": suffix, "chat": True})
         except SchedulerStopped as exc:
             raise api.Unavailable(str(exc)) from None
         return self.document(record.id)
+
+    def _submit_ingest(self, record: api.DocumentInfo, token_ids: torch.Tensor, frame: dict,
+                       resuming: bool = False) -> None:
+        """Queue a document's ingest, which keeps a checkpoint in the store (runtime/checkpoint.py)
+        until its KV cache is saved: a server stopped or killed meanwhile resumes it at its next start."""
+        suffix = frame.get("question_suffix", "")
+        ingest = Prefill(token_ids, as_document=True, drop_unseen=True, decode_room=QUESTION_ROOM_TOKENS,
+                         chunk_tokens=self.chunk_tokens, frame=(suffix, {"chat": bool(frame.get("chat", True))}),
+                         checkpoint=str(self.store.checkpoint_path(record.id)), checkpoint_extra=frame,
+                         on_resume=lambda job: self.docs.resumed(record.id, job))
+        self.docs.ingesting(record.id, self.scheduler.submit_prefill(
+            ingest, on_chunk=lambda job, stats: self._chunk_done(record.id, stats),
+            on_done=lambda result: self.docs.ingested(record.id, result),
+            on_error=lambda error: self._ingest_failed(record.id, error, resuming)))
+
+    def _ingest_failed(self, doc_id: str, error: BaseException, resuming: bool) -> None:
+        # bad input (no memory for it, a checkpoint of another model) fails it; a stop or a lost
+        # rank leaves it "ingesting" with its checkpoint, to resume at the next start
+        if isinstance(error, ValueError):
+            self.docs.ingest_failed(doc_id, error, resuming)
+
+    def _resume_ingests(self) -> None:
+        """Start-up: the ingests a stopped server left in the store continue from their checkpoints."""
+        for record, token_ids, frame in self.docs.resumable_ingests(self.chunk_tokens):
+            self.log(f"ringctx serve: {record.id} ({record.name}) was ingesting when the server stopped; resuming it")
+            self._submit_ingest(record, token_ids, frame, resuming=True)
 
     def _chunk_done(self, doc_id: str, stats) -> None:
         """Scheduler thread: one chunk of an ingest has run."""
@@ -357,7 +379,7 @@ class EngineBackend:
                 self.log(f"ringctx serve: {saved} cached prompt(s) saved in the store")
             except (SchedulerStopped, TimeoutError, RankFailure) as exc:
                 self.log(f"ringctx serve: the cached prompts were not all saved before the stop ({exc})")
-        self.docs.stop_ingests()  # an ingest cut short is failed, never half-kept
+        self.docs.stop_ingests()  # an ingest cut short is never half-kept: it resumes at the next start
         self.scheduler.stop()
         self.engine.close()
 

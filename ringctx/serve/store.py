@@ -3,12 +3,16 @@
     DIR/doc-<24 hex>.json     the record: name, status, tokens, the ingest's chunks, the error
     DIR/doc-<24 hex>.kv/      the KV cache, as Engine.save_document writes it (one slice per decode
                               rank, checksummed, renamed into place only when complete)
+    DIR/doc-<24 hex>.ingest/  while the document is ingesting (and until its KV cache is saved): the
+                              ingest's checkpoint, every rank's rows of each chunk as it completed
+                              (runtime/checkpoint.py)
 
 Ids are made here, never taken from a client, and are the only names the server puts in a path.
 Records are written atomically (a temporary file, fsync, rename). A record still "ingesting"
-when the store is opened belongs to a server that stopped in the middle of the ingest: it is
-marked failed, and a half-written KV directory (`.partial`) is removed, so that nothing partial
-is ever loaded. JSON only: no pickle on disk.
+when the store is opened belongs to a server that stopped in the middle of the ingest: with its
+checkpoint it stays "ingesting" and the server resumes it (`resumable`); without one (the server
+stopped before the first chunk's files) it is marked failed. A half-written KV directory
+(`.partial`) is removed, so that nothing partial is ever loaded. JSON only: no pickle on disk.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..runtime.checkpoint import HEADER as CHECKPOINT_HEADER, SUFFIX as CHECKPOINT_SUFFIX, TOKENS as CHECKPOINT_TOKENS
 from .backend import DocumentInfo
 
 ID_PATTERN = re.compile(r"^doc-[0-9a-f]{24}$")
@@ -48,6 +53,27 @@ class DocumentStore:
     def kv_path(self, doc_id: str) -> Path:
         return self.root / f"{_checked(doc_id)}.kv"
 
+    def checkpoint_path(self, doc_id: str) -> Path:
+        return self.root / f"{_checked(doc_id)}{CHECKPOINT_SUFFIX}"
+
+    def resumable(self, doc_id: str) -> tuple | None:
+        """(token ids, the ingest's extra: the chat frame) of an ingest whose checkpoint can resume
+        it, or None."""
+        from safetensors.torch import load_file
+
+        path = self.checkpoint_path(doc_id)
+        try:
+            header = json.loads((path / CHECKPOINT_HEADER).read_text())
+            token_ids = load_file(str(path / CHECKPOINT_TOKENS))["token_ids"].long()
+        except Exception:  # noqa: BLE001 - a checkpoint that cannot be read resumes nothing
+            return None
+        if token_ids.numel() != header.get("tokens"):
+            return None
+        return token_ids, dict(header.get("extra") or {})
+
+    def remove_checkpoint(self, doc_id: str) -> None:
+        shutil.rmtree(self.checkpoint_path(doc_id), ignore_errors=True)
+
     def _record_path(self, doc_id: str) -> Path:
         return self.root / f"{_checked(doc_id)}.json"
 
@@ -64,9 +90,11 @@ class DocumentStore:
                                         error=f"its record could not be read ({exc})")
                 if not ID_PATTERN.match(record.id):
                     continue
-            if record.status == "ingesting":
-                record.status, record.error = "failed", "the server stopped during the ingest; add the document again"
+            if record.status == "ingesting" and self.resumable(record.id) is None:
+                record.status, record.error = "failed", ("the server stopped during the ingest, before its first "
+                                                         "chunk was kept; add the document again")
                 self.write(record)
+                self.remove_checkpoint(record.id)
             elif record.status == "ready" and not self.kv_path(record.id).is_dir():
                 record.status, record.error = "failed", "its KV cache is missing from the store"
                 self.write(record)
@@ -93,6 +121,7 @@ class DocumentStore:
         """Remove the document's record and KV directory (the record last: a crash leaves it failed)."""
         shutil.rmtree(self.kv_path(doc_id), ignore_errors=True)
         shutil.rmtree(self.root / f"{_checked(doc_id)}.kv.partial", ignore_errors=True)
+        self.remove_checkpoint(doc_id)
         try:
             self._record_path(doc_id).unlink()
         except FileNotFoundError:
