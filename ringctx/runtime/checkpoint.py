@@ -100,8 +100,8 @@ def header_problem(saved: dict, current: dict, where: str) -> str | None:
         return (f"{where} was made for other tokens ({saved.get('tokens')} tokens, SHA-256 "
                 f"{str(saved.get('tokens_sha256'))[:12]}...) than this ingest's ({current['tokens']}, "
                 f"{current['tokens_sha256'][:12]}...)")
-    for key, what in (("model_fingerprint", "model"), ("weights_digest", "weights"), ("weights", "weights format"),
-                      ("dtype", "dtype"), ("kv_dtype", "KV dtype"), ("drop_unseen", "drop_unseen")):
+    for key, what in (("dtype", "dtype"), ("kv_dtype", "KV dtype"), ("model_fingerprint", "model"),
+                      ("weights", "weights format"), ("weights_digest", "weights"), ("drop_unseen", "drop_unseen")):
         if saved.get(key) != current[key]:
             return f"{where} was made with {what} {saved.get(key)!r}, this ingest has {current[key]!r}"
     return None
@@ -322,10 +322,10 @@ def decide_resume(directory: str, header: dict, settings: dict, restart: bool) -
         with open(os.path.join(directory, HEADER)) as f:
             saved = json.load(f)
     except (OSError, ValueError) as exc:
-        return fresh, f"{where} has no readable {HEADER} ({exc}); rerun with --restart to start over"
+        return fresh, f"{where} has no readable {HEADER} ({exc}); start over with --restart (restart=True)"
     problem = header_problem(saved, header, where)
     if problem:
-        return fresh, f"{problem}; rerun with --restart to start over (its chunks are discarded)"
+        return fresh, f"{problem}; start over with --restart (restart=True), which discards its chunks"
     usable = None
     for run_dir in sorted(_runs(directory), reverse=True):  # the newest run whose every rank has its base
         try:

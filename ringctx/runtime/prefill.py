@@ -551,7 +551,7 @@ class PrefillRun:
                 self.next_chunk += 1
                 last = tensors
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
-            problem = f"the checkpoint does not resume: {exc}; rerun with --restart to start over"
+            problem = f"the checkpoint does not resume: {exc}; start over with --restart (restart=True)"
         if self.world > 1:
             agree_across_ranks("resume", problem, "resume", self.group, self.comm)
         elif problem:

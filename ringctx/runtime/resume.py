@@ -71,7 +71,7 @@ def open_checkpointed_prefill(model, token_ids: torch.Tensor, config, *, directo
                 shard = cache_from_record(read_record(plan.run, name, base), model, config.kv_dtype,
                                           sliced=cp_size > 1, room=0)
             except (ValueError, OSError, KeyError, TypeError) as exc:
-                problem = f"the checkpoint does not resume: {exc}; rerun with --restart to start over"
+                problem = f"the checkpoint does not resume: {exc}; start over with --restart (restart=True)"
         _agree(problem, world_group, world_size)
         hardware = plan.source_settings.get("hardware")
         if isinstance(hardware, dict):  # the strategies the stopped run would have chosen
