@@ -53,7 +53,7 @@ from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
 from ..model.kvfile import weights_digest
-from .failures import maybe_die, kill_point
+from .failures import maybe_die
 
 FORMAT = "ringctx-ingest/1"
 HEADER = "ingest.json"
@@ -183,30 +183,41 @@ class ChunkWriter:
         self.data_path = os.path.join(run_dir, name + ".kv")
         self.journal_path = os.path.join(run_dir, name + ".jsonl")
         self.problem: str | None = None
-        end = max((int(r["offset"]) + int(r["bytes"]) for r in keep), default=0)
-        self._data = open(self.data_path, "r+b" if os.path.exists(self.data_path) else "w+b")
-        self._data.truncate(end)
-        self._data.seek(end)
-        self._journal = open(self.journal_path, "w+b" if not keep else "r+b")
-        lines = b"".join(json.dumps(r).encode() + b"\n" for r in keep)
-        self._journal.seek(0)
-        self._journal.write(lines)
-        self._journal.truncate(len(lines))
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
         self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_CHUNKS)
+        self._thread: threading.Thread | None = None
+        try:
+            end = max((int(r["offset"]) + int(r["bytes"]) for r in keep), default=0)
+            # unbuffered: a write that fails (a full disk) fails there, and nothing is left to flush later
+            self._data = open(self.data_path, "r+b" if os.path.exists(self.data_path) else "w+b", buffering=0)
+            self._data.truncate(end)
+            self._data.seek(end)
+            self._journal = open(self.journal_path, "w+b" if not keep else "r+b", buffering=0)
+            lines = b"".join(json.dumps(r).encode() + b"\n" for r in keep)
+            self._journal.seek(0)
+            _write_all(self._journal, lines)
+            self._journal.truncate(len(lines))
+            os.fsync(self._journal.fileno())
+        except OSError as exc:
+            self._stopped(f"could not open its files ({exc})")
+            return
         self._thread = threading.Thread(target=self._run, name="ringctx-checkpoint", daemon=True)
         self._thread.start()
+
+    def _stopped(self, why: str) -> None:
+        self.problem = (f"the ingest's checkpoint stopped on rank {self.rank}: {why}; the ingest goes on, and a "
+                        "crash from here resumes from the last chunk every rank wrote")
+        print(f"ringctx: {self.problem}", file=sys.stderr, flush=True)
 
     def append(self, record: dict, tensors: dict[str, torch.Tensor]) -> None:
         """Queue a record (its tensors must not change afterwards: pass copies). Waits while
         WRITE_QUEUE_CHUNKS records are queued."""
-        if self.problem is None:
+        if self.problem is None and self._thread is not None:
             self._queue.put((record, tensors))
 
     def wait(self) -> str | None:
         """Wait until every record queued so far is on disk (or the checkpoint stopped); its problem."""
-        self._queue.join()
+        if self._thread is not None:
+            self._queue.join()
         return self.problem
 
     def close(self) -> str | None:
@@ -215,8 +226,11 @@ class ChunkWriter:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
-            self._data.close()
-            self._journal.close()
+            for f in (self._data, self._journal):
+                try:
+                    f.close()
+                except OSError:
+                    pass
         return self.problem
 
     def _run(self) -> None:
@@ -225,9 +239,7 @@ class ChunkWriter:
                 if self.problem is None:
                     self._write(*item)
             except OSError as exc:
-                self.problem = (f"the ingest's checkpoint stopped before {_what(item[0])} on rank {self.rank} "
-                                f"({exc}); the ingest goes on, and a crash from here resumes from there")
-                print(f"ringctx: {self.problem}", file=sys.stderr, flush=True)
+                self._stopped(f"writing {_what(item[0])} failed ({exc})")
             finally:
                 self._queue.task_done()
         self._queue.task_done()
@@ -239,18 +251,21 @@ class ChunkWriter:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         offset = self._data.tell()
         half = len(blob) // 2
-        self._data.write(blob[:half])
-        if kill_point(self.rank) == f"write-{point}":  # tests: a crash inside the write
-            self._data.flush()
-            maybe_die(self.rank, f"write-{point}")
-        self._data.write(blob[half:])
-        self._data.flush()
+        _write_all(self._data, memoryview(blob)[:half])
+        maybe_die(self.rank, f"write-{point}")  # tests: a crash inside the write
+        _write_all(self._data, memoryview(blob)[half:])
         os.fsync(self._data.fileno())
         maybe_die(self.rank, f"journal-{point}")  # tests: the blob is on disk, its line is not
         line = {**record, "offset": offset, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-        self._journal.write(json.dumps(line).encode() + b"\n")
-        self._journal.flush()
+        _write_all(self._journal, json.dumps(line).encode() + b"\n")
         os.fsync(self._journal.fileno())
+
+
+def _write_all(f, data) -> None:
+    """Write every byte (an unbuffered file may take part of them in one call)."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
 
 
 def _disk_full_at(rank: int) -> str | None:
