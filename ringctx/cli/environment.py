@@ -71,7 +71,6 @@ def environment_report(measure_dtype: bool = False) -> dict:
     }
 
 
-
 def dtype_auto_report(choice: DtypeChoice) -> dict:
     """`ringctx info`'s dtype_auto: the choice, whether it is settled and why, its numbers (the
     median step per dtype and its interquartile range over the rounds decided by, the ratio and
