@@ -25,9 +25,9 @@ exact float32). A measurement can be fooled: under load (a test suite beside it 
 0.97x float32 where idle it is 0.4-0.6x), so the choice keeps its conditions and says how sure
 it is. It is settled when it was measured on an idle machine and the ratio's confidence
 interval over the paired rounds lies on one side of the margin; otherwise it is provisional and
-the next engine starts measure again (at most `MAX_MEASUREMENTS` in all, at least
-`REMEASURE_AFTER_S` apart), the new rounds joining the old (rounds under load are set aside once
-idle ones exist), so the answer converges rather than flips. `ringctx info` shows the choice,
+the next engine starts measure again (at least `REMEASURE_AFTER_S` apart until
+`MAX_MEASUREMENTS` are kept, then once a day), the new rounds joining the old (rounds under load
+are set aside once idle ones exist), so the answer converges rather than flips. `ringctx info` shows the choice,
 its numbers and conditions; `ringctx info --measure-dtype` measures afresh.
 The answer is kept in the kernel cache directory, keyed by the CPU, the kernel variant, the torch
 version and the thread count; a lock makes the ranks of one host measure once.
@@ -171,12 +171,16 @@ LOAD_PER_CPU = 0.5
 above this as the measurement began (a coarser sign: it lags a minute)."""
 
 MAX_MEASUREMENTS = 4
-"""A provisional choice is measured again at engine starts until this many measurements are kept;
-then it stays as it is until `REMEASURE_COMMAND` measures afresh."""
+"""A provisional choice keeps at most this many measurements: engine starts measure it again
+until it has them, then once a day (RETRY_AFTER_S), each new one replacing the oldest."""
 
 REMEASURE_AFTER_S = 300.0
 """A provisional choice is not measured again within this many seconds of its last measurement:
 the ranks of one launch, which wait at the lock, use the measurement the first of them made."""
+
+RETRY_AFTER_S = 86400.0
+"""A provisional choice with MAX_MEASUREMENTS kept (say, of a machine busy whenever an engine
+started) is measured again this long after its last measurement, not at every start."""
 
 REMEASURE_COMMAND = "ringctx info --measure-dtype"
 
@@ -273,7 +277,8 @@ def auto_dtype(device: str | None = None, *, measure: str = "when due") -> Dtype
     On a CPU it comes from the cache file (`choice_path`), measured (`measure_dtype`) and decided
     (`decide_dtype`) when `measure` says so: "when due" (engine starts): when there is no file,
     or its choice is provisional and `next_measurement` says another is due; the new measurement
-    joins the kept ones, so the answer converges rather than flips. "if missing" (`ringctx info`):
+    joins the kept ones (the oldest dropped beyond MAX_MEASUREMENTS), so the answer converges
+    rather than flips. "if missing" (`ringctx info`):
     only when there is no file. "now" (`ringctx info --measure-dtype`): afresh, the kept
     measurements dropped. A lock makes the ranks of one host measure once."""
     if measure not in ("when due", "if missing", "now"):
@@ -289,7 +294,7 @@ def auto_dtype(device: str | None = None, *, measure: str = "when due") -> Dtype
         cached = None if measure == "now" else read_dtype_choice(path)
         if cached is not None and (measure == "if missing" or not next_measurement(cached)[0]):
             return cached
-        kept = [] if cached is None else cached.measurements
+        kept = [] if cached is None else cached.measurements[-(MAX_MEASUREMENTS - 1):]
         choice = decide_dtype([*kept, measure_dtype()])
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -309,19 +314,19 @@ def read_dtype_choice(path: Path | None = None) -> DtypeChoice | None:
 def next_measurement(choice: DtypeChoice, now: float | None = None) -> tuple[bool, str]:
     """(whether an engine start now measures again, one sentence saying when it will). A settled
     choice is kept; a provisional one is measured again by the first engine start at least
-    REMEASURE_AFTER_S after its last measurement, until MAX_MEASUREMENTS are kept."""
+    REMEASURE_AFTER_S after its last measurement until MAX_MEASUREMENTS are kept, then at least
+    RETRY_AFTER_S after it."""
     if choice.status == "settled":
         return False, f"kept: it is settled (`{REMEASURE_COMMAND}` measures afresh)"
     made = len(choice.measurements)
-    if made >= MAX_MEASUREMENTS:
-        return False, (f"kept: {made} measurements made, still provisional; `{REMEASURE_COMMAND}` measures "
-                       f"afresh")
-    nth = f"measurement {made + 1} of at most {MAX_MEASUREMENTS}"
+    if made < MAX_MEASUREMENTS:
+        after, nth = REMEASURE_AFTER_S, f"measurement {made + 1} of {MAX_MEASUREMENTS} kept"
+    else:
+        after, nth = RETRY_AFTER_S, f"still provisional after {made}: the oldest dropped"
     if made:
         last = datetime.datetime.fromisoformat(choice.measurements[-1].at.replace("Z", "+00:00")).timestamp()
-        due = last + REMEASURE_AFTER_S
-        if (time.time() if now is None else now) < due:
-            at = datetime.datetime.fromtimestamp(due, datetime.timezone.utc).strftime("%H:%M:%S UTC")
+        if (time.time() if now is None else now) < last + after:
+            at = datetime.datetime.fromtimestamp(last + after, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
             return False, f"measured again by the first engine start from {at} ({nth})"
     return True, f"measured again by the next engine start ({nth})"
 

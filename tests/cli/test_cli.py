@@ -122,7 +122,7 @@ def test_info_shows_dtype_autos_choice_its_numbers_and_how_to_measure_again(monk
     assert dtype_auto["measurements"] == [{"at": "2026-12-07T14:00:00Z", "rounds": 4, "others_cpu_share": 0.02,
                                            "load_average": 0.3, "cores": 2, "under_load": False,
                                            "decided_by": True, "kernels": "avx512", "threads": 2}]
-    assert dtype_auto["next"] == "measured again by the next engine start (measurement 2 of at most 4)"
+    assert dtype_auto["next"] == "measured again by the next engine start (measurement 2 of 4 kept)"
     assert dtype_auto["measure_afresh"] == "ringctx info --measure-dtype"
     assert dtype_auto["cache_file"] == str(machine_speed.choice_path()) and dtype_auto["cache_file"].startswith(
         str(tmp_path))

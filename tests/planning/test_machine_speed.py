@@ -126,14 +126,23 @@ def test_a_settled_choice_is_measured_once_then_read_back(monkeypatch, cache_dir
 
 
 def test_a_provisional_choice_is_measured_again_at_the_next_start_until_the_bound(monkeypatch, cache_dir):
+    """Noisy rounds each time: measured at each start (the fake measurements are long past the
+    five minutes' wait) until MAX_MEASUREMENTS are kept, then a day after the last, replacing the oldest."""
     noisy = [measurement([0.70, 0.80, 0.95, 1.00, 0.85, 0.92, 0.75]) for _ in range(MAX_MEASUREMENTS)]
-    calls = fake_measuring(monkeypatch, *noisy)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    late = measurement([0.7, 0.8, 0.95, 1.0, 0.85, 0.92, 0.76], at=now.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    calls = fake_measuring(monkeypatch, *noisy, late)
     for n in range(1, MAX_MEASUREMENTS + 1):
         choice = machine_speed.auto_dtype("cpu")
         assert choice.status == "provisional" and len(choice.measurements) == len(calls) == n  # joined the kept
-    assert not machine_speed.next_measurement(choice)[0]
-    assert "still provisional" in machine_speed.next_measurement(choice)[1]
-    assert machine_speed.auto_dtype("cpu") == choice  # bounded: kept until measured afresh
+    monkeypatch.setattr(machine_speed.time, "time", lambda: now.timestamp())
+    due, words = machine_speed.next_measurement(choice)
+    assert due and words.endswith("(still provisional after 4: the oldest dropped)")  # LONG_AGO: over a day
+    again = machine_speed.auto_dtype("cpu")
+    assert len(calls) == MAX_MEASUREMENTS + 1 and again.measurements == [*noisy[1:], late]
+    due, words = machine_speed.next_measurement(again)
+    tomorrow = (now + datetime.timedelta(days=1)).strftime("%Y-%m-%d %H:%M:%S")
+    assert not due and f"from {tomorrow} UTC" in words and machine_speed.auto_dtype("cpu") == again
 
 
 def test_the_ranks_of_one_launch_measure_a_provisional_choice_once(monkeypatch, cache_dir):
@@ -142,7 +151,7 @@ def test_the_ranks_of_one_launch_measure_a_provisional_choice_once(monkeypatch, 
     first = machine_speed.auto_dtype("cpu")  # the first rank measures under load: provisional
     assert first.status == "provisional" and machine_speed.auto_dtype("cpu") == first and len(calls) == 1
     due, words = machine_speed.next_measurement(first)
-    assert not due and "measured again by the first engine start from" in words and "measurement 2 of" in words
+    assert not due and "measured again by the first engine start from" in words and "measurement 2 of 4" in words
     assert machine_speed.next_measurement(first, now=machine_speed.time.time() + 301)[0]
 
 
