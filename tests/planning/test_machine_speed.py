@@ -145,6 +145,18 @@ def test_a_provisional_choice_is_measured_again_at_the_next_start_until_the_boun
     assert not due and f"from {tomorrow} UTC" in words and machine_speed.auto_dtype("cpu") == again
 
 
+def test_the_issues_case_a_probe_beside_a_test_suite_no_longer_fixes_float32(monkeypatch, cache_dir):
+    """Issue 53: measured beside a test suite, bf16 took 0.97x float32 and float32 was cached for
+    good. Now that choice is provisional, and the next start, on an idle machine, gives bf16."""
+    calls = fake_measuring(monkeypatch, measurement([0.97, 0.95, 1.0, 0.96, 0.99, 0.98, 0.97], others=0.6),
+                           measurement([0.55, 0.52, 0.6, 0.58, 0.54, 0.57, 0.56]))
+    busy = machine_speed.auto_dtype("cpu")
+    assert (busy.dtype, busy.status) == ("float32", "provisional") and "under load" in busy.status_why
+    idle = machine_speed.auto_dtype("cpu")  # the next engine start
+    assert (idle.dtype, idle.status, len(calls)) == ("bfloat16", "settled", 2)
+    assert machine_speed.auto_dtype("cpu") == idle  # and it stays
+
+
 def test_the_ranks_of_one_launch_measure_a_provisional_choice_once(monkeypatch, cache_dir):
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     calls = fake_measuring(monkeypatch, measurement([0.55] * 7, others=0.5, at=now))
