@@ -535,13 +535,19 @@ def _ask_many(kv_file, questions, model, dtype, nproc, tp, decode_ranks, timeout
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of a table.")
-def info(as_json: bool) -> None:
+@click.option("--measure-dtype", is_flag=True,
+              help="Measure what --dtype auto picks on this CPU afresh (about a second idle), dropping the cached "
+                   "measurements, and show it.")
+def info(as_json: bool, measure_dtype: bool) -> None:
     """Devices, attention and distributed backends, versions, the CPU kernels that run here and why
     any does not, whether weights and KV caches go to 2 MiB pages, and what --dtype auto picks on
-    this machine and why (measured once, then cached)."""
+    this machine and why: its measured numbers and conditions, whether it is settled or
+    provisional (then engine starts measure it again) and its cache file."""
     from .environment import environment_report
 
-    report = environment_report()
+    if measure_dtype and not as_json:
+        err_console.print("[dim]measuring what --dtype auto picks on this CPU...[/dim]")
+    report = environment_report(measure_dtype=measure_dtype)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -555,13 +561,19 @@ def info(as_json: bool) -> None:
 
 def _cell(value, indent: str = "") -> str:
     """A report value as table text: lists joined, dicts one "key: value" line each (nested ones
-    indented below their key)."""
+    indented below their key), a list of dicts one "- key: value, ..." line each."""
     if isinstance(value, dict):
-        return "\n".join(f"{indent}{k}:\n{_cell(v, indent + '  ')}" if isinstance(v, dict) else f"{indent}{k}: {_cell(v)}"
-                         for k, v in value.items())
+        return "\n".join(f"{indent}{k}:\n{_cell(v, indent + '  ')}" if isinstance(v, dict) or _rows(v)
+                         else f"{indent}{k}: {_cell(v)}" for k, v in value.items())
+    if _rows(value):  # a list of dicts: one line each
+        return "\n".join(f"{indent}- " + ", ".join(f"{k}: {_cell(v)}" for k, v in item.items()) for item in value)
     if isinstance(value, list):
         return ", ".join(map(str, value)) or "none"
     return str(value)
+
+
+def _rows(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
 from .planning import calibrate, plan  # noqa: E402  (the planner's commands live beside this file)

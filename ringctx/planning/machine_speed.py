@@ -17,10 +17,18 @@ passes the rule of docs/ARCHITECTURE.md: at most twice the error of the same com
 bf16 by PyTorch); float16 is not one, as neither ringctx's CPU kernels nor PyTorch's CPU ops
 compute it natively. Which is faster depends on the CPU: with ringctx's CPU kernels a bf16 step
 reads half the bytes of a float32 one on any x86-64 CPU; without them, PyTorch emulates bf16 on
-CPUs without bf16 units and float32 can win. So it is measured, once per machine: decode steps of
+CPUs without bf16 units and float32 can win. So it is measured: paired rounds of decode steps of
 a random model of SmolLM2's widths, large enough that its weights do not fit in the caches,
-alternating the two dtypes. bfloat16 must be at least `BF16_MARGIN` faster to be chosen (ties go
-to the more exact float32, and ranks measuring on like machines do not flip between the two).
+alternating the two dtypes, while /proc/stat tells how much of the cores other processes took.
+bfloat16 must take less than `BF16_MARGIN` of float32's time to be chosen (ties go to the more
+exact float32). A measurement can be fooled: under load (a test suite beside it once made bf16
+0.97x float32 where idle it is 0.4-0.6x), so the choice keeps its conditions and says how sure
+it is. It is settled when it was measured on an idle machine and the ratio's confidence
+interval over the paired rounds lies on one side of the margin; otherwise it is provisional and
+the next engine starts measure again (at least `REMEASURE_AFTER_S` apart until
+`MAX_MEASUREMENTS` are kept, then once a day), the new rounds joining the old (rounds under load
+are set aside once idle ones exist), so the answer converges rather than flips. `ringctx info` shows the choice,
+its numbers and conditions; `ringctx info --measure-dtype` measures afresh.
 The answer is kept in the kernel cache directory, keyed by the CPU, the kernel variant, the torch
 version and the thread count; a lock makes the ranks of one host measure once.
 """
@@ -32,6 +40,7 @@ import datetime
 import fcntl
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -45,7 +54,7 @@ from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
 from .linear_attention import decode_state_bytes
 
 BF16_MARGIN = 0.9
-"""bfloat16 is chosen when its median step takes less than this fraction of float32's."""
+"""bfloat16 is chosen when the median of its paired rounds' step over float32's is below this."""
 
 _PROBE_BYTES = 512 * 2 ** 20
 
@@ -146,35 +155,147 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+# ----------------------------------------------------------------------------- dtype="auto"
+
+RATIO_CONFIDENCE = 0.75
+"""The bf16/float32 ratio's interval holds the true median ratio of a paired round with at least
+this chance (a sign-test interval over the paired rounds: it assumes nothing of the noise's shape).
+7 rounds give the 2nd lowest to the 2nd highest ratio (87.5%), 28 the 10th to the 19th."""
+
+BUSY_SHARE = 0.10
+"""A measurement during which other processes (and the hypervisor: steal time) took more than this
+share of the usable cores' time was made under load; an idle one takes 0-3% here."""
+
+LOAD_PER_CPU = 0.5
+"""Where /proc/stat cannot be read: under load when the 1-minute load average per usable core was
+above this as the measurement began (a coarser sign: it lags a minute)."""
+
+MAX_MEASUREMENTS = 4
+"""A provisional choice keeps at most this many measurements: engine starts measure it again
+until it has them, then once a day (RETRY_AFTER_S), each new one replacing the oldest."""
+
+REMEASURE_AFTER_S = 300.0
+"""A provisional choice is not measured again within this many seconds of its last measurement:
+the ranks of one launch, which wait at the lock, use the measurement the first of them made."""
+
+RETRY_AFTER_S = 86400.0
+"""A provisional choice with MAX_MEASUREMENTS kept (say, of a machine busy whenever an engine
+started) is measured again this long after its last measurement, not at every start."""
+
+REMEASURE_COMMAND = "ringctx info --measure-dtype"
+
+_OLD_FORMAT = "measured by an older ringctx that kept no conditions (load, spread)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One measuring session of the dtype probe, and the conditions it ran in."""
+
+    at: str
+    """When it ended: ISO 8601 in UTC ("2026-12-07T14:20:05Z")."""
+    rounds_ms: dict[str, list[float]]
+    """Per dtype, the median decode step of each round in milliseconds; round i of float32 and
+    round i of bfloat16 ran back to back (a pair)."""
+    others_cpu_share: float | None
+    """The share of the usable cores' time that other processes and the hypervisor (steal) took
+    while it ran, from /proc/stat; None where that cannot be read."""
+    load_average: float | None
+    """The 1-minute load average as it began (None where the OS keeps none)."""
+    cpus: int
+    """The cores this process may use."""
+    threads: int
+    """torch's threads."""
+    cpu: str
+    """The CPU's model name."""
+    kernels: str
+    """The CPU kernel variant it ran ("avx512", "avx2", "portable") or "no kernels"."""
+
+    @property
+    def loaded(self) -> bool:
+        """Whether it ran under load (BUSY_SHARE, else LOAD_PER_CPU)."""
+        if self.others_cpu_share is not None:
+            return self.others_cpu_share > BUSY_SHARE
+        return self.load_average is not None and self.load_average / self.cpus > LOAD_PER_CPU
+
+    @property
+    def ratios(self) -> list[float]:
+        """bf16's step over float32's, one per paired round."""
+        return [b / f for b, f in zip(self.rounds_ms["bfloat16"], self.rounds_ms["float32"])]
+
+    def conditions(self) -> str:
+        """One line: "2026-12-07 14:20 UTC, 7 rounds, others took 2% of 2 cores (idle), load
+        average 0.31, avx512 kernels, 2 threads"."""
+        busy = ("others' share of the cores unknown" if self.others_cpu_share is None else
+                f"others took {self.others_cpu_share:.0%} of {self.cpus} cores")
+        load = "none" if self.load_average is None else f"{self.load_average:.2f}"
+        return (f"{self.at[:10]} {self.at[11:16]} UTC, {len(self.ratios)} rounds, {busy} "
+                f"({'under load' if self.loaded else 'idle'}), load average {load}, {self.kernels} kernels, "
+                f"{self.threads} threads")
+
+
 @dataclasses.dataclass(frozen=True)
 class DtypeChoice:
-    """What `auto_dtype` chose, and the measurement it chose by."""
+    """What `auto_dtype` chose, the measurements it chose by and how sure they make it."""
 
     dtype: str
     """"bfloat16" or "float32"."""
     why: str
     """One sentence: the measured step times, or why nothing was measured (a GPU)."""
     step_ms: dict[str, float]
-    """Median decode step of the probe model, per dtype, in milliseconds (empty on a GPU)."""
+    """Median decode step of the probe model per dtype in milliseconds, over the rounds decided
+    by (empty on a GPU)."""
     measured: str
-    """When and where: ISO date, CPU model, kernel variant, threads."""
+    """When and where the latest of them ran: ISO date, CPU model, kernel variant, threads."""
+    status: str = "settled"
+    """"settled" (kept) or "provisional" (measured again at engine starts: see auto_dtype)."""
+    status_why: str = ""
+    """One sentence: what makes it settled or provisional."""
+    ratio: float | None = None
+    """bf16's step over float32's: the median over the paired rounds decided by."""
+    ratio_interval: list[float] | None = None
+    """[low, high]: the RATIO_CONFIDENCE interval of that median (None: too few rounds)."""
+    measurements: list[Measurement] = dataclasses.field(default_factory=list)
+    """Every measurement kept, oldest first."""
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DtypeChoice":
+        """Read back what `auto_dtype` wrote; a file of the format before conditions were kept
+        (dtype, why, step_ms, measured) reads as provisional, so it is measured again."""
+        if "status" not in data:
+            return cls(**data, status="provisional", status_why=_OLD_FORMAT)
+        return cls(**{**data, "measurements": [Measurement(**m) for m in data["measurements"]]})
+
+    def decided_by(self) -> list[Measurement]:
+        """The measurements the choice was decided by: the idle ones, or all when none was idle
+        (rounds under load describe a busy machine, not this one's speed)."""
+        return [m for m in self.measurements if not m.loaded] or self.measurements
 
 
-def auto_dtype(device: str | None = None) -> DtypeChoice:
-    """The dtype `dtype="auto"` means on `device` (None: a GPU when there is one, else the CPU)."""
+def auto_dtype(device: str | None = None, *, measure: str = "when due") -> DtypeChoice:
+    """The dtype `dtype="auto"` means on `device` (None: a GPU when there is one, else the CPU).
+
+    On a CPU it comes from the cache file (`choice_path`), measured (`measure_dtype`) and decided
+    (`decide_dtype`) when `measure` says so: "when due" (engine starts): when there is no file,
+    or its choice is provisional and `next_measurement` says another is due; the new measurement
+    joins the kept ones (the oldest dropped beyond MAX_MEASUREMENTS), so the answer converges
+    rather than flips. "if missing" (`ringctx info`):
+    only when there is no file. "now" (`ringctx info --measure-dtype`): afresh, the kept
+    measurements dropped. A lock makes the ranks of one host measure once."""
+    if measure not in ("when due", "if missing", "now"):
+        raise ValueError(f"measure={measure!r}: use 'when due', 'if missing' or 'now'")
     on_gpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     if on_gpu:
         return DtypeChoice("bfloat16", "GPUs compute bf16 natively (tensor cores); float32 reads twice the bytes",
-                           {}, "")
-    path = _choice_path()
+                           {}, "", "settled", "not measured: the same on every GPU")
+    path = choice_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other ranks of this host wait, then read the answer
-        try:
-            return DtypeChoice(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            pass
-        choice = measure_dtype_choice()
+        cached = None if measure == "now" else read_dtype_choice(path)
+        if cached is not None and (measure == "if missing" or not next_measurement(cached)[0]):
+            return cached
+        kept = [] if cached is None else cached.measurements[-(MAX_MEASUREMENTS - 1):]
+        choice = decide_dtype([*kept, measure_dtype()])
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(dataclasses.asdict(choice), f)
@@ -182,35 +303,142 @@ def auto_dtype(device: str | None = None) -> DtypeChoice:
         return choice
 
 
-def measure_dtype_choice(rounds: int = 3, steps: int = 6) -> DtypeChoice:
-    """Decode steps of the probe model in float32 and bfloat16, alternating for `rounds` rounds
-    of `steps` steps each; the faster (by BF16_MARGIN) wins."""
+def read_dtype_choice(path: Path | None = None) -> DtypeChoice | None:
+    """The cached choice of this machine (None when there is none, or the file is damaged)."""
+    try:
+        return DtypeChoice.from_json(json.loads((path or choice_path()).read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def next_measurement(choice: DtypeChoice, now: float | None = None) -> tuple[bool, str]:
+    """(whether an engine start now measures again, one sentence saying when it will). A settled
+    choice is kept; a provisional one is measured again by the first engine start at least
+    REMEASURE_AFTER_S after its last measurement until MAX_MEASUREMENTS are kept, then at least
+    RETRY_AFTER_S after it."""
+    if choice.status == "settled":
+        return False, f"kept: it is settled (`{REMEASURE_COMMAND}` measures afresh)"
+    made = len(choice.measurements)
+    if made < MAX_MEASUREMENTS:
+        after, nth = REMEASURE_AFTER_S, f"measurement {made + 1} of {MAX_MEASUREMENTS} kept"
+    else:
+        after, nth = RETRY_AFTER_S, f"still provisional after {made}: the oldest dropped"
+    if made:
+        last = datetime.datetime.fromisoformat(choice.measurements[-1].at.replace("Z", "+00:00")).timestamp()
+        if (time.time() if now is None else now) < last + after:
+            at = datetime.datetime.fromtimestamp(last + after, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            return False, f"measured again by the first engine start from {at} ({nth})"
+    return True, f"measured again by the next engine start ({nth})"
+
+
+def decide_dtype(measurements: list[Measurement]) -> DtypeChoice:
+    """The choice `measurements` (oldest first) make. Decided by the idle ones (all, when none
+    was idle): bfloat16 when the median of the paired rounds' bf16/float32 ratios is below
+    BF16_MARGIN (ties go to the more exact float32, and ranks measuring on like machines do not
+    flip between the two). Settled when some were idle and the ratio's RATIO_CONFIDENCE interval
+    lies on one side of BF16_MARGIN; else provisional (under load, too few rounds, or within the
+    noise)."""
+    choice = DtypeChoice("float32", "", {}, "", measurements=list(measurements))
+    used = choice.decided_by()
+    ratios = [r for m in used for r in m.ratios]
+    ms = {name: round(statistics.median(t for m in used for t in m.rounds_ms[name]), 3)
+          for name in ("float32", "bfloat16")}
+    ratio = statistics.median(ratios)
+    interval = median_interval(ratios)
+    dtype = "bfloat16" if ratio < BF16_MARGIN else "float32"
+    rounds = f"{len(ratios)} paired rounds"
+    if used[-1].loaded:
+        status, status_why = "provisional", f"measured under load only; the latest: {used[-1].conditions()}"
+    elif interval is None:
+        status, status_why = "provisional", f"{rounds}: too few for a {RATIO_CONFIDENCE:.0%} interval of the ratio"
+    else:
+        words = f"the ratio's {RATIO_CONFIDENCE:.0%} interval {interval[0]:.2f}-{interval[1]:.2f} over {rounds}"
+        if interval[0] < BF16_MARGIN <= interval[1]:
+            status, status_why = "provisional", f"within the noise: {words} straddles the margin {BF16_MARGIN}"
+        else:
+            side = "below" if interval[1] < BF16_MARGIN else "at or above"
+            status, status_why = "settled", f"{words} on an idle machine lies {side} the margin {BF16_MARGIN}"
+    latest = used[-1]
+    path = f"ringctx's {latest.kernels} CPU kernels" if latest.kernels != "no kernels" else \
+        "PyTorch's ops (no CPU kernels)"
+    why = (f"a decode step took {ms['bfloat16']:.2f} ms in bf16 and {ms['float32']:.2f} ms in float32 "
+           f"({ratio:.2f}x) through {path}; bf16 is chosen below {BF16_MARGIN}x")
+    measured = f"{latest.at[:10]}, {latest.cpu}, {latest.kernels}, {latest.threads} threads"
+    return dataclasses.replace(choice, dtype=dtype, why=why, step_ms=ms, measured=measured, status=status,
+                               status_why=status_why, ratio=round(ratio, 4),
+                               ratio_interval=None if interval is None else [round(x, 4) for x in interval])
+
+
+def median_interval(values: list[float], confidence: float = RATIO_CONFIDENCE) -> tuple[float, float] | None:
+    """The narrowest interval [k-th lowest, k-th highest] of `values` that holds their
+    distribution's median with at least `confidence` (the sign test: the median lies below the
+    k-th lowest of n values with chance P(Binomial(n, 1/2) < k)); None when even [min, max] holds
+    it with less (n < 3 at 75%)."""
+    xs, n = sorted(values), len(values)
+    found = None
+    for k in range(1, n // 2 + 1):
+        tail = sum(math.comb(n, i) for i in range(k)) / 2 ** n
+        if 1 - 2 * tail < confidence:
+            break
+        found = (xs[k - 1], xs[n - k])
+    return found
+
+
+def measure_dtype(rounds: int = 7, steps: int = 6) -> Measurement:
+    """Decode steps of the probe model in float32 and bfloat16: `rounds` paired rounds of
+    `steps` steps of each (which goes first alternates, so a drift weighs on both alike), with
+    the CPU time other processes took meanwhile."""
     from ..kernels import build
 
     probes = {name: _probe_step(dtype) for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    times: dict[str, list[float]] = {name: [] for name in probes}
+    rounds_ms: dict[str, list[float]] = {name: [] for name in probes}
+    cpus = _usable_cpus()
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        load = None
     with torch.inference_mode():
         for step in probes.values():  # warm-up: builds the kernels, touches the weights
             step(1)
-        for _ in range(rounds):
-            for name, step in probes.items():
-                times[name] += [_seconds(lambda t=t: step(t)) for t in range(2, 2 + steps)]
-    ms = {name: round(1e3 * statistics.median(ts), 3) for name, ts in times.items()}
-    dtype, ratio = faster_dtype(ms)
+        busy, own, wall = _busy_seconds(cpus), time.process_time(), time.perf_counter()
+        for r in range(rounds):
+            for name, step in (list(probes.items()) if r % 2 == 0 else list(probes.items())[::-1]):
+                ts = [_seconds(lambda t=t: step(t)) for t in range(2, 2 + steps)]
+                rounds_ms[name].append(round(1e3 * statistics.median(ts), 4))
+        wall = time.perf_counter() - wall
+        own = time.process_time() - own
+        busy_after = _busy_seconds(cpus)
+    others = None if busy is None or busy_after is None else \
+        round(min(1.0, max(0.0, (busy_after - busy - own) / (wall * len(cpus)))), 4)
     variant = build.active_variant()
-    path = f"ringctx's {variant.name} CPU kernels" if variant else "PyTorch's ops (no CPU kernels)"
-    why = (f"a decode step took {ms['bfloat16']:.2f} ms in bf16 and {ms['float32']:.2f} ms in float32 "
-           f"({ratio:.2f}x) through {path}; bf16 is chosen below {BF16_MARGIN}x")
-    measured = (f"{datetime.date.today().isoformat()}, {cpu_model()}, "
-                f"{variant.name if variant else 'no kernels'}, {torch.get_num_threads()} threads")
-    return DtypeChoice(dtype, why, ms, measured)
+    at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return Measurement(at, rounds_ms, others, None if load is None else round(load, 2), len(cpus),
+                       torch.get_num_threads(), cpu_model(), variant.name if variant else "no kernels")
 
 
-def faster_dtype(step_ms: dict[str, float]) -> tuple[str, float]:
-    """("bfloat16" or "float32", bf16's time / float32's) for median step times per dtype:
-    bfloat16 only when it takes less than BF16_MARGIN of float32's time."""
-    ratio = step_ms["bfloat16"] / step_ms["float32"]
-    return ("bfloat16" if ratio < BF16_MARGIN else "float32"), ratio
+def _usable_cpus() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """Seconds these cores spent on anything but idling since boot (user, nice, system, irq,
+    softirq, and steal: time the hypervisor gave to other machines), from /proc/stat; None where
+    it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+            ticks += user + nice + system + irq + softirq + steal
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _probe_step(dtype: torch.dtype):
@@ -243,11 +471,13 @@ def _probe_step(dtype: torch.dtype):
 
 def preferred_dtype(device: str | None = None) -> str:
     """What dtype="auto" means here: bfloat16 on GPUs; on a CPU the dtype that decodes fastest,
-    measured once (see auto_dtype above)."""
+    measured (see auto_dtype above: again at engine starts while the choice is provisional)."""
     return auto_dtype(device).dtype
 
 
-def _choice_path() -> Path:
+def choice_path() -> Path:
+    """The file of this machine's cached choice: one per CPU, kernel build, torch version, thread
+    count and page size, in the kernel cache directory ($RINGCTX_CACHE_DIR, else ~/.cache/ringctx)."""
     from ..kernels import build, cpu_features
 
     lib = build.library()  # its file name carries the hash of the kernel sources and flags

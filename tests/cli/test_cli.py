@@ -1,5 +1,6 @@
 """`ringctx prefill` and `ringctx info` through click's runner."""
 
+import dataclasses
 import importlib
 import json
 
@@ -93,6 +94,53 @@ def test_info_json():
     # the families and attention kinds this build runs
     assert {"llama", "mistral", "ministral", "qwen2"} <= set(report["model_families"]["hugging_face_model_types"])
     assert {"sliding window", "aligned chunks", "sink logits"} <= set(report["attention_kinds"])
+
+
+def test_info_shows_dtype_autos_choice_its_numbers_and_how_to_measure_again(monkeypatch, tmp_path):
+    """`info` shows the cached choice (measuring only when there is none), whether it is settled,
+    its numbers, conditions, cache file and the command that measures afresh, which it runs with
+    --measure-dtype. The measuring is faked: no timing here."""
+    from ringctx.kernels import build
+    from ringctx.planning import machine_speed
+
+    build.library()  # from the usual cache directory; the choice goes to the test's own
+    monkeypatch.setenv("RINGCTX_CACHE_DIR", str(tmp_path))
+    rounds = [[10.0, 10.4, 9.8, 10.2], [8.0, 9.6, 9.2, 8.6]]  # bf16/float32 0.80-0.92: within the noise
+    noisy = machine_speed.Measurement("2026-12-07T14:00:00Z", {"float32": rounds[0], "bfloat16": rounds[1]},
+                                      0.02, 0.3, 2, 2, "test CPU", "avx512")
+    clear = dataclasses.replace(noisy, rounds_ms={"float32": rounds[0], "bfloat16": [5.0, 5.1, 4.9, 5.2]})
+    left = [noisy, clear]
+    monkeypatch.setattr(machine_speed, "measure_dtype", lambda: left.pop(0))
+    first = CliRunner().invoke(main, ["info", "--json"])
+    assert first.exit_code == 0, first.output
+    dtype_auto = json.loads(first.stdout)["dtype_auto"]
+    assert (dtype_auto["dtype"], dtype_auto["status"]) == ("bfloat16", "provisional")
+    assert "within the noise" in dtype_auto["status_why"] and dtype_auto["margin"] == 0.9
+    assert dtype_auto["step_ms"] == {"float32": 10.1, "bfloat16": 8.9}
+    assert dtype_auto["step_ms_interquartile"]["float32"] == [9.95, 10.25]
+    assert dtype_auto["ratio_interval_75%"] == [0.8, 0.9388] and dtype_auto["ratio"] == pytest.approx(0.8831, abs=1e-4)
+    assert dtype_auto["measurements"] == [{"at": "2026-12-07T14:00:00Z", "rounds": 4, "others_cpu_share": 0.02,
+                                           "load_average": 0.3, "cores": 2, "under_load": False,
+                                           "decided_by": True, "kernels": "avx512", "threads": 2}]
+    assert dtype_auto["next"] == "measured again by the next engine start (measurement 2 of 4 kept)"
+    assert dtype_auto["measure_afresh"] == "ringctx info --measure-dtype"
+    assert dtype_auto["cache_file"] == str(machine_speed.choice_path()) and dtype_auto["cache_file"].startswith(
+        str(tmp_path))
+    from rich.console import Console
+
+    monkeypatch.setattr(importlib.import_module("ringctx.cli.main"), "console", Console(width=250))
+    shown = CliRunner().invoke(main, ["info"])  # the table: the cached choice, not measured again
+    assert shown.exit_code == 0 and len(left) == 1
+    text = " ".join(shown.stdout.split())
+    for words in ("status: provisional", "within the noise", "ringctx info --measure-dtype", "under_load: False",
+                  "ratio_interval_75%: 0.8, 0.9388", f"cache_file: {dtype_auto['cache_file']}"):
+        assert words in text, words
+    measured = CliRunner().invoke(main, ["info", "--json", "--measure-dtype"])
+    assert measured.exit_code == 0 and not left
+    dtype_auto = json.loads(measured.stdout)["dtype_auto"]
+    assert (dtype_auto["dtype"], dtype_auto["status"], len(dtype_auto["measurements"])) == (
+        "bfloat16", "settled", 1)
+    assert dtype_auto["next"].startswith("kept: it is settled")
 
 
 def _lines_at_80_columns(monkeypatch, args):
