@@ -430,6 +430,9 @@ def render_plan(result, as_run: dict[str, str] | None = None) -> None:
     mem.add_row("total", _table_gb(m.total_bytes))
     mem.add_row("usable of capacity", f"{_table_gb(m.usable_bytes)} of {_table_gb(m.capacity_bytes)}")
     mem.add_row("fits", _yes_no(m.fits))
+    # an ingest's checkpoint (runtime/checkpoint.py): each rank's rows once, and CP rank 0 the
+    # linear-attention states at every chunk's end (appended, never rewritten)
+    mem.add_row("ingest checkpoint on disk", _table_gb(m.kv_cache_bytes + len(result.entries) * m.state_bytes))
     console.print(mem)
     render_decode(result)
     console.print(f"[bold]fits:[/bold] {_yes_no(result.fits)} (prefill ranks and decode devices)")

@@ -360,14 +360,16 @@ def decide_resume(directory: str, header: dict, settings: dict, restart: bool) -
     total = header["tokens"]
     bounds = chunk_bounds(total, run["base_tokens"], run["chunk_tokens"])
     done = bounds[chunks - 1][1] if chunks else run["base_tokens"]
+    if done == 0:  # nothing to keep: a fresh start (the directory is made anew)
+        return fresh, None
     if all(run.get(k) == settings.get(k) for k in MATCHED):
         return ResumePlan("exact", run_dir, chunks=chunks, base_tokens=run["base_tokens"], done_tokens=done,
                           source_settings=run), None
     if done >= total:  # every chunk was done: the last one runs again, for its logits, over the new mesh
         chunks -= 1
         done = bounds[chunks - 1][1] if chunks else run["base_tokens"]
-    if done == 0:
-        return ResumePlan("fresh", _next_run(directory)), None
+        if done == 0:
+            return fresh, None
     return ResumePlan("reslice", _next_run(directory), chunks=chunks, base_tokens=done, source=run_dir,
                       done_tokens=done, source_settings=run), None
 

@@ -1,7 +1,7 @@
 """Ingest checkpoints through the Engine: an ingest stopped after some chunks (and inside one)
 resumes from its checkpoint bit for bit on the same ranks (the rows, the last logits, the
-answers), for windowed layers that drop rows chunk by chunk, a Gated DeltaNet hybrid's states,
-8-bit KV caches under tensor parallelism; on another number of ranks or chunk size it reslices the
+answers), for windowed layers that drop rows chunk by chunk, Llama 4's layers and experts,
+a Gated DeltaNet hybrid's states, 8-bit KV caches under tensor parallelism; on another number of ranks or chunk size it reslices the
 tokens done and stays exact; a checkpoint of other tokens or another model is one line.
 
 The ranks' files themselves (journal, torn records, checksums) are tested in
@@ -95,6 +95,8 @@ CASES = {
     "windowed-W3": dict(model="windowed", nproc=3, decode_ranks=2),
     # a hybrid: its linear layers' conv and recurrent states at the last chunk's end, relayed
     "qwen3.5-W2-relay": dict(model="tiny-qwen3.5", nproc=2, linear_exchange="ring"),
+    # a mixture of experts (routed and shared experts), chunked and NoPE layers
+    "llama4-W2": dict(model="tiny-llama4", nproc=2),
     # 8-bit rows and their scales, each TP rank its own heads
     "int8-tp2": dict(model="tiny", nproc=4, tp=2, kv_dtype="int8"),
 }
