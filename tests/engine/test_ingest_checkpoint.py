@@ -129,21 +129,22 @@ def test_a_stopped_ingest_resumes_bit_for_bit_on_the_same_ranks(case, windowed, 
 
 
 def test_a_resume_on_other_ranks_or_chunks_reslices_and_stays_exact(windowed, tmp_path):
-    """Stopped on 3 ranks; resumed on 2 ranks (resliced as documents load), stopped again after
-    a chunk and resumed exactly on top of the resliced base; the same as the reslice run through
-    without the second stop, and within the usual tolerance of an ingest that never stopped."""
+    """Stopped on 2 ranks; resumed on 3 ranks with 2 decode ranks (resliced as documents load; the
+    restored rows spread to the decode ranks with the new ones), stopped again after a chunk and
+    resumed exactly on top of the resliced base; the same as the reslice run through without the
+    second stop, and within the usual tolerance of an ingest that never stopped."""
     first, copy = str(tmp_path / "a.ingest"), str(tmp_path / "b.ingest")
-    with Engine(windowed, nproc=3, dtype="float32", chunk_tokens=48) as engine:
+    with Engine(windowed, nproc=2, dtype="float32", chunk_tokens=48) as engine:
         stop_after(engine, first, chunks=3, layers=2)
     shutil.copytree(first, copy)
-    with Engine(windowed, nproc=2, dtype="float32", chunk_tokens=48) as engine:
+    with Engine(windowed, nproc=3, decode_ranks=2, dtype="float32", chunk_tokens=48) as engine:
         whole = engine.start_ingest(DOCUMENT)
         while not whole.done:
             whole.step()
         whole = whole.finish()
         job = engine.start_ingest(DOCUMENT, checkpoint=first)
         assert (job.resume.mode, job.resume.done_tokens) == ("reslice", 144)
-        assert "3 CP x 1 TP ranks" in job.resume.describe(300)
+        assert "2 CP x 1 TP ranks" in job.resume.describe(300)
         job.step()
         job.cancel()
         assert sorted(os.listdir(first)) == ["ingest.json", "run-001", "tokens.safetensors"]  # run-000 went
