@@ -151,7 +151,7 @@ def chunk_records(records: list[dict]) -> list[dict]:
 
 
 def base_record(records: list[dict]) -> dict | None:
-    return next((r for r in records if r.get("kind") == "base"), None)
+    return next((r for r in records if r.get("kind") == "base"), None)  # a resliced run's first record
 
 
 def read_record(run_dir: str, name: str, record: dict) -> dict[str, torch.Tensor]:
@@ -463,8 +463,8 @@ def source_manifest(directory: str, plan: ResumePlan, header: dict, model) -> di
 def rows_record(cache, start: int, stop: int, positions: torch.Tensor, states: bool) -> dict[str, torch.Tensor]:
     """Copies of rows start..stop-1 of every attention layer of `cache` as stored, their positions,
     and with `states` the cache's linear-attention states: one record's tensors."""
-    tensors = {"positions": positions.cpu().to(torch.long).contiguous().clone()}
-    names = ["k", "v"] + (["k_scale", "v_scale"] if cache.quantized else [])
+    tensors, names = {"positions": positions.cpu().to(torch.long).contiguous().clone()}, ["k", "v"]
+    names += ["k_scale", "v_scale"] if cache.quantized else []
     for layer in range(cache.n_layers):
         if cache.shapes[layer][0] == 0:  # a linear-attention layer keeps no rows
             continue
