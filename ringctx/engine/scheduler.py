@@ -78,13 +78,12 @@ from ..runtime.failures import RankFailure
 from .work_items import DropDocument, EngineCall, FinishSave, LoneAnswer, Prefill, Question
 
 IDLE_SLICE_S = 0.05
-"""Seconds of an ingest's slice while no question decodes (at least one layer of its chunk): the
-longest a question that arrives then waits before it joins. A chunk runs whole layers per step in
-any case (PrefillJob.step(layers=n)); a step between two slices costs a command to every rank,
-well under a millisecond, so slices of ~50 ms back to back cost what the chunk run whole costs
-(measured: docs/BENCHMARKS.md, "An ingest in slices while idle"). One layer of a 4,096-token chunk
-of SmolLM2 over an 8K prefix takes 50-90 ms on 2 CPU cores: such a slice is one layer there, and a
-few layers of a short chunk or on a GPU."""
+"""Seconds of an ingest's slice while no question decodes (at least one layer of its chunk): about
+the longest a question that arrives then waits before it joins. A step between two slices costs
+one command to every rank, and the slices back to back cost what the chunk run whole costs (8,000 tokens in 4,096-token chunks of SmolLM2, a layer per slice: 55.2 and 55.7 s
+against 54.5 and 56.7 s whole; docs/BENCHMARKS.md, "Documents in the engine's chunk"). One layer is
+the floor: a layer of a 4,096-token chunk over an 8K prefix took 48-88 ms on a 2-core Xeon with AMX
+and ~0.4 s on a 2-core AMD EPYC without it, so on CPUs such a slice is one layer."""
 
 
 class SchedulerStopped(RuntimeError):
