@@ -80,10 +80,11 @@ from .work_items import DropDocument, EngineCall, FinishSave, LoneAnswer, Prefil
 IDLE_SLICE_S = 0.05
 """Seconds of an ingest's slice while no question decodes (at least one layer of its chunk): about
 the longest a question that arrives then waits before it joins. A step between two slices costs
-one command to every rank, and the slices back to back cost what the chunk run whole costs (8,000 tokens in 4,096-token chunks of SmolLM2, a layer per slice: 55.2 and 55.7 s
-against 54.5 and 56.7 s whole; docs/BENCHMARKS.md, "Documents in the engine's chunk"). One layer is
-the floor: a layer of a 4,096-token chunk over an 8K prefix took 48-88 ms on a 2-core Xeon with AMX
-and ~0.4 s on a 2-core AMD EPYC without it, so on CPUs such a slice is one layer."""
+one command to every rank, and the slices back to back cost what the chunk run whole costs (8,000
+tokens in 4,096-token chunks of SmolLM2, a layer per slice: 55.2 and 55.7 s against 54.5 and 56.7 s
+whole; docs/BENCHMARKS.md, "Documents in the engine's chunk"). One layer is the floor: a layer of a
+4,096-token chunk over an 8K prefix took 48-88 ms on a 2-core Xeon with AMX and ~0.4 s on a 2-core
+AMD EPYC without it, so on CPUs such a slice is one layer."""
 
 
 class SchedulerStopped(RuntimeError):
@@ -574,8 +575,8 @@ class Scheduler:
 
     def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> int:
         """Layers of the prefill's chunk that take about ingest_share x a decode step (the median of
-        the last RECENT_DECODE_STEPS, decode_s the latest; at least one layer, one until a step has
-        been timed)."""
+        the last RECENT_DECODE_STEPS, decode_s the latest; at least one layer, one until a decode
+        step and a slice have been timed)."""
         if decode_s > 0:
             self._recent_decode_s.append(decode_s)
         if not self._recent_decode_s:
