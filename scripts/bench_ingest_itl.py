@@ -17,6 +17,12 @@ gap; the median, 90th percentile and largest gap during the ingest, as ratios to
 how long B took to ingest beside the answers and alone. Beside answers the scheduler runs whole
 layers of the ingest's chunk in each step, about --ingest-share decode steps' worth, so the share
 sets the typical gap and one layer of one chunk (the chunk size) the longest.
+
+Then `--arrivals` questions about A arrive one by one, at seeded random moments, while a new
+--tokens document ingests with nothing else running: each one's time to first token against the
+same questions' with nothing running ("quiet TTFT"). With nothing decoding the scheduler runs the
+ingest in slices of about IDLE_SLICE_S (engine/scheduler.py), so such a question waits one slice
+before it joins, not the rest of a chunk.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -99,6 +106,37 @@ def run_answers(client, http, doc_a: str, args, new_document: str | None) -> dic
             "deltas": [len(ts) for ts in times]}
 
 
+def first_token_s(client, question: str, document: str) -> float:
+    """Seconds from sending a streamed greedy question to its first content delta."""
+    t0 = time.perf_counter()
+    chunks = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": question}],
+                                            extra_body={"document": document}, max_tokens=4, temperature=0,
+                                            stream=True)
+    first = None
+    for chunk in chunks:
+        for choice in chunk.choices or ():
+            if first is None and choice.delta and choice.delta.content:
+                first = time.perf_counter() - t0
+    return first
+
+
+def run_arrivals(client, http, doc_a: str, n: int, new_document: str) -> dict:
+    """n questions about doc_a, each sent at a seeded random moment while new_document ingests
+    alone (the next one after the last one's answer), and the same questions with nothing running."""
+    quiet = [first_token_s(client, QUESTIONS[i % len(QUESTIONS)], doc_a) for i in range(n)]
+    rng = random.Random(7)
+    doc = http.post("/v1/documents", json={"text": new_document, "name": "C"}).json()
+    during = []
+    for i in range(n):
+        time.sleep(rng.uniform(0.1, 1.0))  # a moment somewhere in a chunk (chunks take seconds here)
+        if http.get(f"/v1/documents/{doc['id']}").json()["status"] != "ingesting":
+            break
+        during.append(first_token_s(client, QUESTIONS[i % len(QUESTIONS)], doc_a))
+    while http.get(f"/v1/documents/{doc['id']}").json()["status"] == "ingesting":
+        time.sleep(0.05)
+    return {"quiet_ttft": quiet, "arrival_ttft": during}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8000, help="the ingested document's length in tokens")
@@ -108,6 +146,8 @@ def main() -> int:
                    help="serve --chunk-tokens settings to compare ('default': serve's own)")
     p.add_argument("--ingest-shares", nargs="+", default=["1.0", "0.5"],
                    help="serve --ingest-share settings to compare (each with each chunk setting)")
+    p.add_argument("--arrivals", type=int, default=6,
+                   help="questions arriving one by one during an ingest with nothing else running (0: skip)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -136,6 +176,8 @@ def main() -> int:
             _, _, alone_s = ingest(http, text_b, "B alone")  # warm-up, and the ingest's time alone
             quiet = run_answers(client, http, doc_a, args, None)
             busy = run_answers(client, http, doc_a, args, make_document(args.tokens, 3, tokenizer)[0])
+            arrivals = (run_arrivals(client, http, doc_a, args.arrivals, make_document(args.tokens, 4, tokenizer)[0])
+                        if args.arrivals else {"quiet_ttft": [], "arrival_ttft": []})
         finally:
             server.stop()
             shutil.rmtree(work, ignore_errors=True)
@@ -147,19 +189,30 @@ def main() -> int:
                "ingest_gap_max_ms": max(inside) * 1e3 if inside else None,
                "median_ratio": median(inside) / q if inside else None,
                "p90_ratio": percentile(inside, 0.9) / q if inside else None, "max_ratio": max(inside) / q if inside else None,
-               "gaps_during_ingest": len(inside), "ingest_beside_s": busy["ingest_s"], "ingest_alone_s": alone_s}
+               "gaps_during_ingest": len(inside), "ingest_beside_s": busy["ingest_s"], "ingest_alone_s": alone_s,
+               "quiet_ttft_ms": median(arrivals["quiet_ttft"]) * 1e3 if arrivals["quiet_ttft"] else None,
+               "arrival_ttft_ms": [t * 1e3 for t in arrivals["arrival_ttft"]]}
         rows.append(row)
         log(f"chunk {setting}, share {share}: quiet {row['quiet_gap_ms']:.1f} ms; during the ingest median "
             f"{row['ingest_gap_median_ms']:.1f} ms ({row['median_ratio']:.2f}x), p90 {row['ingest_gap_p90_ms']:.1f} ms, max {row['ingest_gap_max_ms']:.0f} ms "
             f"({row['max_ratio']:.1f}x) over {len(inside)} gaps; ingest {busy['ingest_s']:.1f} s beside the answers, "
             f"{alone_s:.1f} s alone")
+        if row["arrival_ttft_ms"]:
+            log(f"  questions arriving during an idle ingest: first token {median(row['arrival_ttft_ms']):.0f} ms "
+                f"median, {max(row['arrival_ttft_ms']):.0f} ms max over {len(row['arrival_ttft_ms'])} (quiet "
+                f"{row['quiet_ttft_ms']:.0f} ms)")
     print(f"\n{'chunk':>7} {'share':>5} {'quiet':>6} {'median':>7} {'x':>5} {'p90':>6} {'x':>5} {'max':>6} {'x':>5} "
-          f"{'beside':>7} {'alone':>6}")
-    print(f"{'':>7} {'':>5} {'ms':>6} {'ms':>7} {'':>5} {'ms':>6} {'':>5} {'ms':>6} {'':>5} {'s':>7} {'s':>6}")
+          f"{'beside':>7} {'alone':>6} {'TTFT':>6} {'arriving':>13}")
+    print(f"{'':>7} {'':>5} {'ms':>6} {'ms':>7} {'':>5} {'ms':>6} {'':>5} {'ms':>6} {'':>5} {'s':>7} {'s':>6} "
+          f"{'ms':>6} {'median/max ms':>13}")
     for r in rows:
+        arriving = (f"{median(r['arrival_ttft_ms']):.0f}/{max(r['arrival_ttft_ms']):.0f}" if r["arrival_ttft_ms"]
+                    else "-")
+        quiet_ttft = f"{r['quiet_ttft_ms']:.0f}" if r["quiet_ttft_ms"] is not None else "-"
         print(f"{r['chunk_tokens']:>7} {r['ingest_share']:>5.2f} {r['quiet_gap_ms']:>6.1f} {r['ingest_gap_median_ms']:>7.1f} "
               f"{r['median_ratio']:>5.2f} {r['ingest_gap_p90_ms']:>6.1f} {r['p90_ratio']:>5.2f} "
-              f"{r['ingest_gap_max_ms']:>6.0f} {r['max_ratio']:>5.1f} {r['ingest_beside_s']:>7.1f} {r['ingest_alone_s']:>6.1f}")
+              f"{r['ingest_gap_max_ms']:>6.0f} {r['max_ratio']:>5.1f} {r['ingest_beside_s']:>7.1f} {r['ingest_alone_s']:>6.1f} "
+              f"{quiet_ttft:>6} {arriving:>13}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows,

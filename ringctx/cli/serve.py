@@ -61,9 +61,10 @@ def _log(line: str) -> None:
 @click.option("--max-document-tokens", type=click.IntRange(1), default=None,
               help="Longest document accepted [default: what the KV budget holds].")
 @click.option("--chunk-tokens", type=click.IntRange(1), default=None,
-              help="Tokens per chunk of a document's ingest (default: from the model's size; at most 512 on "
-                   "CPUs, where one layer of a chunk is the longest pause an ingest puts between two tokens of "
-                   "an answer in flight).")
+              help="Tokens per chunk of a document's ingest and of a question's own long prompt (default: the "
+                   "engine's, from the model's size, for documents, run in slices of whole layers so that no "
+                   "answer waits a whole chunk; at most 512 on CPUs for a prompt). One layer of a chunk is the "
+                   "longest pause an ingest puts between two tokens of an answer in flight.")
 @click.option("--max-batch", default=16, show_default=True, type=click.IntRange(1),
               help="Questions decoded together at most: one step runs every one of them, each document's KV "
                    "read once for all its questions.")

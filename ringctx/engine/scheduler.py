@@ -15,10 +15,10 @@
                                    every running question
                                    (Engine.batch: each document's rows read once for all its
                                    questions); finished ones leave
-        a prefill (an ingest)      while questions decode: a slice of it in the same step (whole
-                                   layers of its current chunk, as many as fit `ingest_share` times
-                                   the batch's decode step, at least one); when none decodes: a
-                                   whole chunk
+        a prefill (an ingest)      a slice of it in every step: whole layers of its current chunk,
+                                   while questions decode as many as fit `ingest_share` times the
+                                   batch's decode step, when none decodes as many as fit
+                                   `idle_slice_s` (IDLE_SLICE_S); at least one layer either way
         a lone answer              (submit_answer: Engine.generate's Answer) one token per turn,
                                    one at a time, when no question is in the batch; an ingest gets
                                    a slice beside it as beside the batch
@@ -45,7 +45,15 @@ the time its recent slices took per layer so that the slice takes about `ingest_
 batch's decode step (the median of the last RECENT_DECODE_STEPS; at least one layer). With the
 default 1.0 an answer's inter-token time stays near twice its time without the ingest, and the
 ingest gets about half the machine; the longest pause is one layer of one chunk, which the chunk
-size sets (`ringctx serve` picks chunks whose layers are short on CPUs: serve/service.py).
+size sets.
+
+With nothing decoding an ingest still never runs a long step: each step runs the layers of its
+chunk that take about `idle_slice_s` (IDLE_SLICE_S, by the same per-layer time; at least one
+layer), so a question that arrives mid-chunk joins after the current slice, not after the rest of
+the chunk, and then the slices beside it are sized by `ingest_share`. Back to back the slices cost
+what the chunk run whole costs (see IDLE_SLICE_S), and a chunk run in slices gives the bits of the
+chunk run whole, so the chunk size (`ringctx serve` ingests in the engine's default chunk, the
+fastest) and the moments questions arrive never change a document's bits.
 
 `max_rows` bounds the KV rows the running questions may hold together (each counts its prompt
 plus its max_new_tokens): when they run out, questions wait in the queue rather than run out of
@@ -68,6 +76,15 @@ from typing import Any, Callable
 
 from ..runtime.failures import RankFailure
 from .work_items import DropDocument, EngineCall, FinishSave, LoneAnswer, Prefill, Question
+
+IDLE_SLICE_S = 0.05
+"""Seconds of an ingest's slice while no question decodes (at least one layer of its chunk): about
+the longest a question that arrives then waits before it joins. A step between two slices costs
+one command to every rank, and the slices back to back cost what the chunk run whole costs (8,000
+tokens in 4,096-token chunks of SmolLM2, a layer per slice: 55.2 and 55.7 s against 54.5 and 56.7 s
+whole; docs/BENCHMARKS.md, "Documents in the engine's chunk"). One layer is the floor: a layer of a
+4,096-token chunk over an 8K prefix took 48-88 ms on a 2-core Xeon with AMX and ~0.4 s on a 2-core
+AMD EPYC without it, so on CPUs such a slice is one layer."""
 
 
 class SchedulerStopped(RuntimeError):
@@ -219,11 +236,13 @@ class Scheduler:
             the batch's decode step (see the module docstring).
         join_share: while questions decode, the time of the questions joining in one step as a
             multiple of the batch's decode step (at least one joins; see the module docstring).
+        idle_slice_s: while no question decodes, the seconds of each step's prefill slice (at
+            least one layer; see IDLE_SLICE_S).
     """
 
     def __init__(self, engine, *, on_failure: Callable[[BaseException], None] = None,
                  max_batch: int = 16, max_step_tokens: int | None = None, max_rows: int | None = None,
-                 ingest_share: float = 1.0, join_share: float = 1.0):
+                 ingest_share: float = 1.0, join_share: float = 1.0, idle_slice_s: float = IDLE_SLICE_S):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_step_tokens is not None and max_step_tokens < 1:
@@ -234,11 +253,15 @@ class Scheduler:
             raise ValueError(f"ingest_share must be > 0, got {ingest_share}")
         if not join_share > 0:
             raise ValueError(f"join_share must be > 0, got {join_share}")
-        self.ingest_share, self.join_share = ingest_share, join_share
+        if not idle_slice_s > 0:
+            raise ValueError(f"idle_slice_s must be > 0, got {idle_slice_s}")
+        self.ingest_share, self.join_share, self.idle_slice_s = ingest_share, join_share, idle_slice_s
         self.join_s: float | None = None  # seconds of the slowest recent join (what the time bound counts)
         self.last_step_joins = 0  # questions that joined in the last step
         self.joins_held = 0  # steps where a question that fit the token budget waited for the time bound
         self.last_slice_layers = 0  # layers of an ingest's chunk that the last step ran beside the batch
+        self.prefill_steps = 0  # steps that ran layers of a prefill (a slice or a whole chunk)
+        self.prefill_chunks = 0  # chunks of prefills that ran to their last layer
         # the decode steps an ingest's slices are sized by: the median of the last few, so that one
         # slow step (a page fault, another process) does not size a long slice after it
         self._recent_decode_s: collections.deque = collections.deque(maxlen=RECENT_DECODE_STEPS)
@@ -411,7 +434,7 @@ class Scheduler:
 
     def _turn(self) -> None:
         """One step: a call; the batch's step; a token of the running answer (and a slice of the first
-        prefill); or a chunk of the first prefill."""
+        prefill); or an idle slice of the first prefill."""
         if self.calls:
             call = self.calls.popleft()
             try:
@@ -436,7 +459,7 @@ class Scheduler:
                 layers = self._slice_layers(prefill, time.perf_counter() - t0)
                 self.last_slice_layers = self._prefill_step(prefill, layers)
         elif prefill is not None:
-            self._prefill_step(prefill)
+            self._prefill_step(prefill, self._layers_within(prefill, self.idle_slice_s))
 
     def _answer_step(self) -> None:
         ticket = self.running
@@ -470,7 +493,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the batch
     def _batch_turn(self) -> None:
-        """One step of the batch: leaves, joins within the budget, an ingest's slice (or its chunk when
+        """One step of the batch: leaves, joins within the budget, an ingest's slice (an idle one when
         no question decodes), one decode step."""
         batch = self.engine.batch()
         for ticket in [t for t in self.batched if t.cancelled]:  # a client gone: its rows are freed now
@@ -520,9 +543,9 @@ class Scheduler:
         self.last_step_joins = joined
         prefill = self.prefills[0] if self.prefills else None
         self.last_slice_layers = 0
-        if prefill is not None and not self.batched:
+        if prefill is not None and not self.batched:  # (every question failed or was cancelled)
             spent += self._chunk_tokens(prefill)
-            self._prefill_step(prefill)
+            self._prefill_step(prefill, self._layers_within(prefill, self.idle_slice_s))
         elif prefill is not None:
             self.last_slice_layers = self._prefill_step(prefill, self._slice_layers(prefill, batch.last_step_s))
         if batch.members:
@@ -552,14 +575,22 @@ class Scheduler:
 
     def _slice_layers(self, ticket: PrefillTicket, decode_s: float) -> int:
         """Layers of the prefill's chunk that take about ingest_share x a decode step (the median of
-        the last RECENT_DECODE_STEPS, decode_s the latest; at least one layer, one until a slice has
-        been timed)."""
+        the last RECENT_DECODE_STEPS, decode_s the latest; at least one layer, one until a decode
+        step and a slice have been timed)."""
         if decode_s > 0:
             self._recent_decode_s.append(decode_s)
-        if ticket.layer_s is None or not self._recent_decode_s:
+        if not self._recent_decode_s:
             return 1
         step_s = sorted(self._recent_decode_s)[len(self._recent_decode_s) // 2]
-        return max(1, int(self.ingest_share * step_s / ticket.layer_s))
+        return self._layers_within(ticket, self.ingest_share * step_s)
+
+    @staticmethod
+    def _layers_within(ticket: PrefillTicket, seconds: float) -> int:
+        """Layers of the prefill's chunk that take about `seconds` by its recent time per layer (at
+        least one; one until a slice of it has been timed)."""
+        if ticket.layer_s is None:
+            return 1
+        return max(1, int(seconds / ticket.layer_s))
 
     def _chunk_tokens(self, ticket: PrefillTicket) -> int:
         """Tokens the prefill's next step prefills (its first: the engine's chunk size)."""
@@ -592,6 +623,8 @@ class Scheduler:
                 stats = ticket.job.step(layers)
                 # (a chunk's layers cost more than the last chunk's: each attends to more)
                 ticket.layer_s = slowest_recent(ticket.layer_s, (time.perf_counter() - t0) / ran)
+                self.prefill_steps += 1
+                self.prefill_chunks += stats is not None
                 if stats is not None and ticket.on_chunk is not None:
                     ticket.on_chunk(ticket.job, stats)
                 return ran

@@ -451,15 +451,18 @@ def chunk_tokens_for(shard_config, world: int, dtype, *, on_gpu: bool) -> int:
 
 
 SERVING_CPU_CHUNK_TOKENS = 512
-"""`ringctx serve`'s chunk on CPUs. Beside answers in flight an ingest runs a few whole layers of
-its chunk per decode step (engine/scheduler.py), so one layer of one chunk is the longest pause it
-puts between two tokens of an answer. At 512 tokens a layer of SmolLM2 over an 8K-token prefix
-took about one decode step (~15-18 ms, 2-core Xeon, bf16); 4,096-token chunks took 48-88 ms a
-layer, and the whole 8K ingest alone took 1.2x as long in 512-token chunks (docs/BENCHMARKS.md)."""
+"""`ringctx serve`'s chunk on CPUs for a question's own long prompt (a plain client's prompt, the
+rest of a cached one). Beside answers in flight its prefill runs at least one layer of its chunk
+per step, and at 512 tokens a layer of SmolLM2 over an 8K-token prefix took about one decode step
+(~15-18 ms, 2-core Xeon, bf16) against 48-88 ms at 4,096 (docs/BENCHMARKS.md). Documents ingest in
+the engine's default chunk instead (serve/service.py: alone, an 8K ingest took 1.2-1.3x as long in
+512-token chunks; the scheduler runs it in slices of whole layers, so no answer and no arriving
+question waits for a whole chunk, but beside answers each slice is one such longer layer at least)."""
 
 
 def serving_chunk_tokens(model, world: int) -> int:
-    """The chunk `ringctx serve` ingests documents in when the user gives none: the engine's default
-    on GPUs (a layer of a 64K chunk is milliseconds there), at most SERVING_CPU_CHUNK_TOKENS on CPUs."""
+    """The chunk `ringctx serve` prefills a question's own long prompt in when the user gives none:
+    the engine's default on GPUs (a layer of a 64K chunk is milliseconds there), at most
+    SERVING_CPU_CHUNK_TOKENS on CPUs."""
     chunk = default_chunk_tokens(model, world)
     return chunk if model.device.type == "cuda" else min(chunk, SERVING_CPU_CHUNK_TOKENS)

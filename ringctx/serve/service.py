@@ -65,8 +65,8 @@ class EngineBackend:
     Args:
         config: the engine's EngineConfig (default SERVING; "auto" nproc: the layout that serves
             fastest here, see ringctx.engine.serving_nproc); its chunk_tokens is the chunk
-            documents are ingested in (unset: serving_chunk_tokens, short on CPUs so that an
-            ingest pauses answers in flight briefly).
+            documents are ingested in (unset: the engine's default) and a question's own long
+            prompt is prefilled in (unset: serving_chunk_tokens).
         **settings: EngineConfig fields by name, replacing the config's (model=, nproc=, ...).
         store_dir: where documents are kept (records and KV caches); made if missing.
         kv_budget_bytes: bytes of KV cache the decode ranks keep in memory in all (None: see
@@ -119,8 +119,11 @@ class EngineBackend:
         self.scheduler = Scheduler(build, on_failure=self._lost, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                    ingest_share=ingest_share, join_share=join_share)
         self.engine = engine = self.scheduler.engine
-        # Ingests name their chunk (it travels with the prefill's start to every rank).
-        self.chunk_tokens = chunk_tokens or serving_chunk_tokens(engine.model, engine.world_size)
+        # Ingests name their chunk (it travels with the prefill's start to every rank): the engine's,
+        # the fastest (the scheduler slices it, so no answer waits a whole chunk); a question's own
+        # long prompt keeps short chunks (serving_chunk_tokens).
+        self.chunk_tokens = engine.chunk_tokens
+        self.prompt_chunk_tokens = chunk_tokens or serving_chunk_tokens(engine.model, engine.world_size)
         self.model_id = os.path.basename(str(model).rstrip("/")).removesuffix(".gguf")
         limit = engine.model.config.rope_scaling.position_limit if engine.model.config.rope_scaling else None
         self.position_limit = int(limit or 2**31 - 1)  # the first position the model's RoPE cannot compute
@@ -266,10 +269,10 @@ class EngineBackend:
         reuse = self._reuse(doc_id, doc_tokens, question, request.cache_salt)
         try:
             rest = reuse.prompt_ids[reuse.match.tokens:] if reuse.match is not None else None
-            if rest is not None and len(rest) > self.chunk_tokens:  # a long rest: a chunk per step on a copy
+            if rest is not None and len(rest) > self.prompt_chunk_tokens:  # a long rest: a chunk per step on a copy
                 ticket = self.scheduler.submit_question_after(
-                    Prefill(rest[:-1], chunk_tokens=self.chunk_tokens, decode_room=QUESTION_ROOM_TOKENS + s.max_tokens,
-                            on_top=reuse.private_copy),
+                    Prefill(rest[:-1], chunk_tokens=self.prompt_chunk_tokens,
+                            decode_room=QUESTION_ROOM_TOKENS + s.max_tokens, on_top=reuse.private_copy),
                     Question(rest[-1:], len(rest), sampling, keep=reuse.keep, on_leave=reuse.left),
                     ready=reuse.prefilled, on_chunk=lambda job, stats: self._prompt_chunk_done(stats))
             elif rest is not None:  # a cached prompt begins it: the rest is its question
@@ -282,7 +285,7 @@ class EngineBackend:
             else:  # a prompt of its own: prefilled over every rank (a slice per step), then its last token asked
                 room = QUESTION_ROOM_TOKENS + s.max_tokens
                 ticket = self.scheduler.submit_question_after(
-                    Prefill(question[:-1], as_document=True, decode_room=room, chunk_tokens=self.chunk_tokens),
+                    Prefill(question[:-1], as_document=True, decode_room=room, chunk_tokens=self.prompt_chunk_tokens),
                     Question(question[-1:], len(question), sampling, keep=reuse.keep, on_leave=reuse.left),
                     ready=reuse.prefilled, on_chunk=lambda job, stats: self._prompt_chunk_done(stats))
         except SchedulerStopped as exc:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ringctx import Engine
-from ringctx.engine.scheduler import Done, Scheduler, SchedulerStopped, Text
+from ringctx.engine.scheduler import IDLE_SLICE_S, Done, Scheduler, SchedulerStopped, Text
 from ringctx.engine.work_items import LoneAnswer, Prefill
 
 DOC = [(3 * i) % 250 + 3 for i in range(257)]
@@ -78,6 +78,26 @@ def test_a_prefill_gets_chunks_while_answers_keep_coming(engine):
     finally:
         scheduler.stop()
     assert chunk_times[0] < answers[1].started  # the prefill did not wait for every answer
+
+
+def test_an_idle_ingest_runs_in_slices_with_the_bits_of_whole_chunks(engine, alone):
+    """With nothing decoding an ingest still never runs a whole chunk in one step: each step runs
+    the layers that fit idle_slice_s (the first, untimed, one layer), so a question arriving mid-chunk
+    waits one slice; the prefill's bits are those of its chunks run whole."""
+    n_layers, n_chunks = len(engine.model.layers), len(range(0, len(LONG), 64))
+    for idle_slice_s in (1e-9, IDLE_SLICE_S):
+        scheduler = Scheduler(engine, idle_slice_s=idle_slice_s)
+        try:
+            long = scheduler.submit_prefill(Prefill(LONG)).wait(timeout=300)
+            steps, chunks = scheduler.prefill_steps, scheduler.prefill_chunks
+        finally:
+            scheduler.stop()
+        assert torch.equal(long.logits, alone["long_logits"])
+        assert chunks == n_chunks
+        if idle_slice_s == 1e-9:  # shorter than any layer: a layer per step
+            assert steps == n_chunks * n_layers
+        else:  # the first chunk's first slice is one layer (nothing timed yet): its chunk took 2 steps or more
+            assert n_chunks < steps <= n_chunks * n_layers
 
 
 def test_a_cancelled_answer_ends_at_once_and_the_next_is_unchanged(engine, alone):

@@ -169,7 +169,50 @@ def test_while_answers_decode_joins_are_bounded_by_time(engine, setup, join_shar
     assert (held >= 3) == (joins_per_step == 1)
 
 
+def test_a_question_arriving_mid_chunk_gets_its_first_token_before_the_chunk_ends(engine, setup, monkeypatch):
+    """An ingest runs alone in slices of a layer (idle_slice_s shorter than any layer); a question
+    submitted right after its first slice, i.e. in the middle of its first chunk, joins at the next
+    step (its join samples its first token) before that chunk's last layer runs, and its answer
+    and the ingest's bits are those each gives alone."""
+    documents, alone = setup
+    scheduler = Scheduler(engine, idle_slice_s=1e-9, ingest_share=1e-9)
+    events, tickets = [], []
+    start_prefill, batch = engine.start_prefill, engine.batch()
+    join = batch.join
+
+    def started(*args, **kw):  # the ingest's job, its steps watched (on the scheduler's thread)
+        job = start_prefill(*args, **kw)
+        step = job.step
+
+        def watched(layers=None):
+            stats = step(layers)
+            events.append("slice")
+            if not tickets and stats is None:  # mid-chunk: the question arrives now
+                tickets.append(scheduler.submit_question(question(documents, 0)))
+            return stats
+
+        job.step = watched
+        return job
+
+    def joined(*args, **kw):
+        member = join(*args, **kw)
+        events.append("first token")
+        return member
+
+    monkeypatch.setattr(engine, "start_prefill", started)
+    monkeypatch.setattr(batch, "join", joined)
+    try:
+        ingest = scheduler.submit_prefill(Prefill(LONG), on_chunk=lambda job, stats: events.append("chunk"))
+        long = ingest.wait(timeout=300)
+        result = collect(tickets[0])[1]
+    finally:
+        scheduler.stop()
+    assert events.index("slice") < events.index("first token") < events.index("chunk"), events
+    assert result.token_ids == alone[0]
+    assert torch.equal(long.logits, engine.prefill(LONG).logits)
+
+
 def test_shares_must_be_positive(engine):
-    for kw in (dict(join_share=0), dict(ingest_share=-1.0)):
+    for kw in (dict(join_share=0), dict(ingest_share=-1.0), dict(idle_slice_s=0.0)):
         with pytest.raises(ValueError, match=f"{next(iter(kw))} must be > 0"):
             Scheduler(engine, **kw)
