@@ -53,7 +53,7 @@ from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
 from ..model.kvfile import weights_digest
-from .failures import maybe_die
+from .failures import maybe_die, hook_point
 
 FORMAT = "ringctx-ingest/1"
 HEADER = "ingest.json"
@@ -247,7 +247,7 @@ class ChunkWriter:
     def _write(self, record: dict, tensors: dict[str, torch.Tensor]) -> None:
         blob = save_safetensors(tensors, metadata={"format": FORMAT})
         point = f"chunk{record.get('chunk', 'base')}"
-        if _disk_full_at(self.rank) == point:
+        if hook_point(TEST_DISK_FULL_ENV, self.rank) == point:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         offset = self._data.tell()
         half = len(blob) // 2
@@ -266,15 +266,6 @@ def _write_all(f, data) -> None:
     view = memoryview(data)
     while view:
         view = view[f.write(view):]
-
-
-def _disk_full_at(rank: int) -> str | None:
-    spec = os.environ.get(TEST_DISK_FULL_ENV, "").strip()
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        who, _, point = item.partition(":")
-        if who.strip() == str(rank):
-            return point.strip()
-    return None
 
 
 # ------------------------------------------------------------------------------------------ resume

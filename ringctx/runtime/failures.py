@@ -75,14 +75,20 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
 # ----------------------------------------------------------------------------- test hook
 
 
-def kill_point(rank: int) -> str | None:
-    """The point at which RINGCTX_TEST_KILL asks this rank to die (None: never)."""
-    spec = os.environ.get(TEST_KILL_ENV, "").strip()
+def hook_point(env: str, rank: int) -> str | None:
+    """The point a tests-only variable ("<rank>:<point>,...", e.g. RINGCTX_TEST_KILL) names for this
+    rank (None: none)."""
+    spec = os.environ.get(env, "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         who, _, point = item.partition(":")
         if who.strip() == str(rank):
             return point.strip()
     return None
+
+
+def kill_point(rank: int) -> str | None:
+    """The point at which RINGCTX_TEST_KILL asks this rank to die (None: never)."""
+    return hook_point(TEST_KILL_ENV, rank)
 
 
 def maybe_die(rank: int, point: str) -> None:
