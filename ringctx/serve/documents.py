@@ -10,9 +10,9 @@ A document's life: `add` (the record, "ingesting") -> `chunk_done` per chunk -> 
 hand-off: it answers from memory at once, and its slices are written to the store in the
 background) -> `saved` (complete on disk: the store lists it "ready"; its ingest's checkpoint
 goes). A server that stops before `saved` leaves the record "ingesting" with its checkpoint: the
-next server on the store resumes the ingest (`resumable_ingests`, `resumed`) from its last chunk. When the budget is spent the
-least recently used documents leave memory (`make_room`) and come back from the store when a
-question needs them (`resident`). Engine calls run on the scheduler's thread: those of `ingested`,
+next server on the store resumes the ingest (`resumable_ingests`, `resumed`) from its last chunk.
+When the budget is spent the least recently used documents leave memory (`make_room`) and come
+back from the store when a question needs them (`resident`). Engine calls run on the scheduler's thread: those of `ingested`,
 `make_room` and `resident` are made there (they are called there), `saved` and `delete` hand theirs
 to the scheduler as work items.
 """
@@ -69,9 +69,12 @@ class ServedDocuments:
         for record in self.store.open():
             self._records[record.id] = record
             if record.status == "ingesting":
-                token_ids, extra = self.store.resumable(record.id)
-                self._tokens[record.id] = token_ids
-                self._resumable[record.id] = extra
+                found = self.store.resumable(record.id)
+                if found is None:  # its checkpoint went since the store was opened
+                    record.status, record.error = "failed", "its ingest's checkpoint cannot be read; add it again"
+                    self.store.write(record)
+                    continue
+                self._tokens[record.id], self._resumable[record.id] = found
                 record.chunk_strategies, record.chunk_seconds, record.chunk_tokens = [], [], []
         self._reload_tokens()
 
