@@ -119,7 +119,7 @@ def test_a_real_full_disk(engine, tmp_path, capfd):
         plan, again = ingest(engine, checkpoint)
         assert (plan.mode, plan.chunks) == ("exact", len(done)) and torch.equal(again.logits, whole.logits)
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        subprocess.run(["umount", "-l", str(disk)], check=True)  # lazily: a file a failure left open
 
 
 def test_the_leader_decides_from_the_files_alone(engine, tmp_path):
