@@ -60,6 +60,7 @@ from typing import Callable
 
 import torch
 
+from ..files import write_json_atomically
 from ..runtime.document import Document
 
 BLOCK_TOKENS = 64
@@ -591,7 +592,7 @@ class PrefixCache:
         path = self.directory / f"{entry.id}.kv"
         try:
             self.engine.save_document(entry.document, path)
-            _write_json(self.directory / f"{entry.id}.json", {
+            write_json_atomically(self.directory / f"{entry.id}.json", {
                 "format": RECORD_FORMAT, "id": entry.id, "seed": entry.seed, "tokens": entry.length,
                 "saved": time.time()})
         except (OSError, ValueError) as exc:
@@ -741,21 +742,6 @@ def _is_id(name: str) -> bool:
 
 def _tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Atomically: a temporary file, fsync, rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".record-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class CachedPrompt:

@@ -43,12 +43,12 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from ..files import write_json_atomically
 from ..host_memory import host_tensors, huge_pages_enabled
 from ..kernels.cpu_features import cpu_has_fast_bf16, cpu_model
 from .linear_attention import decode_state_bytes
@@ -296,10 +296,7 @@ def auto_dtype(device: str | None = None, *, measure: str = "when due") -> Dtype
             return cached
         kept = [] if cached is None else cached.measurements[-(MAX_MEASUREMENTS - 1):]
         choice = decide_dtype([*kept, measure_dtype()])
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(dataclasses.asdict(choice), f)
-        os.replace(tmp, path)
+        write_json_atomically(path, dataclasses.asdict(choice))
         return choice
 
 

@@ -52,6 +52,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
 
+from ..files import write_json_atomically
 from ..model.kvfile import weights_digest
 from .failures import maybe_die, hook_point
 
@@ -382,10 +383,10 @@ def start_checkpoint(directory: str, plan: ResumePlan, header: dict, token_ids: 
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
         save_file({"token_ids": token_ids.cpu().to(torch.long).contiguous()}, os.path.join(directory, TOKENS))
-        _write_json(os.path.join(directory, HEADER), header)
+        write_json_atomically(os.path.join(directory, HEADER), header, indent=1)
     if plan.mode in ("fresh", "reslice"):
         os.makedirs(plan.run, exist_ok=True)
-        _write_json(os.path.join(plan.run, RUN), {**settings, "base_tokens": plan.base_tokens})
+        write_json_atomically(os.path.join(plan.run, RUN), {**settings, "base_tokens": plan.base_tokens}, indent=1)
 
 
 def drop_other_runs(directory: str, keep: str) -> None:
@@ -397,15 +398,6 @@ def drop_other_runs(directory: str, keep: str) -> None:
 
 def remove_checkpoint(directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def source_manifest(directory: str, plan: ResumePlan, header: dict, model) -> dict:

@@ -22,10 +22,10 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
+from ..files import write_json_atomically
 from ..runtime.checkpoint import HEADER as CHECKPOINT_HEADER, SUFFIX as CHECKPOINT_SUFFIX, TOKENS as CHECKPOINT_TOKENS
 from .backend import DocumentInfo
 
@@ -103,19 +103,9 @@ class DocumentStore:
 
     def write(self, record: DocumentInfo) -> None:
         """Write the record atomically."""
-        data = json.dumps({"format": RECORD_FORMAT, **{name: getattr(record, name) for name in STORED_FIELDS}},
-                          indent=1).encode()
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".record-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._record_path(record.id))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_json_atomically(self._record_path(record.id),
+                              {"format": RECORD_FORMAT, **{name: getattr(record, name) for name in STORED_FIELDS}},
+                              indent=1)
 
     def delete(self, doc_id: str) -> None:
         """Remove the document's record and KV directory (the record last: a crash leaves it failed)."""
