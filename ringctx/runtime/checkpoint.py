@@ -54,7 +54,8 @@ from safetensors.torch import save_file
 
 from ..files import write_json_atomically
 from ..model.kvfile import weights_digest
-from .failures import maybe_die, hook_point
+from .documents import FORMAT as DOCUMENT_FORMAT, file_sha256, layer_heads, linear_state_tensors
+from .failures import hook_point, maybe_die
 
 FORMAT = "ringctx-ingest/1"
 HEADER = "ingest.json"
@@ -112,11 +113,7 @@ def run_settings(model, config, cp_size: int) -> dict:
     """This prefill's settings as a run records them (`MATCHED` and the hardware profile)."""
     from ..planning.hardware import load_profile
 
-    hardware = config.hardware
-    try:
-        hardware = load_profile(hardware).to_dict()
-    except (ValueError, OSError, TypeError):  # "measured" and the like: resolved by the ranks at start-up
-        hardware = str(hardware)
+    hardware = load_profile(config.hardware).to_dict()  # an engine's ranks resolved "measured" at start-up
     return {"cp": cp_size, "tp": model.tp.size, "ep": model.ep.size, "chunk_tokens": config.chunk_tokens,
             "strategy": config.strategy, "rule": config.rule, "linear_exchange": config.linear_exchange,
             "attn_backend": config.attn_backend, "hardware": hardware}
@@ -406,11 +403,8 @@ def source_manifest(directory: str, plan: ResumePlan, header: dict, model) -> di
     records, then chunk 0 of every CP rank, chunk 1, ...; a first slice of no rows whose parts hold
     CP rank 0's linear-attention states at the last chunk taken."""
     from ..model.tensor_parallel import TensorParallel
-    from .documents import FORMAT as DOCUMENT_FORMAT, file_sha256, layer_heads
 
-    with open(os.path.join(plan.source, RUN)) as f:
-        run = json.load(f)
-    full = model.full_config
+    run, full = plan.source_settings, model.full_config
     rel = os.path.relpath(plan.source, directory)
 
     def part(c: int, t: int, record: dict, states: bool = False) -> dict:
@@ -423,18 +417,19 @@ def source_manifest(directory: str, plan: ResumePlan, header: dict, model) -> di
             p["linear_tp"] = [run["tp"], t]
         return p
 
-    journals = {(c, t): read_journal(os.path.join(plan.source, rank_name(c, t) + ".jsonl"))
-                for c in range(run["cp"]) for t in range(run["tp"])}
+    # per (CP rank, TP rank): the records taken, in order (its base first, when the run has one)
+    taken = {}
+    for c in range(run["cp"]):
+        for t in range(run["tp"]):
+            journal = read_journal(os.path.join(plan.source, rank_name(c, t) + ".jsonl"))
+            base = [base_record(journal)] if run["base_tokens"] else []
+            taken[(c, t)] = base + chunk_records(journal)[:plan.chunks]
     slices = []
-    if full.has_linear:
-        last = {key: (chunk_records(j)[plan.chunks - 1] if plan.chunks else base_record(j)) for key, j in journals.items()}
-        slices.append({"rows": 0, "parts": [part(0, t, last[(0, t)], states=True) for t in range(run["tp"])]})
-    order = [("base", None)] if run["base_tokens"] else []
-    order += [("chunk", i) for i in range(plan.chunks)]
-    for kind, index in order:
+    if full.has_linear:  # CP rank 0's states at the last record taken
+        slices.append({"rows": 0, "parts": [part(0, t, taken[(0, t)][-1], states=True) for t in range(run["tp"])]})
+    for i in range(len(taken[(0, 0)])):
         for c in range(run["cp"]):
-            records = [base_record(journals[(c, t)]) if kind == "base" else chunk_records(journals[(c, t)])[index]
-                       for t in range(run["tp"])]
+            records = [taken[(c, t)][i] for t in range(run["tp"])]
             if records[0]["rows"]:
                 slices.append({"rows": records[0]["rows"], "parts": [part(c, t, r) for t, r in enumerate(records)]})
     return {"format": DOCUMENT_FORMAT, "model": header["model"], "model_fingerprint": header["model_fingerprint"],
@@ -454,10 +449,7 @@ def rows_record(cache, start: int, stop: int, positions: torch.Tensor, states: b
         for name, rows in zip(names, cache.stored_rows(layer, start, stop)):
             tensors[f"{name}.{layer}"] = rows.detach().to("cpu", copy=True).contiguous()
     if states:
-        for layer, state in enumerate(cache.linear_states or ()):
-            if state is not None:
-                tensors[f"linear_conv.{layer}"] = state.conv.detach().to("cpu", copy=True).contiguous()
-                tensors[f"linear_state.{layer}"] = state.recurrent.detach().to("cpu", copy=True).contiguous()
+        tensors.update(linear_state_tensors(cache))
     return tensors
 
 

@@ -99,15 +99,22 @@ def _slice_tensors(cache: KVCache, states: bool = False) -> dict[str, torch.Tens
     """A decode rank's rows as a slice file holds them: each layer's stored rows (from kept_from);
     with `states`, a hybrid's linear-attention states too (copies: a question may advance them)."""
     n = cache.length
-    tensors = {"positions": cache.row_positions().cpu().contiguous()}
-    for layer, state in enumerate(cache.linear_states or () if states else ()):
-        if state is not None:
-            tensors[f"linear_conv.{layer}"] = state.conv.cpu().clone()
-            tensors[f"linear_state.{layer}"] = state.recurrent.cpu().clone()
+    tensors = {"positions": cache.row_positions().cpu().contiguous(), **(linear_state_tensors(cache) if states else {})}
     names = ["k", "v"] + (["k_scale", "v_scale"] if cache.quantized else [])
     for layer in range(cache.n_layers):
         for name, rows in zip(names, cache.stored_rows(layer, min(cache.kept_from(layer), n), n)):
             tensors[f"{name}.{layer}"] = rows.cpu()
+    return tensors
+
+
+def linear_state_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
+    """Copies of a hybrid's linear-attention states as a slice or checkpoint record holds them:
+    linear_conv.{layer} [K-1, C], linear_state.{layer} [Hv, Dk, Dv] (none without linear layers)."""
+    tensors = {}
+    for layer, state in enumerate(cache.linear_states or ()):
+        if state is not None:
+            tensors[f"linear_conv.{layer}"] = state.conv.detach().to("cpu", copy=True).contiguous()
+            tensors[f"linear_state.{layer}"] = state.recurrent.detach().to("cpu", copy=True).contiguous()
     return tensors
 
 
