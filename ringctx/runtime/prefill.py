@@ -476,31 +476,33 @@ class PrefillRun:
                                                           self.config.attn_backend) else None
 
     def _end_chunk(self) -> ChunkStats:
-        """Account for the chunk whose last layer has run: the shard's new rows, its stats, its record
-        in the checkpoint."""
-        chunk, shard = self._slice, self.shard
+        """Account for the chunk whose last layer has run: its record in the checkpoint, the shard's
+        new rows, its stats."""
+        chunk = self._slice
         self._slice = None
-        n_new = chunk.layout.num_new(self.rank)
-        if shard.positions is not None:
-            shard.positions[chunk.rows_before:chunk.rows_before + n_new] = chunk.positions.cpu()
-        shard.length = chunk.rows_before + n_new
         record = chunk.record
         record.seconds = chunk.seconds
-        if self.checkpoint is not None:  # before the drop below: every new row is still stored
-            self._checkpoint_chunk(chunk, n_new)
-        self._drop_behind(chunk.index)
-        self.stats.chunks.append(record)
-        self.next_chunk += 1
+        if self.checkpoint is not None:  # before `_chunk_in` drops rows: every new row is still stored
+            self._checkpoint_chunk(chunk, chunk.layout.num_new(self.rank))
+        self._chunk_in(chunk.index, chunk.positions, record)
         if self.on_chunk is not None:
             self.on_chunk(chunk.index + 1, len(self.chunks), record)
         return record
 
-    def _drop_behind(self, index: int) -> None:
-        """After chunk `index`: what the next chunk's tokens no longer see leaves memory now, not at
-        the hand-off (a windowed layer's shard stays about its window however long the prompt)."""
-        if self.drop_unseen and self.model.has_spans and self.shard.in_position_order():
-            chunk_end = self.chunks[index][1]
-            self.shard.drop_unseen(self.model.config.layer_spans, self.cached_len + chunk_end, in_place=True)
+    def _chunk_in(self, index: int, positions: torch.Tensor, record: ChunkStats) -> None:
+        """Chunk `index`'s rows are in the shard (computed, or restored): their positions, the
+        shard's length, its stats; then what the next chunk's tokens no longer see leaves memory
+        now, not at the hand-off (a windowed layer's shard stays about its window however long the
+        prompt)."""
+        shard, layout = self.shard, self.layouts[index]
+        rows_before, n_new = layout.num_cached(self.rank), layout.num_new(self.rank)
+        if shard.positions is not None:
+            shard.positions[rows_before:rows_before + n_new] = positions.cpu()
+        shard.length = rows_before + n_new
+        if self.drop_unseen and self.model.has_spans and shard.in_position_order():
+            shard.drop_unseen(self.model.config.layer_spans, self.cached_len + self.chunks[index][1], in_place=True)
+        self.stats.chunks.append(record)
+        self.next_chunk += 1
 
     def _checkpoint_chunk(self, chunk: "_ChunkInProgress", n_new: int) -> None:
         """Hand this rank's rows of the chunk (copies) to the checkpoint's writer: CP rank 0's with
@@ -543,12 +545,7 @@ class PrefillRun:
                         continue
                     for target, name in zip(shard.stored_rows(layer, rows_before, rows_before + n_new), names):
                         target.copy_(tensors[f"{name}.{layer}"])
-                if shard.positions is not None:
-                    shard.positions[rows_before:rows_before + n_new] = tensors["positions"]
-                shard.length = rows_before + n_new
-                self._drop_behind(index)
-                self.stats.chunks.append(ChunkStats(**record["stats"]))
-                self.next_chunk += 1
+                self._chunk_in(index, tensors["positions"], ChunkStats(**record["stats"]))
                 last = tensors
         except (ValueError, OSError, KeyError, RuntimeError) as exc:
             problem = f"the checkpoint does not resume: {exc}; start over with --restart (restart=True)"
