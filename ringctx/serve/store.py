@@ -58,7 +58,7 @@ class DocumentStore:
 
     def resumable(self, doc_id: str) -> tuple | None:
         """(token ids, the ingest's extra: the chat frame) of an ingest whose checkpoint can resume
-        it, or None."""
+        it, or None (read once, by the documents at start-up; `open` only sees that its files are there)."""
         from safetensors.torch import load_file
 
         path = self.checkpoint_path(doc_id)
@@ -90,7 +90,8 @@ class DocumentStore:
                                         error=f"its record could not be read ({exc})")
                 if not ID_PATTERN.match(record.id):
                     continue
-            if record.status == "ingesting" and self.resumable(record.id) is None:
+            if record.status == "ingesting" and not all((self.checkpoint_path(record.id) / name).is_file()
+                                                        for name in (CHECKPOINT_HEADER, CHECKPOINT_TOKENS)):
                 record.status, record.error = "failed", ("the server stopped during the ingest, before its first "
                                                          "chunk was kept; add the document again")
                 self.write(record)
