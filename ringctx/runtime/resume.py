@@ -42,6 +42,9 @@ def open_checkpointed_prefill(model, token_ids: torch.Tensor, config, *, directo
     header = ingest_header(model, token_ids, config.kv_dtype, drop_unseen, extra)
     settings = run_settings(model, config, cp_size)
     plan, problem = None, None
+    # every rank has run the commands before this one (a cancelled ingest's writer closes there, on
+    # each rank in its own time) before the leader reads their journals
+    _agree(None, world_group, world_size)
     if global_rank == 0:
         plan, problem = decide_resume(directory, header, settings, restart)
         if problem is None:
@@ -49,12 +52,9 @@ def open_checkpointed_prefill(model, token_ids: torch.Tensor, config, *, directo
                 start_checkpoint(directory, plan, header, token_ids, settings)
             except OSError as exc:
                 problem = f"cannot write the checkpoint {directory!r}: {exc}"
-    sent = all_gather_bytes((plan.to_json() if plan and problem is None else (problem or "").encode())
-                            if global_rank == 0 else b"", world_group, world_size)[0]
-    if problem is None and not sent.startswith(b"{"):
-        problem = sent.decode()
-    _agree(problem, world_group, world_size)
-    plan = ResumePlan.from_json(sent)
+    _agree(problem, world_group, world_size)  # the leader's problem, raised on every rank
+    plan = ResumePlan.from_json(all_gather_bytes(plan.to_json() if global_rank == 0 else b"", world_group,
+                                                 world_size)[0])
 
     name = rank_name(cp_rank, tp_rank)
     common = dict(group=cp_group, on_chunk=on_chunk, drop_unseen=drop_unseen)
@@ -73,11 +73,10 @@ def open_checkpointed_prefill(model, token_ids: torch.Tensor, config, *, directo
             except (ValueError, OSError, KeyError, TypeError) as exc:
                 problem = f"the checkpoint does not resume: {exc}; start over with --restart (restart=True)"
         _agree(problem, world_group, world_size)
-        hardware = plan.source_settings.get("hardware")
-        if isinstance(hardware, dict):  # the strategies the stopped run would have chosen
-            from ..planning.hardware import HardwareProfile
+        from ..planning.hardware import HardwareProfile
 
-            config = dataclasses.replace(config, hardware=HardwareProfile.from_dict(hardware))
+        # the strategies the stopped run would have chosen: the profile it decided with
+        config = dataclasses.replace(config, hardware=HardwareProfile.from_dict(plan.source_settings["hardware"]))
         writer = ChunkWriter(plan.run, name, global_rank, keep=([base] if base else []) + chunks)
         b = plan.base_tokens
         run = PrefillRun(model, token_ids[b:], config, shard=shard, cache_token_ids=token_ids[:b] if b else None,
@@ -90,8 +89,8 @@ def open_checkpointed_prefill(model, token_ids: torch.Tensor, config, *, directo
     shard, _, _ = load_document_slices(directory, model, group=cp_group, rank=cp_rank, world=cp_size, room=0,
                                        manifest=manifest)
     writer = ChunkWriter(plan.run, name, global_rank, keep=[])
-    writer.append({"kind": "base", "rows": shard.length},
-                  rows_record(shard, 0, shard.length, shard.row_positions(), states=cp_rank == 0 and model.config.has_linear))
+    base = rows_record(shard, 0, shard.length, shard.row_positions(), states=cp_rank == 0 and model.config.has_linear)
+    writer.append({"kind": "base", "rows": shard.length}, base)
     writer.wait()
     written = all_gather_bytes(b"" if writer.problem else b"1", world_group, world_size)
     if global_rank == 0 and all(written):  # the new run stands alone now: the old ones go
