@@ -184,3 +184,24 @@ def test_a_checkpoint_of_other_tokens_or_another_model_is_one_line(tmp_path):
     with Engine("tiny-llama4", dtype="bfloat16", chunk_tokens=64) as engine:
         with pytest.raises(ValueError, match="made with model"):
             engine.start_ingest(DOCUMENT, checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("before,after", [
+    # a hybrid's linear-layer states come from CP rank 0's records of the other mesh
+    (dict(model="tiny-qwen3.5", nproc=2), dict(model="tiny-qwen3.5", nproc=1)),
+    # 8-bit rows saved by two TP ranks' heads, read back whole by one (the rows as stored)
+    (dict(model="tiny", nproc=4, tp=2, kv_dtype="int8"), dict(model="tiny", nproc=2, kv_dtype="int8")),
+], ids=["qwen3.5-W2-to-W1", "int8-tp2-to-tp1"])
+def test_a_reslice_carries_states_and_heads_across_meshes(before, after, tmp_path):
+    checkpoint = str(tmp_path / "doc.ingest")
+    with Engine(dtype="float32", chunk_tokens=48, **before) as engine:
+        stop_after(engine, checkpoint, chunks=3)
+    with Engine(dtype="float32", chunk_tokens=48, **after) as engine:
+        plan, result = resumed(engine, checkpoint)
+        assert (plan.mode, plan.done_tokens) == ("reslice", 144)
+        whole = engine.start_ingest(DOCUMENT)
+        while not whole.done:
+            whole.step()
+        whole = whole.finish()
+        assert rel_err(result.logits, whole.logits) < 1e-5
+        assert answer(engine, result.document) == answer(engine, whole.document)
